@@ -1,0 +1,37 @@
+# The README's commands. Each target creates or refreshes a local virtualenv in .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(TEST_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e '.[test,hf]'
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m dualpath_jax.demo
+
+test: $(TEST_STAMP)
+	$(PY) -m ruff check dualpath_jax configs launch bench tests
+	$(PY) -m pytest -q tests
+
+bench: $(TEST_STAMP)
+	$(PY) bench/model_cpu.py
+
+lint: $(TEST_STAMP)
+	$(PY) -m ruff check dualpath_jax configs launch bench tests
+	$(PY) -m ruff format --check dualpath_jax configs launch bench tests
+
+clean:
+	rm -rf $(VENV) .jax_cache .pytest_cache

@@ -1,0 +1,31 @@
+"""dualpath_jax: DualPath PD-disaggregated agentic inference with dual-path KV loading, in JAX."""
+
+from dualpath_jax.config import (
+    ClusterConfig,
+    ConfigError,
+    ExperimentConfig,
+    HardwareConfig,
+    ModelConfig,
+    ModelFamily,
+    Policy,
+    SchedulerConfig,
+    StoreConfig,
+    WorkloadConfig,
+    apply_overrides,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "ExperimentConfig",
+    "HardwareConfig",
+    "ModelConfig",
+    "ModelFamily",
+    "Policy",
+    "SchedulerConfig",
+    "StoreConfig",
+    "WorkloadConfig",
+    "apply_overrides",
+]

@@ -1,0 +1,354 @@
+"""Frozen configuration dataclasses, JSON round trip and typed `key=value` overrides.
+
+Every part of dualpath_jax takes its configuration as one of these dataclasses; nothing in the
+library reads flags or environment variables. Experiment files in `configs/` build an
+`ExperimentConfig` with `get_config(arg)`, and launchers apply `--set section.key=value` overrides
+through `apply_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value, key or file is invalid; the message names it."""
+
+
+class ModelFamily(enum.StrEnum):
+    QWEN2 = "qwen2"  # dense GQA decoder (Qwen2 / Qwen2.5)
+    DEEPSEEK = "deepseek"  # MLA attention + MoE (DeepSeek-V3 family)
+
+
+class Policy(enum.StrEnum):
+    """Loading policies compared by the launchers (paper section 7 baselines + DualPath)."""
+
+    BASIC = "basic"  # no layerwise prefill, PE read path only
+    LAYERWISE = "layerwise"  # layerwise prefill, PE read path only
+    DUALPATH_RR = "dualpath_rr"  # dual-path loading, round-robin engine choice
+    DUALPATH = "dualpath"  # dual-path loading + the paper's scheduler
+    SPLIT = "split"  # one request's hit blocks split between both read paths
+    ORACLE = "oracle"  # storage, H2D/D2H and PE->DE transfers bypassed
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of one model. Dimensions follow the Hugging Face config names.
+
+    Qwen2 uses `num_kv_heads`/`head_dim`; DeepSeek uses the MLA fields (`kv_lora_rank`,
+    `qk_rope_head_dim`, ...) and the MoE fields. `dtype` is the parameter/compute dtype and
+    `kv_dtype` the dtype of cached KV (what a Layer Block holds).
+    """
+
+    name: str = "tiny-qwen2"
+    family: ModelFamily = ModelFamily.QWEN2
+    vocab_size: int = 257
+    hidden_size: int = 64
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 160
+    max_seq_len: int = 8192
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    qkv_bias: bool = True
+    # MLA (DeepSeek family).
+    q_lora_rank: int = 0  # 0: queries are not low-rank compressed
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # MoE (DeepSeek family).
+    n_routed_experts: int = 0
+    num_experts_per_tok: int = 0
+    n_shared_experts: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    # DeepSeek sparse attention (V3.2): used by the cost models only.
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    dtype: str = "float32"
+    kv_dtype: str = "float32"
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family == ModelFamily.DEEPSEEK
+
+    @property
+    def kv_width(self) -> int:
+        """Elements of cached KV per token per layer (the last axis of a layer's KV rows)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareConfig:
+    """Link rates and capacities of one node kind. A rate of 0 means unlimited (real hardware).
+
+    Rates are bytes per second. `emulated` marks token-bucket emulation on one host, which every
+    result reports. `gpu` names a cost-model preset ("cpu" = fitted to the local engines).
+    """
+
+    gpu: str = "cpu"
+    engines_per_node: int = 1
+    snic_bytes_per_s: float = 0.0  # one storage NIC per node
+    cnic_bytes_per_s: float = 0.0  # one compute NIC per engine
+    h2d_bytes_per_s: float = 0.0
+    d2h_bytes_per_s: float = 0.0
+    dram_bytes_per_s: float = 0.0
+    hbm_bytes: float = 0.0  # per engine, for KV (0: derived from the decode slots)
+    dram_buffer_bytes: float = 2**30  # PE/DE host buffer per node
+    high_weight: float = 99.0  # weighted arbitration HIGH:LOW, like IB virtual lanes
+    low_weight: float = 1.0
+    emulated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """P prefill and D decode nodes, each with `HardwareConfig.engines_per_node` engines."""
+
+    prefill_nodes: int = 1
+    decode_nodes: int = 1
+    pe_group_size: int = 1  # engines fetching through one leader
+    de_group_size: int = 1
+    host: str = "127.0.0.1"
+    router_port: int = 0  # 0: pick a free port
+    auth_token: str = ""  # required for non-loopback hosts
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    decode_slots: int = 8
+    decode_max_len: int = 4096  # tokens per decode slot
+    prefill_max_batch: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduler constants (paper section 6 and appendix A.4). 0 means derive from hardware."""
+
+    policy: Policy = Policy.DUALPATH
+    alpha_tokens: float = 0.0  # read-queue threshold; 0: tokens the node reads in alpha_s
+    beta_tokens: float = 0.0  # overload threshold; 0: tokens one engine processes in beta_s
+    alpha_s: float = 3.0
+    beta_s: float = 5.0
+    compute_quota_ms: float = 300.0
+    z_factor: float = 1.05
+    max_queue: int = 100_000
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """Where Full Blocks live. `kind` is file, memory, or spec (then `spec_json` is a kvstore spec)."""
+
+    kind: str = "file"
+    root: str = ""  # empty: <workdir>/store
+    spec_json: str = ""
+    block_tokens: int = 64
+    fsync: bool = False
+    capacity_bytes: int = 0  # 0: unlimited
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadConfig:
+    """Which trajectories to run and when they arrive."""
+
+    preset: str = "64k"  # synthetic preset (Table 2), unless `trace` is set
+    trace: str = ""  # JSONL path
+    trajectories: int = 8
+    agents: int = 8
+    mode: str = "offline"  # offline | online
+    aps: float = 0.0
+    duration_s: float = 0.0
+    append_scale: float = 1.0
+    gen_scale: float = 1.0
+    length_scale: float = 1.0  # scales every length of a preset (CPU-sized replays)
+    max_len: int = 0  # 0: the preset's MaxLen
+    seed: int = 0
+    ttft_slo_s: float = 4.0
+    tpot_slo_s: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "default"
+    model: ModelConfig = ModelConfig()
+    hardware: HardwareConfig = HardwareConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    store: StoreConfig = StoreConfig()
+    workload: WorkloadConfig = WorkloadConfig()
+    seed: int = 0
+
+
+# --------------------------------------------------------------------------- JSON round trip
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-ready dict of a config dataclass (enums as their values)."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, enum.Enum):
+            return v.value
+        if isinstance(v, tuple | list):
+            return [conv(x) for x in v]
+        return v
+
+    return conv(cfg)
+
+
+def to_json(cfg: Any, **kw: Any) -> str:
+    return json.dumps(to_dict(cfg), **kw)
+
+
+def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
+    """Builds `cls` from a dict, checking every key and value type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or cls.__name__}: expected an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{where}.{name}" if where else name
+        kwargs[name] = _coerce(hints[name], value, key)
+    return cls(**kwargs)
+
+
+def from_json(cls: type[T], text: str) -> T:
+    return from_dict(cls, json.loads(text))
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError("; ".join(errors))
+    if origin is tuple:
+        (elem, *_rest) = typing.get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return tuple(_coerce(elem, v, key) for v in value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ConfigError(
+                f"{key}: {value!r} is not one of {[m.value for m in tp]}"
+            ) from None
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a bool, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an int, got {value!r}")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _parse_scalar(tp: Any, text: str, key: str) -> Any:
+    """Parses the text of a `key=value` override into the field's type."""
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected a bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                raise ConfigError(f"{key}: expected an int, got {text!r}") from None
+            if not f.is_integer():
+                raise ConfigError(f"{key}: expected an int, got {text!r}") from None
+            return int(f)
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key}: expected a number, got {text!r}") from None
+    if tp is str:
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = text
+    return _coerce(tp, value, key)
+
+
+def apply_overrides(cfg: T, overrides: typing.Iterable[str]) -> T:
+    """Returns `cfg` with each `a.b.c=value` override applied, typed by the target field."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        path, text = item.split("=", 1)
+        cfg = _set_path(cfg, path.strip().split("."), text, path.strip())
+    return cfg
+
+
+def _set_path(obj: Any, parts: list[str], text: str, full: str) -> Any:
+    if not dataclasses.is_dataclass(obj):
+        raise ConfigError(f"override {full!r}: {type(obj).__name__} has no fields")
+    names = {f.name for f in dataclasses.fields(obj)}
+    head = parts[0]
+    if head not in names:
+        raise ConfigError(
+            f"override {full!r}: unknown key {head!r} in {type(obj).__name__}; known: {sorted(names)}"
+        )
+    hints = typing.get_type_hints(type(obj))
+    if len(parts) == 1:
+        value = _parse_scalar(hints[head], text, full)
+    else:
+        value = _set_path(getattr(obj, head), parts[1:], text, full)
+    return dataclasses.replace(obj, **{head: value})
