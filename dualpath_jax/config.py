@@ -164,6 +164,8 @@ class StoreConfig:
     block_tokens: int = 64
     fsync: bool = False
     capacity_bytes: int = 0  # 0: unlimited
+    io_concurrency: int = 16  # concurrent block I/Os per store (file driver limit, read window)
+    timeout_s: float = 60.0  # a single block I/O taking longer fails with StoreError
 
 
 @dataclasses.dataclass(frozen=True)
