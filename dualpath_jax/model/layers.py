@@ -1,0 +1,288 @@
+"""Building blocks of both model families: norms, RoPE, attention, dense MLP and MoE.
+
+Attention takes the layer's cached KV *rows* (`[B, C, W]`, see `layout.py`) explicitly and returns
+the new tokens' KV rows, so a layer can run with KV that arrived from the host just before it.
+GQA rows are `K | V` (`[Hkv, D]` each); MLA rows are `c_kv | k_pe` (the normalized latent and the
+RoPE'd shared key), attended in the absorbed form: MLA is then multi-query attention with one KV
+head whose key is the whole row and whose value is the latent.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dualpath_jax.config import ModelConfig
+
+Array = jax.Array
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array of a module (e.g. the MoE router's score-correction bias)."""
+
+
+def _dtype(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: jnp.dtype, fan_in: int) -> Array:
+    """Random normal weights with variance 1 / fan_in (keeps tiny models' logits well separated)."""
+    return (fan_in**-0.5 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """`y = x @ kernel (+ bias)` with kernel `[in, out]` (the transpose of a torch weight)."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(_init(rngs, (d_in, d_out), dtype, d_in))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: Array) -> Array:
+        y = jnp.dot(x, self.kernel[...])
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope_angles(positions: Array, dim: int, theta: float) -> tuple[Array, Array]:
+    """cos/sin of RoPE angles: positions `[B, T]` -> two `[B, T, dim // 2]` float32 arrays."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rope(x: Array, cos: Array, sin: Array, interleave: bool) -> Array:
+    """Rotates `x` `[B, T, H, d]` (cos/sin `[B, T, d/2]`).
+
+    `interleave=False` is the rotate-half form (pairs `(i, i + d/2)`); `interleave=True` rotates
+    pairs `(2i, 2i + 1)` and returns them de-interleaved (evens then odds), as DeepSeek does.
+    """
+    cos = cos[:, :, None, :].astype(jnp.float32)
+    sin = sin[:, :, None, :].astype(jnp.float32)
+    xf = x.astype(jnp.float32)
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = xf[..., :half], xf[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def prefill_mask(cached_lens: Array, new_lens: Array, c_pad: int, n_pad: int) -> Array:
+    """Attention mask `[B, N, C + N]`: new token j of request b sees its `cached_lens[b]` cached
+    tokens and new tokens `0..j`. Padded query rows still see themselves (no NaN rows)."""
+    del new_lens  # padded queries are discarded by the caller; causality bounds real ones
+    s = jnp.arange(c_pad + n_pad)[None, None, :]
+    j = jnp.arange(n_pad)[None, :, None]
+    cached_ok = (s < c_pad) & (s < cached_lens[:, None, None])
+    new_ok = (s >= c_pad) & (s - c_pad <= j)
+    return cached_ok | new_ok
+
+
+def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+    """Grouped-query attention.
+
+    q `[B, N, Hq, dk]`, k `[B, S, Hk, dk]`, v `[B, S, Hk, dv]`, mask `[B, N, S]` -> `[B, N, Hq, dv]`.
+    Scores and softmax are float32.
+    """
+    b, n, hq, dk = q.shape
+    hk = k.shape[2]
+    qg = q.reshape(b, n, hk, hq // hk, dk)
+    scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgns,bskd->bnkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, n, hq, v.shape[-1]).astype(q.dtype)
+
+
+class GQAttention(nnx.Module):
+    """Qwen2 attention: GQA with QKV bias and rotate-half RoPE. KV row = K | V."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg.dtype)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dt, rngs=rngs)
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.rope_theta = cfg.rope_theta
+        self.kv_dtype = _dtype(cfg.kv_dtype)
+
+    def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
+        """x `[B, N, hidden]` -> (queries `[B, N, Hq, D]`, new KV rows `[B, N, W]`)."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x)
+        cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
+        q = apply_rope(q, cos, sin, interleave=False)
+        k = apply_rope(k, cos, sin, interleave=False)
+        rows = jnp.concatenate([k.reshape(b, n, -1), v], axis=-1).astype(self.kv_dtype)
+        return q, rows
+
+    def attend_rows(self, q: Array, rows: Array, mask: Array) -> Array:
+        """q `[B, N, Hq, D]`, KV rows `[B, S, W]` -> attention output `[B, N, hidden]`."""
+        b, s, _ = rows.shape
+        hk, d = self.num_kv_heads, self.head_dim
+        rows = rows.astype(q.dtype)
+        k = rows[..., : hk * d].reshape(b, s, hk, d)
+        v = rows[..., hk * d :].reshape(b, s, hk, d)
+        out = attend(q, k, v, mask, d**-0.5)
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
+
+
+class MLAttention(nnx.Module):
+    """DeepSeek multi-head latent attention, absorbed form. KV row = c_kv (normalized) | k_pe."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg.dtype)
+        h, nh = cfg.hidden_size, cfg.num_heads
+        self.qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=False, dtype=dt, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dt)
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * self.qk_head_dim, bias=False, dtype=dt, rngs=rngs)
+            self.q_proj = None
+        else:
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_proj = Linear(h, nh * self.qk_head_dim, bias=False, dtype=dt, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(
+            h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, dtype=dt, rngs=rngs
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dt)
+        # kv_b_proj split per head into the key (W_UK) and value (W_UV) up-projections.
+        self.w_uk = nnx.Param(_init(rngs, (cfg.kv_lora_rank, nh, cfg.qk_nope_head_dim), dt, cfg.kv_lora_rank))
+        self.w_uv = nnx.Param(_init(rngs, (cfg.kv_lora_rank, nh, cfg.v_head_dim), dt, cfg.kv_lora_rank))
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False, dtype=dt, rngs=rngs)
+        self.num_heads = nh
+        self.kv_lora_rank, self.nope, self.rope = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
+        self.kv_dtype = _dtype(cfg.kv_dtype)
+
+    def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
+        """x `[B, N, hidden]` -> (absorbed queries `[B, N, H, r + dr]`, new KV rows `[B, N, r + dr]`)."""
+        b, n, _ = x.shape
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(b, n, self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank :]
+        c = self.kv_a_layernorm(c)
+        cos, sin = rope_angles(positions, self.rope, self.rope_theta)
+        q_pe = apply_rope(q_pe, cos, sin, self.interleave)
+        k_pe = apply_rope(k_pe[:, :, None, :], cos, sin, self.interleave)[:, :, 0, :]
+        q_lat = jnp.einsum("bnhd,rhd->bnhr", q_nope, self.w_uk[...])
+        rows = jnp.concatenate([c, k_pe], axis=-1).astype(self.kv_dtype)
+        return jnp.concatenate([q_lat, q_pe], axis=-1), rows
+
+    def attend_rows(self, q: Array, rows: Array, mask: Array) -> Array:
+        """Absorbed queries, KV rows `[B, S, r + dr]` -> attention output `[B, N, hidden]`."""
+        rows = rows.astype(q.dtype)[:, :, None, :]
+        o_lat = attend(q, rows, rows[..., : self.kv_lora_rank], mask, self.qk_head_dim**-0.5)
+        out = jnp.einsum("bnhr,rhd->bnhd", o_lat, self.w_uv[...])
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inter: int, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(hidden, inter, bias=False, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(inter, hidden, bias=False, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: Array) -> Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nnx.Module):
+    """DeepSeek-V3 MoE: sigmoid router with score-correction bias and group-limited top-k,
+    routed SwiGLU experts (grouped matmul over tokens sorted by expert) plus shared experts."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = _dtype(cfg.dtype)
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = nnx.Param(_init(rngs, (e, h), jnp.float32, h))
+        self.e_score_correction_bias = Buffer(jnp.zeros((e,), jnp.float32))
+        self.w_gate = nnx.Param(_init(rngs, (e, h, i), dt, h))
+        self.w_up = nnx.Param(_init(rngs, (e, h, i), dt, h))
+        self.w_down = nnx.Param(_init(rngs, (e, i, h), dt, i))
+        self.shared = MLP(h, i * cfg.n_shared_experts, dt, rngs) if cfg.n_shared_experts else None
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def route(self, x: Array) -> tuple[Array, Array]:
+        """x `[T, hidden]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
+        scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.router[...].T))
+        choice = scores + self.e_score_correction_bias[...]
+        t, e = choice.shape
+        grouped = choice.reshape(t, self.n_group, e // self.n_group)
+        group_scores = jax.lax.top_k(grouped, min(2, e // self.n_group))[0].sum(-1)
+        _, top_groups = jax.lax.top_k(group_scores, self.topk_group)
+        keep = jnp.zeros((t, self.n_group), bool).at[jnp.arange(t)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(keep, e // self.n_group, axis=1), choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, self.top_k)
+        w = jnp.take_along_axis(scores, ids, axis=1)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdims=True) + 1e-20)
+        return w * self.scaling, ids
+
+    def __call__(self, x: Array) -> Array:
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])  # [T, hidden]
+        w, ids = self.route(xt)
+        t, k = ids.shape
+        n_exp = self.w_gate.shape[0]
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token_of = order // k
+        xs = xt[token_of]  # [T*k, hidden], sorted by expert
+        sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
+        gate = jax.lax.ragged_dot(xs, self.w_gate[...], sizes)
+        up = jax.lax.ragged_dot(xs, self.w_up[...], sizes)
+        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w_down[...], sizes)
+        ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
+        out = jnp.zeros((t, shape[-1]), jnp.float32).at[token_of].add(ys).astype(x.dtype)
+        if self.shared is not None:
+            out = out + self.shared(xt)
+        return out.reshape(shape)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm decoder layer. `__call__` runs the layer for new tokens given the cached KV rows."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        dt = _dtype(cfg.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.self_attn = MLAttention(cfg, rngs) if cfg.is_mla else GQAttention(cfg, rngs)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
+
+    def __call__(self, h: Array, positions: Array, cached_rows: Array, mask: Array) -> tuple[Array, Array]:
+        """h `[B, N, hidden]`, positions `[B, N]`, cached KV rows `[B, C, W]`, mask `[B, N, C + N]`
+        -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`)."""
+        q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)
+        rows = jnp.concatenate([cached_rows.astype(new_rows.dtype), new_rows], axis=1)
+        h = h + self.self_attn.attend_rows(q, rows, mask)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_rows

@@ -1,0 +1,275 @@
+"""Per-layer entry points and layerwise prefill.
+
+`ModelRunner` splits a `Transformer` into static graph definitions and parameter pytrees and runs
+it through a few jitted functions: embed, one layer (compiled once per layer kind and length
+bucket, shared by every layer of that kind), the head, and a monolithic all-layers forward.
+
+Layerwise prefill (paper section 5.1): for a batch of requests, each with `cached` tokens whose
+per-layer KV rows come from the host and `new` tokens to compute, layer i's cached KV is taken
+only when layer i runs and layer i's new KV is handed out right after it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dualpath_jax.config import ModelConfig
+from dualpath_jax.model.layers import prefill_mask
+from dualpath_jax.model.transformer import Transformer
+
+Array = jax.Array
+
+
+def bucket_len(n: int, minimum: int = 16, step: int = 1024) -> int:
+    """Padded length for `n` tokens: powers of two from `minimum` up to `step`, then multiples of
+    `step`. Every distinct shape compiles once, so lengths are padded to these buckets."""
+    if n <= 0:
+        return 0
+    b = minimum
+    while b < n and b < step:
+        b *= 2
+    if b >= n:
+        return b
+    return -(-n // step) * step
+
+
+def validate_tokens(cfg: ModelConfig, tokens: np.ndarray, what: str = "tokens") -> None:
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0]
+        raise ValueError(f"{what}: token id {int(bad)} is out of range [0, {cfg.vocab_size})")
+
+
+def validate_context(cfg: ModelConfig, total: int) -> None:
+    if total > cfg.max_seq_len:
+        raise ValueError(f"context of {total} tokens exceeds the model's max_seq_len {cfg.max_seq_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    """A padded prefill batch.
+
+    tokens `[B, N_pad]` int32 (the new tokens of each request, zero padded), new_lens `[B]`,
+    cached_lens `[B]`; `c_pad` is the padded cached length of the KV rows each layer receives.
+    """
+
+    tokens: np.ndarray
+    new_lens: np.ndarray
+    cached_lens: np.ndarray
+    c_pad: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def n_pad(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def build(
+        cls,
+        cfg: ModelConfig,
+        new_tokens: Sequence[Sequence[int]],
+        cached_lens: Sequence[int],
+        min_bucket: int = 16,
+    ) -> PrefillBatch:
+        """Pads requests (new token ids, cached length) into one batch, validating them."""
+        if len(new_tokens) != len(cached_lens) or not new_tokens:
+            raise ValueError("a prefill batch needs one cached length per request and >= 1 request")
+        new_lens = np.array([len(t) for t in new_tokens], np.int32)
+        cached = np.array(cached_lens, np.int32)
+        if (new_lens < 1).any():
+            raise ValueError("every request in a prefill batch needs at least one new token")
+        if (cached < 0).any():
+            raise ValueError("cached lengths must be >= 0")
+        for t, c in zip(new_tokens, cached):
+            validate_tokens(cfg, np.asarray(t))
+            validate_context(cfg, int(c) + len(t))
+        n_pad = bucket_len(int(new_lens.max()), min_bucket)
+        tokens = np.zeros((len(new_tokens), n_pad), np.int32)
+        for b, t in enumerate(new_tokens):
+            tokens[b, : len(t)] = t
+        c_max = int(cached.max())
+        c_pad = bucket_len(c_max, min_bucket) if c_max else 0
+        return cls(tokens, new_lens, cached, c_pad)
+
+    def positions(self) -> np.ndarray:
+        return self.cached_lens[:, None] + np.arange(self.n_pad, dtype=np.int32)[None, :]
+
+
+@dataclasses.dataclass
+class PrefillResult:
+    """last_logits `[B, V]` (each request's last new token); logits `[B, N_pad, V]` if asked."""
+
+    last_logits: Array
+    logits: Array | None = None
+
+
+# ----------------------------------------------------------------------------- jitted pieces
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(gd, state, tokens):
+    return nnx.merge(gd, state)(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer(gd, state, h, positions, cached_rows, cached_lens):
+    mask = prefill_mask(cached_lens, None, cached_rows.shape[1], h.shape[1])
+    return nnx.merge(gd, state)(h, positions, cached_rows, mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _head(gd, state, embedding, h, new_lens, all_logits):
+    head = nnx.merge(gd, state)
+    last = h[jnp.arange(h.shape[0]), new_lens - 1]
+    return head(last, embedding), (head(h, embedding) if all_logits else None)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 9))
+def _forward_all(
+    embed_gd, layer_gds, head_gd, params, tokens, positions, cached_kv, cached_lens, new_lens, all_logits
+):
+    """Monolithic prefill: every layer in one compiled function. cached_kv `[L, B, C, W]`."""
+    embed_state, layer_states, head_state = params
+    embed = nnx.merge(embed_gd, embed_state)
+    h = embed(tokens)
+    mask = prefill_mask(cached_lens, None, cached_kv.shape[2], tokens.shape[1])
+    new = []
+    for i, gd in enumerate(layer_gds):
+        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], mask)
+        new.append(rows)
+    head = nnx.merge(head_gd, head_state)
+    emb = embed.embedding[...]
+    last = h[jnp.arange(h.shape[0]), new_lens - 1]
+    return head(last, emb), (head(h, emb) if all_logits else None), jnp.stack(new)
+
+
+class ModelRunner:
+    """A model split into static graphdefs + parameter pytrees, run through jitted entry points.
+
+    `update_params(model)` swaps in new parameters (RL updates) without recompiling.
+    """
+
+    def __init__(self, model: Transformer, min_bucket: int = 16):
+        self.cfg: ModelConfig = model.cfg
+        self.min_bucket = min_bucket
+        self.embed_gd, _ = nnx.split(model.embed)
+        self.head_gd, _ = nnx.split(model.head)
+        self.layer_gds = tuple(nnx.split(layer)[0] for layer in model.layers)
+        self.update_params(model)
+
+    def update_params(self, model: Transformer) -> None:
+        if model.cfg != self.cfg:
+            raise ValueError("update_params: the new model has a different config")
+        self.embed_state = nnx.state(model.embed)
+        self.head_state = nnx.state(model.head)
+        self.layer_states = [nnx.state(layer) for layer in model.layers]
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+    @property
+    def params(self):
+        return (self.embed_state, tuple(self.layer_states), self.head_state)
+
+    @property
+    def embedding(self) -> Array:
+        return self.embed_state["embedding"][...]
+
+    # Per-layer entry points ------------------------------------------------------------------
+
+    def embed(self, tokens: Array) -> Array:
+        """tokens `[B, N]` -> hidden `[B, N, hidden]`."""
+        return _embed(self.embed_gd, self.embed_state, tokens)
+
+    def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
+        """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` -> (h, new rows `[B, N, W]`)."""
+        return _layer(self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens)
+
+    def head(self, h: Array, new_lens: Array, all_logits: bool = False):
+        return _head(self.head_gd, self.head_state, self.embedding, h, new_lens, all_logits)
+
+    # Prefill ---------------------------------------------------------------------------------
+
+    def check_layer_kv(self, i: int, rows, batch: PrefillBatch) -> None:
+        want = (batch.batch_size, batch.c_pad, self.cfg.kv_width)
+        if tuple(rows.shape) != want:
+            raise ValueError(f"layer {i}: cached KV rows have shape {tuple(rows.shape)}, expected {want}")
+
+    def prefill_layerwise(
+        self,
+        batch: PrefillBatch,
+        load_layer: Callable[[int], np.ndarray | Array] | None,
+        emit_layer: Callable[[int, Array], None] | None = None,
+        all_logits: bool = False,
+    ) -> PrefillResult:
+        """Layerwise prefill.
+
+        `load_layer(i)` returns layer i's cached KV rows `[B, c_pad, W]` (host or device array); it
+        is called only when layer i-1 has been dispatched, so it may block until that layer's KV
+        has arrived. `emit_layer(i, rows)` receives layer i's new KV rows `[B, N_pad, W]` as soon
+        as layer i is dispatched.
+        """
+        cfg = self.cfg
+        kv_dtype = jnp.dtype(cfg.kv_dtype)
+        empty = jnp.zeros((batch.batch_size, 0, cfg.kv_width), kv_dtype)
+
+        def fetch(i: int):
+            if batch.c_pad == 0 or load_layer is None:
+                return empty
+            rows = load_layer(i)
+            self.check_layer_kv(i, rows, batch)
+            return jax.device_put(rows)
+
+        positions = jnp.asarray(batch.positions())
+        cached_lens = jnp.asarray(batch.cached_lens)
+        h = self.embed(jnp.asarray(batch.tokens))
+        kv = fetch(0)
+        for i in range(cfg.num_layers):
+            h, rows = self.layer(i, h, positions, kv, cached_lens)
+            if i + 1 < cfg.num_layers:
+                kv = fetch(i + 1)  # overlaps with layer i's compute (async dispatch)
+            if emit_layer is not None:
+                emit_layer(i, rows)
+        last, logits = self.head(h, jnp.asarray(batch.new_lens), all_logits)
+        return PrefillResult(last, logits)
+
+    def prefill_monolithic(
+        self, batch: PrefillBatch, cached_kv: np.ndarray | Array | None = None, all_logits: bool = False
+    ) -> tuple[PrefillResult, Array]:
+        """All layers in one compiled call with all cached KV `[L, B, c_pad, W]` given up front.
+        Returns the result and the new KV rows `[L, B, N_pad, W]`."""
+        cfg = self.cfg
+        if cached_kv is None or batch.c_pad == 0:
+            cached_kv = jnp.zeros((cfg.num_layers, batch.batch_size, 0, cfg.kv_width), cfg.kv_dtype)
+        want = (cfg.num_layers, batch.batch_size, batch.c_pad, cfg.kv_width)
+        if tuple(cached_kv.shape) != want:
+            raise ValueError(f"cached KV has shape {tuple(cached_kv.shape)}, expected {want}")
+        last, logits, new = _forward_all(
+            self.embed_gd,
+            self.layer_gds,
+            self.head_gd,
+            self.params,
+            jnp.asarray(batch.tokens),
+            jnp.asarray(batch.positions()),
+            jnp.asarray(cached_kv),
+            jnp.asarray(batch.cached_lens),
+            jnp.asarray(batch.new_lens),
+            all_logits,
+        )
+        return PrefillResult(last, logits), new
+
+
+def compile_count() -> int:
+    """Number of distinct compiled variants of the per-layer entry points so far (for benches)."""
+    return sum(f._cache_size() for f in (_embed, _layer, _head, _forward_all))

@@ -1,0 +1,87 @@
+"""The decoder-only Transformer (Qwen2 and DeepSeek families) and its monolithic forward.
+
+`Transformer.__call__` is the monolithic reference: every layer in one pass over whole sequences.
+Serving code runs the same modules one layer at a time through `ModelRunner` (runner.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dualpath_jax.config import ModelConfig
+from dualpath_jax.model.layers import DecoderLayer, Linear, RMSNorm, prefill_mask
+
+Array = jax.Array
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.embedding = nnx.Param(
+            (jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(
+                jnp.dtype(cfg.dtype)
+            )
+        )
+
+    def __call__(self, tokens: Array) -> Array:
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+
+class Head(nnx.Module):
+    """Final norm + LM head. With tied embeddings the head reuses the embedding matrix."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
+        self.lm_head = None if cfg.tie_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, rngs=rngs
+        )
+
+    def __call__(self, h: Array, embedding: Array | None) -> Array:
+        """h `[..., hidden]` -> float32 logits `[..., vocab]`."""
+        x = self.norm(h)
+        if self.lm_head is None:
+            return jnp.dot(x, embedding.T, preferred_element_type=jnp.float32)
+        return jnp.dot(x, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. Layers keep no KV state: cached KV rows are passed in and out."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, rngs) for i in range(cfg.num_layers)])
+        self.head = Head(cfg, rngs)
+
+    def __call__(
+        self,
+        tokens: Array,
+        cached_kv: Array | None = None,
+        cached_lens: Array | None = None,
+    ) -> tuple[Array, Array]:
+        """Monolithic forward.
+
+        tokens `[B, N]`; optional cached KV rows `[L, B, C, W]` with `cached_lens` `[B]` (new tokens
+        then start at position `cached_lens[b]`). Returns (float32 logits `[B, N, V]`, new KV rows
+        `[L, B, N, W]`).
+        """
+        b, n = tokens.shape
+        if cached_kv is None:
+            cached_kv = jnp.zeros((self.cfg.num_layers, b, 0, self.cfg.kv_width), self.cfg.kv_dtype)
+            cached_lens = jnp.zeros((b,), jnp.int32)
+        c = cached_kv.shape[2]
+        positions = cached_lens[:, None] + jnp.arange(n)[None, :]
+        mask = prefill_mask(cached_lens, None, c, n)
+        h = self.embed(tokens)
+        new = []
+        for i, layer in enumerate(self.layers):
+            h, rows = layer(h, positions, cached_kv[i], mask)
+            new.append(rows)
+        return self.head(h, self.embed.embedding[...]), jnp.stack(new)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A randomly initialised model (the tiny presets in tests and demos)."""
+    return Transformer(cfg, rngs=nnx.Rngs(seed))
