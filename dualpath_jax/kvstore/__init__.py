@@ -1,1 +1,59 @@
-"""kvstore."""
+"""Full Block storage: codec, hash-chain identity, the BlockStore and host buffers.
+
+- `codec`: the stored bytes of a Full Block (header, per-layer checksums) and their verification.
+- `identity`: model fingerprints and block keys (`key_i = H(key_{i-1}, tokens_i)`).
+- `store`: `BlockStore` (asynchronous, batched) and `TensorStoreBlockStore` (file/memory/spec).
+- `index`: LRU, pins and trajectory ownership behind the store's capacity limit.
+- `buffers`: `HostBufferPool`, the PE buffer and DE buffer in host memory.
+"""
+
+from __future__ import annotations
+
+from dualpath_jax.kvstore.buffers import BufferFull, BufferReservation, BufferStats, HostBufferPool
+from dualpath_jax.kvstore.codec import (
+    BlockCorrupt,
+    BlockDecodeError,
+    BlockFormat,
+    BlockMismatch,
+    decode_block,
+    decode_layers,
+    encode_block,
+)
+from dualpath_jax.kvstore.identity import InvalidBlockKey, block_keys, model_fingerprint
+from dualpath_jax.kvstore.index import BlockIndex
+from dualpath_jax.kvstore.store import (
+    BlockReadResult,
+    BlockStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    TensorStoreBlockStore,
+    WriteReport,
+    open_block_store,
+)
+
+__all__ = [
+    "BlockCorrupt",
+    "BlockDecodeError",
+    "BlockFormat",
+    "BlockIndex",
+    "BlockMismatch",
+    "BlockReadResult",
+    "BlockStore",
+    "BufferFull",
+    "BufferReservation",
+    "BufferStats",
+    "HostBufferPool",
+    "InvalidBlockKey",
+    "StoreError",
+    "StoreStats",
+    "StoreUnavailable",
+    "TensorStoreBlockStore",
+    "WriteReport",
+    "block_keys",
+    "decode_block",
+    "decode_layers",
+    "encode_block",
+    "model_fingerprint",
+    "open_block_store",
+]

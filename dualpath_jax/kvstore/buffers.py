@@ -1,0 +1,183 @@
+"""Host buffers: the PE buffer and the DE buffer of the paper (bounded host DRAM for KV).
+
+A `HostBufferPool` preallocates one slab `[capacity_blocks, n_layers, block_tokens, bytes]` uint8
+and hands out Full Block slots from a free list; each slot is addressable as its Layer Blocks
+`[1, block_tokens, bytes]`, the unit of layerwise streaming (store -> buffer fills whole Full
+Blocks; buffer -> device and PE -> DE move Layer Blocks). Nothing is allocated per block after
+construction.
+
+Lifecycle: `reserve` / `try_reserve` -> fill and use the views -> `release` (or leave the `with`
+block). A request the pool cannot hold now fails cleanly with `BufferFull` (back-pressure) instead
+of growing memory; `reserve(n, timeout_s=...)` waits for releases up to that long.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from dualpath_jax.model.layout import BlockLayout
+
+
+class BufferFull(RuntimeError):
+    """A host buffer cannot hold the requested blocks (now, or ever when over capacity)."""
+
+    def __init__(self, name: str, requested: int, free: int, capacity: int):
+        super().__init__(
+            f"{name}: {requested} block(s) requested, {free} free of {capacity}"
+            + (" (more than the whole buffer)" if requested > capacity else "")
+        )
+        self.requested = requested
+        self.free = free
+        self.capacity = capacity
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferStats:
+    capacity_blocks: int
+    used_blocks: int
+    reservations: int
+    refused: int
+    peak_used_blocks: int
+
+
+class BufferReservation:
+    """Full Block slots held by one request; views stay valid until `release`."""
+
+    def __init__(self, pool: HostBufferPool, slots: list[int], owner: str):
+        self._pool = pool
+        self.slots = tuple(slots)
+        self.owner = owner
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def block(self, i: int) -> np.ndarray:
+        """Full Block `i` of the reservation: a writable view `[n_layers, block_tokens, bytes]`."""
+        self._check()
+        return self._pool.slab[self.slots[i]]
+
+    def blocks(self) -> list[np.ndarray]:
+        """Every Full Block view, in reservation order (pass as `out=` to a store read)."""
+        self._check()
+        return [self._pool.slab[s] for s in self.slots]
+
+    def layer_block(self, i: int, layer: int) -> np.ndarray:
+        """Layer Block `layer` of block `i`: a writable view `[1, block_tokens, bytes]`."""
+        self._check()
+        return self._pool.slab[self.slots[i], layer : layer + 1]
+
+    def layer(self, layer: int) -> np.ndarray:
+        """One layer of every block, `[n_blocks, block_tokens, bytes]`: a view when the slots are
+        consecutive, else a gathered copy."""
+        self._check()
+        s = self.slots
+        if s and list(s) == list(range(s[0], s[0] + len(s))):
+            return self._pool.slab[s[0] : s[-1] + 1, layer]
+        return self._pool.slab[list(s), layer]
+
+    def release(self) -> None:
+        """Returns the slots to the pool (idempotent)."""
+        if not self.released:
+            self.released = True
+            self._pool._free(self.slots)
+
+    def _check(self) -> None:
+        if self.released:
+            raise RuntimeError(f"{self._pool.name}: reservation of {self.owner!r} was released")
+
+    def __enter__(self) -> BufferReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class HostBufferPool:
+    """A bounded pool of host memory in Full Block slots (PE buffer or DE buffer).
+
+    `slab`: `[capacity_blocks, n_layers, block_tokens, bytes_per_token_per_layer]` uint8, touched
+    once at construction so later use does not page-fault.
+    """
+
+    def __init__(self, layout: BlockLayout, capacity_blocks: int, name: str = "host buffer"):
+        if capacity_blocks <= 0:
+            raise ValueError(f"{name}: capacity_blocks must be positive, got {capacity_blocks}")
+        self.layout = layout
+        self.name = name
+        self.capacity_blocks = capacity_blocks
+        self.slab = np.zeros((capacity_blocks, *layout.shape), np.uint8)
+        self.slab.fill(0)  # commit the pages now rather than on the first read into them
+        self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # pop() gives low slots first
+        self._cond = threading.Condition()
+        self._reservations = 0
+        self._refused = 0
+        self._peak = 0
+
+    @classmethod
+    def for_bytes(cls, layout: BlockLayout, capacity_bytes: float, name: str = "host buffer") -> HostBufferPool:
+        """A pool of as many Full Blocks as fit in `capacity_bytes` (e.g. `dram_buffer_bytes`)."""
+        return cls(layout, int(capacity_bytes // layout.nbytes), name)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_slots)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.capacity_blocks - len(self._free_slots)
+
+    def try_reserve(self, n_blocks: int, owner: str = "") -> BufferReservation | None:
+        """Reserves `n_blocks` slots now, or returns None (nothing is held on failure)."""
+        if n_blocks < 0:
+            raise ValueError(f"cannot reserve {n_blocks} blocks")
+        with self._cond:
+            res = self._take(n_blocks, owner)
+            if res is None:
+                self._refused += 1
+            return res
+
+    def reserve(self, n_blocks: int, owner: str = "", timeout_s: float = 0.0) -> BufferReservation:
+        """Reserves `n_blocks` slots, waiting up to `timeout_s` for releases; raises BufferFull.
+
+        A request larger than the whole pool fails at once.
+        """
+        if n_blocks < 0:
+            raise ValueError(f"cannot reserve {n_blocks} blocks")
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                if n_blocks > self.capacity_blocks:
+                    break
+                res = self._take(n_blocks, owner)
+                if res is not None:
+                    return res
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            self._refused += 1
+            raise BufferFull(self.name, n_blocks, len(self._free_slots), self.capacity_blocks)
+
+    def _take(self, n: int, owner: str) -> BufferReservation | None:
+        if n > len(self._free_slots):
+            return None
+        slots = [self._free_slots.pop() for _ in range(n)]
+        self._reservations += 1
+        self._peak = max(self._peak, self.used_blocks)
+        return BufferReservation(self, slots, owner)
+
+    def _free(self, slots: tuple[int, ...]) -> None:
+        with self._cond:
+            self._free_slots.extend(reversed(slots))
+            self._cond.notify_all()
+
+    def stats(self) -> BufferStats:
+        with self._cond:
+            return BufferStats(
+                self.capacity_blocks, self.used_blocks, self._reservations, self._refused, self._peak
+            )

@@ -1,0 +1,555 @@
+"""BlockStore: asynchronous, batched storage of Full Blocks (DESIGN.md 2.1), on tensorstore.
+
+One key per Full Block (`identity.key_path`: `ab/abcd...`), its value the codec's bytes. Every
+operation takes a batch of keys in chain order (prefix first) and returns a
+`concurrent.futures.Future`; the tensorstore I/Os of a batch run concurrently, at most
+`StoreConfig.io_concurrency` in flight, and each waits at most `StoreConfig.timeout_s`.
+
+Failure semantics (the caller recomputes whatever is not a hit):
+- a missing block ends the hit run there; so does a corrupt, truncated or mismatching block,
+  which is also counted (`checksum_failures`) and removed from the store when it is still the
+  same generation, so the next write of that key replaces it;
+- an unusable root (not creatable, not a directory, not writable) raises `StoreUnavailable` at
+  open; an I/O error or timeout during an operation sets `StoreError` on its future;
+- writes are conditional on the key being absent and atomic (the file driver writes a temporary
+  file, fsyncs it if `StoreConfig.fsync`, and renames it), so a reader never sees half a block and
+  two processes writing one key leave one valid block.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from dualpath_jax.config import ConfigError, ModelConfig, StoreConfig
+from dualpath_jax.kvstore.codec import (
+    HEADER_BYTES,
+    BlockDecodeError,
+    BlockFormat,
+    check_header,
+    decode_block,
+    decode_layers,
+    encode_block,
+)
+from dualpath_jax.kvstore.identity import check_key, key_from_path, key_path, model_fingerprint
+from dualpath_jax.kvstore.index import BlockIndex
+from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
+
+# tensorstore's encoding of "no value": a write with this `if_equal` only creates a missing key.
+_IF_ABSENT = b"\x02"
+
+
+class StoreError(RuntimeError):
+    """A block store operation failed (I/O error, timeout); the message names the key."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be used at all (root missing and not creatable, not a directory, ...)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockReadResult:
+    """Outcome of a batched read: blocks `[0, hits)` were read and verified.
+
+    `blocks[i]` is `[n_layers_read, block_tokens, bytes]` uint8 (a view into the caller's `out`,
+    or a read-only view of the fetched bytes). Keys `[hits:]` are misses; `miss_reason` says why
+    the first of them missed ("" when every key hit).
+    """
+
+    hits: int
+    blocks: tuple[np.ndarray, ...]
+    miss_reason: str = ""
+
+    def stack(self) -> np.ndarray:
+        """The hit blocks as one `[hits, n_layers_read, block_tokens, bytes]` array (a copy)."""
+        return np.stack(self.blocks) if self.blocks else np.zeros((0, 0, 0, 0), np.uint8)
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteReport:
+    """Outcome of `write_full`: each key was written, already stored, or rejected (no room)."""
+
+    written: int
+    existed: int
+    rejected: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreStats:
+    """Counters of one store instance (this process's view)."""
+
+    blocks: int
+    bytes: int
+    capacity_bytes: int
+    pinned: int
+    lookups: int
+    lookup_hits: int
+    reads: int
+    layer_reads: int
+    read_bytes: int
+    writes: int
+    write_bytes: int
+    write_existed: int
+    write_rejected: int
+    deletes: int
+    evictions: int
+    misses: int
+    checksum_failures: int
+
+
+class BlockStore(abc.ABC):
+    """Storage of Full Blocks under hash-chain keys. Every batch is in chain order.
+
+    Lifecycle: open -> (lookup / read / write / delete / pin ...)* -> close. A store is used from
+    any thread; each returned future completes on the store's I/O threads.
+    """
+
+    fmt: BlockFormat
+
+    @abc.abstractmethod
+    def lookup(self, keys: Sequence[str]) -> futures.Future[int]:
+        """Number of leading keys stored (the prefix hit), checking headers only."""
+
+    @abc.abstractmethod
+    def read_full(
+        self, keys: Sequence[str], out: np.ndarray | Sequence[np.ndarray] | None = None
+    ) -> futures.Future[BlockReadResult]:
+        """Reads Full Blocks `[n_layers, bt, bytes]`; `out[i]` receives block i when given."""
+
+    @abc.abstractmethod
+    def read_layers(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int],
+        out: np.ndarray | Sequence[np.ndarray] | None = None,
+    ) -> futures.Future[BlockReadResult]:
+        """Reads the Layer Blocks `[start, stop)` of each block by byte range."""
+
+    @abc.abstractmethod
+    def write_full(
+        self, keys: Sequence[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None = None
+    ) -> futures.Future[WriteReport]:
+        """Stores Full Blocks `[n, n_layers, bt, bytes]`; idempotent per key; `owner` claims them."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[str]) -> futures.Future[int]:
+        """Deletes blocks (pinned ones at their last unpin); resolves to the number deleted now."""
+
+    @abc.abstractmethod
+    def pin(self, keys: Sequence[str]) -> None:
+        """Protects blocks from eviction and deletion until the matching `unpin`."""
+
+    @abc.abstractmethod
+    def unpin(self, keys: Sequence[str]) -> futures.Future[int]:
+        """Drops one pin per key; deferred deletions run now (resolves to their count)."""
+
+    @abc.abstractmethod
+    def claim(self, owner: str, keys: Sequence[str]) -> None:
+        """Records that trajectory `owner` uses `keys`, so `release(owner)` considers them."""
+
+    @abc.abstractmethod
+    def release(self, owner: str) -> futures.Future[int]:
+        """Ends trajectory `owner`: deletes the blocks no other live trajectory claims."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @contextlib.contextmanager
+    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
+        """Pins `keys` for the duration of a `with` block (an in-flight request's hit blocks)."""
+        keys = list(keys)
+        self.pin(keys)
+        try:
+            yield
+        finally:
+            self.unpin(keys)
+
+    def __enter__(self) -> BlockStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def kvstore_spec(cfg: StoreConfig) -> dict[str, Any] | str:
+    """The tensorstore kvstore spec of a StoreConfig (file root resolved to an absolute path)."""
+    if cfg.kind == "file":
+        if not cfg.root:
+            raise StoreUnavailable("StoreConfig.root is empty: set the directory of the file store")
+        return {
+            "driver": "file",
+            "path": os.path.abspath(cfg.root) + "/",
+            "context": {
+                "file_io_sync": bool(cfg.fsync),
+                "file_io_concurrency": {"limit": max(1, cfg.io_concurrency)},
+            },
+        }
+    if cfg.kind == "memory":
+        return {"driver": "memory"}
+    if cfg.kind == "spec":
+        try:
+            spec = json.loads(cfg.spec_json)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"store.spec_json is not JSON: {e}") from None
+        if not isinstance(spec, dict | str):
+            raise ConfigError("store.spec_json must be a kvstore spec object or URL")
+        return spec
+    raise ConfigError(f"store.kind {cfg.kind!r} is not one of file, memory, spec")
+
+
+def _check_root(root: str) -> None:
+    """Creates the file store root and proves it writable, or raises StoreUnavailable."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise StoreUnavailable(f"store root {root!r} cannot be created: {e}") from None
+    if not os.path.isdir(root):
+        raise StoreUnavailable(f"store root {root!r} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=root, prefix=".probe-") as f:
+            f.write(b"\x00")
+            f.flush()
+    except OSError as e:
+        raise StoreUnavailable(f"store root {root!r} is not writable: {e}") from None
+
+
+class TensorStoreBlockStore(BlockStore):
+    """A BlockStore on a tensorstore kvstore: `file` (default), `memory`, or any kvstore spec
+    (gcs, s3, ocdbt, ...) passed through unchanged.
+
+    Block sizes come from `fmt`; capacity (`StoreConfig.capacity_bytes`) is enforced on this
+    process's view, evicting least recently used unpinned blocks; keys found at open (`list`) join
+    that view as the oldest.
+    """
+
+    def __init__(self, cfg: StoreConfig, fmt: BlockFormat):
+        self.cfg = cfg
+        self.fmt = fmt
+        self._window = max(1, cfg.io_concurrency)
+        spec = kvstore_spec(cfg)
+        if cfg.kind == "file":
+            _check_root(spec["path"])
+        try:
+            self._kv = ts.KvStore.open(spec).result(timeout=cfg.timeout_s)
+        except Exception as e:  # tensorstore reports bad specs and I/O failures as ValueError
+            raise StoreUnavailable(f"cannot open block store {cfg.kind}: {e}") from None
+        self.index = BlockIndex(cfg.capacity_bytes)
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._count_lock = threading.Lock()
+        if cfg.kind != "memory":
+            try:
+                listed = self._kv.list().result(timeout=cfg.timeout_s)
+            except Exception as e:
+                raise StoreUnavailable(f"cannot list block store {cfg.kind}: {e}") from None
+            found = [k for k in (key_from_path(p.decode(errors="replace")) for p in listed) if k]
+            self.index.touch(found, fmt.encoded_bytes)
+        self._pool = futures.ThreadPoolExecutor(
+            max_workers=self._window, thread_name_prefix="blockstore"
+        )
+        self._closed = False
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _count(self, **deltas: int) -> None:
+        with self._count_lock:
+            self._counts.update(deltas)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> futures.Future[Any]:
+        if self._closed:
+            raise StoreError("block store is closed")
+        return self._pool.submit(fn, *args)
+
+    def _wait(self, fut: ts.Future, what: str) -> Any:
+        try:
+            return fut.result(timeout=self.cfg.timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise StoreError(f"{what}: no answer within {self.cfg.timeout_s} s") from None
+
+    def _windowed(
+        self, keys: list[str], issue: Callable[[str], ts.Future], handle: Callable[[int, str, Any], bool]
+    ) -> None:
+        """Issues `issue(key)` with at most `window` in flight and feeds results in key order to
+        `handle(i, key, result_or_exception)`; stops issuing once `handle` returns False."""
+        inflight: collections.deque[tuple[int, str, ts.Future]] = collections.deque()
+        nxt = 0
+        try:
+            while nxt < len(keys) or inflight:
+                while nxt < len(keys) and len(inflight) < self._window:
+                    inflight.append((nxt, keys[nxt], issue(keys[nxt])))
+                    nxt += 1
+                i, key, fut = inflight.popleft()
+                try:
+                    res: Any = self._wait(fut, f"block {key}")
+                except StoreError:
+                    raise
+                except Exception as e:  # tensorstore raises ValueError with a status code
+                    res = e
+                if not handle(i, key, res):
+                    break
+        finally:
+            for _, _, fut in inflight:
+                fut.cancel()
+
+    def _classify(self, key: str, res: Any) -> tuple[Any, str]:
+        """(read result or None, miss reason) of one read; raises StoreError on I/O errors."""
+        if isinstance(res, Exception):
+            if str(res).startswith("OUT_OF_RANGE"):  # a byte range past the end: truncated
+                return None, f"corrupt: block {key} is truncated"
+            raise StoreError(f"read of block {key} failed: {res}") from res
+        if res.state != "value":
+            return None, "missing"
+        return res, ""
+
+    def _corrupt(self, key: str, err: Exception, generation: bytes | None) -> str:
+        self._count(checksum_failures=1)
+        self.index.remove([key])
+        if generation is not None:
+            # Only the bad generation goes: a concurrent rewrite of the key survives.
+            self._kv.write(key_path(key), None, if_equal=generation)
+        return f"corrupt: {err}"
+
+    @staticmethod
+    def _check_out(out: Any, n: int, shape: tuple[int, ...]) -> None:
+        if out is None:
+            return
+        if len(out) < n:
+            raise ValueError(f"out holds {len(out)} blocks, {n} keys given")
+        for o in out[:n] if isinstance(out, np.ndarray) else list(out)[:n]:
+            if o.shape != shape or o.dtype != np.uint8 or not o.flags.writeable:
+                raise ValueError(f"out blocks must be writable uint8 {shape}, got {o.dtype} {o.shape}")
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(self, keys: Sequence[str]) -> futures.Future[int]:
+        keys = [check_key(k) for k in keys]
+        return self._submit(self._lookup, keys)
+
+    def _lookup(self, keys: list[str]) -> int:
+        hits = 0
+
+        def issue(key: str) -> ts.Future:
+            return self._kv.read(key_path(key), byte_range=slice(0, HEADER_BYTES))
+
+        def handle(i: int, key: str, res: Any) -> bool:
+            nonlocal hits
+            res, _ = self._classify(key, res)
+            if res is None:
+                return False
+            try:
+                check_header(self.fmt, key, res.value)
+            except BlockDecodeError as e:
+                self._corrupt(key, e, res.stamp.generation)
+                return False
+            hits += 1
+            return True
+
+        self._windowed(keys, issue, handle)
+        self.index.touch(keys[:hits], self.fmt.encoded_bytes)
+        self.index.remove(keys[hits : hits + 1])
+        self._count(lookups=1, lookup_hits=hits)
+        return hits
+
+    # ------------------------------------------------------------------ reads
+
+    def read_full(
+        self, keys: Sequence[str], out: np.ndarray | Sequence[np.ndarray] | None = None
+    ) -> futures.Future[BlockReadResult]:
+        keys = [check_key(k) for k in keys]
+        self._check_out(out, len(keys), self.fmt.layout.shape)
+        return self._submit(self._read, keys, None, out)
+
+    def read_layers(
+        self,
+        keys: Sequence[str],
+        layers: tuple[int, int],
+        out: np.ndarray | Sequence[np.ndarray] | None = None,
+    ) -> futures.Future[BlockReadResult]:
+        keys = [check_key(k) for k in keys]
+        start, stop = layers
+        self.fmt.layer_byte_range(start, stop)  # validates the range
+        lay = self.fmt.layout
+        self._check_out(out, len(keys), (stop - start, lay.block_tokens, lay.bytes_per_token_per_layer))
+        return self._submit(self._read, keys, (start, stop), out)
+
+    def _read(self, keys: list[str], layers: tuple[int, int] | None, out: Any) -> BlockReadResult:
+        blocks: list[np.ndarray] = []
+        reason = ""
+        nbytes = 0
+        if layers is None:
+            byte_range = None
+        else:
+            byte_range = slice(*self.fmt.layer_byte_range(*layers))
+
+        def issue(key: str) -> ts.Future:
+            if byte_range is None:
+                return self._kv.read(key_path(key))
+            return self._kv.read(key_path(key), byte_range=byte_range)
+
+        def handle(i: int, key: str, res: Any) -> bool:
+            nonlocal reason, nbytes
+            res, reason = self._classify(key, res)
+            if res is None:
+                if reason != "missing":
+                    self._count(checksum_failures=1)
+                self.index.remove([key])
+                return False
+            dest = None if out is None else out[i]
+            try:
+                if layers is None:
+                    blk = decode_block(self.fmt, key, res.value, dest)
+                else:
+                    blk = decode_layers(self.fmt, key, res.value, layers[0], layers[1], dest)
+            except BlockDecodeError as e:
+                reason = self._corrupt(key, e, res.stamp.generation)
+                return False
+            blocks.append(blk)
+            nbytes += len(res.value)
+            return True
+
+        self._windowed(keys, issue, handle)
+        self.index.touch(keys[: len(blocks)], self.fmt.encoded_bytes)
+        kind = "reads" if layers is None else "layer_reads"
+        self._count(**{kind: len(blocks)}, read_bytes=nbytes, misses=len(keys) - len(blocks))
+        return BlockReadResult(len(blocks), tuple(blocks), reason)
+
+    # ------------------------------------------------------------------ writes
+
+    def write_full(
+        self, keys: Sequence[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None = None
+    ) -> futures.Future[WriteReport]:
+        keys = [check_key(k) for k in keys]
+        if len(blocks) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
+        for b in blocks:
+            if b.shape != self.fmt.layout.shape or b.dtype != np.uint8:
+                raise ValueError(f"Full Blocks must be uint8 {self.fmt.layout.shape}, got {b.dtype} {b.shape}")
+        if owner is not None:
+            self.index.claim(owner, keys)
+        return self._submit(self._write, keys, blocks)
+
+    def _write(self, keys: list[str], blocks: Any) -> WriteReport:
+        admitted, evicted = self.index.admit(keys, self.fmt.encoded_bytes)
+        if evicted:
+            self._delete_now(evicted)
+            self._count(evictions=len(evicted))
+        todo = set(admitted)
+        # Keys neither admitted nor already indexed did not fit under the capacity.
+        rejected = sum(1 for k in dict.fromkeys(keys) if k not in todo and k not in self.index)
+        order = [i for i, k in enumerate(keys) if k in todo]
+        todo_keys = [keys[i] for i in order]
+        block_of = {keys[i]: blocks[i] for i in order}
+        written = existed = 0
+        failed: list[str] = []
+        errors: list[str] = []
+
+        def issue(key: str) -> ts.Future:
+            data = encode_block(self.fmt, key, np.asarray(block_of[key]))
+            return self._kv.write(key_path(key), data, if_equal=_IF_ABSENT)
+
+        def handle(i: int, key: str, res: Any) -> bool:
+            nonlocal written, existed
+            if isinstance(res, Exception):
+                failed.append(key)
+                errors.append(f"block {key}: {res}")
+            elif res.generation:
+                written += 1
+            else:
+                existed += 1
+            return True
+
+        try:
+            self._windowed(todo_keys, issue, handle)
+        except StoreError:
+            self.index.remove(todo_keys)
+            raise
+        self.index.remove(failed)
+        self._count(
+            writes=written,
+            write_bytes=written * self.fmt.encoded_bytes,
+            write_existed=existed + (len(keys) - len(todo_keys) - rejected),
+            write_rejected=rejected,
+        )
+        if errors:
+            raise StoreError(f"{len(errors)} block write(s) failed; first: {errors[0]}")
+        return WriteReport(written, len(keys) - written - rejected, rejected)
+
+    # ------------------------------------------------------------------ deletion, pins, owners
+
+    def _delete_now(self, keys: list[str]) -> int:
+        errors: list[str] = []
+
+        def handle(i: int, key: str, res: Any) -> bool:
+            if isinstance(res, Exception):
+                errors.append(f"block {key}: {res}")
+            return True
+
+        self._windowed(keys, lambda k: self._kv.write(key_path(k), None), handle)
+        self._count(deletes=len(keys) - len(errors))
+        if errors:
+            raise StoreError(f"{len(errors)} block delete(s) failed; first: {errors[0]}")
+        return len(keys)
+
+    def delete(self, keys: Sequence[str]) -> futures.Future[int]:
+        keys = [check_key(k) for k in keys]
+        return self._submit(self._delete_now, self.index.doom(keys))
+
+    def pin(self, keys: Sequence[str]) -> None:
+        self.index.pin([check_key(k) for k in keys])
+
+    def unpin(self, keys: Sequence[str]) -> futures.Future[int]:
+        return self._submit(self._delete_now, self.index.unpin([check_key(k) for k in keys]))
+
+    def claim(self, owner: str, keys: Sequence[str]) -> None:
+        self.index.claim(owner, [check_key(k) for k in keys])
+
+    def release(self, owner: str) -> futures.Future[int]:
+        return self._submit(self._delete_now, self.index.release(owner))
+
+    # ------------------------------------------------------------------ stats, lifecycle
+
+    def stats(self) -> StoreStats:
+        with self._count_lock:
+            c = dict(self._counts)
+        fields = [f.name for f in dataclasses.fields(StoreStats)]
+        base = {
+            "blocks": self.index.blocks,
+            "bytes": self.index.used_bytes,
+            "capacity_bytes": self.index.capacity_bytes,
+            "pinned": self.index.pinned_count,
+        }
+        return StoreStats(**{f: base.get(f, c.get(f, 0)) for f in fields})
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+
+def open_block_store(
+    cfg: StoreConfig,
+    model: ModelConfig,
+    params_version: str = "",
+    kv_format: str | None = None,
+) -> TensorStoreBlockStore:
+    """Opens the block store of `model` (layout, KV dtype tag and fingerprint derived from it)."""
+    layout = BlockLayout(
+        model.num_layers, cfg.block_tokens, kv_bytes_per_token_per_layer(model, kv_format)
+    )
+    fmt = BlockFormat(layout, kv_format or model.kv_dtype, model_fingerprint(model, params_version))
+    return TensorStoreBlockStore(cfg, fmt)
