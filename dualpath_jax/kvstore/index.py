@@ -105,7 +105,10 @@ class BlockIndex:
                 self._lru[key] = nbytes
                 self._used += nbytes
                 admitted.append(key)
-            # `victims` is lazy over a snapshot; a just-admitted key is never in it.
+            # `victims` is lazy over a snapshot; a just-admitted key is never in it. Like `touch`,
+            # the chain's prefix ends most recently used.
+            for key in reversed(admitted):
+                self._lru.move_to_end(key)
             return admitted, evicted
 
     def remove(self, keys: Iterable[str]) -> None:

@@ -444,16 +444,15 @@ class TensorStoreBlockStore(BlockStore):
         return self._submit(self._write, keys, blocks)
 
     def _write(self, keys: list[str], blocks: Any) -> WriteReport:
-        admitted, evicted = self.index.admit(keys, self.fmt.encoded_bytes)
+        _, evicted = self.index.admit(keys, self.fmt.encoded_bytes)
         if evicted:
             self._delete_now(evicted)
             self._count(evictions=len(evicted))
-        todo = set(admitted)
-        # Keys neither admitted nor already indexed did not fit under the capacity.
-        rejected = sum(1 for k in dict.fromkeys(keys) if k not in todo and k not in self.index)
-        order = [i for i, k in enumerate(keys) if k in todo]
-        todo_keys = [keys[i] for i in order]
-        block_of = {keys[i]: blocks[i] for i in order}
+        # Keys indexed before are written too (conditionally, so a stored one stays untouched):
+        # this process's index may be stale when another process deleted them.
+        block_of = {k: blocks[i] for i, k in enumerate(keys) if k in self.index}
+        todo_keys = list(block_of)
+        rejected = len(dict.fromkeys(keys)) - len(todo_keys)
         written = existed = 0
         failed: list[str] = []
         errors: list[str] = []
@@ -482,7 +481,7 @@ class TensorStoreBlockStore(BlockStore):
         self._count(
             writes=written,
             write_bytes=written * self.fmt.encoded_bytes,
-            write_existed=existed + (len(keys) - len(todo_keys) - rejected),
+            write_existed=existed,
             write_rejected=rejected,
         )
         if errors:
