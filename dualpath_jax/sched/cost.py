@@ -1,0 +1,383 @@
+"""Cost models: FLOPs and bytes of a model, a roofline for Hopper presets, a fitted CPU model.
+
+`ModelCost` reduces a model to the counts every estimate needs (per token, per attention pair,
+per cached token). Attention kinds:
+
+- GQA (dense, Qwen2): `4 * H * head_dim` FLOPs per (query, key) pair per layer (QK^T and PV).
+- MLA, absorbed (DeepSeek-V3): queries attend the latent directly, so a pair costs
+  `2 * H * (kv_lora_rank + qk_rope_head_dim) + 2 * H * kv_lora_rank`.
+- DeepSeek sparse attention (V3.2): the indexer scores every cached key
+  (`2 * index_n_heads * index_head_dim` per pair), then each query attends only its top
+  `index_topk` keys with MLA.
+- Sliding-window layers (used by sizing presets) attend at most `window` keys.
+
+Linear FLOPs are 2 x active parameters (MoE: routed top-k plus shared experts).
+
+Cost models (`CostModel` protocol) answer three questions in seconds: `attention_time(pairs)`
+(the predicted attention-layer time the compute quota bounds, all layers of one forward),
+`prefill_time(pairs)` and `decode_step_time(batch, context)`, where `pairs` are the
+`(cached, bsz)` pairs of one forward batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from dualpath_jax.config import HardwareConfig, ModelConfig, SchedulerConfig
+from dualpath_jax.model.layout import kv_bytes_per_token_per_layer, np_dtype
+
+# --------------------------------------------------------------------------- counting
+
+
+def summed_keys(cached: int, bsz: int, limit: int = 0) -> float:
+    """`sum_{j=1..bsz} min(cached + j, limit)`: keys seen by `bsz` causal queries after `cached`
+    tokens, each capped at `limit` (0: no cap)."""
+    if bsz <= 0:
+        return 0.0
+    if limit <= 0:
+        return bsz * cached + bsz * (bsz + 1) / 2
+    m = min(max(limit - cached, 0), bsz)
+    return m * cached + m * (m + 1) / 2 + (bsz - m) * limit
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    """FLOP and byte counts of one model (all layers unless a name says per layer)."""
+
+    name: str
+    num_layers: int
+    full_attn_layers: int  # layers that attend the whole context (or its top-k)
+    pair_flops: float  # one (query, key) pair in one attention layer
+    linear_flops_per_token: float  # every layer's projections and MLP/MoE, without the LM head
+    lm_head_flops: float  # per token that gets logits (the last of each prompt, each decode step)
+    kv_bytes_per_token_per_layer: float  # what one layer caches per token (stored, transferred)
+    weight_bytes: float
+    active_params: float  # per token, with the LM head, without the embedding lookup
+    total_params: float
+    window_layers: int = 0
+    window: int = 0
+    topk: int = 0  # DeepSeek sparse attention: keys per query (0: dense)
+    index_pair_flops: float = 0.0  # DSA indexer, per (query, key) pair per layer
+    index_bytes_per_token_per_layer: float = 0.0  # DSA indexer key cache
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig, kv_format: str | None = None) -> ModelCost:
+        """Counts for a `ModelConfig` (GQA, MLA, MoE and DSA fields); `kv_format` as in
+        `model.layout.kv_bytes_per_token_per_layer` (e.g. "fp8_flashmla")."""
+        h, d = cfg.hidden_size, cfg.num_heads
+        if cfg.is_mla:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            q = (h * cfg.q_lora_rank + cfg.q_lora_rank * d * qk) if cfg.q_lora_rank else h * d * qk
+            attn = (
+                q
+                + h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+                + cfg.kv_lora_rank * d * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+                + d * cfg.v_head_dim * h
+            )
+            pair = 2 * d * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 2 * d * cfg.kv_lora_rank
+        else:
+            hd = cfg.head_dim
+            attn = 2 * h * d * hd + 2 * h * cfg.num_kv_heads * hd
+            pair = 4 * d * hd
+        index = 0
+        if cfg.index_topk:
+            q_in = cfg.q_lora_rank or h
+            index = q_in * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim
+            index += h * cfg.index_n_heads
+        dense_mlp = 3 * h * cfg.intermediate_size
+        expert = 3 * h * cfg.moe_intermediate_size
+        active = total = 0.0
+        for layer in range(cfg.num_layers):
+            if cfg.is_moe_layer(layer):
+                router = h * cfg.n_routed_experts
+                active += (
+                    attn
+                    + index
+                    + router
+                    + (cfg.num_experts_per_tok + cfg.n_shared_experts) * expert
+                )
+                total += (
+                    attn + index + router + (cfg.n_routed_experts + cfg.n_shared_experts) * expert
+                )
+            else:
+                active += attn + index + dense_mlp
+                total += attn + index + dense_mlp
+        head = cfg.vocab_size * h
+        total += head * (1 if cfg.tie_embeddings else 2)
+        return cls(
+            name=cfg.name,
+            num_layers=cfg.num_layers,
+            full_attn_layers=cfg.num_layers,
+            pair_flops=float(pair),
+            linear_flops_per_token=2.0 * active,
+            lm_head_flops=2.0 * head,
+            kv_bytes_per_token_per_layer=float(kv_bytes_per_token_per_layer(cfg, kv_format)),
+            weight_bytes=total * np_dtype(cfg.dtype).itemsize,
+            active_params=active + head,
+            total_params=total,
+            topk=cfg.index_topk,
+            index_pair_flops=float(2 * cfg.index_n_heads * cfg.index_head_dim),
+            index_bytes_per_token_per_layer=float(cfg.index_head_dim + 4)
+            if cfg.index_topk
+            else 0.0,
+        )
+
+    def attention_flops(self, cached: int, bsz: int) -> float:
+        """Attention-core FLOPs of `bsz` new tokens after `cached` ones, all layers."""
+        full = self.pair_flops * summed_keys(cached, bsz, self.topk)
+        if self.index_pair_flops and self.topk:
+            full += self.index_pair_flops * summed_keys(cached, bsz)
+        out = self.full_attn_layers * full
+        if self.window_layers:
+            out += self.window_layers * self.pair_flops * summed_keys(cached, bsz, self.window)
+        return out
+
+    def kv_bytes(self, tokens: int) -> float:
+        """Bytes of cached KV for a context of `tokens` (window layers keep at most `window`)."""
+        out = self.full_attn_layers * self.kv_bytes_per_token_per_layer * tokens
+        if self.window_layers:
+            out += self.window_layers * self.kv_bytes_per_token_per_layer * min(tokens, self.window)
+        return out
+
+    def attended_kv_bytes(self, context: int) -> float:
+        """KV bytes one decode query reads at `context` (DSA: top-k rows plus the index keys)."""
+        if not self.topk:
+            return self.kv_bytes(context)
+        rows = self.full_attn_layers * self.kv_bytes_per_token_per_layer * min(context, self.topk)
+        return rows + self.full_attn_layers * self.index_bytes_per_token_per_layer * context
+
+    def prefill_flops(self, cached: int, bsz: int) -> float:
+        """All FLOPs of prefilling `bsz` tokens after `cached` (logits for the last token only)."""
+        if bsz <= 0:
+            return 0.0
+        return (
+            bsz * self.linear_flops_per_token
+            + self.attention_flops(cached, bsz)
+            + self.lm_head_flops
+        )
+
+    def flops_per_new_token(self, context: int, append: int = 1) -> float:
+        """Average FLOPs per appended token after `context` cached ones: 2 x active params plus
+        attention (the Table 1 denominator)."""
+        return 2.0 * self.active_params + self.attention_flops(context, append) / append
+
+
+# --------------------------------------------------------------------------- cost models
+
+
+class CostModel(Protocol):
+    def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float: ...
+
+    def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float: ...
+
+    def decode_step_time(self, batch: int, context: int) -> float: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+    """Peak rates of one GPU and the fraction of them a good kernel reaches."""
+
+    name: str
+    bf16_flops: float
+    fp8_flops: float
+    hbm_bytes_per_s: float
+    hbm_bytes: float
+    flops_efficiency: float = 790 / 989.4  # measured dense BF16 GEMM on H200
+    bw_efficiency: float = 4.3 / 4.8  # measured HBM copy bandwidth on H200
+
+
+GPU_PRESETS: dict[str, GpuSpec] = {
+    "h100": GpuSpec("h100", 989.4e12, 1978.9e12, 3.35e12, 80e9),
+    "h800": GpuSpec("h800", 989.4e12, 1978.9e12, 3.35e12, 80e9),
+    "h200": GpuSpec("h200", 989.4e12, 1978.9e12, 4.8e12, 141e9),
+}
+
+
+def get_gpu(name: str) -> GpuSpec:
+    try:
+        return GPU_PRESETS[name.lower()]
+    except KeyError:
+        raise KeyError(f"unknown GPU preset {name!r}; known: {sorted(GPU_PRESETS)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class RooflineCostModel:
+    """max(compute, memory) time of one engine (one GPU).
+
+    `weight_shards`: how many GPUs share the weights (expert/tensor parallelism), so a GPU
+    streams `weight_bytes / weight_shards` per forward; attention is data parallel (each engine
+    serves its own requests). `fp8`: GEMMs at the FP8 rate.
+    """
+
+    model: ModelCost
+    gpu: GpuSpec
+    fp8: bool = False
+    weight_shards: int = 1
+    step_overhead_s: float = 0.0
+
+    @property
+    def flops_per_s(self) -> float:
+        return (self.gpu.fp8_flops if self.fp8 else self.gpu.bf16_flops) * self.gpu.flops_efficiency
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gpu.hbm_bytes_per_s * self.gpu.bw_efficiency
+
+    def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:
+        m = self.model
+        flops = sum(m.attention_flops(c, b) for c, b in pairs)
+        nbytes = sum(m.kv_bytes(c + b) for c, b in pairs)
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
+        m = self.model
+        flops = sum(m.prefill_flops(c, b) for c, b in pairs)
+        nbytes = m.weight_bytes / self.weight_shards + sum(m.kv_bytes(c + b) for c, b in pairs)
+        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.step_overhead_s
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        m = self.model
+        per_seq = m.linear_flops_per_token + m.lm_head_flops + m.attention_flops(context, 1)
+        nbytes = m.weight_bytes / self.weight_shards + batch * m.attended_kv_bytes(context)
+        return (
+            max(batch * per_seq / self.flops_per_s, nbytes / self.bytes_per_s)
+            + self.step_overhead_s
+        )
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (active set; a handful of features)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+@dataclasses.dataclass(frozen=True)
+class FittedCostModel:
+    """Times fitted to measured samples of the local (CPU) engines.
+
+    prefill: `p0 + p1 * new_tokens + p2 * attention_pairs` per batch (pairs are causal
+    query-key pairs, `summed_keys(cached, bsz)`); attention_time is the `p2` term.
+    decode step: `d0 + d1 * batch + d2 * batch * context`.
+    Serializable with `to_json` / `from_json`.
+    """
+
+    prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    decode: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @classmethod
+    def fit(
+        cls,
+        prefill_samples: Iterable[tuple[int, int, float]],
+        decode_samples: Iterable[tuple[int, int, float]] = (),
+    ) -> FittedCostModel:
+        """`prefill_samples`: `(cached, new, seconds)` of single-request forwards;
+        `decode_samples`: `(batch, context, seconds)` of decode steps."""
+        ps = list(prefill_samples)
+        ds = list(decode_samples)
+        prefill = decode = (0.0, 0.0, 0.0)
+        if ps:
+            x = np.array([[1.0, n, summed_keys(c, n)] for c, n, _ in ps])
+            prefill = tuple(float(v) for v in _nnls(x, np.array([t for *_, t in ps])))
+        if ds:
+            x = np.array([[1.0, b, b * ctx] for b, ctx, _ in ds])
+            decode = tuple(float(v) for v in _nnls(x, np.array([t for *_, t in ds])))
+        return cls(prefill, decode)  # type: ignore[arg-type]
+
+    def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:
+        return self.prefill[2] * sum(summed_keys(c, b) for c, b in pairs)
+
+    def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
+        if not pairs:
+            return 0.0
+        p0, p1, p2 = self.prefill
+        return p0 + sum(p1 * b + p2 * summed_keys(c, b) for c, b in pairs)
+
+    def decode_step_time(self, batch: int, context: int) -> float:
+        d0, d1, d2 = self.decode
+        return d0 + d1 * batch + d2 * batch * context
+
+    def to_json(self) -> str:
+        return json.dumps({"prefill": list(self.prefill), "decode": list(self.decode)})
+
+    @classmethod
+    def from_json(cls, text: str) -> FittedCostModel:
+        data: Any = json.loads(text)
+        try:
+            return cls(tuple(map(float, data["prefill"])), tuple(map(float, data["decode"])))  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a FittedCostModel: {text[:80]!r} ({e})") from None
+
+
+def make_cost_model(
+    hw: HardwareConfig,
+    model: ModelConfig,
+    *,
+    fitted: FittedCostModel | None = None,
+    weight_shards: int = 1,
+) -> CostModel:
+    """The roofline of `hw.gpu` for GPU presets; the fitted model for "cpu"."""
+    if hw.gpu == "cpu":
+        if fitted is None:
+            raise ValueError("hardware gpu='cpu' needs a FittedCostModel (profile the engines)")
+        return fitted
+    return RooflineCostModel(
+        ModelCost.from_model(model), get_gpu(hw.gpu), weight_shards=weight_shards
+    )
+
+
+# --------------------------------------------------------------------------- alpha and beta
+
+
+def derive_alpha(cfg: SchedulerConfig, hw: HardwareConfig, kv_bytes_per_token: float) -> float:
+    """alpha: tokens one node's storage link reads in `alpha_s` (infinite if unlimited)."""
+    if cfg.alpha_tokens > 0:
+        return cfg.alpha_tokens
+    if hw.snic_bytes_per_s <= 0:
+        return math.inf
+    return hw.snic_bytes_per_s * cfg.alpha_s / kv_bytes_per_token
+
+
+def derive_beta(
+    cfg: SchedulerConfig, cost: CostModel, *, ref_cached: int, ref_new: int, max_batch: int = 256
+) -> float:
+    """beta: tokens (counted like `tok_e`, i.e. prompt tokens) one engine prefills in `beta_s`,
+    for batches of the reference request `(ref_cached, ref_new)` packed to the compute quota."""
+    if cfg.beta_tokens > 0:
+        return cfg.beta_tokens
+    quota = cfg.compute_quota_ms / 1e3
+    n = 1
+    while n < max_batch and cost.attention_time([(ref_cached, ref_new)] * (n + 1)) <= quota:
+        n += 1
+    t = cost.prefill_time([(ref_cached, ref_new)] * n)
+    if t <= 0:
+        return math.inf
+    return cfg.beta_s * n * (ref_cached + ref_new) / t
+
+
+def derive_alpha_beta(
+    cfg: SchedulerConfig,
+    hw: HardwareConfig,
+    cost: CostModel,
+    *,
+    kv_bytes_per_token: float,
+    ref_cached: int,
+    ref_new: int,
+) -> tuple[float, float]:
+    """(alpha, beta) from the config, or derived when the config says 0."""
+    return (
+        derive_alpha(cfg, hw, kv_bytes_per_token),
+        derive_beta(cfg, cost, ref_cached=ref_cached, ref_new=ref_new),
+    )

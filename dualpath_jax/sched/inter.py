@@ -1,0 +1,313 @@
+"""Inter-engine scheduling cores (paper section 6.1): pure functions over frozen loads.
+
+- `pe_fetch`: Algorithm 1. PEs are classed by `tok_e` vs beta (C1: overloaded, never chosen) and
+  the node's `read_q` vs alpha (C2: short read queue, preferred; C3: long). Requests are taken
+  FIFO from the head of the waiting queue; each goes to the argmin-`tok_e` PE of C2, else of C3;
+  `tok_e` is updated after every assignment; the fetch stops at the first request nothing can take.
+  The classes are re-evaluated after every update: Algorithm 1's listing classifies once before
+  its loop, but then a fetch could only end when the queue empties, and the text says overloaded
+  PEs get no new requests. `read_q` comes from the snapshot (Algorithm 1 only updates `tok_e`).
+- `de_route` (phase 1): drains the DE global queue, each request to the group with the minimum
+  total `tok`, updated after each request.
+- `de_fetch` (phase 2): inside one group; R = the longest head of the private queue that fits in
+  the group's total free HBM; `Z = z_factor * (sum_{r in R} len_r + sum_e tok_e) / |E|`; the head
+  goes to the DE (among those with room for it) with `tok_e + len_r <= Z` and minimum `seq_e`,
+  else to the one with minimum `tok_e`; the fetch stops when no DE has room for the head.
+- `choose_read_path` / `split_blocks` / `assign_paths`: the read side of each (PE, DE) pair.
+- `rr_*`: the round-robin baseline (engine choice in turn, skipping engines that cannot admit).
+
+Ties break towards the engine (or group) listed first, so every function is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, ReadPath, Request
+
+
+def _updated(loads: Sequence[EngineLoad], seq: list[int], tok: list[int], hbm: list[int] | None):
+    out = []
+    for i, x in enumerate(loads):
+        free = x.free_hbm_tokens if hbm is None else hbm[i]
+        if seq[i] != x.seq_e or tok[i] != x.tok_e or free != x.free_hbm_tokens:
+            x = dataclasses.replace(x, seq_e=seq[i], tok_e=tok[i], free_hbm_tokens=free)
+        out.append(x)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- PE (Algorithm 1)
+
+
+def pe_class(load: EngineLoad, alpha: float, beta: float) -> int:
+    """1: overloaded (`tok_e > beta`); 2: short read queue (`read_q <= alpha`); 3: long."""
+    if load.tok_e > beta:
+        return 1
+    return 2 if load.read_q <= alpha else 3
+
+
+def pe_fetch(
+    queue: Iterable[Request], pes: Sequence[EngineLoad], *, alpha: float, beta: float
+) -> FetchResult:
+    """Algorithm 1 for one PE group fetch.
+
+    `queue`: the waiting queue from its head (only the consumed head is iterated); `pes`: the
+    group's loads. Returns the assigned head of the queue with each request's PE and the loads
+    with `seq_e`/`tok_e` updated.
+    """
+    n = len(pes)
+    tok = [x.tok_e for x in pes]
+    seq = [x.seq_e for x in pes]
+    short = [x.read_q <= alpha for x in pes]
+    assigned: list[tuple[Request, int]] = []
+    for r in queue:
+        best = -1
+        best_short = False
+        best_tok = 0
+        for i in range(n):
+            t = tok[i]
+            if t > beta:  # C1
+                continue
+            s = short[i]
+            if best < 0 or (s and not best_short) or (s == best_short and t < best_tok):
+                best, best_short, best_tok = i, s, t
+        if best < 0:  # C2 and C3 empty: terminate the fetch
+            break
+        assigned.append((r, pes[best].engine))
+        tok[best] += r.tokens
+        seq[best] += 1
+    return FetchResult(tuple(assigned), _updated(pes, seq, tok, None))
+
+
+# --------------------------------------------------------------------------- DE phase 1 and 2
+
+
+def de_route(
+    queue: Iterable[Request], group_tok: Mapping[int, int]
+) -> tuple[tuple[tuple[Request, int], ...], dict[int, int]]:
+    """DE phase 1: every queued request to the group with the least total `tok`.
+
+    `group_tok`: group id -> total tokens of the group (its engines' `tok_e` plus its private
+    queue). Returns `(request, group)` in queue order and the updated totals.
+    """
+    if not group_tok:
+        raise ValueError("de_route needs at least one DE group")
+    groups = sorted(group_tok)
+    tot = [group_tok[g] for g in groups]
+    routes: list[tuple[Request, int]] = []
+    for r in queue:
+        best = min(range(len(groups)), key=tot.__getitem__)
+        routes.append((r, groups[best]))
+        tot[best] += r.tokens
+    return tuple(routes), dict(zip(groups, tot))
+
+
+def feasible_head(queue: Iterable[Request], free_hbm_total: int) -> list[Request]:
+    """R: the longest head of the queue whose HBM needs fit in the group's total free HBM."""
+    out: list[Request] = []
+    used = 0
+    for r in queue:
+        used += r.hbm_tokens
+        if used > free_hbm_total:
+            break
+        out.append(r)
+    return out
+
+
+def z_threshold(head: Sequence[Request], des: Sequence[EngineLoad], z_factor: float) -> float:
+    """`Z = z_factor * (sum_{r in R} len_r + sum_e tok_e) / |E|`."""
+    if not des:
+        raise ValueError("Z is undefined for an empty DE group")
+    return z_factor * (sum(r.tokens for r in head) + sum(x.tok_e for x in des)) / len(des)
+
+
+def de_fetch(
+    queue: Iterable[Request], des: Sequence[EngineLoad], *, z_factor: float
+) -> FetchResult:
+    """DE phase 2 for one group: assign the head of its private queue to DEs, FIFO.
+
+    Returns the assigned head (`(request, DE)`), the loads with `seq_e`, `tok_e` and
+    `free_hbm_tokens` updated, and Z in `FetchResult.z`.
+    """
+    n = len(des)
+    if n == 0:
+        return FetchResult((), (), z=0.0)
+    head = feasible_head(queue, sum(max(0, x.free_hbm_tokens) for x in des))
+    z = z_threshold(head, des, z_factor)
+    tok = [x.tok_e for x in des]
+    seq = [x.seq_e for x in des]
+    hbm = [x.free_hbm_tokens for x in des]
+    assigned: list[tuple[Request, int]] = []
+    for r in head:
+        need, length = r.hbm_tokens, r.tokens
+        low = high = -1
+        for i in range(n):
+            if hbm[i] < need:
+                continue
+            if tok[i] + length <= z:
+                if low < 0 or seq[i] < seq[low] or (seq[i] == seq[low] and tok[i] < tok[low]):
+                    low = i
+            elif high < 0 or tok[i] < tok[high]:
+                high = i
+        best = low if low >= 0 else high
+        if best < 0:  # no DE has room for the head: the fetch ends
+            break
+        assigned.append((r, des[best].engine))
+        tok[best] += length
+        seq[best] += 1
+        hbm[best] -= need
+    return FetchResult(tuple(assigned), _updated(des, seq, tok, hbm), z=z)
+
+
+# --------------------------------------------------------------------------- read path
+
+
+def choose_read_path(pe_read_q: float, de_read_q: float) -> ReadPath:
+    """The side whose node has the shorter read queue; a tie reads on the PE side."""
+    return ReadPath.PE if pe_read_q <= de_read_q else ReadPath.DE
+
+
+def split_blocks(
+    n_blocks: int,
+    pe_read_q: float,
+    de_read_q: float,
+    *,
+    block_tokens: int,
+    pe_read_rate: float = 1.0,
+    de_read_rate: float = 1.0,
+) -> tuple[int, int]:
+    """Divides `n_blocks` hit blocks so both read queues drain at the same time.
+
+    With `x` blocks on the PE side: `(q_pe + x*bt)/r_pe == (q_de + (n-x)*bt)/r_de`, solved for x,
+    rounded to whole blocks and clamped to `[0, n]`. Returns `(pe_blocks, de_blocks)`.
+    """
+    if n_blocks <= 0:
+        return 0, 0
+    if pe_read_rate <= 0 or de_read_rate <= 0:
+        raise ValueError("read rates must be positive")
+    x = (pe_read_rate * (de_read_q + n_blocks * block_tokens) - de_read_rate * pe_read_q) / (
+        block_tokens * (pe_read_rate + de_read_rate)
+    )
+    pe_blocks = min(n_blocks, max(0, int(x + 0.5)))
+    return pe_blocks, n_blocks - pe_blocks
+
+
+def _split_tokens(r: Request, pe_blocks: int, block_tokens: int) -> tuple[int, int]:
+    pe_tok = min(r.cached_tokens, pe_blocks * block_tokens)
+    return pe_tok, r.cached_tokens - pe_tok
+
+
+def assign_paths(
+    pairs: Iterable[tuple[Request, int, int]],
+    pe_node: Mapping[int, int],
+    de_node: Mapping[int, int],
+    read_q: Mapping[int, int],
+    *,
+    mode: str,
+    block_tokens: int,
+    pe_read_rate: float = 1.0,
+    de_read_rate: float = 1.0,
+) -> tuple[tuple[Assignment, ...], dict[int, int]]:
+    """Chooses the read side of each `(request, PE, DE)` in order.
+
+    `mode`: "shorter" (the paper), "pe" (always the PE side), "split", or "none" (Oracle).
+    `read_q`: node -> read queue in tokens; each decision adds the request's hit tokens to the
+    queue of the node that reads them, so later requests see it. Returns the assignments and the
+    updated queues.
+    """
+    if mode not in ("shorter", "pe", "split", "none"):
+        raise ValueError(f"unknown read path mode {mode!r}")
+    q = dict(read_q)
+    out: list[Assignment] = []
+    for r, pe, de in pairs:
+        n = r.cached_blocks(block_tokens)
+        pn, dn = pe_node[pe], de_node[de]
+        if n == 0 or mode == "none":
+            out.append(Assignment(r, pe, de, ReadPath.NONE))
+            continue
+        qp, qd = q.get(pn, 0), q.get(dn, 0)
+        if mode == "pe":
+            pb, db = n, 0
+        elif mode == "shorter":
+            pb, db = (n, 0) if choose_read_path(qp, qd) is ReadPath.PE else (0, n)
+        else:
+            pb, db = split_blocks(
+                n,
+                qp,
+                qd,
+                block_tokens=block_tokens,
+                pe_read_rate=pe_read_rate,
+                de_read_rate=de_read_rate,
+            )
+        path = ReadPath.PE if db == 0 else ReadPath.DE if pb == 0 else ReadPath.SPLIT
+        pt, dt = _split_tokens(r, pb, block_tokens)
+        q[pn] = qp + pt
+        q[dn] = q.get(dn, 0) + dt
+        out.append(Assignment(r, pe, de, path, pb, db))
+    return tuple(out), q
+
+
+# --------------------------------------------------------------------------- round robin
+
+
+def rr_pe_fetch(
+    queue: Iterable[Request], pes: Sequence[EngineLoad], *, beta: float, cursor: int = 0
+) -> FetchResult:
+    """Round robin over the group's PEs, skipping overloaded ones (`tok_e > beta`); FIFO."""
+    n = len(pes)
+    tok = [x.tok_e for x in pes]
+    seq = [x.seq_e for x in pes]
+    assigned: list[tuple[Request, int]] = []
+    if n:
+        for r in queue:
+            for k in range(n):
+                i = (cursor + k) % n
+                if tok[i] <= beta:
+                    break
+            else:
+                break
+            assigned.append((r, pes[i].engine))
+            tok[i] += r.tokens
+            seq[i] += 1
+            cursor = (i + 1) % n
+    return FetchResult(tuple(assigned), _updated(pes, seq, tok, None), cursor=cursor)
+
+
+def rr_de_route(
+    queue: Iterable[Request], groups: Sequence[int], *, cursor: int = 0
+) -> tuple[tuple[tuple[Request, int], ...], int]:
+    """Round robin of the DE global queue over the groups. Returns routes and the next cursor."""
+    if not groups:
+        raise ValueError("rr_de_route needs at least one DE group")
+    routes = []
+    for r in queue:
+        routes.append((r, groups[cursor % len(groups)]))
+        cursor = (cursor + 1) % len(groups)
+    return tuple(routes), cursor
+
+
+def rr_de_fetch(
+    queue: Iterable[Request], des: Sequence[EngineLoad], *, cursor: int = 0
+) -> FetchResult:
+    """Round robin over the group's DEs that have room for the head; stops when none has."""
+    n = len(des)
+    tok = [x.tok_e for x in des]
+    seq = [x.seq_e for x in des]
+    hbm = [x.free_hbm_tokens for x in des]
+    assigned: list[tuple[Request, int]] = []
+    if n:
+        for r in queue:
+            need = r.hbm_tokens
+            for k in range(n):
+                i = (cursor + k) % n
+                if hbm[i] >= need:
+                    break
+            else:
+                break
+            assigned.append((r, des[i].engine))
+            tok[i] += r.tokens
+            seq[i] += 1
+            hbm[i] -= need
+            cursor = (i + 1) % n
+    return FetchResult(tuple(assigned), _updated(des, seq, tok, hbm), cursor=cursor)

@@ -1,0 +1,163 @@
+"""Intra-engine scheduling (paper section 6.2): forward batches of a PE, admission of a DE.
+
+PE: each forward batch is a list of `(cached, bsz)` pairs (the paper's `(hit_len, miss)`):
+`cached` tokens of the request already have KV (storage hit or earlier chunks), `bsz` new tokens
+are computed in this batch. Requests are packed FIFO while the predicted attention-layer time
+stays within the compute quota; the request that would overflow is cut by binary search to the
+largest `bsz'` that still fits (chunked prefill) and its remainder goes first next time. A batch
+never exceeds the quota, except one made of a single request cut to one token, which must run
+for the engine to make progress.
+
+DE: every admitted request joins the decode batch; admission is FIFO by free HBM and free slots.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+
+AttentionTime = Callable[[Sequence[tuple[int, int]]], float]
+"""Predicted attention-layer time (seconds) of a batch of `(cached, bsz)` pairs; must not
+decrease when any `bsz` grows."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingPrefill:
+    """What is left to prefill of one request on a PE: `new` tokens after `cached` ones."""
+
+    request_id: str
+    cached: int
+    new: int
+
+    def __post_init__(self) -> None:
+        if self.cached < 0 or self.new < 1:
+            raise ValueError(f"{self.request_id}: need cached >= 0 and new >= 1, got {self}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One request's part of a forward batch: compute `bsz` tokens after `cached` ones."""
+
+    request_id: str
+    cached: int
+    bsz: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchPlan:
+    """One forward batch. `taken`: queue items finished by it (all chunks, except a cut last one);
+    `rest`: the cut request's remainder, to be put at the head of the queue; `predicted_s`: the
+    attention-layer time of the batch under the cost model."""
+
+    chunks: tuple[PrefillChunk, ...]
+    taken: int
+    rest: PendingPrefill | None
+    predicted_s: float
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        return tuple((c.cached, c.bsz) for c in self.chunks)
+
+    def finishes(self, request_id: str) -> bool:
+        """Whether this batch computes the request's last prompt token."""
+        return self.rest is None or self.rest.request_id != request_id
+
+
+def pack_prefill_batch(
+    queue: Iterable[PendingPrefill],
+    attention_time: AttentionTime,
+    quota_s: float,
+    *,
+    max_requests: int = 0,
+    max_tokens: int = 0,
+) -> BatchPlan:
+    """FIFO packing under the compute quota with a binary-search cut of the overflowing request.
+
+    `max_requests` / `max_tokens` (0: no limit) cap the batch's requests / new tokens as well.
+    """
+    pairs: list[tuple[int, int]] = []
+    chunks: list[PrefillChunk] = []
+    tokens = 0
+    rest: PendingPrefill | None = None
+    taken = 0
+
+    def fits(cached: int, bsz: int) -> bool:
+        if max_tokens and tokens + bsz > max_tokens:
+            return False
+        return attention_time([*pairs, (cached, bsz)]) <= quota_s
+
+    for item in queue:
+        if max_requests and len(chunks) >= max_requests:
+            break
+        if fits(item.cached, item.new):
+            bsz = item.new
+        else:
+            lo, hi = 0, item.new - 1  # lo fits (or is 0), hi + 1 does not
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(item.cached, mid):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            bsz = lo
+            if bsz == 0:
+                if chunks:
+                    break
+                bsz = 1  # a lone request still makes progress
+        pairs.append((item.cached, bsz))
+        chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
+        tokens += bsz
+        if bsz < item.new:
+            rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
+            break
+        taken += 1
+    predicted = attention_time(pairs) if pairs else 0.0
+    return BatchPlan(tuple(chunks), taken, rest, predicted)
+
+
+class PrefillQueue:
+    """A PE's FIFO of pending prefills; `next_batch` plans one batch and keeps a cut request's
+    remainder at the head. The only state is the deque."""
+
+    def __init__(self) -> None:
+        self._q: collections.deque[PendingPrefill] = collections.deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def add(self, item: PendingPrefill) -> None:
+        self._q.append(item)
+
+    def next_batch(
+        self,
+        attention_time: AttentionTime,
+        quota_s: float,
+        *,
+        max_requests: int = 0,
+        max_tokens: int = 0,
+    ) -> BatchPlan:
+        plan = pack_prefill_batch(
+            self._q, attention_time, quota_s, max_requests=max_requests, max_tokens=max_tokens
+        )
+        for _ in range(plan.taken):
+            self._q.popleft()
+        if plan.rest is not None:
+            self._q.popleft()
+            self._q.appendleft(plan.rest)
+        return plan
+
+
+def admit_decode(
+    waiting: Iterable[tuple[str, int]], *, free_hbm_tokens: int, free_slots: int
+) -> tuple[str, ...]:
+    """DE admission: FIFO over `(request id, KV tokens needed)`; stops at the first request that
+    does not fit the free HBM or slots (no overtaking, so large requests do not starve)."""
+    out = []
+    for rid, need in waiting:
+        if free_slots <= 0 or need > free_hbm_tokens:
+            break
+        out.append(rid)
+        free_slots -= 1
+        free_hbm_tokens -= need
+    return tuple(out)

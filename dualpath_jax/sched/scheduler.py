@@ -1,0 +1,239 @@
+"""`GlobalScheduler`: the thin stateful shell around the inter-engine cores.
+
+The router and the simulator both own one. It holds the queues and the last load report of every
+engine; every decision is delegated to an `InterEnginePolicy` (pure functions).
+
+Request flow (pull based, leaders fetch for their groups):
+
+1. `submit(r)`: `r` enters the DE global queue.
+2. `fetch_de(group, loads)`: DE phase 1 drains the global queue into the groups' private queues;
+   phase 2 gives the head of this group's private queue to its DEs (by free HBM). Each request so
+   placed waits, with its DE, in the PE waiting queue (FIFO in the order DEs took them).
+3. `fetch_pe(group, loads)`: Algorithm 1 gives the head of the PE waiting queue to this group's
+   PEs; with both ends known, the read side is chosen by the nodes' read queues. Returns the
+   finished `Assignment`s.
+
+The DE is chosen first because it must reserve HBM for the whole request before any KV moves,
+and once the PE is known the request can start at once (both read paths need both ends).
+
+Read queues: a load report sets its node's `read_q`; each read decision then adds the hit
+tokens to the reading node's queue until that node reports again, so one fetch does not send
+every request to the same side.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Sequence
+
+from dualpath_jax.config import Policy, SchedulerConfig
+from dualpath_jax.sched.policy import InterEnginePolicy, PolicyName, PolicySpec, make_policy
+from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
+
+
+class QueueFull(RuntimeError):
+    """The scheduler holds `max_queue` requests already; the client should retry later."""
+
+
+class GlobalScheduler:
+    """Queues + last-known loads + an `InterEnginePolicy`. Not thread safe (one router loop)."""
+
+    def __init__(
+        self,
+        policy: SchedulerConfig | Policy | PolicyName | PolicySpec | str | InterEnginePolicy,
+        *,
+        alpha: float = math.inf,
+        beta: float = math.inf,
+        z_factor: float = 1.05,
+        block_tokens: int = 64,
+        pe_read_rate: float = 1.0,
+        de_read_rate: float = 1.0,
+        max_queue: int = 100_000,
+    ) -> None:
+        self.policy = policy if isinstance(policy, InterEnginePolicy) else make_policy(policy)
+        self.alpha = alpha
+        self.beta = beta
+        self.z_factor = z_factor
+        self.block_tokens = block_tokens
+        self.pe_read_rate = pe_read_rate
+        self.de_read_rate = de_read_rate
+        self.max_queue = max_queue
+        self._de_global: collections.deque[Request] = collections.deque()
+        self._de_private: dict[int, collections.deque[Request]] = {}
+        self._private_tok: dict[int, int] = {}
+        self._pe_wait: collections.deque[tuple[Request, int]] = collections.deque()
+        self._pe: dict[int, EngineLoad] = {}
+        self._de: dict[int, EngineLoad] = {}
+        self._read_q: dict[int, int] = {}
+        self._cursor: dict[tuple[str, int], int] = {}
+
+    @classmethod
+    def from_config(
+        cls, cfg: SchedulerConfig, *, alpha: float, beta: float, block_tokens: int = 64, **kw
+    ) -> GlobalScheduler:
+        """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`)."""
+        return cls(
+            cfg,
+            alpha=alpha,
+            beta=beta,
+            z_factor=cfg.z_factor,
+            block_tokens=block_tokens,
+            max_queue=cfg.max_queue,
+            **kw,
+        )
+
+    # ------------------------------------------------------------------ queues
+
+    def __len__(self) -> int:
+        """Requests not yet fully assigned (global + private + PE waiting queues)."""
+        return (
+            len(self._de_global)
+            + sum(len(q) for q in self._de_private.values())
+            + len(self._pe_wait)
+        )
+
+    def submit(self, request: Request) -> None:
+        """Adds a new request at the tail of the DE global queue."""
+        if len(self) >= self.max_queue:
+            raise QueueFull(f"{len(self)} requests queued (max_queue={self.max_queue})")
+        self._de_global.append(request)
+
+    def requeue(self, requests: Iterable[Request]) -> None:
+        """Puts requests back at the head of the DE global queue, in the given order (used when
+        an engine died before finishing them). Never refused."""
+        self._de_global.extendleft(reversed(list(requests)))
+
+    def queued(self) -> dict[str, int]:
+        return {
+            "de_global": len(self._de_global),
+            "de_private": sum(len(q) for q in self._de_private.values()),
+            "pe_waiting": len(self._pe_wait),
+        }
+
+    # ------------------------------------------------------------------ loads
+
+    def report(self, loads: Iterable[EngineLoad], role: str) -> None:
+        """Records load reports ("pe" or "de") without fetching."""
+        if role not in ("pe", "de"):
+            raise ValueError(f"role must be 'pe' or 'de', got {role!r}")
+        table = self._pe if role == "pe" else self._de
+        for x in loads:
+            table[x.engine] = x
+            self._read_q[x.node] = x.read_q
+            if role == "de":
+                self._de_private.setdefault(x.group, collections.deque())
+                self._private_tok.setdefault(x.group, 0)
+
+    def remove_engines(self, engines: Iterable[int]) -> list[Request]:
+        """Forgets dead engines. Requests waiting for a PE with a dead DE, and the private queue
+        of a DE group left with no engine, go back to the head of the global queue; they are
+        also returned. Requests already assigned are the caller's to `requeue`."""
+        dead = set(engines)
+        for e in dead:
+            self._pe.pop(e, None)
+            self._de.pop(e, None)
+        back = [r for r, de in self._pe_wait if de in dead]
+        self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if de not in dead)
+        live_groups = {x.group for x in self._de.values()}
+        for g in [g for g in self._de_private if g not in live_groups]:
+            back.extend(self._de_private.pop(g))
+            self._private_tok.pop(g, None)
+        self.requeue(back)
+        return back
+
+    def view(self) -> ClusterView:
+        """A frozen snapshot of the last-known loads (read queues as currently estimated)."""
+
+        def patched(x: EngineLoad) -> EngineLoad:
+            q = self._read_q.get(x.node, x.read_q)
+            return x if q == x.read_q else _with_read_q(x, q)
+
+        return ClusterView(
+            pe=tuple(patched(x) for x in self._pe.values()),
+            de=tuple(patched(x) for x in self._de.values()),
+            alpha=self.alpha,
+            beta=self.beta,
+            z_factor=self.z_factor,
+            pe_read_rate=self.pe_read_rate,
+            de_read_rate=self.de_read_rate,
+        )
+
+    # ------------------------------------------------------------------ fetches
+
+    def fetch_de(self, group: int, loads: Sequence[EngineLoad]) -> tuple[tuple[Request, int], ...]:
+        """A DE group leader fetches: phase 1 over all known groups, then phase 2 in `group`.
+
+        `loads`: the group's fresh reports. Returns `(request, DE engine)` for the requests this
+        group took; they now wait for a PE.
+        """
+        self.report(loads, "de")
+        if self._de_global:
+            group_tok = dict(self._private_tok)
+            for x in self._de.values():
+                group_tok[x.group] = group_tok.get(x.group, 0) + x.tok_e
+            key = ("de_route", 0)
+            routes, self._cursor[key] = self.policy.de_route(
+                self._de_global, group_tok, cursor=self._cursor.get(key, 0)
+            )
+            self._de_global.clear()
+            for r, g in routes:
+                self._de_private[g].append(r)
+                self._private_tok[g] += r.tokens
+        queue = self._de_private.get(group)
+        if not queue:
+            return ()
+        key = ("de", group)
+        res = self.policy.de_fetch(
+            queue, loads, z_factor=self.z_factor, cursor=self._cursor.get(key, 0)
+        )
+        self._cursor[key] = res.cursor
+        for r, de in res.assigned:
+            queue.popleft()
+            self._private_tok[group] -= r.tokens
+            self._pe_wait.append((r, de))
+        for x in res.loads:
+            self._de[x.engine] = x
+        return res.assigned
+
+    def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
+        """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.
+
+        `loads`: the group's fresh reports. Returns the finished assignments, FIFO.
+        """
+        self.report(loads, "pe")
+        if not self._pe_wait:
+            return ()
+        key = ("pe", group)
+        res = self.policy.pe_fetch(
+            (r for r, _ in self._pe_wait),
+            loads,
+            alpha=self.alpha,
+            beta=self.beta,
+            cursor=self._cursor.get(key, 0),
+        )
+        self._cursor[key] = res.cursor
+        if not res.assigned:
+            return ()
+        pairs = []
+        for _, pe in res.assigned:
+            r, de = self._pe_wait.popleft()
+            pairs.append((r, pe, de))
+        for x in res.loads:
+            self._pe[x.engine] = x
+        pe_node = {x.engine: x.node for x in loads}
+        de_node = {de: self._de[de].node if de in self._de else -1 for _, _, de in pairs}
+        out, self._read_q = self.policy.assign_paths(
+            pairs,
+            pe_node,
+            de_node,
+            self._read_q,
+            block_tokens=self.block_tokens,
+            pe_read_rate=self.pe_read_rate,
+            de_read_rate=self.de_read_rate,
+        )
+        return out
+
+
+def _with_read_q(x: EngineLoad, q: int) -> EngineLoad:
+    return EngineLoad(x.engine, x.node, x.group, x.seq_e, x.tok_e, q, x.free_hbm_tokens)

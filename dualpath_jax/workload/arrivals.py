@@ -1,0 +1,81 @@
+"""Agent arrival schedules: offline (N agents at t=0) and online (Poisson arrivals at APS).
+
+Pure generators over an injected `numpy.random.Generator`; times are seconds from the start of
+the run, so a real clock (router) and a simulated clock (simulator) consume the same schedule.
+Each arrival starts one agent, which replays one trajectory round by round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from dualpath_jax.config import WorkloadConfig
+from dualpath_jax.workload.trace import Trajectory, expand
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    time_s: float
+    agent: int  # index into the agents' trajectory list
+
+
+def offline_arrivals(n_agents: int) -> Iterator[Arrival]:
+    """Every agent starts at t = 0 (offline batch inference; JCT = time until all finish)."""
+    if n_agents < 1:
+        raise ValueError(f"n_agents must be >= 1, got {n_agents}")
+    for i in range(n_agents):
+        yield Arrival(0.0, i)
+
+
+def poisson_arrivals(
+    aps: float,
+    rng: np.random.Generator,
+    *,
+    duration_s: float | None = None,
+    count: int | None = None,
+    start_s: float = 0.0,
+) -> Iterator[Arrival]:
+    """Poisson agent arrivals at `aps` agents per second, until `duration_s` has passed or
+    `count` agents arrived (at least one bound is required). Inter-arrival times are
+    exponential, drawn from `rng` one at a time."""
+    if aps <= 0:
+        raise ValueError(f"aps must be > 0, got {aps}")
+    if duration_s is None and count is None:
+        raise ValueError("poisson_arrivals needs duration_s or count")
+    t = start_s
+    i = 0
+    while count is None or i < count:
+        t += float(rng.exponential(1.0 / aps))
+        if duration_s is not None and t > start_s + duration_s:
+            return
+        yield Arrival(t, i)
+        i += 1
+
+
+def agent_trajectories(
+    trajectories: Sequence[Trajectory],
+    n_agents: int,
+    rng: np.random.Generator,
+    *,
+    max_len: int | None = None,
+) -> list[Trajectory]:
+    """One trajectory per agent: the originals, then appendix A.3 expansions (see `expand`)."""
+    return expand(trajectories, n_agents, rng, max_len=max_len)
+
+
+def schedule(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[Arrival]:
+    """The arrival schedule a `WorkloadConfig` asks for: offline `agents`, or online Poisson
+    arrivals at `aps` for `duration_s` (or `agents` arrivals if `duration_s` is 0)."""
+    if cfg.mode == "offline":
+        return offline_arrivals(cfg.agents)
+    if cfg.mode == "online":
+        return poisson_arrivals(
+            cfg.aps,
+            rng,
+            duration_s=cfg.duration_s or None,
+            count=None if cfg.duration_s else cfg.agents,
+        )
+    raise ValueError(f"workload.mode must be 'offline' or 'online', got {cfg.mode!r}")

@@ -1,0 +1,328 @@
+"""Agent traces: the JSONL format, validation, the appendix A.3 replay rule, expansion, stats.
+
+Trace JSONL (DESIGN.md 4), one trajectory per line:
+`{"id": str, "rounds": [{"append": int | [int, ...], "gen": int}, ...]}`. An int append means
+that many seeded random token ids (`materialize`); a list gives the ids themselves.
+
+Replay (appendix A.3): round i+1 of a trajectory sends the prompt `A_1 G_1 ... A_i G_i A_{i+1}`
+and generates exactly `g_{i+1}` tokens `G_{i+1}`. Everything before `A_{i+1}` was computed in
+earlier rounds, so it is the round's possible cache hit (hits stay within a trajectory).
+More agents than trajectories: `expand` prepends a synthetic round of random tokens with
+`g_1 = 1` to a sampled trajectory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A malformed trace; the message names the line (1-based) and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """`append`: the appended token count or the ids themselves; `gen`: tokens to generate."""
+
+    append: int | tuple[int, ...]
+    gen: int
+
+    @property
+    def append_len(self) -> int:
+        return self.append if isinstance(self.append, int) else len(self.append)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    id: str
+    rounds: tuple[Round, ...]
+
+    @property
+    def total_len(self) -> int:
+        """Tokens of the whole trajectory: sum of every append and every generation."""
+        return sum(r.append_len + r.gen for r in self.rounds)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnSpec:
+    """Lengths of one replayed round: the prompt is `context + append` tokens, of which the
+    first `context` (`A_1 G_1 ... A_{i-1} G_{i-1}`) may hit the cache; generate `gen`."""
+
+    turn: int  # 0-based
+    context: int
+    append: int
+    gen: int
+
+    @property
+    def prompt(self) -> int:
+        return self.context + self.append
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TraceError(f"line {lineno}: {what} must be an int, got {value!r}")
+    if value < minimum:
+        raise TraceError(f"line {lineno}: {what} must be >= {minimum}, got {value}")
+    return value
+
+
+def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = None) -> Trajectory:
+    """One JSONL line -> `Trajectory`, or `TraceError` naming the line and the problem.
+
+    `vocab_size`: when given, explicit token ids must lie in `[0, vocab_size)`.
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TraceError(f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"line {lineno}: expected an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - {"id", "rounds"})
+    if unknown:
+        raise TraceError(f"line {lineno}: unknown key(s) {unknown}; expected 'id' and 'rounds'")
+    tid = obj.get("id")
+    if not isinstance(tid, str) or not tid:
+        raise TraceError(f"line {lineno}: 'id' must be a non-empty string, got {tid!r}")
+    rounds = obj.get("rounds")
+    if not isinstance(rounds, list) or not rounds:
+        raise TraceError(f"line {lineno}: 'rounds' must be a non-empty list (trajectory {tid!r})")
+    out = []
+    for i, rd in enumerate(rounds):
+        where = f"round {i} of {tid!r}"
+        if not isinstance(rd, dict) or set(rd) != {"append", "gen"}:
+            raise TraceError(f"line {lineno}: {where} must be an object with 'append' and 'gen'")
+        gen = _check_int(rd["gen"], f"{where}: 'gen'", lineno, 1)
+        app = rd["append"]
+        if isinstance(app, list):
+            if not app:
+                raise TraceError(f"line {lineno}: {where}: 'append' list is empty")
+            for t in app:
+                _check_int(t, f"{where}: token id", lineno, 0)
+                if vocab_size is not None and t >= vocab_size:
+                    raise TraceError(
+                        f"line {lineno}: {where}: token id {t} >= vocab size {vocab_size}"
+                    )
+            out.append(Round(tuple(app), gen))
+        else:
+            out.append(Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen))
+    return Trajectory(tid, tuple(out))
+
+
+def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[Trajectory]:
+    """Parses JSONL lines (blank lines skipped); ids must be unique."""
+    out: list[Trajectory] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        t = parse_trajectory(line, lineno, vocab_size=vocab_size)
+        if t.id in seen:
+            raise TraceError(f"line {lineno}: duplicate id {t.id!r} (first on line {seen[t.id]})")
+        seen[t.id] = lineno
+        out.append(t)
+    if not out:
+        raise TraceError("the trace has no trajectories")
+    return out
+
+
+def load_trace(path: str | os.PathLike[str], *, vocab_size: int | None = None) -> list[Trajectory]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return parse_trace(f, vocab_size=vocab_size)
+    except TraceError as e:
+        raise TraceError(f"{os.fspath(path)}: {e}") from None
+
+
+def trajectory_to_json(t: Trajectory) -> str:
+    rounds = [
+        {"append": r.append if isinstance(r.append, int) else list(r.append), "gen": r.gen}
+        for r in t.rounds
+    ]
+    return json.dumps({"id": t.id, "rounds": rounds}, separators=(",", ":"))
+
+
+def dump_trace(trajectories: Iterable[Trajectory], path: str | os.PathLike[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for t in trajectories:
+            f.write(trajectory_to_json(t) + "\n")
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def _seed_of(seed: int, *parts: object) -> int:
+    h = hashlib.blake2b(repr((seed, *parts)).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def random_tokens(n: int, vocab_size: int, seed: int, *key: object) -> tuple[int, ...]:
+    """`n` token ids in `[0, vocab_size)`, a pure function of `(seed, *key)`."""
+    rng = np.random.default_rng(_seed_of(seed, *key))
+    return tuple(int(x) for x in rng.integers(0, vocab_size, size=n))
+
+
+def materialize(t: Trajectory, vocab_size: int, seed: int = 0) -> Trajectory:
+    """Replaces every int append by that many random ids (seeded by seed, id and round)."""
+    rounds = tuple(
+        r
+        if not isinstance(r.append, int)
+        else Round(random_tokens(r.append, vocab_size, seed, t.id, i), r.gen)
+        for i, r in enumerate(t.rounds)
+    )
+    return Trajectory(t.id, rounds)
+
+
+def turn_specs(t: Trajectory) -> list[TurnSpec]:
+    """The replay lengths of every round of `t` (appendix A.3)."""
+    out = []
+    context = 0
+    for i, r in enumerate(t.rounds):
+        out.append(TurnSpec(i, context, r.append_len, r.gen))
+        context += r.append_len + r.gen
+    return out
+
+
+def prompt_tokens(t: Trajectory, generated: Sequence[Sequence[int]], turn: int) -> list[int]:
+    """The prompt of round `turn` (0-based): `A_1 G_1 ... A_turn G_turn A_{turn+1}` in 1-based
+    paper terms. `t` must be materialized; `generated[i]` are the `g_i` tokens of round i."""
+    if not 0 <= turn < len(t.rounds):
+        raise IndexError(f"trajectory {t.id!r} has {len(t.rounds)} rounds, no round {turn}")
+    if len(generated) < turn:
+        raise ValueError(
+            f"round {turn} needs the outputs of {turn} earlier rounds, got {len(generated)}"
+        )
+    out: list[int] = []
+    for i in range(turn + 1):
+        app = t.rounds[i].append
+        if isinstance(app, int):
+            raise ValueError(f"trajectory {t.id!r} is not materialized (round {i})")
+        out.extend(app)
+        if i < turn:
+            if len(generated[i]) != t.rounds[i].gen:
+                raise ValueError(
+                    f"round {i} of {t.id!r} must have generated {t.rounds[i].gen} tokens, got {len(generated[i])}"
+                )
+            out.extend(generated[i])
+    return out
+
+
+def truncate(t: Trajectory, max_len: int) -> Trajectory:
+    """Drops the rounds after the first whose end would exceed `max_len` tokens; a first round
+    longer than `max_len` is cut to fit (appends first, keeping at least one generated token)."""
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2, got {max_len}")
+    kept: list[Round] = []
+    total = 0
+    for r in t.rounds:
+        if total + r.append_len + r.gen > max_len:
+            break
+        kept.append(r)
+        total += r.append_len + r.gen
+    if not kept:
+        first = t.rounds[0]
+        gen = min(first.gen, max_len // 2)
+        n = max_len - gen
+        app = n if isinstance(first.append, int) else first.append[:n]
+        kept.append(Round(app, gen))
+    return Trajectory(t.id, tuple(kept))
+
+
+def expand(
+    trajectories: Sequence[Trajectory],
+    n: int,
+    rng: np.random.Generator,
+    *,
+    max_first_append: int = 64,
+    max_len: int | None = None,
+) -> list[Trajectory]:
+    """`n` agent trajectories: the originals first, then (appendix A.3) copies of sampled ones
+    with a synthetic first round of `randint(1, max_first_append)` random tokens and `g_1 = 1`,
+    truncated to `max_len` if given. New ids are `"{id}+x{k}"`."""
+    if not trajectories:
+        raise ValueError("expand needs at least one trajectory")
+    out = list(trajectories[:n])
+    k = 0
+    while len(out) < n:
+        src = trajectories[int(rng.integers(len(trajectories)))]
+        first = Round(int(rng.integers(1, max_first_append + 1)), 1)
+        t = Trajectory(f"{src.id}+x{k}", (first, *src.rounds))
+        out.append(truncate(t, max_len) if max_len else t)
+        k += 1
+    return out
+
+
+# --------------------------------------------------------------------------- stats
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceStats:
+    """Table 2 columns. Turns and Total are per-trajectory means; Append, Gen and Context are
+    per-turn means taken per trajectory and then averaged over trajectories (the reading under
+    which Table 2 is self-consistent: with means pooled over all turns, Total would have to be
+    Turns x (Append + Gen)). `*_pooled` give the means over all turns together."""
+
+    trajectories: int
+    turns: float
+    append: float
+    gen: float
+    total: float
+    context: float
+    hit_rate: float
+    max_total: int
+    append_pooled: float
+    gen_pooled: float
+    context_pooled: float
+
+    def row(self) -> dict[str, float]:
+        return {
+            "Turns": self.turns,
+            "Append": self.append,
+            "Gen": self.gen,
+            "Total": self.total,
+            "Context": self.context,
+            "Hit%": 100 * self.hit_rate,
+        }
+
+
+def trace_stats(trajectories: Sequence[Trajectory]) -> TraceStats:
+    if not trajectories:
+        raise ValueError("no trajectories")
+    turns, app, gen, total, ctx = [], [], [], [], []
+    all_app = all_gen = all_ctx = n_turns = 0
+    for t in trajectories:
+        specs = turn_specs(t)
+        a = sum(s.append for s in specs)
+        g = sum(s.gen for s in specs)
+        c = sum(s.context for s in specs)
+        turns.append(len(specs))
+        app.append(a / len(specs))
+        gen.append(g / len(specs))
+        ctx.append(c / len(specs))
+        total.append(a + g)
+        all_app += a
+        all_gen += g
+        all_ctx += c
+        n_turns += len(specs)
+    context, append = float(np.mean(ctx)), float(np.mean(app))
+    return TraceStats(
+        trajectories=len(trajectories),
+        turns=float(np.mean(turns)),
+        append=append,
+        gen=float(np.mean(gen)),
+        total=float(np.mean(total)),
+        context=context,
+        hit_rate=context / (context + append) if context + append else 0.0,
+        max_total=int(max(total)),
+        append_pooled=all_app / n_turns,
+        gen_pooled=all_gen / n_turns,
+        context_pooled=all_ctx / n_turns,
+    )
