@@ -1,0 +1,282 @@
+"""Checkpoints: orbax save/restore of parameters, and Hugging Face directory import.
+
+`from_pretrained(dir)` reads a Hugging Face format directory (`config.json` + `*.safetensors`) of
+the Qwen2 or DeepSeek-V3 architecture into our `Transformer`, building the model abstractly
+first so that no random weights are materialised. Block-wise FP8 weights (`weight_scale_inv`, as
+DeepSeek ships them) are dequantized to the model dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dualpath_jax.config import ModelConfig, ModelFamily, from_json, to_json
+from dualpath_jax.model.layout import np_dtype
+from dualpath_jax.model.transformer import Transformer
+
+_SUPPORTED = {"Qwen2ForCausalLM": ModelFamily.QWEN2, "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK}
+_CONFIG_NAME = "dualpath_model.json"
+_FP8_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, incomplete or of an unsupported architecture."""
+
+
+# --------------------------------------------------------------------------- orbax
+
+
+def save_params(model: Transformer, directory: str | pathlib.Path) -> pathlib.Path:
+    """Saves the model's parameters with orbax under `directory/params` and its config as JSON."""
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / _CONFIG_NAME).write_text(to_json(model.cfg, indent=1))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / "params", nnx.state(model), force=True)
+    return directory
+
+
+def restore_params(directory: str | pathlib.Path, cfg: ModelConfig | None = None) -> Transformer:
+    """Restores a model saved by `save_params` (config read from the directory unless given)."""
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    if cfg is None:
+        if not (directory / _CONFIG_NAME).is_file():
+            raise CheckpointError(f"{directory}: no {_CONFIG_NAME}; not a saved dualpath_jax model")
+        cfg = from_json(ModelConfig, (directory / _CONFIG_NAME).read_text())
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd, state = nnx.split(abstract)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(directory / "params", state)
+    return nnx.merge(gd, restored)
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
+    """Maps a Hugging Face `config.json` dict of a supported architecture to a ModelConfig."""
+    archs = hf.get("architectures") or []
+    family = next((_SUPPORTED[a] for a in archs if a in _SUPPORTED), None)
+    if family is None:
+        raise CheckpointError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(_SUPPORTED)}"
+        )
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"RoPE scaling {rope_type!r} is not supported (only default RoPE)")
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if hf.get("use_sliding_window"):
+        raise CheckpointError("sliding-window attention is not supported")
+    dt = dtype or {"bfloat16": "bfloat16", "float16": "float16"}.get(
+        str(hf.get("dtype", hf.get("torch_dtype", "float32"))), "float32"
+    )
+    common = dict(
+        name=hf.get("_name_or_path") or hf.get("model_type", family.value),
+        family=family,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        intermediate_size=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 4096),
+        rope_theta=theta,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dtype=dt,
+        kv_dtype=dt,
+    )
+    if family == ModelFamily.QWEN2:
+        return ModelConfig(
+            **common, head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        )
+    if hf.get("attention_bias"):
+        raise CheckpointError("DeepSeek attention_bias=True is not supported")
+    return ModelConfig(
+        **common,
+        head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        qkv_bias=False,
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        n_routed_experts=hf["n_routed_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        n_shared_experts=hf.get("n_shared_experts") or 0,
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        n_group=hf.get("n_group") or 1,
+        topk_group=hf.get("topk_group") or 1,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+    )
+
+
+class _Tensors:
+    """Lazy access to the tensors of all `*.safetensors` files of a directory (numpy)."""
+
+    def __init__(self, directory: pathlib.Path, fp8_block: tuple[int, int] = (128, 128)):
+        from safetensors import safe_open
+
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors files")
+        self._handles = [safe_open(str(f), "np") for f in files]
+        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118
+        self._file = {k: f for f, h in zip(files, self._handles) for k in h.keys()}  # noqa: SIM118
+        self._fp8_block = fp8_block
+
+    def has(self, name: str) -> bool:
+        return name in self._where
+
+    def _read(self, name: str) -> np.ndarray:
+        dt = self._where[name].get_slice(name).get_dtype()
+        if dt in _FP8_DTYPES:  # safetensors' numpy reader knows no float8 dtype
+            return _read_raw(self._file[name], name, np_dtype(_FP8_DTYPES[dt]))
+        return self._where[name].get_tensor(name)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor `name` (block-wise FP8 dequantized to float32), checked against `shape`."""
+        if name not in self._where:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
+        w = self._read(name)
+        scale_name = name + "_scale_inv"
+        if scale_name in self._where:  # block-wise FP8 -> float32
+            s = self._read(scale_name).astype(np.float32)
+            bo, bi = self._fp8_block
+            want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi)) if w.ndim == 2 else None
+            if s.shape != want:
+                raise CheckpointError(
+                    f"tensor {scale_name!r}: shape {s.shape}, expected {want} for a weight of shape"
+                    f" {w.shape} in {bo}x{bi} blocks"
+                )
+            full = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[: w.shape[0], : w.shape[1]]
+            w = w.astype(np.float32) * full
+        if shape is not None and tuple(w.shape) != tuple(shape):
+            raise CheckpointError(f"tensor {name!r}: shape {w.shape}, model expects {tuple(shape)}")
+        return w
+
+
+def _read_raw(path: pathlib.Path, name: str, dtype: np.dtype) -> np.ndarray:
+    """Reads one tensor's bytes from a safetensors file (8-byte header size, JSON header, data)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        info = json.loads(f.read(n))[name]
+        start, end = info["data_offsets"]
+        f.seek(8 + n + start)
+        return np.frombuffer(f.read(end - start), dtype).reshape(info["shape"])
+
+
+def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
+    """Our parameter dict of layer i from HF tensors (torch Linear weights are `[out, in]`)."""
+    p = f"model.layers.{i}."
+    lin = lambda name: t.get(p + name + ".weight").T  # noqa: E731
+    out: dict[str, Any] = {
+        "input_layernorm": {"weight": t.get(p + "input_layernorm.weight")},
+        "post_attention_layernorm": {"weight": t.get(p + "post_attention_layernorm.weight")},
+    }
+    if cfg.family == ModelFamily.QWEN2:
+        attn = {n: {"kernel": lin(f"self_attn.{n}")} for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        if cfg.qkv_bias:
+            for n in ("q_proj", "k_proj", "v_proj"):
+                attn[n]["bias"] = t.get(p + f"self_attn.{n}.bias")
+    else:
+        attn = {
+            "kv_a_proj_with_mqa": {"kernel": lin("self_attn.kv_a_proj_with_mqa")},
+            "kv_a_layernorm": {"weight": t.get(p + "self_attn.kv_a_layernorm.weight")},
+            "o_proj": {"kernel": lin("self_attn.o_proj")},
+        }
+        if cfg.q_lora_rank:
+            attn["q_a_proj"] = {"kernel": lin("self_attn.q_a_proj")}
+            attn["q_a_layernorm"] = {"weight": t.get(p + "self_attn.q_a_layernorm.weight")}
+            attn["q_b_proj"] = {"kernel": lin("self_attn.q_b_proj")}
+        else:
+            attn["q_proj"] = {"kernel": lin("self_attn.q_proj")}
+        kvb = t.get(  # [H * (dn + dv), r]
+            p + "self_attn.kv_b_proj.weight",
+            (cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        )
+        kvb = kvb.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        attn["w_uk"] = kvb[:, : cfg.qk_nope_head_dim].transpose(2, 0, 1)
+        attn["w_uv"] = kvb[:, cfg.qk_nope_head_dim :].transpose(2, 0, 1)
+    out["self_attn"] = attn
+    if cfg.is_moe_layer(i):
+        mlp: dict[str, Any] = {
+            "router": t.get(p + "mlp.gate.weight").astype(np.float32),
+            "e_score_correction_bias": (
+                t.get(p + "mlp.gate.e_score_correction_bias").astype(np.float32)
+                if t.has(p + "mlp.gate.e_score_correction_bias")
+                else np.zeros(cfg.n_routed_experts, np.float32)
+            ),
+        }
+        e, h, mi = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if t.has(p + "mlp.experts.gate_up_proj"):  # fused layout [E, 2I, H], [E, H, I]
+            gu = t.get(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h))
+            mlp["w_gate"] = gu[:, :mi].transpose(0, 2, 1)
+            mlp["w_up"] = gu[:, mi:].transpose(0, 2, 1)
+            mlp["w_down"] = t.get(p + "mlp.experts.down_proj", (e, h, mi)).transpose(0, 2, 1)
+        else:
+            shapes = {"gate_proj": (mi, h), "up_proj": (mi, h), "down_proj": (h, mi)}
+            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+                mlp[ours] = np.stack(
+                    [t.get(p + f"mlp.experts.{j}.{theirs}.weight", shapes[theirs]).T for j in range(e)]
+                )
+        if cfg.n_shared_experts:
+            mlp["shared"] = {
+                n: {"kernel": lin(f"mlp.shared_experts.{n}")} for n in ("gate_proj", "up_proj", "down_proj")
+            }
+    else:
+        mlp = {n: {"kernel": lin(f"mlp.{n}")} for n in ("gate_proj", "up_proj", "down_proj")}
+    out["mlp"] = mlp
+    return out
+
+
+def from_pretrained(directory: str | pathlib.Path, dtype: str | None = None) -> Transformer:
+    """Loads a Hugging Face format directory of Qwen2 or DeepSeek-V3 architecture."""
+    directory = pathlib.Path(directory)
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory}: no config.json")
+    hf = json.loads((directory / "config.json").read_text())
+    cfg = config_from_hf(hf, dtype)
+    block = (hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
+    t = _Tensors(directory, tuple(block))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd, state = nnx.split(abstract)
+    shapes = nnx.to_pure_dict(state)
+    pure: dict[str, Any] = {
+        "embed": {"embedding": t.get("model.embed_tokens.weight")},
+        "head": {"norm": {"weight": t.get("model.norm.weight")}},
+        "layers": {i: _hf_layer(cfg, t, i) for i in range(cfg.num_layers)},
+    }
+    if not cfg.tie_embeddings:
+        pure["head"]["lm_head"] = {"kernel": t.get("lm_head.weight").T}
+    pure = _cast_like(pure, shapes, "")
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(gd, state)
+
+
+def _cast_like(values: Any, shapes: Any, path: str) -> Any:
+    """Checks every tensor against the model's expected shape and casts it to its dtype."""
+    if isinstance(shapes, dict):
+        if not isinstance(values, dict) or set(values) != set(shapes):
+            missing = set(shapes) - set(values if isinstance(values, dict) else {})
+            raise CheckpointError(f"parameters at {path or '/'} do not match the model: missing {missing}")
+        return {k: _cast_like(values[k], shapes[k], f"{path}/{k}") for k in shapes}
+    arr = np.asarray(values)
+    if tuple(arr.shape) != tuple(shapes.shape):
+        raise CheckpointError(f"tensor {path}: shape {arr.shape}, model expects {tuple(shapes.shape)}")
+    return jax.numpy.asarray(arr.astype(np_dtype(str(shapes.dtype))))
+

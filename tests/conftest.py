@@ -1,0 +1,29 @@
+"""Shared test setup: CPU JAX with a persistent compilation cache, and tiny-model fixtures."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache")
+)
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2  # noqa: E402
+
+FAMILIES = {"qwen2": TINY_QWEN2, "deepseek": TINY_DEEPSEEK}
+
+
+@pytest.fixture(scope="session", params=sorted(FAMILIES))
+def tiny_runner(request):
+    """A ModelRunner over a randomly initialised tiny model of each family."""
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+
+    return ModelRunner(init_model(FAMILIES[request.param], seed=0))
