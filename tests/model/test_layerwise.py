@@ -104,7 +104,7 @@ def test_chunked_equals_unchunked(tiny_runner, chunks):
             rows[0, : kv.shape[1]] = kv[i]
             return rows
 
-        res = tiny_runner.prefill_layerwise(batch, load, lambda i, r: emitted.__setitem__(i, r))
+        res = tiny_runner.prefill_layerwise(batch, load, emitted.__setitem__)
         new = np.stack([np.asarray(emitted[i][0, :size]) for i in range(cfg.num_layers)])
         kv = np.concatenate([kv, new], axis=1)
         start += size
