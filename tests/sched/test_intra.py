@@ -1,0 +1,127 @@
+"""Compute-quota packing (paper 6.2) and DE admission."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dualpath_jax.sched.cost import FittedCostModel, summed_keys
+from dualpath_jax.sched.intra import (
+    PendingPrefill,
+    PrefillQueue,
+    admit_decode,
+    pack_prefill_batch,
+)
+
+
+def pair_cost(per_pair: float, per_token: float = 0.0):
+    """A monotone attention-time model: seconds per causal query-key pair (+ per new token)."""
+
+    def f(pairs):
+        return sum(per_pair * summed_keys(c, b) + per_token * b for c, b in pairs)
+
+    return f
+
+
+@st.composite
+def pending(draw):
+    n = draw(st.integers(0, 12))
+    return [
+        PendingPrefill(f"r{i}", draw(st.integers(0, 5000)), draw(st.integers(1, 800)))
+        for i in range(n)
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    pending(),
+    st.floats(1e-9, 1e-6),
+    st.floats(0.0, 1e-4),
+    st.floats(1e-4, 0.5),
+    st.integers(0, 5),
+)
+def test_packing_respects_the_quota_and_cuts_maximally(queue, per_pair, per_token, quota, max_req):
+    cost = pair_cost(per_pair, per_token)
+    plan = pack_prefill_batch(queue, cost, quota, max_requests=max_req)
+    chunks = plan.chunks
+    # FIFO: chunk i is queue item i; all but a cut last one are whole.
+    assert [c.request_id for c in chunks] == [q.request_id for q in queue[: len(chunks)]]
+    for c, q in zip(chunks, queue):
+        assert c.cached == q.cached and 1 <= c.bsz <= q.new
+    assert all(c.bsz == q.new for c, q in zip(chunks[: plan.taken], queue))
+    if max_req:
+        assert len(chunks) <= max_req
+    # The quota holds, except for one request that cannot be cut below one token.
+    if cost(plan.pairs) > quota:
+        assert len(chunks) == 1 and chunks[0].bsz == 1
+    assert plan.predicted_s == pytest.approx(cost(plan.pairs))
+    if plan.rest is not None:
+        last, q = chunks[-1], queue[len(chunks) - 1]
+        assert plan.rest == PendingPrefill(q.request_id, q.cached + last.bsz, q.new - last.bsz)
+        assert plan.taken == len(chunks) - 1
+        # bsz' is the largest that fits: one more token overflows (unless forced to 1).
+        bigger = [*plan.pairs[:-1], (last.cached, last.bsz + 1)]
+        assert cost(bigger) > quota or (len(chunks) == 1 and last.bsz == 1)
+    else:
+        assert plan.taken == len(chunks)
+        if len(chunks) < len(queue) and (not max_req or len(chunks) < max_req):
+            # Stopped without a cut: not even one token of the next request fits.
+            nxt = queue[len(chunks)]
+            assert chunks and cost([*plan.pairs, (nxt.cached, 1)]) > quota
+    assert pack_prefill_batch(queue, cost, quota, max_requests=max_req) == plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(pending(), st.floats(1e-3, 0.3))
+def test_prefill_queue_conserves_tokens_and_puts_the_rest_first(queue, quota):
+    q = PrefillQueue()
+    for item in queue:
+        q.add(item)
+    cost = pair_cost(1e-7)
+    computed: dict[str, int] = {}
+    order = []
+    for _ in range(10_000):
+        if not len(q):
+            break
+        plan = q.next_batch(cost, quota)
+        assert plan.chunks
+        for c in plan.chunks:
+            # KV is computed in order: each chunk starts where the previous one ended.
+            want = next(x.cached for x in queue if x.request_id == c.request_id)
+            assert c.cached == want + computed.get(c.request_id, 0)
+            computed[c.request_id] = computed.get(c.request_id, 0) + c.bsz
+            if not order or order[-1] != c.request_id:
+                order.append(c.request_id)
+    assert not len(q)
+    assert computed == {x.request_id: x.new for x in queue}
+    assert order == [x.request_id for x in queue]  # a cut request finishes before the next
+
+
+def test_max_tokens_caps_the_batch():
+    queue = [PendingPrefill("a", 0, 100), PendingPrefill("b", 0, 100)]
+    plan = pack_prefill_batch(queue, pair_cost(0.0), 1.0, max_tokens=150)
+    assert plan.pairs == ((0, 100), (0, 50))
+    assert plan.rest == PendingPrefill("b", 50, 50)
+
+
+def test_fitted_model_as_the_quota_oracle():
+    fitted = FittedCostModel(prefill=(0.01, 1e-4, 1e-8))
+    queue = [PendingPrefill("a", 10_000, 2_000), PendingPrefill("b", 0, 50_000)]
+    plan = pack_prefill_batch(queue, fitted.attention_time, 0.3)
+    assert plan.taken == 1 and plan.rest is not None
+    assert fitted.attention_time(plan.pairs) <= 0.3
+
+
+def test_pending_prefill_needs_a_new_token():
+    with pytest.raises(ValueError):
+        PendingPrefill("x", 10, 0)
+
+
+def test_admit_decode_is_fifo_by_hbm_and_slots():
+    waiting = [("a", 100), ("b", 300), ("c", 50)]
+    assert admit_decode(waiting, free_hbm_tokens=1000, free_slots=8) == ("a", "b", "c")
+    # "b" does not fit, and "c" may not overtake it.
+    assert admit_decode(waiting, free_hbm_tokens=350, free_slots=8) == ("a",)
+    assert admit_decode(waiting, free_hbm_tokens=1000, free_slots=2) == ("a", "b")
+    assert admit_decode(waiting, free_hbm_tokens=1000, free_slots=0) == ()
