@@ -24,7 +24,7 @@ import statistics
 import numpy as np
 
 from dualpath_jax.config import WorkloadConfig
-from dualpath_jax.workload.trace import Round, Trajectory, truncate
+from dualpath_jax.workload.trace import Round, Trajectory, load_trace, truncate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +178,15 @@ def generate(
     return out
 
 
-def from_config(cfg: WorkloadConfig) -> list[Trajectory]:
-    """The synthetic trajectories a `WorkloadConfig` asks for (`preset`, `trajectories`,
-    `seed`, the three scales and `max_len`)."""
+def from_config(cfg: WorkloadConfig, *, vocab_size: int | None = None) -> list[Trajectory]:
+    """The trajectories a `WorkloadConfig` asks for: the JSONL file `trace` if set (validated,
+    token ids checked against `vocab_size`, truncated at `max_len` if set), else `trajectories`
+    synthetic ones of `preset` with the three scales and `max_len`."""
+    if cfg.trace:
+        trajs = load_trace(cfg.trace, vocab_size=vocab_size)
+        if cfg.max_len:
+            trajs = [truncate(t, cfg.max_len) if t.total_len > cfg.max_len else t for t in trajs]
+        return trajs
     return generate(
         cfg.preset,
         cfg.trajectories,

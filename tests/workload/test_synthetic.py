@@ -15,7 +15,7 @@ from dualpath_jax.workload.arrivals import (
     schedule,
 )
 from dualpath_jax.workload.synthetic import PRESETS, from_config, generate
-from dualpath_jax.workload.trace import trace_stats
+from dualpath_jax.workload.trace import TraceError, dump_trace, trace_stats
 
 
 @pytest.mark.parametrize("name", ["32k", "48k", "64k"])
@@ -74,6 +74,18 @@ def test_from_config():
     assert len(trajs) == 7 and max(t.total_len for t in trajs) <= 48 * 1024 // 4
     with pytest.raises(KeyError, match="unknown trace preset"):
         from_config(dataclasses.replace(cfg, preset="128k"))
+
+
+def test_from_config_reads_a_trace_file(tmp_path):
+    p = tmp_path / "t.jsonl"
+    dump_trace(generate("32k", 3, seed=0), p)
+    cfg = WorkloadConfig(trace=str(p), max_len=1000)
+    trajs = from_config(cfg)
+    assert [t.id for t in trajs] == ["32k-0-0", "32k-0-1", "32k-0-2"]
+    assert max(t.total_len for t in trajs) <= 1000
+    p.write_text('{"id": "a", "rounds": [{"append": [300], "gen": 1}]}\n')
+    with pytest.raises(TraceError, match="line 1: .*token id 300 >= vocab size 257"):
+        from_config(cfg, vocab_size=257)
 
 
 def test_offline_and_poisson_arrivals():
