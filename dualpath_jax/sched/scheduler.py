@@ -168,7 +168,7 @@ class GlobalScheduler:
         group took; they now wait for a PE.
         """
         self.report(loads, "de")
-        if self._de_global:
+        if self._de_global and self._private_tok:
             group_tok = dict(self._private_tok)
             for x in self._de.values():
                 group_tok[x.group] = group_tok.get(x.group, 0) + x.tok_e
