@@ -1,0 +1,246 @@
+"""orbax save/restore of parameters, and Hugging Face directories that `from_pretrained` refuses.
+
+The comparison against transformers' own models is in test_hf.py (marker `hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dualpath_jax.model.checkpoint import (
+    CheckpointError,
+    config_from_hf,
+    from_pretrained,
+    restore_params,
+    save_params,
+)
+from dualpath_jax.model.layers import Buffer
+from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.transformer import init_model
+
+PROMPTS = [[3, 141, 59, 26, 5, 35, 89, 79, 32], [256, 0, 17]]
+CONFIGS = {
+    "qwen2": TINY_QWEN2,
+    "deepseek": TINY_DEEPSEEK,
+    "qwen2_bf16_tied": dataclasses.replace(
+        TINY_QWEN2, num_layers=2, dtype="bfloat16", kv_dtype="bfloat16", tie_embeddings=True
+    ),
+}
+
+
+def perturbed_model(cfg, seed: int):
+    """A random model whose every leaf (norm weights, biases, router biases too) is off its
+    initial value, so that a restore that fell back to initial values would show."""
+    gd, state = nnx.split(init_model(cfg, seed))
+    rs = np.random.RandomState(seed)
+    noisy = lambda x: jnp.asarray(  # noqa: E731
+        (np.asarray(x, np.float32) + 0.1 * rs.standard_normal(x.shape)).astype(x.dtype)
+    )
+    return nnx.merge(gd, jax.tree.map(noisy, state))
+
+
+def flat_params(model) -> dict:
+    return nnx.traversals.flatten_mapping(nnx.to_pure_dict(nnx.state(model)))
+
+
+def all_logits(model) -> np.ndarray:
+    runner = ModelRunner(model)
+    result, _ = runner.prefill_monolithic(
+        PrefillBatch.build(runner.cfg, PROMPTS, [0] * len(PROMPTS)), all_logits=True
+    )
+    return np.asarray(result.logits)
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def saved(request, tmp_path_factory):
+    """(model, directory it was saved to), once per config."""
+    model = perturbed_model(CONFIGS[request.param], seed=7)
+    return model, save_params(model, tmp_path_factory.mktemp(request.param))
+
+
+# --------------------------------------------------------------------------- orbax
+
+
+def test_round_trip_is_bitwise(saved):
+    model, path = saved
+    restored = restore_params(path)
+    assert restored.cfg == model.cfg
+    want, got = flat_params(model), flat_params(restored)
+    assert got.keys() == want.keys()
+    for k in want:
+        a, b = np.asarray(want[k]), np.asarray(got[k])
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(k))
+    # Variable kinds survive too (the router's bias stays a non-trainable Buffer).
+    kinds = lambda m: {p: type(v) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
+    assert kinds(restored) == kinds(model)
+    assert (Buffer in kinds(model).values()) == model.cfg.is_mla
+
+
+def test_round_trip_logits_identical(saved):
+    model, path = saved
+    want = all_logits(model)
+    assert np.isfinite(want).all() and want.std() > 0.1
+    np.testing.assert_array_equal(all_logits(restore_params(path)), want)
+
+
+def test_restore_without_config_file(saved, tmp_path):
+    model, path = saved
+    copy = shutil.copytree(path, tmp_path / "ckpt")
+    (copy / "dualpath_model.json").unlink()
+    with pytest.raises(CheckpointError, match="dualpath_model.json"):
+        restore_params(copy)
+    # Given the config explicitly, the parameters alone are enough.
+    np.testing.assert_array_equal(all_logits(restore_params(copy, model.cfg)), all_logits(model))
+
+
+def test_restore_empty_directory(tmp_path):
+    with pytest.raises(CheckpointError, match="not a saved dualpath_jax model"):
+        restore_params(tmp_path)
+
+
+def test_save_overwrites(tmp_path):
+    cfg = CONFIGS["qwen2"]
+    save_params(perturbed_model(cfg, seed=1), tmp_path)
+    second = perturbed_model(cfg, seed=2)
+    save_params(second, tmp_path)
+    np.testing.assert_array_equal(all_logits(restore_params(tmp_path)), all_logits(second))
+
+
+# --------------------------------------------------------------------------- Hugging Face refusals
+
+# Minimal config.json contents (as transformers writes them) of the two supported architectures.
+HF_QWEN2 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 257,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": False,
+    "dtype": "float32",
+}
+HF_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 257,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "dtype": "bfloat16",
+}
+# DeepSeek-V3's own checkpoints ship this (older spelling) ...
+YARN_SCALING = {
+    "type": "yarn",
+    "factor": 40,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def write_config(path, config: dict):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_supported_configs_map():
+    qwen = config_from_hf(HF_QWEN2)
+    assert (qwen.family.value, qwen.head_dim, qwen.num_kv_heads, qwen.max_seq_len) == (
+        "qwen2",
+        16,
+        2,
+        512,
+    )
+    ds = config_from_hf(HF_DEEPSEEK)
+    assert (ds.family.value, ds.dtype, ds.head_dim, ds.kv_width, ds.q_lora_rank) == (
+        "deepseek",
+        "bfloat16",
+        24,
+        40,
+        24,
+    )
+    assert config_from_hf(HF_DEEPSEEK | {"q_lora_rank": None}).q_lora_rank == 0
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV2ForCausalLM"])
+def test_unsupported_architecture(tmp_path, arch):
+    path = write_config(tmp_path, HF_QWEN2 | {"architectures": [arch]})
+    with pytest.raises(CheckpointError, match=arch):
+        from_pretrained(path)
+
+
+def test_no_architectures_names_the_model_type(tmp_path):
+    config = {k: v for k, v in HF_QWEN2.items() if k != "architectures"} | {"model_type": "llama"}
+    with pytest.raises(CheckpointError, match="llama"):
+        from_pretrained(write_config(tmp_path, config))
+
+
+@pytest.mark.parametrize("config", [HF_QWEN2, HF_DEEPSEEK], ids=["qwen2", "deepseek"])
+def test_directory_without_safetensors(tmp_path, config):
+    path = write_config(tmp_path, config)
+    (path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        from_pretrained(path)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        HF_DEEPSEEK | {"rope_scaling": YARN_SCALING},
+        # ... and transformers 5 writes this.
+        HF_DEEPSEEK
+        | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
+        HF_QWEN2 | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+    ],
+    ids=["deepseek-rope_scaling", "deepseek-rope_parameters", "qwen2-rope_parameters"],
+)
+def test_yarn_rope_scaling(tmp_path, config):
+    with pytest.raises(CheckpointError, match="yarn"):
+        from_pretrained(write_config(tmp_path, config))
+
+
+def test_sliding_window(tmp_path):
+    with pytest.raises(CheckpointError, match="sliding-window"):
+        from_pretrained(
+            write_config(tmp_path, HF_QWEN2 | {"use_sliding_window": True, "sliding_window": 64})
+        )
