@@ -92,6 +92,13 @@ class BlockIndex:
             admitted: list[str] = []
             evicted: list[str] = []
             victims = (k for k in list(self._lru) if self._pins[k] == 0)
+            # Blocks found on a shared root (`touch`) may have pushed usage over the limit.
+            while self.capacity_bytes and self._used > self.capacity_bytes:
+                victim = next(victims, None)
+                if victim is None:
+                    break
+                self._drop(victim)
+                evicted.append(victim)
             for key in new:
                 if self.capacity_bytes:
                     while self._used + nbytes > self.capacity_bytes:

@@ -171,13 +171,14 @@ class BlockStore(abc.ABC):
 
     @contextlib.contextmanager
     def pinned(self, keys: Sequence[str]) -> Iterator[None]:
-        """Pins `keys` for the duration of a `with` block (an in-flight request's hit blocks)."""
+        """Pins `keys` for the duration of a `with` block (an in-flight request's hit blocks);
+        deletions deferred by the pins are done when the block exits."""
         keys = list(keys)
         self.pin(keys)
         try:
             yield
         finally:
-            self.unpin(keys)
+            self.unpin(keys).result()
 
     def __enter__(self) -> BlockStore:
         return self
@@ -278,7 +279,6 @@ class TensorStoreBlockStore(BlockStore):
         try:
             return fut.result(timeout=self.cfg.timeout_s)
         except TimeoutError:
-            fut.cancel()
             raise StoreError(f"{what}: no answer within {self.cfg.timeout_s} s") from None
 
     def _windowed(
@@ -303,8 +303,13 @@ class TensorStoreBlockStore(BlockStore):
                 if not handle(i, key, res):
                     break
         finally:
+            # Let the rest finish rather than cancel them: a cancelled file read can leak its
+            # slot of tensorstore's file_io_concurrency limit, and later reads then never start.
             for _, _, fut in inflight:
-                fut.cancel()
+                try:
+                    fut.result(timeout=self.cfg.timeout_s)
+                except Exception:
+                    pass
 
     def _classify(self, key: str, res: Any) -> tuple[Any, str]:
         """(read result or None, miss reason) of one read; raises StoreError on I/O errors."""
@@ -320,8 +325,12 @@ class TensorStoreBlockStore(BlockStore):
         self._count(checksum_failures=1)
         self.index.remove([key])
         if generation is not None:
-            # Only the bad generation goes: a concurrent rewrite of the key survives.
-            self._kv.write(key_path(key), None, if_equal=generation)
+            # Only the bad generation goes: a concurrent rewrite of the key survives. Waiting
+            # makes the removal visible to this caller's next lookup.
+            try:
+                self._wait(self._kv.write(key_path(key), None, if_equal=generation), f"block {key}")
+            except Exception:  # the block is still reported as a miss; the next read retries
+                pass
         return f"corrupt: {err}"
 
     @staticmethod

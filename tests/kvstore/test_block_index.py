@@ -1,0 +1,95 @@
+"""BlockIndex: LRU order, admission under capacity, pins and trajectory ownership."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dualpath_jax.kvstore import BlockIndex
+
+
+def k(i: int) -> str:
+    return f"{i:032x}"
+
+
+def test_touch_keeps_a_chain_prefix_most_recent():
+    idx = BlockIndex()
+    idx.touch([k(0), k(1), k(2)], 10)
+    assert idx.lru_order() == [k(2), k(1), k(0)]
+    assert idx.blocks == 3 and idx.used_bytes == 30
+    idx.touch([k(2)], 10)
+    assert idx.lru_order() == [k(1), k(0), k(2)]
+
+
+def test_admit_evicts_lru_and_rejects_what_cannot_fit():
+    idx = BlockIndex(capacity_bytes=40)
+    assert idx.admit([k(0), k(1), k(2)], 10) == ([k(0), k(1), k(2)], [])
+    admitted, evicted = idx.admit([k(3), k(4)], 10)
+    assert admitted == [k(3), k(4)] and evicted == [k(2)]  # the oldest chain's tail
+    idx.pin(idx.lru_order())
+    assert idx.admit([k(5)], 10) == ([], [])
+    assert idx.used_bytes == 40
+
+
+def test_admit_takes_the_longest_prefix_that_fits():
+    idx = BlockIndex(capacity_bytes=30)
+    idx.touch([k(9)], 10)
+    idx.pin([k(9)])
+    admitted, evicted = idx.admit([k(0), k(1), k(2), k(3)], 10)
+    assert admitted == [k(0), k(1)] and evicted == []
+
+
+def test_unpin_of_an_unpinned_key_is_an_error():
+    idx = BlockIndex()
+    with pytest.raises(ValueError):
+        idx.unpin([k(0)])
+
+
+def test_doom_waits_for_the_last_pin():
+    idx = BlockIndex()
+    idx.touch([k(0), k(1)], 5)
+    idx.pin([k(0)])
+    idx.pin([k(0)])
+    assert idx.doom([k(0), k(1)]) == [k(1)]
+    assert idx.unpin([k(0)]) == []
+    assert k(0) in idx
+    assert idx.unpin([k(0)]) == [k(0)]
+    assert idx.blocks == 0 and idx.used_bytes == 0
+
+
+def test_release_keeps_keys_another_owner_claims():
+    idx = BlockIndex()
+    idx.touch([k(i) for i in range(4)], 1)
+    idx.claim("a", [k(0), k(1), k(2)])
+    idx.claim("b", [k(0), k(3)])
+    assert sorted(idx.release("a")) == [k(1), k(2)]
+    assert idx.owned_by("a") == set() and idx.owned_by("b") == {k(0), k(3)}
+    assert sorted(idx.release("b")) == [k(0), k(3)]
+    assert idx.release("unknown") == []
+
+
+def test_random_operations_keep_the_invariants():
+    rng = np.random.default_rng(0)
+    idx = BlockIndex(capacity_bytes=50)
+    pins: dict[str, int] = {}
+    for _ in range(2000):
+        op = rng.integers(4)
+        key = k(int(rng.integers(30)))
+        if op == 0:
+            idx.admit([key, k(int(rng.integers(30)))], 10)
+        elif op == 1:
+            idx.pin([key])
+            pins[key] = pins.get(key, 0) + 1
+        elif op == 2 and pins:
+            key = list(pins)[rng.integers(len(pins))]
+            idx.unpin([key])
+            pins[key] -= 1
+            if not pins[key]:
+                del pins[key]
+        else:
+            idx.touch([key], 10)
+        assert idx.used_bytes == 10 * idx.blocks
+        assert all(idx.pinned(p) for p in pins)
+        # Admission never evicts a pinned key: any pinned key that was indexed stays indexed.
+        if op == 0:
+            assert idx.used_bytes <= 50 or all(idx.pinned(x) for x in idx.lru_order())
