@@ -129,6 +129,10 @@ class PrefillQueue:
     def add(self, item: PendingPrefill) -> None:
         self._q.append(item)
 
+    def remove(self, request_id: str) -> None:
+        """Drops a request's pending prefill (it was cancelled)."""
+        self._q = collections.deque(x for x in self._q if x.request_id != request_id)
+
     def next_batch(
         self,
         attention_time: AttentionTime,

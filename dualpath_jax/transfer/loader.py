@@ -1,0 +1,375 @@
+"""DualPathLoader: moves one request's KV along the paper's data paths (DESIGN.md 2.1, Fig. 4).
+
+A request's hit is `n` Full Blocks in chain order. The Assignment splits them: blocks `[0, p)` are
+read on the PE's node (PE read path), blocks `[p, p + d)` on the DE's node (DE read path); the
+SPLIT path has both non-zero. Two halves run in two engine processes and meet on a `KVChannel`:
+
+PE half (`PrefillLoad`, in the prefill engine):
+  1. store -> PE buffer: read blocks `[0, p)` as Full Blocks (SNIC of the PE node, LOW class).
+  2. learn how many of the DE's blocks verified (a tiny message from the DE half) and fix the
+     effective hit `h` (a prefix: a corrupt or missing block ends it; the rest is recomputed).
+  3. per layer, just before the layer runs: PE buffer -> device (H2D) for blocks `[0, min(p, h))`
+     and DE buffer -> PE device over the compute network for blocks `[p, h)` (HIGH class).
+  4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
+     PE-read hit rows (first piece) and the new tokens' rows (HIGH class).
+
+DE half (`DecodeLoad`, in the decode engine):
+  1. reserve the DE buffer for the whole prompt; store -> DE buffer: blocks `[p, p + d)`.
+  2. tell the PE half how many verified; offer each layer's Layer Blocks of them to the PE.
+  3. receive the PE's pieces layer by layer into the DE buffer, merging with its own hit blocks.
+  4. `prompt_kv()` returns the full prompt KV rows `[L, T, W]` for the decode slot (H2D).
+
+Oracle mode moves the same bytes (so tokens stay exact) but charges no link and never waits on
+one, like the paper's Oracle baseline. uuids are derived from (request, part, chunk, layer) so
+both halves agree without a round trip; a pull may be issued before the matching offer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+from collections.abc import Callable, Sequence
+from concurrent import futures
+
+import numpy as np
+
+from dualpath_jax.config import ModelConfig
+from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
+from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes
+from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer.channel import KVChannel, make_uuid
+from dualpath_jax.transfer.readiness import LayerReadiness
+
+
+class Part(enum.IntEnum):
+    """What a uuid carries (the `part` of `make_uuid`)."""
+
+    DE_HITS = 1  # DE half -> PE half: [verified DE blocks]
+    DE_LAYER = 2  # DE half -> PE half: one layer's rows of the DE-read hit blocks
+    PE_PIECE = 3  # PE half -> DE half: [t0, t1, last] of output piece `chunk`
+    PE_LAYER = 4  # PE half -> DE half: one layer's rows of output piece `chunk`
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadJob:
+    """What both halves need to know about one request's KV movement.
+
+    `keys`: the hit blocks' keys (chain order); `pe_blocks`/`de_blocks`: how many of them each
+    side reads (`pe_blocks + de_blocks <= len(keys)`); `prompt_tokens`: the prompt length;
+    engines and nodes name the links to charge; addresses are the two halves' channel addresses.
+    """
+
+    request_id: str
+    keys: tuple[str, ...]
+    pe_blocks: int
+    de_blocks: int
+    prompt_tokens: int
+    pe_engine: str
+    pe_node: str
+    de_engine: str
+    de_node: str
+    pe_address: str
+    de_address: str
+    oracle: bool = False
+    attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
+
+    def __post_init__(self) -> None:
+        if self.pe_blocks < 0 or self.de_blocks < 0 or self.pe_blocks + self.de_blocks > len(self.keys):
+            raise ValueError(
+                f"{self.request_id}: {self.pe_blocks} + {self.de_blocks} read blocks for {len(self.keys)} keys"
+            )
+
+    def uuid(self, part: Part, chunk: int = 0, layer: int = 0) -> int:
+        return make_uuid(self.request_id, layer, int(part) * 100_000 + chunk, epoch=self.attempt)
+
+
+@dataclasses.dataclass
+class LoaderContext:
+    """Per-engine dependencies shared by every load of that engine."""
+
+    cfg: ModelConfig
+    layout: BlockLayout
+    store: BlockStore
+    buffer: HostBufferPool
+    channel: KVChannel
+    traffic: L.TrafficManager | None
+    pool: futures.Executor
+    timeout_s: float = 60.0
+    owners: frozenset[str] | None = None  # links this process charges (None: every link)
+
+    def charge(self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass) -> None:
+        """Charges (and, when emulated, waits for) the links of `path` this process owns: each
+        process charges its own engine's and node's links, so a copy is counted once per link."""
+        if self.traffic is None or job.oracle or not nbytes:
+            return
+        mine = [x for x in path if self.owners is None or x.owner in self.owners]
+        if mine:
+            self.traffic.transfer(mine, nbytes, cls)
+
+    def rows_nbytes(self, tokens: int) -> int:
+        return tokens * self.layout.bytes_per_token_per_layer
+
+
+def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: int) -> np.ndarray:
+    """Layer `layer` of reserved blocks `[first, first + count)` as bytes `[count * bt, bytes]`."""
+    if count == 0:
+        return np.zeros((0, res.block(0).shape[-1] if len(res) else 0), np.uint8)
+    return np.concatenate([res.block(first + j)[layer] for j in range(count)], axis=0)
+
+
+class PrefillLoad:
+    """The PE half of one request's load.
+
+    Lifecycle: `start()` -> `hit_blocks()` (waits for the reads) -> `stream()` -> per forward
+    chunk: `begin_chunk(t0, t1, last)`, then per layer `readiness.wait(i)` (first chunk only),
+    compute, `consumed()`, `send_layer(i, rows)` -> `flush()` -> `close()`.
+    """
+
+    def __init__(self, ctx: LoaderContext, job: LoadJob, lookahead: int = 2):
+        self.ctx, self.job = ctx, job
+        self.readiness = LayerReadiness(ctx.cfg.num_layers, f"{job.request_id}@{job.pe_engine}")
+        self._reads: futures.Future[int] | None = None
+        self._res: BufferReservation | None = None
+        self._consumed = threading.Semaphore(lookahead)
+        self._closed = False
+        self._chunk = 0
+        self._piece = 0
+        self._prefix = 0
+        self._sends: list[futures.Future[None]] = []
+        self.pe_read_bytes = 0
+        self.de_read_blocks = 0
+
+    # 1-2: reads ------------------------------------------------------------------------------
+
+    def start(self) -> PrefillLoad:
+        self._reads = self.ctx.pool.submit(self._read)
+        return self
+
+    def _read(self) -> int:
+        ctx, job = self.ctx, self.job
+        p = job.pe_blocks
+        pe_hits = 0
+        if p:
+            self._res = ctx.buffer.reserve(p, owner=job.request_id, timeout_s=ctx.timeout_s)
+            out = [self._res.block(j) for j in range(p)]
+            got = ctx.store.read_full(job.keys[:p], out=out).result(ctx.timeout_s)
+            pe_hits = got.hits
+            self.pe_read_bytes = pe_hits * ctx.layout.nbytes
+            ctx.charge(job, L.store_read_path(job.pe_node), self.pe_read_bytes, L.TrafficClass.LOW)
+        de_hits = 0
+        if job.de_blocks:
+            (arr,) = ctx.channel.pull(
+                job.de_address, job.uuid(Part.DE_HITS), [((1,), np.int32)], ctx.timeout_s
+            )
+            de_hits = int(np.asarray(arr)[0])
+        self.de_read_blocks = de_hits
+        return pe_hits if pe_hits < p else p + de_hits
+
+    def reads_done(self) -> bool:
+        return self._reads is not None and self._reads.done()
+
+    def hit_blocks(self) -> int:
+        """Effective hit in blocks (a prefix); blocks past it are recomputed."""
+        assert self._reads is not None, "start() first"
+        return self._reads.result(self.ctx.timeout_s)
+
+    # 3: layer streaming --------------------------------------------------------------------
+
+    def stream(self) -> None:
+        """Starts streaming layers into `readiness` (at most `lookahead` layers ahead of the
+        prefill loop, which calls `consumed()` after each layer)."""
+        self.ctx.pool.submit(self._stream)
+
+    def consumed(self) -> None:
+        self._consumed.release()
+
+    def _drop_de_layers(self) -> None:
+        ctx, job = self.ctx, self.job
+        spec = [((self.de_read_blocks * ctx.layout.block_tokens, ctx.layout.bytes_per_token_per_layer), np.uint8)]
+        for i in range(ctx.cfg.num_layers):
+            ctx.channel.pull(job.de_address, job.uuid(Part.DE_LAYER, layer=i), spec, ctx.timeout_s)
+
+    def _stream(self) -> None:
+        ctx, job = self.ctx, self.job
+        try:
+            h = self.hit_blocks()
+            bt = ctx.layout.block_tokens
+            p_used = min(job.pe_blocks, h)
+            d_used = h - p_used
+            if self.de_read_blocks and not d_used:  # the PE side missed first: drop the DE's offers
+                self._drop_de_layers()
+            for i in range(ctx.cfg.num_layers):
+                if h == 0:  # nothing cached: every layer is ready at once
+                    self.readiness.set_ready(i, None)
+                    continue
+                self._consumed.acquire()
+                if self._closed:
+                    return
+                parts = []
+                if p_used:
+                    rows = _block_rows(self._res, 0, p_used, i, bt)
+                    ctx.charge(job, L.h2d_path(job.pe_engine, job.pe_node), rows.nbytes, L.TrafficClass.HIGH)
+                    parts.append(rows)
+                if d_used:
+                    (arr,) = ctx.channel.pull(
+                        job.de_address,
+                        job.uuid(Part.DE_LAYER, layer=i),
+                        [((self.de_read_blocks * bt, ctx.layout.bytes_per_token_per_layer), np.uint8)],
+                        ctx.timeout_s,
+                    )
+                    rows = np.asarray(arr)[: d_used * bt]
+                    ctx.charge(
+                        job,
+                        L.engine_to_engine_path(job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True),
+                        rows.nbytes,
+                        L.TrafficClass.HIGH,
+                    )
+                    parts.append(rows)
+                value = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
+                self.readiness.set_ready(i, None if value is None else bytes_to_kv_rows(value, ctx.cfg))
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the waiter
+            self.readiness.set_error(e)
+
+    # 4: PE -> DE --------------------------------------------------------------------------
+
+    def begin_chunk(self, t0: int, t1: int, last: bool) -> None:
+        """Announces that the next forward computes prompt tokens `[t0, t1)` of this request
+        (`last`: its final chunk). Layer rows follow through `send_layer`."""
+        ctx, job = self.ctx, self.job
+        bt = ctx.layout.block_tokens
+        hit_tokens = min(job.pe_blocks, self.hit_blocks()) * bt
+        self._prefix = 0
+        if self._chunk == 0 and hit_tokens:
+            if t0 == hit_tokens:
+                self._prefix = hit_tokens  # the PE-read hit rows travel with this chunk's rows
+            else:  # split path: the hit rows are not contiguous with the new rows
+                self._offer_piece(0, hit_tokens, False, lambda i: None)
+        self._piece = self._offer_meta(t0 - self._prefix, t1, last)
+
+    def send_layer(self, layer: int, rows) -> None:
+        """Layer `layer`'s KV rows `[t1 - t0, W]` (host or device array) of the current chunk,
+        copied and sent asynchronously."""
+        piece, prefix = self._piece, self._prefix
+        self._sends.append(self.ctx.pool.submit(self._send, piece, layer, rows, prefix))
+
+    def _offer_meta(self, t0: int, t1: int, last: bool) -> int:
+        k = self._chunk
+        self._chunk += 1
+        self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [np.array([t0, t1, int(last)], np.int32)])
+        return k
+
+    def _offer_piece(self, t0: int, t1: int, last: bool, rows_of: Callable[[int], np.ndarray | None]) -> None:
+        k = self._offer_meta(t0, t1, last)
+        for i in range(self.ctx.cfg.num_layers):
+            self._send(k, i, rows_of(i), t1 - t0)
+
+    def _send(self, piece: int, layer: int, rows: np.ndarray | None, prefix: int) -> None:
+        ctx, job = self.ctx, self.job
+        parts = []
+        if prefix:
+            parts.append(_block_rows(self._res, 0, prefix // ctx.layout.block_tokens, layer, ctx.layout.block_tokens))
+        if rows is not None:
+            parts.append(kv_rows_to_bytes(np.asarray(rows)))
+        data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        path = L.engine_to_engine_path(job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False)
+        ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
+        ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), [data])
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Waits until every layer sent so far has been offered; raises a send's error."""
+        for f in self._sends:
+            f.result(timeout_s if timeout_s is not None else self.ctx.timeout_s)
+        self._sends.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self.readiness.cancel()
+        for _ in range(self.ctx.cfg.num_layers):  # wake a streamer waiting for the prefill loop
+            self._consumed.release()
+        if self._res is not None:
+            self._res.release()
+            self._res = None
+
+
+class DecodeLoad:
+    """The DE half of one request's load. Lifecycle: `start()` -> `wait()` (the prompt KV is
+    complete in the DE buffer) -> `prompt_kv()` -> `close()` (frees the DE buffer)."""
+
+    def __init__(self, ctx: LoaderContext, job: LoadJob):
+        self.ctx, self.job = ctx, job
+        bt = ctx.layout.block_tokens
+        self.n_blocks = -(-job.prompt_tokens // bt)
+        self._res: BufferReservation | None = None
+        self._done: futures.Future[None] | None = None
+        self.de_hits = 0
+        self.de_read_bytes = 0
+        self.on_read_done: Callable[[], None] | None = None  # e.g. the node's read queue bookkeeping
+
+    def start(self) -> DecodeLoad:
+        self._res = self.ctx.buffer.reserve(self.n_blocks, owner=self.job.request_id, timeout_s=self.ctx.timeout_s)
+        self._done = self.ctx.pool.submit(self._run)
+        return self
+
+    def _run(self) -> None:
+        ctx, job = self.ctx, self.job
+        bt, p, d = ctx.layout.block_tokens, job.pe_blocks, job.de_blocks
+        res = self._res
+        if d:
+            out = [res.block(p + j) for j in range(d)]
+            got = ctx.store.read_full(job.keys[p : p + d], out=out).result(ctx.timeout_s)
+            self.de_hits = got.hits
+            self.de_read_bytes = got.hits * ctx.layout.nbytes
+            ctx.charge(job, L.store_read_path(job.de_node), self.de_read_bytes, L.TrafficClass.LOW)
+            if self.on_read_done is not None:
+                self.on_read_done()
+            ctx.channel.offer(job.uuid(Part.DE_HITS), [np.array([self.de_hits], np.int32)])
+            if self.de_hits:
+                path = L.engine_to_engine_path(job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True)
+                for i in range(ctx.cfg.num_layers):
+                    rows = _block_rows(res, p, self.de_hits, i, bt)
+                    ctx.charge(job, path, rows.nbytes, L.TrafficClass.HIGH)
+                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [rows])
+        # Receive the PE's pieces into the DE buffer.
+        k, last = 0, False
+        width = ctx.layout.bytes_per_token_per_layer
+        while not last:
+            (meta,) = ctx.channel.pull(job.pe_address, job.uuid(Part.PE_PIECE, k), [((3,), np.int32)], ctx.timeout_s)
+            t0, t1, last_flag = (int(x) for x in np.asarray(meta))
+            last = bool(last_flag)
+            specs = [((t1 - t0, width), np.uint8)]
+            path = L.engine_to_engine_path(job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False)
+            for i in range(ctx.cfg.num_layers):
+                (arr,) = ctx.channel.pull(job.pe_address, job.uuid(Part.PE_LAYER, k, i), specs, ctx.timeout_s)
+                data = np.asarray(arr)
+                ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
+                self._write_rows(i, t0, data)
+            k += 1
+
+    def _write_rows(self, layer: int, t0: int, data: np.ndarray) -> None:
+        bt = self.ctx.layout.block_tokens
+        t = t0
+        while t < t0 + data.shape[0]:
+            b, off = divmod(t, bt)
+            n = min(bt - off, t0 + data.shape[0] - t)
+            self._res.block(b)[layer, off : off + n] = data[t - t0 : t - t0 + n]
+            t += n
+
+    def done(self) -> bool:
+        return self._done is not None and self._done.done()
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        assert self._done is not None, "start() first"
+        self._done.result(timeout_s if timeout_s is not None else self.ctx.timeout_s)
+
+    def prompt_kv(self) -> np.ndarray:
+        """The full prompt's KV rows `[L, prompt_tokens, W]` (a copy out of the DE buffer)."""
+        blocks = np.stack(self._res.blocks())  # [n, L, bt, bytes]
+        flat = blocks.transpose(1, 0, 2, 3).reshape(self.ctx.cfg.num_layers, -1, blocks.shape[-1])
+        return bytes_to_kv_rows(flat[:, : self.job.prompt_tokens], self.ctx.cfg)
+
+    def close(self) -> None:
+        if self._res is not None:
+            self._res.release()
+            self._res = None

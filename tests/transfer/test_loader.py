@@ -1,0 +1,211 @@
+"""The dual-path loader delivers byte-identical KV on every path, and charges each link exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent import futures
+
+import numpy as np
+import pytest
+
+from dualpath_jax.config import HardwareConfig, StoreConfig
+from dualpath_jax.kvstore.buffers import HostBufferPool
+from dualpath_jax.kvstore.identity import block_keys, key_path, model_fingerprint
+from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
+from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
+
+BT = 16
+CFG = TINY_QWEN2
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(init_model(CFG, seed=0))
+
+
+@pytest.fixture(scope="module")
+def prompt_and_kv(runner):
+    """A 70-token prompt (4 full blocks + 6) and its reference KV rows [L, 70, W]."""
+    prompt = np.random.RandomState(0).randint(0, CFG.vocab_size, 70).tolist()
+    _, kv = runner.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
+    return prompt, np.asarray(kv[:, 0, :70])
+
+
+class Cluster:
+    """A PE and a DE half in one process: one store, two buffers, two channels, one
+    TrafficManager (each half charges only its own links)."""
+
+    def __init__(self, hw: HardwareConfig, store_root=None):
+        self.store = open_block_store(StoreConfig(kind="memory", block_tokens=BT), CFG)
+        layout = BlockLayout.for_model(CFG, BT)
+        self.fabric = InProcessFabric()
+        self.traffic = L.TrafficManager(hw)
+        self.pool = futures.ThreadPoolExecutor(16)
+
+        def ctx(name, owners):
+            return LoaderContext(
+                CFG, layout, self.store, HostBufferPool(layout, 64, name),
+                InProcessChannel(self.fabric, name), self.traffic, self.pool, 20.0, frozenset(owners),
+            )
+
+        self.pe = ctx("pe0", {"pe0", "node0"})
+        self.de = ctx("de1", {"de1", "node1"})
+
+    def close(self):
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.traffic.close()
+        self.store.close()
+
+
+def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=False, chunks=None):
+    """Runs both halves of one request; returns (effective hit blocks, the PE's per-layer hit
+    rows, the DE buffer's prompt KV [L, T, W])."""
+    job = LoadJob(
+        "r1", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
+        cluster.pe.channel.address, cluster.de.channel.address, oracle=oracle,
+    )
+    de = DecodeLoad(cluster.de, job).start()
+    pe = PrefillLoad(cluster.pe, job).start()
+    h = pe.hit_blocks()
+    pe.stream()
+    cached = h * BT
+    hit_rows = {}
+    chunks = chunks or [len(prompt) - cached]
+    done_rows: dict[int, list] = {}
+    t = cached
+    for k, size in enumerate(chunks):
+        last = k == len(chunks) - 1
+        batch = PrefillBatch.build(CFG, [prompt[t : t + size]], [t])
+        pe.begin_chunk(t, t + size, last)
+
+        def load(i, batch=batch):
+            if i not in hit_rows:
+                hit_rows[i] = pe.readiness.wait(i, 20.0)
+                pe.consumed()
+            parts = [x for x in [hit_rows[i], *done_rows.get(i, [])] if x is not None]
+            rows = np.zeros((1, batch.c_pad, CFG.kv_width), np.float32)
+            if parts:
+                cat = np.concatenate(parts)
+                rows[0, : cat.shape[0]] = cat
+            return rows
+
+        def emit(i, rows, size=size, last=last):
+            new = np.asarray(rows[0, :size])
+            if not last:
+                done_rows.setdefault(i, []).append(new)
+            pe.send_layer(i, new)
+
+        runner.prefill_layerwise(batch, load if batch.c_pad else None, emit)
+        t += size
+    pe.flush()
+    de.wait(20.0)
+    kv = de.prompt_kv()
+    pe.close()
+    de.close()
+    return h, hit_rows, kv
+
+
+@pytest.fixture()
+def stored(prompt_and_kv):
+    prompt, kv = prompt_and_kv
+    cluster = Cluster(HardwareConfig())
+    keys = block_keys(prompt, BT, model_fingerprint(CFG))  # 4 full blocks
+    blocks = kv_to_full_blocks(kv[:, : 4 * BT], BT)
+    cluster.store.write_full(keys, blocks).result(10)
+    yield cluster, prompt, kv, keys
+    cluster.close()
+
+
+@pytest.mark.parametrize("pe_blocks, de_blocks, path", [(4, 0, "pe"), (0, 4, "de"), (1, 3, "split")])
+def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, path):
+    cluster, prompt, kv, keys = stored
+    h, hit_rows, de_kv = run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks)
+    assert h == 4
+    for i in range(CFG.num_layers):  # the prefill side got exactly the stored hit KV
+        assert hit_rows[i].tobytes() == kv[i, : 4 * BT].tobytes()
+    assert de_kv[:, : 4 * BT].tobytes() == kv[:, : 4 * BT].tobytes()  # DE: hit bytes exact
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)  # and the computed tail matches
+    # Per-link accounting equals the bytes DESIGN 2.1 assigns to this path.
+    per_token = BlockLayout.for_model(CFG, BT).bytes_per_token_per_layer * CFG.num_layers
+    want = L.expected_link_bytes(
+        path, 4 * BT * per_token, (len(prompt) - 4 * BT) * per_token,
+        pe="pe0", de="de1", pe_node="node0", de_node="node1",
+        de_hit_bytes=de_blocks * BT * per_token, decode=False,
+    )
+    got = {lid.name: cluster.traffic.bytes(lid) for lid in cluster.traffic.links()}
+    assert {k: v for k, v in got.items() if v} == want
+
+
+def test_paths_agree_with_each_other_bitwise(stored, runner):
+    cluster, prompt, kv, keys = stored
+    outs = [run_request(cluster, runner, prompt, keys, p, d)[2] for p, d in ((4, 0), (0, 4), (2, 2))]
+    assert outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
+
+
+def test_chunked_prefill_through_the_loader(stored, runner):
+    cluster, prompt, kv, keys = stored
+    _, _, whole = run_request(cluster, runner, prompt, keys, 4, 0)
+    _, _, chunked = run_request(cluster, runner, prompt, keys, 0, 4, chunks=[2, 3, 1])
+    np.testing.assert_allclose(chunked, whole, atol=2e-5)
+
+
+def test_oracle_moves_bytes_but_charges_nothing(stored, runner):
+    cluster, prompt, kv, keys = stored
+    _, _, de_kv = run_request(cluster, runner, prompt, keys, 4, 0, oracle=True)
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)
+    assert all(cluster.traffic.bytes(lid) == 0 for lid in cluster.traffic.links())
+
+
+@pytest.mark.parametrize("corrupt, pe_blocks, de_blocks, want_hit", [(1, 4, 0, 1), (2, 0, 4, 2), (0, 1, 3, 0), (3, 1, 3, 3)])
+def test_bad_block_becomes_a_shorter_hit(stored, runner, corrupt, pe_blocks, de_blocks, want_hit):
+    """A corrupt block ends the hit there; the rest is recomputed and the DE's KV is still right."""
+    cluster, prompt, kv, keys = stored
+    bad = kv_to_full_blocks(kv[:, : 4 * BT], BT)[corrupt].copy()
+    cluster.store.delete([keys[corrupt]]).result(10)
+    # Write garbage under the key through the raw kvstore so that its checksum fails.
+    from dualpath_jax.kvstore.codec import encode_block
+
+    data = bytearray(encode_block(cluster.store.fmt, keys[corrupt], bad))
+    data[-5] ^= 0xFF
+    cluster.store._kv.write(key_path(keys[corrupt]), bytes(data)).result()  # noqa: SLF001
+    h, _, de_kv = run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks)
+    assert h == want_hit
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)
+    assert cluster.store.stats().checksum_failures >= 1
+
+
+def test_errors_reach_the_waiter(stored):
+    cluster, prompt, kv, keys = stored
+    job = LoadJob("r9", tuple(keys), 0, 4, len(prompt), "pe0", "node0", "de1", "node1",
+                  cluster.pe.channel.address, "nowhere")
+    ctx = dataclasses.replace(cluster.pe, timeout_s=0.5)
+    pe = PrefillLoad(ctx, job).start()
+    with pytest.raises(Exception):  # noqa: B017 - the channel's typed error (unknown peer)
+        pe.hit_blocks()
+    pe.stream()
+    with pytest.raises(Exception):  # noqa: B017
+        pe.readiness.wait(0, 5.0)
+    pe.close()
+
+
+def test_emulated_rates_slow_the_store_read(prompt_and_kv, runner):
+    """With an emulated storage NIC the read takes at least bytes / rate (the link's own clock)."""
+    prompt, kv = prompt_and_kv
+    per_block = BlockLayout.for_model(CFG, BT).nbytes
+    hw = HardwareConfig(snic_bytes_per_s=per_block * 20, emulated=True)  # 4 blocks ~ 0.2 s
+    cluster = Cluster(hw)
+    try:
+        keys = block_keys(prompt, BT, model_fingerprint(CFG))
+        cluster.store.write_full(keys, kv_to_full_blocks(kv[:, : 4 * BT], BT)).result(10)
+        h, _, _ = run_request(cluster, runner, prompt, keys, 4, 0)
+        assert h == 4
+        snic = L.LinkId(L.LinkKind.SNIC_RX, "node0")
+        assert cluster.traffic.bytes(snic) == 4 * per_block
+    finally:
+        cluster.close()
