@@ -116,7 +116,7 @@ class HardwareConfig:
     d2h_bytes_per_s: float = 0.0
     dram_bytes_per_s: float = 0.0
     hbm_bytes: float = 0.0  # per engine, for KV (0: derived from the decode slots)
-    dram_buffer_bytes: float = 2**30  # PE/DE host buffer per node
+    dram_buffer_bytes: float = 2**26  # PE/DE host buffer per engine process (KV staging)
     high_weight: float = 99.0  # weighted arbitration HIGH:LOW, like IB virtual lanes
     low_weight: float = 1.0
     emulated: bool = False
@@ -138,6 +138,9 @@ class ClusterConfig:
     decode_slots: int = 8
     decode_max_len: int = 4096  # tokens per decode slot
     prefill_max_batch: int = 8
+    prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
+    fetch_interval_s: float = 0.02  # how often an idle leader engine fetches and heartbeats
+    transfer_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass(frozen=True)

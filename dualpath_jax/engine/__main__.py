@@ -1,0 +1,30 @@
+"""Child-process entry used by `LocalCluster`: `python -m dualpath_jax.engine SPEC_JSON CONFIG_JSON`.
+
+Both arguments are JSON texts (a ProcessSpec and an ExperimentConfig); people start processes
+with `launch/engine.py`, which has flags.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+from dualpath_jax.config import ExperimentConfig, from_json
+from dualpath_jax.engine.process import ProcessSpec, run_process
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 3:
+        raise SystemExit("usage: python -m dualpath_jax.engine SPEC_JSON CONFIG_JSON")
+    spec = ProcessSpec(**json.loads(argv[1]))
+    cfg = from_json(ExperimentConfig, argv[2])
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s {spec.role}{'' if spec.role == 'router' else spec.engine} %(levelname)s %(name)s: %(message)s",
+    )
+    run_process(cfg, spec)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

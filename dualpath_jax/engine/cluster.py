@@ -1,0 +1,155 @@
+"""LocalCluster: a router plus P prefill and D decode engine processes on this host.
+
+    with LocalCluster(cfg, workdir) as cluster:
+        client = cluster.client()
+        ...
+
+Each process is `python -m dualpath_jax.engine SPEC CONFIG` with its own log in `workdir/logs`.
+The cluster waits until every engine has registered, restarts nothing silently, and on exit
+(also on Ctrl-C or a failing test) asks the router to shut down and then ends every process it
+started, by PID. One engine per node: each engine process is a node with its own storage NIC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.engine.process import ProcessSpec
+from dualpath_jax.rollout import Client
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not start (a process died or did not register in time)."""
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        workdir: str | os.PathLike,
+        *,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
+        start_timeout_s: float = 180.0,
+    ):
+        if cfg.hardware.engines_per_node != 1:
+            raise ValueError("LocalCluster runs one engine per node (hardware.engines_per_node=1)")
+        self.cfg = cfg
+        self.workdir = pathlib.Path(workdir).absolute()
+        self.python = python
+        self.env = env
+        self.start_timeout_s = start_timeout_s
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.engine_ids: dict[str, int] = {}
+        self.address = ""
+        self._clients: list[Client] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
+        logs = self.workdir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        p = subprocess.Popen(
+            [self.python, "-m", "dualpath_jax.engine", json.dumps(spec.__dict__), to_json(self.cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,  # Ctrl-C in the parent reaches only the parent; we stop them
+        )
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
+        addr_file = self.workdir / "router.address"
+        addr_file.unlink(missing_ok=True)
+        self._spawn("router", ProcessSpec("router", str(self.workdir), address_file=str(addr_file)))
+        deadline = time.monotonic() + self.start_timeout_s
+        while not addr_file.exists():
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise ClusterError("the router did not start in time; see logs/router.log")
+            time.sleep(0.05)
+        self.address = addr_file.read_text().strip()
+        c = self.cfg.cluster
+        engine = 0
+        for role, count in (("prefill", c.prefill_nodes), ("decode", c.decode_nodes)):
+            for i in range(count):
+                name = f"{'pe' if role == 'prefill' else 'de'}{engine}"
+                group = i // (c.pe_group_size if role == "prefill" else c.de_group_size)
+                spec = ProcessSpec(role, str(self.workdir), self.address, engine, engine, group)
+                self._spawn(name, spec)
+                self.engine_ids[name] = engine
+                engine += 1
+        client = self.client()
+        while True:
+            self._check_alive()
+            engines = client.stats().get("engines", {})
+            if sum(1 for e in engines.values() if e["alive"]) == len(self.engine_ids):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"only {len(engines)} of {len(self.engine_ids)} engines registered")
+            time.sleep(0.1)
+
+    def _check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise ClusterError(f"{name} exited with {p.returncode} during start:\n{tail}")
+
+    def client(self) -> Client:
+        c = Client(self.address, self.cfg.cluster.auth_token)
+        self._clients.append(c)
+        return c
+
+    def kill(self, name: str) -> None:
+        """Kills one engine process (fault injection), e.g. `kill("de1")`."""
+        p = self.procs[name]
+        p.kill()
+        p.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Shuts the router down, then ends every process this cluster started."""
+        if "router" in self.procs and self.procs["router"].poll() is None and self.address:
+            try:
+                c = Client(self.address, self.cfg.cluster.auth_token)
+                c.shutdown(timeout_s=5.0)
+                c.close()
+            except Exception:  # noqa: BLE001 - we kill it below anyway
+                pass
+        for c in self._clients:
+            c.close()
+        self._clients.clear()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

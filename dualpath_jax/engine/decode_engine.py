@@ -1,0 +1,230 @@
+"""The decode engine (DE): gathers prompt KV in the DE buffer, decodes continuously, persists.
+
+Loop (one thread owns the control socket): fetch and heartbeat; start each job's DE half of the
+load (reads its hit blocks, serves them to the PE, receives the PE's rows); once a request's
+prompt KV is complete and its first token has arrived, H2D into a free decode slot and free the
+buffer; step every active slot; a request that has its `gen` tokens persists its new Full Blocks
+(prompt + generated, whole blocks only) to the store and reports its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import queue
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.prefill_engine import job_from_msg
+from dualpath_jax.engine.rpc import RpcClient
+from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.layout import kv_to_full_blocks
+from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Req:
+    msg: M.LoadJobMsg
+    load: DecodeLoad | None
+    first: int = -1
+    hit: int = 0
+    slot: int = -1
+    tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+class DecodeEngine:
+    """One DE with `cluster.decode_slots` slots of `cluster.decode_max_len` tokens."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        engine: int,
+        node: int,
+        group: int,
+        rpc: RpcClient,
+        decoder: Decoder,
+        ctx: LoaderContext,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
+        self.rpc, self.dec, self.ctx, self.clock = rpc, decoder, ctx, clock
+        self.bt = cfg.store.block_tokens
+        self.reqs: dict[str, _Req] = {}
+        self.waiting: list[str] = []  # jobs whose DE buffer could not be reserved yet
+        self.slot_req: dict[int, str] = {}
+        self.outbox: queue.Queue[M.Msg] = queue.Queue()  # messages from worker threads
+        self.stopped = False
+        self.last_fetch = -1e9
+
+    def register(self) -> None:
+        self.rpc.send(
+            M.Register(role="decode", engine=self.engine, node=self.node, group=self.group,
+                       address=self.ctx.channel.address, pid=os.getpid())
+        )
+
+    def run(self) -> None:
+        self.register()
+        while not self.stopped:
+            msg = self.rpc.recv(0 if self.slot_req else 5)
+            while msg is not None:
+                self.handle(msg)
+                msg = self.rpc.recv(0)
+            while not self.outbox.empty():
+                self.rpc.send(self.outbox.get_nowait())
+            now = self.clock()
+            if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
+                self.fetch(now)
+            self.start_waiting()
+            self.admit()
+            if self.slot_req:
+                self.step()
+
+    def fetch(self, now: float) -> None:
+        self.last_fetch = now
+        traffic = self.ctx.traffic
+        c = self.cfg.cluster
+        load = M.Load(
+            read_q=traffic.read_q(f"node{self.node}") if traffic is not None else 0,
+            hbm_capacity_tokens=c.decode_slots * c.decode_max_len,
+            slots=c.decode_slots,
+        )
+        links = json.dumps(traffic.snapshot()) if traffic is not None else ""
+        self.rpc.send(M.Fetch(engine=self.engine, load=load, links=links))
+
+    def handle(self, msg: M.Msg) -> None:
+        match msg:
+            case M.Work(jobs=jobs):
+                for m in jobs:
+                    self.reqs[m.request] = _Req(m, None)
+                    self.waiting.append(m.request)
+                self.start_waiting()
+            case M.FirstToken(request=r, token=t, hit_blocks=h):
+                if r in self.reqs:
+                    self.reqs[r].first, self.reqs[r].hit = t, h
+            case M.Cancel(request=r):
+                self.drop(r)
+            case M.Stop():
+                self.stopped = True
+            case M.Error(kind="stop"):
+                self.stopped = True
+            case M.Ack() | M.Stats():
+                pass
+            case M.Error(message=text):
+                log.warning("router error: %s", text)
+            case _:
+                log.warning("unexpected %s", type(msg).__name__)
+
+    def start_waiting(self) -> None:
+        """Starts the DE half of queued jobs, FIFO, while the DE buffer has room."""
+        while self.waiting:
+            rid = self.waiting[0]
+            r = self.reqs[rid]
+            job = job_from_msg(r.msg)
+            load = DecodeLoad(self.ctx, job)
+            if self.ctx.buffer.free_blocks < load.n_blocks:
+                if load.n_blocks > self.ctx.buffer.capacity_blocks:
+                    self.waiting.pop(0)
+                    self.fail(rid, RuntimeError(f"prompt of {job.prompt_tokens} tokens exceeds the DE buffer"))
+                    continue
+                return  # back-pressure: wait for a release
+            self.waiting.pop(0)
+            traffic = self.ctx.traffic
+            if traffic is not None and job.de_blocks and not job.oracle:
+                traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
+                load.on_read_done = lambda job=job: traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
+            r.load = load.start()
+
+    def drop(self, request: str) -> None:
+        r = self.reqs.pop(request, None)
+        if r is None:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if r.slot >= 0:
+            self.dec.free(r.slot)
+            self.slot_req.pop(r.slot, None)
+        if r.load is not None:
+            r.load.close()
+
+    def fail(self, request: str, exc: BaseException) -> None:
+        log.warning("request %s failed: %s", request, exc)
+        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}"))
+        self.drop(request)
+
+    # ------------------------------------------------------------------ decode
+
+    def admit(self) -> None:
+        free = self.dec.free_slots()
+        for rid, r in list(self.reqs.items()):
+            if not free:
+                return
+            if r.slot >= 0 or r.load is None or r.first < 0 or not r.load.done():
+                continue
+            try:
+                r.load.wait(0)
+                kv = r.load.prompt_kv()
+            except Exception as e:  # noqa: BLE001 - transfer/store failures fail the request
+                self.fail(rid, e)
+                continue
+            job = r.load.job
+            self.ctx.charge(job, L.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH)
+            r.slot = free.pop(0)
+            self.dec.insert(r.slot, kv, job.prompt_tokens, r.first)
+            r.load.close()
+            self.slot_req[r.slot] = rid
+            r.tokens = [r.first]
+            if r.msg.gen == 1:
+                self.complete(r)
+
+    def step(self) -> None:
+        logits = self.dec.step()
+        nxt = np.asarray(logits).argmax(-1).astype(np.int32)
+        for slot, rid in list(self.slot_req.items()):
+            r = self.reqs[rid]
+            r.tokens.append(int(nxt[slot]))
+            if len(r.tokens) == 2:
+                self.rpc.send(M.TokensOut(request=rid, tokens=r.tokens[:2]))
+            if len(r.tokens) >= r.msg.gen:
+                self.complete(r)
+        self.dec.set_next(nxt)
+
+    def complete(self, r: _Req) -> None:
+        """Persists the request's new Full Blocks, then reports its tokens (from a worker, so the
+        next round of the trajectory finds them in the store)."""
+        rid = r.msg.request
+        slot = r.slot
+        fed = r.msg.prompt + r.tokens[:-1]  # every token whose KV exists
+        n_full = len(fed) // self.bt
+        start = min(r.hit, n_full)
+        blocks = None
+        if n_full > start:
+            kv = np.asarray(self.dec.kv[:, slot, start * self.bt : n_full * self.bt])
+            blocks = kv_to_full_blocks(kv, self.bt)
+        self.dec.free(slot)
+        del self.slot_req[slot]
+        del self.reqs[rid]
+        self.ctx.pool.submit(self._persist, r, fed, start, n_full, blocks)
+
+    def _persist(self, r: _Req, fed: list[int], start: int, n_full: int, blocks) -> None:
+        rid = r.msg.request
+        job = job_from_msg(r.msg)
+        try:
+            if blocks is not None:
+                fp = model_fingerprint(self.cfg.model, r.msg.params_version)
+                keys = block_keys(fed[: n_full * self.bt], self.bt, fp)[start:]
+                self.ctx.charge(job, L.persist_path(job.de_engine, job.de_node), blocks.nbytes, L.TrafficClass.LOW)
+                self.ctx.store.write_full(keys, blocks).result(self.ctx.timeout_s)
+            self.outbox.put(M.DecodeDone(request=rid, engine=self.engine, tokens=r.tokens,
+                                         persisted_blocks=n_full - start))
+        except Exception as e:  # noqa: BLE001
+            self.outbox.put(M.Failed(request=rid, engine=self.engine, message=f"store: {e}"))

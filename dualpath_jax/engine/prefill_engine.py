@@ -1,0 +1,272 @@
+"""The prefill engine (PE): intra-engine batching under the compute quota and layerwise prefill.
+
+Loop (one thread owns the control socket): fetch work and heartbeat, start each job's loads,
+move requests whose reads finished into the `PrefillQueue`, and run one forward batch at a time.
+A batch is chosen by `pack_prefill_batch` (FIFO under the compute quota, the overflowing request
+cut by binary search: chunked prefill). In layerwise mode each layer's cached KV is taken from
+the request's `LayerReadiness` just before the layer runs and its new KV goes to the DE right
+after; in `basic` mode (layerwise off) the whole hit is loaded before one monolithic forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.rpc import RpcClient
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
+from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+
+log = logging.getLogger(__name__)
+
+
+def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
+    return LoadJob(
+        request_id=m.request,
+        keys=tuple(m.keys),
+        pe_blocks=m.pe_blocks,
+        de_blocks=m.de_blocks,
+        prompt_tokens=len(m.prompt),
+        pe_engine=f"pe{m.pe_engine}",
+        pe_node=f"node{m.pe_node}",
+        de_engine=f"de{m.de_engine}",
+        de_node=f"node{m.de_node}",
+        pe_address=m.pe_address,
+        de_address=m.de_address,
+        oracle=m.oracle,
+        attempt=m.attempt,
+    )
+
+
+@dataclasses.dataclass
+class _Req:
+    msg: M.LoadJobMsg
+    load: PrefillLoad
+    t_start: float
+    hit: int = -1  # effective hit in blocks, once the reads are done
+    hit_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> [h*bt, W]
+    done_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # earlier chunks' rows
+    t_read: float = 0.0
+
+
+class PrefillEngine:
+    """One PE. `attention_time(pairs)` predicts a batch's attention-layer seconds."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        engine: int,
+        node: int,
+        group: int,
+        rpc: RpcClient,
+        runner: ModelRunner,
+        ctx: LoaderContext,
+        attention_time: Callable[[Sequence[tuple[int, int]]], float],
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
+        self.rpc, self.runner, self.ctx = rpc, runner, ctx
+        self.attention_time = attention_time
+        self.clock = clock
+        self.bt = cfg.store.block_tokens
+        self.reqs: dict[str, _Req] = {}
+        self.reading: list[str] = []
+        self.queue = PrefillQueue()
+        self.stopped = False
+        self.last_fetch = -1e9
+
+    # ------------------------------------------------------------------ loop
+
+    def register(self) -> None:
+        self.rpc.send(
+            M.Register(role="prefill", engine=self.engine, node=self.node, group=self.group,
+                       address=self.ctx.channel.address, pid=os.getpid())
+        )
+
+    def run(self) -> None:
+        self.register()
+        while not self.stopped:
+            busy = bool(len(self.queue))
+            msg = self.rpc.recv(0 if busy else 5)
+            while msg is not None:
+                self.handle(msg)
+                msg = self.rpc.recv(0)
+            self.poll_reads()
+            now = self.clock()
+            if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
+                self.fetch(now)
+            if len(self.queue):
+                self.run_batch()
+
+    def fetch(self, now: float) -> None:
+        self.last_fetch = now
+        traffic = self.ctx.traffic
+        read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
+        links = traffic.snapshot() if traffic is not None else {}
+        self.rpc.send(M.Fetch(engine=self.engine, load=M.Load(read_q=read_q), links=json.dumps(links)))
+
+    def handle(self, msg: M.Msg) -> None:
+        match msg:
+            case M.Work(jobs=jobs):
+                for m in jobs:
+                    self.start(m)
+            case M.Cancel(request=r):
+                self.drop(r)
+            case M.Stop():
+                self.stopped = True
+            case M.Ack() | M.Stats():
+                pass
+            case M.Error(kind="stop"):
+                self.stopped = True
+            case M.Error(message=text):
+                log.warning("router error: %s", text)
+            case _:
+                log.warning("unexpected %s", type(msg).__name__)
+
+    def start(self, m: M.LoadJobMsg) -> None:
+        job = job_from_msg(m)
+        traffic = self.ctx.traffic
+        if traffic is not None and job.pe_blocks and not job.oracle:
+            traffic.read_queue_add(job.pe_node, job.pe_blocks * self.bt)
+        load = PrefillLoad(self.ctx, job).start()
+        self.reqs[m.request] = _Req(m, load, self.clock())
+        self.reading.append(m.request)
+
+    def drop(self, request: str) -> None:
+        r = self.reqs.pop(request, None)
+        if r is None:
+            return
+        if request in self.reading:
+            self.reading.remove(request)
+        self.queue.remove(request)
+        r.load.close()
+
+    def fail(self, request: str, exc: BaseException) -> None:
+        log.warning("request %s failed: %s", request, exc)
+        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}"))
+        self.drop(request)
+
+    def poll_reads(self) -> None:
+        for rid in list(self.reading):
+            r = self.reqs[rid]
+            if not r.load.reads_done():
+                continue
+            self.reading.remove(rid)
+            job = r.load.job
+            traffic = self.ctx.traffic
+            if traffic is not None and job.pe_blocks and not job.oracle:
+                traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
+            try:
+                r.hit = r.load.hit_blocks()
+            except Exception as e:  # noqa: BLE001 - store/transfer failures fail the request
+                self.fail(rid, e)
+                continue
+            r.t_read = self.clock() - r.t_start
+            cached = r.hit * self.bt
+            r.load.stream()
+            self.queue.add(PendingPrefill(rid, cached, len(r.msg.prompt) - cached))
+
+    # ------------------------------------------------------------------ forward
+
+    def cached_rows(self, r: _Req, layer: int, cached: int) -> np.ndarray:
+        """Layer `layer`'s KV rows of the request's first `cached` prompt tokens `[cached, W]`."""
+        if layer not in r.hit_rows:
+            rows = r.load.readiness.wait(layer, self.ctx.timeout_s)
+            r.hit_rows[layer] = (
+                rows if rows is not None else np.zeros((0, self.cfg.model.kv_width), self.cfg.model.kv_dtype)
+            )
+            r.load.consumed()
+        parts = [r.hit_rows[layer], *(np.asarray(x) for x in r.done_rows.get(layer, []))]
+        out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        assert out.shape[0] == cached, (out.shape, cached)
+        return out
+
+    def run_batch(self) -> None:
+        c = self.cfg
+        plan = self.queue.next_batch(
+            self.attention_time,
+            c.scheduler.compute_quota_ms / 1e3,
+            max_requests=c.cluster.prefill_max_batch,
+            max_tokens=c.cluster.prefill_max_tokens,
+        )
+        chunks = [ch for ch in plan.chunks if ch.request_id in self.reqs]
+        if not chunks:
+            return
+        reqs = [self.reqs[ch.request_id] for ch in chunks]
+        t0 = self.clock()
+        try:
+            batch = PrefillBatch.build(
+                c.model,
+                [r.msg.prompt[ch.cached : ch.cached + ch.bsz] for r, ch in zip(reqs, chunks)],
+                [ch.cached for ch in chunks],
+                self.runner.min_bucket,
+            )
+        except ValueError as e:
+            for ch in chunks:
+                self.fail(ch.request_id, e)
+            return
+        for r, ch in zip(reqs, chunks):
+            r.load.begin_chunk(ch.cached, ch.cached + ch.bsz, plan.finishes(ch.request_id))
+
+        def load_layer(i: int) -> np.ndarray:
+            rows = np.zeros((batch.batch_size, batch.c_pad, c.model.kv_width), c.model.kv_dtype)
+            for b, (r, ch) in enumerate(zip(reqs, chunks)):
+                if ch.cached:
+                    rows[b, : ch.cached] = self.cached_rows(r, i, ch.cached)
+            return rows
+
+        def emit_layer(i: int, rows) -> None:
+            for b, (r, ch) in enumerate(zip(reqs, chunks)):
+                new = rows[b, : ch.bsz]
+                if not plan.finishes(ch.request_id):
+                    r.done_rows.setdefault(i, []).append(new)
+                r.load.send_layer(i, new)
+
+        try:
+            if all(r.msg.layerwise for r in reqs):
+                res = self.runner.prefill_layerwise(batch, load_layer, emit_layer)
+            else:  # Basic: the whole hit is on the device before the forward
+                all_kv = np.stack([load_layer(i) for i in range(c.model.num_layers)]) if batch.c_pad else None
+                res, new_kv = self.runner.prefill_monolithic(batch, all_kv)
+                for i in range(c.model.num_layers):
+                    emit_layer(i, new_kv[i])
+            first = np.asarray(res.last_logits).argmax(-1)
+        except Exception as e:  # noqa: BLE001
+            for ch in chunks:
+                self.fail(ch.request_id, e)
+            return
+        dt = self.clock() - t0
+        for b, (r, ch) in enumerate(zip(reqs, chunks)):
+            if not plan.finishes(ch.request_id):
+                continue
+            self.rpc.send(
+                M.PrefillDone(
+                    request=ch.request_id,
+                    engine=self.engine,
+                    first_token=int(first[b]),
+                    hit_blocks=r.hit,
+                    recomputed_blocks=len(r.msg.keys) - r.hit,
+                    read_s=r.t_read,
+                    prefill_s=dt,
+                )
+            )
+            del self.reqs[ch.request_id]
+            self.ctx.pool.submit(_finish_sends, r.load, self.ctx.timeout_s)
+
+
+def _finish_sends(load: PrefillLoad, timeout_s: float) -> None:
+    try:
+        load.flush(timeout_s)
+    except Exception as e:  # noqa: BLE001 - the DE side times out and reports the request
+        log.warning("sending KV of %s failed: %s", load.job.request_id, e)
+    finally:
+        load.close()

@@ -1,0 +1,159 @@
+"""Building and running one cluster process (router, prefill or decode) from an ExperimentConfig.
+
+`launch/engine.py` and `LocalCluster` both call `run_process`; everything a process needs arrives
+as arguments (no environment reads). The router writes its control address to `address_file`
+once it is listening, which is how a local launcher finds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import pathlib
+import signal
+import threading
+from concurrent import futures
+
+from dualpath_jax.config import ExperimentConfig, StoreConfig
+from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
+from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
+
+log = logging.getLogger(__name__)
+
+# Attention-pair throughput assumed by the PE's compute quota when no fitted model is given
+# (about what the tiny models reach on one CPU core).
+DEFAULT_PAIRS_PER_S = 2e8
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessSpec:
+    """Which process to run. Engine ids are unique across roles; nodes too."""
+
+    role: str  # router | prefill | decode
+    workdir: str
+    router_address: str = ""  # engines: tcp://host:port of the router
+    engine: int = 0
+    node: int = 0
+    group: int = 0
+    address_file: str = ""  # router: where to write the address it listens on
+
+
+def store_config(cfg: ExperimentConfig, workdir: str) -> StoreConfig:
+    root = cfg.store.root or str(pathlib.Path(workdir) / "store")
+    return dataclasses.replace(cfg.store, root=root)
+
+
+def open_store(cfg: ExperimentConfig, workdir: str) -> TensorStoreBlockStore:
+    return open_block_store(store_config(cfg, workdir), cfg.model)
+
+
+def _install_sigterm(stop: threading.Event) -> None:
+    def handler(signum, frame):  # noqa: ARG001
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    from dualpath_jax.engine.router import Router
+    from dualpath_jax.engine.rpc import RpcServer
+    from dualpath_jax.metrics.events import EventLog
+    from dualpath_jax.sched.cost import derive_alpha
+    from dualpath_jax.sched.scheduler import GlobalScheduler
+
+    kvb = kv_bytes_per_token(cfg.model)
+    alpha = derive_alpha(cfg.scheduler, cfg.hardware, kvb)
+    # beta: tokens one engine prefills in beta_s, from the CPU proxy throughput unless configured.
+    beta = cfg.scheduler.beta_tokens or math.inf
+    snic = cfg.hardware.snic_bytes_per_s
+    sched = GlobalScheduler.from_config(
+        cfg.scheduler,
+        alpha=alpha,
+        beta=beta,
+        block_tokens=cfg.store.block_tokens,
+        pe_read_rate=snic or 1.0,
+        de_read_rate=snic or 1.0,
+    )
+    server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, cfg.cluster.auth_token)
+    store = open_store(cfg, spec.workdir)
+    events = EventLog(pathlib.Path(spec.workdir) / "events.jsonl")
+    router = Router(cfg, server, store, sched, events)
+    if spec.address_file:
+        tmp = spec.address_file + ".tmp"
+        pathlib.Path(tmp).write_text(server.address)
+        os.replace(tmp, spec.address_file)
+    log.info("router listening on %s (policy %s)", server.address, cfg.scheduler.policy.value)
+    try:
+        router.serve()
+    finally:
+        events.close()
+        store.close()
+        server.close()
+
+
+def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    import jax
+
+    from dualpath_jax.engine.decode_engine import DecodeEngine
+    from dualpath_jax.engine.prefill_engine import PrefillEngine
+    from dualpath_jax.engine.rpc import RpcClient
+    from dualpath_jax.kvstore.buffers import HostBufferPool
+    from dualpath_jax.model.decode import Decoder
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.sched.cost import summed_keys
+    from dualpath_jax.transfer.channel import JaxTransferChannel
+    from dualpath_jax.transfer.links import TrafficManager
+    from dualpath_jax.transfer.loader import LoaderContext
+
+    log.info("%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices())
+    runner = ModelRunner(init_model(cfg.model, seed=cfg.seed))
+    layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
+    store = open_store(cfg, spec.workdir)
+    name = "PE buffer" if spec.role == "prefill" else "DE buffer"
+    buffer = HostBufferPool.for_bytes(layout, cfg.hardware.dram_buffer_bytes, name)
+    host = cfg.cluster.host
+    channel = JaxTransferChannel(bind=f"{host}:0", transport_addresses=[f"{host}:0"])
+    traffic = TrafficManager(cfg.hardware)
+    pool = futures.ThreadPoolExecutor(16, thread_name_prefix=f"{spec.role}{spec.engine}")
+    prefix = "pe" if spec.role == "prefill" else "de"
+    ctx = LoaderContext(
+        cfg.model, layout, store, buffer, channel, traffic, pool,
+        timeout_s=cfg.cluster.transfer_timeout_s,
+        owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
+    )
+    rpc = RpcClient(spec.router_address, cfg.cluster.auth_token)
+    try:
+        if spec.role == "prefill":
+            pairs_per_s = DEFAULT_PAIRS_PER_S
+            engine = PrefillEngine(
+                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx,
+                attention_time=lambda pairs: sum(summed_keys(c, b) for c, b in pairs) / pairs_per_s,
+            )
+        else:
+            dec = Decoder(runner, cfg.cluster.decode_slots, cfg.cluster.decode_max_len)
+            engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx)
+        engine.run()
+    finally:
+        rpc.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        channel.close()
+        traffic.close()
+        store.close()
+
+
+def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    stop = threading.Event()
+    _install_sigterm(stop)
+    try:
+        if spec.role == "router":
+            run_router(cfg, spec)
+        elif spec.role in ("prefill", "decode"):
+            run_engine(cfg, spec)
+        else:
+            raise ValueError(f"unknown role {spec.role!r}; expected router, prefill or decode")
+    except KeyboardInterrupt:
+        log.info("%s stopped by signal", spec.role)

@@ -1,0 +1,424 @@
+"""The router: sessions, request states, the GlobalScheduler, engine liveness and metrics.
+
+One loop (`serve`) owns every piece of state; nothing here is shared between threads. Clients
+submit rounds of their sessions; leader engines fetch work (pull based) and report progress;
+the router answers clients when a round's tokens are complete.
+
+Request lifecycle: submitted -> queued (scheduler) -> assigned (PE, DE, read path; both engines
+get the job) -> prefilled (first token, forwarded to the DE) -> decoded (tokens, blocks
+persisted) -> answered. An engine that stops heartbeating is declared dead; every unfinished
+request it touched is cancelled on the surviving engine and requeued (its persisted blocks are
+still in the store, so the retry is a normal, possibly shorter, hit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.metrics.events import EventLog
+from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
+from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineInfo:
+    role: str
+    engine: int
+    node: int
+    group: int
+    address: str
+    ident: bytes
+    pid: int
+    last_seen: float
+    alive: bool = True
+    read_q: int = 0
+    hbm_tokens: int = 0  # DE: KV capacity in tokens
+    slots: int = 0
+    links: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class SessionState:
+    id: str
+    context: list[int] = dataclasses.field(default_factory=list)  # A_1 G_1 ... (appendix A.3)
+    busy: bool = False
+
+
+@dataclasses.dataclass
+class RequestState:
+    id: str
+    session: str
+    client: bytes
+    request: Request
+    prompt: list[int]
+    keys: list[str]
+    gen: int
+    t_submit: float
+    t_assign: float = math.nan
+    t_first: float = math.nan
+    t_second: float = math.nan
+    pe: int = -1
+    de: int = -1
+    path: str = ""
+    hit_blocks: int = 0
+    recomputed_blocks: int = 0
+    attempts: int = 0
+    first_token: int = -1
+
+
+class Router:
+    """Serves clients and engines on one `RpcServer`. Clocks are injected (`clock`)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        server: RpcServer,
+        store: BlockStore,
+        scheduler: GlobalScheduler,
+        events: EventLog | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.server = server
+        self.store = store
+        self.scheduler = scheduler
+        self.events = events
+        self.clock = clock
+        self.bt = cfg.store.block_tokens
+        self.params_version = ""
+        self.fingerprint = model_fingerprint(cfg.model, self.params_version)
+        self.engines: dict[int, EngineInfo] = {}
+        self.sessions: dict[str, SessionState] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.counters = {
+            "requests_done": 0,
+            "errors": 0,
+            "requeued": 0,
+            "engine_deaths": 0,
+            "recomputed_blocks": 0,
+            "path_pe": 0,
+            "path_de": 0,
+            "path_split": 0,
+            "path_none": 0,
+            "hit_blocks": 0,
+        }
+        self.stopping = False
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self, until: Callable[[], bool] | None = None) -> None:
+        """Runs until a `Shutdown` arrives (or `until()` is true)."""
+        last_tick = self.clock()
+        while not self.stopping and not (until and until()):
+            got = self.server.recv(timeout_ms=20)
+            if got is not None:
+                ident, msg = got
+                try:
+                    self.handle(ident, msg)
+                except Exception as e:  # noqa: BLE001 - one bad message must not stop the router
+                    log.exception("handling %s failed", type(msg).__name__)
+                    self.server.send(ident, M.Error(ref=getattr(msg, "request", ""), message=str(e)))
+            now = self.clock()
+            if now - last_tick >= 0.1:
+                self.check_liveness(now)
+                last_tick = now
+        for e in self.engines.values():
+            if e.alive:
+                self.server.send(e.ident, M.Stop())
+
+    def event(self, kind: str, **fields) -> None:
+        if self.events is not None:
+            self.events.write(kind, t=self.clock(), **fields)
+
+    def handle(self, ident: bytes, msg: M.Msg) -> None:
+        engine = getattr(msg, "engine", None)
+        if isinstance(engine, int) and engine in self.engines:
+            self.engines[engine].last_seen = self.clock()
+        match msg:
+            case M.OpenSession(session=s):
+                self.sessions.setdefault(s, SessionState(s))
+                self.server.send(ident, M.Ack(ref=s))
+            case M.CloseSession(session=s):
+                st = self.sessions.pop(s, None)
+                if st is None:
+                    self.server.send(ident, M.Error(ref=s, message=f"unknown session {s!r}"))
+                else:
+                    self.server.send(ident, M.Ack(ref=s))
+            case M.Submit():
+                self.on_submit(ident, msg)
+            case M.Register():
+                self.on_register(ident, msg)
+            case M.Fetch():
+                self.on_fetch(ident, msg)
+            case M.PrefillDone():
+                self.on_prefill_done(msg)
+            case M.TokensOut(request=r):
+                st = self.requests.get(r)
+                if st is not None and math.isnan(st.t_second) and len(msg.tokens) >= 2:
+                    st.t_second = self.clock()
+            case M.DecodeDone():
+                self.on_decode_done(msg)
+            case M.Failed():
+                self.on_failed(msg)
+            case M.GetStats():
+                self.server.send(ident, M.Stats(json=json.dumps(self.stats())))
+            case M.Shutdown():
+                self.stopping = True
+                self.server.send(ident, M.Ack(ref="shutdown"))
+            case _:
+                self.server.send(ident, M.Error(ref="", message=f"unexpected {type(msg).__name__}"))
+
+    # ------------------------------------------------------------------ clients
+
+    def fail(self, ident: bytes, ref: str, message: str, kind: str = "bad_request") -> None:
+        self.counters["errors"] += 1
+        self.event("error", request=ref, message=message)
+        self.server.send(ident, M.Error(ref=ref, message=message, kind=kind))
+
+    def on_submit(self, ident: bytes, msg: M.Submit) -> None:
+        model = self.cfg.model
+        s = self.sessions.get(msg.session)
+        if s is None:
+            return self.fail(ident, msg.request, f"unknown session {msg.session!r}")
+        if s.busy:
+            return self.fail(ident, msg.request, f"session {msg.session!r} already has a round running")
+        if msg.request in self.requests:
+            return self.fail(ident, msg.request, f"duplicate request id {msg.request!r}")
+        if msg.gen <= 0:
+            return self.fail(ident, msg.request, f"gen must be > 0, got {msg.gen}")
+        if not msg.append:
+            return self.fail(ident, msg.request, "a round must append at least one token")
+        toks = np.asarray(msg.append, np.int64)
+        if toks.min() < 0 or toks.max() >= model.vocab_size:
+            bad = int(toks[(toks < 0) | (toks >= model.vocab_size)][0])
+            return self.fail(ident, msg.request, f"token id {bad} is out of range [0, {model.vocab_size})")
+        prompt = s.context + list(msg.append)
+        limit = min(model.max_seq_len, self.cfg.cluster.decode_max_len)
+        if len(prompt) + msg.gen > limit:
+            return self.fail(
+                ident,
+                msg.request,
+                f"context of {len(prompt)} + {msg.gen} tokens exceeds the limit of {limit}",
+            )
+        keys = block_keys(prompt, self.bt, self.fingerprint)
+        try:
+            hit = self.store.lookup(keys).result(self.cfg.store.timeout_s)
+        except Exception as e:  # noqa: BLE001 - store failures become the request's error
+            return self.fail(ident, msg.request, f"store unavailable: {e}", kind="store")
+        if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
+            hit -= 1
+        req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as e:
+            return self.fail(ident, msg.request, str(e), kind="overloaded")
+        s.busy = True
+        self.requests[msg.request] = RequestState(
+            msg.request, msg.session, ident, req, prompt, keys[:hit], msg.gen, self.clock()
+        )
+        self.event("submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen)
+
+    def finish(self, st: RequestState, tokens: list[int]) -> None:
+        now = self.clock()
+        s = self.sessions.get(st.session)
+        if s is not None:
+            s.context = st.prompt + tokens
+            s.busy = False
+        g = len(tokens)
+        ttst = st.t_second - st.t_first if g > 1 and not math.isnan(st.t_second) else 0.0
+        res = M.Result(
+            request=st.id,
+            tokens=tokens,
+            ttft_s=st.t_first - st.t_submit,
+            ttst_s=ttst,
+            tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0,
+            jct_s=now - st.t_submit,
+            queue_s=st.t_assign - st.t_submit,
+            cached_tokens=st.hit_blocks * self.bt,
+            prompt_tokens=len(st.prompt),
+            read_path=st.path,
+            recomputed_blocks=st.recomputed_blocks,
+        )
+        self.counters["requests_done"] += 1
+        self.event("done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"})
+        self.server.send(st.client, res)
+        del self.requests[st.id]
+
+    # ------------------------------------------------------------------ engines
+
+    def on_register(self, ident: bytes, msg: M.Register) -> None:
+        self.engines[msg.engine] = EngineInfo(
+            msg.role, msg.engine, msg.node, msg.group, msg.address, ident, msg.pid, self.clock()
+        )
+        self.event("register", engine=msg.engine, role=msg.role, node=msg.node, pid=msg.pid)
+        self.server.send(ident, M.Ack(ref=str(msg.engine)))
+
+    def engine_load(self, e: EngineInfo) -> EngineLoad:
+        """Loads from the router's own in-flight tracking (exact), plus the engine's read queue."""
+        mine = [
+            r for r in self.requests.values()
+            if (r.pe == e.engine and e.role == "prefill" and math.isnan(r.t_first))
+            or (r.de == e.engine and e.role == "decode")
+        ]
+        tok = sum(r.request.tokens for r in mine)
+        free = 0
+        if e.role == "decode":
+            free = max(0, e.hbm_tokens - sum(r.request.hbm_tokens for r in mine))
+            if len(mine) >= e.slots:
+                free = 0
+        return EngineLoad(e.engine, e.node, e.group, len(mine), tok, e.read_q, free)
+
+    def on_fetch(self, ident: bytes, msg: M.Fetch) -> None:
+        e = self.engines.get(msg.engine)
+        if e is None or not e.alive:
+            self.server.send(ident, M.Error(ref=str(msg.engine), message="engine not registered", kind="stop"))
+            return
+        e.read_q = msg.load.read_q
+        e.hbm_tokens = msg.load.hbm_capacity_tokens
+        e.slots = msg.load.slots
+        if msg.links:
+            e.links = json.loads(msg.links)
+        group = [x for x in self.engines.values() if x.alive and x.role == e.role and x.group == e.group]
+        loads = [self.engine_load(x) for x in group]
+        if e.role == "decode":
+            for r, de in self.scheduler.fetch_de(e.group, loads):
+                self.requests[r.id].de = de
+            return
+        for a in self.scheduler.fetch_pe(e.group, loads):
+            st = self.requests[a.request.id]
+            st.pe, st.de, st.t_assign = a.pe, a.de, self.clock()
+            st.path = a.path.value
+            st.attempts += 1
+            self.counters[f"path_{a.path.value}"] += 1
+            pe, de = self.engines[a.pe], self.engines[a.de]
+            n = len(st.keys)
+            oracle = not self.scheduler.policy.reads
+            job = M.LoadJobMsg(
+                request=st.id,
+                keys=st.keys,
+                pe_blocks=n if oracle else a.pe_read_blocks,
+                de_blocks=0 if oracle else a.de_read_blocks,
+                prompt=st.prompt,
+                gen=st.gen,
+                pe_engine=pe.engine,
+                pe_node=pe.node,
+                pe_address=pe.address,
+                de_engine=de.engine,
+                de_node=de.node,
+                de_address=de.address,
+                oracle=oracle,
+                layerwise=self.scheduler.policy.layerwise,
+                params_version=self.params_version,
+                attempt=st.attempts,
+            )
+            self.event("assign", request=st.id, pe=a.pe, de=a.de, path=a.path.value,
+                       pe_blocks=job.pe_blocks, de_blocks=job.de_blocks)
+            self.server.send(de.ident, M.Work(jobs=[job]))
+            self.server.send(pe.ident, M.Work(jobs=[job]))
+
+    def on_prefill_done(self, msg: M.PrefillDone) -> None:
+        st = self.requests.get(msg.request)
+        if st is None or st.pe != msg.engine:
+            return  # a cancelled attempt
+        st.t_first = self.clock()
+        st.first_token = msg.first_token
+        st.hit_blocks = msg.hit_blocks
+        st.recomputed_blocks += msg.recomputed_blocks
+        self.counters["recomputed_blocks"] += msg.recomputed_blocks
+        self.counters["hit_blocks"] += msg.hit_blocks
+        self.event("first_token", request=st.id, hit_blocks=msg.hit_blocks,
+                   recomputed=msg.recomputed_blocks, read_s=msg.read_s, prefill_s=msg.prefill_s)
+        de = self.engines.get(st.de)
+        if de is not None and de.alive:
+            self.server.send(de.ident, M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks))
+
+    def on_decode_done(self, msg: M.DecodeDone) -> None:
+        st = self.requests.get(msg.request)
+        if st is None or st.de != msg.engine:
+            return
+        self.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
+        self.finish(st, list(msg.tokens))
+
+    def on_failed(self, msg: M.Failed) -> None:
+        st = self.requests.get(msg.request)
+        if st is None or msg.engine not in (st.pe, st.de):
+            return
+        other = st.de if msg.engine == st.pe else st.pe
+        if other in self.engines and self.engines[other].alive:
+            self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
+        s = self.sessions.get(st.session)
+        if s is not None:
+            s.busy = False
+        del self.requests[st.id]
+        kind = "store" if "store" in msg.message.lower() else "engine"
+        self.fail(st.client, st.id, msg.message, kind=kind)
+
+    # ------------------------------------------------------------------ liveness
+
+    def check_liveness(self, now: float) -> None:
+        timeout = self.cfg.cluster.heartbeat_timeout_s
+        for e in list(self.engines.values()):
+            if e.alive and now - e.last_seen > timeout:
+                self.engine_died(e)
+
+    def engine_died(self, e: EngineInfo) -> None:
+        e.alive = False
+        self.counters["engine_deaths"] += 1
+        self.event("engine_dead", engine=e.engine, role=e.role, pid=e.pid)
+        log.warning("engine %d (%s, pid %d) stopped heartbeating", e.engine, e.role, e.pid)
+        self.scheduler.remove_engines([e.engine])
+        back = []
+        for st in self.requests.values():
+            if e.engine not in (st.pe, st.de):
+                continue
+            if st.pe == e.engine and not math.isnan(st.t_first) and st.de != e.engine:
+                continue  # prefill finished; its DE holds the whole prompt KV and carries on
+            other = st.de if st.pe == e.engine else st.pe
+            if other >= 0 and other in self.engines and self.engines[other].alive:
+                self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
+            if st.pe >= 0 or st.de >= 0:
+                back.append(st)
+        for st in back:
+            st.pe = st.de = -1
+            st.t_first = st.t_second = math.nan
+            st.first_token = -1
+            self.counters["requeued"] += 1
+        queued_ids = {r.id for r in self._queued_requests()}
+        self.scheduler.requeue([st.request for st in back if st.id not in queued_ids])
+
+    def _queued_requests(self) -> list[Request]:
+        s = self.scheduler
+        out = list(s._de_global)  # noqa: SLF001 - read-only look at the queues
+        for q in s._de_private.values():  # noqa: SLF001
+            out.extend(q)
+        out.extend(r for r, _ in s._pe_wait)  # noqa: SLF001
+        return out
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict:
+        return {
+            "counters": dict(self.counters),
+            "queued": self.scheduler.queued(),
+            "in_flight": len(self.requests),
+            "engines": {
+                str(e.engine): {"role": e.role, "alive": e.alive, "node": e.node, "links": e.links}
+                for e in self.engines.values()
+            },
+            "read_path_counts": {p.value: self.counters[f"path_{p.value}"] for p in ReadPath},
+        }

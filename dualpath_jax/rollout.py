@@ -1,0 +1,224 @@
+"""The RL-facing API: sessions of multi-turn trajectories, sync or async, and batch rollout.
+
+    with LocalCluster(cfg, workdir) as cluster:
+        session = Session(cluster.client(), "traj-0")
+        tokens = session.step(append_tokens, gen_tokens)   # exactly gen_tokens new tokens
+
+`run_trajectories(client, trajectories)` replays many trajectories concurrently (each one's
+rounds in order, appendix A.3) with a progress bar. The same API runs over `InProcessEngine`
+(one model in this process, no disaggregation) for quick experiments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import queue
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from concurrent import futures
+from typing import Protocol
+
+from dualpath_jax.engine import messages as M
+
+
+class RolloutError(RuntimeError):
+    """A round was refused or failed; `kind` is bad_request, store, engine, overloaded, ..."""
+
+    def __init__(self, message: str, kind: str = "error"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class Backend(Protocol):
+    def open_session(self, session: str) -> None: ...
+    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]: ...
+    def close_session(self, session: str) -> None: ...
+
+
+class Client:
+    """Talks to a router. Thread safe: a background thread owns the socket."""
+
+    def __init__(self, address: str, token: str = ""):
+        from dualpath_jax.engine.rpc import RpcClient
+
+        self._rpc = RpcClient(address, token)
+        self._out: queue.Queue[tuple[M.Msg, str, futures.Future]] = queue.Queue()
+        self._pending: dict[str, futures.Future] = {}
+        self._stats: list[futures.Future] = []
+        self._closed = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="dualpath-client", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            while True:
+                try:
+                    msg, ref, fut = self._out.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(msg, M.GetStats):
+                    self._stats.append(fut)
+                else:
+                    self._pending[ref] = fut
+                self._rpc.send(msg)
+            try:
+                reply = self._rpc.recv(5)
+            except Exception as e:  # noqa: BLE001 - a bad frame fails nothing in flight
+                reply = M.Error(ref="", message=str(e))
+            if reply is None:
+                continue
+            if isinstance(reply, M.Stats):
+                if self._stats:
+                    self._stats.pop(0).set_result(reply)
+                continue
+            ref = getattr(reply, "request", None) or getattr(reply, "ref", "")
+            fut = self._pending.pop(ref, None)
+            if fut is not None:
+                fut.set_result(reply)
+        self._rpc.close()
+
+    def _call(self, msg: M.Msg, ref: str) -> futures.Future:
+        if self._closed.is_set():
+            raise RolloutError("client is closed")
+        fut: futures.Future = futures.Future()
+        self._out.put((msg, ref, fut))
+        return fut
+
+    @staticmethod
+    def _check(reply: M.Msg) -> M.Msg:
+        if isinstance(reply, M.Error):
+            raise RolloutError(reply.message, reply.kind)
+        return reply
+
+    def open_session(self, session: str, timeout_s: float = 30.0) -> None:
+        self._check(self._call(M.OpenSession(session=session), session).result(timeout_s))
+
+    def close_session(self, session: str, timeout_s: float = 30.0) -> None:
+        self._check(self._call(M.CloseSession(session=session), session).result(timeout_s))
+
+    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
+        """One round; the future resolves to a `Result` or raises `RolloutError`."""
+        rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        raw = self._call(M.Submit(request=rid, session=session, append=[int(t) for t in append], gen=int(gen)), rid)
+        out: futures.Future[M.Result] = futures.Future()
+
+        def done(f: futures.Future) -> None:
+            try:
+                out.set_result(self._check(f.result()))
+            except BaseException as e:  # noqa: BLE001
+                out.set_exception(e)
+
+        raw.add_done_callback(done)
+        return out
+
+    def stats(self, timeout_s: float = 30.0) -> dict:
+        reply = self._check(self._call(M.GetStats(), "__stats__").result(timeout_s))
+        return json.loads(reply.json)
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        self._check(self._call(M.Shutdown(), "shutdown").result(timeout_s))
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2)
+
+
+class Session:
+    """One trajectory: each `step` appends tokens and generates exactly `gen` tokens."""
+
+    def __init__(self, backend: Backend, session_id: str | None = None):
+        self.backend = backend
+        self.id = session_id or uuid.uuid4().hex
+        backend.open_session(self.id)
+        self.results: list[M.Result] = []
+
+    def step_async(self, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
+        fut = self.backend.submit(self.id, append, gen)
+        fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
+        return fut
+
+    def step(self, append: Sequence[int], gen: int, timeout_s: float | None = None) -> list[int]:
+        return list(self.step_async(append, gen).result(timeout_s).tokens)
+
+    def close(self) -> None:
+        self.backend.close_session(self.id)
+
+
+@dataclasses.dataclass
+class TrajectoryOutput:
+    id: str
+    rounds: list[list[int]]
+    results: list[M.Result]
+    error: str = ""
+
+
+def run_trajectories(
+    backend: Backend,
+    trajectories: Iterable[tuple[str, Sequence[tuple[Sequence[int], int]]]],
+    *,
+    max_concurrent: int = 0,
+    progress: bool = True,
+    timeout_s: float | None = None,
+) -> list[TrajectoryOutput]:
+    """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
+
+    `max_concurrent` bounds how many trajectories run at once (0: all). Returns one output per
+    trajectory, in input order; a failed round ends its trajectory with `error` set.
+    """
+    from tqdm.auto import tqdm
+
+    trajs = list(trajectories)
+    outputs = [TrajectoryOutput(tid, [], []) for tid, _ in trajs]
+    total = sum(len(r) for _, r in trajs)
+    bar = tqdm(total=total, desc="rounds", disable=not progress, unit="round")
+    lock = threading.Lock()
+    limit = threading.Semaphore(max_concurrent or max(1, len(trajs)))
+    done_all = threading.Event()
+    remaining = [len(trajs)]
+
+    def finish_one() -> None:
+        limit.release()
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                done_all.set()
+
+    def advance(k: int, session: Session, i: int) -> None:
+        rounds = trajs[k][1]
+        if i == len(rounds):
+            finish_one()
+            return
+        append, gen = rounds[i]
+
+        def on_done(f: futures.Future) -> None:
+            try:
+                res = f.result()
+            except Exception as e:  # noqa: BLE001
+                outputs[k].error = str(e)
+                finish_one()
+                return
+            outputs[k].rounds.append(list(res.tokens))
+            outputs[k].results.append(res)
+            with lock:
+                bar.update(1)
+            advance(k, session, i + 1)
+
+        session.step_async(append, gen).add_done_callback(on_done)
+
+    if not trajs:
+        return outputs
+    for k, (tid, _) in enumerate(trajs):
+        limit.acquire()
+        try:
+            advance(k, Session(backend, tid), 0)
+        except Exception as e:  # noqa: BLE001
+            outputs[k].error = str(e)
+            finish_one()
+    done_all.wait(timeout_s)
+    bar.close()
+    return outputs
