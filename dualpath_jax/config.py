@@ -141,6 +141,7 @@ class ClusterConfig:
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
     fetch_interval_s: float = 0.02  # how often an idle leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
+    max_attempts: int = 5  # tries of a request whose engines failed (transfer errors, deaths)
 
 
 @dataclasses.dataclass(frozen=True)

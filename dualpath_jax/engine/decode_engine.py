@@ -21,7 +21,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.prefill_engine import job_from_msg
+from dualpath_jax.engine.common import failure_kind, job_from_msg
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
@@ -158,7 +158,8 @@ class DecodeEngine:
 
     def fail(self, request: str, exc: BaseException) -> None:
         log.warning("request %s failed: %s", request, exc)
-        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}"))
+        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}",
+                               kind=failure_kind(exc)))
         self.drop(request)
 
     # ------------------------------------------------------------------ decode
@@ -227,4 +228,4 @@ class DecodeEngine:
             self.outbox.put(M.DecodeDone(request=rid, engine=self.engine, tokens=r.tokens,
                                          persisted_blocks=n_full - start))
         except Exception as e:  # noqa: BLE001
-            self.outbox.put(M.Failed(request=rid, engine=self.engine, message=f"store: {e}"))
+            self.outbox.put(M.Failed(request=rid, engine=self.engine, message=f"store: {e}", kind="store"))

@@ -174,9 +174,13 @@ class DecodeDone(Msg):
 
 
 class Failed(Msg):
+    """An engine could not finish its part of a request. `kind`: transfer (a peer vanished or
+    timed out: the router retries the request), store, or error (reported to the client)."""
+
     request: str
     engine: int
     message: str
+    kind: str = "error"
 
 
 class Cancel(Msg):

@@ -21,30 +21,13 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.common import failure_kind, job_from_msg
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
-from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
 
 log = logging.getLogger(__name__)
-
-
-def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
-    return LoadJob(
-        request_id=m.request,
-        keys=tuple(m.keys),
-        pe_blocks=m.pe_blocks,
-        de_blocks=m.de_blocks,
-        prompt_tokens=len(m.prompt),
-        pe_engine=f"pe{m.pe_engine}",
-        pe_node=f"node{m.pe_node}",
-        de_engine=f"de{m.de_engine}",
-        de_node=f"node{m.de_node}",
-        pe_address=m.pe_address,
-        de_address=m.de_address,
-        oracle=m.oracle,
-        attempt=m.attempt,
-    )
 
 
 @dataclasses.dataclass
@@ -152,7 +135,8 @@ class PrefillEngine:
 
     def fail(self, request: str, exc: BaseException) -> None:
         log.warning("request %s failed: %s", request, exc)
-        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}"))
+        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}",
+                               kind=failure_kind(exc)))
         self.drop(request)
 
     def poll_reads(self) -> None:

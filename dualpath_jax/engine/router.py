@@ -361,12 +361,27 @@ class Router:
         other = st.de if msg.engine == st.pe else st.pe
         if other in self.engines and self.engines[other].alive:
             self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
+        self.event("failed", request=st.id, engine=msg.engine, kind=msg.kind, message=msg.message)
+        if msg.kind == "transfer" and st.attempts < self.cfg.cluster.max_attempts:
+            # A peer vanished or stalled: retry; liveness checks retire a dead engine meanwhile.
+            self.requeue([st])
+            return
         s = self.sessions.get(st.session)
         if s is not None:
             s.busy = False
         del self.requests[st.id]
-        kind = "store" if "store" in msg.message.lower() else "engine"
-        self.fail(st.client, st.id, msg.message, kind=kind)
+        self.fail(st.client, st.id, msg.message, kind=msg.kind)
+
+    def requeue(self, states: list[RequestState]) -> None:
+        """Puts requests back at the head of the queue as if never assigned."""
+        queued = {r.id for r in self._queued_requests()}
+        for st in states:
+            st.pe = st.de = -1
+            st.t_first = st.t_second = math.nan
+            st.first_token = -1
+            self.counters["requeued"] += 1
+            self.event("requeue", request=st.id, attempts=st.attempts)
+        self.scheduler.requeue([st.request for st in states if st.id not in queued])
 
     # ------------------------------------------------------------------ liveness
 
@@ -391,15 +406,8 @@ class Router:
             other = st.de if st.pe == e.engine else st.pe
             if other >= 0 and other in self.engines and self.engines[other].alive:
                 self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
-            if st.pe >= 0 or st.de >= 0:
-                back.append(st)
-        for st in back:
-            st.pe = st.de = -1
-            st.t_first = st.t_second = math.nan
-            st.first_token = -1
-            self.counters["requeued"] += 1
-        queued_ids = {r.id for r in self._queued_requests()}
-        self.scheduler.requeue([st.request for st in back if st.id not in queued_ids])
+            back.append(st)
+        self.requeue(back)
 
     def _queued_requests(self) -> list[Request]:
         s = self.scheduler
