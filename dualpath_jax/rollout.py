@@ -162,18 +162,23 @@ def run_trajectories(
     trajectories: Iterable[tuple[str, Sequence[tuple[Sequence[int], int]]]],
     *,
     max_concurrent: int = 0,
+    arrivals: Sequence[float] | None = None,
     progress: bool = True,
     timeout_s: float | None = None,
 ) -> list[TrajectoryOutput]:
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
 
-    `max_concurrent` bounds how many trajectories run at once (0: all). Returns one output per
-    trajectory, in input order; a failed round ends its trajectory with `error` set.
+    `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
+    trajectory's start time in seconds after the call (online replay; default: all at once).
+    Returns one output per trajectory, in input order; a failed round ends its trajectory with
+    `error` set.
     """
     from tqdm.auto import tqdm
 
     trajs = list(trajectories)
     outputs = [TrajectoryOutput(tid, [], []) for tid, _ in trajs]
+    if arrivals is not None and len(arrivals) != len(trajs):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(trajs)} trajectories")
     total = sum(len(r) for _, r in trajs)
     bar = tqdm(total=total, desc="rounds", disable=not progress, unit="round")
     lock = threading.Lock()
@@ -212,7 +217,14 @@ def run_trajectories(
 
     if not trajs:
         return outputs
+    import time
+
+    t0 = time.monotonic()
     for k, (tid, _) in enumerate(trajs):
+        if arrivals is not None:
+            wait = t0 + arrivals[k] - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
         limit.acquire()
         try:
             advance(k, Session(backend, tid), 0)

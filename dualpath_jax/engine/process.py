@@ -138,11 +138,28 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx)
         engine.run()
     finally:
+        write_link_report(pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic)
         rpc.close()
         pool.shutdown(wait=False, cancel_futures=True)
         channel.close()
         traffic.close()
         store.close()
+
+
+def write_link_report(path: pathlib.Path, spec: ProcessSpec, traffic) -> None:
+    """The engine's per-link counters and byte time series (0.1 s windows, times on this host's
+    monotonic clock) for the run summary."""
+    import json
+
+    windows = {
+        lid.name: [[traffic.origin + t, b] for t, b in traffic.window_bytes(lid)] for lid in traffic.links()
+    }
+    report = {"role": spec.role, "engine": spec.engine, "node": spec.node,
+              "snapshot": traffic.snapshot(), "windows": windows}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, path)
 
 
 def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:

@@ -477,6 +477,11 @@ class TrafficManager:
                 self._links[link_id] = ln
             return ln
 
+    @property
+    def origin(self) -> float:
+        """The clock reading that window start times are relative to."""
+        return self._origin
+
     def links(self) -> list[LinkId]:
         """Every link used so far, sorted by name."""
         with self._lock:

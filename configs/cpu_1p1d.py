@@ -1,0 +1,14 @@
+"""Storage-bound 1P1D on one CPU host with emulated links (DualPath's bound: (P+D)/P over Basic).
+
+Run: python launch/rollout.py --config=configs/cpu_1p1d.py --policy=dualpath --workdir=/tmp/dp_1p1d
+ARG: comma list of `qwen2` (default) or `deepseek`, and `tiny` (4 agents, for tests).
+"""
+
+from __future__ import annotations
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.hardware import emulated_cpu_experiment
+
+
+def get_config(arg: str = "") -> ExperimentConfig:
+    return emulated_cpu_experiment(1, 1, arg)

@@ -1,0 +1,92 @@
+"""One experiment on a local cluster: trajectories in, `outputs.jsonl` + `summary.json` out.
+
+    summary = run_local(cfg, workdir)
+
+Offline mode starts `workload.agents` agents together (JCT = time until all finish); online mode
+starts them at Poisson arrival times (`workload.aps`). Writes to `workdir`: `config.json`,
+`events.jsonl` (router), `logs/`, `links/` (per-engine link reports), `outputs.jsonl` and
+`summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+
+import numpy as np
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.metrics.events import read_events
+from dualpath_jax.metrics.summary import read_link_reports, summarize
+from dualpath_jax.workload.arrivals import agent_trajectories, schedule
+from dualpath_jax.workload.synthetic import from_config
+from dualpath_jax.workload.trace import Trajectory, materialize
+
+
+def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
+    """The materialized trajectory of every agent and its start time (seconds)."""
+    w = cfg.workload
+    rng = np.random.default_rng(w.seed)
+    base = from_config(w, vocab_size=cfg.model.vocab_size)
+    arrivals = [a.time_s for a in schedule(w, rng)]
+    trajs = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
+    trajs = [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs]
+    return trajs, arrivals
+
+
+def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:
+    limit = min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
+    longest = max(t.total_len for t in trajs)
+    if longest > limit:
+        raise ValueError(
+            f"a trajectory reaches {longest} tokens but decode slots hold {limit}: raise "
+            "cluster.decode_max_len or lower workload.length_scale / workload.max_len"
+        )
+
+
+def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
+    """Runs the configured workload on a LocalCluster and returns the summary (also written)."""
+    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.rollout import run_trajectories
+
+    workdir = pathlib.Path(workdir)
+    trajs, arrivals = build_trajectories(cfg)
+    check_fits(cfg, trajs)
+    rounds = [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
+    with LocalCluster(cfg, workdir) as cluster:
+        client = cluster.client()
+        t0 = time.monotonic()
+        outs = run_trajectories(
+            client, rounds, arrivals=arrivals if cfg.workload.mode == "online" else None, progress=progress
+        )
+        jct = time.monotonic() - t0
+        counters = client.stats().get("counters", {})
+    with open(workdir / "outputs.jsonl", "w") as f:
+        for o in outs:
+            f.write(json.dumps({"id": o.id, "rounds": o.rounds, **({"error": o.error} if o.error else {})}) + "\n")
+    results = [r for o in outs for r in o.results]
+    summary = summarize(
+        policy=cfg.scheduler.policy.value,
+        mode=cfg.workload.mode,
+        emulated=cfg.hardware.emulated,
+        agents=len(trajs),
+        results=results,
+        errors=sum(1 for o in outs if o.error),
+        jct_s=jct,
+        reports=read_link_reports(workdir),
+        events=read_events(workdir / "events.jsonl"),
+        counters=counters,
+        ttft_slo_s=cfg.workload.ttft_slo_s,
+        tpot_slo_s=cfg.workload.tpot_slo_s,
+    )
+    summary["config"] = cfg.name
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def with_policy(cfg: ExperimentConfig, policy: str) -> ExperimentConfig:
+    from dualpath_jax.config import Policy
+
+    return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))

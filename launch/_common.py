@@ -1,0 +1,55 @@
+"""Flags shared by the run launchers (rollout, serve, simulate) and the config they build."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+import platform
+
+from absl import flags
+
+from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json
+from dualpath_jax.configs_loader import load_config
+
+CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file `configs/NAME.py[:ARG]`.")
+SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
+WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (config.json, events, summary.json).")
+POLICY = flags.DEFINE_enum("policy", None, [p.value for p in Policy], "Loading policy (overrides the config).")
+AGENTS = flags.DEFINE_integer("agents", None, "Agents (trajectories replayed; overrides workload.agents).")
+TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic preset).")
+
+
+def build_config(mode: str, **workload: object) -> ExperimentConfig:
+    """Config file + --set overrides + the convenience flags, with workload.mode = mode."""
+    cfg = load_config(CONFIG.value)
+    cfg = apply_overrides(cfg, SET.value)
+    w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
+    if AGENTS.value is not None:
+        w["agents"] = AGENTS.value
+    if TRACE.value:
+        w["trace"] = TRACE.value
+    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **w))
+    if POLICY.value:
+        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(POLICY.value)))
+    return cfg
+
+
+def prepare_workdir(cfg: ExperimentConfig) -> pathlib.Path:
+    if not WORKDIR.value:
+        raise flags.ValidationError("--workdir is required")
+    wd = pathlib.Path(WORKDIR.value)
+    wd.mkdir(parents=True, exist_ok=True)
+    (wd / "config.json").write_text(to_json(cfg, indent=1))
+    logging.info("python %s on %s; config %s -> %s", platform.python_version(), platform.node(), cfg.name, wd)
+    return wd
+
+
+def print_summary(summary: dict) -> None:
+    keys = ["policy", "mode", "emulated", "agents", "requests", "jct_s", "tokens_generated",
+            "bytes_read_pe_path", "bytes_read_de_path", "snic_max_over_avg", "recomputed_blocks",
+            "slo_attainment", "errors"]
+    print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=1))
+    print("TTFT p50/p90: %.3f/%.3f s  TPOT mean %.4f s" % (
+        summary["ttft_s"]["p50"], summary["ttft_s"]["p90"], summary["tpot_s"]["mean"]))

@@ -1,0 +1,51 @@
+"""One process of a multi-host cluster: the router, a prefill engine or a decode engine.
+
+Examples (same config everywhere; non-loopback hosts need --set cluster.auth_token=SECRET):
+  python launch/engine.py --role=router --config=configs/cpu_1p1d.py --workdir=/shared/run \
+      --set cluster.host=10.0.0.1 --set cluster.router_port=5555 --set cluster.auth_token=SECRET
+  python launch/engine.py --role=prefill --engine_id=0 --node=0 --router=tcp://10.0.0.1:5555 ...
+  python launch/engine.py --role=decode --engine_id=1 --node=1 --router=tcp://10.0.0.1:5555 ...
+The block store must be shared by every process (e.g. --set store.kind=spec with a gcs/s3 spec).
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+
+from absl import app, flags
+
+from dualpath_jax.config import apply_overrides, to_json
+from dualpath_jax.configs_loader import load_config
+from dualpath_jax.engine.process import ProcessSpec, run_process
+
+_ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
+_CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py", "Experiment file `configs/NAME.py[:ARG]`.")
+_SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (events, logs, link reports).")
+_ROUTER = flags.DEFINE_string("router", "", "Router address tcp://HOST:PORT (engines).")
+_ENGINE = flags.DEFINE_integer("engine_id", 0, "Engine id, unique across prefill and decode engines.")
+_NODE = flags.DEFINE_integer("node", 0, "Node id, unique across the cluster.")
+_GROUP = flags.DEFINE_integer("group", 0, "Engine group (its leader fetches for the group).")
+flags.mark_flags_as_required(["role", "workdir"])
+
+
+def main(argv):
+    del argv
+    cfg = apply_overrides(load_config(_CONFIG.value), _SET.value)
+    wd = pathlib.Path(_WORKDIR.value)
+    wd.mkdir(parents=True, exist_ok=True)
+    if _ROLE.value == "router":
+        (wd / "config.json").write_text(to_json(cfg, indent=1))
+    elif not _ROUTER.value:
+        raise app.UsageError("engines need --router=tcp://HOST:PORT")
+    spec = ProcessSpec(
+        _ROLE.value, str(wd), _ROUTER.value, _ENGINE.value, _NODE.value, _GROUP.value,
+        address_file=str(wd / "router.address") if _ROLE.value == "router" else "",
+    )
+    logging.info("starting %s with config %s", _ROLE.value, cfg.name)
+    run_process(cfg, spec)
+
+
+if __name__ == "__main__":
+    app.run(main)

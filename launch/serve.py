@@ -1,0 +1,33 @@
+"""Online run on a local cluster: Poisson agent arrivals at --aps for --duration_s (or --agents).
+
+Example:
+  python launch/serve.py --config=configs/cpu_1p2d.py --policy=dualpath --aps=0.5 --agents=8 --workdir=/tmp/dp_online
+Reports TTFT, TTST, TPOT, JCT and SLO attainment (workload.ttft_slo_s / workload.tpot_slo_s).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+import _common  # noqa: E402
+
+from dualpath_jax.experiment import run_local  # noqa: E402
+
+_APS = flags.DEFINE_float("aps", None, "Agent arrivals per second.")
+_DURATION = flags.DEFINE_float("duration_s", None, "Arrivals stop after this many seconds (0: use --agents).")
+
+
+def main(argv):
+    del argv
+    cfg = _common.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
+    if cfg.workload.aps <= 0:
+        raise app.UsageError("online runs need --aps > 0 (or workload.aps in the config)")
+    wd = _common.prepare_workdir(cfg)
+    _common.print_summary(run_local(cfg, wd))
+
+
+if __name__ == "__main__":
+    app.run(main)
