@@ -51,5 +51,5 @@ def print_summary(summary: dict) -> None:
             "bytes_read_pe_path", "bytes_read_de_path", "snic_max_over_avg", "recomputed_blocks",
             "slo_attainment", "errors"]
     print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=1))
-    print("TTFT p50/p90: %.3f/%.3f s  TPOT mean %.4f s" % (
-        summary["ttft_s"]["p50"], summary["ttft_s"]["p90"], summary["tpot_s"]["mean"]))
+    t, p = summary["ttft_s"], summary["tpot_s"]
+    print(f"TTFT p50/p90: {t['p50']:.3f}/{t['p90']:.3f} s  TPOT mean {p['mean']:.4f} s")
