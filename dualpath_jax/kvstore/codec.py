@@ -1,20 +1,21 @@
 """Full Block codec: the bytes of one stored block and their verification.
 
-A stored Full Block is a fixed-size header followed by one *layer record* per layer::
+A stored Full Block is a fixed-size header, a table of per-layer checksums, then the payload::
 
-    [header: HEADER_BYTES] [layer 0 bytes | u64 checksum] [layer 1 bytes | u64 checksum] ...
+    [header: HEADER_BYTES] [layer checksums: n_layers x u64] [payload: the Full Block's bytes]
 
 - The header holds a magic, the format version, the layout `[n_layers, block_tokens,
   bytes_per_token_per_layer]`, the KV dtype tag, the model fingerprint, the token count, the
-  block's own key and an xxh3-64 checksum of the header itself.
-- A layer record is the Layer Block's `block_tokens * bytes_per_token_per_layer` bytes followed
-  by `xxh3_64(bytes, seed=layer_seed(key, layer))` (little-endian). Seeding with the key and layer
-  index binds the bytes to their place: a record moved to another key or layer does not verify.
+  block's own key, the *block checksum* (xxh3-64 of checksum table + payload) and an xxh3-64 of
+  the header itself.
+- Layer checksum `l` is `xxh3_64(layer l bytes, seed=layer_seed(key, l))`. Seeding with the key
+  and layer index binds the bytes to their place: bytes moved to another key or layer fail.
+- The payload is the Full Block `[n_layers, block_tokens, bytes]` uint8 as is, so a full read
+  lands in a host buffer with no layout conversion and is verified by one hash pass.
 
-Because the header has a fixed size, the byte range of layers `[l0, l1)` is
-`HEADER_BYTES + l * record_bytes` for `l in (l0, l1)`, known from the layout alone, and a
-layer-range read is verified by the checksums it carries (no header read). Concatenating the
-decoded layer records gives the Full Block `[n_layers, block_tokens, bytes]` uint8.
+Header and table sizes follow from the layout alone, so the byte range of layers `[l0, l1)`
+(`layer_byte_range`) and of their checksums (`checksum_byte_range`) are known without reading
+the header, and a layer-range read is verified by its own checksums.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ HEADER_BYTES = 128
 CHECKSUM_BYTES = 8
 _DTYPE_BYTES = 16
 # magic, version, header size, n_layers, block_tokens, bytes/token/layer, token count, dtype,
-# fingerprint, key; zero padding up to the header checksum in the last 8 bytes.
-_HEADER = struct.Struct(f"<8sHHIIII{_DTYPE_BYTES}s{KEY_BYTES}s{KEY_BYTES}s")
+# fingerprint, key, block checksum; zero padding up to the header checksum in the last 8 bytes.
+_HEADER = struct.Struct(f"<8sHHIIII{_DTYPE_BYTES}s{KEY_BYTES}s{KEY_BYTES}sQ")
 _U64 = struct.Struct("<Q")
 _MASK64 = (1 << 64) - 1
+_BLOCK_SEED_SALT = 0x9E3779B97F4A7C15
 assert _HEADER.size <= HEADER_BYTES - CHECKSUM_BYTES
 
 
@@ -73,29 +75,65 @@ class BlockFormat:
             raise ValueError(f"block layout {self.layout.shape} must be positive")
 
     @property
-    def record_bytes(self) -> int:
-        """Bytes of one layer record (Layer Block + its checksum)."""
-        return self.layout.layer_nbytes + CHECKSUM_BYTES
+    def payload_offset(self) -> int:
+        """Byte offset of the payload (the Full Block's bytes) in a stored block."""
+        return HEADER_BYTES + CHECKSUM_BYTES * self.layout.num_layers
 
     @property
     def encoded_bytes(self) -> int:
         """Size of a stored Full Block."""
-        return HEADER_BYTES + self.layout.num_layers * self.record_bytes
+        return self.payload_offset + self.layout.nbytes
 
-    def layer_byte_range(self, start: int, stop: int) -> tuple[int, int]:
-        """Half-open byte range `[lo, hi)` of layer records `[start, stop)` in a stored block."""
+    def _check_range(self, start: int, stop: int) -> None:
         n = self.layout.num_layers
         if not 0 <= start < stop <= n:
             raise IndexError(f"layer range [{start}, {stop}) outside [0, {n})")
-        return HEADER_BYTES + start * self.record_bytes, HEADER_BYTES + stop * self.record_bytes
+
+    def layer_byte_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Half-open byte range `[lo, hi)` of the Layer Blocks `[start, stop)` in a stored block."""
+        self._check_range(start, stop)
+        nb = self.layout.layer_nbytes
+        return self.payload_offset + start * nb, self.payload_offset + stop * nb
+
+    def checksum_byte_range(self, start: int, stop: int) -> tuple[int, int]:
+        """Half-open byte range of the checksums of layers `[start, stop)` in a stored block."""
+        self._check_range(start, stop)
+        return HEADER_BYTES + CHECKSUM_BYTES * start, HEADER_BYTES + CHECKSUM_BYTES * stop
 
 
 def layer_seed(key: str, layer: int) -> int:
-    """xxh3 seed of a layer record's checksum: the key's first 8 bytes plus the layer index."""
+    """xxh3 seed of a layer checksum: the key's first 8 bytes (little-endian) plus the layer."""
     return (int.from_bytes(bytes.fromhex(key[:16]), "little") + layer) & _MASK64
 
 
-def encode_header(fmt: BlockFormat, key: str, token_count: int | None = None) -> bytes:
+def _block_seed(key: str) -> int:
+    return layer_seed(key, 0) ^ _BLOCK_SEED_SALT
+
+
+def _bytes(buf: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
+    """A flat byte view of a buffer (no copy)."""
+    mv = memoryview(buf)
+    return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
+
+
+def block_checksum(key: str, table: bytes | memoryview, payload: bytes | memoryview | np.ndarray) -> int:
+    """The block checksum over the checksum table and the payload (a Full Block's bytes)."""
+    h = xxhash.xxh3_64(seed=_block_seed(key))
+    h.update(table)
+    h.update(_bytes(payload))
+    return h.intdigest()
+
+
+def layer_checksums(key: str, block: np.ndarray, start: int = 0) -> bytes:
+    """The checksum table entries of Layer Blocks `block[i]` at layers `start + i`."""
+    base = layer_seed(key, 0)
+    return b"".join(
+        _U64.pack(xxhash.xxh3_64_intdigest(_bytes(block[i]), seed=(base + start + i) & _MASK64))
+        for i in range(block.shape[0])
+    )
+
+
+def encode_header(fmt: BlockFormat, key: str, checksum: int, token_count: int | None = None) -> bytes:
     lay = fmt.layout
     body = _HEADER.pack(
         MAGIC,
@@ -108,6 +146,7 @@ def encode_header(fmt: BlockFormat, key: str, token_count: int | None = None) ->
         fmt.dtype.encode(),
         bytes.fromhex(fmt.fingerprint),
         bytes.fromhex(check_key(key)),
+        checksum,
     ).ljust(HEADER_BYTES - CHECKSUM_BYTES, b"\x00")
     return body + _U64.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -119,16 +158,15 @@ def encode_block(fmt: BlockFormat, key: str, block: np.ndarray) -> bytes:
             f"Full Block must be uint8 {fmt.layout.shape}, got {block.dtype} {block.shape}"
         )
     block = np.ascontiguousarray(block)
-    parts: list[bytes | memoryview] = [encode_header(fmt, key)]
-    for layer in range(fmt.layout.num_layers):
-        data = memoryview(block[layer]).cast("B")
-        parts.append(data)
-        parts.append(_U64.pack(xxhash.xxh3_64_intdigest(data, seed=layer_seed(key, layer))))
-    return b"".join(parts)
+    table = layer_checksums(key, block)
+    header = encode_header(fmt, key, block_checksum(key, table, block))
+    return b"".join([header, table, _bytes(block)])
 
 
-def check_header(fmt: BlockFormat, key: str, header: bytes) -> None:
-    """Verifies a stored header against the expected format and key; raises BlockDecodeError."""
+def check_header(fmt: BlockFormat, key: str, header: bytes | memoryview) -> int:
+    """Verifies a stored header against the expected format and key; returns the block checksum
+    it records. Raises BlockDecodeError."""
+    header = bytes(header)
     if len(header) < HEADER_BYTES:
         raise BlockCorrupt(f"block {key}: header truncated ({len(header)} of {HEADER_BYTES} bytes)")
     header = header[:HEADER_BYTES]
@@ -137,7 +175,7 @@ def check_header(fmt: BlockFormat, key: str, header: bytes) -> None:
     body, (stored,) = header[:-CHECKSUM_BYTES], _U64.unpack(header[-CHECKSUM_BYTES:])
     if xxhash.xxh3_64_intdigest(body) != stored:
         raise BlockCorrupt(f"block {key}: header checksum mismatch")
-    _, version, hsize, n_layers, bt, bpt, ntok, dtype, fp, stored_key = _HEADER.unpack(
+    _, version, hsize, n_layers, bt, bpt, ntok, dtype, fp, stored_key, checksum = _HEADER.unpack(
         body[: _HEADER.size]
     )
     if version != FORMAT_VERSION or hsize != HEADER_BYTES:
@@ -153,42 +191,59 @@ def check_header(fmt: BlockFormat, key: str, header: bytes) -> None:
         raise BlockMismatch(f"block {key}: model fingerprint {fp.hex()}, expected {fmt.fingerprint}")
     if stored_key.hex() != key:
         raise BlockMismatch(f"block {key}: header names block {stored_key.hex()}")
+    return checksum
 
 
-def decode_layers(
-    fmt: BlockFormat,
-    key: str,
-    data: bytes | memoryview,
-    start: int,
-    stop: int,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """Verifies layer records `[start, stop)` (exactly the bytes of `layer_byte_range`) and
-    returns them as `[stop - start, block_tokens, bytes]` uint8.
+def check_layer_checksums(
+    fmt: BlockFormat, key: str, layers: np.ndarray, checksums: bytes | bytearray | memoryview, start: int
+) -> None:
+    """Verifies Layer Blocks `layers` `[n, block_tokens, bytes]` against their stored checksums
+    (`n` little-endian u64) as layers `[start, start + n)` of `key`."""
+    if len(checksums) != CHECKSUM_BYTES * layers.shape[0]:
+        raise BlockCorrupt(f"block {key}: checksum table truncated")
+    if layer_checksums(key, layers, start) != bytes(checksums):
+        for i in range(layers.shape[0]):
+            got = layer_checksums(key, layers[i : i + 1], start + i)
+            if got != bytes(checksums[CHECKSUM_BYTES * i : CHECKSUM_BYTES * (i + 1)]):
+                raise BlockCorrupt(f"block {key}: layer {start + i} checksum mismatch")
 
-    Without `out` the result is a read-only view into `data` (no copy); with `out` (writable, that
-    shape) the bytes are copied there and `out` is returned.
-    """
-    lo, hi = fmt.layer_byte_range(start, stop)
-    if len(data) != hi - lo:
-        raise BlockCorrupt(f"block {key}: layers [{start}, {stop}) need {hi - lo} bytes, got {len(data)}")
-    n = stop - start
+
+def _shaped(fmt: BlockFormat, payload: bytes | memoryview, n: int) -> np.ndarray:
     lay = fmt.layout
-    records = np.frombuffer(data, np.uint8).reshape(n, fmt.record_bytes)
-    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    nb = lay.layer_nbytes
-    for i in range(n):
-        off = i * fmt.record_bytes
-        (stored,) = _U64.unpack_from(mv, off + nb)
-        if xxhash.xxh3_64_intdigest(mv[off : off + nb], seed=layer_seed(key, start + i)) != stored:
-            raise BlockCorrupt(f"block {key}: layer {start + i} checksum mismatch")
-    view = records[:, :nb].reshape(n, lay.block_tokens, lay.bytes_per_token_per_layer)
+    return np.frombuffer(payload, np.uint8).reshape(n, lay.block_tokens, lay.bytes_per_token_per_layer)
+
+
+def _deliver(view: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     if out is None:
         return view
     if out.shape != view.shape or out.dtype != np.uint8:
         raise ValueError(f"out must be uint8 {view.shape}, got {out.dtype} {out.shape}")
     np.copyto(out, view)
     return out
+
+
+def decode_layers(
+    fmt: BlockFormat,
+    key: str,
+    checksums: bytes | memoryview,
+    payload: bytes | memoryview,
+    start: int,
+    stop: int,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Verifies Layer Blocks `[start, stop)` read by byte range (`checksums` from
+    `checksum_byte_range`, `payload` from `layer_byte_range`) and returns them as
+    `[stop - start, block_tokens, bytes]` uint8.
+
+    Without `out` the result is a read-only view into `payload` (no copy); with `out` (writable,
+    that shape) the bytes are copied there and `out` is returned.
+    """
+    lo, hi = fmt.layer_byte_range(start, stop)
+    if len(payload) != hi - lo:
+        raise BlockCorrupt(f"block {key}: layers [{start}, {stop}) need {hi - lo} bytes, got {len(payload)}")
+    view = _shaped(fmt, payload, stop - start)
+    check_layer_checksums(fmt, key, view, checksums, start)
+    return _deliver(view, out)
 
 
 def decode_block(
@@ -203,6 +258,9 @@ def decode_block(
         raise BlockCorrupt(
             f"block {key}: {len(data)} bytes, a stored block of this format has {fmt.encoded_bytes}"
         )
-    mv = memoryview(data).cast("B") if not isinstance(data, memoryview) else data.cast("B")
-    check_header(fmt, key, bytes(mv[:HEADER_BYTES]))
-    return decode_layers(fmt, key, mv[HEADER_BYTES:], 0, fmt.layout.num_layers, out)
+    mv = _bytes(data)
+    stored = check_header(fmt, key, mv[:HEADER_BYTES])
+    table, payload = mv[HEADER_BYTES : fmt.payload_offset], mv[fmt.payload_offset :]
+    if block_checksum(key, table, payload) != stored:
+        raise BlockCorrupt(f"block {key}: block checksum mismatch")
+    return _deliver(_shaped(fmt, payload, fmt.layout.num_layers), out)

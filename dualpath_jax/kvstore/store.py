@@ -43,12 +43,31 @@ from dualpath_jax.kvstore.codec import (
     decode_layers,
     encode_block,
 )
+from dualpath_jax.kvstore.filereader import read_block_file
 from dualpath_jax.kvstore.identity import check_key, key_from_path, key_path, model_fingerprint
 from dualpath_jax.kvstore.index import BlockIndex
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
 
 # tensorstore's encoding of "no value": a write with this `if_equal` only creates a missing key.
 _IF_ABSENT = b"\x02"
+
+
+class _Joined:
+    """Several tensorstore reads awaited as one (a layer range and its checksums)."""
+
+    def __init__(self, *futs: ts.Future):
+        self.futs = futs
+
+    def result(self, timeout: float | None = None) -> tuple[Any, ...]:
+        out = []
+        for f in self.futs:
+            try:
+                out.append(f.result(timeout=timeout))
+            except TimeoutError:
+                raise
+            except Exception as e:  # keep waiting on the rest: none is left running
+                out.append(e)
+        return tuple(out)
 
 
 class StoreError(RuntimeError):
@@ -262,6 +281,11 @@ class TensorStoreBlockStore(BlockStore):
         self._pool = futures.ThreadPoolExecutor(
             max_workers=self._window, thread_name_prefix="blockstore"
         )
+        # File stores read by positional reads on their own threads (see filereader).
+        self._file_root = spec["path"] if cfg.kind == "file" else None
+        self._io_pool = futures.ThreadPoolExecutor(
+            max_workers=self._window, thread_name_prefix="blockstore-io"
+        )
         self._closed = False
 
     # ------------------------------------------------------------------ plumbing
@@ -282,16 +306,20 @@ class TensorStoreBlockStore(BlockStore):
             raise StoreError(f"{what}: no answer within {self.cfg.timeout_s} s") from None
 
     def _windowed(
-        self, keys: list[str], issue: Callable[[str], ts.Future], handle: Callable[[int, str, Any], bool]
+        self,
+        keys: list[str],
+        issue: Callable[[int, str], Any],
+        handle: Callable[[int, str, Any], bool],
     ) -> None:
-        """Issues `issue(key)` with at most `window` in flight and feeds results in key order to
-        `handle(i, key, result_or_exception)`; stops issuing once `handle` returns False."""
+        """Issues `issue(i, key)` (a tensorstore or concurrent future) with at most `window` in
+        flight and feeds results in key order to `handle(i, key, result_or_exception)`; stops
+        issuing once `handle` returns False."""
         inflight: collections.deque[tuple[int, str, ts.Future]] = collections.deque()
         nxt = 0
         try:
             while nxt < len(keys) or inflight:
                 while nxt < len(keys) and len(inflight) < self._window:
-                    inflight.append((nxt, keys[nxt], issue(keys[nxt])))
+                    inflight.append((nxt, keys[nxt], issue(nxt, keys[nxt])))
                     nxt += 1
                 i, key, fut = inflight.popleft()
                 try:
@@ -352,7 +380,7 @@ class TensorStoreBlockStore(BlockStore):
     def _lookup(self, keys: list[str]) -> int:
         hits = 0
 
-        def issue(key: str) -> ts.Future:
+        def issue(i: int, key: str) -> ts.Future:
             return self._kv.read(key_path(key), byte_range=slice(0, HEADER_BYTES))
 
         def handle(i: int, key: str, res: Any) -> bool:
@@ -400,35 +428,65 @@ class TensorStoreBlockStore(BlockStore):
         blocks: list[np.ndarray] = []
         reason = ""
         nbytes = 0
-        if layers is None:
-            byte_range = None
-        else:
-            byte_range = slice(*self.fmt.layer_byte_range(*layers))
+        if layers is not None:
+            checksum_range = slice(*self.fmt.checksum_byte_range(*layers))
+            payload_range = slice(*self.fmt.layer_byte_range(*layers))
+        direct = self._file_root is not None
 
-        def issue(key: str) -> ts.Future:
-            if byte_range is None:
+        def issue(i: int, key: str) -> Any:
+            dest = None if out is None else out[i]
+            if direct:
+                return self._io_pool.submit(read_block_file, self._file_root, self.fmt, key, layers, dest)
+            if layers is None:
                 return self._kv.read(key_path(key))
-            return self._kv.read(key_path(key), byte_range=byte_range)
+            path = key_path(key)
+            return _Joined(
+                self._kv.read(path, byte_range=checksum_range),
+                self._kv.read(path, byte_range=payload_range),
+            )
 
-        def handle(i: int, key: str, res: Any) -> bool:
-            nonlocal reason, nbytes
-            res, reason = self._classify(key, res)
-            if res is None:
-                if reason != "missing":
-                    self._count(checksum_failures=1)
-                self.index.remove([key])
-                return False
+        def handle_direct(i: int, key: str, res: Any) -> tuple[np.ndarray | None, int]:
+            nonlocal reason
+            if isinstance(res, BlockDecodeError):
+                reason = self._corrupt_file(key, res)
+                return None, 0
+            if isinstance(res, Exception):
+                raise StoreError(f"read of block {key} failed: {res}") from res
+            if res[0] is None:
+                reason = "missing"
+            return res
+
+        def handle_ts(i: int, key: str, res: Any) -> tuple[np.ndarray | None, int]:
+            nonlocal reason
+            parts = []
+            for r in res if isinstance(res, tuple) else (res,):
+                r, reason = self._classify(key, r)
+                if r is None:
+                    if reason != "missing":
+                        self._count(checksum_failures=1)
+                    return None, 0
+                parts.append(r)
             dest = None if out is None else out[i]
             try:
                 if layers is None:
-                    blk = decode_block(self.fmt, key, res.value, dest)
+                    blk = decode_block(self.fmt, key, parts[0].value, dest)
                 else:
-                    blk = decode_layers(self.fmt, key, res.value, layers[0], layers[1], dest)
+                    blk = decode_layers(
+                        self.fmt, key, parts[0].value, parts[1].value, layers[0], layers[1], dest
+                    )
             except BlockDecodeError as e:
-                reason = self._corrupt(key, e, res.stamp.generation)
+                reason = self._corrupt(key, e, parts[-1].stamp.generation)
+                return None, 0
+            return blk, sum(len(r.value) for r in parts)
+
+        def handle(i: int, key: str, res: Any) -> bool:
+            nonlocal nbytes
+            blk, n = (handle_direct if direct else handle_ts)(i, key, res)
+            if blk is None:
+                self.index.remove([key])
                 return False
             blocks.append(blk)
-            nbytes += len(res.value)
+            nbytes += n
             return True
 
         self._windowed(keys, issue, handle)
@@ -436,6 +494,21 @@ class TensorStoreBlockStore(BlockStore):
         kind = "reads" if layers is None else "layer_reads"
         self._count(**{kind: len(blocks)}, read_bytes=nbytes, misses=len(keys) - len(blocks))
         return BlockReadResult(len(blocks), tuple(blocks), reason)
+
+    def _corrupt_file(self, key: str, err: Exception) -> str:
+        """A direct read found `key` bad: remove it if tensorstore still sees a bad block there
+        (its generation guards against deleting a concurrent good rewrite)."""
+        generation = None
+        try:
+            res = self._wait(self._kv.read(key_path(key)), f"block {key}")
+            if res.state == "value":
+                try:
+                    decode_block(self.fmt, key, res.value)
+                except BlockDecodeError:
+                    generation = res.stamp.generation
+        except Exception:  # reported as a miss either way
+            pass
+        return self._corrupt(key, err, generation)
 
     # ------------------------------------------------------------------ writes
 
@@ -466,7 +539,7 @@ class TensorStoreBlockStore(BlockStore):
         failed: list[str] = []
         errors: list[str] = []
 
-        def issue(key: str) -> ts.Future:
+        def issue(i: int, key: str) -> ts.Future:
             data = encode_block(self.fmt, key, np.asarray(block_of[key]))
             return self._kv.write(key_path(key), data, if_equal=_IF_ABSENT)
 
@@ -507,7 +580,7 @@ class TensorStoreBlockStore(BlockStore):
                 errors.append(f"block {key}: {res}")
             return True
 
-        self._windowed(keys, lambda k: self._kv.write(key_path(k), None), handle)
+        self._windowed(keys, lambda i, k: self._kv.write(key_path(k), None), handle)
         self._count(deletes=len(keys) - len(errors))
         if errors:
             raise StoreError(f"{len(errors)} block delete(s) failed; first: {errors[0]}")
@@ -547,6 +620,7 @@ class TensorStoreBlockStore(BlockStore):
         if not self._closed:
             self._closed = True
             self._pool.shutdown(wait=True)
+            self._io_pool.shutdown(wait=True)
 
 
 def open_block_store(

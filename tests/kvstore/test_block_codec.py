@@ -52,16 +52,25 @@ def test_round_trip_of_model_kv_rows(fmt):
     np.testing.assert_array_equal(np.stack(back), blocks)
 
 
+def read_layers(fmt, data: bytes, start: int, stop: int, key: str = KEY) -> np.ndarray:
+    """What a byte-range reader does: two ranges of the stored bytes, then verify."""
+    checksums = data[slice(*fmt.checksum_byte_range(start, stop))]
+    payload = data[slice(*fmt.layer_byte_range(start, stop))]
+    return decode_layers(fmt, key, checksums, payload, start, stop)
+
+
 def test_layer_ranges_are_slices_of_the_full_block(fmt, block):
     data = encode_block(fmt, KEY, block)
-    n = fmt.layout.num_layers
+    n, nb = fmt.layout.num_layers, fmt.layout.layer_nbytes
+    payload0 = HEADER_BYTES + 8 * n
+    # The payload is the Full Block's bytes as is.
+    assert data[payload0:] == block.tobytes()
     for start in range(n):
         for stop in range(start + 1, n + 1):
-            lo, hi = fmt.layer_byte_range(start, stop)
-            assert (lo, hi) == (HEADER_BYTES + start * fmt.record_bytes, HEADER_BYTES + stop * fmt.record_bytes)
-            got = decode_layers(fmt, KEY, data[lo:hi], start, stop)
-            np.testing.assert_array_equal(got, block[start:stop])
-    per_layer = [decode_layers(fmt, KEY, data[slice(*fmt.layer_byte_range(i, i + 1))], i, i + 1) for i in range(n)]
+            assert fmt.layer_byte_range(start, stop) == (payload0 + start * nb, payload0 + stop * nb)
+            assert fmt.checksum_byte_range(start, stop) == (HEADER_BYTES + 8 * start, HEADER_BYTES + 8 * stop)
+            np.testing.assert_array_equal(read_layers(fmt, data, start, stop), block[start:stop])
+    per_layer = [read_layers(fmt, data, i, i + 1) for i in range(n)]
     np.testing.assert_array_equal(layer_blocks_to_full(per_layer), block)
 
 
@@ -73,8 +82,9 @@ def test_layer_range_outside_the_block(fmt, bad):
 
 def test_every_flipped_byte_is_detected(fmt, block):
     data = bytearray(encode_block(fmt, KEY, block))
-    # Every header byte and a stride of payload and checksum bytes across all layer records.
-    positions = list(range(HEADER_BYTES)) + list(range(HEADER_BYTES, len(data), 7)) + [len(data) - 1]
+    # Every header and checksum-table byte and a stride of payload bytes across all layers.
+    positions = list(range(fmt.payload_offset)) + list(range(fmt.payload_offset, len(data), 7))
+    positions.append(len(data) - 1)
     for pos in positions:
         bad = bytearray(data)
         bad[pos] ^= 0x40
@@ -87,9 +97,14 @@ def test_flipped_layer_byte_fails_its_layer_range_only(fmt, block):
     lo, _ = fmt.layer_byte_range(1, 2)
     data[lo + 5] ^= 1
     with pytest.raises(BlockCorrupt, match="layer 1"):
-        decode_layers(fmt, KEY, bytes(data[slice(*fmt.layer_byte_range(0, 2))]), 0, 2)
-    ok = decode_layers(fmt, KEY, bytes(data[slice(*fmt.layer_byte_range(2, 3))]), 2, 3)
-    np.testing.assert_array_equal(ok, block[2:3])
+        read_layers(fmt, bytes(data), 0, 2)
+    np.testing.assert_array_equal(read_layers(fmt, bytes(data), 2, 3), block[2:3])
+    np.testing.assert_array_equal(read_layers(fmt, bytes(data), 0, 1), block[0:1])
+    # A damaged checksum fails its layer too.
+    data = bytearray(encode_block(fmt, KEY, block))
+    data[fmt.checksum_byte_range(2, 3)[0]] ^= 1
+    with pytest.raises(BlockCorrupt, match="layer 2"):
+        read_layers(fmt, bytes(data), 1, 3)
 
 
 @pytest.mark.parametrize("cut", [0, 1, HEADER_BYTES - 1, HEADER_BYTES, HEADER_BYTES + 1, -8, -1])
@@ -120,9 +135,9 @@ def test_wrong_key(fmt, block):
     data = encode_block(fmt, OTHER_KEY, block)
     with pytest.raises(BlockMismatch, match="names block"):
         decode_block(fmt, KEY, data)
-    # Layer records are bound to their key by the checksum seed, so a layer read also fails.
+    # Layer checksums are bound to their key by the seed, so a layer read also fails.
     with pytest.raises(BlockCorrupt):
-        decode_layers(fmt, KEY, data[slice(*fmt.layer_byte_range(0, 1))], 0, 1)
+        read_layers(fmt, data, 0, 1)
 
 
 @pytest.mark.parametrize("shape", [(2, 4, 12), (3, 8, 6), (3, 4, 24), (4, 4, 12)])
@@ -137,11 +152,14 @@ def test_wrong_layout(fmt, shape):
         codec.check_header(fmt, KEY, data[:HEADER_BYTES])
 
 
-def test_layer_record_moved_to_another_layer(fmt, block):
+def test_layer_moved_to_another_layer(fmt, block):
     data = encode_block(fmt, KEY, block)
-    rec0 = data[slice(*fmt.layer_byte_range(0, 1))]
+    checksum0 = data[slice(*fmt.checksum_byte_range(0, 1))]
+    layer0 = data[slice(*fmt.layer_byte_range(0, 1))]
     with pytest.raises(BlockCorrupt):
-        decode_layers(fmt, KEY, rec0, 1, 2)
+        decode_layers(fmt, KEY, checksum0, layer0, 1, 2)
+    with pytest.raises(BlockCorrupt):
+        decode_layers(fmt, KEY, checksum0[:4], layer0, 0, 1)  # truncated checksum
 
 
 def _rewrite_header_field(fmt, data: bytes, offset: int, fmt_char: str, value: int) -> bytes:
