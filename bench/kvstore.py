@@ -130,7 +130,7 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
                 s = timed(read_all, reps, before)
                 row("read_full", conc, cache, s, total, vs_raw=raw_s / s)
         with TensorStoreBlockStore(cfg, fmt) as st:
-            lay_bytes = blocks * fmt.record_bytes
+            lay_bytes = blocks * (layout.layer_nbytes + 8)
             mid = layout.num_layers // 2
 
             def read_layer(st=st):

@@ -52,6 +52,16 @@ from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
 _IF_ABSENT = b"\x02"
 
 
+def _run_now(fn: Callable[..., Any], *args: Any) -> futures.Future[Any]:
+    """Runs `fn` here and returns its outcome as a completed future."""
+    fut: futures.Future[Any] = futures.Future()
+    try:
+        fut.set_result(fn(*args))
+    except Exception as e:
+        fut.set_exception(e)
+    return fut
+
+
 class _Joined:
     """Several tensorstore reads awaited as one (a layer range and its checksums)."""
 
@@ -432,11 +442,15 @@ class TensorStoreBlockStore(BlockStore):
             checksum_range = slice(*self.fmt.checksum_byte_range(*layers))
             payload_range = slice(*self.fmt.layer_byte_range(*layers))
         direct = self._file_root is not None
+        # A single block is read here (a thread hop would cost more than a small read); a batch
+        # fans out so that storage sees several reads at once.
+        inline = len(keys) == 1
 
         def issue(i: int, key: str) -> Any:
             dest = None if out is None else out[i]
             if direct:
-                return self._io_pool.submit(read_block_file, self._file_root, self.fmt, key, layers, dest)
+                args = (self._file_root, self.fmt, key, layers, dest)
+                return _run_now(read_block_file, *args) if inline else self._io_pool.submit(read_block_file, *args)
             if layers is None:
                 return self._kv.read(key_path(key))
             path = key_path(key)
