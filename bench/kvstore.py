@@ -91,13 +91,21 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
     total = blocks * fmt.encoded_bytes
 
     def row(op: str, conc: int | str, cache: str, seconds: float, nbytes: int, **extra) -> dict:
-        r = {"case": name, "op": op, "inflight": conc, "cache": cache, "s": seconds,
-             "GB/s": nbytes / seconds / 1e9, **extra}
+        r = {
+            "case": name,
+            "op": op,
+            "inflight": conc,
+            "cache": cache,
+            "s": seconds,
+            "GB/s": nbytes / seconds / 1e9,
+            **extra,
+        }
         rows.append(r)
         return r
 
     # Writes: a fresh store per repetition, fsync off and on.
     for fsync in (False, True):
+
         def write_once(fsync=fsync):
             d = tempfile.mkdtemp(dir=root)
             with TensorStoreBlockStore(StoreConfig(root=d, fsync=fsync), fmt) as st:
@@ -121,7 +129,9 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
         raw_s = timed(lambda: raw_read(paths), reps, before)
         row("raw", 1, cache, raw_s, total)
         for conc in CONCURRENCY:
-            with TensorStoreBlockStore(StoreConfig(root=store_root, io_concurrency=conc), fmt) as st:
+            with TensorStoreBlockStore(
+                StoreConfig(root=store_root, io_concurrency=conc), fmt
+            ) as st:
 
                 def read_all(st=st):
                     r = st.read_full(keys, out=out).result()
@@ -160,23 +170,33 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
             finally:
                 os.close(fd)
         for op, xs in (("layer latency", lat), ("layer latency (os.pread)", raw_lat)):
-            rows.append({
-                "case": name, "op": op, "inflight": 1, "cache": "warm",
-                "p50_ms": 1e3 * float(np.median(xs)), "p99_ms": 1e3 * float(np.percentile(xs, 99)),
-                "layer_bytes": layout.layer_nbytes,
-            })
+            rows.append(
+                {
+                    "case": name,
+                    "op": op,
+                    "inflight": 1,
+                    "cache": "warm",
+                    "p50_ms": 1e3 * float(np.median(xs)),
+                    "p99_ms": 1e3 * float(np.percentile(xs, 99)),
+                    "layer_bytes": layout.layer_nbytes,
+                }
+            )
     shutil.rmtree(store_root)
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'case':10} {'op':26} {'inflight':>8} {'cache':>10} {'GB/s':>7} {'vs raw':>7} {'p50 ms':>7} {'p99 ms':>7}")
+    print(
+        f"{'case':10} {'op':26} {'inflight':>8} {'cache':>10} {'GB/s':>7} {'vs raw':>7} {'p50 ms':>7} {'p99 ms':>7}"
+    )
     for r in rows:
         gbs = f"{r['GB/s']:.2f}" if "GB/s" in r else ""
         vs = f"{100 * r['vs_raw']:.0f}%" if "vs_raw" in r else ""
         p50 = f"{r['p50_ms']:.3f}" if "p50_ms" in r else ""
         p99 = f"{r['p99_ms']:.3f}" if "p99_ms" in r else ""
-        print(f"{r['case']:10} {r['op']:26} {r['inflight']!s:>8} {r['cache']:>10} {gbs:>7} {vs:>7} {p50:>7} {p99:>7}")
+        print(
+            f"{r['case']:10} {r['op']:26} {r['inflight']!s:>8} {r['cache']:>10} {gbs:>7} {vs:>7} {p50:>7} {p99:>7}"
+        )
 
 
 def main() -> None:

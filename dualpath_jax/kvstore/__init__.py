@@ -2,13 +2,22 @@
 
 - `codec`: the stored bytes of a Full Block (header, per-layer checksums) and their verification.
 - `identity`: model fingerprints and block keys (`key_i = H(key_{i-1}, tokens_i)`).
-- `store`: `BlockStore` (asynchronous, batched) and `TensorStoreBlockStore` (file/memory/spec).
+- `api`: the `BlockStore` interface (asynchronous, batched) and its results, stats and errors.
+- `store`: `TensorStoreBlockStore` (file/memory/spec); `filereader`: its direct file reads.
 - `index`: LRU, pins and trajectory ownership behind the store's capacity limit.
 - `buffers`: `HostBufferPool`, the PE buffer and DE buffer in host memory.
 """
 
 from __future__ import annotations
 
+from dualpath_jax.kvstore.api import (
+    BlockReadResult,
+    BlockStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    WriteReport,
+)
 from dualpath_jax.kvstore.buffers import BufferFull, BufferReservation, BufferStats, HostBufferPool
 from dualpath_jax.kvstore.codec import (
     BlockCorrupt,
@@ -21,16 +30,7 @@ from dualpath_jax.kvstore.codec import (
 )
 from dualpath_jax.kvstore.identity import InvalidBlockKey, block_keys, model_fingerprint
 from dualpath_jax.kvstore.index import BlockIndex
-from dualpath_jax.kvstore.store import (
-    BlockReadResult,
-    BlockStore,
-    StoreError,
-    StoreStats,
-    StoreUnavailable,
-    TensorStoreBlockStore,
-    WriteReport,
-    open_block_store,
-)
+from dualpath_jax.kvstore.store import TensorStoreBlockStore, kvstore_spec, open_block_store
 
 __all__ = [
     "BlockCorrupt",
@@ -51,6 +51,7 @@ __all__ = [
     "TensorStoreBlockStore",
     "WriteReport",
     "block_keys",
+    "kvstore_spec",
     "decode_block",
     "decode_layers",
     "encode_block",

@@ -119,7 +119,9 @@ class HostBufferPool:
         self._peak = 0
 
     @classmethod
-    def for_bytes(cls, layout: BlockLayout, capacity_bytes: float, name: str = "host buffer") -> HostBufferPool:
+    def for_bytes(
+        cls, layout: BlockLayout, capacity_bytes: float, name: str = "host buffer"
+    ) -> HostBufferPool:
         """A pool of as many Full Blocks as fit in `capacity_bytes` (e.g. `dram_buffer_bytes`)."""
         return cls(layout, int(capacity_bytes // layout.nbytes), name)
 
@@ -179,5 +181,9 @@ class HostBufferPool:
     def stats(self) -> BufferStats:
         with self._cond:
             return BufferStats(
-                self.capacity_blocks, self.used_blocks, self._reservations, self._refused, self._peak
+                self.capacity_blocks,
+                self.used_blocks,
+                self._reservations,
+                self._refused,
+                self._peak,
             )

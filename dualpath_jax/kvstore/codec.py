@@ -116,7 +116,9 @@ def _bytes(buf: bytes | bytearray | memoryview | np.ndarray) -> memoryview:
     return mv if mv.ndim == 1 and mv.format == "B" else mv.cast("B")
 
 
-def block_checksum(key: str, table: bytes | memoryview, payload: bytes | memoryview | np.ndarray) -> int:
+def block_checksum(
+    key: str, table: bytes | memoryview, payload: bytes | memoryview | np.ndarray
+) -> int:
     """The block checksum over the checksum table and the payload (a Full Block's bytes)."""
     h = xxhash.xxh3_64(seed=_block_seed(key))
     h.update(table)
@@ -133,7 +135,9 @@ def layer_checksums(key: str, block: np.ndarray, start: int = 0) -> bytes:
     )
 
 
-def encode_header(fmt: BlockFormat, key: str, checksum: int, token_count: int | None = None) -> bytes:
+def encode_header(
+    fmt: BlockFormat, key: str, checksum: int, token_count: int | None = None
+) -> bytes:
     lay = fmt.layout
     body = _HEADER.pack(
         MAGIC,
@@ -179,23 +183,35 @@ def check_header(fmt: BlockFormat, key: str, header: bytes | memoryview) -> int:
         body[: _HEADER.size]
     )
     if version != FORMAT_VERSION or hsize != HEADER_BYTES:
-        raise BlockMismatch(f"block {key}: format version {version} (header {hsize} B), expected {FORMAT_VERSION}")
+        raise BlockMismatch(
+            f"block {key}: format version {version} (header {hsize} B), expected {FORMAT_VERSION}"
+        )
     lay = fmt.layout
     if (n_layers, bt, bpt) != lay.shape:
         raise BlockMismatch(f"block {key}: layout {(n_layers, bt, bpt)}, expected {lay.shape}")
     if ntok != lay.block_tokens:
-        raise BlockMismatch(f"block {key}: holds {ntok} tokens, a Full Block holds {lay.block_tokens}")
+        raise BlockMismatch(
+            f"block {key}: holds {ntok} tokens, a Full Block holds {lay.block_tokens}"
+        )
     if dtype.rstrip(b"\x00").decode(errors="replace") != fmt.dtype:
-        raise BlockMismatch(f"block {key}: dtype {dtype.rstrip(bytes(1))!r}, expected {fmt.dtype!r}")
+        raise BlockMismatch(
+            f"block {key}: dtype {dtype.rstrip(bytes(1))!r}, expected {fmt.dtype!r}"
+        )
     if fp.hex() != fmt.fingerprint:
-        raise BlockMismatch(f"block {key}: model fingerprint {fp.hex()}, expected {fmt.fingerprint}")
+        raise BlockMismatch(
+            f"block {key}: model fingerprint {fp.hex()}, expected {fmt.fingerprint}"
+        )
     if stored_key.hex() != key:
         raise BlockMismatch(f"block {key}: header names block {stored_key.hex()}")
     return checksum
 
 
 def check_layer_checksums(
-    fmt: BlockFormat, key: str, layers: np.ndarray, checksums: bytes | bytearray | memoryview, start: int
+    fmt: BlockFormat,
+    key: str,
+    layers: np.ndarray,
+    checksums: bytes | bytearray | memoryview,
+    start: int,
 ) -> None:
     """Verifies Layer Blocks `layers` `[n, block_tokens, bytes]` against their stored checksums
     (`n` little-endian u64) as layers `[start, start + n)` of `key`."""
@@ -210,7 +226,9 @@ def check_layer_checksums(
 
 def _shaped(fmt: BlockFormat, payload: bytes | memoryview, n: int) -> np.ndarray:
     lay = fmt.layout
-    return np.frombuffer(payload, np.uint8).reshape(n, lay.block_tokens, lay.bytes_per_token_per_layer)
+    return np.frombuffer(payload, np.uint8).reshape(
+        n, lay.block_tokens, lay.bytes_per_token_per_layer
+    )
 
 
 def _deliver(view: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -240,7 +258,9 @@ def decode_layers(
     """
     lo, hi = fmt.layer_byte_range(start, stop)
     if len(payload) != hi - lo:
-        raise BlockCorrupt(f"block {key}: layers [{start}, {stop}) need {hi - lo} bytes, got {len(payload)}")
+        raise BlockCorrupt(
+            f"block {key}: layers [{start}, {stop}) need {hi - lo} bytes, got {len(payload)}"
+        )
     view = _shaped(fmt, payload, stop - start)
     check_layer_checksums(fmt, key, view, checksums, start)
     return _deliver(view, out)

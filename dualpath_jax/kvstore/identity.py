@@ -101,6 +101,8 @@ def block_keys(
     step = block_tokens * _TOKEN_DTYPE.itemsize
     keys = []
     for i in range(n):
-        prev = hashlib.blake2b(raw[i * step : (i + 1) * step], digest_size=KEY_BYTES, key=prev).digest()
+        prev = hashlib.blake2b(
+            raw[i * step : (i + 1) * step], digest_size=KEY_BYTES, key=prev
+        ).digest()
         keys.append(prev.hex())
     return keys

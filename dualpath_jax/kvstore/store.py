@@ -1,9 +1,10 @@
-"""BlockStore: asynchronous, batched storage of Full Blocks (DESIGN.md 2.1), on tensorstore.
+"""TensorStoreBlockStore: the BlockStore (api.py) on a tensorstore kvstore (DESIGN.md 2.1).
 
-One key per Full Block (`identity.key_path`: `ab/abcd...`), its value the codec's bytes. Every
-operation takes a batch of keys in chain order (prefix first) and returns a
-`concurrent.futures.Future`; the tensorstore I/Os of a batch run concurrently, at most
-`StoreConfig.io_concurrency` in flight, and each waits at most `StoreConfig.timeout_s`.
+One key per Full Block (`identity.key_path`: `ab/abcd...`), its value the codec's bytes. The
+I/Os of a batch run concurrently, at most `StoreConfig.io_concurrency` in flight, and each waits
+at most `StoreConfig.timeout_s`. Writes, deletes, listing and lookups go through tensorstore;
+reads of a `file` store are positional reads straight into the caller's buffers (filereader.py),
+reads of every other store are tensorstore byte-range reads.
 
 Failure semantics (the caller recomputes whatever is not a hit):
 - a missing block ends the hit run there; so does a corrupt, truncated or mismatching block,
@@ -18,15 +19,13 @@ Failure semantics (the caller recomputes whatever is not a hit):
 
 from __future__ import annotations
 
-import abc
 import collections
-import contextlib
 import dataclasses
 import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -34,6 +33,14 @@ import numpy as np
 import tensorstore as ts
 
 from dualpath_jax.config import ConfigError, ModelConfig, StoreConfig
+from dualpath_jax.kvstore.api import (
+    BlockReadResult,
+    BlockStore,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    WriteReport,
+)
 from dualpath_jax.kvstore.codec import (
     HEADER_BYTES,
     BlockDecodeError,
@@ -78,142 +85,6 @@ class _Joined:
             except Exception as e:  # keep waiting on the rest: none is left running
                 out.append(e)
         return tuple(out)
-
-
-class StoreError(RuntimeError):
-    """A block store operation failed (I/O error, timeout); the message names the key."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be used at all (root missing and not creatable, not a directory, ...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockReadResult:
-    """Outcome of a batched read: blocks `[0, hits)` were read and verified.
-
-    `blocks[i]` is `[n_layers_read, block_tokens, bytes]` uint8 (a view into the caller's `out`,
-    or a read-only view of the fetched bytes). Keys `[hits:]` are misses; `miss_reason` says why
-    the first of them missed ("" when every key hit).
-    """
-
-    hits: int
-    blocks: tuple[np.ndarray, ...]
-    miss_reason: str = ""
-
-    def stack(self) -> np.ndarray:
-        """The hit blocks as one `[hits, n_layers_read, block_tokens, bytes]` array (a copy)."""
-        return np.stack(self.blocks) if self.blocks else np.zeros((0, 0, 0, 0), np.uint8)
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteReport:
-    """Outcome of `write_full`: each key was written, already stored, or rejected (no room)."""
-
-    written: int
-    existed: int
-    rejected: int
-
-
-@dataclasses.dataclass(frozen=True)
-class StoreStats:
-    """Counters of one store instance (this process's view)."""
-
-    blocks: int
-    bytes: int
-    capacity_bytes: int
-    pinned: int
-    lookups: int
-    lookup_hits: int
-    reads: int
-    layer_reads: int
-    read_bytes: int
-    writes: int
-    write_bytes: int
-    write_existed: int
-    write_rejected: int
-    deletes: int
-    evictions: int
-    misses: int
-    checksum_failures: int
-
-
-class BlockStore(abc.ABC):
-    """Storage of Full Blocks under hash-chain keys. Every batch is in chain order.
-
-    Lifecycle: open -> (lookup / read / write / delete / pin ...)* -> close. A store is used from
-    any thread; each returned future completes on the store's I/O threads.
-    """
-
-    fmt: BlockFormat
-
-    @abc.abstractmethod
-    def lookup(self, keys: Sequence[str]) -> futures.Future[int]:
-        """Number of leading keys stored (the prefix hit), checking headers only."""
-
-    @abc.abstractmethod
-    def read_full(
-        self, keys: Sequence[str], out: np.ndarray | Sequence[np.ndarray] | None = None
-    ) -> futures.Future[BlockReadResult]:
-        """Reads Full Blocks `[n_layers, bt, bytes]`; `out[i]` receives block i when given."""
-
-    @abc.abstractmethod
-    def read_layers(
-        self,
-        keys: Sequence[str],
-        layers: tuple[int, int],
-        out: np.ndarray | Sequence[np.ndarray] | None = None,
-    ) -> futures.Future[BlockReadResult]:
-        """Reads the Layer Blocks `[start, stop)` of each block by byte range."""
-
-    @abc.abstractmethod
-    def write_full(
-        self, keys: Sequence[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None = None
-    ) -> futures.Future[WriteReport]:
-        """Stores Full Blocks `[n, n_layers, bt, bytes]`; idempotent per key; `owner` claims them."""
-
-    @abc.abstractmethod
-    def delete(self, keys: Sequence[str]) -> futures.Future[int]:
-        """Deletes blocks (pinned ones at their last unpin); resolves to the number deleted now."""
-
-    @abc.abstractmethod
-    def pin(self, keys: Sequence[str]) -> None:
-        """Protects blocks from eviction and deletion until the matching `unpin`."""
-
-    @abc.abstractmethod
-    def unpin(self, keys: Sequence[str]) -> futures.Future[int]:
-        """Drops one pin per key; deferred deletions run now (resolves to their count)."""
-
-    @abc.abstractmethod
-    def claim(self, owner: str, keys: Sequence[str]) -> None:
-        """Records that trajectory `owner` uses `keys`, so `release(owner)` considers them."""
-
-    @abc.abstractmethod
-    def release(self, owner: str) -> futures.Future[int]:
-        """Ends trajectory `owner`: deletes the blocks no other live trajectory claims."""
-
-    @abc.abstractmethod
-    def stats(self) -> StoreStats: ...
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    @contextlib.contextmanager
-    def pinned(self, keys: Sequence[str]) -> Iterator[None]:
-        """Pins `keys` for the duration of a `with` block (an in-flight request's hit blocks);
-        deletions deferred by the pins are done when the block exits."""
-        keys = list(keys)
-        self.pin(keys)
-        try:
-            yield
-        finally:
-            self.unpin(keys).result()
-
-    def __enter__(self) -> BlockStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def kvstore_spec(cfg: StoreConfig) -> dict[str, Any] | str:
@@ -379,7 +250,9 @@ class TensorStoreBlockStore(BlockStore):
             raise ValueError(f"out holds {len(out)} blocks, {n} keys given")
         for o in out[:n] if isinstance(out, np.ndarray) else list(out)[:n]:
             if o.shape != shape or o.dtype != np.uint8 or not o.flags.writeable:
-                raise ValueError(f"out blocks must be writable uint8 {shape}, got {o.dtype} {o.shape}")
+                raise ValueError(
+                    f"out blocks must be writable uint8 {shape}, got {o.dtype} {o.shape}"
+                )
 
     # ------------------------------------------------------------------ lookup
 
@@ -431,7 +304,9 @@ class TensorStoreBlockStore(BlockStore):
         start, stop = layers
         self.fmt.layer_byte_range(start, stop)  # validates the range
         lay = self.fmt.layout
-        self._check_out(out, len(keys), (stop - start, lay.block_tokens, lay.bytes_per_token_per_layer))
+        self._check_out(
+            out, len(keys), (stop - start, lay.block_tokens, lay.bytes_per_token_per_layer)
+        )
         return self._submit(self._read, keys, (start, stop), out)
 
     def _read(self, keys: list[str], layers: tuple[int, int] | None, out: Any) -> BlockReadResult:
@@ -450,7 +325,11 @@ class TensorStoreBlockStore(BlockStore):
             dest = None if out is None else out[i]
             if direct:
                 args = (self._file_root, self.fmt, key, layers, dest)
-                return _run_now(read_block_file, *args) if inline else self._io_pool.submit(read_block_file, *args)
+                return (
+                    _run_now(read_block_file, *args)
+                    if inline
+                    else self._io_pool.submit(read_block_file, *args)
+                )
             if layers is None:
                 return self._kv.read(key_path(key))
             path = key_path(key)
@@ -527,14 +406,19 @@ class TensorStoreBlockStore(BlockStore):
     # ------------------------------------------------------------------ writes
 
     def write_full(
-        self, keys: Sequence[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None = None
+        self,
+        keys: Sequence[str],
+        blocks: np.ndarray | Sequence[np.ndarray],
+        owner: str | None = None,
     ) -> futures.Future[WriteReport]:
         keys = [check_key(k) for k in keys]
         if len(blocks) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
         for b in blocks:
             if b.shape != self.fmt.layout.shape or b.dtype != np.uint8:
-                raise ValueError(f"Full Blocks must be uint8 {self.fmt.layout.shape}, got {b.dtype} {b.shape}")
+                raise ValueError(
+                    f"Full Blocks must be uint8 {self.fmt.layout.shape}, got {b.dtype} {b.shape}"
+                )
         if owner is not None:
             self.index.claim(owner, keys)
         return self._submit(self._write, keys, blocks)

@@ -67,8 +67,14 @@ def test_layer_ranges_are_slices_of_the_full_block(fmt, block):
     assert data[payload0:] == block.tobytes()
     for start in range(n):
         for stop in range(start + 1, n + 1):
-            assert fmt.layer_byte_range(start, stop) == (payload0 + start * nb, payload0 + stop * nb)
-            assert fmt.checksum_byte_range(start, stop) == (HEADER_BYTES + 8 * start, HEADER_BYTES + 8 * stop)
+            assert fmt.layer_byte_range(start, stop) == (
+                payload0 + start * nb,
+                payload0 + stop * nb,
+            )
+            assert fmt.checksum_byte_range(start, stop) == (
+                HEADER_BYTES + 8 * start,
+                HEADER_BYTES + 8 * stop,
+            )
             np.testing.assert_array_equal(read_layers(fmt, data, start, stop), block[start:stop])
     per_layer = [read_layers(fmt, data, i, i + 1) for i in range(n)]
     np.testing.assert_array_equal(layer_blocks_to_full(per_layer), block)

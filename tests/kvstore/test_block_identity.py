@@ -62,7 +62,11 @@ def test_seeded_by_fingerprint_and_independent_of_int_dtype():
     toks = [5, 6, 7, 8]
     assert block_keys(toks, 4, FP) != block_keys(toks, 4, model_fingerprint(TINY_DEEPSEEK))
     ref = block_keys(np.array(toks, np.int64), 4, FP)
-    assert ref == block_keys(np.array(toks, np.int32), 4, FP) == block_keys(np.array(toks, np.uint16), 4, FP)
+    assert (
+        ref
+        == block_keys(np.array(toks, np.int32), 4, FP)
+        == block_keys(np.array(toks, np.uint16), 4, FP)
+    )
 
 
 @pytest.mark.parametrize("bad", [[-1, 0, 0, 0], [2**32, 0, 0, 0], np.zeros(4, np.float32)])

@@ -61,7 +61,9 @@ def test_lookup_matches_brute_force(store, random_blocks):
     for t in range(30):
         if trajs and rng.random() < 0.7:  # branch off an earlier trajectory's prefix
             base = trajs[rng.integers(len(trajs))]
-            toks = np.concatenate([base[: rng.integers(0, len(base) + 1)], rng.integers(0, 3, rng.integers(0, 14))])
+            toks = np.concatenate(
+                [base[: rng.integers(0, len(base) + 1)], rng.integers(0, 3, rng.integers(0, 14))]
+            )
         else:
             toks = rng.integers(0, 3, rng.integers(0, 30))
         trajs.append(toks)

@@ -60,7 +60,9 @@ def test_root_unavailable(tmp_path, fmt):
     with pytest.raises(ConfigError):
         TensorStoreBlockStore(StoreConfig(kind="nfs"), fmt)
     with pytest.raises(StoreUnavailable):
-        TensorStoreBlockStore(StoreConfig(kind="spec", spec_json='{"driver": "no-such-driver"}'), fmt)
+        TensorStoreBlockStore(
+            StoreConfig(kind="spec", spec_json='{"driver": "no-such-driver"}'), fmt
+        )
 
 
 def test_root_replaced_by_a_file_after_open(tmp_path, fmt, random_blocks):
