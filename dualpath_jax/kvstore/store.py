@@ -268,8 +268,10 @@ class TensorStoreBlockStore(BlockStore):
 
         def handle(i: int, key: str, res: Any) -> bool:
             nonlocal hits
-            res, _ = self._classify(key, res)
+            res, reason = self._classify(key, res)
             if res is None:
+                if reason != "missing":  # shorter than a header
+                    self._count(checksum_failures=1)
                 return False
             try:
                 check_header(self.fmt, key, res.value)

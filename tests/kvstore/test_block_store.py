@@ -174,6 +174,16 @@ def test_truncated_block(store, random_blocks, cut):
     assert store.read_full(keys).result().hits == 1
 
 
+def test_block_shorter_than_a_header(store, random_blocks):
+    keys = keys_of(store, range(8))
+    store.write_full(keys, random_blocks(2)).result()
+    put_raw(store, keys[1], b"\x00" * 7)
+    assert store.lookup(keys).result() == 1
+    assert store.stats().checksum_failures == 1
+    res = store.read_full(keys).result()
+    assert res.hits == 1 and res.miss_reason.startswith("corrupt")
+
+
 def test_block_of_another_model_is_a_miss(store, random_blocks, fmt):
     import dataclasses
 
