@@ -10,7 +10,6 @@ starts them at Poisson arrival times (`workload.aps`). Writes to `workdir`: `con
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
@@ -85,8 +84,3 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
-
-def with_policy(cfg: ExperimentConfig, policy: str) -> ExperimentConfig:
-    from dualpath_jax.config import Policy
-
-    return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))

@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
@@ -218,11 +219,11 @@ class PrefillEngine:
         try:
             if all(r.msg.layerwise for r in reqs):
                 res = self.runner.prefill_layerwise(batch, load_layer, emit_layer)
-            else:  # Basic: the whole hit is on the device before the forward
-                all_kv = np.stack([load_layer(i) for i in range(c.model.num_layers)]) if batch.c_pad else None
-                res, new_kv = self.runner.prefill_monolithic(batch, all_kv)
-                for i in range(c.model.num_layers):
-                    emit_layer(i, new_kv[i])
+            else:
+                # Basic: the whole hit is loaded onto the device before the forward starts (the
+                # same compiled layers run afterwards, so only the loading schedule differs).
+                loaded = [jax.device_put(load_layer(i)) for i in range(c.model.num_layers)] if batch.c_pad else None
+                res = self.runner.prefill_layerwise(batch, loaded.__getitem__ if loaded else None, emit_layer)
             first = np.asarray(res.last_logits).argmax(-1)
         except Exception as e:  # noqa: BLE001
             for ch in chunks:

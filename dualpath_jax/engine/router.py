@@ -79,6 +79,8 @@ class RequestState:
     recomputed_blocks: int = 0
     attempts: int = 0
     first_token: int = -1
+    pe_read_tokens: int = 0  # hit tokens read on the PE's node, until the first token
+    de_read_tokens: int = 0  # hit tokens read on the DE's node, until the first token
 
 
 class Router:
@@ -268,8 +270,21 @@ class Router:
         self.event("register", engine=msg.engine, role=msg.role, node=msg.node, pid=msg.pid)
         self.server.send(ident, M.Ack(ref=str(msg.engine)))
 
+    def node_read_q(self, node: int) -> int:
+        """Hit tokens assigned to be read on `node` whose request has no first token yet: the
+        router's own, always current, view of the node's storage read queue."""
+        q = 0
+        for r in self.requests.values():
+            if r.pe < 0 or not math.isnan(r.t_first):
+                continue
+            if self.engines[r.pe].node == node:
+                q += r.pe_read_tokens
+            if r.de >= 0 and self.engines[r.de].node == node:
+                q += r.de_read_tokens
+        return q
+
     def engine_load(self, e: EngineInfo) -> EngineLoad:
-        """Loads from the router's own in-flight tracking (exact), plus the engine's read queue."""
+        """Loads from the router's own in-flight tracking (exact, unlike delayed reports)."""
         mine = [
             r for r in self.requests.values()
             if (r.pe == e.engine and e.role == "prefill" and math.isnan(r.t_first))
@@ -281,7 +296,7 @@ class Router:
             free = max(0, e.hbm_tokens - sum(r.request.hbm_tokens for r in mine))
             if len(mine) >= e.slots:
                 free = 0
-        return EngineLoad(e.engine, e.node, e.group, len(mine), tok, e.read_q, free)
+        return EngineLoad(e.engine, e.node, e.group, len(mine), tok, self.node_read_q(e.node), free)
 
     def on_fetch(self, ident: bytes, msg: M.Fetch) -> None:
         e = self.engines.get(msg.engine)
@@ -295,6 +310,9 @@ class Router:
             e.links = json.loads(msg.links)
         group = [x for x in self.engines.values() if x.alive and x.role == e.role and x.group == e.group]
         loads = [self.engine_load(x) for x in group]
+        if e.role == "prefill":  # every DE node's read queue as of now, for the read-path choice
+            self.scheduler.report([self.engine_load(x) for x in self.engines.values()
+                                   if x.alive and x.role == "decode"], "de")
         if e.role == "decode":
             for r, de in self.scheduler.fetch_de(e.group, loads):
                 self.requests[r.id].de = de
@@ -304,6 +322,8 @@ class Router:
             st.pe, st.de, st.t_assign = a.pe, a.de, self.clock()
             st.path = a.path.value
             st.attempts += 1
+            st.pe_read_tokens = a.pe_read_blocks * self.bt
+            st.de_read_tokens = a.de_read_blocks * self.bt
             self.counters[f"path_{a.path.value}"] += 1
             pe, de = self.engines[a.pe], self.engines[a.de]
             n = len(st.keys)
