@@ -234,3 +234,104 @@ def run_trajectories(
     done_all.wait(timeout_s)
     bar.close()
     return outputs
+
+
+class InProcessEngine:
+    """The rollout backend without disaggregation: one model in this process, each session's KV
+    kept in host memory between rounds and fed back layer by layer (layerwise prefill).
+
+    For quick experiments and RL loops on one device; `Session` and `run_trajectories` work on it
+    unchanged. Rounds run synchronously inside `submit` (the returned future is already done).
+    """
+
+    def __init__(self, model, *, max_len: int = 0):
+        import numpy as np
+
+        from dualpath_jax.model.runner import ModelRunner
+
+        self.runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+        self.cfg = self.runner.cfg
+        self.max_len = max_len or self.cfg.max_seq_len
+        self._np = np
+        self._sessions: dict[str, tuple[list[int], object]] = {}
+        self._lock = threading.Lock()
+
+    def update_params(self, model) -> None:
+        """Swaps in new parameters (e.g. after an RL update); cached session KV is dropped
+        because it was computed with the old parameters."""
+        self.runner.update_params(model)
+        with self._lock:
+            for sid in self._sessions:
+                self._sessions[sid] = ([], None)
+
+    def open_session(self, session: str) -> None:
+        with self._lock:
+            self._sessions.setdefault(session, ([], None))
+
+    def close_session(self, session: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session, None) is None:
+                raise RolloutError(f"unknown session {session!r}", "bad_request")
+
+    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
+        fut: futures.Future[M.Result] = futures.Future()
+        try:
+            fut.set_result(self._round(session, [int(t) for t in append], int(gen)))
+        except RolloutError as e:
+            fut.set_exception(e)
+        except ValueError as e:
+            fut.set_exception(RolloutError(str(e), "bad_request"))
+        return fut
+
+    def _round(self, session: str, append: list[int], gen: int) -> M.Result:
+        import time
+
+        from dualpath_jax.model.decode import Decoder, sample
+        from dualpath_jax.model.runner import PrefillBatch
+
+        np, cfg = self._np, self.cfg
+        with self._lock:
+            if session not in self._sessions:
+                raise RolloutError(f"unknown session {session!r}", "bad_request")
+            context, kv = self._sessions[session]
+        if gen <= 0:
+            raise RolloutError(f"gen must be > 0, got {gen}", "bad_request")
+        if not append:
+            raise RolloutError("a round must append at least one token", "bad_request")
+        prompt = context + append
+        if len(prompt) + gen > self.max_len:
+            raise RolloutError(f"context of {len(prompt)} + {gen} tokens exceeds the limit of {self.max_len}", "bad_request")
+        t0 = time.monotonic()
+        cached = 0 if kv is None else kv.shape[1]
+        batch = PrefillBatch.build(cfg, [prompt[cached:]], [cached], self.runner.min_bucket)
+        padded = np.zeros((cfg.num_layers, 1, batch.c_pad, cfg.kv_width), np.dtype(cfg.kv_dtype))
+        if cached:
+            padded[:, 0, :cached] = kv
+        new: dict[int, object] = {}
+        res = self.runner.prefill_layerwise(batch, lambda i: padded[i], new.__setitem__)
+        n = len(prompt) - cached
+        prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
+        if cached:
+            prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
+        tok = int(np.asarray(sample(res.last_logits))[0])
+        t_first = time.monotonic()
+        dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
+        dec.insert(0, prompt_kv, len(prompt), tok)
+        out, t_second = [tok], t_first
+        for k in range(gen - 1):
+            tok = int(np.asarray(sample(dec.step()))[0])
+            out.append(tok)
+            dec.set_next(np.array([tok]))
+            if k == 0:
+                t_second = time.monotonic()
+        kv_after = np.asarray(dec.kv[:, 0, : len(prompt) + gen - 1])
+        with self._lock:
+            if session in self._sessions:
+                self._sessions[session] = (prompt + out, kv_after)
+        now = time.monotonic()
+        return M.Result(
+            request=f"{session}#{len(context)}", tokens=out, ttft_s=t_first - t0,
+            ttst_s=t_second - t_first if gen > 1 else 0.0,
+            tpot_s=(now - t_first) / (gen - 1) if gen > 1 else 0.0, jct_s=now - t0, queue_s=0.0,
+            cached_tokens=cached, prompt_tokens=len(prompt), read_path="none", recomputed_blocks=0,
+        )
