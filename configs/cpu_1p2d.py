@@ -1,7 +1,7 @@
 """Storage-bound 1P2D on one CPU host with emulated links (DualPath's bound: (P+D)/P over Basic).
 
 Run: python launch/rollout.py --config=configs/cpu_1p2d.py --policy=dualpath --workdir=/tmp/dp_1p2d
-ARG: comma list of `qwen2` (default) or `deepseek`, and `tiny` (4 agents, for tests).
+ARG: comma list of `qwen2` (default) or `deepseek`, and `tiny` (8 agents, the demo).
 """
 
 from __future__ import annotations

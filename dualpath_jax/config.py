@@ -139,7 +139,7 @@ class ClusterConfig:
     decode_max_len: int = 4096  # tokens per decode slot
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
-    fetch_interval_s: float = 0.02  # how often an idle leader engine fetches and heartbeats
+    fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
     max_attempts: int = 5  # tries of a request whose engines failed (transfer errors, deaths)
 
@@ -187,6 +187,7 @@ class WorkloadConfig:
     gen_scale: float = 1.0
     length_scale: float = 1.0  # scales every length of a preset (CPU-sized replays)
     max_len: int = 0  # 0: the preset's MaxLen
+    max_turns: int = 0  # 0: every round; else trajectories keep their first max_turns rounds
     seed: int = 0
     ttft_slo_s: float = 4.0
     tpot_slo_s: float = 0.05

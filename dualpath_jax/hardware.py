@@ -41,12 +41,15 @@ HOPPER_NODE = HardwareConfig(
 
 
 def emulated_cpu_experiment(
-    prefill_nodes: int, decode_nodes: int, arg: str = "", *, snic_bytes_per_s: float = 2e6
+    prefill_nodes: int, decode_nodes: int, arg: str = "", *, snic_bytes_per_s: float = 1e6
 ):
     """The `configs/cpu_*` experiments: tiny model, emulated links, a CPU-sized 64k-shaped trace.
 
     `arg` is a comma list: `deepseek` picks the tiny DeepSeek model (default tiny Qwen2), `tiny`
-    shrinks the workload to 4 agents (tests).
+    halves the workload to 8 agents (the demo). The trace is the 64k preset with every length
+    scaled by 1/16, trajectories cut at 1,024 tokens and 16 rounds: many agents of similar
+    length keep the storage links busy, so JCT measures throughput rather than the round-trip
+    latency of one long trajectory.
     """
     from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig, WorkloadConfig
     from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
@@ -55,7 +58,7 @@ def emulated_cpu_experiment(
     unknown = parts - {"qwen2", "deepseek", "tiny"}
     if unknown:
         raise ValueError(f"unknown config ARG part(s) {sorted(unknown)}; use qwen2, deepseek, tiny")
-    agents = 4 if "tiny" in parts else 8
+    agents = 8 if "tiny" in parts else 16
     return ExperimentConfig(
         name=f"cpu_{prefill_nodes}p{decode_nodes}d",
         model=TINY_DEEPSEEK if "deepseek" in parts else TINY_QWEN2,
@@ -65,6 +68,7 @@ def emulated_cpu_experiment(
         ),
         store=StoreConfig(block_tokens=16),
         workload=WorkloadConfig(
-            preset="64k", trajectories=agents, agents=agents, length_scale=1 / 32, max_len=1024
+            preset="64k", trajectories=agents, agents=agents, length_scale=1 / 16, max_len=1024,
+            max_turns=16,
         ),
     )

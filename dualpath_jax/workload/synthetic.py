@@ -181,18 +181,23 @@ def generate(
 def from_config(cfg: WorkloadConfig, *, vocab_size: int | None = None) -> list[Trajectory]:
     """The trajectories a `WorkloadConfig` asks for: the JSONL file `trace` if set (validated,
     token ids checked against `vocab_size`, truncated at `max_len` if set), else `trajectories`
-    synthetic ones of `preset` with the three scales and `max_len`."""
+    synthetic ones of `preset` with the three scales and `max_len`; then at most `max_turns`
+    rounds each (if set)."""
     if cfg.trace:
         trajs = load_trace(cfg.trace, vocab_size=vocab_size)
         if cfg.max_len:
             trajs = [truncate(t, cfg.max_len) if t.total_len > cfg.max_len else t for t in trajs]
-        return trajs
-    return generate(
-        cfg.preset,
-        cfg.trajectories,
-        cfg.seed,
-        append_scale=cfg.append_scale,
-        gen_scale=cfg.gen_scale,
-        length_scale=cfg.length_scale,
-        max_len=cfg.max_len,
-    )
+    else:
+        trajs = generate(
+            cfg.preset,
+            cfg.trajectories,
+            cfg.seed,
+            append_scale=cfg.append_scale,
+            gen_scale=cfg.gen_scale,
+            length_scale=cfg.length_scale,
+            max_len=cfg.max_len,
+        )
+    if cfg.max_turns:
+        trajs = [Trajectory(t.id, t.rounds[: cfg.max_turns]) for t in trajs]
+    return trajs
+
