@@ -28,10 +28,18 @@ test: $(TEST_STAMP)
 
 bench: $(TEST_STAMP)
 	$(PY) bench/model_cpu.py
+	$(PY) bench/kvstore.py
+	$(PY) bench/links.py
+	$(PY) bench/transfer.py
+	$(PY) bench/sched.py
+	$(PY) bench/compare_policies.py --config=configs/cpu_1p2d.py --workdir=bench_out/cpu_1p2d
+	$(PY) bench/compare_policies.py --config=configs/cpu_1p1d.py --workdir=bench_out/cpu_1p1d --policies=basic,dualpath,oracle
+	$(PY) bench/compare_policies.py --config=configs/balanced.py --workdir=bench_out/balanced --policies=basic,dualpath,oracle
+	$(PY) bench/online_capacity.py --config=configs/cpu_1p2d.py --workdir=bench_out/capacity
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests
 	$(PY) -m ruff format --check dualpath_jax configs launch bench tests
 
 clean:
-	rm -rf $(VENV) .jax_cache .pytest_cache
+	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out

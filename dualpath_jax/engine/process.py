@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import pathlib
 import signal
@@ -22,9 +21,10 @@ from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
-# Attention-pair throughput assumed by the PE's compute quota when no fitted model is given
-# (about what the tiny models reach on one CPU core).
-DEFAULT_PAIRS_PER_S = 2e8
+# The CPU engines' prefill cost model when none is fitted: 20 ms per forward batch, 20 us per new
+# token, 5 ns per attention (query, key) pair -- about what the tiny models cost on one core.
+# It sets the PE's compute quota packing and beta.
+CPU_PREFILL_COST = (0.02, 2e-5, 5e-9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +61,15 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
     from dualpath_jax.metrics.events import EventLog
-    from dualpath_jax.sched.cost import derive_alpha
+    from dualpath_jax.sched.cost import FittedCostModel, derive_alpha, derive_beta
     from dualpath_jax.sched.scheduler import GlobalScheduler
 
     kvb = kv_bytes_per_token(cfg.model)
     alpha = derive_alpha(cfg.scheduler, cfg.hardware, kvb)
-    # beta: tokens one engine prefills in beta_s, from the CPU proxy throughput unless configured.
-    beta = cfg.scheduler.beta_tokens or math.inf
+    beta = derive_beta(
+        cfg.scheduler, FittedCostModel(prefill=CPU_PREFILL_COST), ref_cached=512, ref_new=32,
+        max_batch=cfg.cluster.prefill_max_batch,
+    )
     snic = cfg.hardware.snic_bytes_per_s
     sched = GlobalScheduler.from_config(
         cfg.scheduler,
@@ -104,7 +106,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
-    from dualpath_jax.sched.cost import summed_keys
+    from dualpath_jax.sched.cost import FittedCostModel
     from dualpath_jax.transfer.channel import JaxTransferChannel
     from dualpath_jax.transfer.links import TrafficManager
     from dualpath_jax.transfer.loader import LoaderContext
@@ -128,10 +130,9 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     rpc = RpcClient(spec.router_address, cfg.cluster.auth_token)
     try:
         if spec.role == "prefill":
-            pairs_per_s = DEFAULT_PAIRS_PER_S
+            cost = FittedCostModel(prefill=CPU_PREFILL_COST)
             engine = PrefillEngine(
-                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx,
-                attention_time=lambda pairs: sum(summed_keys(c, b) for c, b in pairs) / pairs_per_s,
+                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx, attention_time=cost.attention_time
             )
         else:
             dec = Decoder(runner, cfg.cluster.decode_slots, cfg.cluster.decode_max_len)
