@@ -1,6 +1,7 @@
 """Transfer benchmarks between two engine processes on one host.
 
-  python bench/transfer.py [--sections=channel] [--reps=3] [--json=out.json]
+  python bench/transfer.py [--sections=channel,overlap] [--reps=3] [--json=out.json]
+  python bench/transfer.py --sections=overlap --reps=5 --overlap-layers=3,12
 
 Section `channel`: KVChannel (JaxTransferChannel on jax.experimental.transfer) throughput for
 64 MiB and 64 KiB Layer Blocks `[1, T, B]` uint8 moved from a peer process to this one, next to
@@ -17,6 +18,30 @@ It also compares ways to move a request's N Layer Blocks with the channel:
 `tcp` receives into one reused buffer, `tcp-fresh` into a new buffer per block (as a pull does).
 Every timing runs from sending the peer its command to having all bytes here (the peer's send
 side is inside it), median of `--reps` after one warm-up; `x tcp` is time / raw-TCP time.
+
+Section `overlap`: how much of the per-layer KV load the layerwise prefill hides (paper 5.1). The
+tiny Qwen2 model (and the same model with `--overlap-layers` layers) prefills `--overlap-new` new
+tokens on top of `--overlap-cached` cached ones (random KV stored as Full Blocks in a memory store;
+the values do not matter for timing), all in one process:
+  compute     `prefill_layerwise` with every layer's KV already in host memory (no load)
+  load        the real PE read path alone: a `PrefillLoad` (pe_blocks = all, de_blocks = 0; its
+              store reads are done before the clock starts) streams the layers into its
+              `LayerReadiness` through an emulated H2D link (`TrafficManager`,
+              `HardwareConfig.h2d_bytes_per_s = R`), the consumer taking each layer at once
+  serial:meas the whole load, then the compute (the Basic baseline), measured
+  overlapped  `stream()` while the prefill loop runs: `load_layer(i)` waits for layer i only and
+              calls `consumed()`, so layer i+1 loads while layer i computes (lookahead 2)
+and, derived from the medians: serial = load + compute, ideal = max(load, compute), and pipeline =
+max(first + compute, load + compute / L), the bound for layer-granular streaming: nothing overlaps
+the first layer's load (`first`, measured in `load`) nor the last layer's compute (estimated as
+compute / L), so with load = compute the best efficiency is about (L - 1) / L. R is calibrated
+first so that the load takes as long as the compute (R = KV bytes / median compute time).
+`eff` = (serial - overlapped) / (serial - ideal) from the medians, 1.0 being perfect overlap;
+`eff/rep` is the median of the same ratio taken within each rep (compute, load and overlapped
+timed back to back), which is steadier where the machine is shared; `eff pipe` uses the pipeline
+bound instead of ideal. Every mode is timed once per rep, interleaved in alternating order (the
+compute of a shared CPU varies a lot; the load, paced by the link, barely does), median of
+`--reps` after one warm-up; the JSON rows keep every sample.
 
 Sections are entries of `SECTIONS` (name -> function(args) -> rows); add one there.
 """
@@ -258,10 +283,202 @@ def channel_section(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {"channel": channel_section}
+# --- section: overlap ------------------------------------------------------------------------
 
 
-def print_table(rows: list[dict]) -> None:
+def overlap_section(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for n_layers in map(int, args.overlap_layers.split(",")):
+        rows += overlap_case(n_layers, args.overlap_cached, args.overlap_new, args.reps)
+    return rows
+
+
+def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
+    import dataclasses
+    from concurrent import futures
+
+    import jax
+
+    from dualpath_jax.config import HardwareConfig, StoreConfig
+    from dualpath_jax.kvstore.buffers import HostBufferPool
+    from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+    from dualpath_jax.kvstore.store import open_block_store
+    from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
+    from dualpath_jax.model.presets import TINY_QWEN2
+    from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.transfer import links as L
+    from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
+    from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+
+    cfg = dataclasses.replace(TINY_QWEN2, num_layers=n_layers)
+    store_cfg = StoreConfig(kind="memory")
+    bt = store_cfg.block_tokens
+    if cached <= 0 or cached % bt:
+        raise ValueError(f"--overlap-cached must be a positive multiple of {bt}, got {cached}")
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, cfg.vocab_size, cached + new).tolist()
+    kv = rng.standard_normal((n_layers, cached, cfg.kv_width)).astype(np.float32)  # [L, C, W]
+    keys = tuple(block_keys(prompt, bt, model_fingerprint(cfg))[: cached // bt])
+    layout = BlockLayout.for_model(cfg, bt)
+    total_bytes = len(keys) * layout.nbytes
+    store = open_block_store(store_cfg, cfg)
+    store.write_full(list(keys), kv_to_full_blocks(kv, bt)).result(60)
+
+    runner = ModelRunner(init_model(cfg, 0))
+    batch = PrefillBatch.build(cfg, [prompt[cached:]], [cached])
+
+    def as_rows(x: np.ndarray) -> np.ndarray:  # [C, W] -> [1, c_pad, W]
+        if batch.c_pad == cached:
+            return x.reshape(1, cached, cfg.kv_width)
+        out = np.zeros((1, batch.c_pad, cfg.kv_width), x.dtype)
+        out[0, :cached] = x
+        return out
+
+    host_kv = [as_rows(kv[i]) for i in range(n_layers)]
+
+    def compute(load_layer) -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner.prefill_layerwise(batch, load_layer).last_logits)
+        return time.perf_counter() - t0
+
+    def compute_alone() -> float:
+        return compute(lambda i: host_kv[i])
+
+    compute_alone()  # warm-up (compiles)
+    rate = total_bytes / statistics.median(compute_alone() for _ in range(max(reps, 5)))
+
+    pool = futures.ThreadPoolExecutor(4)
+    traffic = L.TrafficManager(HardwareConfig(h2d_bytes_per_s=rate, emulated=True))
+    channel = InProcessChannel(InProcessFabric(), "pe0")
+    ctx = LoaderContext(
+        cfg, layout, store, HostBufferPool(layout, len(keys), "pe0"), channel, traffic, pool
+    )
+    loads = iter(range(1 << 30))
+
+    def pe_load() -> PrefillLoad:
+        """A PE read path load of the whole hit with its store reads done (not timed)."""
+        job = LoadJob(
+            request_id=f"overlap{next(loads)}",
+            keys=keys,
+            pe_blocks=len(keys),
+            de_blocks=0,
+            prompt_tokens=cached + new,
+            pe_engine="pe0",
+            pe_node="node0",
+            de_engine="de1",
+            de_node="node1",
+            pe_address=channel.address,
+            de_address="",  # de_blocks = 0: the PE half never talks to a DE half here
+        )
+        load = PrefillLoad(ctx, job, lookahead=2).start()
+        if load.hit_blocks() != len(keys):
+            raise RuntimeError(f"store returned {load.hit_blocks()} of {len(keys)} blocks")
+        return load
+
+    first_layer: list[float] = []  # load alone: when layer 0 is ready
+
+    def load_alone() -> float:
+        load = pe_load()
+        t0 = time.perf_counter()
+        load.stream()
+        for i in range(n_layers):
+            load.readiness.wait(i, 60.0)
+            load.consumed()
+            if i == 0:
+                first_layer.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        load.close()
+        return dt
+
+    def serial() -> float:
+        load = pe_load()
+        t0 = time.perf_counter()
+        load.stream()
+        got = []
+        for i in range(n_layers):
+            got.append(as_rows(load.readiness.wait(i, 60.0)))
+            load.consumed()
+        compute(lambda i: got[i])
+        dt = time.perf_counter() - t0
+        load.close()
+        return dt
+
+    def overlapped() -> float:
+        load = pe_load()
+
+        def load_layer(i: int) -> np.ndarray:
+            rows = load.readiness.wait(i, 60.0)
+            load.consumed()
+            return as_rows(rows)
+
+        t0 = time.perf_counter()
+        load.stream()
+        compute(load_layer)
+        dt = time.perf_counter() - t0
+        load.close()
+        return dt
+
+    modes = {
+        "compute": compute_alone,
+        "load": load_alone,
+        "serial:meas": serial,
+        "overlapped": overlapped,
+    }
+    try:
+        for fn in modes.values():
+            fn()  # warm-up
+        samples: dict[str, list[float]] = {m: [] for m in modes}
+        for k in range(reps):  # interleaved, alternating order, so slow phases hit every mode
+            for m, fn in list(modes.items())[:: 1 if k % 2 == 0 else -1]:
+                samples[m].append(fn())
+        h2d = L.LinkId(L.LinkKind.H2D, "pe0")
+        if traffic.bytes(h2d) != 3 * (reps + 1) * total_bytes:  # load, serial, overlapped
+            raise RuntimeError(f"H2D link charged {traffic.bytes(h2d)} bytes")
+    finally:
+        traffic.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        store.close()
+
+    t = {m: statistics.median(v) for m, v in samples.items()}
+    t["serial"] = t["compute"] + t["load"]
+    t["ideal"] = max(t["compute"], t["load"])
+    first = statistics.median(first_layer[-reps:])
+    t["pipeline"] = max(first + t["compute"], t["load"] + t["compute"] / n_layers)
+    saved = t["serial"] - t["overlapped"]
+    per_rep = statistics.median(
+        (c + ld - o) / min(c, ld)  # (serial - overlapped) / (serial - ideal) of one rep
+        for c, ld, o in zip(samples["compute"], samples["load"], samples["overlapped"])
+    )
+    order = ("compute", "load", "serial", "serial:meas", "ideal", "pipeline", "overlapped")
+    return [
+        {
+            "section": "overlap",
+            "layers": n_layers,
+            "cached": cached,
+            "new": new,
+            "mode": m,
+            "kv_mib": total_bytes / 2**20,
+            "h2d_mib_per_s": rate / 2**20,
+            "seconds": t[m],
+            "samples": samples.get(m),  # None for the derived modes
+            "efficiency": saved / (t["serial"] - t["ideal"]) if m == "overlapped" else None,
+            "rep_efficiency": per_rep if m == "overlapped" else None,
+            "pipeline_efficiency": saved / (t["serial"] - t["pipeline"])
+            if m == "overlapped"
+            else None,
+        }
+        for m in order
+    ]
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace], list[dict]]] = {
+    "channel": channel_section,
+    "overlap": overlap_section,
+}
+
+
+def print_channel_table(rows: list[dict]) -> None:
     head = f"{'section':8} {'block':>6} {'n':>3} {'method':14} {'MiB':>7} {'ms':>9} {'GiB/s':>7} {'x tcp':>6}"
     print(head)
     print("-" * len(head))
@@ -273,11 +490,46 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def print_overlap_table(rows: list[dict]) -> None:
+    head = f"{'section':8} {'L':>3} {'tokens':>10} {'mode':12} {'KV MiB':>7} {'ms':>9} {'eff':>5} {'eff/rep':>7} {'eff pipe':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        eff = "" if r["efficiency"] is None else f"{r['efficiency']:5.2f}"
+        per_rep = "" if r["rep_efficiency"] is None else f"{r['rep_efficiency']:7.2f}"
+        pipe = "" if r["pipeline_efficiency"] is None else f"{r['pipeline_efficiency']:8.2f}"
+        tokens = f"{r['cached']}+{r['new']}"
+        print(
+            f"{r['section']:8} {r['layers']:>3} {tokens:>10} {r['mode']:12} {r['kv_mib']:7.2f} "
+            f"{r['seconds'] * 1e3:9.2f} {eff:>5} {per_rep:>7} {pipe:>8}"
+        )
+    rates = sorted({(r["layers"], r["h2d_mib_per_s"]) for r in rows})
+    print("emulated H2D rate: " + ", ".join(f"L={n}: {x:.1f} MiB/s" for n, x in rates))
+
+
+TABLES: dict[str, Callable[[list[dict]], None]] = {
+    "channel": print_channel_table,
+    "overlap": print_overlap_table,
+}
+
+
+def print_table(rows: list[dict]) -> None:
+    for i, section in enumerate(dict.fromkeys(r["section"] for r in rows)):
+        if i:
+            print()
+        TABLES[section]([r for r in rows if r["section"] == section])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", default="main", choices=["main", "peer"])
     parser.add_argument("--sections", default=",".join(SECTIONS))
     parser.add_argument("--cases", default=",".join(CASES), help="block sizes for `channel`")
+    parser.add_argument("--overlap-layers", default="3,12", help="model depths for `overlap`")
+    parser.add_argument(
+        "--overlap-cached", type=int, default=2048, help="cached tokens (`overlap`)"
+    )
+    parser.add_argument("--overlap-new", type=int, default=256, help="new tokens (`overlap`)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", default="", help="optional path for the rows as JSON")
     args = parser.parse_args()

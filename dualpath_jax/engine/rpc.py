@@ -2,7 +2,9 @@
 
 Sockets are used from one thread each (zmq sockets are not thread safe). The server binds to
 loopback unless told otherwise; binding anywhere else requires a shared token, which every frame
-then carries. Bad frames are answered with `Error` and dropped; the server keeps serving.
+then carries. Bad frames are answered with `Error` and dropped; the server keeps serving. That
+`Error` goes out without the token (a peer that failed the checks must not learn it), so a
+client holding a token reads it as a FrameError.
 """
 
 from __future__ import annotations
@@ -65,12 +67,16 @@ class RpcServer:
         except M.FrameError as e:
             self.rejected += 1
             log.warning("rejected a frame: %s", e)
-            self.send(ident, M.Error(ref="", message=str(e), kind="frame"))
+            # Envelopes carry the token in clear, so a peer that failed the checks gets none.
+            self._send_frame(ident, M.encode(M.Error(ref="", message=str(e), kind="frame"), ""))
             return None
 
     def send(self, ident: bytes, msg: M.Msg) -> None:
+        self._send_frame(ident, M.encode(msg, self.token))
+
+    def _send_frame(self, ident: bytes, frame: bytes) -> None:
         try:
-            self.sock.send_multipart([ident, M.encode(msg, self.token)], zmq.NOBLOCK)
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropped a message to a peer that is not reading")
 

@@ -1,0 +1,411 @@
+"""The control plane: msgspec messages in a versioned, token-carrying envelope; the ZeroMQ
+ROUTER/DEALER transport; and the router's validation of client requests (driven in-process,
+without engines)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+import typing
+
+import msgspec
+import numpy as np
+import pytest
+
+from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, StoreConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import rpc
+from dualpath_jax.engine.router import Router
+from dualpath_jax.engine.rpc import RpcClient, RpcServer, check_bind
+from dualpath_jax.kvstore.identity import block_keys
+from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.layout import kv_to_full_blocks
+from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.sched.scheduler import GlobalScheduler
+
+WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test
+
+_JOB = M.LoadJobMsg(
+    request="r1", keys=["k0", "k1"], pe_blocks=1, de_blocks=1, prompt=[1, 2, 3], gen=4,
+    pe_engine=0, pe_node=0, pe_address="inproc://pe0", de_engine=1, de_node=1,
+    de_address="inproc://de1", oracle=False, layerwise=True, params_version="v1", attempt=2,
+)  # fmt: skip
+
+SAMPLES: list[M.Msg] = [
+    M.OpenSession(session="s1"),
+    M.CloseSession(session="s1", release=True),
+    M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4),
+    M.Result(
+        request="r1",
+        tokens=[5, 6],
+        ttft_s=0.5,
+        ttst_s=0.25,
+        tpot_s=0.125,
+        jct_s=1.0,
+        queue_s=0.0625,
+        cached_tokens=16,
+        prompt_tokens=20,
+        read_path="split",
+        recomputed_blocks=1,
+    ),
+    M.Ack(ref="s1"),
+    M.Error(ref="r1", message="boom", kind="frame"),
+    M.GetStats(),
+    M.Stats(json='{"counters": {}}'),
+    M.UpdateParams(version="v2", path="/ckpt/v2"),
+    M.Shutdown(),
+    M.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
+    M.Register(role="prefill", engine=0, node=1, group=2, address="inproc://pe0", pid=1234),
+    M.Fetch(engine=0, load=M.Load(read_q=7), links='{"h2d": 1}'),
+    _JOB,
+    M.Work(jobs=[_JOB, msgspec.structs.replace(_JOB, request="r2", attempt=0)]),
+    M.PrefillDone(
+        request="r1",
+        engine=0,
+        first_token=9,
+        hit_blocks=2,
+        recomputed_blocks=1,
+        read_s=0.01,
+        prefill_s=0.02,
+    ),
+    M.FirstToken(request="r1", token=9, hit_blocks=2),
+    M.TokensOut(request="r1", tokens=[9, 10]),
+    M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
+    M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer"),
+    M.Cancel(request="r1"),
+    M.Stop(),
+]
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+def test_samples_cover_every_message_type():
+    body_types = set(typing.get_args(M.Body))
+    assert {type(m) for m in SAMPLES} == body_types
+    assert set(M.Msg.__subclasses__()) == body_types  # no message type outside the union
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+@pytest.mark.parametrize("token", ["", "sekrit"])
+def test_every_message_round_trips(msg, token):
+    got = M.decode(M.encode(msg, token), token)
+    assert type(got) is type(msg)
+    assert got == msg
+
+
+def test_the_wire_format_is_plain_msgpack_data():
+    frame = M.encode(M.Submit(request="r1", session="s1", append=[1, 2], gen=3), "t")
+    assert msgspec.msgpack.decode(frame) == {
+        "v": M.SCHEMA_VERSION,
+        "token": "t",
+        "body": {"type": "Submit", "request": "r1", "session": "s1", "append": [1, 2], "gen": 3},
+    }
+
+
+def test_wrong_or_missing_token_is_rejected():
+    msg = M.GetStats()
+    with pytest.raises(M.FrameError, match="authentication failed: wrong or missing token"):
+        M.decode(M.encode(msg, "guess"), "sekrit")
+    with pytest.raises(M.FrameError, match="authentication failed"):
+        M.decode(M.encode(msg, ""), "sekrit")
+    with pytest.raises(M.FrameError, match="authentication failed"):  # an unexpected token too
+        M.decode(M.encode(msg, "sekrit"), "")
+
+
+def test_other_schema_version_is_rejected():
+    frame = msgspec.msgpack.encode(M.Envelope(M.SCHEMA_VERSION + 1, "", M.Ack()))
+    want = f"schema version {M.SCHEMA_VERSION + 1} is not supported \\(this side speaks {M.SCHEMA_VERSION}\\)"
+    with pytest.raises(M.FrameError, match=want):
+        M.decode(frame)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"",
+        b"\xc1",
+        b"not msgpack at all",
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"v": 1, "token": ""}),
+    ],  # fmt: skip
+    ids=["empty", "reserved-byte", "text", "array", "no-body"],
+)
+def test_garbage_is_rejected(frame):
+    with pytest.raises(M.FrameError, match="^malformed message: "):
+        M.decode(frame)
+
+
+def test_unknown_tag_is_rejected():
+    frame = msgspec.msgpack.encode(
+        {"v": M.SCHEMA_VERSION, "token": "", "body": {"type": "RunShell"}}
+    )
+    with pytest.raises(M.FrameError, match="malformed message: .*'RunShell'.*body"):
+        M.decode(frame)
+
+
+def test_wrong_field_type_is_rejected():
+    frame = msgspec.msgpack.encode(
+        {"v": M.SCHEMA_VERSION, "token": "", "body": {"type": "Submit", "request": "r",
+                                                      "session": "s", "append": "abc", "gen": 1}}
+    )  # fmt: skip
+    with pytest.raises(M.FrameError, match="malformed message: .*append"):
+        M.decode(frame)
+
+
+def test_oversized_frame_is_rejected_before_parsing():
+    with pytest.raises(
+        M.FrameError,
+        match=f"frame of {M.MAX_FRAME_BYTES + 1} bytes exceeds the {M.MAX_FRAME_BYTES}-byte limit",
+    ):
+        M.decode(bytes(M.MAX_FRAME_BYTES + 1))
+    M.decode(M.encode(M.Ack(ref="x" * 1000)))  # a normal frame is far below it
+
+
+def test_a_valid_message_over_the_limit_is_rejected_too(monkeypatch):
+    frame = M.encode(M.Submit(request="r", session="s", append=list(range(100)), gen=1))
+    monkeypatch.setattr(M, "MAX_FRAME_BYTES", len(frame) - 1)
+    with pytest.raises(M.FrameError, match="exceeds the"):
+        M.decode(frame)
+
+
+_unpickled: list[str] = []
+
+
+def _tripwire(what: str) -> None:
+    _unpickled.append(what)
+
+
+class _Payload:
+    """Runs `_tripwire` if anything ever unpickles it."""
+
+    def __reduce__(self):
+        return (_tripwire, ("unpickled",))
+
+
+def test_frames_are_never_unpickled():
+    frames = [pickle.dumps(_Payload()), pickle.dumps(M.Envelope(M.SCHEMA_VERSION, "", M.Ack()))]
+    for frame in frames:
+        with pytest.raises(M.FrameError, match="malformed message"):
+            M.decode(frame)
+    assert _unpickled == []
+    pickle.loads(frames[0])  # the payload is live: unpickling it would have run the tripwire
+    assert _unpickled == ["unpickled"]
+    _unpickled.clear()
+    assert not M.encode(M.Ack()).startswith(b"\x80")  # not a pickle protocol header
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+def test_check_bind_requires_a_token_off_loopback():
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
+        check_bind(host, "")
+    for host in ("0.0.0.0", "10.1.2.3", "::", "node7.cluster"):
+        with pytest.raises(
+            ConfigError, match=f"binding the control plane to '{host}' .*needs cluster.auth_token"
+        ):
+            check_bind(host, "")
+        check_bind(host, "sekrit")
+
+
+def test_server_refuses_a_non_loopback_host_without_a_token_before_binding(monkeypatch):
+    monkeypatch.setattr(rpc, "zmq", None)  # any socket use would fail with AttributeError
+    with pytest.raises(ConfigError, match="needs cluster.auth_token"):
+        RpcServer("0.0.0.0", 0, token="")
+
+
+@pytest.fixture()
+def server():
+    srv = RpcServer("127.0.0.1", 0)
+    yield srv
+    srv.close()
+
+
+def test_client_server_call(server):
+    client = RpcClient(server.address, identity=b"client-1")
+    try:
+        client.send(M.OpenSession(session="s1"))
+        got = server.recv(WAIT_MS)
+        assert got == (b"client-1", M.OpenSession(session="s1"))
+        server.send(got[0], M.Ack(ref="s1"))
+        assert client.recv(WAIT_MS) == M.Ack(ref="s1")
+    finally:
+        client.close()
+
+
+def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
+    bad, good = RpcClient(server.address), RpcClient(server.address)
+    try:
+        bad.sock.send(b"\xc1 garbage")
+        assert server.recv(WAIT_MS) is None and server.rejected == 1
+        reply = bad.recv(WAIT_MS)
+        assert isinstance(reply, M.Error) and reply.kind == "frame" and reply.ref == ""
+        assert reply.message.startswith("malformed message")
+
+        bad.sock.send(msgspec.msgpack.encode(M.Envelope(99, "", M.GetStats())))
+        assert server.recv(WAIT_MS) is None and server.rejected == 2
+        assert bad.recv(WAIT_MS).message.startswith("schema version 99 is not supported")
+
+        good.send(M.GetStats())
+        ident, msg = server.recv(WAIT_MS)
+        assert msg == M.GetStats()
+        server.send(ident, M.Stats(json="{}"))
+        assert good.recv(WAIT_MS) == M.Stats(json="{}")
+        assert bad.recv(50) is None  # the good client's answer went to it alone
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
+    srv = RpcServer("127.0.0.1", 0, token="sekrit")
+    intruder, member = RpcClient(srv.address, token="guess"), RpcClient(srv.address, token="sekrit")
+    try:
+        intruder.send(M.GetStats())
+        assert srv.recv(WAIT_MS) is None and srv.rejected == 1
+        assert intruder.poller.poll(WAIT_MS)
+        raw = intruder.sock.recv()
+        assert b"sekrit" not in raw  # the envelope carries the token in clear: not to strangers
+        err = M.decode(raw, "")
+        assert isinstance(err, M.Error) and err.kind == "frame"
+        assert "authentication failed" in err.message
+
+        member.sock.send(b"\xc1 garbage")  # a member's bad frame: its answer is tokenless too
+        assert srv.recv(WAIT_MS) is None and srv.rejected == 2
+        with pytest.raises(M.FrameError, match="authentication failed"):
+            member.recv(WAIT_MS)
+
+        member.send(M.GetStats())
+        ident, msg = srv.recv(WAIT_MS)
+        assert msg == M.GetStats()
+        srv.send(ident, M.Ack(ref="ok"))
+        assert member.recv(WAIT_MS) == M.Ack(ref="ok")
+    finally:
+        intruder.close()
+        member.close()
+        srv.close()
+
+
+# ----------------------------------------------------------------------------- router validation
+
+BT = 16
+LIMIT = 64  # cluster.decode_max_len, below the model's max_seq_len
+
+
+@dataclasses.dataclass
+class RouterRig:
+    router: Router
+    sent: list[tuple[bytes, M.Msg]]
+
+    def handle(self, msg: M.Msg, ident: bytes = b"c1") -> list[M.Msg]:
+        """Handles one message; returns what the router sent back (to anyone)."""
+        self.sent.clear()
+        self.router.handle(ident, msg)
+        return [m for _, m in self.sent]
+
+
+@pytest.fixture()
+def rig(monkeypatch):
+    cfg = ExperimentConfig(
+        model=TINY_QWEN2,
+        store=StoreConfig(kind="memory", block_tokens=BT),
+        cluster=ClusterConfig(decode_max_len=LIMIT),
+    )
+    server = RpcServer("127.0.0.1", 0)
+    store = open_block_store(cfg.store, cfg.model)
+    router = Router(cfg, server, store, GlobalScheduler("dualpath"), clock=lambda: 0.0)
+    sent: list[tuple[bytes, M.Msg]] = []
+    monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
+    r = RouterRig(router, sent)
+    for s in ("a", "b"):
+        assert r.handle(M.OpenSession(session=s)) == [M.Ack(ref=s)]
+    yield r
+    server.close()
+    store.close()
+
+
+V = TINY_QWEN2.vocab_size
+
+
+@pytest.mark.parametrize(
+    "submit, problem",
+    [
+        (M.Submit(request="r1", session="nope", append=[1], gen=1), "unknown session 'nope'"),
+        (M.Submit(request="r1", session="a", append=[1, V], gen=1), f"token id {V} is out of range \\[0, {V}\\)"),
+        (M.Submit(request="r1", session="a", append=[-1, 2], gen=1), f"token id -1 is out of range \\[0, {V}\\)"),
+        (M.Submit(request="r1", session="a", append=[1] * 60, gen=5), f"context of 60 \\+ 5 tokens exceeds the limit of {LIMIT}"),
+        (M.Submit(request="r1", session="a", append=[1], gen=0), "gen must be > 0, got 0"),
+        (M.Submit(request="r1", session="a", append=[1], gen=-3), "gen must be > 0, got -3"),
+        (M.Submit(request="r1", session="a", append=[], gen=1), "a round must append at least one token"),
+    ],
+    ids=["unknown-session", "token-too-big", "token-negative", "over-limit", "gen-0", "gen-negative", "empty-append"],
+)  # fmt: skip
+def test_bad_submit_is_refused_naming_the_problem(rig, submit, problem):
+    (err,) = rig.handle(submit)
+    assert isinstance(err, M.Error) and err.ref == "r1" and err.kind == "bad_request"
+    assert err.message == problem.replace("\\", "")
+    assert len(rig.router.scheduler) == 0 and rig.router.requests == {}
+    assert rig.router.counters["errors"] == 1
+    # Nothing was left behind: the session takes a valid round afterwards.
+    assert rig.handle(M.Submit(request="r2", session="a", append=[1, 2], gen=1)) == []
+    assert len(rig.router.scheduler) == 1
+
+
+def test_valid_submit_is_queued_without_reply(rig):
+    assert rig.handle(M.Submit(request="r1", session="a", append=[3] * 60, gen=4)) == []  # == limit
+    assert rig.router.scheduler.queued() == {"de_global": 1, "de_private": 0, "pe_waiting": 0}
+    st = rig.router.requests["r1"]
+    assert st.prompt == [3] * 60 and st.gen == 4 and st.client == b"c1"
+    assert (
+        st.request.id,
+        st.request.prompt_tokens,
+        st.request.cached_tokens,
+        st.request.gen_tokens,
+    ) == ("r1", 60, 0, 4)
+    assert rig.router.sessions["a"].busy
+
+
+def test_duplicate_request_id_and_busy_session_are_refused(rig):
+    assert rig.handle(M.Submit(request="r1", session="a", append=[1], gen=1)) == []
+    (err,) = rig.handle(M.Submit(request="r1", session="b", append=[1], gen=1))
+    assert err.kind == "bad_request" and err.message == "duplicate request id 'r1'"
+    (err,) = rig.handle(M.Submit(request="r2", session="a", append=[1], gen=1))
+    assert err.message == "session 'a' already has a round running"
+    assert len(rig.router.scheduler) == 1 and list(rig.router.requests) == ["r1"]
+
+
+def test_stored_prefix_becomes_the_cached_tokens(rig):
+    """The hit is the stored prefix in whole blocks, keeping at least one new token."""
+    router = rig.router
+    prompt = list(range(2 * BT))  # exactly two blocks, both stored
+    keys = block_keys(prompt, BT, router.fingerprint)
+    width = TINY_QWEN2.kv_width
+    blocks = kv_to_full_blocks(np.zeros((TINY_QWEN2.num_layers, 2 * BT, width), np.float32), BT)
+    router.store.write_full(keys, blocks).result(10)
+    assert rig.handle(M.Submit(request="r1", session="a", append=prompt, gen=1)) == []
+    assert router.requests["r1"].request.cached_tokens == BT  # not 2 * BT: one block recomputed
+    assert rig.handle(M.Submit(request="r2", session="b", append=prompt + [7], gen=1)) == []
+    assert router.requests["r2"].request.cached_tokens == 2 * BT
+
+
+def test_close_session(rig):
+    assert rig.handle(M.CloseSession(session="a")) == [M.Ack(ref="a")]
+    (err,) = rig.handle(M.CloseSession(session="a"))
+    assert err == M.Error(ref="a", message="unknown session 'a'")
+
+
+def test_router_over_the_wire(rig, monkeypatch):
+    """A client's Submit reaches `Router.handle` through the real server; the Error comes back."""
+    server = rig.router.server
+    monkeypatch.undo()  # the real send again
+    client = RpcClient(server.address)
+    try:
+        client.send(M.Submit(request="r9", session="nope", append=[1], gen=1))
+        ident, msg = server.recv(WAIT_MS)
+        rig.router.handle(ident, msg)
+        assert client.recv(WAIT_MS) == M.Error(
+            ref="r9", message="unknown session 'nope'", kind="bad_request"
+        )
+    finally:
+        client.close()
