@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
@@ -205,9 +204,8 @@ class Router:
             return self.fail(ident, msg.request, f"gen must be > 0, got {msg.gen}")
         if not msg.append:
             return self.fail(ident, msg.request, "a round must append at least one token")
-        toks = np.asarray(msg.append, np.int64)
-        if toks.min() < 0 or toks.max() >= model.vocab_size:
-            bad = int(toks[(toks < 0) | (toks >= model.vocab_size)][0])
+        bad = next((t for t in msg.append if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
             return self.fail(ident, msg.request, f"token id {bad} is out of range [0, {model.vocab_size})")
         prompt = s.context + list(msg.append)
         limit = min(model.max_seq_len, self.cfg.cluster.decode_max_len)
