@@ -231,8 +231,12 @@ def run_trajectories(
         except Exception as e:  # noqa: BLE001
             outputs[k].error = str(e)
             finish_one()
-    done_all.wait(timeout_s)
+    finished = done_all.wait(timeout_s)
     bar.close()
+    if not finished:
+        for o, (_, rounds) in zip(outputs, trajs):
+            if not o.error and len(o.rounds) < len(rounds):
+                o.error = f"timed out after {timeout_s} s with {len(o.rounds)} of {len(rounds)} rounds done"
     return outputs
 
 

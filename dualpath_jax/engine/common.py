@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from dualpath_jax.engine import messages as M
 from dualpath_jax.kvstore.store import StoreError
 from dualpath_jax.transfer.channel import TransferError
@@ -35,3 +37,28 @@ def failure_kind(exc: BaseException) -> str:
     if isinstance(exc, StoreError):
         return "store"
     return "error"
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends `Heartbeat` to the router every `interval_s` on a socket of its own (zmq sockets are
+    per thread), independent of the engine loop, which may block in a compile or a forward."""
+
+    def __init__(self, address: str, token: str, engine: int, interval_s: float):
+        super().__init__(name=f"heartbeat-{engine}", daemon=True)
+        self.address, self.token, self.engine, self.interval_s = address, token, engine, interval_s
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from dualpath_jax.engine.rpc import RpcClient
+
+        rpc = RpcClient(self.address, self.token)
+        try:
+            while not self._halt.wait(self.interval_s):
+                rpc.send(M.Heartbeat(engine=self.engine))
+                while rpc.recv(0) is not None:  # the router does not answer heartbeats; drain
+                    pass
+        finally:
+            rpc.close()
+
+    def stop(self) -> None:
+        self._halt.set()

@@ -108,6 +108,13 @@ class Register(Msg):
     pid: int
 
 
+class Heartbeat(Msg):
+    """Sent by every engine from a thread of its own, so a long compile or forward in the engine
+    loop never looks like a dead engine."""
+
+    engine: int
+
+
 class Fetch(Msg):
     """A leader engine asks for work for itself (groups of one engine in the local cluster)."""
 
@@ -204,6 +211,7 @@ Body = (
     | Shutdown
     | Load
     | Register
+    | Heartbeat
     | Fetch
     | LoadJobMsg
     | Work

@@ -99,6 +99,7 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
 def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     import jax
 
+    from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient
@@ -128,6 +129,8 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
     )
     rpc = RpcClient(spec.router_address, cfg.cluster.auth_token)
+    heartbeat = HeartbeatThread(spec.router_address, cfg.cluster.auth_token, spec.engine, cfg.cluster.heartbeat_s)
+    heartbeat.start()
     try:
         if spec.role == "prefill":
             cost = FittedCostModel(prefill=CPU_PREFILL_COST)
@@ -139,6 +142,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx)
         engine.run()
     finally:
+        heartbeat.stop()
         write_link_report(pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic)
         rpc.close()
         pool.shutdown(wait=False, cancel_futures=True)

@@ -164,6 +164,8 @@ class Router:
                 self.on_submit(ident, msg)
             case M.Register():
                 self.on_register(ident, msg)
+            case M.Heartbeat():
+                pass  # last_seen was updated above
             case M.Fetch():
                 self.on_fetch(ident, msg)
             case M.PrefillDone():
@@ -419,8 +421,8 @@ class Router:
         for st in self.requests.values():
             if e.engine not in (st.pe, st.de):
                 continue
-            if st.pe == e.engine and not math.isnan(st.t_first) and st.de != e.engine:
-                continue  # prefill finished; its DE holds the whole prompt KV and carries on
+            # Even after the first token the DE may still be receiving the PE's layers, so a dead
+            # PE's requests are retried too (the tokens come out the same).
             other = st.de if st.pe == e.engine else st.pe
             if other >= 0 and other in self.engines and self.engines[other].alive:
                 self.server.send(self.engines[other].ident, M.Cancel(request=st.id))

@@ -56,6 +56,7 @@ SAMPLES: list[M.Msg] = [
     M.Shutdown(),
     M.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
     M.Register(role="prefill", engine=0, node=1, group=2, address="inproc://pe0", pid=1234),
+    M.Heartbeat(engine=3),
     M.Fetch(engine=0, load=M.Load(read_q=7), links='{"h2d": 1}'),
     _JOB,
     M.Work(jobs=[_JOB, msgspec.structs.replace(_JOB, request="r2", attempt=0)]),
