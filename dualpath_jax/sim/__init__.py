@@ -1,1 +1,29 @@
-"""sim."""
+"""The cluster simulator (DESIGN 2.4): the real scheduler over simulated nodes, links and GPUs.
+
+    from dualpath_jax.sim import simulate
+    run = simulate(cfg)            # or simulate(cfg, cost=FittedCostModel(...))
+    run.summary["jct_s"]
+
+`core.EventLoop` is the virtual clock, `network.SimNetwork` the links (real `LinkArbiter`),
+`cluster.SimCluster` the router, engines and data paths, `run.simulate` the offline/online driver.
+"""
+
+from dualpath_jax.sim.cluster import RoundResult, SimCluster, SimOptions
+from dualpath_jax.sim.core import Event, EventLoop
+from dualpath_jax.sim.network import SimLink, SimNetwork
+from dualpath_jax.sim.run import SimRun, build_agents, round_hit, simulate, write_run
+
+__all__ = [
+    "Event",
+    "EventLoop",
+    "RoundResult",
+    "SimCluster",
+    "SimLink",
+    "SimNetwork",
+    "SimOptions",
+    "SimRun",
+    "build_agents",
+    "round_hit",
+    "simulate",
+    "write_run",
+]

@@ -1,0 +1,500 @@
+"""The simulated cluster: P prefill and D decode nodes of `g` engines, driven by the real scheduler.
+
+Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop`):
+
+- Router: a `GlobalScheduler` (with `make_policy` inside) gets every new round with
+  `submit`; a dispatch pass (every `cluster.fetch_interval_s` while something changed, like the
+  leaders' fetch cadence) reports every DE's load, runs `fetch_de` for each DE group, then
+  `fetch_pe` for each PE group. Loads are the router's own in-flight counts: a PE counts a request
+  until its first token, a DE until it is done; `read_q` of a node is the hit tokens assigned to
+  be read on it whose request has no first token yet; `free_hbm_tokens` is what the DE has not
+  promised to in-flight requests (0 when its decode slots are all promised).
+- Data paths (paper Fig. 4): each request's copies are `transfer.links.request_steps` (the same
+  list the real loader charges), moved over `sim.network.SimNetwork` links arbitrated by the real
+  `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
+  with capacity, reserved FIFO before reading); the hit KV goes to the PE device per forward
+  (HIGH); layer blocks go PE device -> DE buffer (HIGH); then DE buffer -> DE device (HIGH);
+  when decoding ends the DE persists the request's new Full Blocks (LOW, `persist_path`) and
+  only then reports it done, as the real DE does.
+- PE: a `PrefillQueue` per engine; a request joins it when its store reads are done; forward
+  batches are `next_batch` under the compute quota, timed by `cost.prefill_time(pairs)`.
+  Layerwise: the batch's hit loads start with the forward, layer i needs the first (i+1)/L of
+  them, so the forward ends at `max(t0 + compute + load/L, t_loaded + compute/L)`. Basic: the
+  forward starts once every load of the batch is done.
+- DE: admission by `admit_decode` (FIFO, HBM tokens and slots), continuous batched decode with
+  one event per step of `cost.decode_step_time(batch, mean context)`.
+- Oracle: reads, H2D/D2H, PE->DE copies and persistence are bypassed (appendix A.4).
+
+The simulator has no token ids: a round result's `tokens` is `range(gen)` (a length only).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.model.layout import kv_bytes_per_token
+from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
+from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode
+from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
+from dualpath_jax.sim.core import EventLoop
+from dualpath_jax.sim.network import SimNetwork
+from dualpath_jax.transfer import links as L
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the model itself (not of the simulated hardware).
+
+    `quantum_s`: link time per granted chunk (see `sim.network`); `window_s`: link time-series
+    window; `persist`: charge the DE's Full Block writes; `dispatch_interval_s`: router fetch
+    cadence (None: `cluster.fetch_interval_s`); `kv_format`: KV bytes format
+    (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"); `hbm_tokens`: KV tokens per DE
+    (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it).
+    """
+
+    quantum_s: float = 0.01
+    window_s: float = 1.0
+    persist: bool = True
+    dispatch_interval_s: float | None = None
+    kv_format: str | None = None
+    hbm_tokens: int = 0
+
+
+@dataclasses.dataclass
+class RoundResult:
+    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds)."""
+
+    request: str
+    tokens: range
+    ttft_s: float
+    ttst_s: float
+    tpot_s: float
+    jct_s: float
+    queue_s: float
+    cached_tokens: int
+    prompt_tokens: int
+    read_path: str
+    recomputed_blocks: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Req:
+    """Mutable per-request state; times are virtual seconds (NaN until reached)."""
+
+    request: Request
+    agent: int
+    t_submit: float
+    on_done: Callable[[_Req], None]
+    t_assign: float = math.nan
+    t_read: float = math.nan
+    t_first: float = math.nan
+    t_second: float = math.nan
+    pe: _Engine | None = None
+    de: _Engine | None = None
+    assignment: Assignment | None = None
+    steps: dict[str, L.TransferStep] = dataclasses.field(default_factory=dict)
+    waits: int = 0  # outstanding buffer reservations or store reads
+    loaded: bool = False  # the hit KV went to the PE device
+    sent: int = 0  # bytes of PE device -> DE buffer issued so far
+    sends: int = 0  # of those, transfers still in flight
+    prefilled: bool = False
+    prefill_s: float = 0.0
+    generated: int = 0  # tokens so far (the PE's first one included)
+    pe_buf: int = 0
+    de_buf: int = 0
+
+
+class _Buffer:
+    """A host buffer (PE buffer / DE buffer) of `capacity` bytes; FIFO reservations."""
+
+    def __init__(self, capacity: float):
+        self.capacity = capacity
+        self.free = capacity
+        self.waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+
+    def reserve(self, nbytes: int, granted: Callable[[], None]) -> None:
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} B do not fit a host buffer of {self.capacity:.0f} B")
+        self.waiting.append((nbytes, granted))
+        self._grant()
+
+    def release(self, nbytes: int) -> None:
+        self.free += nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.waiting and self.waiting[0][0] <= self.free:
+            n, cb = self.waiting.popleft()
+            self.free -= n
+            cb()
+
+
+@dataclasses.dataclass(eq=False)
+class _Engine:
+    id: int
+    node: int
+    group: int
+    role: str  # "prefill" | "decode"
+    buffer: _Buffer
+    # router-side load (requests assigned, tokens, promised HBM tokens)
+    seq: int = 0
+    tok: int = 0
+    hbm_promised: int = 0
+    # PE
+    queue: PrefillQueue = dataclasses.field(default_factory=PrefillQueue)
+    busy: bool = False
+    # DE
+    hbm_tokens: int = 0
+    slots: int = 0
+    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    active: list = dataclasses.field(default_factory=list)
+    hbm_used: int = 0
+    stepping: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{'pe' if self.role == 'prefill' else 'de'}{self.id}"
+
+    @property
+    def node_name(self) -> str:
+        return f"node{self.node}"
+
+
+class SimCluster:
+    """Lifecycle: build with a config and a cost model; `submit_round(...)` rounds (their
+    `on_done(state)` callback fires when each finishes); `loop.run()`; read `results`,
+    `events`, `link_reports()`. One run per instance."""
+
+    def __init__(self, cfg: ExperimentConfig, cost: CostModel, *, options: SimOptions | None = None,
+                 loop: EventLoop | None = None, scheduler: GlobalScheduler | None = None,
+                 ref_request: tuple[int, int] = (512, 32)):
+        options = options or SimOptions()
+        self.cfg, self.cost, self.opt = cfg, cost, options
+        self.loop = loop or EventLoop()
+        hw, cl = cfg.hardware, cfg.cluster
+        self.bt = cfg.store.block_tokens
+        self.kvb = kv_bytes_per_token(cfg.model, options.kv_format)
+        self.layers = cfg.model.num_layers
+        self.net = SimNetwork(self.loop, lambda lid: L.link_rate(hw, lid.kind), quantum_s=options.quantum_s,
+                              high_weight=hw.high_weight, low_weight=hw.low_weight, window_s=options.window_s)
+        self.alpha = derive_alpha(cfg.scheduler, hw, self.kvb)
+        self.beta = derive_beta(cfg.scheduler, cost, ref_cached=ref_request[0], ref_new=ref_request[1],
+                                max_batch=cl.prefill_max_batch or 256)
+        rate = hw.snic_bytes_per_s or 1.0
+        self.scheduler = scheduler or GlobalScheduler.from_config(
+            cfg.scheduler, alpha=self.alpha, beta=self.beta, block_tokens=self.bt,
+            pe_read_rate=rate, de_read_rate=rate)
+        self.policy = self.scheduler.policy
+        g = hw.engines_per_node
+        hbm = options.hbm_tokens or (int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0
+                                     else cl.decode_slots * cl.decode_max_len)
+        self.pes: list[_Engine] = []
+        self.des: list[_Engine] = []
+        eid = 0
+        for n in range(cl.prefill_nodes + cl.decode_nodes):
+            role = "prefill" if n < cl.prefill_nodes else "decode"
+            group = self.pes if role == "prefill" else self.des
+            size = cl.pe_group_size if role == "prefill" else cl.de_group_size
+            for _ in range(g):
+                e = _Engine(eid, n, len(group) // max(1, size), role, _Buffer(hw.dram_buffer_bytes),
+                            hbm_tokens=hbm, slots=cl.decode_slots)
+                group.append(e)
+                eid += 1
+        self.engines = {e.id: e for e in (*self.pes, *self.des)}
+        self.read_q: dict[int, int] = collections.defaultdict(int)
+        self.states: dict[str, _Req] = {}
+        self.results: list[RoundResult] = []
+        self.events: list[dict] = []
+        self.counters = collections.Counter()
+        self._dispatch_at: float | None = None
+        self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
+
+    # ------------------------------------------------------------------ router
+
+    def submit_round(self, request: Request, agent: int, on_done: Callable[[_Req], None]) -> None:
+        """A client submits one round now (the router's `on_submit` after the store lookup)."""
+        if request.hbm_tokens > self.des[0].hbm_tokens:
+            raise ValueError(f"request {request.id} needs {request.hbm_tokens} KV tokens; a DE holds "
+                             f"{self.des[0].hbm_tokens}")
+        self.scheduler.submit(request)
+        self.states[request.id] = _Req(request, agent, self.loop.now, on_done)
+        self._wake_router()
+
+    def _wake_router(self) -> None:
+        interval = self.opt.dispatch_interval_s
+        if interval is None:
+            interval = self.cfg.cluster.fetch_interval_s
+        t = self.loop.now + interval
+        if self._dispatch_at is None:
+            self._dispatch_at = t
+            self.loop.at(t, self._dispatch)
+
+    def _load(self, e: _Engine) -> EngineLoad:
+        free = 0
+        if e.role == "decode":
+            free = 0 if e.seq >= e.slots else max(0, e.hbm_tokens - e.hbm_promised)
+        return EngineLoad(e.id, e.node, e.group, e.seq, e.tok, self.read_q[e.node], free)
+
+    def _groups(self, engines: list[_Engine]) -> dict[int, list[_Engine]]:
+        out: dict[int, list[_Engine]] = {}
+        for e in engines:
+            out.setdefault(e.group, []).append(e)
+        return out
+
+    def _dispatch(self) -> None:
+        """One fetch round: every DE group, then every PE group (leaders pull for their groups)."""
+        self._dispatch_at = None
+        if not len(self.scheduler):
+            return
+        self.counters["dispatches"] += 1
+        self.scheduler.report([self._load(e) for e in self.des], "de")
+        for gid, group in self._groups(self.des).items():
+            for r, de in self.scheduler.fetch_de(gid, [self._load(e) for e in group]):
+                st, e = self.states[r.id], self.engines[de]
+                st.de = e
+                e.seq += 1
+                e.tok += r.tokens
+                e.hbm_promised += r.hbm_tokens
+        for gid, group in self._groups(self.pes).items():
+            self.scheduler.report([self._load(e) for e in self.des], "de")
+            for a in self.scheduler.fetch_pe(gid, [self._load(e) for e in group]):
+                self._assign(a)
+
+    def _assign(self, a: Assignment) -> None:
+        st = self.states[a.request.id]
+        pe, de = self.engines[a.pe], self.engines[a.de]
+        st.pe, st.de, st.assignment, st.t_assign = pe, de, a, self.loop.now
+        pe.seq += 1
+        pe.tok += a.request.tokens
+        self.counters[f"path_{a.path.value}"] += 1
+        r = a.request
+        if not self.policy.reads:  # Oracle: nothing is read or copied
+            st.t_read = 0.0
+            self._ready_to_prefill(st)
+            return
+        self.read_q[pe.node] += a.pe_read_blocks * self.bt
+        self.read_q[de.node] += a.de_read_blocks * self.bt
+        hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
+        de_hit = min(hit, a.de_read_blocks * self.bt)
+        path = a.path.value if hit else "none"
+        steps = L.request_steps(path, hit * self.kvb, r.new_tokens * self.kvb, pe=pe.name, de=de.name,
+                                pe_node=pe.node_name, de_node=de.node_name, de_hit_bytes=de_hit * self.kvb)
+        st.steps = {s.name: s for s in steps}
+        st.pe_buf = (hit - de_hit) * self.kvb
+        st.de_buf = r.prompt_tokens * self.kvb
+        st.waits = 2
+        pe.buffer.reserve(st.pe_buf, lambda: self._buffer_ready(st))
+        de.buffer.reserve(st.de_buf, lambda: self._buffer_ready(st))
+
+    def _buffer_ready(self, st: _Req) -> None:
+        st.waits -= 1
+        if st.waits:
+            return
+        reads = [s for s in (st.steps.get("pe_store_read"), st.steps.get("de_store_read")) if s]
+        if not reads:
+            st.t_read = self.loop.now - st.t_assign
+            self._ready_to_prefill(st)
+            return
+        st.waits = len(reads)
+        for s in reads:
+            self.net.transfer(s.path, s.nbytes, s.cls, lambda: self._read_done(st))
+
+    def _read_done(self, st: _Req) -> None:
+        st.waits -= 1
+        if not st.waits:
+            st.t_read = self.loop.now - st.t_assign
+            self._ready_to_prefill(st)
+
+    # ------------------------------------------------------------------ prefill engine
+
+    def _ready_to_prefill(self, st: _Req) -> None:
+        r = st.request
+        pe = st.pe
+        assert pe is not None
+        pe.queue.add(PendingPrefill(r.id, r.cached_tokens, r.new_tokens))
+        if not pe.busy:
+            self._run_batch(pe)
+
+    def _run_batch(self, pe: _Engine) -> None:
+        if pe.busy or not len(pe.queue):
+            return
+        cl = self.cfg.cluster
+        plan = pe.queue.next_batch(self.cost.attention_time, self.quota_s,
+                                   max_requests=cl.prefill_max_batch, max_tokens=cl.prefill_max_tokens)
+        pe.busy = True
+        t0 = self.loop.now
+        compute = self.cost.prefill_time(plan.pairs)
+        loads: list[L.TransferStep] = []
+        batch = [(self.states[c.request_id], c) for c in plan.chunks]
+        for st, c in batch:
+            if not st.loaded:
+                st.loaded = True
+                loads += [s for s in (st.steps.get("pe_buffer_to_pe_device"),
+                                      st.steps.get("de_buffer_to_pe_device")) if s]
+            send = st.steps.get("pe_device_to_de_buffer")
+            if send is not None:  # this chunk's layer blocks (the PE-side hit with the first)
+                first = send.nbytes - st.request.new_tokens * self.kvb if not st.sent else 0
+                n = send.nbytes - st.sent if plan.finishes(c.request_id) else first + c.bsz * self.kvb
+                if n > 0:
+                    st.sent += n
+                    st.sends += 1
+                    self.net.transfer(send.path, n, send.cls, lambda st=st: self._sent(st))
+        done = [st for st, c in batch if plan.finishes(c.request_id)]
+        if not loads:
+            self.loop.at(t0 + compute, self._batch_end, pe, done, t0)
+            return
+        left = [len(loads)]
+        layerwise = self.policy.layerwise
+
+        def loaded() -> None:
+            left[0] -= 1
+            if left[0]:
+                return
+            t = self.loop.now
+            end = max(t0 + compute + (t - t0) / self.layers, t + compute / self.layers) if layerwise \
+                else t + compute
+            self.loop.at(end, self._batch_end, pe, done, t0)
+
+        for s in loads:
+            self.net.transfer(s.path, s.nbytes, s.cls, loaded)
+
+    def _batch_end(self, pe: _Engine, done: list[_Req], t0: float) -> None:
+        pe.busy = False
+        for st in done:
+            self._first_token(st, self.loop.now - t0)
+        self._run_batch(pe)
+
+    def _first_token(self, st: _Req, prefill_s: float) -> None:
+        a, pe = st.assignment, st.pe
+        assert a is not None and pe is not None and st.de is not None
+        st.t_first = self.loop.now
+        st.prefilled = True
+        st.prefill_s = prefill_s
+        st.generated = 1
+        if self.policy.reads:
+            self.read_q[pe.node] -= a.pe_read_blocks * self.bt
+            self.read_q[st.de.node] -= a.de_read_blocks * self.bt
+        pe.seq -= 1
+        pe.tok -= st.request.tokens
+        pe.buffer.release(st.pe_buf)
+        self.events.append({"kind": "first_token", "request": st.request.id, "read_s": st.t_read,
+                            "prefill_s": prefill_s})
+        self._wake_router()
+        if not st.sends:
+            self._de_receive(st)
+
+    def _sent(self, st: _Req) -> None:
+        st.sends -= 1
+        if not st.sends and st.prefilled:
+            self._de_receive(st)
+
+    # ------------------------------------------------------------------ decode engine
+
+    def _de_receive(self, st: _Req) -> None:
+        """The whole prompt KV is in the DE buffer: copy it to the DE device, then admit."""
+        step = st.steps.get("de_buffer_to_de_device")
+        if step is None:
+            self._de_loaded(st)
+        else:
+            self.net.transfer(step.path, step.nbytes, step.cls, lambda: self._de_loaded(st))
+
+    def _de_loaded(self, st: _Req) -> None:
+        de = st.de
+        assert de is not None
+        de.buffer.release(st.de_buf)
+        de.waiting.append(st)
+        self._admit(de)
+
+    def _admit(self, de: _Engine) -> None:
+        if not de.waiting:
+            return
+        ids = admit_decode(((s.request.id, s.request.hbm_tokens) for s in de.waiting),
+                           free_hbm_tokens=de.hbm_tokens - de.hbm_used, free_slots=de.slots - len(de.active))
+        for _ in ids:
+            st = de.waiting.popleft()
+            de.hbm_used += st.request.hbm_tokens
+            if st.generated >= st.request.gen_tokens:
+                self._decoded(de, st)
+            else:
+                de.active.append(st)
+        if de.active and not de.stepping:
+            self._step(de)
+
+    def _step(self, de: _Engine) -> None:
+        batch = list(de.active)
+        ctx = sum(s.request.prompt_tokens + s.generated for s in batch) / len(batch)
+        de.stepping = True
+        self.loop.after(self.cost.decode_step_time(len(batch), int(ctx)), self._step_end, de, batch)
+
+    def _step_end(self, de: _Engine, batch: list[_Req]) -> None:
+        now = self.loop.now
+        finished = []
+        for st in batch:
+            st.generated += 1
+            if st.generated == 2:
+                st.t_second = now
+            if st.generated >= st.request.gen_tokens:
+                finished.append(st)
+        if finished:
+            gone = set(map(id, finished))
+            de.active = [s for s in de.active if id(s) not in gone]
+            for st in finished:
+                self._decoded(de, st)
+        de.stepping = False
+        if de.waiting:
+            self._admit(de)
+        if de.active and not de.stepping:
+            self._step(de)
+
+    def _decoded(self, de: _Engine, st: _Req) -> None:
+        """Every token is out: persist the new Full Blocks, then report done (as the real DE)."""
+        de.hbm_used -= st.request.hbm_tokens
+        r = st.request
+        n_full = (r.prompt_tokens + r.gen_tokens - 1) // self.bt
+        start = min(r.cached_tokens // self.bt, n_full)
+        nbytes = (n_full - start) * self.bt * self.kvb
+        if self.opt.persist and self.policy.reads and nbytes > 0:
+            self.net.transfer(L.persist_path(de.name, de.node_name), nbytes, L.TrafficClass.LOW,
+                              lambda: self._finish(st))
+        else:
+            self.loop.soon(self._finish, st)
+
+    def _finish(self, st: _Req) -> None:
+        now, r, de = self.loop.now, st.request, st.de
+        assert de is not None and st.assignment is not None
+        de.seq -= 1
+        de.tok -= r.tokens
+        de.hbm_promised -= r.hbm_tokens
+        g = r.gen_tokens
+        self.results.append(RoundResult(
+            request=r.id, tokens=range(g), ttft_s=st.t_first - st.t_submit,
+            ttst_s=st.t_second - st.t_first if g > 1 else 0.0,
+            tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0, jct_s=now - st.t_submit,
+            queue_s=st.t_assign - st.t_submit, cached_tokens=r.cached_tokens,
+            prompt_tokens=r.prompt_tokens,
+            read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value))
+        del self.states[r.id]
+        self.counters["requests_done"] += 1
+        self._wake_router()
+        st.on_done(st)
+
+    # ------------------------------------------------------------------ reports
+
+    def link_reports(self, elapsed_s: float) -> list[dict]:
+        """One report per node in the engines' `links/*.json` shape (`metrics.summary`)."""
+        out = []
+        by_node: dict[int, list[_Engine]] = {}
+        for e in self.engines.values():
+            by_node.setdefault(e.node, []).append(e)
+        for node, engines in sorted(by_node.items()):
+            owners = {f"node{node}", *(e.name for e in engines)}
+            windows = {ln.id.name: ln.window_series() for ln in self.net.links.values()
+                       if ln.id.owner in owners}
+            out.append({"role": engines[0].role, "engine": engines[0].id, "node": node,
+                        "snapshot": self.net.snapshot(elapsed_s, owners), "windows": windows})
+        return out

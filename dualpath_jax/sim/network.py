@@ -1,0 +1,186 @@
+"""Links of the simulated cluster, arbitrated by the real `LinkArbiter` on the virtual clock.
+
+Every named link (`transfer.links.LinkId`: SNIC RX/TX and DRAM per node, CNIC RX/TX and H2D/D2H
+per engine) is a `SimLink`. A limited link (rate > 0) owns a `LinkArbiter` (the same pure
+weighted-fair core the `TrafficManager` pacing threads drive) and is paced by events: whenever
+the link falls idle with bytes pending, it grants one chunk, which occupies it for
+`chunk / rate` seconds; the next grant happens when that chunk ends. An unlimited link (rate 0)
+only counts bytes.
+
+A transfer over a path queues its bytes on every link of the path at once and completes when
+the slowest link has served them, exactly like `TrafficManager.submit`.
+
+Chunk size: the real links grant 64 KiB chunks, which at the paper's scale would mean billions
+of events. Here a link grants `rate * quantum_s` bytes per chunk (10 ms of the link by
+default; never below 64 KiB): the long-run rates and the HIGH:LOW shares are the same, and a
+HIGH transfer arriving on a link saturated by LOW waits at most one quantum for its first
+chunk (the real links: about half a burst, 2.5 ms).
+
+Accounting: bytes per link and class, and bytes per time window (`window_s`, a chunk spread
+over the windows it occupies), in the shape of the engines' link reports.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from dualpath_jax.sim.core import EventLoop
+from dualpath_jax.transfer.links import (
+    DEFAULT_CHUNK_BYTES,
+    LinkArbiter,
+    LinkId,
+    LinkRequest,
+    TrafficClass,
+)
+
+Done = Callable[[], None]
+
+
+class SimLink:
+    """One link on the virtual clock. Built by `SimNetwork.link`; lives as long as the run."""
+
+    __slots__ = ("id", "rate", "arb", "loop", "bytes", "windows", "window_s", "_busy", "_last")
+
+    def __init__(self, link_id: LinkId, rate: float, loop: EventLoop, *, quantum_s: float,
+                 high_weight: float, low_weight: float, window_s: float):
+        self.id = link_id
+        self.rate = float(rate)
+        self.loop = loop
+        self.arb: LinkArbiter | None = None
+        if self.rate > 0:
+            chunk = max(DEFAULT_CHUNK_BYTES, int(self.rate * quantum_s))
+            self.arb = LinkArbiter(self.rate, high_weight=high_weight, low_weight=low_weight,
+                                   chunk_bytes=chunk)
+        self.bytes = [0, 0]  # by TrafficClass value
+        self.windows: dict[int, float] = {}  # window index -> bytes (both classes)
+        self.window_s = window_s
+        self._busy = False  # a chunk is on the wire (a pacing event is scheduled)
+        self._last: LinkRequest | None = None  # the request of the chunk on the wire
+
+    def request(self, nbytes: int, cls: TrafficClass, on_done: Done) -> None:
+        """Queues `nbytes`; `on_done()` runs (as an event) once the last byte has crossed."""
+        if self.arb is None or nbytes == 0:
+            self._account(int(cls), nbytes, self.loop.now, self.loop.now)
+            self.loop.soon(on_done)
+            return
+        self.arb.enqueue(LinkRequest(nbytes, cls, lambda _exc: on_done()))
+        if not self._busy:
+            self._busy = True
+            self._pace()
+
+    def _pace(self) -> None:
+        """Runs when the chunk on the wire ends (or the link was idle): completes the request
+        whose last chunk it was, then grants the next chunk if any bytes are pending."""
+        last, self._last = self._last, None
+        if last is not None and last.remaining == 0 and last.on_done is not None:
+            last.on_done(None)
+        arb = self.arb
+        assert arb is not None
+        if not arb.pending():
+            self._busy = False
+            return
+        g = arb.grant(self.loop.now)
+        self._account(int(g.request.cls), g.nbytes, g.start, g.end)
+        self._last = g.request
+        self.loop.at(g.end, self._pace)
+
+    def _account(self, cls: int, n: int, start: float, end: float) -> None:
+        self.bytes[cls] += n
+        if n == 0:
+            return
+        w = self.window_s
+        a, b = int(start // w), int(end // w)
+        if a == b or end <= start:
+            self.windows[a] = self.windows.get(a, 0.0) + n
+            return
+        span = end - start
+        for i in range(a, b + 1):
+            lo, hi = max(start, i * w), min(end, (i + 1) * w)
+            if hi > lo:
+                self.windows[i] = self.windows.get(i, 0.0) + n * (hi - lo) / span
+
+    def pending_bytes(self) -> int:
+        return 0 if self.arb is None else self.arb.pending_bytes()
+
+    def busy_s(self) -> float:
+        return (self.bytes[0] + self.bytes[1]) / self.rate if self.rate else 0.0
+
+    def window_series(self) -> list[list[float]]:
+        """`[[window start (s), bytes]]` for every window up to the last busy one."""
+        if not self.windows:
+            return []
+        return [[i * self.window_s, self.windows.get(i, 0.0)] for i in range(max(self.windows) + 1)]
+
+
+class SimNetwork:
+    """Every link of the simulated cluster, by `LinkId`, and transfers over paths.
+
+    `rates(kind)` gives a link kind's bytes per second (0: unlimited), normally
+    `transfer.links.link_rate(hw, kind)`.
+    """
+
+    def __init__(self, loop: EventLoop, rates: Callable[[LinkId], float], *, quantum_s: float = 0.01,
+                 high_weight: float = 99.0, low_weight: float = 1.0, window_s: float = 1.0):
+        self.loop = loop
+        self._rates = rates
+        self.quantum_s = quantum_s
+        self.high_weight, self.low_weight = high_weight, low_weight
+        self.window_s = window_s
+        self.links: dict[LinkId, SimLink] = {}
+
+    def link(self, link_id: LinkId) -> SimLink:
+        ln = self.links.get(link_id)
+        if ln is None:
+            ln = self.links[link_id] = SimLink(
+                link_id, self._rates(link_id), self.loop, quantum_s=self.quantum_s,
+                high_weight=self.high_weight, low_weight=self.low_weight, window_s=self.window_s,
+            )
+        return ln
+
+    def transfer(self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done) -> None:
+        """Moves `nbytes` over every link of `path` at once; `on_done()` runs (as an event) when
+        the slowest link has served them. 0 bytes complete at once (as an event)."""
+        if nbytes <= 0 or not path:
+            self.loop.soon(on_done)
+            return
+        left = [len(path)]
+
+        def one() -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                on_done()
+
+        for lid in path:
+            self.link(lid).request(nbytes, cls, one)
+
+    def totals(self) -> dict[str, int]:
+        return {ln.id.name: ln.bytes[0] + ln.bytes[1] for ln in self.links.values()}
+
+    def snapshot(self, elapsed_s: float, owners: set[str] | None = None) -> dict:
+        """The `TrafficManager.snapshot()` shape for the links of `owners` (None: all)."""
+        out = {}
+        for ln in sorted(self.links.values(), key=lambda x: x.id.name):
+            if owners is not None and ln.id.owner not in owners:
+                continue
+            hi, lo = ln.bytes
+            busy = ln.busy_s()
+            out[ln.id.name] = {
+                "kind": ln.id.kind.value,
+                "owner": ln.id.owner,
+                "rate_bytes_per_s": ln.rate,
+                "bytes": hi + lo,
+                "bytes_high": hi,
+                "bytes_low": lo,
+                "busy_s": busy,
+                "utilisation": (busy / elapsed_s if elapsed_s > 0 else 0.0) if ln.rate else None,
+            }
+        return {"elapsed_s": elapsed_s, "links": out}
+
+
+def unlimited(_: LinkId) -> float:
+    return 0.0
+
+
+def infinite_if_zero(rate: float) -> float:
+    return math.inf if rate <= 0 else rate

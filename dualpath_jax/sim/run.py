@@ -1,0 +1,174 @@
+"""Runs a workload on the simulated cluster and builds the same `summary.json` as the launchers.
+
+    summary = simulate(cfg)                      # roofline of cfg.hardware.gpu
+    summary = simulate(cfg, cost=fitted_model)   # e.g. a FittedCostModel of the CPU engines
+
+Agents replay their trajectories per appendix A.3 (`workload.trace.turn_specs`): round i+1 is
+submitted when round i is done, with prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what
+the DE persisted for the previous round (every Full Block of its prompt + generated tokens but
+the last, whose KV is never computed), less one block when it would cover the whole prompt
+(the router's rule: at least one new token makes logits). Offline: every agent starts at t = 0,
+JCT = time until the last round finishes; online: agents arrive at `workload.arrivals.schedule`
+times (Poisson at `workload.aps`). Times are virtual seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.metrics.summary import summarize
+from dualpath_jax.sched.cost import CostModel, make_cost_model
+from dualpath_jax.sched.types import Request
+from dualpath_jax.sim.cluster import SimCluster, SimOptions
+from dualpath_jax.workload.arrivals import agent_trajectories, schedule
+from dualpath_jax.workload.synthetic import from_config
+from dualpath_jax.workload.trace import Trajectory, TurnSpec, turn_specs
+
+
+@dataclasses.dataclass
+class SimRun:
+    """What one simulation produced: the summary plus the raw pieces (for tests and plots)."""
+
+    summary: dict[str, Any]
+    cluster: SimCluster
+    jct_s: float
+    wall_s: float
+    events: int
+
+
+def build_agents(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
+    """Every agent's trajectory (lengths only, never materialized) and its start time (s)."""
+    w = cfg.workload
+    rng = np.random.default_rng(w.seed)
+    base = from_config(w)
+    arrivals = [a.time_s for a in schedule(w, rng)]
+    return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
+
+
+def round_hit(prev: TurnSpec | None, spec: TurnSpec, block_tokens: int) -> int:
+    """Cached tokens of round `spec` given the previous round of the same trajectory."""
+    if prev is None:
+        return 0
+    blocks = (prev.prompt + prev.gen - 1) // block_tokens
+    if blocks * block_tokens >= spec.prompt:
+        blocks -= 1
+    return max(0, blocks) * block_tokens
+
+
+def reference_request(trajs: Sequence[Trajectory]) -> tuple[int, int]:
+    """`(cached, new)` of a mean round of the workload: the reference request of beta."""
+    ctx, app, n = 0, 0, 0
+    for t in trajs:
+        for s in turn_specs(t):
+            ctx, app, n = ctx + s.context, app + s.append, n + 1
+    return (ctx // max(n, 1), max(1, app // max(n, 1)))
+
+
+def simulate(
+    cfg: ExperimentConfig,
+    *,
+    cost: CostModel | None = None,
+    options: SimOptions | None = None,
+    trajectories: Sequence[Trajectory] | None = None,
+    arrivals: Sequence[float] | None = None,
+    scheduler: Any = None,
+) -> SimRun:
+    """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary."""
+    if trajectories is None:
+        trajectories, default_arrivals = build_agents(cfg)
+        arrivals = default_arrivals if arrivals is None else arrivals
+    if arrivals is None:
+        arrivals = [0.0] * len(trajectories)
+    if len(arrivals) != len(trajectories):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
+    cost = cost or make_cost_model(cfg.hardware, cfg.model)
+    options = options or SimOptions()
+    cluster = SimCluster(cfg, cost, options=options, scheduler=scheduler,
+                         ref_request=reference_request(trajectories))
+    bt = cluster.bt
+    specs = [turn_specs(t) for t in trajectories]
+    done_at = [math.nan] * len(trajectories)
+
+    def submit(agent: int, turn: int) -> None:
+        spec = specs[agent][turn]
+        prev = specs[agent][turn - 1] if turn else None
+        tid = trajectories[agent].id
+        req = Request(f"{tid}/a{agent}/r{turn}", f"{tid}/a{agent}", turn, spec.prompt,
+                      round_hit(prev, spec, bt), spec.gen)
+        cluster.submit_round(req, agent, lambda _st: next_round(agent, turn + 1))
+
+    def next_round(agent: int, turn: int) -> None:
+        if turn < len(specs[agent]):
+            submit(agent, turn)
+        else:
+            done_at[agent] = cluster.loop.now
+
+    for agent, t0 in enumerate(arrivals):
+        if specs[agent]:
+            cluster.loop.at(t0, submit, agent, 0)
+    wall = time.perf_counter()
+    cluster.loop.run()
+    wall = time.perf_counter() - wall
+    unfinished = sum(1 for a, d in enumerate(done_at) if math.isnan(d) and specs[a])
+    finished = [d for d in done_at if not math.isnan(d)]
+    jct = max(finished) - (min(arrivals) if arrivals else 0.0) if finished else 0.0
+    w = cfg.workload
+    summary = summarize(
+        policy=cfg.scheduler.policy.value,
+        mode=w.mode,
+        emulated=cfg.hardware.emulated,
+        agents=len(trajectories),
+        results=cluster.results,
+        errors=unfinished,
+        jct_s=jct,
+        reports=cluster.link_reports(cluster.loop.now),
+        events=cluster.events,
+        counters=dict(cluster.counters),
+        ttft_slo_s=w.ttft_slo_s,
+        tpot_slo_s=w.tpot_slo_s,
+        window_s=options.window_s,
+    )
+    summary["config"] = cfg.name
+    summary["simulated"] = True
+    summary["sim"] = {
+        "events": cluster.loop.events,
+        "wall_s": wall,
+        "events_per_s": cluster.loop.events / wall if wall > 0 else 0.0,
+        "alpha_tokens": cluster.alpha,
+        "beta_tokens": cluster.beta,
+        "kv_bytes_per_token": cluster.kvb,
+        "quantum_s": options.quantum_s,
+    }
+    return SimRun(summary, cluster, jct, wall, cluster.loop.events)
+
+
+def write_run(run: SimRun, workdir: str | pathlib.Path) -> None:
+    """Writes `summary.json`, `outputs.jsonl` (lengths only: `{"id", "rounds": [gen, ...]}`, the
+    simulator has no token ids) and `links/node<N>.json` (per-link series) to `workdir`."""
+    wd = pathlib.Path(workdir)
+    (wd / "links").mkdir(parents=True, exist_ok=True)
+    for rep in run.cluster.link_reports(run.cluster.loop.now):
+        (wd / "links" / f"node{rep['node']}.json").write_text(json.dumps(rep))
+    rounds: dict[str, list[int]] = {}
+    for r in run.cluster.results:
+        traj = r.request.rsplit("/r", 1)[0]
+        rounds.setdefault(traj, []).append(len(r.tokens))
+    with open(wd / "outputs.jsonl", "w") as f:
+        for tid, gens in rounds.items():
+            f.write(json.dumps({"id": tid, "rounds": gens, "lengths_only": True}) + "\n")
+    (wd / "summary.json").write_text(json.dumps(run.summary, indent=1, default=_jsonable))
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    raise TypeError(f"not JSON serializable: {type(x).__name__}")
