@@ -186,7 +186,7 @@ class SimCluster:
         self.beta = derive_beta(cfg.scheduler, cost, ref_cached=ref_request[0], ref_new=ref_request[1],
                                 max_batch=cl.prefill_max_batch or 256)
         rate = hw.snic_bytes_per_s or 1.0
-        self.scheduler = scheduler or GlobalScheduler.from_config(
+        self.scheduler = scheduler if scheduler is not None else GlobalScheduler.from_config(
             cfg.scheduler, alpha=self.alpha, beta=self.beta, block_tokens=self.bt,
             pe_read_rate=rate, de_read_rate=rate)
         self.policy = self.scheduler.policy
@@ -260,7 +260,11 @@ class SimCluster:
                 e.seq += 1
                 e.tok += r.tokens
                 e.hbm_promised += r.hbm_tokens
-        for gid, group in self._groups(self.pes).items():
+        # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
+        # group from always seeing the queue's head.
+        groups = list(self._groups(self.pes).items())
+        k = self.counters["dispatches"] % len(groups)
+        for gid, group in groups[k:] + groups[:k]:
             self.scheduler.report([self._load(e) for e in self.des], "de")
             for a in self.scheduler.fetch_pe(gid, [self._load(e) for e in group]):
                 self._assign(a)

@@ -90,8 +90,8 @@ class SimLink:
         if n == 0:
             return
         w = self.window_s
-        a, b = int(start // w), int(end // w)
-        if a == b or end <= start:
+        a, b = int(start // w), int((end - 1e-9 * w) // w)
+        if a >= b or end <= start:
             self.windows[a] = self.windows.get(a, 0.0) + n
             return
         span = end - start
