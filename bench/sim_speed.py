@@ -1,0 +1,58 @@
+"""Simulator speed: events per second and wall time on the paper's hardware (one core).
+
+Run: python bench/sim_speed.py --agents=2048 --policy=dualpath     (the issue's target: 2P4D,
+2,048 agents, full 64K trace, <= 2 minutes). Smaller `--agents` for a quick look.
+"""
+
+from __future__ import annotations
+
+import json
+
+from absl import app, flags
+
+from dualpath_jax.config import (
+    ClusterConfig,
+    ExperimentConfig,
+    Policy,
+    SchedulerConfig,
+    WorkloadConfig,
+)
+from dualpath_jax.hardware import HOPPER_NODE
+from dualpath_jax.model.presets import get_preset
+from dualpath_jax.sim import SimOptions, simulate
+
+_AGENTS = flags.DEFINE_integer("agents", 64, "Agents (offline, all at t=0).")
+_POLICY = flags.DEFINE_enum("policy", "dualpath", [p.value for p in Policy], "Policy.")
+_P = flags.DEFINE_integer("prefill_nodes", 2, "P.")
+_D = flags.DEFINE_integer("decode_nodes", 4, "D.")
+_MODEL = flags.DEFINE_string("model", "deepseek-v3.2-660b", "Model preset.")
+_TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
+
+
+def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0) -> ExperimentConfig:
+    """The paper's testbed (HOPPER_NODE) with the 64K trace; prefill batch limits lifted."""
+    return ExperimentConfig(
+        name=f"paper_{p}p{d}d",
+        model=get_preset(model),
+        hardware=HOPPER_NODE,
+        cluster=ClusterConfig(prefill_nodes=p, decode_nodes=d, decode_slots=256, decode_max_len=65536,
+                              prefill_max_batch=0, prefill_max_tokens=0, fetch_interval_s=0.005),
+        scheduler=SchedulerConfig(policy=Policy(policy)),
+        workload=WorkloadConfig(preset="64k", trajectories=min(agents, 500), agents=agents,
+                                max_turns=max_turns),
+    )
+
+
+def main(argv):
+    del argv
+    cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
+    run = simulate(cfg, options=SimOptions(kv_format="fp8_flashmla"))
+    s = run.summary
+    print(json.dumps({"config": cfg.name, "agents": cfg.workload.agents, "policy": cfg.scheduler.policy.value,
+                      "requests": s["requests"], "jct_s": s["jct_s"], "errors": s["errors"],
+                      "wall_s": run.wall_s, "events": run.events, "events_per_s": run.events / run.wall_s,
+                      "snic_max_over_avg": s["snic_max_over_avg"], "sim": s["sim"]}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    app.run(main)
