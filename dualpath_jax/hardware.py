@@ -41,7 +41,7 @@ HOPPER_NODE = HardwareConfig(
 
 
 def emulated_cpu_experiment(
-    prefill_nodes: int, decode_nodes: int, arg: str = "", *, snic_bytes_per_s: float = 1e6
+    prefill_nodes: int, decode_nodes: int, arg: str = "", *, snic_bytes_per_s: float = 5e5
 ):
     """The `configs/cpu_*` experiments: tiny model, emulated links, a CPU-sized 64k-shaped trace.
 
