@@ -48,6 +48,7 @@ def plot_comparison(result: dict, workdir: str | pathlib.Path, path: str | pathl
     for b, v in zip(bars, jct):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}s" + (f"\n{base / v:.2f}x" if base else ""),
                 ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, max(jct) * 1.2)
     ax.set_ylabel("JCT (s)")
     ax.set_title(f"JCT, {result.get('config', '')}" + (" (emulated links)" if result.get("emulated") else ""))
     ax.tick_params(axis="x", rotation=30)
