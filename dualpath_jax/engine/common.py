@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
+from collections.abc import Callable
 
 from dualpath_jax.engine import messages as M
 from dualpath_jax.kvstore.store import StoreError
@@ -27,6 +30,36 @@ def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
         oracle=m.oracle,
         attempt=m.attempt,
     )
+
+
+log = logging.getLogger(__name__)
+
+
+def register(rpc, role: str, engine: int, node: int, group: int, address: str) -> None:
+    """Announces an engine (and its KV channel address) to the router."""
+    rpc.send(M.Register(role=role, engine=engine, node=node, group=group, address=address, pid=os.getpid()))
+
+
+def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:
+    """Handles every message waiting on `rpc` (waiting up to `timeout_ms` for the first)."""
+    msg = rpc.recv(timeout_ms)
+    while msg is not None:
+        handle(msg)
+        msg = rpc.recv(0)
+
+
+def is_stop(msg: M.Msg) -> bool | None:
+    """The messages every engine treats alike: True for a stop order, False for one to ignore
+    (acks, stats, logged router errors), None for an engine-specific message."""
+    match msg:
+        case M.Stop() | M.Error(kind="stop"):
+            return True
+        case M.Ack() | M.Stats():
+            return False
+        case M.Error(message=text):
+            log.warning("router error: %s", text)
+            return False
+    return None
 
 
 def failure_kind(exc: BaseException) -> str:

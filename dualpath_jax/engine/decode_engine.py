@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import queue
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.common import failure_kind, job_from_msg
+from dualpath_jax.engine.common import failure_kind, is_stop, job_from_msg, pump, register
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
@@ -67,18 +66,12 @@ class DecodeEngine:
         self.last_fetch = -1e9
 
     def register(self) -> None:
-        self.rpc.send(
-            M.Register(role="decode", engine=self.engine, node=self.node, group=self.group,
-                       address=self.ctx.channel.address, pid=os.getpid())
-        )
+        register(self.rpc, "decode", self.engine, self.node, self.group, self.ctx.channel.address)
 
     def run(self) -> None:
         self.register()
         while not self.stopped:
-            msg = self.rpc.recv(0 if self.slot_req else 5)
-            while msg is not None:
-                self.handle(msg)
-                msg = self.rpc.recv(0)
+            pump(self.rpc, self.handle, 0 if self.slot_req else 5)
             while not self.outbox.empty():
                 self.rpc.send(self.outbox.get_nowait())
             now = self.clock()
@@ -113,16 +106,11 @@ class DecodeEngine:
                     self.reqs[r].first, self.reqs[r].hit = t, h
             case M.Cancel(request=r):
                 self.drop(r)
-            case M.Stop():
-                self.stopped = True
-            case M.Error(kind="stop"):
-                self.stopped = True
-            case M.Ack() | M.Stats():
-                pass
-            case M.Error(message=text):
-                log.warning("router error: %s", text)
             case _:
-                log.warning("unexpected %s", type(msg).__name__)
+                stop = is_stop(msg)
+                if stop is None:
+                    log.warning("unexpected %s", type(msg).__name__)
+                self.stopped |= bool(stop)
 
     def start_waiting(self) -> None:
         """Starts the DE half of queued jobs, FIFO, while the DE buffer has room."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -22,7 +21,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.common import failure_kind, job_from_msg
+from dualpath_jax.engine.common import failure_kind, is_stop, job_from_msg, pump, register
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
@@ -71,19 +70,12 @@ class PrefillEngine:
     # ------------------------------------------------------------------ loop
 
     def register(self) -> None:
-        self.rpc.send(
-            M.Register(role="prefill", engine=self.engine, node=self.node, group=self.group,
-                       address=self.ctx.channel.address, pid=os.getpid())
-        )
+        register(self.rpc, "prefill", self.engine, self.node, self.group, self.ctx.channel.address)
 
     def run(self) -> None:
         self.register()
         while not self.stopped:
-            busy = bool(len(self.queue))
-            msg = self.rpc.recv(0 if busy else 5)
-            while msg is not None:
-                self.handle(msg)
-                msg = self.rpc.recv(0)
+            pump(self.rpc, self.handle, 0 if len(self.queue) else 5)
             self.poll_reads()
             now = self.clock()
             if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
@@ -105,16 +97,11 @@ class PrefillEngine:
                     self.start(m)
             case M.Cancel(request=r):
                 self.drop(r)
-            case M.Stop():
-                self.stopped = True
-            case M.Ack() | M.Stats():
-                pass
-            case M.Error(kind="stop"):
-                self.stopped = True
-            case M.Error(message=text):
-                log.warning("router error: %s", text)
             case _:
-                log.warning("unexpected %s", type(msg).__name__)
+                stop = is_stop(msg)
+                if stop is None:
+                    log.warning("unexpected %s", type(msg).__name__)
+                self.stopped |= bool(stop)
 
     def start(self, m: M.LoadJobMsg) -> None:
         job = job_from_msg(m)

@@ -382,7 +382,7 @@ class Router:
         if other in self.engines and self.engines[other].alive:
             self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
         self.event("failed", request=st.id, engine=msg.engine, kind=msg.kind, message=msg.message)
-        if msg.kind == "transfer" and st.attempts < self.cfg.cluster.max_attempts:
+        if msg.kind == "transfer":
             # A peer vanished or stalled: retry; liveness checks retire a dead engine meanwhile.
             self.requeue([st])
             return
@@ -393,7 +393,16 @@ class Router:
         self.fail(st.client, st.id, msg.message, kind=msg.kind)
 
     def requeue(self, states: list[RequestState]) -> None:
-        """Puts requests back at the head of the queue as if never assigned."""
+        """Puts requests back at the head of the queue as if never assigned; one that has used up
+        `cluster.max_attempts` fails instead."""
+        limit = self.cfg.cluster.max_attempts
+        for st in [x for x in states if x.attempts >= limit]:
+            states.remove(st)
+            s = self.sessions.get(st.session)
+            if s is not None:
+                s.busy = False
+            del self.requests[st.id]
+            self.fail(st.client, st.id, f"gave up after {st.attempts} attempts (engines kept failing)", kind="engine")
         queued = {r.id for r in self._queued_requests()}
         for st in states:
             st.pe = st.de = -1
