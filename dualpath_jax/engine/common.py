@@ -62,6 +62,12 @@ def is_stop(msg: M.Msg) -> bool | None:
     return None
 
 
+def failed(request: str, engine: int, exc: BaseException) -> M.Failed:
+    """The `Failed` report of an engine's part of a request, classified by `failure_kind`."""
+    log.warning("request %s failed: %s", request, exc)
+    return M.Failed(request=request, engine=engine, message=f"{type(exc).__name__}: {exc}", kind=failure_kind(exc))
+
+
 def failure_kind(exc: BaseException) -> str:
     """How the router should treat a failure: `transfer` (a peer vanished or stalled: retry),
     `store` (the block store failed: report), or `error`."""

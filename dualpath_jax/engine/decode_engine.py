@@ -20,7 +20,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.common import failure_kind, is_stop, job_from_msg, pump, register
+from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
@@ -145,9 +145,7 @@ class DecodeEngine:
             r.load.close()
 
     def fail(self, request: str, exc: BaseException) -> None:
-        log.warning("request %s failed: %s", request, exc)
-        self.rpc.send(M.Failed(request=request, engine=self.engine, message=f"{type(exc).__name__}: {exc}",
-                               kind=failure_kind(exc)))
+        self.rpc.send(failed(request, self.engine, exc))
         self.drop(request)
 
     # ------------------------------------------------------------------ decode
