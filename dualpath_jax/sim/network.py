@@ -32,6 +32,7 @@ from dualpath_jax.transfer.links import (
     LinkId,
     LinkRequest,
     TrafficClass,
+    link_record,
 )
 
 Done = Callable[[], None]
@@ -165,16 +166,7 @@ class SimNetwork:
                 continue
             hi, lo = ln.bytes
             busy = ln.busy_s()
-            out[ln.id.name] = {
-                "kind": ln.id.kind.value,
-                "owner": ln.id.owner,
-                "rate_bytes_per_s": ln.rate,
-                "bytes": hi + lo,
-                "bytes_high": hi,
-                "bytes_low": lo,
-                "busy_s": busy,
-                "utilisation": (busy / elapsed_s if elapsed_s > 0 else 0.0) if ln.rate else None,
-            }
+            out[ln.id.name] = link_record(ln.id, ln.rate, hi, lo, busy, elapsed_s)
         return {"elapsed_s": elapsed_s, "links": out}
 
 

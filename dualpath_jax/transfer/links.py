@@ -408,6 +408,21 @@ class Link:
 # --------------------------------------------------------------------------- the manager
 
 
+def link_record(link_id: LinkId, rate: float, high: int, low: int, busy_s: float, span_s: float) -> dict[str, Any]:
+    """One link's entry of a `snapshot()` (shared with the simulator's links): bytes by class,
+    rate, busy time and utilisation over `span_s` (None for an unlimited link)."""
+    return {
+        "kind": link_id.kind.value,
+        "owner": link_id.owner,
+        "rate_bytes_per_s": rate,
+        "bytes": high + low,
+        "bytes_high": high,
+        "bytes_low": low,
+        "busy_s": busy_s,
+        "utilisation": (busy_s / span_s if span_s > 0 else 0.0) if rate else None,
+    }
+
+
 class TrafficManager:
     """All links of one process, created on demand by LinkId, plus the read queue per node.
 
@@ -603,16 +618,7 @@ class TrafficManager:
             hi, lo = ln.bytes(TrafficClass.HIGH), ln.bytes(TrafficClass.LOW)
             busy = (hi + lo) / ln.rate if ln.rate else 0.0
             span = max(elapsed, ln.busy_until())
-            out[ln.id.name] = {
-                "kind": ln.id.kind.value,
-                "owner": ln.id.owner,
-                "rate_bytes_per_s": ln.rate,
-                "bytes": hi + lo,
-                "bytes_high": hi,
-                "bytes_low": lo,
-                "busy_s": busy,
-                "utilisation": (busy / span if span > 0 else 0.0) if ln.rate else None,
-            }
+            out[ln.id.name] = link_record(ln.id, ln.rate, hi, lo, busy, span)
         return {
             "emulated": bool(self.hw.emulated),
             "elapsed_s": elapsed,
