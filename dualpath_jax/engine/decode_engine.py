@@ -127,10 +127,17 @@ class DecodeEngine:
                 return  # back-pressure: wait for a release
             self.waiting.pop(0)
             traffic = self.ctx.traffic
-            if traffic is not None and job.de_blocks and not job.oracle:
-                traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
-                load.on_read_done = lambda job=job: traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
+            if job.de_blocks and not job.oracle:
+                if traffic is not None:
+                    traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
+                load.on_read_done = lambda rid=rid, job=job: self.reads_done(rid, job)
             r.load = load.start()
+
+    def reads_done(self, request: str, job) -> None:
+        """Called on a loader thread once the DE's storage reads for `request` finished."""
+        if self.ctx.traffic is not None:
+            self.ctx.traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
+        self.outbox.put(M.ReadsDone(request=request, engine=self.engine, attempt=job.attempt))
 
     def drop(self, request: str) -> None:
         r = self.reqs.pop(request, None)

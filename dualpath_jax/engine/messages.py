@@ -158,6 +158,15 @@ class PrefillDone(Msg):
     prefill_s: float
 
 
+class ReadsDone(Msg):
+    """Engine -> router: this engine's share of a request's storage reads has finished, so its
+    node's read queue (the scheduler's `read_q`) no longer holds those tokens."""
+
+    request: str
+    engine: int
+    attempt: int = 0
+
+
 class FirstToken(Msg):
     """Router -> DE: the PE's first generated token of a request."""
 
@@ -216,6 +225,7 @@ Body = (
     | LoadJobMsg
     | Work
     | PrefillDone
+    | ReadsDone
     | FirstToken
     | TokensOut
     | DecodeDone

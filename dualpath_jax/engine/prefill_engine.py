@@ -135,6 +135,8 @@ class PrefillEngine:
             traffic = self.ctx.traffic
             if traffic is not None and job.pe_blocks and not job.oracle:
                 traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
+            if job.pe_blocks and not job.oracle:
+                self.rpc.send(M.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt))
             try:
                 r.hit = r.load.hit_blocks()
             except Exception as e:  # noqa: BLE001 - store/transfer failures fail the request

@@ -78,8 +78,10 @@ class RequestState:
     recomputed_blocks: int = 0
     attempts: int = 0
     first_token: int = -1
-    pe_read_tokens: int = 0  # hit tokens read on the PE's node, until the first token
-    de_read_tokens: int = 0  # hit tokens read on the DE's node, until the first token
+    pe_read_tokens: int = 0  # hit tokens read on the PE's node, until its reads finish
+    de_read_tokens: int = 0  # hit tokens read on the DE's node, until its reads finish
+    pe_reads_done: bool = False
+    de_reads_done: bool = False
 
 
 class Router:
@@ -170,6 +172,8 @@ class Router:
                 self.on_fetch(ident, msg)
             case M.PrefillDone():
                 self.on_prefill_done(msg)
+            case M.ReadsDone():
+                self.on_reads_done(msg)
             case M.TokensOut(request=r):
                 st = self.requests.get(r)
                 if st is not None and math.isnan(st.t_second) and len(msg.tokens) >= 2:
@@ -271,17 +275,27 @@ class Router:
         self.server.send(ident, M.Ack(ref=str(msg.engine)))
 
     def node_read_q(self, node: int) -> int:
-        """Hit tokens assigned to be read on `node` whose request has no first token yet: the
-        router's own, always current, view of the node's storage read queue."""
+        """Hit tokens assigned to be read on `node` whose reads have not finished: the router's
+        own view of the node's storage read queue, exact up to one `ReadsDone` message in flight
+        (requests waiting for compute after their reads no longer count against the NIC)."""
         q = 0
         for r in self.requests.values():
             if r.pe < 0 or not math.isnan(r.t_first):
                 continue
-            if self.engines[r.pe].node == node:
+            if not r.pe_reads_done and self.engines[r.pe].node == node:
                 q += r.pe_read_tokens
-            if r.de >= 0 and self.engines[r.de].node == node:
+            if not r.de_reads_done and r.de >= 0 and self.engines[r.de].node == node:
                 q += r.de_read_tokens
         return q
+
+    def on_reads_done(self, msg: M.ReadsDone) -> None:
+        st = self.requests.get(msg.request)
+        if st is None or msg.attempt != st.attempts:
+            return  # a finished request or an older attempt
+        if msg.engine == st.pe:
+            st.pe_reads_done = True
+        if msg.engine == st.de:
+            st.de_reads_done = True
 
     def engine_load(self, e: EngineInfo) -> EngineLoad:
         """Loads from the router's own in-flight tracking (exact, unlike delayed reports)."""
@@ -324,6 +338,7 @@ class Router:
             st.attempts += 1
             st.pe_read_tokens = a.pe_read_blocks * self.bt
             st.de_read_tokens = a.de_read_blocks * self.bt
+            st.pe_reads_done = st.de_reads_done = False
             self.counters[f"path_{a.path.value}"] += 1
             pe, de = self.engines[a.pe], self.engines[a.de]
             n = len(st.keys)

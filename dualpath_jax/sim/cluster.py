@@ -7,7 +7,7 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   leaders' fetch cadence) reports every DE's load, runs `fetch_de` for each DE group, then
   `fetch_pe` for each PE group. Loads are the router's own in-flight counts: a PE counts a request
   until its first token, a DE until it is done; `read_q` of a node is the hit tokens assigned to
-  be read on it whose request has no first token yet; `free_hbm_tokens` is what the DE has not
+  be read on it whose reads have not finished; `free_hbm_tokens` is what the DE has not
   promised to in-flight requests (0 when its decode slots are all promised).
 - Data paths (paper Fig. 4): each request's copies are `transfer.links.request_steps` (the same
   list the real loader charges), moved over `sim.network.SimNetwork` links arbitrated by the real
@@ -107,6 +107,7 @@ class _Req:
     generated: int = 0  # tokens so far (the PE's first one included)
     pe_buf: int = 0
     de_buf: int = 0
+    read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
 
 
 class _Buffer:
@@ -281,8 +282,9 @@ class SimCluster:
             st.t_read = 0.0
             self._ready_to_prefill(st)
             return
-        self.read_q[pe.node] += a.pe_read_blocks * self.bt
-        self.read_q[de.node] += a.de_read_blocks * self.bt
+        st.read_q = {"pe": a.pe_read_blocks * self.bt, "de": a.de_read_blocks * self.bt}
+        self.read_q[pe.node] += st.read_q["pe"]
+        self.read_q[de.node] += st.read_q["de"]
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
@@ -306,9 +308,21 @@ class SimCluster:
             return
         st.waits = len(reads)
         for s in reads:
-            self.net.transfer(s.path, s.nbytes, s.cls, lambda: self._read_done(st))
+            side = "pe" if s.name == "pe_store_read" else "de"
+            self.net.transfer(s.path, s.nbytes, s.cls, lambda side=side: self._read_done(st, side))
 
-    def _read_done(self, st: _Req) -> None:
+    def _dequeue_reads(self, st: _Req, side: str) -> None:
+        """The side's storage reads are over: its node's read queue drops them (the real engines
+        send `ReadsDone`)."""
+        n = st.read_q.pop(side, 0)
+        if n:
+            eng = st.pe if side == "pe" else st.de
+            assert eng is not None
+            self.read_q[eng.node] -= n
+            self._wake_router()
+
+    def _read_done(self, st: _Req, side: str) -> None:
+        self._dequeue_reads(st, side)
         st.waits -= 1
         if not st.waits:
             st.t_read = self.loop.now - st.t_assign
@@ -380,9 +394,8 @@ class SimCluster:
         st.prefilled = True
         st.prefill_s = prefill_s
         st.generated = 1
-        if self.policy.reads:
-            self.read_q[pe.node] -= a.pe_read_blocks * self.bt
-            self.read_q[st.de.node] -= a.de_read_blocks * self.bt
+        for side in ("pe", "de"):
+            self._dequeue_reads(st, side)
         pe.seq -= 1
         pe.tok -= st.request.tokens
         pe.buffer.release(st.pe_buf)

@@ -69,6 +69,7 @@ SAMPLES: list[M.Msg] = [
         read_s=0.01,
         prefill_s=0.02,
     ),
+    M.ReadsDone(request="r1", engine=0, attempt=1),
     M.FirstToken(request="r1", token=9, hit_blocks=2),
     M.TokensOut(request="r1", tokens=[9, 10]),
     M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
