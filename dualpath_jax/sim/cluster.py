@@ -54,7 +54,10 @@ class SimOptions:
     window; `persist`: charge the DE's Full Block writes; `dispatch_interval_s`: router fetch
     cadence (None: `cluster.fetch_interval_s`); `kv_format`: KV bytes format
     (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"); `hbm_tokens`: KV tokens per DE
-    (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it).
+    (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it);
+    `decode_overhead_s`: fixed DE time per request between its last decode step and persisting
+    (control-plane messages, admission polling, bookkeeping of the real engines; fitted for the
+    CPU engines by `sim.fit`, 0 for the GPU presets).
     """
 
     quantum_s: float = 0.01
@@ -63,6 +66,7 @@ class SimOptions:
     dispatch_interval_s: float | None = None
     kv_format: str | None = None
     hbm_tokens: int = 0
+    decode_overhead_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -471,6 +475,12 @@ class SimCluster:
     def _decoded(self, de: _Engine, st: _Req) -> None:
         """Every token is out: persist the new Full Blocks, then report done (as the real DE)."""
         de.hbm_used -= st.request.hbm_tokens
+        if self.opt.decode_overhead_s > 0:
+            self.loop.after(self.opt.decode_overhead_s, self._persist, de, st)
+        else:
+            self._persist(de, st)
+
+    def _persist(self, de: _Engine, st: _Req) -> None:
         r = st.request
         n_full = (r.prompt_tokens + r.gen_tokens - 1) // self.bt
         start = min(r.cached_tokens // self.bt, n_full)
