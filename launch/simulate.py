@@ -9,12 +9,21 @@ series) and outputs.jsonl holding generated lengths only (`{"id", "rounds": [gen
 "lengths_only": true}`): the simulator has no token ids.
 
 Cost model: the roofline of `hardware.gpu` for GPU presets; for `gpu="cpu"` a FittedCostModel
-from --cost_json (`FittedCostModel.to_json`), else the CPU engines' prefill constants with no
-decode cost.
+from --cost_json (`FittedCostModel.to_json`, or a fit written by bench/sim_validate.py, whose
+`decode_overhead_s` is used too), else the CPU engines' prefill constants with no decode cost.
+
+Advisor (`--advise`, `sim.advise`): sweeps P/D splits (every split of --advise_nodes nodes, default
+the config's P+D, or the --advise_pd list), --advise_alpha_s and --advise_beta_s (default: the
+config's values x 0.5, 1, 2), simulates each candidate with the config's policy, prints a table
+and the best by JCT (offline) or by APS capacity under the SLO (with --advise_aps: the rates to
+try), beside the bottleneck-free P/D range, and writes advise.json:
+  python launch/simulate.py --config=configs/cpu_1p2d.py:tiny --advise --workdir=/tmp/dp_advise
+  python launch/simulate.py --config=configs/cpu_1p2d.py:tiny --advise --advise_aps=0.5,1,2 --workdir=/tmp/dp_advise_on
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -25,11 +34,19 @@ import _common  # noqa: E402
 
 from dualpath_jax.sched.cost import FittedCostModel  # noqa: E402
 from dualpath_jax.sim import SimOptions, simulate, write_run  # noqa: E402
+from dualpath_jax.sim import advise as adv  # noqa: E402
 
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second (online mode).")
 _DURATION = flags.DEFINE_float("duration_s", None, "Online arrivals stop after this many seconds.")
 _COST = flags.DEFINE_string("cost_json", None, "FittedCostModel JSON (gpu='cpu' configs).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.01, "Link time per granted chunk (simulator detail).")
+_ADVISE = flags.DEFINE_bool("advise", False, "Sweep P/D, alpha and beta; report the best (advise.json).")
+_ADV_NODES = flags.DEFINE_integer("advise_nodes", 0, "Total nodes split into P and D (0: the config's P+D).")
+_ADV_PD = flags.DEFINE_string("advise_pd", "", "Explicit P/D splits, e.g. 1p2d,2p4d (overrides --advise_nodes).")
+_ADV_ALPHA = flags.DEFINE_list("advise_alpha_s", [], "alpha seconds to try (default: config x 0.5,1,2).")
+_ADV_BETA = flags.DEFINE_list("advise_beta_s", [], "beta seconds to try (default: config x 0.5,1,2).")
+_ADV_APS = flags.DEFINE_list("advise_aps", [], "Online: arrival rates to try; the objective becomes APS capacity.")
+_ADV_ATTAIN = flags.DEFINE_float("advise_attainment", 0.9, "Online: SLO attainment a rate must reach.")
 
 
 def main(argv):
@@ -37,19 +54,42 @@ def main(argv):
     online = _APS.value is not None
     cfg = _common.build_config("online" if online else "offline", aps=_APS.value, duration_s=_DURATION.value)
     wd = _common.prepare_workdir(cfg)
-    cost = None
+    cost, overhead = None, 0.0
     if _COST.value:
-        cost = FittedCostModel.from_json(pathlib.Path(_COST.value).read_text())
+        text = pathlib.Path(_COST.value).read_text()
+        cost = FittedCostModel.from_json(text)
+        overhead = float(json.loads(text).get("decode_overhead_s", 0.0))
     elif cfg.hardware.gpu == "cpu":
         from dualpath_jax.engine.process import CPU_PREFILL_COST
 
         logging.warning("gpu='cpu' without --cost_json: CPU prefill constants, decode steps cost 0")
         cost = FittedCostModel(prefill=CPU_PREFILL_COST)
-    run = simulate(cfg, cost=cost, options=SimOptions(quantum_s=_QUANTUM.value))
+    options = SimOptions(quantum_s=_QUANTUM.value, decode_overhead_s=overhead)
+    if _ADVISE.value:
+        return advise_main(cfg, wd, cost, options)
+    run = simulate(cfg, cost=cost, options=options)
     write_run(run, wd)
     logging.info("simulated %.1f s in %.2f s wall (%d events, %.0f events/s)", run.jct_s, run.wall_s,
                  run.events, run.summary["sim"]["events_per_s"])
     _common.print_summary(run.summary)
+
+
+def advise_main(cfg, wd, cost, options) -> None:
+    sc, cl = cfg.scheduler, cfg.cluster
+    pd = adv.parse_pd(_ADV_PD.value) if _ADV_PD.value else adv.pd_splits(
+        _ADV_NODES.value or cl.prefill_nodes + cl.decode_nodes)
+    space = adv.AdviseSpace(
+        pd=pd,
+        alpha_s=tuple(map(float, _ADV_ALPHA.value)) or tuple(sc.alpha_s * k for k in (0.5, 1, 2)),
+        beta_s=tuple(map(float, _ADV_BETA.value)) or tuple(sc.beta_s * k for k in (0.5, 1, 2)),
+    )
+    rates = tuple(map(float, _ADV_APS.value))
+    logging.info("advising over %d candidates (%s)", len(space.candidates()), "APS capacity" if rates else "JCT")
+    report = adv.advise(cfg, space, cost=cost, options=options, objective="capacity" if rates else "jct",
+                        aps=rates, attainment=_ADV_ATTAIN.value)
+    (wd / "advise.json").write_text(json.dumps(report, indent=1, default=str))
+    print(adv.format_report(report))
+    print(f"{len(report['candidates'])} candidates simulated in {report['wall_s']:.1f} s; wrote {wd / 'advise.json'}")
 
 
 if __name__ == "__main__":

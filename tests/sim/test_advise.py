@@ -1,0 +1,98 @@
+"""The deployment advisor picks what direct simulator runs say is best, and reports the
+bottleneck-free range beside it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dualpath_jax.hardware import HOPPER_NODE, emulated_cpu_experiment
+from dualpath_jax.sched.cost import FittedCostModel
+from dualpath_jax.sim import simulate
+from dualpath_jax.sim.advise import (
+    AdviseSpace,
+    advise,
+    bottleneck_free_range,
+    format_report,
+    parse_pd,
+    pd_splits,
+)
+
+COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
+
+
+def _base():
+    cfg = emulated_cpu_experiment(1, 1, "tiny")
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, agents=4, trajectories=4, max_turns=4))
+
+
+def _direct(cfg, p, d, alpha_s, beta_s, **workload):
+    c = dataclasses.replace(
+        cfg,
+        cluster=dataclasses.replace(cfg.cluster, prefill_nodes=p, decode_nodes=d),
+        scheduler=dataclasses.replace(cfg.scheduler, alpha_s=alpha_s, beta_s=beta_s),
+        workload=dataclasses.replace(cfg.workload, **workload),
+    )
+    return simulate(c, cost=COST).summary
+
+
+def test_offline_best_is_the_lowest_jct_of_direct_runs():
+    cfg = _base()
+    space = AdviseSpace(pd=pd_splits(3), alpha_s=(0.5, 3.0), beta_s=(5.0,))
+    report = advise(cfg, space, cost=COST)
+    assert len(report["candidates"]) == 4
+    direct = {(p, d, a): _direct(cfg, p, d, a, 5.0)["jct_s"] for p, d in [(1, 2), (2, 1)] for a in (0.5, 3.0)}
+    for row in report["candidates"]:
+        assert row["jct_s"] == pytest.approx(direct[(row["prefill_nodes"], row["decode_nodes"], row["alpha_s"])],
+                                             rel=1e-12)
+    best = report["best"]
+    assert best["jct_s"] == min(direct.values())
+    # storage-bound tiny cluster: more decode nodes pool more storage NICs for DualPath
+    assert (best["prefill_nodes"], best["decode_nodes"]) == (1, 2)
+    assert report["bottleneck_free_range"]["lower_str"] == "1/7"
+    assert "best: 1P2D" in format_report(report)
+
+
+def test_online_capacity_matches_direct_runs():
+    base = _base()
+    cfg = dataclasses.replace(base, workload=dataclasses.replace(base.workload, agents=8, trajectories=8,
+                                                                 ttft_slo_s=2.0, tpot_slo_s=10.0))
+    rates = (0.05, 0.2, 0.5, 1.0, 2.0)
+    report = advise(cfg, AdviseSpace(pd=((1, 1), (1, 2)), alpha_s=(3.0,), beta_s=(5.0,)), cost=COST,
+                    objective="capacity", aps=rates, attainment=0.9)
+    for row in report["candidates"]:
+        cap = 0.0
+        for aps in rates:
+            s = _direct(cfg, row["prefill_nodes"], row["decode_nodes"], 3.0, 5.0, mode="online", aps=aps)
+            if s["slo_attainment"] < 0.9 or s["errors"]:
+                break
+            cap = aps
+        assert row["capacity_aps"] == cap
+    caps = {(r["prefill_nodes"], r["decode_nodes"]): r["capacity_aps"] for r in report["candidates"]}
+    assert caps[(1, 2)] > caps[(1, 1)] > 0  # the extra decode node's storage NIC raises capacity
+    assert (report["best"]["prefill_nodes"], report["best"]["decode_nodes"]) == (1, 2)
+
+
+def test_paper_hardware_range_and_splits():
+    r = bottleneck_free_range(HOPPER_NODE)
+    assert r is not None and r.lower == pytest.approx(1 / 7) and r.upper == pytest.approx(3.5)
+    assert r.contains(2, 4) and not r.contains(4, 1)
+    assert bottleneck_free_range(dataclasses.replace(HOPPER_NODE, snic_bytes_per_s=0.0)) is None
+    assert pd_splits(4) == ((1, 3), (2, 2), (3, 1))
+    assert parse_pd("1p2d, 2P4D") == ((1, 2), (2, 4))
+
+
+@pytest.mark.parametrize("bad", ["", "1p", "p2d", "1x2"])
+def test_bad_pd_specs_are_rejected(bad):
+    with pytest.raises(ValueError):
+        parse_pd(bad)
+
+
+def test_bad_spaces_are_rejected():
+    with pytest.raises(ValueError):
+        AdviseSpace(pd=((0, 2),), alpha_s=(3.0,), beta_s=(5.0,))
+    with pytest.raises(ValueError):
+        pd_splits(1)
+    with pytest.raises(ValueError, match="needs arrival rates"):
+        advise(_base(), AdviseSpace(pd=((1, 1),), alpha_s=(3.0,), beta_s=(5.0,)), cost=COST, objective="capacity")
