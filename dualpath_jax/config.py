@@ -142,6 +142,12 @@ class ClusterConfig:
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
     max_attempts: int = 5  # tries of a request whose engines failed (transfer errors, deaths)
+    # Served parameters: empty = `init_model(model, seed)`; else a checkpoint directory every
+    # engine reads (orbax `params/`, or Hugging Face config.json + safetensors).
+    params_path: str = ""
+    # Names the served params in block keys; empty with a params_path: derived from the path
+    # (set it when a path is overwritten with other params, or stored KV would be reused).
+    params_version: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,6 +7,11 @@
 `run_trajectories(client, trajectories)` replays many trajectories concurrently (each one's
 rounds in order, appendix A.3) with a progress bar. The same API runs over `InProcessEngine`
 (one model in this process, no disaggregation) for quick experiments.
+
+Sampling: `temperature=0` is greedy; above 0 pass an explicit JAX key (`Session.step(...,
+temperature=1.0, key=key)`); a round's tokens depend only on the params, the context and the
+key. RL loops push new params between iterations with `update_params(params)` or
+`update_params_from_checkpoint(path)` on either backend (see docs/rl.md).
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import pathlib
 import queue
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from concurrent import futures
-from typing import Protocol
+from typing import Any, Protocol
 
 from dualpath_jax.engine import messages as M
 
@@ -34,16 +40,38 @@ class RolloutError(RuntimeError):
 
 class Backend(Protocol):
     def open_session(self, session: str) -> None: ...
-    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]: ...
-    def close_session(self, session: str) -> None: ...
+    def submit(
+        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+    ) -> futures.Future[M.Result]: ...
+    def close_session(self, session: str, release: bool = False) -> None: ...
+    def update_params(self, params: Any, version: str | None = None) -> str: ...
+    def update_params_from_checkpoint(self, path: str | pathlib.Path, version: str | None = None) -> str: ...
+
+
+def key_to_seed(key: Any) -> int:
+    """The uint32 seed a round's sampling is keyed by, drawn from a JAX PRNG key."""
+    import jax
+    import jax.numpy as jnp
+
+    return int(jax.random.bits(key, dtype=jnp.uint32))
+
+
+def new_version() -> str:
+    """A fresh, unique params version name."""
+    return f"v-{uuid.uuid4().hex[:16]}"
 
 
 class Client:
-    """Talks to a router. Thread safe: a background thread owns the socket."""
+    """Talks to a router. Thread safe: a background thread owns the socket.
 
-    def __init__(self, address: str, token: str = ""):
+    `params_dir` is where `update_params` writes checkpoints (a directory every engine can read;
+    `LocalCluster.client()` passes `workdir/params`).
+    """
+
+    def __init__(self, address: str, token: str = "", params_dir: str | pathlib.Path | None = None):
         from dualpath_jax.engine.rpc import RpcClient
 
+        self.params_dir = pathlib.Path(params_dir) if params_dir else None
         self._rpc = RpcClient(address, token)
         self._out: queue.Queue[tuple[M.Msg, str, futures.Future]] = queue.Queue()
         self._pending: dict[str, futures.Future] = {}
@@ -97,13 +125,20 @@ class Client:
     def open_session(self, session: str, timeout_s: float = 30.0) -> None:
         self._check(self._call(M.OpenSession(session=session), session).result(timeout_s))
 
-    def close_session(self, session: str, timeout_s: float = 30.0) -> None:
-        self._check(self._call(M.CloseSession(session=session), session).result(timeout_s))
+    def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
+        """Ends a session; `release=True` also deletes its stored KV blocks that no other open
+        session uses."""
+        msg = M.CloseSession(session=session, release=bool(release))
+        self._check(self._call(msg, session).result(timeout_s))
 
-    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
+    def submit(
+        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+    ) -> futures.Future[M.Result]:
         """One round; the future resolves to a `Result` or raises `RolloutError`."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        raw = self._call(M.Submit(request=rid, session=session, append=[int(t) for t in append], gen=int(gen)), rid)
+        sub = M.Submit(request=rid, session=session, append=[int(t) for t in append], gen=int(gen),
+                       temperature=float(temperature), seed=int(seed))
+        raw = self._call(sub, rid)
         out: futures.Future[M.Result] = futures.Future()
 
         def done(f: futures.Future) -> None:
@@ -114,6 +149,48 @@ class Client:
 
         raw.add_done_callback(done)
         return out
+
+    def update_params(
+        self,
+        params: Any,
+        version: str | None = None,
+        *,
+        directory: str | pathlib.Path | None = None,
+        timeout_s: float = 600.0,
+    ) -> str:
+        """Serves new parameters on every engine; returns the new params version.
+
+        `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`). They
+        are written as an orbax checkpoint to `directory` (default `params_dir/<version>`), which
+        every engine must be able to read, then `update_params_from_checkpoint` runs. Raises
+        RolloutError if any engine refuses them (wrong tree, shapes or dtypes); the cluster then
+        keeps serving the old params.
+        """
+        from dualpath_jax.engine.params import check_version
+        from dualpath_jax.model.checkpoint import save_params_tree
+
+        version = check_version(version or new_version())
+        if directory is None:
+            if self.params_dir is None:
+                raise RolloutError("update_params needs a directory (or a Client with params_dir)", "bad_request")
+            directory = self.params_dir / version
+        path = save_params_tree(params, directory)
+        return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s)
+
+    def update_params_from_checkpoint(
+        self, path: str | pathlib.Path, version: str | None = None, *, timeout_s: float = 600.0
+    ) -> str:
+        """Serves the parameters of a checkpoint directory (orbax, as written by
+        `model.checkpoint.save_params_tree`/`save_params`, or Hugging Face) as `version` (default:
+        a fresh name). The router waits for the rounds already submitted to finish with the old
+        params, holds new ones, and answers once every engine loaded and checked the new params;
+        from then on block keys use the new version, so no KV of older params is reused."""
+        from dualpath_jax.engine.params import check_version
+
+        version = check_version(version or new_version())
+        msg = M.UpdateParams(version=version, path=str(pathlib.Path(path).absolute()))
+        self._check(self._call(msg, f"params:{version}").result(timeout_s))
+        return version
 
     def stats(self, timeout_s: float = 30.0) -> dict:
         reply = self._check(self._call(M.GetStats(), "__stats__").result(timeout_s))
@@ -137,16 +214,31 @@ class Session:
         backend.open_session(self.id)
         self.results: list[M.Result] = []
 
-    def step_async(self, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
-        fut = self.backend.submit(self.id, append, gen)
+    def step_async(
+        self, append: Sequence[int], gen: int, *, temperature: float = 0.0, key: Any = None
+    ) -> futures.Future[M.Result]:
+        """Submits one round; sampling with `temperature > 0` needs an explicit JAX `key`."""
+        if temperature > 0 and key is None:
+            raise ValueError("sampling with temperature > 0 needs a PRNG key")
+        seed = key_to_seed(key) if key is not None else 0
+        fut = self.backend.submit(self.id, append, gen, temperature=temperature, seed=seed)
         fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
         return fut
 
-    def step(self, append: Sequence[int], gen: int, timeout_s: float | None = None) -> list[int]:
-        return list(self.step_async(append, gen).result(timeout_s).tokens)
+    def step(
+        self,
+        append: Sequence[int],
+        gen: int,
+        timeout_s: float | None = None,
+        *,
+        temperature: float = 0.0,
+        key: Any = None,
+    ) -> list[int]:
+        """Appends `append`, generates exactly `gen` tokens and returns them."""
+        return list(self.step_async(append, gen, temperature=temperature, key=key).result(timeout_s).tokens)
 
-    def close(self) -> None:
-        self.backend.close_session(self.id)
+    def close(self, release: bool = False) -> None:
+        self.backend.close_session(self.id, release)
 
 
 @dataclasses.dataclass
@@ -165,14 +257,20 @@ def run_trajectories(
     arrivals: Sequence[float] | None = None,
     progress: bool = True,
     timeout_s: float | None = None,
+    temperature: float = 0.0,
+    key: Any = None,
+    release: bool = False,
 ) -> list[TrajectoryOutput]:
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
 
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
-    Returns one output per trajectory, in input order; a failed round ends its trajectory with
-    `error` set.
+    With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`.
+    `release=True` closes each finished session and releases its stored blocks. Returns one
+    output per trajectory, in input order; a failed round ends its trajectory with `error` set.
     """
+    if temperature > 0 and key is None:
+        raise ValueError("sampling with temperature > 0 needs a PRNG key")
     from tqdm.auto import tqdm
 
     trajs = list(trajectories)
@@ -185,6 +283,7 @@ def run_trajectories(
     limit = threading.Semaphore(max_concurrent or max(1, len(trajs)))
     done_all = threading.Event()
     remaining = [len(trajs)]
+    sessions: dict[int, Session] = {}
 
     def finish_one() -> None:
         limit.release()
@@ -192,6 +291,11 @@ def run_trajectories(
             remaining[0] -= 1
             if remaining[0] == 0:
                 done_all.set()
+
+    def round_key(k: int, i: int) -> Any:
+        import jax
+
+        return None if key is None else jax.random.fold_in(jax.random.fold_in(key, k), i)
 
     def advance(k: int, session: Session, i: int) -> None:
         rounds = trajs[k][1]
@@ -213,7 +317,7 @@ def run_trajectories(
                 bar.update(1)
             advance(k, session, i + 1)
 
-        session.step_async(append, gen).add_done_callback(on_done)
+        session.step_async(append, gen, temperature=temperature, key=round_key(k, i)).add_done_callback(on_done)
 
     if not trajs:
         return outputs
@@ -227,7 +331,8 @@ def run_trajectories(
                 time.sleep(wait)
         limit.acquire()
         try:
-            advance(k, Session(backend, tid), 0)
+            sessions[k] = Session(backend, tid)
+            advance(k, sessions[k], 0)
         except Exception as e:  # noqa: BLE001
             outputs[k].error = str(e)
             finish_one()
@@ -237,6 +342,12 @@ def run_trajectories(
         for o, (_, rounds) in zip(outputs, trajs):
             if not o.error and len(o.rounds) < len(rounds):
                 o.error = f"timed out after {timeout_s} s with {len(o.rounds)} of {len(rounds)} rounds done"
+    if release:
+        for k, session in sessions.items():
+            try:
+                session.close(release=True)
+            except Exception as e:  # noqa: BLE001 - reported on the trajectory, others go on
+                outputs[k].error = outputs[k].error or f"closing the session failed: {e}"
     return outputs
 
 
@@ -259,38 +370,73 @@ class InProcessEngine:
         self._np = np
         self._sessions: dict[str, tuple[list[int], object]] = {}
         self._lock = threading.Lock()
+        self.params_version = ""
 
-    def update_params(self, model) -> None:
-        """Swaps in new parameters (e.g. after an RL update); cached session KV is dropped
-        because it was computed with the old parameters."""
-        self.runner.update_params(model)
+    def update_params(self, params: Any, version: str | None = None) -> str:
+        """Swaps in new parameters (e.g. after an RL update): a `Transformer`, its `nnx.State` or
+        a nested dict (`nnx.to_pure_dict` layout), checked against the model first (a wrong tree,
+        shape or dtype raises RolloutError and the old params stay). Each session keeps its
+        context, but its cached KV is dropped (it was computed with the old params), so the next
+        round recomputes it. Returns the new params version."""
+        from dualpath_jax.engine.params import check_version
+        from dualpath_jax.model.checkpoint import CheckpointError, model_from_params
+
+        version = check_version(version or new_version())
+        try:
+            model = model_from_params(params, self.cfg)
+        except CheckpointError as e:
+            raise RolloutError(f"params {version!r} refused: {e}", "bad_request") from None
+        self._swap(model, version)
+        return version
+
+    def update_params_from_checkpoint(self, path: str | pathlib.Path, version: str | None = None) -> str:
+        """`update_params` from a checkpoint directory (see `Client.update_params_from_checkpoint`)."""
+        from dualpath_jax.engine.params import check_version
+        from dualpath_jax.model.checkpoint import CheckpointError, load_params
+
+        version = check_version(version or new_version())
+        try:
+            model = load_params(path, self.cfg)
+        except CheckpointError as e:
+            raise RolloutError(f"params {version!r} refused: {e}", "bad_request") from None
+        self._swap(model, version)
+        return version
+
+    def _swap(self, model, version: str) -> None:
         with self._lock:
-            for sid in self._sessions:
-                self._sessions[sid] = ([], None)
+            self.runner.update_params(model)
+            self.params_version = version
+            for sid, (context, _) in self._sessions.items():
+                self._sessions[sid] = (context, None)
 
     def open_session(self, session: str) -> None:
         with self._lock:
             self._sessions.setdefault(session, ([], None))
 
-    def close_session(self, session: str) -> None:
+    def close_session(self, session: str, release: bool = False) -> None:  # noqa: ARG002 - KV lives here
         with self._lock:
             if self._sessions.pop(session, None) is None:
                 raise RolloutError(f"unknown session {session!r}", "bad_request")
 
-    def submit(self, session: str, append: Sequence[int], gen: int) -> futures.Future[M.Result]:
+    def submit(
+        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+    ) -> futures.Future[M.Result]:
         fut: futures.Future[M.Result] = futures.Future()
         try:
-            fut.set_result(self._round(session, [int(t) for t in append], int(gen)))
+            if not temperature >= 0:
+                raise RolloutError(f"temperature must be >= 0, got {temperature}", "bad_request")
+            res = self._round(session, [int(t) for t in append], int(gen), float(temperature), int(seed))
+            fut.set_result(res)
         except RolloutError as e:
             fut.set_exception(e)
         except ValueError as e:
             fut.set_exception(RolloutError(str(e), "bad_request"))
         return fut
 
-    def _round(self, session: str, append: list[int], gen: int) -> M.Result:
+    def _round(self, session: str, append: list[int], gen: int, temperature: float, seed: int) -> M.Result:
         import time
 
-        from dualpath_jax.model.decode import Decoder, sample
+        from dualpath_jax.model.decode import Decoder, sample_at
         from dualpath_jax.model.runner import PrefillBatch
 
         np, cfg = self._np, self.cfg
@@ -317,13 +463,13 @@ class InProcessEngine:
         prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
         if cached:
             prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
-        tok = int(np.asarray(sample(res.last_logits))[0])
+        tok = int(sample_at(res.last_logits, [seed], [len(prompt)], [temperature])[0])
         t_first = time.monotonic()
         dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
         dec.insert(0, prompt_kv, len(prompt), tok)
         out, t_second = [tok], t_first
         for k in range(gen - 1):
-            tok = int(np.asarray(sample(dec.step()))[0])
+            tok = int(sample_at(dec.step()[:1], [seed], [len(prompt) + len(out)], [temperature])[0])
             out.append(tok)
             dec.set_next(np.array([tok]))
             if k == 0:

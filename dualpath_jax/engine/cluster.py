@@ -20,6 +20,7 @@ import sys
 import time
 
 from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
 from dualpath_jax.rollout import Client
 
@@ -40,6 +41,7 @@ class LocalCluster:
     ):
         if cfg.hardware.engines_per_node != 1:
             raise ValueError("LocalCluster runs one engine per node (hardware.engines_per_node=1)")
+        check_params_config(cfg.cluster)
         self.cfg = cfg
         self.workdir = pathlib.Path(workdir).absolute()
         self.python = python
@@ -119,7 +121,7 @@ class LocalCluster:
                 raise ClusterError(f"{name} exited with {p.returncode} during start:\n{tail}")
 
     def client(self) -> Client:
-        c = Client(self.address, self.cfg.cluster.auth_token)
+        c = Client(self.address, self.cfg.cluster.auth_token, params_dir=self.workdir / "params")
         self._clients.append(c)
         return c
 

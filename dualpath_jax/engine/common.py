@@ -35,9 +35,10 @@ def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
 log = logging.getLogger(__name__)
 
 
-def register(rpc, role: str, engine: int, node: int, group: int, address: str) -> None:
-    """Announces an engine (and its KV channel address) to the router."""
-    rpc.send(M.Register(role=role, engine=engine, node=node, group=group, address=address, pid=os.getpid()))
+def register(rpc, role: str, engine: int, node: int, group: int, address: str, params_version: str = "") -> None:
+    """Announces an engine (its KV channel address and served params version) to the router."""
+    rpc.send(M.Register(role=role, engine=engine, node=node, group=group, address=address, pid=os.getpid(),
+                        params_version=params_version))
 
 
 def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:

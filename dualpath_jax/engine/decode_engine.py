@@ -21,9 +21,10 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
+from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
-from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.decode import Decoder, sample_at
 from dualpath_jax.model.layout import kv_to_full_blocks
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
@@ -54,9 +55,11 @@ class DecodeEngine:
         decoder: Decoder,
         ctx: LoaderContext,
         clock: Callable[[], float] = time.monotonic,
+        params: ParamsSlot | None = None,
     ):
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.dec, self.ctx, self.clock = rpc, decoder, ctx, clock
+        self.params = params or ParamsSlot(decoder.runner, "", engine)
         self.bt = cfg.store.block_tokens
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[str] = []  # jobs whose DE buffer could not be reserved yet
@@ -66,7 +69,8 @@ class DecodeEngine:
         self.last_fetch = -1e9
 
     def register(self) -> None:
-        register(self.rpc, "decode", self.engine, self.node, self.group, self.ctx.channel.address)
+        register(self.rpc, "decode", self.engine, self.node, self.group, self.ctx.channel.address,
+                 self.params.version)
 
     def run(self) -> None:
         self.register()
@@ -98,6 +102,11 @@ class DecodeEngine:
         match msg:
             case M.Work(jobs=jobs):
                 for m in jobs:
+                    try:
+                        self.params.check_job(m)
+                    except RuntimeError as e:
+                        self.rpc.send(failed(m.request, self.engine, e))
+                        continue
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
                 self.start_waiting()
@@ -106,6 +115,8 @@ class DecodeEngine:
                     self.reqs[r].first, self.reqs[r].hit = t, h
             case M.Cancel(request=r):
                 self.drop(r)
+            case M.LoadParams() | M.CommitParams():
+                self.params.handle(msg, self.rpc.send)
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -182,7 +193,12 @@ class DecodeEngine:
 
     def step(self) -> None:
         logits = self.dec.step()
-        nxt = np.asarray(logits).argmax(-1).astype(np.int32)
+        seeds, positions, temps = [0] * self.dec.slots, [0] * self.dec.slots, [0.0] * self.dec.slots
+        for slot, rid in self.slot_req.items():
+            m = self.reqs[rid].msg
+            seeds[slot], temps[slot] = m.seed, m.temperature
+            positions[slot] = len(m.prompt) + len(self.reqs[rid].tokens)  # of the token drawn now
+        nxt = sample_at(logits, seeds, positions, temps)
         for slot, rid in list(self.slot_req.items()):
             r = self.reqs[rid]
             r.tokens.append(int(nxt[slot]))

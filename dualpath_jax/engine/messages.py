@@ -30,12 +30,18 @@ class CloseSession(Msg):
 
 
 class Submit(Msg):
-    """One round: append `append` to the session's context and generate exactly `gen` tokens."""
+    """One round: append `append` to the session's context and generate exactly `gen` tokens.
+
+    `temperature` 0 is greedy; above 0 the token at absolute position p of the sequence is drawn
+    from softmax(logits / temperature) with the key `fold_in(key(seed), p)`, so a round's tokens
+    depend only on (params, context, seed), never on batching, engine or retries."""
 
     request: str
     session: str
     append: list[int]
     gen: int
+    temperature: float = 0.0
+    seed: int = 0  # uint32
 
 
 class Result(Msg):
@@ -75,8 +81,10 @@ class Stats(Msg):
 
 
 class UpdateParams(Msg):
-    """Pushes new parameters (an orbax directory) to every engine; KV of older versions is
-    never reused because the version enters the block-key fingerprint."""
+    """Client -> router: serve the parameters in `path` (an orbax checkpoint directory every
+    engine can read) as `version`. Answered `Ack(ref="params:<version>")` once every live engine
+    loaded and checked them, or `Error` (the old params stay). KV of older versions is never
+    reused because the version enters the block-key fingerprint."""
 
     version: str
     path: str
@@ -106,6 +114,31 @@ class Register(Msg):
     group: int
     address: str  # KV channel address
     pid: int
+    params_version: str = ""  # the version of the params the engine serves
+
+
+class LoadParams(Msg):
+    """Router -> engine: load and check the parameters in `path` (staged, not yet served)."""
+
+    version: str
+    path: str
+
+
+class ParamsLoaded(Msg):
+    """Engine -> router: the staged load of `version` succeeded (`ok`) or why not."""
+
+    engine: int
+    version: str
+    ok: bool
+    message: str = ""
+
+
+class CommitParams(Msg):
+    """Router -> engine: serve the staged `version` (`commit`) or drop it. Sent on the same
+    socket before any job of the new version, so no job ever runs on the wrong params."""
+
+    version: str
+    commit: bool
 
 
 class Heartbeat(Msg):
@@ -142,6 +175,8 @@ class LoadJobMsg(Msg):
     layerwise: bool
     params_version: str
     attempt: int = 0
+    temperature: float = 0.0  # see Submit
+    seed: int = 0
 
 
 class Work(Msg):
@@ -220,6 +255,9 @@ Body = (
     | Shutdown
     | Load
     | Register
+    | LoadParams
+    | ParamsLoaded
+    | CommitParams
     | Heartbeat
     | Fetch
     | LoadJobMsg

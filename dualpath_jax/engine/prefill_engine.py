@@ -22,7 +22,9 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
+from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
+from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
 from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
@@ -55,9 +57,11 @@ class PrefillEngine:
         ctx: LoaderContext,
         attention_time: Callable[[Sequence[tuple[int, int]]], float],
         clock: Callable[[], float] = time.monotonic,
+        params: ParamsSlot | None = None,
     ):
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.runner, self.ctx = rpc, runner, ctx
+        self.params = params or ParamsSlot(runner, "", engine)
         self.attention_time = attention_time
         self.clock = clock
         self.bt = cfg.store.block_tokens
@@ -70,7 +74,8 @@ class PrefillEngine:
     # ------------------------------------------------------------------ loop
 
     def register(self) -> None:
-        register(self.rpc, "prefill", self.engine, self.node, self.group, self.ctx.channel.address)
+        register(self.rpc, "prefill", self.engine, self.node, self.group, self.ctx.channel.address,
+                 self.params.version)
 
     def run(self) -> None:
         self.register()
@@ -97,6 +102,8 @@ class PrefillEngine:
                     self.start(m)
             case M.Cancel(request=r):
                 self.drop(r)
+            case M.LoadParams() | M.CommitParams():
+                self.params.handle(msg, self.rpc.send)
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -104,6 +111,11 @@ class PrefillEngine:
                 self.stopped |= bool(stop)
 
     def start(self, m: M.LoadJobMsg) -> None:
+        try:
+            self.params.check_job(m)
+        except RuntimeError as e:
+            self.rpc.send(failed(m.request, self.engine, e))
+            return
         job = job_from_msg(m)
         traffic = self.ctx.traffic
         if traffic is not None and job.pe_blocks and not job.oracle:
@@ -211,7 +223,14 @@ class PrefillEngine:
                 # same compiled layers run afterwards, so only the loading schedule differs).
                 loaded = [jax.device_put(load_layer(i)) for i in range(c.model.num_layers)] if batch.c_pad else None
                 res = self.runner.prefill_layerwise(batch, loaded.__getitem__ if loaded else None, emit_layer)
-            first = np.asarray(res.last_logits).argmax(-1)
+            logits = np.asarray(res.last_logits)
+            pad = [0] * (logits.shape[0] - len(reqs))
+            first = sample_at(  # the first generated token sits at position len(prompt)
+                logits,
+                [r.msg.seed for r in reqs] + pad,
+                [len(r.msg.prompt) for r in reqs] + pad,
+                [r.msg.temperature for r in reqs] + pad,
+            )
         except Exception as e:  # noqa: BLE001
             for ch in chunks:
                 self.fail(ch.request_id, e)

@@ -101,19 +101,20 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
 
     from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine
+    from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.runner import ModelRunner
-    from dualpath_jax.model.transformer import init_model
     from dualpath_jax.sched.cost import FittedCostModel
     from dualpath_jax.transfer.channel import JaxTransferChannel
     from dualpath_jax.transfer.links import TrafficManager
     from dualpath_jax.transfer.loader import LoaderContext
 
     log.info("%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices())
-    runner = ModelRunner(init_model(cfg.model, seed=cfg.seed))
+    runner = ModelRunner(load_served_model(cfg))
+    params = ParamsSlot(runner, initial_params_version(cfg.cluster), spec.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     store = open_store(cfg, spec.workdir)
     name = "PE buffer" if spec.role == "prefill" else "DE buffer"
@@ -135,11 +136,12 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         if spec.role == "prefill":
             cost = FittedCostModel(prefill=CPU_PREFILL_COST)
             engine = PrefillEngine(
-                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx, attention_time=cost.attention_time
+                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx, attention_time=cost.attention_time,
+                params=params,
             )
         else:
             dec = Decoder(runner, cfg.cluster.decode_slots, cfg.cluster.decode_max_len)
-            engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx)
+            engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx, params=params)
         engine.run()
     finally:
         heartbeat.stop()

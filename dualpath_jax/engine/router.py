@@ -24,6 +24,7 @@ import msgspec
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.params import check_version, initial_params_version
 from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import BlockStore
@@ -82,6 +83,20 @@ class RequestState:
     de_read_tokens: int = 0  # hit tokens read on the DE's node, until its reads finish
     pe_reads_done: bool = False
     de_reads_done: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ParamsUpdate:
+    """An `UpdateParams` in progress (see engine/params.py): draining, then loading."""
+
+    client: bytes
+    version: str
+    path: str
+    loading: bool = False
+    waiting: set[int] = dataclasses.field(default_factory=set)  # engines yet to answer
+    errors: list[str] = dataclasses.field(default_factory=list)
 
 
 class Router:
@@ -103,8 +118,11 @@ class Router:
         self.events = events
         self.clock = clock
         self.bt = cfg.store.block_tokens
-        self.params_version = ""
+        self.params_version = initial_params_version(cfg.cluster)
+        self.params_path = cfg.cluster.params_path
         self.fingerprint = model_fingerprint(cfg.model, self.params_version)
+        self.update: ParamsUpdate | None = None
+        self.held: list[tuple[bytes, M.Submit]] = []  # rounds submitted during an update
         self.engines: dict[int, EngineInfo] = {}
         self.sessions: dict[str, SessionState] = {}
         self.requests: dict[str, RequestState] = {}
@@ -156,12 +174,12 @@ class Router:
             case M.OpenSession(session=s):
                 self.sessions.setdefault(s, SessionState(s))
                 self.server.send(ident, M.Ack(ref=s))
-            case M.CloseSession(session=s):
-                st = self.sessions.pop(s, None)
-                if st is None:
-                    self.server.send(ident, M.Error(ref=s, message=f"unknown session {s!r}"))
-                else:
-                    self.server.send(ident, M.Ack(ref=s))
+            case M.CloseSession():
+                self.on_close(ident, msg)
+            case M.UpdateParams():
+                self.on_update_params(ident, msg)
+            case M.ParamsLoaded():
+                self.on_params_loaded(msg)
             case M.Submit():
                 self.on_submit(ident, msg)
             case M.Register():
@@ -189,6 +207,7 @@ class Router:
                 self.server.send(ident, M.Ack(ref="shutdown"))
             case _:
                 self.server.send(ident, M.Error(ref="", message=f"unexpected {type(msg).__name__}"))
+        self.advance_update()
 
     # ------------------------------------------------------------------ clients
 
@@ -197,7 +216,26 @@ class Router:
         self.event("error", request=ref, message=message)
         self.server.send(ident, M.Error(ref=ref, message=message, kind=kind))
 
+    def on_close(self, ident: bytes, msg: M.CloseSession) -> None:
+        """Ends a session; `release` also deletes its stored blocks that no live session claims."""
+        s = self.sessions.get(msg.session)
+        if s is None:
+            return self.server.send(ident, M.Error(ref=msg.session, message=f"unknown session {msg.session!r}"))
+        if msg.release and (s.busy or any(i == ident and m.session == s.id for i, m in self.held)):
+            return self.fail(ident, msg.session, f"session {s.id!r} has a round running; close it when it is done")
+        del self.sessions[msg.session]
+        if msg.release:
+            try:
+                n = self.store.release(msg.session).result(self.cfg.store.timeout_s)
+            except Exception as e:  # noqa: BLE001 - the session is closed either way
+                return self.fail(ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store")
+            self.event("release", session=msg.session, blocks=n)
+        self.server.send(ident, M.Ack(ref=msg.session))
+
     def on_submit(self, ident: bytes, msg: M.Submit) -> None:
+        if self.update is not None:  # runs with the new params once the update is over
+            self.held.append((ident, msg))
+            return
         model = self.cfg.model
         s = self.sessions.get(msg.session)
         if s is None:
@@ -210,6 +248,10 @@ class Router:
             return self.fail(ident, msg.request, f"gen must be > 0, got {msg.gen}")
         if not msg.append:
             return self.fail(ident, msg.request, "a round must append at least one token")
+        if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
+            return self.fail(ident, msg.request, f"temperature must be a finite number >= 0, got {msg.temperature}")
+        if not 0 <= msg.seed < 2**32:
+            return self.fail(ident, msg.request, f"seed must lie in [0, 2**32), got {msg.seed}")
         bad = next((t for t in msg.append if not 0 <= t < model.vocab_size), None)
         if bad is not None:
             return self.fail(ident, msg.request, f"token id {bad} is out of range [0, {model.vocab_size})")
@@ -235,7 +277,8 @@ class Router:
             return self.fail(ident, msg.request, str(e), kind="overloaded")
         s.busy = True
         self.requests[msg.request] = RequestState(
-            msg.request, msg.session, ident, req, prompt, keys[:hit], msg.gen, self.clock()
+            msg.request, msg.session, ident, req, prompt, keys[:hit], msg.gen, self.clock(),
+            temperature=msg.temperature, seed=msg.seed,
         )
         self.event("submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen)
 
@@ -245,6 +288,9 @@ class Router:
         if s is not None:
             s.context = st.prompt + tokens
             s.busy = False
+        # The session claims the blocks its DE persisted (and the hit it read), so closing it
+        # with release=True can delete them.
+        self.store.claim(st.session, block_keys(st.prompt + tokens[:-1], self.bt, self.fingerprint))
         g = len(tokens)
         ttst = st.t_second - st.t_first if g > 1 and not math.isnan(st.t_second) else 0.0
         res = M.Result(
@@ -273,6 +319,75 @@ class Router:
         )
         self.event("register", engine=msg.engine, role=msg.role, node=msg.node, pid=msg.pid)
         self.server.send(ident, M.Ack(ref=str(msg.engine)))
+        if msg.params_version != self.params_version:
+            # An engine that (re)started after an update: bring it to the current params. If it
+            # cannot load them, its jobs fail with a clear version mismatch.
+            log.warning("engine %d serves params %r, the cluster %r", msg.engine, msg.params_version,
+                        self.params_version)
+            if self.params_path:
+                self.server.send(ident, M.LoadParams(version=self.params_version, path=self.params_path))
+                self.server.send(ident, M.CommitParams(version=self.params_version, commit=True))
+
+    # ------------------------------------------------------------------ params updates
+
+    def on_update_params(self, ident: bytes, msg: M.UpdateParams) -> None:
+        """Starts an update (engine/params.py): new rounds are held, running ones drain."""
+        ref = f"params:{msg.version}"
+        try:
+            check_version(msg.version)
+        except ValueError as e:
+            return self.fail(ident, ref, str(e))
+        if not msg.path:
+            return self.fail(ident, ref, "UpdateParams needs the path of a parameter checkpoint")
+        if self.update is not None:
+            return self.fail(ident, ref, f"params update {self.update.version!r} is still in progress", kind="busy")
+        if msg.version == self.params_version:
+            return self.fail(ident, ref, f"params version {msg.version!r} is already served; name updates uniquely")
+        self.update = ParamsUpdate(ident, msg.version, msg.path)
+        self.event("params_update", version=msg.version, path=msg.path, in_flight=len(self.requests))
+
+    def advance_update(self) -> None:
+        """Moves an update on: once no round is in flight, every live engine loads the params."""
+        u = self.update
+        if u is None or u.loading or self.requests:
+            return
+        u.loading = True
+        u.waiting = {e.engine for e in self.engines.values() if e.alive}
+        for e in self.engines.values():
+            if e.engine in u.waiting:
+                self.server.send(e.ident, M.LoadParams(version=u.version, path=u.path))
+        self.end_update_if_answered()
+
+    def on_params_loaded(self, msg: M.ParamsLoaded) -> None:
+        u = self.update
+        if u is None or not u.loading or msg.version != u.version or msg.engine not in u.waiting:
+            return
+        u.waiting.discard(msg.engine)
+        if not msg.ok:
+            u.errors.append(f"engine {msg.engine}: {msg.message}")
+        self.end_update_if_answered()
+
+    def end_update_if_answered(self) -> None:
+        u = self.update
+        if u is None or u.waiting:
+            return
+        ok = not u.errors
+        for e in self.engines.values():
+            if e.alive:
+                self.server.send(e.ident, M.CommitParams(version=u.version, commit=ok))
+        self.update = None
+        ref = f"params:{u.version}"
+        if ok:
+            self.params_version, self.params_path = u.version, u.path
+            self.fingerprint = model_fingerprint(self.cfg.model, self.params_version)
+            self.event("params_served", version=u.version)
+            self.server.send(u.client, M.Ack(ref=ref))
+        else:
+            msg = f"params {u.version!r} refused, still serving {self.params_version!r}: " + "; ".join(u.errors)
+            self.fail(u.client, ref, msg)
+        held, self.held = self.held, []
+        for ident, sub in held:
+            self.on_submit(ident, sub)
 
     def node_read_q(self, node: int) -> int:
         """Hit tokens assigned to be read on `node` whose reads have not finished: the router's
@@ -360,6 +475,8 @@ class Router:
                 layerwise=self.scheduler.policy.layerwise,
                 params_version=self.params_version,
                 attempt=st.attempts,
+                temperature=st.temperature,
+                seed=st.seed,
             )
             self.event("assign", request=st.id, pe=a.pe, de=a.de, path=a.path.value,
                        pe_blocks=job.pe_blocks, de_blocks=job.de_blocks)
@@ -434,6 +551,7 @@ class Router:
         for e in list(self.engines.values()):
             if e.alive and now - e.last_seen > timeout:
                 self.engine_died(e)
+        self.advance_update()
 
     def engine_died(self, e: EngineInfo) -> None:
         e.alive = False
@@ -441,6 +559,9 @@ class Router:
         self.event("engine_dead", engine=e.engine, role=e.role, pid=e.pid)
         log.warning("engine %d (%s, pid %d) stopped heartbeating", e.engine, e.role, e.pid)
         self.scheduler.remove_engines([e.engine])
+        if self.update is not None and e.engine in self.update.waiting:
+            self.update.waiting.discard(e.engine)
+            self.end_update_if_answered()
         back = []
         for st in self.requests.values():
             if e.engine not in (st.pe, st.de):
@@ -468,6 +589,7 @@ class Router:
             "counters": dict(self.counters),
             "queued": self.scheduler.queued(),
             "in_flight": len(self.requests),
+            "params_version": self.params_version,
             "engines": {
                 str(e.engine): {"role": e.role, "alive": e.alive, "node": e.node, "links": e.links}
                 for e in self.engines.values()

@@ -8,6 +8,7 @@ DeepSeek ships them) are dequantized to the model dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 from typing import Any
@@ -280,3 +281,131 @@ def _cast_like(values: Any, shapes: Any, path: str) -> Any:
         raise CheckpointError(f"tensor {path}: shape {arr.shape}, model expects {tuple(shapes.shape)}")
     return jax.numpy.asarray(arr.astype(np_dtype(str(shapes.dtype))))
 
+
+
+# --------------------------------------------------------------------------- served parameters
+
+
+def params_state(params: Any) -> Any:
+    """The pure nested dict of arrays of `params`: a `Transformer`, its `nnx.State`, or a nested
+    dict of arrays (`nnx.to_pure_dict` layout: `embed`, `head`, `layers/<i>/...`)."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params)
+    if isinstance(params, nnx.State):
+        return nnx.to_pure_dict(params)
+    if isinstance(params, dict):
+        return params
+    raise CheckpointError(
+        f"parameters must be a Transformer, an nnx.State or a nested dict, got {type(params).__name__}"
+    )
+
+
+def save_params_tree(params: Any, directory: str | pathlib.Path, cfg: ModelConfig | None = None) -> pathlib.Path:
+    """Saves `params` (see `params_state`) as an orbax checkpoint in `directory/params`, in the
+    pure-dict layout, plus the model config when known. Nothing is checked here: the engines
+    check the tree against their model when they load it (`load_params`)."""
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    tree = params_state(params)
+    if cfg is None and isinstance(params, Transformer):
+        cfg = params.cfg
+    directory.mkdir(parents=True, exist_ok=True)
+    if cfg is not None:
+        (directory / _CONFIG_NAME).write_text(to_json(cfg, indent=1))
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(directory / "params", jax.tree.map(np.asarray, tree), force=True)
+    return directory
+
+
+def _flat_spec(tree: Any, strip_value: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+    """`path -> (shape, dtype)` of every leaf; `strip_value` drops nnx.State's trailing `value`."""
+    out = {}
+    for kp, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in kp]
+        if strip_value and parts and parts[-1] == "value":
+            parts = parts[:-1]
+        dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+        out["/".join(parts)] = (tuple(np.shape(leaf)), str(np.dtype(dtype)))
+    return out
+
+
+def check_params_tree(expected: dict, got: dict, where: str = "") -> None:
+    """Raises CheckpointError naming every missing/unexpected leaf and shape/dtype mismatch
+    (at most 8 of each) between two `path -> (shape, dtype)` maps."""
+    problems = []
+    missing = sorted(set(expected) - set(got))
+    extra = sorted(set(got) - set(expected))
+    if missing:
+        problems.append(f"missing {len(missing)} leaves, e.g. {missing[:8]}")
+    if extra:
+        problems.append(f"{len(extra)} unexpected leaves, e.g. {extra[:8]}")
+    bad = [
+        f"{p}: {got[p][1]}{list(got[p][0])} but the model has {expected[p][1]}{list(expected[p][0])}"
+        for p in sorted(set(expected) & set(got))
+        if got[p] != expected[p]
+    ]
+    if bad:
+        problems.append(f"{len(bad)} leaves differ: " + "; ".join(bad[:8]))
+    if problems:
+        raise CheckpointError(f"{where}parameters do not match the model: " + " | ".join(problems))
+
+
+def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
+    """Loads served parameters for a model of config `cfg`, checking them first.
+
+    `directory` is an orbax checkpoint written by `save_params_tree` or `save_params` (a
+    `params/` subdirectory, either tree layout) or a Hugging Face directory (`config.json` +
+    safetensors, through `from_pretrained`). Raises CheckpointError, naming what differs, when
+    the directory is missing, was saved for another model config, or holds a tree whose
+    structure, shapes or dtypes differ from the model's; nothing is half-loaded.
+    """
+    import orbax.checkpoint as ocp
+
+    directory = pathlib.Path(directory).absolute()
+    if not directory.is_dir():
+        raise CheckpointError(f"parameter checkpoint {directory} does not exist or is not a directory")
+    if not (directory / "params").is_dir():
+        if (directory / "config.json").is_file():
+            model = from_pretrained(directory, cfg.dtype)
+            if model.cfg != cfg:
+                raise CheckpointError(f"{directory}: the Hugging Face config does not match the served model config")
+            return model
+        raise CheckpointError(f"{directory}: no params/ (orbax) and no config.json (Hugging Face)")
+    saved_cfg = directory / _CONFIG_NAME
+    if saved_cfg.is_file():
+        other = from_json(ModelConfig, saved_cfg.read_text())
+        if other != cfg:
+            diff = sorted(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(other, f.name))
+            raise CheckpointError(f"{directory} was saved for another model config (differs in {diff})")
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd, state = nnx.split(abstract)
+    pure = nnx.to_pure_dict(state)
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            meta = ckptr.metadata(directory / "params")
+        except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
+            raise CheckpointError(f"{directory}/params is not a readable orbax checkpoint: {e}") from None
+        tree = getattr(meta, "item_metadata", meta)
+        state_layout = any(p.endswith("/value") for p in _flat_spec(tree, False))
+        check_params_tree(_flat_spec(pure, False), _flat_spec(tree, state_layout), f"{directory}: ")
+        if state_layout:
+            restored = ckptr.restore(directory / "params", state)
+            return nnx.merge(gd, restored)
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure)
+        restored = ckptr.restore(directory / "params", target)
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(gd, state)
+
+
+def model_from_params(params: Any, cfg: ModelConfig) -> Transformer:
+    """A `Transformer` of config `cfg` holding `params` (see `params_state`), checked first:
+    CheckpointError names every leaf whose path, shape or dtype differs from the model's."""
+    if isinstance(params, Transformer) and params.cfg != cfg:
+        raise CheckpointError("the new model has a different config")
+    tree = params_state(params)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    gd, state = nnx.split(abstract)
+    check_params_tree(_flat_spec(nnx.to_pure_dict(state), False), _flat_spec(tree, False))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jax.numpy.asarray, tree))
+    return nnx.merge(gd, state)

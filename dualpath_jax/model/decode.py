@@ -69,6 +69,42 @@ def sample(logits: Array, params: SamplingParams = GREEDY, key: Array | None = N
     return _sample(logits, key, float(params.temperature), float(params.top_p))
 
 
+@jax.jit
+def _sample_at(logits: Array, seeds: Array, positions: Array, temperatures: Array) -> Array:
+    def one(row, seed, pos, t):
+        key = jax.random.fold_in(jax.random.key(seed), pos)
+        drawn = jax.random.categorical(key, row / jnp.where(t > 0, t, 1.0))
+        return jnp.where(t > 0, drawn, jnp.argmax(row)).astype(jnp.int32)
+
+    return jax.vmap(one)(logits, seeds, positions, temperatures)
+
+
+def sample_at(
+    logits: Array | np.ndarray,
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    temperatures: Sequence[float],
+) -> np.ndarray:
+    """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
+
+    Row b is greedy when `temperatures[b] == 0`, else drawn from softmax(logits / t) with the key
+    `fold_in(key(seeds[b]), positions[b])`, where `positions[b]` is the absolute position of the
+    token being drawn. The same (seed, position, logits) gives the same token wherever it is
+    computed (prefill or decode engine, in any batch, after any retry), which keeps sampled
+    rollouts reproducible. All-greedy batches skip the device call.
+    """
+    temps = np.asarray(temperatures, np.float32)
+    if not (temps > 0).any():
+        return np.asarray(logits).argmax(-1).astype(np.int32)
+    out = _sample_at(
+        jnp.asarray(logits),
+        jnp.asarray(np.asarray(seeds, np.uint32)),
+        jnp.asarray(np.asarray(positions, np.int32)),
+        jnp.asarray(temps),
+    )
+    return np.asarray(out)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=(4,))
 def _decode_step(embed_gd, layer_gds, head_gd, params, kv, lengths, tokens, active, bucket):
     """One token for every slot. kv `[L, S, T_max, W]`, lengths/tokens/active `[S]`."""

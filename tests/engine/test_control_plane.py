@@ -34,7 +34,7 @@ _JOB = M.LoadJobMsg(
 SAMPLES: list[M.Msg] = [
     M.OpenSession(session="s1"),
     M.CloseSession(session="s1", release=True),
-    M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4),
+    M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4, temperature=0.7, seed=2**32 - 1),
     M.Result(
         request="r1",
         tokens=[5, 6],
@@ -55,7 +55,10 @@ SAMPLES: list[M.Msg] = [
     M.UpdateParams(version="v2", path="/ckpt/v2"),
     M.Shutdown(),
     M.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
-    M.Register(role="prefill", engine=0, node=1, group=2, address="inproc://pe0", pid=1234),
+    M.Register(role="prefill", engine=0, node=1, group=2, address="inproc://pe0", pid=1234, params_version="v1"),
+    M.LoadParams(version="v2", path="/ckpt/v2"),
+    M.ParamsLoaded(engine=1, version="v2", ok=False, message="shape mismatch"),
+    M.CommitParams(version="v2", commit=True),
     M.Heartbeat(engine=3),
     M.Fetch(engine=0, load=M.Load(read_q=7), links='{"h2d": 1}'),
     _JOB,
@@ -101,7 +104,8 @@ def test_the_wire_format_is_plain_msgpack_data():
     assert msgspec.msgpack.decode(frame) == {
         "v": M.SCHEMA_VERSION,
         "token": "t",
-        "body": {"type": "Submit", "request": "r1", "session": "s1", "append": [1, 2], "gen": 3},
+        "body": {"type": "Submit", "request": "r1", "session": "s1", "append": [1, 2], "gen": 3,
+                 "temperature": 0.0, "seed": 0},
     }
 
 

@@ -1,0 +1,131 @@
+"""Served parameters: which params an engine starts with, and how an update reaches every engine.
+
+Transport: an update travels as an orbax checkpoint directory that every engine reads (the
+client writes it, `UpdateParams` names it). Parameters can be far larger than a control frame
+(64 MiB), every engine of a multi-host cluster can read a shared directory (the same place the
+block store lives: a mounted file system, or gcs/s3), orbax restores each array with the engine's
+own dtype and sharding, and the directory stays behind as a record of exactly what was served
+(a restarted engine or a later run can start from it with `cluster.params_path`).
+
+Protocol (router side in `router.py`, engine side `ParamsSlot`):
+1. `UpdateParams(version, path)` arrives; rounds submitted from now on are held at the router.
+2. Drain: every round submitted before it (queued or running) finishes with the old params.
+3. `LoadParams` to every live engine; each loads and checks the tree into a staging slot and
+   answers `ParamsLoaded(ok, message)` (the old params keep serving meanwhile).
+4. All ok: `CommitParams(commit=True)`, the router's `params_version` (and so the block-key
+   fingerprint) becomes `version`, the client gets `Ack`. Any failure: `CommitParams(commit=False)`
+   everywhere, the client gets `Error` with the engines' messages, nothing changes.
+5. Held rounds are submitted: their keys use the new fingerprint, so no KV computed with older
+   params is ever read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
+from dualpath_jax.engine import messages as M
+
+log = logging.getLogger(__name__)
+
+_VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
+
+
+def check_version(version: str) -> str:
+    """Returns `version` if it is a usable params version name (also a safe directory name)."""
+    if not isinstance(version, str) or not _VERSION_RE.fullmatch(version) or ".." in version:
+        raise ValueError(
+            f"params version {version!r} must be 1-128 characters of letters, digits and ._:+- "
+            "(starting with a letter or digit)"
+        )
+    return version
+
+
+def initial_params_version(cluster: ClusterConfig) -> str:
+    """The version a cluster serves when it starts: `params_version`, else derived from
+    `params_path` (so KV of `init_model` weights is never reused for a checkpoint), else ""."""
+    if cluster.params_version:
+        return cluster.params_version
+    if cluster.params_path:
+        return "path:" + os.path.abspath(cluster.params_path)
+    return ""
+
+
+def check_params_config(cluster: ClusterConfig) -> None:
+    """Raises ConfigError when `cluster.params_path` cannot be served (checked before starting
+    processes, so the user sees the reason rather than a dead engine)."""
+    path = cluster.params_path
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise ConfigError(f"cluster.params_path={path!r} is not a directory")
+    if not (os.path.isdir(os.path.join(path, "params")) or os.path.isfile(os.path.join(path, "config.json"))):
+        raise ConfigError(
+            f"cluster.params_path={path!r} holds neither an orbax checkpoint (params/) nor a "
+            "Hugging Face model (config.json); write one with rollout.save_params or model.checkpoint"
+        )
+
+
+def load_served_model(cfg: ExperimentConfig):
+    """The model an engine starts with: `cluster.params_path` (checked) or `init_model`."""
+    from dualpath_jax.model.checkpoint import load_params
+    from dualpath_jax.model.transformer import init_model
+
+    if cfg.cluster.params_path:
+        check_params_config(cfg.cluster)
+        return load_params(cfg.cluster.params_path, cfg.model)
+    return init_model(cfg.model, seed=cfg.seed)
+
+
+class ParamsSlot:
+    """An engine's served params version plus at most one staged update.
+
+    `stage(LoadParams)` loads and checks new params without touching the served ones and returns
+    the `ParamsLoaded` answer; `commit(CommitParams)` swaps them in (no recompile: params are jit
+    arguments) or drops them. `check_job` refuses a job of another version.
+    """
+
+    def __init__(self, runner, version: str, engine: int):
+        self.runner, self.version, self.engine = runner, version, engine
+        self._staged: tuple[str, object] | None = None
+
+    def stage(self, msg: M.LoadParams) -> M.ParamsLoaded:
+        from dualpath_jax.model.checkpoint import load_params
+
+        self._staged = None
+        try:
+            model = load_params(msg.path, self.runner.cfg)
+        except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
+            log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
+            return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=False, message=f"{type(e).__name__}: {e}")
+        self._staged = (msg.version, model)
+        return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
+
+    def commit(self, msg: M.CommitParams) -> None:
+        staged, self._staged = self._staged, None
+        if not msg.commit:
+            return
+        if staged is None or staged[0] != msg.version:
+            log.error("commit of params %s without a staged load; still serving %r", msg.version, self.version)
+            return
+        self.runner.update_params(staged[1])
+        self.version = msg.version
+        log.info("serving params version %r", self.version)
+
+    def check_job(self, job: M.LoadJobMsg) -> None:
+        if job.params_version != self.version:
+            raise RuntimeError(
+                f"job {job.request} needs params version {job.params_version!r}; this engine serves {self.version!r}"
+            )
+
+    def handle(self, msg: M.Msg, send) -> bool:
+        """Handles LoadParams/CommitParams (True), anything else is not ours (False)."""
+        if isinstance(msg, M.LoadParams):
+            send(self.stage(msg))
+            return True
+        if isinstance(msg, M.CommitParams):
+            self.commit(msg)
+            return True
+        return False

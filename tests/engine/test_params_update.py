@@ -1,0 +1,326 @@
+"""Parameter updates and session release at the router, driven in-process (no engines): the
+drain -> load -> commit protocol of engine/params.py, refusals, engine death mid-update, held
+rounds, sampling fields; and the engine-side `ParamsSlot`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, StoreConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.params import (
+    ParamsSlot,
+    check_params_config,
+    check_version,
+    initial_params_version,
+)
+from dualpath_jax.engine.router import Router
+from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.checkpoint import save_params_tree
+from dualpath_jax.model.layout import kv_to_full_blocks
+from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.model.runner import ModelRunner
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.sched.scheduler import GlobalScheduler
+
+BT = 16
+PE, DE = 0, 1
+
+
+@dataclasses.dataclass
+class Rig:
+    router: Router
+    sent: list[tuple[bytes, M.Msg]]
+
+    def handle(self, msg: M.Msg, ident: bytes = b"client") -> list[tuple[bytes, M.Msg]]:
+        """Handles one message; returns (recipient, message) of everything the router sent."""
+        self.sent.clear()
+        self.router.handle(ident, msg)
+        return list(self.sent)
+
+    def submit(self, rid: str, session: str, append: list[int], gen: int = 2, **kw) -> list:
+        return self.handle(M.Submit(request=rid, session=session, append=append, gen=gen, **kw))
+
+    def run_round(self, rid: str) -> list[tuple[bytes, M.Msg]]:
+        """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
+        self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
+        self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
+        st = self.router.requests[rid]
+        assert (st.pe, st.de) == (PE, DE)
+        self.handle(M.PrefillDone(request=rid, engine=PE, first_token=5, hit_blocks=0,
+                                  recomputed_blocks=0, read_s=0.0, prefill_s=0.0), b"pe")
+        return self.handle(M.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0), b"de")
+
+
+@pytest.fixture()
+def rig(monkeypatch):
+    cfg = ExperimentConfig(model=TINY_QWEN2, store=StoreConfig(kind="memory", block_tokens=BT),
+                           cluster=ClusterConfig(decode_max_len=256))
+    server = RpcServer("127.0.0.1", 0)
+    store = open_block_store(cfg.store, cfg.model)
+    router = Router(cfg, server, store, GlobalScheduler("dualpath"), clock=lambda: 0.0)
+    sent: list[tuple[bytes, M.Msg]] = []
+    monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
+    r = Rig(router, sent)
+    for engine, role, ident in ((PE, "prefill", b"pe"), (DE, "decode", b"de")):
+        r.handle(M.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1), ident)
+    for s in ("a", "b"):
+        r.handle(M.OpenSession(session=s))
+    yield r
+    server.close()
+    store.close()
+
+
+def _only(sent, kind):
+    return [(ident, m) for ident, m in sent if isinstance(m, kind)]
+
+
+def test_update_with_nothing_in_flight_loads_commits_and_changes_the_fingerprint(rig):
+    old_fp = rig.router.fingerprint
+    sent = rig.handle(M.UpdateParams(version="v1", path="/ckpt/v1"))
+    assert sorted(sent) == [(b"de", M.LoadParams(version="v1", path="/ckpt/v1")),
+                            (b"pe", M.LoadParams(version="v1", path="/ckpt/v1"))]
+    assert rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe") == []  # DE not yet
+    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    assert sorted(sent) == [(b"client", M.Ack(ref="params:v1")),
+                            (b"de", M.CommitParams(version="v1", commit=True)),
+                            (b"pe", M.CommitParams(version="v1", commit=True))]
+    r = rig.router
+    assert r.params_version == "v1" and r.params_path == "/ckpt/v1"
+    assert r.fingerprint == model_fingerprint(TINY_QWEN2, "v1") != old_fp
+    assert r.stats()["params_version"] == "v1"
+
+
+def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
+    r = rig.router
+    prompt = list(range(2 * BT + 3))
+    assert rig.submit("r1", "a", prompt) == []
+    assert rig.handle(M.UpdateParams(version="v1", path="/p")) == []  # draining: r1 in flight
+    assert rig.submit("r2", "b", prompt) == []  # held, not queued
+    assert list(r.requests) == ["r1"] and len(r.held) == 1
+    # r1 runs to the end with the old params (its job carries the old version) ...
+    rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
+    sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
+    assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {""}
+    rig.handle(M.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0, recomputed_blocks=0,
+                             read_s=0.0, prefill_s=0.0), b"pe")
+    sent = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de")
+    # ... and only then do the engines load the new params.
+    assert isinstance(_only(sent, M.Result)[0][1], M.Result)
+    assert len(_only(sent, M.LoadParams)) == 2
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    assert (b"client", M.Ack(ref="params:v1")) in sent
+    # The held round is submitted now, keyed by the new fingerprint: old blocks are never hit.
+    assert r.held == [] and list(r.requests) == ["r2"]
+    assert r.requests["r2"].keys == [] and r.requests["r2"].request.cached_tokens == 0
+    sent = rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
+    sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
+    assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {"v1"}
+
+
+def test_a_refusing_engine_aborts_the_update_everywhere(rig):
+    r = rig.router
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    rig.submit("r1", "a", [1, 2, 3])  # held meanwhile
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=False, message="CheckpointError: bad shape"), b"de")
+    assert [m for _, m in _only(sent, M.CommitParams)] == [M.CommitParams(version="v1", commit=False)] * 2
+    (_, err), = _only(sent, M.Error)
+    assert err.ref == "params:v1" and "engine 1: CheckpointError: bad shape" in err.message
+    assert "still serving ''" in err.message
+    assert r.params_version == "" and r.fingerprint == model_fingerprint(TINY_QWEN2, "")
+    assert list(r.requests) == ["r1"] and r.update is None  # the held round goes on, old params
+    # the cluster takes the next update
+    assert len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0  # r1 drains first
+
+
+def test_an_engine_dying_mid_update_is_not_waited_for(rig):
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.sent.clear()
+    rig.router.engine_died(rig.router.engines[DE])
+    sent = list(rig.sent)
+    assert (b"client", M.Ack(ref="params:v1")) in sent
+    assert (b"pe", M.CommitParams(version="v1", commit=True)) in sent
+    assert rig.router.params_version == "v1"
+
+
+@pytest.mark.parametrize(
+    "msg, problem",
+    [
+        (M.UpdateParams(version="", path="/p"), "must be 1-128 characters"),
+        (M.UpdateParams(version="../x", path="/p"), "must be 1-128 characters"),
+        (M.UpdateParams(version="v1", path=""), "needs the path of a parameter checkpoint"),
+    ],
+)
+def test_bad_update_requests_are_refused(rig, msg, problem):
+    (_, err), = rig.handle(msg)
+    assert isinstance(err, M.Error) and problem in err.message and rig.router.update is None
+
+
+def test_concurrent_and_repeated_versions_are_refused(rig):
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    (_, err), = rig.handle(M.UpdateParams(version="v2", path="/p"))
+    assert err.kind == "busy" and "'v1' is still in progress" in err.message
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    (_, err), = rig.handle(M.UpdateParams(version="v1", path="/other"))
+    assert "'v1' is already served" in err.message
+
+
+def test_stale_or_foreign_acks_are_ignored(rig):
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    assert rig.handle(M.ParamsLoaded(engine=PE, version="v0", ok=False, message="old"), b"pe") == []
+    assert rig.handle(M.ParamsLoaded(engine=7, version="v1", ok=False, message="who"), b"x") == []
+    assert rig.router.update is not None and rig.router.update.waiting == {PE, DE}
+
+
+def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    sent = rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2")
+    assert [m for _, m in sent][1:] == [M.LoadParams(version="v1", path="/p"),
+                                        M.CommitParams(version="v1", commit=True)]
+
+
+@pytest.mark.parametrize(
+    "kw, problem",
+    [
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0, got -0.5"),
+        ({"temperature": math.nan}, "temperature must be a finite number >= 0, got nan"),
+        ({"temperature": math.inf}, "temperature must be a finite number >= 0, got inf"),
+        ({"seed": 2**32}, "seed must lie in [0, 2**32), got 4294967296"),
+        ({"seed": -1}, "seed must lie in [0, 2**32), got -1"),
+    ],
+)
+def test_bad_sampling_fields_are_refused(rig, kw, problem):
+    (_, err), = rig.submit("r1", "a", [1, 2], **kw)
+    assert err.kind == "bad_request" and err.message == problem
+
+
+def test_sampling_fields_reach_the_job(rig):
+    rig.submit("r1", "a", [1, 2], temperature=0.8, seed=77)
+    rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
+    (_, work), *_ = _only(rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe"), M.Work)
+    assert (work.jobs[0].temperature, work.jobs[0].seed) == (0.8, 77)
+
+
+# ----------------------------------------------------------------------------- release
+
+
+def _store_blocks(router: Router, tokens: list[int]) -> list[str]:
+    keys = block_keys(tokens, BT, router.fingerprint)
+    width = TINY_QWEN2.kv_width
+    kv = np.zeros((TINY_QWEN2.num_layers, len(keys) * BT, width), np.float32)
+    router.store.write_full(keys, kv_to_full_blocks(kv, BT)).result(10)
+    return keys
+
+
+def test_close_with_release_deletes_the_sessions_blocks_but_not_shared_ones(rig):
+    r = rig.router
+    shared = list(range(BT))
+    a_tokens = shared + [7] * (2 * BT)
+    b_tokens = shared + [9] * BT
+    rig.submit("ra", "a", a_tokens, gen=2)
+    rig.run_round("ra")
+    rig.submit("rb", "b", b_tokens, gen=2)
+    rig.run_round("rb")
+    a_keys = _store_blocks(r, a_tokens + [5])  # what a's DE persisted: prompt + gen - 1 tokens
+    b_keys = _store_blocks(r, b_tokens + [5])
+    assert a_keys[0] == b_keys[0]
+    assert r.store.lookup(a_keys).result(10) == 3
+    assert rig.handle(M.CloseSession(session="a", release=True)) == [(b"client", M.Ack(ref="a"))]
+    assert r.store.lookup(a_keys[:1]).result(10) == 1  # b still uses the shared first block
+    assert r.store.lookup(a_keys[1:2]).result(10) == 0 and r.store.lookup(a_keys[2:]).result(10) == 0
+    assert r.store.lookup(b_keys).result(10) == 2
+    rig.handle(M.CloseSession(session="b", release=True))
+    assert r.store.lookup(b_keys[:1]).result(10) == 0
+
+
+def test_close_without_release_keeps_blocks(rig):
+    r = rig.router
+    tokens = list(range(2 * BT))
+    rig.submit("ra", "a", tokens, gen=2)
+    rig.run_round("ra")
+    keys = _store_blocks(r, tokens + [5])
+    assert rig.handle(M.CloseSession(session="a")) == [(b"client", M.Ack(ref="a"))]
+    assert r.store.lookup(keys).result(10) == 2
+
+
+def test_release_of_a_busy_session_is_refused(rig):
+    rig.submit("ra", "a", [1, 2, 3])
+    (_, err), = rig.handle(M.CloseSession(session="a", release=True))
+    assert "has a round running" in err.message and "a" in rig.router.sessions
+
+
+# ----------------------------------------------------------------------------- engine side
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(init_model(TINY_QWEN2, seed=0))
+
+
+def _job(version: str) -> M.LoadJobMsg:
+    return M.LoadJobMsg(request="r1", keys=[], pe_blocks=0, de_blocks=0, prompt=[1], gen=1, pe_engine=0,
+                        pe_node=0, pe_address="", de_engine=1, de_node=1, de_address="", oracle=False,
+                        layerwise=True, params_version=version)
+
+
+def test_params_slot_stages_then_commits(runner, tmp_path):
+    new = init_model(TINY_QWEN2, seed=3)
+    save_params_tree(new, tmp_path / "v1")
+    slot = ParamsSlot(runner, "", 4)
+    before = np.asarray(runner.embedding)
+    sent = []
+    assert slot.handle(M.LoadParams(version="v1", path=str(tmp_path / "v1")), sent.append)
+    assert sent == [M.ParamsLoaded(engine=4, version="v1", ok=True)]
+    np.testing.assert_array_equal(np.asarray(runner.embedding), before)  # staged, not served
+    slot.check_job(_job(""))
+    assert slot.handle(M.CommitParams(version="v1", commit=True), sent.append)
+    assert slot.version == "v1"
+    np.testing.assert_array_equal(np.asarray(runner.embedding), np.asarray(new.embed.embedding[...]))
+    with pytest.raises(RuntimeError, match="needs params version ''; this engine serves 'v1'"):
+        slot.check_job(_job(""))
+    slot.runner.update_params(init_model(TINY_QWEN2, seed=0))  # the module's runner again
+
+
+def test_params_slot_refuses_bad_params_and_keeps_serving(runner, tmp_path):
+    from dualpath_jax.model.checkpoint import params_state
+
+    tree = params_state(init_model(TINY_QWEN2, seed=3))
+    tree["layers"][0]["mlp"]["up_proj"]["kernel"] = tree["layers"][0]["mlp"]["up_proj"]["kernel"][:, :8]
+    save_params_tree(tree, tmp_path / "bad")
+    slot = ParamsSlot(runner, "v0", 0)
+    before = np.asarray(runner.embedding)
+    reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "bad")))
+    assert not reply.ok and "layers/0/mlp/up_proj/kernel: float32[64, 8] but the model has float32[64, 96]" in reply.message
+    reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "missing")))
+    assert not reply.ok and "does not exist" in reply.message
+    slot.commit(M.CommitParams(version="v1", commit=True))  # nothing staged: ignored
+    assert slot.version == "v0"
+    np.testing.assert_array_equal(np.asarray(runner.embedding), before)
+
+
+def test_initial_version_and_params_path_checks(tmp_path):
+    assert initial_params_version(ClusterConfig()) == ""
+    assert initial_params_version(ClusterConfig(params_path=str(tmp_path))) == f"path:{tmp_path}"
+    assert initial_params_version(ClusterConfig(params_path=str(tmp_path), params_version="x")) == "x"
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_params_config(ClusterConfig(params_path=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="neither an orbax checkpoint"):
+        check_params_config(ClusterConfig(params_path=str(tmp_path)))
+    save_params_tree(init_model(TINY_QWEN2, seed=1), tmp_path / "ok")
+    check_params_config(ClusterConfig(params_path=str(tmp_path / "ok")))
+    assert check_version("step-12.a:b+c") == "step-12.a:b+c"
+    for bad in ("", "a/b", "-x", "x" * 129, "a..b"):
+        with pytest.raises(ValueError):
+            check_version(bad)
