@@ -9,6 +9,8 @@ says so (`summary.json: emulated`).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dualpath_jax.config import HardwareConfig
 
 
@@ -72,3 +74,94 @@ def emulated_cpu_experiment(
             max_turns=16,
         ),
     )
+
+
+# --------------------------------------------------------------------------- the paper's clusters
+
+
+@dataclasses.dataclass(frozen=True)
+class PaperModel:
+    """One of the paper's three models as its experiments ran it (section 7.2, appendix A)."""
+
+    key: str  # "ds660b" | "ds27b" | "qwen32b"
+    preset: str  # `model.presets` name
+    kv_format: str | None  # KV bytes per token (FP8 FlashMLA layout for the DeepSeek models)
+    dram_buffer_bytes: float  # per node
+    fp8: bool  # FP8 weights and GEMMs
+    expert_parallel: bool  # DeepSeek models: EP across the role's GPUs + DP attention
+    prefill_nodes: int
+    decode_nodes: int
+
+
+PAPER_MODELS: dict[str, PaperModel] = {
+    m.key: m
+    for m in (
+        PaperModel("ds660b", "deepseek-v3.2-660b", "fp8_flashmla", 80e9, True, True, 2, 4),
+        PaperModel("ds27b", "ds-27b", "fp8_flashmla", 80e9, True, True, 1, 1),
+        PaperModel("qwen32b", "qwen2.5-32b", None, 320e9, False, False, 1, 2),
+    )
+}
+
+
+def paper_cost_model(key: str, decode_nodes: int, *, engines_per_node: int = 8):
+    """The calibrated H800 roofline of a paper model (`sched.cost.hopper_calibration`); routed
+    experts spread over the decode nodes' GPUs (the memory-bound side that streams them)."""
+    from dualpath_jax.model.presets import get_preset
+    from dualpath_jax.sched.cost import make_cost_model
+
+    m = PAPER_MODELS[key]
+    ep = decode_nodes * engines_per_node if m.expert_parallel else 1
+    return make_cost_model(HOPPER_NODE, get_preset(m.preset), fp8=m.fp8, expert_parallel=ep,
+                           kv_format=m.kv_format)
+
+
+def paper_experiment(
+    key: str,
+    prefill_nodes: int | None = None,
+    decode_nodes: int | None = None,
+    *,
+    policy: str = "dualpath",
+    agents: int = 1024,
+    preset: str = "64k",
+    mode: str = "offline",
+    aps: float = 0.0,
+    duration_s: float = 0.0,
+    append_scale: float = 1.0,
+    gen_scale: float = 1.0,
+    max_turns: int = 0,
+    snic_bytes_per_s: float = 50e9,
+    seed: int = 0,
+):
+    """`(ExperimentConfig, cost model)` of one of the paper's runs: `P`P`D`D H800 nodes
+    (8 GPUs, 8 x 400 Gbps compute NICs, one 400 Gbps storage NIC that 3FS saturates), the
+    model's DRAM buffer, HBM left for KV after the weights, the Table 2 trace `preset`.
+    Prefill batches are bounded by the compute quota only; decode by HBM."""
+    from dualpath_jax.config import (
+        ClusterConfig,
+        ExperimentConfig,
+        Policy,
+        SchedulerConfig,
+        WorkloadConfig,
+    )
+    from dualpath_jax.model.presets import get_preset
+
+    m = PAPER_MODELS[key]
+    p = m.prefill_nodes if prefill_nodes is None else prefill_nodes
+    d = m.decode_nodes if decode_nodes is None else decode_nodes
+    g = HOPPER_NODE.engines_per_node
+    cost = paper_cost_model(key, d, engines_per_node=g)
+    hw = dataclasses.replace(HOPPER_NODE, snic_bytes_per_s=snic_bytes_per_s,
+                             hbm_bytes=cost.kv_hbm_bytes(), dram_buffer_bytes=m.dram_buffer_bytes / g)
+    cfg = ExperimentConfig(
+        name=f"paper_{key}_{p}p{d}d",
+        model=get_preset(m.preset),
+        hardware=hw,
+        cluster=ClusterConfig(prefill_nodes=p, decode_nodes=d, pe_group_size=g, de_group_size=g,
+                              decode_slots=1024, decode_max_len=131072, prefill_max_batch=0,
+                              prefill_max_tokens=0),
+        scheduler=SchedulerConfig(policy=Policy(policy)),
+        workload=WorkloadConfig(preset=preset, trajectories=500, agents=agents, mode=mode, aps=aps,
+                                duration_s=duration_s, append_scale=append_scale,
+                                gen_scale=gen_scale, max_turns=max_turns, seed=seed),
+    )
+    return cfg, cost

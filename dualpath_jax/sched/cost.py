@@ -13,6 +13,11 @@ per cached token). Attention kinds:
 
 Linear FLOPs are 2 x active parameters (MoE: routed top-k plus shared experts).
 
+Prefill of dense MLA (DeepSeek-V3) uses the cheaper of the absorbed form and the MHA form, in
+which each context token's latent is first expanded to per-head keys and values
+(`2 * kv_lora_rank * H * (qk_nope + v)` FLOPs per context token per layer) and a pair then costs
+`2 * H * (qk_nope + qk_rope) + 2 * H * v`; DSA models (V3.2) attend in the absorbed (MQA) form.
+
 Cost models (`CostModel` protocol) answer three questions in seconds: `attention_time(pairs)`
 (the predicted attention-layer time the compute quota bounds, all layers of one forward),
 `prefill_time(pairs)` and `decode_step_time(batch, context)`, where `pairs` are the
@@ -22,6 +27,7 @@ Cost models (`CostModel` protocol) answer three questions in seconds: `attention
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -65,6 +71,9 @@ class ModelCost:
     topk: int = 0  # DeepSeek sparse attention: keys per query (0: dense)
     index_pair_flops: float = 0.0  # DSA indexer, per (query, key) pair per layer
     index_bytes_per_token_per_layer: float = 0.0  # DSA indexer key cache
+    routed_expert_params: float = 0.0  # MoE routed experts, all layers (what expert parallelism splits)
+    mha_pair_flops: float = 0.0  # dense MLA prefill in the MHA form (0: no such form)
+    mha_context_flops: float = 0.0  # MHA form: expanding one context token's latent, per layer
 
     @classmethod
     def from_model(cls, cfg: ModelConfig, kv_format: str | None = None) -> ModelCost:
@@ -90,9 +99,13 @@ class ModelCost:
             q_in = cfg.q_lora_rank or h
             index = q_in * cfg.index_n_heads * cfg.index_head_dim + h * cfg.index_head_dim
             index += h * cfg.index_n_heads
+        mha_pair = mha_context = 0
+        if cfg.is_mla and not cfg.index_topk:
+            mha_pair = 2 * d * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + 2 * d * cfg.v_head_dim
+            mha_context = 2 * cfg.kv_lora_rank * d * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         dense_mlp = 3 * h * cfg.intermediate_size
         expert = 3 * h * cfg.moe_intermediate_size
-        active = total = 0.0
+        active = total = routed = 0.0
         for layer in range(cfg.num_layers):
             if cfg.is_moe_layer(layer):
                 router = h * cfg.n_routed_experts
@@ -105,6 +118,7 @@ class ModelCost:
                 total += (
                     attn + index + router + (cfg.n_routed_experts + cfg.n_shared_experts) * expert
                 )
+                routed += cfg.n_routed_experts * expert
             else:
                 active += attn + index + dense_mlp
                 total += attn + index + dense_mlp
@@ -126,6 +140,9 @@ class ModelCost:
             index_bytes_per_token_per_layer=float(cfg.index_head_dim + 4)
             if cfg.index_topk
             else 0.0,
+            routed_expert_params=routed,
+            mha_pair_flops=float(mha_pair),
+            mha_context_flops=float(mha_context),
         )
 
     def attention_flops(self, cached: int, bsz: int) -> float:
@@ -137,6 +154,17 @@ class ModelCost:
         if self.window_layers:
             out += self.window_layers * self.pair_flops * summed_keys(cached, bsz, self.window)
         return out
+
+    def prefill_attention_flops(self, cached: int, bsz: int) -> float:
+        """Attention FLOPs of a prefill chunk: the cheaper of the absorbed form and, for dense
+        MLA, the MHA form (latent expansion of all `cached + bsz` tokens, then per-head pairs)."""
+        absorbed = self.attention_flops(cached, bsz)
+        if not self.mha_pair_flops or bsz <= 0:
+            return absorbed
+        mha = self.full_attn_layers * (
+            self.mha_pair_flops * summed_keys(cached, bsz) + self.mha_context_flops * (cached + bsz)
+        )
+        return min(absorbed, mha)
 
     def kv_bytes(self, tokens: int) -> float:
         """Bytes of cached KV for a context of `tokens` (window layers keep at most `window`)."""
@@ -158,7 +186,7 @@ class ModelCost:
             return 0.0
         return (
             bsz * self.linear_flops_per_token
-            + self.attention_flops(cached, bsz)
+            + self.prefill_attention_flops(cached, bsz)
             + self.lm_head_flops
         )
 
@@ -208,11 +236,18 @@ def get_gpu(name: str) -> GpuSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RooflineCostModel:
-    """max(compute, memory) time of one engine (one GPU).
+    """Time of one engine = one GPU; attention is data parallel (each engine serves its own
+    requests) and the weights are shared as configured.
 
-    `weight_shards`: how many GPUs share the weights (expert/tensor parallelism), so a GPU
-    streams `weight_bytes / weight_shards` per forward; attention is data parallel (each engine
-    serves its own requests). `fp8`: GEMMs at the FP8 rate.
+    - compute: linear FLOPs at the GEMM rate (FP8 when `fp8`) plus attention FLOPs at the BF16
+      rate, times an efficiency (prefill: `prefill_efficiency`, decode: the GPU's GEMM
+      efficiency; 0 means `gpu.flops_efficiency`);
+    - memory: this GPU's weights plus the KV the forward reads, at the HBM rate;
+    - a forward takes `max(compute, memory) + step_overhead_s`; a decode step also pays
+      `decode_overhead_s` (expert-parallel all-to-all and pipeline bubbles that no roofline sees).
+
+    Weights per GPU: `(dense + routed_experts / expert_parallel) / weight_shards` parameters at
+    1 byte (`fp8`, DeepSeek's FP8 checkpoints) or the model dtype's size.
     """
 
     model: ModelCost
@@ -220,35 +255,163 @@ class RooflineCostModel:
     fp8: bool = False
     weight_shards: int = 1
     step_overhead_s: float = 0.0
+    expert_parallel: int = 1
+    prefill_efficiency: float = 0.0
+    decode_overhead_s: float = 0.0
 
     @property
     def flops_per_s(self) -> float:
+        """Achieved linear-layer (GEMM) FLOP/s of a decode step."""
         return (self.gpu.fp8_flops if self.fp8 else self.gpu.bf16_flops) * self.gpu.flops_efficiency
 
     @property
     def bytes_per_s(self) -> float:
         return self.gpu.hbm_bytes_per_s * self.gpu.bw_efficiency
 
+    @property
+    def weight_bytes_per_gpu(self) -> float:
+        m = self.model
+        params = m.total_params - m.routed_expert_params * (1 - 1 / max(1, self.expert_parallel))
+        per_param = 1.0 if self.fp8 else m.weight_bytes / max(m.total_params, 1.0)
+        return params * per_param / max(1, self.weight_shards)
+
+    def kv_hbm_bytes(self, reserve_fraction: float = 0.1) -> float:
+        """HBM left for KV after the weights and a reserve for activations and workspace."""
+        return max(0.0, self.gpu.hbm_bytes * (1 - reserve_fraction) - self.weight_bytes_per_gpu)
+
+    def _compute_s(self, linear: float, attention: float, efficiency: float) -> float:
+        gemm = self.gpu.fp8_flops if self.fp8 else self.gpu.bf16_flops
+        eff = efficiency or self.gpu.flops_efficiency
+        return (linear / gemm + attention / self.gpu.bf16_flops) / eff
+
     def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         m = self.model
-        flops = sum(m.attention_flops(c, b) for c, b in pairs)
+        flops = sum(m.prefill_attention_flops(c, b) for c, b in pairs)
         nbytes = sum(m.kv_bytes(c + b) for c, b in pairs)
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+        return max(self._compute_s(0.0, flops, self.prefill_efficiency), nbytes / self.bytes_per_s)
 
     def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         m = self.model
-        flops = sum(m.prefill_flops(c, b) for c, b in pairs)
-        nbytes = m.weight_bytes / self.weight_shards + sum(m.kv_bytes(c + b) for c, b in pairs)
-        return max(flops / self.flops_per_s, nbytes / self.bytes_per_s) + self.step_overhead_s
+        live = [(c, b) for c, b in pairs if b > 0]
+        linear = sum(b * m.linear_flops_per_token + m.lm_head_flops for _, b in live)
+        attention = sum(m.prefill_attention_flops(c, b) for c, b in live)
+        nbytes = self.weight_bytes_per_gpu + sum(m.kv_bytes(c + b) for c, b in pairs)
+        compute = self._compute_s(linear, attention, self.prefill_efficiency)
+        return max(compute, nbytes / self.bytes_per_s) + self.step_overhead_s
 
     def decode_step_time(self, batch: int, context: int) -> float:
         m = self.model
-        per_seq = m.linear_flops_per_token + m.lm_head_flops + m.attention_flops(context, 1)
-        nbytes = m.weight_bytes / self.weight_shards + batch * m.attended_kv_bytes(context)
+        linear = batch * (m.linear_flops_per_token + m.lm_head_flops)
+        compute = self._compute_s(linear, batch * m.attention_flops(context, 1), 0.0)
+        nbytes = self.weight_bytes_per_gpu + batch * m.attended_kv_bytes(context)
         return (
-            max(batch * per_seq / self.flops_per_s, nbytes / self.bytes_per_s)
-            + self.step_overhead_s
+            max(compute, nbytes / self.bytes_per_s) + self.step_overhead_s + self.decode_overhead_s
         )
+
+    def prefill_tokens_per_s(self, cached: int, new: int, batch: int = 1) -> float:
+        """Prompt tokens (cached + new, as serving statistics count them) per second of
+        back-to-back batches of `batch` requests `(cached, new)`."""
+        return batch * (cached + new) / self.prefill_time([(cached, new)] * batch)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclasses.dataclass(frozen=True)
+class PublishedServing:
+    """A published production serving measurement to calibrate a roofline against.
+
+    `prefill_tokens_per_s` counts prompt tokens including cache hits, per node;
+    `context_tokens` is the mean prompt length of a prefill; `decode_*` the decode side (a
+    user's output rate gives the decode step time, the node's output rate the batch).
+    """
+
+    source: str
+    model: str  # a `model.presets` name
+    gpu: str
+    gpus_per_node: int
+    prefill_tokens_per_s: float
+    hit_rate: float
+    context_tokens: int
+    prefill_expert_parallel: int
+    decode_tokens_per_s: float
+    user_tokens_per_s: float
+    decode_expert_parallel: int
+    kv_format: str | None = None
+
+
+# DeepSeek's inference-system overview (open-source week, day 6, March 2025), V3/R1 on H800:
+# 73.7k input tokens/s per node during prefill including the 56.3% of tokens that hit the on-disk
+# KV cache; 14.8k output tokens/s per node during decode at 20-22 tokens/s per user; mean KV
+# length per output token 4,989 (taken here as the mean prompt length); prefill EP32, decode EP144.
+DEEPSEEK_V3_SERVING = PublishedServing(
+    source="DeepSeek-V3/R1 inference system overview (2025-03)",
+    model="deepseek-v3-660b",
+    gpu="h800",
+    gpus_per_node=8,
+    prefill_tokens_per_s=73.7e3,
+    hit_rate=0.563,
+    context_tokens=4989,
+    prefill_expert_parallel=32,
+    decode_tokens_per_s=14.8e3,
+    user_tokens_per_s=21.0,
+    decode_expert_parallel=144,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What a roofline misses, fitted to a published measurement: the fraction of peak FLOP/s a
+    prefill forward reaches end to end (GEMMs, attention, expert all-to-all, imbalance) and the
+    per-step decode time beyond the roofline."""
+
+    prefill_efficiency: float
+    decode_overhead_s: float
+    source: str
+
+    def apply(self, roofline: RooflineCostModel) -> RooflineCostModel:
+        return dataclasses.replace(
+            roofline,
+            prefill_efficiency=self.prefill_efficiency,
+            decode_overhead_s=self.decode_overhead_s,
+        )
+
+
+def calibrate(pub: PublishedServing = DEEPSEEK_V3_SERVING, *, fp8: bool = True) -> Calibration:
+    """Solves the roofline's prefill efficiency and decode overhead so that it reproduces `pub`.
+
+    Prefill: one GPU must prefill `prefill_tokens_per_s / gpus_per_node` prompt tokens per
+    second of requests `(hit_rate * context, rest)` (compute bound: the time is linear in the
+    batch); efficiency = peak-rate time / that time. Decode: the step time is `1 /
+    user_tokens_per_s` at batch `decode_tokens_per_s / gpus_per_node * step`; the overhead is
+    that step less the roofline step at the GEMM efficiency.
+    """
+    from dualpath_jax.model.presets import get_preset
+
+    model = ModelCost.from_model(get_preset(pub.model), pub.kv_format)
+    gpu = get_gpu(pub.gpu)
+    cached = round(pub.hit_rate * pub.context_tokens)
+    new = pub.context_tokens - cached
+    ideal = RooflineCostModel(model, gpu, fp8=fp8, expert_parallel=pub.prefill_expert_parallel,
+                              prefill_efficiency=1.0)
+    per_gpu = pub.prefill_tokens_per_s / pub.gpus_per_node
+    measured = pub.context_tokens / per_gpu
+    flops_s = ideal._compute_s(
+        new * model.linear_flops_per_token + model.lm_head_flops,
+        model.prefill_attention_flops(cached, new),
+        1.0,
+    )
+    step = 1.0 / pub.user_tokens_per_s
+    batch = max(1, round(pub.decode_tokens_per_s / pub.gpus_per_node * step))
+    roof = RooflineCostModel(model, gpu, fp8=fp8, expert_parallel=pub.decode_expert_parallel)
+    overhead = step - roof.decode_step_time(batch, pub.context_tokens)
+    return Calibration(flops_s / measured, max(0.0, overhead), pub.source)
+
+
+@functools.cache
+def hopper_calibration() -> Calibration:
+    """`calibrate(DEEPSEEK_V3_SERVING)`: the Hopper presets' calibration."""
+    return calibrate(DEEPSEEK_V3_SERVING)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -327,15 +490,26 @@ def make_cost_model(
     *,
     fitted: FittedCostModel | None = None,
     weight_shards: int = 1,
+    expert_parallel: int = 1,
+    fp8: bool | None = None,
+    calibration: Calibration | None = None,
+    kv_format: str | None = None,
 ) -> CostModel:
-    """The roofline of `hw.gpu` for GPU presets; the fitted model for "cpu"."""
+    """The fitted model for "cpu"; for GPU presets the roofline of `hw.gpu` with `calibration`
+    (default `hopper_calibration()`, fitted to DeepSeek's published H800 serving). `fp8`: FP8
+    weights and GEMMs (default: DeepSeek-family models, whose checkpoints are FP8)."""
     if hw.gpu == "cpu":
         if fitted is None:
             raise ValueError("hardware gpu='cpu' needs a FittedCostModel (profile the engines)")
         return fitted
-    return RooflineCostModel(
-        ModelCost.from_model(model), get_gpu(hw.gpu), weight_shards=weight_shards
+    roof = RooflineCostModel(
+        ModelCost.from_model(model, kv_format),
+        get_gpu(hw.gpu),
+        fp8=model.is_mla if fp8 is None else fp8,
+        weight_shards=weight_shards,
+        expert_parallel=expert_parallel,
     )
+    return (calibration or hopper_calibration()).apply(roof)
 
 
 # --------------------------------------------------------------------------- alpha and beta
