@@ -84,6 +84,7 @@ class RoundResult:
     prompt_tokens: int
     read_path: str
     recomputed_blocks: int = 0
+    submit_s: float = 0.0  # virtual time the round was submitted (online windows)
 
 
 @dataclasses.dataclass(eq=False)
@@ -504,7 +505,8 @@ class SimCluster:
             tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0, jct_s=now - st.t_submit,
             queue_s=st.t_assign - st.t_submit, cached_tokens=r.cached_tokens,
             prompt_tokens=r.prompt_tokens,
-            read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value))
+            read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value,
+            submit_s=st.t_submit))
         del self.states[r.id]
         self.counters["requests_done"] += 1
         self._wake_router()

@@ -90,7 +90,10 @@ def simulate(
         arrivals = [0.0] * len(trajectories)
     if len(arrivals) != len(trajectories):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
-    cost = cost or make_cost_model(cfg.hardware, cfg.model)
+    # Routed experts spread over the decode GPUs (the side that streams them every step).
+    cost = cost or make_cost_model(
+        cfg.hardware, cfg.model, kv_format=(options or SimOptions()).kv_format,
+        expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node)
     options = options or SimOptions()
     cluster = SimCluster(cfg, cost, options=options, scheduler=scheduler,
                          ref_request=reference_request(trajectories))
