@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) -m dualpath_jax.demo
 
 test: $(TEST_STAMP)
-	$(PY) -m ruff check dualpath_jax configs launch bench tests
+	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m pytest -q tests
 
 bench: $(TEST_STAMP)
@@ -38,8 +38,12 @@ bench: $(TEST_STAMP)
 	$(PY) bench/online_capacity.py --config=configs/cpu_1p2d.py --workdir=bench_out/capacity
 
 lint: $(TEST_STAMP)
-	$(PY) -m ruff check dualpath_jax configs launch bench tests
+	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m ruff format --check dualpath_jax configs launch bench tests
+
+# The .ipynb twins of the colab/*.py notebook sources (no outputs); tests check they match.
+notebooks: $(TEST_STAMP)
+	$(PY) -m jupytext --to ipynb colab/*.py
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out

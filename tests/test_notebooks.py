@@ -1,0 +1,101 @@
+"""colab/: every notebook source `colab/*.py` (jupytext percent format) has an `.ipynb` twin with
+the same cells, and runs top to bottom on CPU in a Jupyter kernel of this interpreter.
+
+Regenerate the twins after editing a source with `make notebooks`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+import time
+
+import pytest
+
+jupytext = pytest.importorskip("jupytext")
+nbclient = pytest.importorskip("nbclient")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "colab").glob("*.py"))
+CELL_TIMEOUT_S = 600
+
+
+def cells(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(cell type, source) of every cell; outputs and metadata do not matter."""
+    return [(c.cell_type, c.source.strip()) for c in jupytext.read(path).cells]
+
+
+def starts_engines(path: pathlib.Path) -> bool:
+    return "LocalCluster" in path.read_text()
+
+
+def engine_pids(marker: str) -> list[int]:
+    """PIDs of live processes whose command line mentions `marker` (a run's own directory)."""
+    out = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmd and state != "Z":
+            out.append(int(proc.name))
+    return out
+
+
+def test_there_are_notebooks():
+    names = {p.stem for p in NOTEBOOKS}
+    assert {"01_quickstart", "02_layerwise_and_dual_path", "03_simulator"} <= names
+
+
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
+def test_ipynb_twin_matches_source(source):
+    twin = source.with_suffix(".ipynb")
+    assert twin.is_file(), f"{twin.name} is missing: run `make notebooks`"
+    assert cells(twin) == cells(source), f"{twin.name} differs from {source.name}: run `make notebooks`"
+
+
+def test_kernel_is_this_interpreter():
+    """nbclient's "python3" kernel runs this interpreter (the venv with the package installed)."""
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    assert km.format_kernel_cmd()[0] == sys.executable
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "source",
+    [pytest.param(p, marks=[pytest.mark.multiprocess] if starts_engines(p) else []) for p in NOTEBOOKS],
+    ids=lambda p: p.stem,
+)
+def test_notebook_runs_top_to_bottom(source, tmp_path, monkeypatch):
+    """Executes the notebook in `tmp_path` (its working directory: runs write there); afterwards
+    no process it started may still be alive."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = jupytext.read(source)
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(tmp_path)}}
+    )
+    t0 = time.monotonic()
+    try:
+        client.execute()
+    finally:
+        deadline = time.monotonic() + 10
+        while (left := engine_pids(str(tmp_path))) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:  # started by this notebook run (they name its directory): end them
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+    print(f"{source.name}: {time.monotonic() - t0:.1f} s")
+    assert not left, f"{source.name} left processes running: {left}"
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
