@@ -41,9 +41,10 @@ lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m ruff format --check dualpath_jax configs launch bench tests
 
-# The .ipynb twins of the colab/*.py notebook sources (no outputs); tests check they match.
+# The .ipynb twins of the colab/*.py notebook sources (--update keeps their cell ids stable);
+# tests/test_notebooks.py checks that they match.
 notebooks: $(TEST_STAMP)
-	$(PY) -m jupytext --to ipynb colab/*.py
+	$(PY) -m jupytext --update --to ipynb colab/*.py
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out
