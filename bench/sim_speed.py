@@ -2,11 +2,18 @@
 
 Run: python bench/sim_speed.py --agents=2048 --policy=dualpath     (the issue's target: 2P4D,
 2,048 agents, full 64K trace, <= 2 minutes). Smaller `--agents` for a quick look.
+     python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   (48P96D, 48K
+agents: <= 20 minutes); `--max_turns=N` replays the first N rounds only (a measured fraction);
+`--profile=N` prints the N costliest functions (cProfile, cumulative).
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
+import pstats
+import time
 
 from absl import app, flags
 
@@ -27,6 +34,8 @@ _P = flags.DEFINE_integer("prefill_nodes", 2, "P.")
 _D = flags.DEFINE_integer("decode_nodes", 4, "D.")
 _MODEL = flags.DEFINE_string("model", "deepseek-v3.2-660b", "Model preset.")
 _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
+_QUANTUM = flags.DEFINE_float("quantum_s", 0.01, "Link time per granted chunk.")
+_PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 
 
 def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0) -> ExperimentConfig:
@@ -46,11 +55,22 @@ def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns
 def main(argv):
     del argv
     cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
-    run = simulate(cfg, options=SimOptions(kv_format="fp8_flashmla"))
+    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value)
+    prof = cProfile.Profile() if _PROFILE.value else None
+    if prof:
+        prof.enable()
+    t0 = time.perf_counter()
+    run = simulate(cfg, options=opts)
+    total = time.perf_counter() - t0
+    if prof:
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(_PROFILE.value)
+        print(out.getvalue())
     s = run.summary
     print(json.dumps({"config": cfg.name, "agents": cfg.workload.agents, "policy": cfg.scheduler.policy.value,
                       "requests": s["requests"], "jct_s": s["jct_s"], "errors": s["errors"],
-                      "wall_s": run.wall_s, "events": run.events, "events_per_s": run.events / run.wall_s,
+                      "total_wall_s": total, "loop_wall_s": run.wall_s, "events": run.events, "events_per_s": run.events / run.wall_s,
                       "snic_max_over_avg": s["snic_max_over_avg"], "sim": s["sim"]}, indent=1, default=str))
 
 
