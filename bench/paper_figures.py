@@ -1,0 +1,605 @@
+"""The paper's figures on the simulated testbed, and a table of our numbers against the paper's.
+
+Run:
+  python bench/paper_figures.py --quick --out=bench_out/paper_quick      (minutes, shapes only)
+  python bench/paper_figures.py --out=bench_out/paper --jobs=16          (full: hours of CPU)
+  python bench/paper_figures.py --only=fig7,fig12 --out=bench_out/paper  (some figures)
+
+Every run is the simulator (`dualpath_jax.sim`) driving the real scheduler over H800 nodes of the
+paper's testbed (`hardware.paper_experiment`: 8 GPUs, 8 x 400 Gbps compute NICs and one 400 Gbps
+storage NIC per node) with the roofline calibrated to DeepSeek's published H800 serving
+(`sched.cost.hopper_calibration`). Figures: fig7 (JCT vs agents, three models x three MaxLen),
+fig8 (P/D ratios, DS 27B), fig9 (append / generation length scaling, DS 660B), fig10 and fig11
+(online TTFT / TTST / TPOT and mean agent JCT vs APS, APS capacity), fig12 (ablation), fig13
+(storage-NIC balance), table3 (scale-out at a fixed P/D ratio). Each simulated run is cached as
+OUT/runs/NAME.json (delete it to rerun); OUT/headline.json and OUT/headline.md hold the table.
+
+--quick shrinks agents, trajectories (max_turns) and online durations so that everything runs in
+minutes on one core; its contexts are shorter than Table 2's, so it shows the shapes, not the
+paper's regime. The headline table says which mode produced each number.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import pathlib
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from dualpath_jax.hardware import PAPER_MODELS, paper_experiment  # noqa: E402
+from dualpath_jax.metrics.summary import dist, max_over_avg  # noqa: E402
+from dualpath_jax.sim import SimOptions, simulate  # noqa: E402
+
+FIGURES = ("fig7", "fig8", "fig9", "fig10", "fig12", "fig13", "table3")
+_OUT = flags.DEFINE_string("out", "bench_out/paper_figures", "Output directory.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small agents / turns / durations (minutes).")
+_ONLY = flags.DEFINE_list("only", list(FIGURES), f"Figures to produce, of {', '.join(FIGURES)}.")
+_JOBS = flags.DEFINE_integer("jobs", 1, "Simulations run in parallel processes.")
+_LARGE = flags.DEFINE_bool("large", False, "table3 at the paper's 48P96D / 44P88D (hours); else 8P16D.")
+
+# Paper numbers (../NOTES: Figures 7-13, Table 3) the headline table compares against.
+PAPER = {
+    "ds660b_64k_2048_speedup": 1.87,
+    "ds660b_64k_2048_basic_jct": 10052.0,
+    "ds660b_64k_2048_dualpath_jct": 5365.0,
+    "oracle_over_dualpath": 1.0,
+    "ablation_layerwise": 17.21,
+    "ablation_dpl": 38.19,
+    "ablation_sched": 45.62,
+    "capacity_ds660b": 2.25,
+    "capacity_ds27b": 1.67,
+    "snic_rr": 1.53,
+    "snic_sched": 1.18,
+    "scale_jct_ratio": 3201.0 / 3167.0,
+    "ttft_2p4d": 1.739,
+    "ttst_2p4d": 0.228,
+    "tpot_2p4d": 0.039,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One simulated run of the paper's testbed."""
+
+    model: str
+    p: int
+    d: int
+    policy: str
+    agents: int = 1024
+    preset: str = "64k"
+    mode: str = "offline"
+    aps: float = 0.0
+    duration_s: float = 0.0
+    append_scale: float = 1.0
+    gen_scale: float = 1.0
+    max_turns: int = 0
+
+    @property
+    def name(self) -> str:
+        parts = [self.model, f"{self.p}p{self.d}d", self.policy, self.preset]
+        if self.mode == "online":
+            parts += [f"aps{self.aps:g}", f"dur{self.duration_s:g}"]
+        else:
+            parts.append(f"n{self.agents}")
+        if self.append_scale != 1.0:
+            parts.append(f"app{self.append_scale:g}")
+        if self.gen_scale != 1.0:
+            parts.append(f"gen{self.gen_scale:g}")
+        if self.max_turns:
+            parts.append(f"t{self.max_turns}")
+        return "_".join(parts)
+
+
+def execute(spec: Spec) -> dict:
+    """Simulates `spec` and reduces the run to the numbers the figures need."""
+    cfg, cost = paper_experiment(
+        spec.model, spec.p, spec.d, policy=spec.policy, agents=spec.agents, preset=spec.preset,
+        mode=spec.mode, aps=spec.aps, duration_s=spec.duration_s, append_scale=spec.append_scale,
+        gen_scale=spec.gen_scale, max_turns=spec.max_turns)
+    t0 = time.perf_counter()
+    run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
+    wall = time.perf_counter() - t0
+    s = run.summary
+    results = run.cluster.results
+    # Online: measure the rounds submitted in the second half of the arrival period (steady
+    # state, before the drain); offline: every round.
+    if spec.mode == "online":
+        lo = spec.duration_s / 2
+        measured = [r for r in results if lo <= r.submit_s <= spec.duration_s]
+    else:
+        measured = results
+    agents: dict[str, list[float]] = {}
+    for r in results:
+        a = agents.setdefault(r.request.rsplit("/r", 1)[0], [math.inf, 0.0])
+        a[0], a[1] = min(a[0], r.submit_s), max(a[1], r.submit_s + r.jct_s)
+    ok = [r for r in measured if r.ttft_s <= cfg.workload.ttft_slo_s
+          and (len(r.tokens) < 2 or r.tpot_s <= cfg.workload.tpot_slo_s)]
+    series = {}
+    for rep in run.cluster.link_reports(run.cluster.loop.now):
+        for name, pts in rep["windows"].items():
+            if name.startswith("snic_rx:"):
+                series[name] = pts
+    for rep in run.cluster.link_reports(run.cluster.loop.now):
+        series.setdefault(f"snic_rx:node{rep['node']}", [])
+    return {
+        "spec": dataclasses.asdict(spec),
+        "jct_s": s["jct_s"],
+        "errors": s["errors"],
+        "requests": s["requests"],
+        "ttft_s": dist(r.ttft_s for r in measured),
+        "ttst_s": dist(r.ttst_s for r in measured if len(r.tokens) > 1),
+        "tpot_s": dist(r.tpot_s for r in measured if len(r.tokens) > 1),
+        "queue_s": dist(r.queue_s for r in measured),
+        "measured_rounds": len(measured),
+        "slo_attainment": len(ok) / len(measured) if measured else 0.0,
+        "agent_jct_mean_s": float(np.mean([b - a for a, b in agents.values()])) if agents else 0.0,
+        "snic_max_over_avg": s["snic_max_over_avg"],
+        "snic_balance": snic_balance(series),
+        "snic_series": {n: coarse(pts, 10.0) for n, pts in series.items()},
+        "bytes_read_pe_path": s["bytes_read_pe_path"],
+        "bytes_read_de_path": s["bytes_read_de_path"],
+        "alpha_tokens": s["sim"]["alpha_tokens"],
+        "beta_tokens": s["sim"]["beta_tokens"],
+        "events": run.events,
+        "wall_s": wall,
+    }
+
+
+def coarse(points: list, window_s: float) -> list[list[float]]:
+    out: dict[int, float] = {}
+    for t, b in points:
+        k = int(t // window_s)
+        out[k] = out.get(k, 0.0) + b
+    return [[k * window_s, b] for k, b in sorted(out.items())]
+
+
+def snic_balance(series: dict[str, list], windows=(1.0, 10.0, 60.0)) -> dict[str, float]:
+    """Max/avg of storage-NIC read bytes across nodes: per window size, over all windows with
+    traffic (the summary's metric) and over the busy ones only (mean read rate at least half of
+    the busiest window's), plus over the whole run."""
+    out = {}
+    for w in windows:
+        out[f"all_{w:g}s"] = max_over_avg(series, w)
+        buckets: dict[int, dict[str, float]] = {}
+        for name, pts in series.items():
+            for t, b in pts:
+                buckets.setdefault(int(t // w), {})[name] = buckets.get(int(t // w), {}).get(name, 0.0) + b
+        totals = {k: sum(v.values()) for k, v in buckets.items()}
+        peak = max(totals.values(), default=0.0)
+        ratios = []
+        for k, per in buckets.items():
+            if totals[k] >= 0.5 * peak and peak > 0:
+                vals = [per.get(n, 0.0) for n in series]
+                ratios.append(max(vals) / (sum(vals) / len(vals)))
+        out[f"busy_{w:g}s"] = float(np.mean(ratios)) if ratios else 1.0
+    tot = [sum(b for _, b in pts) for pts in series.values()]
+    out["run"] = max(tot) / (sum(tot) / len(tot)) if tot and sum(tot) > 0 else 1.0
+    return out
+
+
+class Runner:
+    """Runs specs once each (cached under OUT/runs), in parallel processes when asked."""
+
+    def __init__(self, out: pathlib.Path, jobs: int):
+        self.dir = out / "runs"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jobs = jobs
+
+    def get(self, specs: list[Spec]) -> dict[Spec, dict]:
+        todo = list(dict.fromkeys(s for s in specs if not (self.dir / f"{s.name}.json").exists()))
+        if todo:
+            print(f"simulating {len(todo)} runs ({self.jobs} at a time)", flush=True)
+        if self.jobs > 1 and len(todo) > 1:
+            with concurrent.futures.ProcessPoolExecutor(self.jobs) as pool:
+                for spec, res in zip(todo, pool.map(execute, todo)):
+                    self._save(spec, res)
+        else:
+            for spec in todo:
+                self._save(spec, execute(spec))
+        return {s: json.loads((self.dir / f"{s.name}.json").read_text()) for s in specs}
+
+    def _save(self, spec: Spec, res: dict) -> None:
+        (self.dir / f"{spec.name}.json").write_text(json.dumps(res))
+        print(f"  {spec.name}: JCT {res['jct_s']:.0f} s, TTFT mean {res['ttft_s']['mean']:.2f} s, "
+              f"errors {res['errors']}, {res['events']} events in {res['wall_s']:.0f} s", flush=True)
+
+
+# --------------------------------------------------------------------------- figures
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Sizes of the experiments: the paper's in full mode, shrunk in quick mode."""
+
+    quick: bool
+    large: bool
+
+    @property
+    def turns(self) -> int:
+        return 24 if self.quick else 0
+
+    def agents(self, model: str) -> list[int]:
+        if self.quick:
+            return [32, 128] if model == "ds660b" else [16, 64]
+        return [256, 512, 1024, 2048] if model == "ds660b" else [128, 256, 512, 1024]
+
+    @property
+    def presets(self) -> list[str]:
+        return ["64k"] if self.quick else ["32k", "48k", "64k"]
+
+    @property
+    def headline_agents(self) -> int:
+        return 128 if self.quick else 2048
+
+    @property
+    def ablation_agents(self) -> list[int]:
+        return [128] if self.quick else [1024, 2048]
+
+    @property
+    def sweep_agents(self) -> int:
+        return 128 if self.quick else 1024
+
+    def aps(self, model: str) -> list[float]:
+        if self.quick:
+            return [0.1, 0.2, 0.4] if model == "ds660b" else [0.1, 0.2, 0.4]
+        return [0.1, 0.2, 0.3, 0.4, 0.5, 0.6] if model == "ds660b" else [0.1, 0.2, 0.3, 0.4, 0.5]
+
+    @property
+    def duration_s(self) -> float:
+        return 600.0 if self.quick else 3600.0
+
+
+FIG7_MODELS = ("ds27b", "ds660b", "qwen32b")
+POLICIES = ("basic", "dualpath", "oracle")
+
+
+def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    specs = {}
+    for m in FIG7_MODELS:
+        pm = PAPER_MODELS[m]
+        for preset in plan.presets:
+            for n in plan.agents(m):
+                for pol in POLICIES:
+                    specs[(m, preset, n, pol)] = Spec(m, pm.prefill_nodes, pm.decode_nodes, pol, n,
+                                                      preset, max_turns=plan.turns)
+    res = runner.get(list(specs.values()))
+    fig, axes = plt.subplots(len(FIG7_MODELS), len(plan.presets), figsize=(4 * len(plan.presets), 9),
+                             squeeze=False)
+    rows = []
+    for i, m in enumerate(FIG7_MODELS):
+        pm = PAPER_MODELS[m]
+        for j, preset in enumerate(plan.presets):
+            ax = axes[i][j]
+            ns = plan.agents(m)
+            x = np.arange(len(ns))
+            for k, pol in enumerate(POLICIES):
+                y = [res[specs[(m, preset, n, pol)]]["jct_s"] for n in ns]
+                ax.bar(x + (k - 1) * 0.27, y, 0.27, label=pol)
+            for n in ns:
+                jb, jd, jo = (res[specs[(m, preset, n, p)]]["jct_s"] for p in POLICIES)
+                rows.append({"model": m, "preset": preset, "agents": n, "basic": jb, "dualpath": jd,
+                             "oracle": jo, "speedup": jb / jd})
+            ax.set_xticks(x, [str(n) for n in ns])
+            ax.set_title(f"{m} {pm.prefill_nodes}P{pm.decode_nodes}D, MaxLen {preset}", fontsize=9)
+            ax.set_xlabel("agents")
+            ax.set_ylabel("JCT (s)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Figure 7: offline JCT (simulated H800 testbed)")
+    fig.tight_layout()
+    fig.savefig(out / "fig7_offline_jct.png", dpi=110)
+    plt.close(fig)
+    return {"rows": rows}
+
+
+def fig8(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    ratios = [(1, 1), (2, 1), (1, 2)]
+    n = plan.sweep_agents if plan.quick else 512
+    specs = {(p, d, pol): Spec("ds27b", p, d, pol, n, max_turns=plan.turns)
+             for p, d in ratios for pol in POLICIES}
+    res = runner.get(list(specs.values()))
+    jct = {k: v["jct_s"] for k, v in ((k, res[s]) for k, s in specs.items())}
+    pairs = {
+        "basic_1p1d~basic_1p2d": (jct[(1, 1, "basic")], jct[(1, 2, "basic")]),
+        "dualpath_1p1d~basic_2p1d": (jct[(1, 1, "dualpath")], jct[(2, 1, "basic")]),
+        "dualpath_2p1d~dualpath_1p2d": (jct[(2, 1, "dualpath")], jct[(1, 2, "dualpath")]),
+    }
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = np.arange(len(ratios))
+    for k, pol in enumerate(POLICIES):
+        ax.bar(x + (k - 1) * 0.27, [jct[(p, d, pol)] for p, d in ratios], 0.27, label=pol)
+    ax.set_xticks(x, [f"{p}P{d}D" for p, d in ratios])
+    ax.set_ylabel("JCT (s)")
+    ax.set_title(f"Figure 8: P/D ratio (DS 27B, 64K, {n} agents)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fig8_pd_ratio.png", dpi=110)
+    plt.close(fig)
+    speedups = [jct[(p, d, "basic")] / jct[(p, d, "dualpath")] for p, d in ratios]
+    return {"agents": n, "jct": {f"{p}p{d}d_{pol}": v for (p, d, pol), v in jct.items()},
+            "pairs": {k: {"a": a, "b": b, "rel_diff": abs(a - b) / max(a, b)} for k, (a, b) in pairs.items()},
+            "speedup_mean": float(np.mean(speedups)), "speedup_max": float(np.max(speedups))}
+
+
+def fig9(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    n = plan.sweep_agents
+    scales = [0.5, 1.0, 2.0]
+    specs = {}
+    for kind in ("append", "gen"):
+        for sc in scales:
+            for pol in POLICIES:
+                kw = {"append_scale": sc} if kind == "append" else {"gen_scale": sc}
+                specs[(kind, sc, pol)] = Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns, **kw)
+    res = runner.get(list(specs.values()))
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    outd = {}
+    for ax, kind in zip(axes, ("append", "gen")):
+        x = np.arange(len(scales))
+        for k, pol in enumerate(POLICIES):
+            ax.bar(x + (k - 1) * 0.27, [res[specs[(kind, sc, pol)]]["jct_s"] for sc in scales], 0.27,
+                   label=pol)
+        ax.set_xticks(x, [f"x{sc:g}" for sc in scales])
+        ax.set_xlabel(f"{kind} length")
+        ax.set_ylabel("JCT (s)")
+        outd[kind] = {f"x{sc:g}": res[specs[(kind, sc, "basic")]]["jct_s"] / res[specs[(kind, sc, "dualpath")]]["jct_s"]
+                      for sc in scales}
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Figure 9: append / generation length (DS 660B 2P4D, 64K, {n} agents)")
+    fig.tight_layout()
+    fig.savefig(out / "fig9_length_scaling.png", dpi=110)
+    plt.close(fig)
+    return {"agents": n, "speedup": outd}
+
+
+def capacity(points: list[tuple[float, float]], attainment: float = 0.9) -> float:
+    """Highest APS whose SLO attainment reaches `attainment`, interpolated linearly between the
+    last passing and the first failing grid point."""
+    points = sorted(points)
+    best = 0.0
+    for (a0, s0), (a1, s1) in zip([(0.0, 1.0)] + points, points):
+        if s1 >= attainment:
+            best = a1
+            continue
+        if s0 >= attainment:
+            best = a0 + (a1 - a0) * (s0 - attainment) / (s0 - s1)
+        break
+    return best
+
+
+def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    models = [("ds27b", 1, 1), ("ds660b", 2, 4)]
+    specs = {}
+    for m, p, d in models:
+        for aps in plan.aps(m):
+            for pol in POLICIES:
+                specs[(m, aps, pol)] = Spec(m, p, d, pol, 0, mode="online", aps=aps,
+                                            duration_s=plan.duration_s, max_turns=plan.turns)
+    res = runner.get(list(specs.values()))
+    fig, axes = plt.subplots(len(models), 3, figsize=(12, 6.5), squeeze=False)
+    fig11, axes11 = plt.subplots(1, len(models), figsize=(9, 3.5), squeeze=False)
+    caps = {}
+    for i, (m, _, _) in enumerate(models):
+        grid = plan.aps(m)
+        for pol in POLICIES:
+            r = [res[specs[(m, a, pol)]] for a in grid]
+            for j, key in enumerate(("ttft_s", "ttst_s", "tpot_s")):
+                axes[i][j].plot(grid, [x[key]["mean"] for x in r], "o-", label=pol)
+                axes[i][j].set_title(f"{m}: {key[:-2].upper()} mean", fontsize=9)
+                axes[i][j].set_xlabel("APS")
+                axes[i][j].set_ylabel("s")
+            axes11[0][i].plot(grid, [x["agent_jct_mean_s"] for x in r], "o-", label=pol)
+            caps[f"{m}_{pol}"] = capacity([(a, x["slo_attainment"]) for a, x in zip(grid, r)])
+        axes[i][0].axhline(4.0, color="gray", lw=0.8, ls="--")
+        axes[i][2].axhline(0.05, color="gray", lw=0.8, ls="--")
+        axes11[0][i].set_title(f"{m}: mean agent JCT", fontsize=9)
+        axes11[0][i].set_xlabel("APS")
+        axes11[0][i].set_ylabel("s")
+    axes[0][0].legend(fontsize=8)
+    axes11[0][0].legend(fontsize=8)
+    fig.suptitle("Figure 10: online latency vs agent arrival rate (SLO: TTFT <= 4 s, TPOT <= 50 ms)")
+    fig.tight_layout()
+    fig.savefig(out / "fig10_online_latency.png", dpi=110)
+    fig11.suptitle("Figure 11: mean agent JCT vs APS")
+    fig11.tight_layout()
+    fig11.savefig(out / "fig11_online_jct.png", dpi=110)
+    plt.close(fig)
+    plt.close(fig11)
+    ratios = {m: caps[f"{m}_dualpath"] / caps[f"{m}_basic"] if caps[f"{m}_basic"] else math.inf
+              for m, _, _ in models}
+    return {"capacity_aps": caps, "capacity_ratio": ratios}
+
+
+ABLATION = ("basic", "layerwise", "dualpath_rr", "dualpath")
+
+
+def fig12(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    specs = {(n, pol): Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns)
+             for n in plan.ablation_agents for pol in ABLATION}
+    res = runner.get(list(specs.values()))
+    red = {pol: float(np.mean([100 * (1 - res[specs[(n, pol)]]["jct_s"] / res[specs[(n, "basic")]]["jct_s"])
+                               for n in plan.ablation_agents])) for pol in ABLATION}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    labels = ["Basic", "+Layer", "+DPL", "+Sched"]
+    ax.bar(labels, [red[p] for p in ABLATION], color="tab:blue", label="ours")
+    ax.plot(labels, [0.0, PAPER["ablation_layerwise"], PAPER["ablation_dpl"], PAPER["ablation_sched"]], "k^",
+            label="paper")
+    ax.set_ylabel("JCT reduction vs Basic (%)")
+    ax.set_title(f"Figure 12 right: ablation (DS 660B 2P4D, 64K, agents {plan.ablation_agents})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "fig12_ablation.png", dpi=110)
+    plt.close(fig)
+    return {"agents": plan.ablation_agents, "reduction_pct": red,
+            "jct": {f"{n}_{p}": res[s]["jct_s"] for (n, p), s in specs.items()}}
+
+
+def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    n = plan.headline_agents
+    specs = {pol: Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns) for pol in ("dualpath_rr", "dualpath")}
+    res = runner.get(list(specs.values()))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+    for ax, (pol, spec) in zip(axes, specs.items()):
+        for name, pts in sorted(res[spec]["snic_series"].items()):
+            if pts:
+                ax.plot([t for t, _ in pts], [b / 10.0 / 1e9 for _, b in pts], lw=0.8, label=name.split(":")[1])
+        bal = res[spec]["snic_balance"]
+        ax.set_title(f"{pol}: max/avg {bal['busy_10s']:.2f} (busy 10 s windows)", fontsize=9)
+        ax.set_xlabel("time (s)")
+    axes[0].set_ylabel("storage NIC read (GB/s)")
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"Figure 13: storage-NIC read traffic per node (DS 660B 2P4D, 64K, {n} agents)")
+    fig.tight_layout()
+    fig.savefig(out / "fig13_snic_balance.png", dpi=110)
+    plt.close(fig)
+    return {"agents": n, "balance": {pol: res[s]["snic_balance"] for pol, s in specs.items()},
+            "summary_metric": {pol: res[s]["snic_max_over_avg"] for pol, s in specs.items()},
+            "de_read_share": {pol: res[s]["bytes_read_de_path"] / max(1, res[s]["bytes_read_de_path"]
+                                                                     + res[s]["bytes_read_pe_path"])
+                              for pol, s in specs.items()}}
+
+
+def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
+    k = 24 if plan.large else 4
+    small_n = plan.headline_agents
+    offline = [Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
+               Spec("ds660b", 2 * k, 4 * k, "dualpath", small_n * k, max_turns=plan.turns)]
+    k_on = 22 if plan.large else 4
+    online = [Spec("ds660b", 2, 4, "dualpath", 0, mode="online", aps=0.4, duration_s=plan.duration_s,
+                   max_turns=plan.turns),
+              Spec("ds660b", 2 * k_on, 4 * k_on, "dualpath", 0, mode="online", aps=0.4 * k_on,
+                   duration_s=plan.duration_s, max_turns=plan.turns)]
+    res = runner.get(offline + online)
+    rows = []
+    for s in offline + online:
+        r = res[s]
+        rows.append({"setting": f"{s.p}P{s.d}D " + (f"{s.agents} agents" if s.mode == "offline" else f"{s.aps:g} APS"),
+                     "jct_s": r["jct_s"] if s.mode == "offline" else None, "ttft_s": r["ttft_s"]["mean"],
+                     "ttst_s": r["ttst_s"]["mean"], "tpot_s": r["tpot_s"]["mean"], "wall_s": r["wall_s"]})
+    lines = ["| setting | JCT (s) | TTFT (s) | TTST (s) | TPOT (s) |", "|---|---|---|---|---|"]
+    for r in rows:
+        jct = f"{r['jct_s']:.0f}" if r["jct_s"] is not None else ""
+        lines.append(f"| {r['setting']} | {jct} | {r['ttft_s']:.3f} | {r['ttst_s']:.3f} | {r['tpot_s']:.3f} |")
+    (out / "table3.md").write_text("\n".join(lines) + "\n")
+    return {"rows": rows, "scale_jct_ratio": res[offline[1]]["jct_s"] / res[offline[0]]["jct_s"],
+            "online_small": res[online[0]], "online_large": res[online[1]]}
+
+
+# --------------------------------------------------------------------------- headline table
+
+
+def headline(results: dict, plan: Plan) -> list[dict]:
+    """Our number vs the paper's for each headline of the paper (issue: 'What it must show')."""
+    mode = "quick" if plan.quick else "full"
+    rows = []
+
+    def row(what, ours, paper, ok, note=""):
+        rows.append({"what": what, "ours": ours, "paper": paper, "target_met": ok, "mode": mode, "note": note})
+
+    if "fig7" in results:
+        r7 = [r for r in results["fig7"]["rows"] if r["model"] == "ds660b" and r["preset"] == "64k"]
+        top = max(r7, key=lambda r: r["agents"])
+        row(f"DS 660B 64K DualPath/Basic JCT, {top['agents']} agents", top["speedup"], PAPER["ds660b_64k_2048_speedup"],
+            abs(top["speedup"] / PAPER["ds660b_64k_2048_speedup"] - 1) <= 0.10,
+            f"Basic {top['basic']:.0f} s / DualPath {top['dualpath']:.0f} s (paper ~10,052 / ~5,365 at 2048)")
+        row(f"DS 660B 64K Oracle/DualPath JCT, {top['agents']} agents", top["oracle"] / top["dualpath"], 1.0,
+            abs(top["dualpath"] / top["oracle"] - 1) <= 0.10)
+        for m in ("ds27b", "qwen32b"):
+            rm = [r for r in results["fig7"]["rows"] if r["model"] == m and r["preset"] == "64k"]
+            if rm:
+                best = max(rm, key=lambda r: r["speedup"])
+                paper = 1.78 if m == "ds27b" else None
+                row(f"{m} 64K max DualPath/Basic", best["speedup"], paper,
+                    None if paper is None else abs(best["speedup"] / paper - 1) <= 0.10,
+                    f"{best['agents']} agents")
+    if "fig8" in results:
+        for k, v in results["fig8"]["pairs"].items():
+            row(f"Fig 8 pair {k}: relative JCT difference", v["rel_diff"], 0.0, v["rel_diff"] <= 0.10,
+                f"{v['a']:.0f} s vs {v['b']:.0f} s")
+        row("Fig 8 mean DualPath/Basic over 1P1D/2P1D/1P2D", results["fig8"]["speedup_mean"], 1.64,
+            abs(results["fig8"]["speedup_mean"] / 1.64 - 1) <= 0.10)
+    if "fig9" in results:
+        app_s = list(results["fig9"]["speedup"]["append"].values())
+        row("Fig 9 DualPath/Basic across append scales (min-max)", f"{min(app_s):.2f}-{max(app_s):.2f}", "1.82-1.99",
+            min(app_s) >= 1.82 * 0.9 and max(app_s) <= 1.99 * 1.1)
+    if "fig10" in results:
+        for m, key in (("ds660b", "capacity_ds660b"), ("ds27b", "capacity_ds27b")):
+            ours = results["fig10"]["capacity_ratio"][m]
+            caps = results["fig10"]["capacity_aps"]
+            row(f"{m} online APS capacity DualPath/Basic", ours, PAPER[key],
+                math.isfinite(ours) and abs(ours / PAPER[key] - 1) <= 0.15,
+                f"capacity {caps[m + '_basic']:.3f} -> {caps[m + '_dualpath']:.3f} APS")
+    if "fig12" in results:
+        red = results["fig12"]["reduction_pct"]
+        for pol, key in (("layerwise", "ablation_layerwise"), ("dualpath_rr", "ablation_dpl"),
+                         ("dualpath", "ablation_sched")):
+            row(f"ablation JCT reduction vs Basic: {pol} (%)", red[pol], PAPER[key], abs(red[pol] - PAPER[key]) <= 5)
+    if "fig13" in results:
+        bal = results["fig13"]["balance"]
+        row("storage-NIC max/avg, round robin (busy 10 s windows)", bal["dualpath_rr"]["busy_10s"], PAPER["snic_rr"],
+            abs(bal["dualpath_rr"]["busy_10s"] - 1.5) <= 0.15)
+        row("storage-NIC max/avg, DualPath scheduler (busy 10 s windows)", bal["dualpath"]["busy_10s"],
+            PAPER["snic_sched"], bal["dualpath"]["busy_10s"] <= 1.2)
+    if "table3" in results:
+        t3 = results["table3"]
+        big = t3["rows"][1]["setting"]
+        row(f"Table 3: JCT {big} / 2P4D", t3["scale_jct_ratio"], round(PAPER["scale_jct_ratio"], 3),
+            abs(t3["scale_jct_ratio"] - 1) <= 0.05)
+        on = t3["online_small"]
+        for key, pk in (("ttft_s", "ttft_2p4d"), ("ttst_s", "ttst_2p4d"), ("tpot_s", "tpot_2p4d")):
+            row(f"Table 3: 2P4D 0.4 APS mean {key[:-2].upper()} (s)", on[key]["mean"], PAPER[pk], None)
+    return rows
+
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| headline | ours | paper | within target | mode | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ok = "" if r["target_met"] is None else fmt(bool(r["target_met"]))
+        lines.append(f"| {r['what']} | {fmt(r['ours'])} | {fmt(r['paper'])} | {ok} | {r['mode']} | {r['note']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv):
+    del argv
+    out = pathlib.Path(_OUT.value)
+    out.mkdir(parents=True, exist_ok=True)
+    plan = Plan(quick=_QUICK.value, large=_LARGE.value)
+    runner = Runner(out, _JOBS.value)
+    unknown = set(_ONLY.value) - set(FIGURES)
+    if unknown:
+        raise app.UsageError(f"unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}")
+    makers = {"fig7": fig7, "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig12": fig12, "fig13": fig13,
+              "table3": table3}
+    results = {}
+    t0 = time.perf_counter()
+    for name in FIGURES:
+        if name in _ONLY.value:
+            results[name] = makers[name](plan, runner, out)
+            print(f"{name} done ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows = headline(results, plan)
+    (out / "figures.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "headline.json").write_text(json.dumps(rows, indent=1, default=str))
+    table = markdown(rows)
+    (out / "headline.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,49 @@
+"""Paper section 4.2 invariants the simulator must keep (beyond tests/sim/test_sim_cluster.py):
+DualPath/Basic grows with D/P inside the bottleneck-free range, and tends to (P+D)/P as compute
+vanishes, for each P/D ratio."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dualpath_jax.analysis.pd_range import pd_range
+from dualpath_jax.config import Policy
+from dualpath_jax.hardware import emulated_cpu_experiment
+from dualpath_jax.sched.cost import FittedCostModel
+from dualpath_jax.sim import simulate
+
+# Storage bound: compute is small next to reading the hit KV at 0.5 MB/s per storage NIC.
+LIGHT_COMPUTE = FittedCostModel(prefill=(1e-4, 1e-7, 1e-11), decode=(1e-4, 1e-7, 1e-11))
+
+
+def _jct(p: int, d: int, policy: str, cost=LIGHT_COMPUTE) -> float:
+    cfg = emulated_cpu_experiment(p, d, "tiny")
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))
+    run = simulate(cfg, cost=cost)
+    assert run.summary["errors"] == 0
+    return run.jct_s
+
+
+def test_the_cases_are_inside_the_bottleneck_free_range():
+    hw = emulated_cpu_experiment(1, 1).hardware
+    s = hw.snic_bytes_per_s / hw.cnic_bytes_per_s  # storage NIC in compute-NIC units
+    assert hw.dram_bytes_per_s == 0  # DRAM is not limited in the emulation
+    r = pd_range(hw.engines_per_node, s, mem_gbps=1e9, bs_gbps=hw.snic_bytes_per_s / 1e9)
+    for p, d in [(1, 1), (1, 2), (1, 3), (2, 1)]:
+        assert r.contains(p, d)
+
+
+def test_speedup_is_monotone_in_d_over_p():
+    ratios = [_jct(1, d, "basic") / _jct(1, d, "dualpath") for d in (1, 2, 3)]
+    assert ratios == sorted(ratios)
+    assert ratios[0] > 1.2 and ratios[-1] > ratios[0] + 0.5
+    for d, r in zip((1, 2, 3), ratios):
+        assert r <= (1 + d) * 1.01
+
+
+@pytest.mark.parametrize("p,d", [(2, 1)])
+def test_speedup_approaches_p_plus_d_over_p_with_unlimited_compute(p, d):
+    ratio = _jct(p, d, "basic") / _jct(p, d, "dualpath")
+    assert 0.75 * (p + d) / p <= ratio <= (p + d) / p * 1.01
