@@ -1,10 +1,12 @@
 """Online serving capacity: sweep the agent arrival rate (APS) per policy (paper Figure 10 style).
 
 Run:
-  python bench/online_capacity.py --config=configs/cpu_1p2d.py --aps=0.5,1,2,4 --policies=basic,dualpath
-Each point replays `workload.agents` agents arriving as a Poisson process at that rate; the
-capacity of a policy is the highest rate whose SLO attainment (TTFT <= workload.ttft_slo_s and
-TPOT <= workload.tpot_slo_s per round) reaches --attainment. Writes WORKDIR/capacity.json and
+  python bench/online_capacity.py --config=configs/cpu_1p2d.py --aps=0.05,0.1,0.2,0.4 --bisect=2
+Each point replays `workload.agents` agents arriving as a Poisson process at that rate (the same
+arrival times for every policy); the capacity of a policy is the highest rate whose SLO attainment
+(TTFT <= workload.ttft_slo_s and TPOT <= workload.tpot_slo_s per round) reaches --attainment.
+After the --aps grid, --bisect=N halves the gap between the highest passing and the lowest
+failing rate N times (geometric midpoints) per policy. Writes WORKDIR/capacity.json and
 WORKDIR/capacity.png and prints the table.
 """
 
@@ -30,6 +32,7 @@ _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repea
 _POLICIES = flags.DEFINE_list("policies", ["basic", "dualpath"], "Policies to compare.")
 _APS = flags.DEFINE_list("aps", ["0.5", "1", "2", "4"], "Arrival rates (agents per second).")
 _ATTAIN = flags.DEFINE_float("attainment", 0.9, "Fraction of rounds that must meet the SLO.")
+_BISECT = flags.DEFINE_integer("bisect", 0, "Refinement steps between the last passing and first failing rate.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dp_capacity", "Output directory.")
 
 
@@ -39,16 +42,30 @@ def main(argv):
     wd = pathlib.Path(_WORKDIR.value)
     rates = sorted(float(x) for x in _APS.value)
     points: dict[str, list[dict]] = {}
+
+    def measure(p: str, aps: float) -> bool:
+        cfg = with_policy(base, p)
+        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps))
+        s = run_local(cfg, wd / p / f"aps{aps:g}", progress=False)
+        points[p].append({"aps": aps, "slo_attainment": s["slo_attainment"], "ttft_p90": s["ttft_s"]["p90"],
+                          "tpot_mean": s["tpot_s"]["mean"], "jct_p50": s["round_jct_s"]["p50"]})
+        points[p].sort(key=lambda x: x["aps"])
+        print(f"{p:<10} aps {aps:6.3f}: SLO attainment {s['slo_attainment']:.2f}, "
+              f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT {s['tpot_s']['mean'] * 1e3:.1f} ms", flush=True)
+        return s["slo_attainment"] >= _ATTAIN.value
+
     for p in _POLICIES.value:
         points[p] = []
-        for aps in rates:
-            cfg = with_policy(base, p)
-            cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps))
-            s = run_local(cfg, wd / p / f"aps{aps:g}", progress=False)
-            points[p].append({"aps": aps, "slo_attainment": s["slo_attainment"], "ttft_p90": s["ttft_s"]["p90"],
-                              "tpot_mean": s["tpot_s"]["mean"], "jct_p50": s["round_jct_s"]["p50"]})
-            print(f"{p:<10} aps {aps:6.2f}: SLO attainment {s['slo_attainment']:.2f}, "
-                  f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT {s['tpot_s']['mean'] * 1e3:.1f} ms")
+        ok = {aps: measure(p, aps) for aps in rates}
+        for _ in range(_BISECT.value):
+            passing = [a for a, good in ok.items() if good]
+            lo = max(passing, default=0.0)
+            above = [a for a, good in ok.items() if not good and a > lo]
+            if not passing or not above:
+                break  # nothing to refine: every rate passed, or none did
+            hi = min(above)
+            mid = round((lo * hi) ** 0.5, 4)
+            ok[mid] = measure(p, mid)
     capacity = {
         p: max([x["aps"] for x in pts if x["slo_attainment"] >= _ATTAIN.value], default=0.0)
         for p, pts in points.items()

@@ -32,7 +32,7 @@ class Policy(enum.StrEnum):
 
     BASIC = "basic"  # no layerwise prefill, PE read path only
     LAYERWISE = "layerwise"  # layerwise prefill, PE read path only
-    DUALPATH_RR = "dualpath_rr"  # dual-path loading, round-robin engine choice
+    DUALPATH_RR = "dualpath_rr"  # dual-path loading, round-robin engines and read sides
     DUALPATH = "dualpath"  # dual-path loading + the paper's scheduler
     SPLIT = "split"  # one request's hit blocks split between both read paths
     ORACLE = "oracle"  # storage, H2D/D2H and PE->DE transfers bypassed

@@ -208,15 +208,18 @@ def assign_paths(
     block_tokens: int,
     pe_read_rate: float = 1.0,
     de_read_rate: float = 1.0,
+    cursor: int = 0,
 ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
     """Chooses the read side of each `(request, PE, DE)` in order.
 
-    `mode`: "shorter" (the paper), "pe" (always the PE side), "split", or "none" (Oracle).
+    `mode`: "shorter" (the paper), "pe" (always the PE side), "alternate" (round robin: the
+    `cursor + k`-th request with hits reads on the PE side when even, else on the DE side; the
+    caller advances its cursor by the number of such requests), "split", or "none" (Oracle).
     `read_q`: node -> read queue in tokens; each decision adds the request's hit tokens to the
     queue of the node that reads them, so later requests see it. Returns the assignments and the
     updated queues.
     """
-    if mode not in ("shorter", "pe", "split", "none"):
+    if mode not in ("shorter", "pe", "alternate", "split", "none"):
         raise ValueError(f"unknown read path mode {mode!r}")
     q = dict(read_q)
     out: list[Assignment] = []
@@ -229,6 +232,9 @@ def assign_paths(
         qp, qd = q.get(pn, 0), q.get(dn, 0)
         if mode == "pe":
             pb, db = n, 0
+        elif mode == "alternate":
+            pb, db = (n, 0) if cursor % 2 == 0 else (0, n)
+            cursor += 1
         elif mode == "shorter":
             pb, db = (n, 0) if choose_read_path(qp, qd) is ReadPath.PE else (0, n)
         else:

@@ -7,12 +7,14 @@ mode. The launcher-level `config.Policy` values map onto them:
 |---------------|-------------|------------|-------------------------------|-----------|
 | basic         | pe_only     | load aware | PE side always                | no        |
 | layerwise     | pe_only     | load aware | PE side always                | yes       |
-| dualpath_rr   | round_robin | round robin| shorter read queue            | yes       |
+| dualpath_rr   | round_robin | round robin| PE and DE side in turn        | yes       |
 | dualpath      | dualpath    | load aware | shorter read queue            | yes       |
 | split         | split       | load aware | both, by queue drain time     | yes       |
 | oracle        | oracle      | load aware | nothing is read               | yes       |
 
-Basic keeps the load-aware engine choice so that Basic vs DualPath isolates the read path; use
+`dualpath_rr` is the paper's "dual-path loading" ablation step and its round-robin baseline
+for storage-NIC balance (Figure 13): both read paths are used, but neither the engines nor the
+read side look at loads or read queues. Basic keeps the load-aware engine choice so that Basic vs DualPath isolates the read path; use
 `dataclasses.replace(spec, engine_choice=EngineChoice.ROUND_ROBIN)` for a round-robin Basic.
 """
 
@@ -43,6 +45,7 @@ class EngineChoice(enum.StrEnum):
 class PathMode(enum.StrEnum):
     SHORTER = "shorter"  # the side with the shorter read queue (paper 6.1)
     PE = "pe"  # always the PE read path (Basic)
+    ALTERNATE = "alternate"  # PE side and DE side in turn (round robin)
     SPLIT = "split"  # divide each request's blocks between both sides
     NONE = "none"  # no reads (Oracle)
 
@@ -58,7 +61,7 @@ class PolicySpec:
 POLICY_SPECS: dict[PolicyName, PolicySpec] = {
     PolicyName.DUALPATH: PolicySpec(PolicyName.DUALPATH, EngineChoice.LOAD_AWARE, PathMode.SHORTER),
     PolicyName.ROUND_ROBIN: PolicySpec(
-        PolicyName.ROUND_ROBIN, EngineChoice.ROUND_ROBIN, PathMode.SHORTER
+        PolicyName.ROUND_ROBIN, EngineChoice.ROUND_ROBIN, PathMode.ALTERNATE
     ),
     PolicyName.PE_ONLY: PolicySpec(PolicyName.PE_ONLY, EngineChoice.LOAD_AWARE, PathMode.PE),
     PolicyName.SPLIT: PolicySpec(PolicyName.SPLIT, EngineChoice.LOAD_AWARE, PathMode.SPLIT),
@@ -155,6 +158,7 @@ class InterEnginePolicy:
         block_tokens: int,
         pe_read_rate: float = 1.0,
         de_read_rate: float = 1.0,
+        cursor: int = 0,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,
@@ -165,6 +169,7 @@ class InterEnginePolicy:
             block_tokens=block_tokens,
             pe_read_rate=pe_read_rate,
             de_read_rate=de_read_rate,
+            cursor=cursor,
         )
 
 

@@ -231,6 +231,10 @@ class GlobalScheduler:
             block_tokens=self.block_tokens,
             pe_read_rate=self.pe_read_rate,
             de_read_rate=self.de_read_rate,
+            cursor=self._cursor.get(("path", 0), 0),
+        )
+        self._cursor[("path", 0)] = self._cursor.get(("path", 0), 0) + sum(
+            1 for a in out if a.pe_read_blocks + a.de_read_blocks > 0
         )
         return out
 

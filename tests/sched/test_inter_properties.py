@@ -220,3 +220,30 @@ def test_shorter_queue_path_sees_its_own_updates(queue, qs):
         q[pe_node[pe] if want is ReadPath.PE else de_node[de]] += r.cached_tokens
         assert a.pe_read_blocks + a.de_read_blocks == r.cached_blocks(64)
     assert {n: after.get(n, 0) for n in range(4)} == q
+
+
+@SETTINGS
+@given(requests(), st.integers(0, 3))
+def test_alternate_path_takes_turns_blind_to_queues(queue, cursor):
+    pe_node, de_node = {1: 0}, {5: 1}
+    pairs = [(r, 1, 5) for r in queue]
+    out, after = assign_paths(pairs, pe_node, de_node, {0: 10**6, 1: 0}, mode="alternate",
+                              block_tokens=64, cursor=cursor)
+    with_hits = [a for a in out if a.path is not ReadPath.NONE]
+    want = [ReadPath.PE if (cursor + k) % 2 == 0 else ReadPath.DE for k in range(len(with_hits))]
+    assert [a.path for a in with_hits] == want
+    assert after[0] - 10**6 == sum(a.request.cached_tokens for a in with_hits if a.path is ReadPath.PE)
+
+
+def test_round_robin_scheduler_alternates_read_sides_across_fetches():
+    from dualpath_jax.sched.scheduler import GlobalScheduler
+
+    s = GlobalScheduler("dualpath_rr", alpha=1e9, beta=1e9, block_tokens=64)
+    de = EngineLoad(5, 1, 0, 0, 0, 0, 10**6)
+    pe = EngineLoad(1, 0, 0, 0, 0, 0, 0)
+    paths = []
+    for i in range(4):
+        s.submit(Request(f"r{i}", "t", 1, 128, 64, 8))
+        s.fetch_de(0, [de])
+        paths += [a.path for a in s.fetch_pe(0, [pe])]
+    assert paths == [ReadPath.PE, ReadPath.DE, ReadPath.PE, ReadPath.DE]
