@@ -23,11 +23,22 @@ def dist(values: Iterable[float]) -> dict[str, float]:
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean())}
 
 
-def max_over_avg(series: dict[str, list[tuple[float, float]]], window_s: float = 1.0) -> float:
+def max_over_avg(
+    series: dict[str, list[tuple[float, float]]], window_s: float = 1.0, *, weighted: bool = True
+) -> float:
     """Storage-NIC balance (paper Fig. 13): per time window, the busiest link's bytes over the
-    mean of all links' bytes; averaged over windows where any traffic flowed (1.0 = balanced).
+    mean of all links' bytes (1.0 = balanced).
+
+    `weighted` (the default): windows count by the bytes they carry, i.e. `sum(max) / sum(mean)`
+    over windows. Unweighted: the plain mean of the per-window ratios over windows where any
+    traffic flowed; then a near-idle window (one read on one of N links: ratio N), as in a run's
+    ramp-up and tail, weighs as much as a saturated one, although it costs no throughput.
 
     `series`: per link, `[(absolute window start, bytes)]` on a shared clock.
+
+    >>> s = {"a": [(0.0, 10.0), (1.0, 1.0)], "b": [(0.0, 10.0)]}
+    >>> max_over_avg(s), max_over_avg(s, weighted=False)
+    (1.0476..., 1.5)
     """
     if len(series) < 2:
         return 1.0
@@ -37,13 +48,18 @@ def max_over_avg(series: dict[str, list[tuple[float, float]]], window_s: float =
             if b > 0:
                 per = buckets.setdefault(int(t // window_s), {})
                 per[name] = per.get(name, 0.0) + b
-    ratios = []
+    maxes, means = [], []
     for per in buckets.values():
         vals = [per.get(n, 0.0) for n in series]
         mean = sum(vals) / len(vals)
         if mean > 0:
-            ratios.append(max(vals) / mean)
-    return float(np.mean(ratios)) if ratios else 1.0
+            maxes.append(max(vals))
+            means.append(mean)
+    if not means:
+        return 1.0
+    if weighted:
+        return float(sum(maxes) / sum(means))
+    return float(np.mean([m / a for m, a in zip(maxes, means)]))
 
 
 def read_link_reports(workdir: str | pathlib.Path) -> list[dict[str, Any]]:
@@ -118,6 +134,7 @@ def summarize(
         "bytes_read_de_path": sum(b for n, b in snic_rx.items() if n.split(":", 1)[1] in de_nodes),
         "read_paths": dict(sorted(paths.items())),
         "snic_max_over_avg": max_over_avg(series, window_s),
+        "snic_max_over_avg_unweighted": max_over_avg(series, window_s, weighted=False),
         "recomputed_blocks": sum(r.recomputed_blocks for r in results),
         "cached_tokens": sum(r.cached_tokens for r in results),
         "prompt_tokens": sum(r.prompt_tokens for r in results),
