@@ -104,6 +104,16 @@ class GlobalScheduler:
         an engine died before finishing them). Never refused."""
         self._de_global.extendleft(reversed(list(requests)))
 
+    def de_queued(self, group: int) -> int:
+        """Requests a `fetch_de(group)` could act on now (global queue + the group's private
+        queue); a caller may skip a fetch that finds none (it would only record loads)."""
+        q = self._de_private.get(group)
+        return len(self._de_global) + (len(q) if q else 0)
+
+    def pe_queued(self) -> int:
+        """Requests waiting for a PE (a `fetch_pe` finding none only records loads)."""
+        return len(self._pe_wait)
+
     def queued(self) -> dict[str, int]:
         return {
             "de_global": len(self._de_global),

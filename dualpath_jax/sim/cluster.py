@@ -161,6 +161,7 @@ class _Engine:
     active: list = dataclasses.field(default_factory=list)
     hbm_used: int = 0
     stepping: bool = False
+    ctx_sum: int = 0  # sum of prompt + generated tokens over `active`
 
     @property
     def name(self) -> str:
@@ -212,6 +213,15 @@ class SimCluster:
                 group.append(e)
                 eid += 1
         self.engines = {e.id: e for e in (*self.pes, *self.des)}
+        self._de_groups = self._groups(self.des)
+        self._pe_groups = list(self._groups(self.pes).items())
+        self._node_des: dict[int, list[_Engine]] = {}
+        for e in self.des:
+            self._node_des.setdefault(e.node, []).append(e)
+        # DEs whose load changed since the scheduler last saw it (all of them before the first
+        # dispatch): reporting only these is what reporting every DE would record.
+        self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
+        self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
@@ -228,6 +238,7 @@ class SimCluster:
             raise ValueError(f"request {request.id} needs {request.hbm_tokens} KV tokens; a DE holds "
                              f"{self.des[0].hbm_tokens}")
         self.scheduler.submit(request)
+        self._unassigned += 1
         self.states[request.id] = _Req(request, agent, self.loop.now, on_done)
         self._wake_router()
 
@@ -246,6 +257,11 @@ class SimCluster:
             free = 0 if e.seq >= e.slots else max(0, e.hbm_tokens - e.hbm_promised)
         return EngineLoad(e.id, e.node, e.group, e.seq, e.tok, self.read_q[e.node], free)
 
+    def _touch_node(self, node: int) -> None:
+        """`read_q[node]` changed: a decode node's DEs must report again."""
+        for e in self._node_des.get(node, ()):
+            self._de_dirty[e.id] = e
+
     def _groups(self, engines: list[_Engine]) -> dict[int, list[_Engine]]:
         out: dict[int, list[_Engine]] = {}
         for e in engines:
@@ -255,30 +271,41 @@ class SimCluster:
     def _dispatch(self) -> None:
         """One fetch round: every DE group, then every PE group (leaders pull for their groups)."""
         self._dispatch_at = None
-        if not len(self.scheduler):
+        if not self._unassigned:
             return
+        sched = self.scheduler
         self.counters["dispatches"] += 1
-        self.scheduler.report([self._load(e) for e in self.des], "de")
-        for gid, group in self._groups(self.des).items():
-            for r, de in self.scheduler.fetch_de(gid, [self._load(e) for e in group]):
+        if self._de_dirty:
+            sched.report([self._load(e) for e in self._de_dirty.values()], "de")
+            self._de_dirty.clear()
+        # A fetch that finds no request only records the group's loads, which the scheduler
+        # already has (unchanged since the report above): such fetches are skipped.
+        for gid, group in self._de_groups.items():
+            if not sched.de_queued(gid):
+                continue
+            for r, de in sched.fetch_de(gid, [self._load(e) for e in group]):
                 st, e = self.states[r.id], self.engines[de]
                 st.de = e
                 e.seq += 1
                 e.tok += r.tokens
                 e.hbm_promised += r.hbm_tokens
+                self._de_dirty[e.id] = e
         # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
         # group from always seeing the queue's head.
-        groups = list(self._groups(self.pes).items())
+        groups = self._pe_groups
         k = self.counters["dispatches"] % len(groups)
-        for gid, group in groups[k:] + groups[:k]:
-            self.scheduler.report([self._load(e) for e in self.des], "de")
-            for a in self.scheduler.fetch_pe(gid, [self._load(e) for e in group]):
+        for i in range(len(groups)):
+            if not sched.pe_queued():
+                break
+            gid, group = groups[(k + i) % len(groups)]
+            for a in sched.fetch_pe(gid, [self._load(e) for e in group]):
                 self._assign(a)
 
     def _assign(self, a: Assignment) -> None:
         st = self.states[a.request.id]
         pe, de = self.engines[a.pe], self.engines[a.de]
         st.pe, st.de, st.assignment, st.t_assign = pe, de, a, self.loop.now
+        self._unassigned -= 1
         pe.seq += 1
         pe.tok += a.request.tokens
         self.counters[f"path_{a.path.value}"] += 1
@@ -290,6 +317,8 @@ class SimCluster:
         st.read_q = {"pe": a.pe_read_blocks * self.bt, "de": a.de_read_blocks * self.bt}
         self.read_q[pe.node] += st.read_q["pe"]
         self.read_q[de.node] += st.read_q["de"]
+        if st.read_q["de"]:
+            self._touch_node(de.node)
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
@@ -324,6 +353,7 @@ class SimCluster:
             eng = st.pe if side == "pe" else st.de
             assert eng is not None
             self.read_q[eng.node] -= n
+            self._touch_node(eng.node)
             self._wake_router()
 
     def _read_done(self, st: _Req, side: str) -> None:
@@ -444,18 +474,20 @@ class SimCluster:
                 self._decoded(de, st)
             else:
                 de.active.append(st)
+                de.ctx_sum += st.request.prompt_tokens + st.generated
         if de.active and not de.stepping:
             self._step(de)
 
     def _step(self, de: _Engine) -> None:
         batch = list(de.active)
-        ctx = sum(s.request.prompt_tokens + s.generated for s in batch) / len(batch)
+        ctx = de.ctx_sum / len(batch)
         de.stepping = True
         self.loop.after(self.cost.decode_step_time(len(batch), int(ctx)), self._step_end, de, batch)
 
     def _step_end(self, de: _Engine, batch: list[_Req]) -> None:
         now = self.loop.now
         finished = []
+        de.ctx_sum += len(batch)
         for st in batch:
             st.generated += 1
             if st.generated == 2:
@@ -466,6 +498,7 @@ class SimCluster:
             gone = set(map(id, finished))
             de.active = [s for s in de.active if id(s) not in gone]
             for st in finished:
+                de.ctx_sum -= st.request.prompt_tokens + st.generated
                 self._decoded(de, st)
         de.stepping = False
         if de.waiting:
@@ -498,6 +531,7 @@ class SimCluster:
         de.seq -= 1
         de.tok -= r.tokens
         de.hbm_promised -= r.hbm_tokens
+        self._de_dirty[de.id] = de
         g = r.gen_tokens
         self.results.append(RoundResult(
             request=r.id, tokens=range(g), ttft_s=st.t_first - st.t_submit,
