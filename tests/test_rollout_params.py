@@ -76,7 +76,7 @@ def _mangled(model, how: str) -> dict:
         ("shape", "embed/embedding: float32[257, 32] but the model has float32[257, 64]"),
         ("dtype", "head/norm/weight: bfloat16[64] but the model has float32[64]"),
         ("missing", "missing 12 leaves, e.g. ['layers/2/input_layernorm/weight'"),
-        ("extra", "1 unexpected leaves, e.g. ['head/bonus']"),
+        ("extra", "unexpected 1 leaf, e.g. ['head/bonus']"),
     ],
 )
 def test_bad_trees_are_refused_naming_the_leaf(models, tmp_path, how, problem):

@@ -64,7 +64,7 @@ def check_params_config(cluster: ClusterConfig) -> None:
     if not (os.path.isdir(os.path.join(path, "params")) or os.path.isfile(os.path.join(path, "config.json"))):
         raise ConfigError(
             f"cluster.params_path={path!r} holds neither an orbax checkpoint (params/) nor a "
-            "Hugging Face model (config.json); write one with rollout.save_params or model.checkpoint"
+            "Hugging Face model (config.json); write one with model.checkpoint.save_params_tree"
         )
 
 

@@ -330,6 +330,10 @@ def _flat_spec(tree: Any, strip_value: bool) -> dict[str, tuple[tuple[int, ...],
     return out
 
 
+def _leaves(n: int) -> str:
+    return f"{n} leaf" if n == 1 else f"{n} leaves"
+
+
 def check_params_tree(expected: dict, got: dict, where: str = "") -> None:
     """Raises CheckpointError naming every missing/unexpected leaf and shape/dtype mismatch
     (at most 8 of each) between two `path -> (shape, dtype)` maps."""
@@ -337,16 +341,16 @@ def check_params_tree(expected: dict, got: dict, where: str = "") -> None:
     missing = sorted(set(expected) - set(got))
     extra = sorted(set(got) - set(expected))
     if missing:
-        problems.append(f"missing {len(missing)} leaves, e.g. {missing[:8]}")
+        problems.append(f"missing {_leaves(len(missing))}, e.g. {missing[:8]}")
     if extra:
-        problems.append(f"{len(extra)} unexpected leaves, e.g. {extra[:8]}")
+        problems.append(f"unexpected {_leaves(len(extra))}, e.g. {extra[:8]}")
     bad = [
         f"{p}: {got[p][1]}{list(got[p][0])} but the model has {expected[p][1]}{list(expected[p][0])}"
         for p in sorted(set(expected) & set(got))
         if got[p] != expected[p]
     ]
     if bad:
-        problems.append(f"{len(bad)} leaves differ: " + "; ".join(bad[:8]))
+        problems.append(f"{_leaves(len(bad))} {'differs' if len(bad) == 1 else 'differ'}: " + "; ".join(bad[:8]))
     if problems:
         raise CheckpointError(f"{where}parameters do not match the model: " + " | ".join(problems))
 
