@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
+import itertools
 import math
 from collections.abc import Callable
 
@@ -109,7 +111,7 @@ class _Req:
     sends: int = 0  # of those, transfers still in flight
     prefilled: bool = False
     prefill_s: float = 0.0
-    generated: int = 0  # tokens so far (the PE's first one included)
+    generated: int = 0  # tokens so far (the PE's first one included; not updated while decoding)
     pe_buf: int = 0
     de_buf: int = 0
     read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
@@ -158,7 +160,14 @@ class _Engine:
     hbm_tokens: int = 0
     slots: int = 0
     waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    active: list = dataclasses.field(default_factory=list)
+    # Decoding requests by admission number. Tokens are counted lazily: a request admitted to
+    # start with step `j` holding `g0` tokens finishes at the end of step `j + gen - g0 - 1`
+    # (`finish` heap), and gets its second token at the end of step `j` (`seconds`).
+    active: dict = dataclasses.field(default_factory=dict)
+    finish: list = dataclasses.field(default_factory=list)  # heap of (last step, admission no.)
+    seconds: dict = dataclasses.field(default_factory=dict)  # step -> requests to stamp t_second
+    steps: int = 0  # decode steps completed
+    batch_n: int = 0  # requests in the step on the device
     hbm_used: int = 0
     stepping: bool = False
     ctx_sum: int = 0  # sum of prompt + generated tokens over `active`
@@ -222,6 +231,7 @@ class SimCluster:
         # dispatch): reporting only these is what reporting every DE would record.
         self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
+        self._admitted = itertools.count()
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
@@ -473,33 +483,37 @@ class SimCluster:
             if st.generated >= st.request.gen_tokens:
                 self._decoded(de, st)
             else:
-                de.active.append(st)
+                k = next(self._admitted)
+                first = de.steps + (2 if de.stepping else 1)  # the next step that starts
+                de.active[k] = st
                 de.ctx_sum += st.request.prompt_tokens + st.generated
+                heapq.heappush(de.finish, (first + st.request.gen_tokens - st.generated - 1, k))
+                if st.generated == 1:
+                    de.seconds.setdefault(first, []).append(st)
         if de.active and not de.stepping:
             self._step(de)
 
     def _step(self, de: _Engine) -> None:
-        batch = list(de.active)
-        ctx = de.ctx_sum / len(batch)
+        n = de.batch_n = len(de.active)
         de.stepping = True
-        self.loop.after(self.cost.decode_step_time(len(batch), int(ctx)), self._step_end, de, batch)
+        self.loop.after(self.cost.decode_step_time(n, int(de.ctx_sum / n)), self._step_end, de)
 
-    def _step_end(self, de: _Engine, batch: list[_Req]) -> None:
-        now = self.loop.now
-        finished = []
-        de.ctx_sum += len(batch)
-        for st in batch:
-            st.generated += 1
-            if st.generated == 2:
+    def _step_end(self, de: _Engine) -> None:
+        """One token for every request of the step; O(requests finishing) per step."""
+        de.steps += 1
+        step = de.steps
+        de.ctx_sum += de.batch_n
+        seconds = de.seconds.pop(step, None)
+        if seconds:
+            now = self.loop.now
+            for st in seconds:
                 st.t_second = now
-            if st.generated >= st.request.gen_tokens:
-                finished.append(st)
-        if finished:
-            gone = set(map(id, finished))
-            de.active = [s for s in de.active if id(s) not in gone]
-            for st in finished:
-                de.ctx_sum -= st.request.prompt_tokens + st.generated
-                self._decoded(de, st)
+        fin = de.finish
+        while fin and fin[0][0] == step:
+            st = de.active.pop(heapq.heappop(fin)[1])
+            st.generated = st.request.gen_tokens
+            de.ctx_sum -= st.request.prompt_tokens + st.generated
+            self._decoded(de, st)
         de.stepping = False
         if de.waiting:
             self._admit(de)
