@@ -45,6 +45,10 @@ _QUICK = flags.DEFINE_bool("quick", False, "Small agents / turns / durations (mi
 _ONLY = flags.DEFINE_list("only", list(FIGURES), f"Figures to produce, of {', '.join(FIGURES)}.")
 _JOBS = flags.DEFINE_integer("jobs", 1, "Simulations run in parallel processes.")
 _LARGE = flags.DEFINE_bool("large", False, "table3 at the paper's 48P96D / 44P88D (hours); else 8P16D.")
+_MODELS = flags.DEFINE_list("models", ["ds27b", "ds660b", "qwen32b"], "fig7: models.")
+_PRESETS = flags.DEFINE_list("presets", [], "fig7: MaxLen presets (default: 64k quick, all full).")
+_AGENTS = flags.DEFINE_list("agents", [], "fig7: agent counts for every model (default: per model).")
+_SNIC = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC rate per node (Gbps) of every run.")
 
 # Paper numbers (../NOTES: Figures 7-13, Table 3) the headline table compares against.
 PAPER = {
@@ -82,6 +86,7 @@ class Spec:
     append_scale: float = 1.0
     gen_scale: float = 1.0
     max_turns: int = 0
+    snic_gbps: float = 400.0  # storage NIC rate per node
 
     @property
     def name(self) -> str:
@@ -96,6 +101,8 @@ class Spec:
             parts.append(f"gen{self.gen_scale:g}")
         if self.max_turns:
             parts.append(f"t{self.max_turns}")
+        if self.snic_gbps != 400.0:
+            parts.append(f"snic{self.snic_gbps:g}")
         return "_".join(parts)
 
 
@@ -104,7 +111,7 @@ def execute(spec: Spec) -> dict:
     cfg, cost = paper_experiment(
         spec.model, spec.p, spec.d, policy=spec.policy, agents=spec.agents, preset=spec.preset,
         mode=spec.mode, aps=spec.aps, duration_s=spec.duration_s, append_scale=spec.append_scale,
-        gen_scale=spec.gen_scale, max_turns=spec.max_turns)
+        gen_scale=spec.gen_scale, max_turns=spec.max_turns, snic_bytes_per_s=spec.snic_gbps / 8 * 1e9)
     t0 = time.perf_counter()
     run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
     wall = time.perf_counter() - t0
@@ -186,16 +193,37 @@ def snic_balance(series: dict[str, list], windows=(1.0, 10.0, 60.0)) -> dict[str
     return out
 
 
-class Runner:
-    """Runs specs once each (cached under OUT/runs), in parallel processes when asked."""
+class Collected(Exception):
+    """Raised by a collecting `Runner.get`: the specs a figure asked for."""
 
-    def __init__(self, out: pathlib.Path, jobs: int):
+    def __init__(self, specs: list[Spec]):
+        super().__init__(len(specs))
+        self.specs = specs
+
+
+class Runner:
+    """Runs specs once each (cached under OUT/runs), in parallel processes when asked. Every
+    figure asks once, before it draws; with `collect`, `get` raises `Collected` instead, so that
+    `main` can run every figure's specs in one pool, the longest first."""
+
+    def __init__(self, out: pathlib.Path, jobs: int, collect: bool = False, snic_gbps: float = 400.0):
         self.dir = out / "runs"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jobs = jobs
+        self.collect = collect
+        self.snic_gbps = snic_gbps
 
     def get(self, specs: list[Spec]) -> dict[Spec, dict]:
+        """Results keyed by the given specs (run at this runner's storage NIC rate)."""
+        actual = {s: dataclasses.replace(s, snic_gbps=self.snic_gbps) for s in specs}
+        if self.collect:
+            raise Collected(list(actual.values()))
+        res = self._get(list(actual.values()))
+        return {s: res[a] for s, a in actual.items()}
+
+    def _get(self, specs: list[Spec]) -> dict[Spec, dict]:
         todo = list(dict.fromkeys(s for s in specs if not (self.dir / f"{s.name}.json").exists()))
+        todo.sort(key=cost_guess, reverse=True)
         if todo:
             print(f"simulating {len(todo)} runs ({self.jobs} at a time)", flush=True)
         if self.jobs > 1 and len(todo) > 1:
@@ -213,6 +241,12 @@ class Runner:
               f"errors {res['errors']}, {res['events']} events in {res['wall_s']:.0f} s", flush=True)
 
 
+def cost_guess(s: Spec) -> float:
+    """Relative simulation cost (rounds simulated), to start the longest runs first."""
+    agents = s.agents if s.mode == "offline" else s.aps * s.duration_s
+    return agents * (s.max_turns or 150) * (1.0 if s.policy != "oracle" else 0.5)
+
+
 # --------------------------------------------------------------------------- figures
 
 
@@ -222,18 +256,25 @@ class Plan:
 
     quick: bool
     large: bool
+    models: tuple[str, ...] = ("ds27b", "ds660b", "qwen32b")
+    preset_list: tuple[str, ...] = ()
+    agent_list: tuple[int, ...] = ()
 
     @property
     def turns(self) -> int:
         return 24 if self.quick else 0
 
     def agents(self, model: str) -> list[int]:
+        if self.agent_list:
+            return list(self.agent_list)
         if self.quick:
             return [32, 128] if model == "ds660b" else [16, 64]
         return [256, 512, 1024, 2048] if model == "ds660b" else [128, 256, 512, 1024]
 
     @property
     def presets(self) -> list[str]:
+        if self.preset_list:
+            return list(self.preset_list)
         return ["64k"] if self.quick else ["32k", "48k", "64k"]
 
     @property
@@ -255,16 +296,15 @@ class Plan:
 
     @property
     def duration_s(self) -> float:
-        return 600.0 if self.quick else 3600.0
+        return 400.0 if self.quick else 3600.0
 
 
-FIG7_MODELS = ("ds27b", "ds660b", "qwen32b")
 POLICIES = ("basic", "dualpath", "oracle")
 
 
 def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     specs = {}
-    for m in FIG7_MODELS:
+    for m in plan.models:
         pm = PAPER_MODELS[m]
         for preset in plan.presets:
             for n in plan.agents(m):
@@ -272,10 +312,10 @@ def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
                     specs[(m, preset, n, pol)] = Spec(m, pm.prefill_nodes, pm.decode_nodes, pol, n,
                                                       preset, max_turns=plan.turns)
     res = runner.get(list(specs.values()))
-    fig, axes = plt.subplots(len(FIG7_MODELS), len(plan.presets), figsize=(4 * len(plan.presets), 9),
+    fig, axes = plt.subplots(len(plan.models), len(plan.presets), figsize=(4 * len(plan.presets), 3 * len(plan.models)),
                              squeeze=False)
     rows = []
-    for i, m in enumerate(FIG7_MODELS):
+    for i, m in enumerate(plan.models):
         pm = PAPER_MODELS[m]
         for j, preset in enumerate(plan.presets):
             ax = axes[i][j]
@@ -580,13 +620,23 @@ def main(argv):
     del argv
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan(quick=_QUICK.value, large=_LARGE.value)
-    runner = Runner(out, _JOBS.value)
+    plan = Plan(quick=_QUICK.value, large=_LARGE.value, models=tuple(_MODELS.value),
+                preset_list=tuple(_PRESETS.value), agent_list=tuple(int(a) for a in _AGENTS.value))
+    runner = Runner(out, _JOBS.value, snic_gbps=_SNIC.value)
     unknown = set(_ONLY.value) - set(FIGURES)
     if unknown:
         raise app.UsageError(f"unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}")
     makers = {"fig7": fig7, "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig12": fig12, "fig13": fig13,
               "table3": table3}
+    chosen = [n for n in FIGURES if n in _ONLY.value]
+    collector = Runner(out, 1, collect=True, snic_gbps=_SNIC.value)
+    wanted: list[Spec] = []
+    for name in chosen:
+        try:
+            makers[name](plan, collector, out)
+        except Collected as c:
+            wanted += c.specs
+    runner.get(wanted)
     results = {}
     t0 = time.perf_counter()
     for name in FIGURES:

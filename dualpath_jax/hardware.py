@@ -91,6 +91,7 @@ class PaperModel:
     expert_parallel: bool  # DeepSeek models: EP across the role's GPUs + DP attention
     prefill_nodes: int
     decode_nodes: int
+    gpu: str = "h800"
 
 
 PAPER_MODELS: dict[str, PaperModel] = {
@@ -98,21 +99,26 @@ PAPER_MODELS: dict[str, PaperModel] = {
     for m in (
         PaperModel("ds660b", "deepseek-v3.2-660b", "fp8_flashmla", 80e9, True, True, 2, 4),
         PaperModel("ds27b", "ds-27b", "fp8_flashmla", 80e9, True, True, 1, 1),
-        PaperModel("qwen32b", "qwen2.5-32b", None, 320e9, False, False, 1, 2),
+        # BF16 Qwen2.5-32B on every GPU (DP only) leaves an 80 GB H800 ~7 GB of KV (25k tokens at
+        # 256 KiB/token), less than one 64K-trace prompt: its nodes get H200s (141 GB, Hopper).
+        PaperModel("qwen32b", "qwen2.5-32b", None, 320e9, False, False, 1, 2, gpu="h200"),
     )
 }
 
 
 def paper_cost_model(key: str, decode_nodes: int, *, engines_per_node: int = 8):
-    """The calibrated H800 roofline of a paper model (`sched.cost.hopper_calibration`); routed
-    experts spread over the decode nodes' GPUs (the memory-bound side that streams them)."""
+    """The calibrated Hopper roofline of a paper model (`sched.cost.hopper_calibration`); routed
+    experts spread over the decode nodes' GPUs (the memory-bound side that streams them). The
+    calibrated decode overhead is expert-parallel communication, so a data-parallel dense model
+    (Qwen) does not pay it."""
     from dualpath_jax.model.presets import get_preset
     from dualpath_jax.sched.cost import make_cost_model
 
     m = PAPER_MODELS[key]
     ep = decode_nodes * engines_per_node if m.expert_parallel else 1
-    return make_cost_model(HOPPER_NODE, get_preset(m.preset), fp8=m.fp8, expert_parallel=ep,
-                           kv_format=m.kv_format)
+    cost = make_cost_model(dataclasses.replace(HOPPER_NODE, gpu=m.gpu), get_preset(m.preset),
+                           fp8=m.fp8, expert_parallel=ep, kv_format=m.kv_format)
+    return cost if m.expert_parallel else dataclasses.replace(cost, decode_overhead_s=0.0)
 
 
 def paper_experiment(
@@ -150,7 +156,7 @@ def paper_experiment(
     d = m.decode_nodes if decode_nodes is None else decode_nodes
     g = HOPPER_NODE.engines_per_node
     cost = paper_cost_model(key, d, engines_per_node=g)
-    hw = dataclasses.replace(HOPPER_NODE, snic_bytes_per_s=snic_bytes_per_s,
+    hw = dataclasses.replace(HOPPER_NODE, gpu=m.gpu, snic_bytes_per_s=snic_bytes_per_s,
                              hbm_bytes=cost.kv_hbm_bytes(), dram_buffer_bytes=m.dram_buffer_bytes / g)
     cfg = ExperimentConfig(
         name=f"paper_{key}_{p}p{d}d",

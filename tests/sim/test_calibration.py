@@ -94,7 +94,7 @@ def test_paper_clusters_are_sized_consistently(key):
     assert (cfg.cluster.prefill_nodes, cfg.cluster.decode_nodes) == (m.prefill_nodes, m.decode_nodes)
     assert cfg.hardware.engines_per_node == 8 and cfg.hardware.snic_bytes_per_s == 50e9
     assert cfg.hardware.hbm_bytes == pytest.approx(cost.kv_hbm_bytes())
-    assert cost.weight_bytes_per_gpu + cost.kv_hbm_bytes() <= get_gpu("h800").hbm_bytes
+    assert cost.weight_bytes_per_gpu + cost.kv_hbm_bytes() <= get_gpu(m.gpu).hbm_bytes
     assert cfg.hardware.dram_buffer_bytes * 8 == m.dram_buffer_bytes
     assert cost == paper_cost_model(key, m.decode_nodes)
     # Qwen 32B runs data parallel in BF16: the whole model on every GPU.
