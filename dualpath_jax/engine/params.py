@@ -2,8 +2,8 @@
 
 Transport: an update travels as an orbax checkpoint directory that every engine reads (the
 client writes it, `UpdateParams` names it). Parameters can be far larger than a control frame
-(64 MiB), every engine of a multi-host cluster can read a shared directory (the same place the
-block store lives: a mounted file system, or gcs/s3), orbax restores each array with the engine's
+(64 MiB), every engine of a multi-host cluster can read a shared directory (a mounted file
+system), orbax restores each array with the engine's
 own dtype and sharding, and the directory stays behind as a record of exactly what was served
 (a restarted engine or a later run can start from it with `cluster.params_path`).
 

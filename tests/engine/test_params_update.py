@@ -324,3 +324,12 @@ def test_initial_version_and_params_path_checks(tmp_path):
     for bad in ("", "a/b", "-x", "x" * 129, "a..b"):
         with pytest.raises(ValueError):
             check_version(bad)
+
+
+def test_local_cluster_refuses_a_bad_params_path_before_starting_anything(tmp_path):
+    from dualpath_jax.engine.cluster import LocalCluster
+
+    cfg = ExperimentConfig(model=TINY_QWEN2, cluster=ClusterConfig(params_path=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="cluster.params_path=.* is not a directory"):
+        LocalCluster(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
