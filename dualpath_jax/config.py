@@ -148,6 +148,7 @@ class ClusterConfig:
     # Names the served params in block keys; empty with a params_path: derived from the path
     # (set it when a path is overwritten with other params, or stored KV would be reused).
     params_version: str = ""
+    params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,7 @@ class ParamsUpdate:
     version: str
     path: str
     loading: bool = False
+    t_load: float = 0.0  # when the engines were told to load
     waiting: set[int] = dataclasses.field(default_factory=set)  # engines yet to answer
     errors: list[str] = dataclasses.field(default_factory=list)
 
@@ -351,7 +352,7 @@ class Router:
         u = self.update
         if u is None or u.loading or self.requests:
             return
-        u.loading = True
+        u.loading, u.t_load = True, self.clock()
         u.waiting = {e.engine for e in self.engines.values() if e.alive}
         for e in self.engines.values():
             if e.engine in u.waiting:
@@ -552,6 +553,18 @@ class Router:
             if e.alive and now - e.last_seen > timeout:
                 self.engine_died(e)
         self.advance_update()
+        self.check_update_timeout(now)
+
+    def check_update_timeout(self, now: float) -> None:
+        """Aborts an update whose engines have not all answered within
+        `cluster.params_load_timeout_s` (the old params keep serving)."""
+        u = self.update
+        limit = self.cfg.cluster.params_load_timeout_s
+        if u is None or not u.loading or not u.waiting or now - u.t_load <= limit:
+            return
+        u.errors += [f"engine {e}: no answer within {limit:g} s" for e in sorted(u.waiting)]
+        u.waiting.clear()
+        self.end_update_if_answered()
 
     def engine_died(self, e: EngineInfo) -> None:
         e.alive = False

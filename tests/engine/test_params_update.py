@@ -333,3 +333,17 @@ def test_local_cluster_refuses_a_bad_params_path_before_starting_anything(tmp_pa
     with pytest.raises(ConfigError, match="cluster.params_path=.* is not a directory"):
         LocalCluster(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_update_whose_engines_do_not_answer_is_aborted_after_the_timeout(rig):
+    limit = rig.router.cfg.cluster.params_load_timeout_s
+    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.sent.clear()
+    rig.router.check_update_timeout(limit)  # not yet
+    assert rig.sent == [] and rig.router.update is not None
+    rig.router.check_update_timeout(limit + 1)
+    (_, err), = _only(rig.sent, M.Error)
+    assert "engine 1: no answer within 600 s" in err.message and rig.router.params_version == ""
+    assert [m for _, m in _only(rig.sent, M.CommitParams)] == [M.CommitParams(version="v1", commit=False)] * 2
+    assert rig.router.update is None
