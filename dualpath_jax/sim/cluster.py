@@ -232,6 +232,7 @@ class SimCluster:
         self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._admitted = itertools.count()
+        self._pe_fruitless: dict[int, list[EngineLoad]] = {}  # group -> loads of its last empty fetch
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
@@ -302,13 +303,24 @@ class SimCluster:
                 self._de_dirty[e.id] = e
         # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
         # group from always seeing the queue's head.
+        # A PE fetch that assigned nothing is not repeated while the group's loads stay the same:
+        # both PE fetches (Algorithm 1, round robin) assign nothing exactly when every PE of the
+        # group is over beta, whatever request heads the queue, and then leave their cursor.
         groups = self._pe_groups
         k = self.counters["dispatches"] % len(groups)
         for i in range(len(groups)):
             if not sched.pe_queued():
                 break
             gid, group = groups[(k + i) % len(groups)]
-            for a in sched.fetch_pe(gid, [self._load(e) for e in group]):
+            loads = [self._load(e) for e in group]
+            if self._pe_fruitless.get(gid) == loads:
+                continue
+            out = sched.fetch_pe(gid, loads)
+            if not out:
+                self._pe_fruitless[gid] = loads
+                continue
+            self._pe_fruitless.pop(gid, None)
+            for a in out:
                 self._assign(a)
 
     def _assign(self, a: Assignment) -> None:
