@@ -5,7 +5,7 @@ Run:
 Each point replays `workload.agents` agents arriving as a Poisson process at that rate (the same
 arrival times for every policy); the capacity of a policy is the highest rate whose SLO attainment
 (TTFT <= workload.ttft_slo_s and TPOT <= workload.tpot_slo_s per round) reaches --attainment.
-After the --aps grid, --bisect=N halves the gap between the highest passing and the lowest
+The grid stops at the first failing rate; then --bisect=N halves the gap between the highest passing and the lowest
 failing rate N times (geometric midpoints) per policy. Writes WORKDIR/capacity.json and
 WORKDIR/capacity.png and prints the table.
 """
@@ -56,7 +56,11 @@ def main(argv):
 
     for p in _POLICIES.value:
         points[p] = []
-        ok = {aps: measure(p, aps) for aps in rates}
+        ok: dict[float, bool] = {}
+        for aps in rates:  # ascending; rates above the first failing one are not run
+            ok[aps] = measure(p, aps)
+            if not ok[aps]:
+                break
         for _ in range(_BISECT.value):
             passing = [a for a, good in ok.items() if good]
             lo = max(passing, default=0.0)

@@ -42,6 +42,13 @@ HOPPER_NODE = HardwareConfig(
 )
 
 
+# The online SLO of the CPU configs: the paper's TTFT limit (4 s), but a TPOT limit of 1 s instead
+# of 50 ms. On a 2-core host the three engine processes share the cores, so a decode step's time
+# is set by CPU sharing with the prefill engine (measured: TPOT p50 75 ms, p90 0.32 s at 0.05
+# agents/s under Basic), not by the loading policy that the capacity benchmark compares.
+CPU_TPOT_SLO_S = 1.0
+
+
 def emulated_cpu_experiment(
     prefill_nodes: int, decode_nodes: int, arg: str = "", *, snic_bytes_per_s: float = 5e5
 ):
@@ -71,7 +78,7 @@ def emulated_cpu_experiment(
         store=StoreConfig(block_tokens=16),
         workload=WorkloadConfig(
             preset="64k", trajectories=agents, agents=agents, length_scale=1 / 16, max_len=1024,
-            max_turns=16,
+            max_turns=16, ttft_slo_s=4.0, tpot_slo_s=CPU_TPOT_SLO_S,
         ),
     )
 

@@ -86,7 +86,8 @@ class LocalCluster:
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
         addr_file = self.workdir / "router.address"
         addr_file.unlink(missing_ok=True)
-        self._spawn("router", ProcessSpec("router", str(self.workdir), address_file=str(addr_file)))
+        self._spawn("router", ProcessSpec("router", str(self.workdir), address_file=str(addr_file),
+                                                parent_pid=os.getpid()))
         deadline = time.monotonic() + self.start_timeout_s
         while not addr_file.exists():
             self._check_alive()
@@ -100,7 +101,8 @@ class LocalCluster:
             for i in range(count):
                 name = f"{'pe' if role == 'prefill' else 'de'}{engine}"
                 group = i // (c.pe_group_size if role == "prefill" else c.de_group_size)
-                spec = ProcessSpec(role, str(self.workdir), self.address, engine, engine, group)
+                spec = ProcessSpec(role, str(self.workdir), self.address, engine, engine, group,
+                                   parent_pid=os.getpid())
                 self._spawn(name, spec)
                 self.engine_ids[name] = engine
                 engine += 1

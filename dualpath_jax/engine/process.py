@@ -13,6 +13,7 @@ import os
 import pathlib
 import signal
 import threading
+import time
 from concurrent import futures
 
 from dualpath_jax.config import ExperimentConfig, StoreConfig
@@ -38,6 +39,7 @@ class ProcessSpec:
     node: int = 0
     group: int = 0
     address_file: str = ""  # router: where to write the address it listens on
+    parent_pid: int = 0  # if set: stop when this process is no longer our parent (it died)
 
 
 def store_config(cfg: ExperimentConfig, workdir: str) -> StoreConfig:
@@ -55,6 +57,19 @@ def _install_sigterm(stop: threading.Event) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Stops this process (as SIGTERM does) once `parent_pid` is no longer its parent: a
+    `LocalCluster` whose owner was killed must not leave engines behind."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        log.warning("parent process %d is gone: stopping", parent_pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
@@ -172,6 +187,8 @@ def write_link_report(path: pathlib.Path, spec: ProcessSpec, traffic) -> None:
 def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     stop = threading.Event()
     _install_sigterm(stop)
+    if spec.parent_pid:
+        _watch_parent(spec.parent_pid)
     try:
         if spec.role == "router":
             run_router(cfg, spec)
