@@ -1,0 +1,219 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03: the cluster simulator at the paper's scale
+#
+# The paper's results come from clusters of 48 to 1,152 Hopper GPUs. The simulator runs the
+# framework's **own scheduler code** (the same `GlobalScheduler`, Algorithm 1, compute quota and
+# link arbitration as the real router and engines) over a discrete-event model of such a
+# cluster: H800 nodes with 8 GPUs, 8 x 400 Gbps compute NICs and one 400 Gbps storage NIC each,
+# prefill and decode times from a roofline calibrated to DeepSeek's published H800 serving
+# numbers. Everything runs in virtual time on one CPU core.
+#
+# This notebook
+#
+# 1. reproduces the shape of **Figure 7** (job completion time vs number of agents; Basic vs
+#    DualPath vs Oracle) for DeepSeek-V3.2 660B on 2 prefill + 4 decode nodes (2P4D, 48 GPUs);
+# 2. sweeps the **P/D ratio** of a 6-node cluster and sets it beside the analysis tool's
+#    bottleneck-free P/D range (section 4.2), i.e. a small deployment advisor;
+# 3. plots the storage NICs' read traffic, the paper's Figure 13 view.
+#
+# To run in a couple of minutes it uses fewer agents than the paper (see the note on scaling
+# below). **Install.** From a clone of the repository: `pip install -e .` (or `make demo`
+# once, which creates `.venv` with the package), then open this notebook with that Python. The
+# next cell installs the package from the enclosing clone only when it is not importable yet.
+
+# %%
+import importlib.util
+import os
+import pathlib
+import subprocess
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the simulator needs no accelerator
+if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install the enclosing clone
+    here = pathlib.Path.cwd().resolve()
+    root = next((p for p in (here, *here.parents) if (p / "pyproject.toml").is_file()), None)
+    if root is None:
+        raise RuntimeError("dualpath_jax is not installed: run `pip install -e .` in a clone of the repository")
+    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(root)])
+    sys.path.insert(0, str(root))  # this kernel started before the install
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from dualpath_jax.analysis import format_pd_range, pd_range
+from dualpath_jax.hardware import PAPER_MODELS, paper_experiment
+from dualpath_jax.sim import SimOptions, simulate
+
+# %% [markdown]
+# ## The simulated testbed
+#
+# `hardware.paper_experiment(model, P, D, ...)` returns the experiment config of one of the
+# paper's runs and its calibrated cost model: H800 nodes (`HOPPER_NODE`), the model preset, its
+# KV format (DeepSeek's FP8 FlashMLA layout) and HBM left for KV, the Table 2 trace (`64k`:
+# ~157 rounds per agent, contexts up to 64K tokens). `simulate(cfg, cost=..., options=...)`
+# replays the trace and returns the same `summary.json` the real launchers write.
+#
+# **Scaling.** The paper's Figure 7 uses 256-2,048 agents; one such run is about 10-40 minutes
+# of CPU here. We take `1/SCALE` of the agents and give every storage NIC `1/SCALE` of its
+# 50 GB/s, so that the storage load per byte of bandwidth matches the paper's, while the GPUs
+# stay the paper's (so they are relatively less loaded: expect larger gains than the paper's
+# 1.87x, and Oracle further below DualPath). `bench/paper_figures.py` runs the full-size figures.
+
+# %%
+MODEL = "ds660b"
+SCALE = 64  # agents and storage bandwidth divided by this
+PAPER_AGENTS = [512, 1024, 2048]
+AGENTS = [n // SCALE for n in PAPER_AGENTS]
+SNIC = 50e9 / SCALE
+POLICIES = ["basic", "dualpath", "oracle"]
+OPTIONS = SimOptions(kv_format=PAPER_MODELS[MODEL].kv_format)
+
+cfg, cost = paper_experiment(MODEL, policy="dualpath", agents=AGENTS[-1], snic_bytes_per_s=SNIC)
+hw, cl = cfg.hardware, cfg.cluster
+print(f"{cfg.name}: {cfg.model.name}, {cl.prefill_nodes}P{cl.decode_nodes}D = "
+      f"{(cl.prefill_nodes + cl.decode_nodes) * hw.engines_per_node} GPUs ({hw.gpu}), trace {cfg.workload.preset}")
+print(f"per node: storage NIC {hw.snic_bytes_per_s / 1e9:.2f} GB/s (1/{SCALE} of 50), compute NIC "
+      f"{hw.cnic_bytes_per_s / 1e9:.0f} GB/s per GPU, DRAM buffer {hw.dram_buffer_bytes / 1e9:.0f} GB per GPU")
+print("agents:", AGENTS, f"(the paper's {PAPER_AGENTS} / {SCALE})")
+
+
+# %%
+def run(policy: str, agents: int, prefill_nodes: int | None = None, decode_nodes: int | None = None):
+    cfg, cost = paper_experiment(MODEL, prefill_nodes, decode_nodes, policy=policy, agents=agents,
+                                 snic_bytes_per_s=SNIC)
+    return simulate(cfg, cost=cost, options=OPTIONS)
+
+
+t0 = time.perf_counter()
+fig7 = {(n, p): run(p, n) for n in AGENTS for p in POLICIES}
+print(f"{len(fig7)} simulations in {time.perf_counter() - t0:.0f} s of wall time\n")
+print(f"{'agents':>7}{'rounds':>8}" + "".join(f"{p + ' JCT s':>15}" for p in POLICIES) + f"{'Basic/DualPath':>16}")
+for n in AGENTS:
+    jct = [fig7[(n, p)].jct_s for p in POLICIES]
+    print(f"{n:>7}{fig7[(n, 'dualpath')].summary['requests']:>8}" + "".join(f"{j:>15.0f}" for j in jct)
+          + f"{jct[0] / jct[1]:>16.2f}")
+print("\npaper (2,048 agents, 64K, DS 660B 2P4D): Basic 10,052 s, DualPath 5,365 s -> 1.87x; Oracle ~ DualPath")
+
+# %% [markdown]
+# ## Figure 7: JCT vs agents
+#
+# With Basic only the 2 prefill nodes' storage NICs read KV; DualPath also reads through the 4
+# decode nodes' and streams each layer to the prefill GPUs over the compute network, so up to
+# (P+D)/P = 3x the storage bandwidth serves the same work. Oracle charges no storage reads at
+# all. The gap grows with the agent count, as the storage NICs saturate.
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4))
+x = np.arange(len(AGENTS))
+colors = {"basic": "#999", "dualpath": "#36c", "oracle": "#2a7"}
+for k, p in enumerate(POLICIES):
+    ys = [fig7[(n, p)].jct_s for n in AGENTS]
+    bars = ax.bar(x + (k - 1) * 0.27, ys, 0.27, label=p, color=colors[p])
+    if p == "dualpath":
+        for b, n in zip(bars, AGENTS):
+            ax.text(b.get_x() + b.get_width() / 2, b.get_height(),
+                    f"{fig7[(n, 'basic')].jct_s / fig7[(n, p)].jct_s:.2f}x", ha="center", va="bottom", fontsize=8)
+ax.set_xticks(x, [f"{n}\n(paper {m})" for n, m in zip(AGENTS, PAPER_AGENTS)])
+ax.set_xlabel("agents")
+ax.set_ylabel("JCT (s, simulated)")
+ax.set_title(f"DS 660B 2P4D, 64K trace, agents and storage NICs / {SCALE}")
+ax.legend()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Storage NICs over time (Figure 13 view)
+#
+# Each simulated run keeps its link time series (`run.cluster.link_reports`, the same shape as
+# the real engines' `links/*.json`). Under Basic the prefill nodes' storage NICs run flat out
+# while the decode nodes' idle; DualPath spreads the reads over all six, and its scheduler keeps
+# them even (`snic_max_over_avg` in the summary: max over mean across NICs, per time window).
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True)
+for ax, p in zip(axes, ["basic", "dualpath"]):
+    r = fig7[(AGENTS[-1], p)]
+    for rep in r.cluster.link_reports(r.cluster.loop.now):
+        pts = np.array(rep["windows"].get(f"snic_rx:node{rep['node']}", []), dtype=float).reshape(-1, 2)
+        if len(pts):
+            k = (pts[:, 0] // 30).astype(int)  # 30 s windows
+            gbps = np.bincount(k, weights=pts[:, 1]) / 30 / 1e9
+            side = "PE" if rep["role"] == "prefill" else "DE"
+            ax.plot(np.arange(len(gbps)) * 30, gbps, label=f"node{rep['node']} ({side})", lw=1)
+    ax.set_title(f"{p}: storage NIC reads, {AGENTS[-1]} agents (max/avg {r.summary['snic_max_over_avg']:.2f})")
+    ax.set_xlabel("simulated time (s)")
+    ax.legend(fontsize=7, ncol=2)
+axes[0].set_ylabel("GB/s")
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## Choosing P/D: a sweep beside the bottleneck-free range
+#
+# Section 4.2 of the paper derives the P/D ratios for which no NIC or memory link becomes the
+# bottleneck under DualPath, from the GPUs per node `g`, the storage-to-compute NIC bandwidth
+# ratio `s`, DRAM bandwidth `M` and the storage NIC bandwidth `B*s` (`analysis.pd_range`; the
+# same as `python launch/analyze.py --g=8 --s=1 --mem_gbps=500 --bs_gbps=50`). For the paper's
+# hardware it is 1/7 <= P/D <= 7/2. Inside it, which ratio is best depends on the workload's
+# compute vs storage demand, which the simulator measures: below, every split of 6 nodes into
+# prefill and decode nodes, under Basic and DualPath.
+
+# %%
+print(format_pd_range(pd_range(g=8, s=1, mem_gbps=500, bs_gbps=50)))
+SWEEP_AGENTS = AGENTS[1]
+SPLITS = [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1)]
+t0 = time.perf_counter()
+sweep = {(pn, dn, p): run(p, SWEEP_AGENTS, pn, dn) for pn, dn in SPLITS for p in ("basic", "dualpath")}
+print(f"\n{len(sweep)} simulations in {time.perf_counter() - t0:.0f} s of wall time, {SWEEP_AGENTS} agents each\n")
+print(f"{'P/D':>5}{'basic JCT s':>13}{'dualpath JCT s':>16}")
+for pn, dn in SPLITS:
+    print(f"{pn}P{dn}D{sweep[(pn, dn, 'basic')].jct_s:>13.0f}{sweep[(pn, dn, 'dualpath')].jct_s:>16.0f}")
+best = min(SPLITS, key=lambda s: sweep[(*s, "dualpath")].jct_s)
+print(f"\nbest split of 6 nodes for this workload under DualPath: {best[0]}P{best[1]}D")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4))
+ratios = [pn / dn for pn, dn in SPLITS]
+for p in ("basic", "dualpath"):
+    ax.plot(ratios, [sweep[(pn, dn, p)].jct_s for pn, dn in SPLITS], "o-", label=p, color=colors[p])
+r = pd_range(g=8, s=1, mem_gbps=500, bs_gbps=50)
+ax.axvspan(r.lower, r.upper, color="#36c", alpha=0.08, label="bottleneck-free range (paper hardware)")
+ax.set_xscale("log")
+ax.set_xticks(ratios, [f"{pn}P{dn}D" for pn, dn in SPLITS])
+ax.minorticks_off()
+ax.set_xlabel("P/D (6 nodes)")
+ax.set_ylabel("JCT (s, simulated)")
+ax.set_title(f"DS 660B, {SWEEP_AGENTS} agents, storage NICs / {SCALE}")
+ax.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Basic needs many prefill nodes because only their storage NICs read KV; DualPath reads
+# through every node, so it stays fast with few prefill nodes and frees nodes for decode.
+#
+# ## From the command line
+#
+# The same simulator behind absl flags (writes `summary.json` and per-node link series to the
+# workdir), e.g. for the small CPU layouts:
+#
+# ```bash
+# python launch/simulate.py --config=configs/cpu_1p2d.py --policy=dualpath --agents=16 --workdir=/tmp/dp_sim
+# python bench/paper_figures.py --quick --out=bench_out/paper_quick   # every paper figure, reduced
+# ```
