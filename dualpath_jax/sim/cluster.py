@@ -43,7 +43,7 @@ from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
-from dualpath_jax.sim.core import EventLoop
+from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimNetwork
 from dualpath_jax.transfer import links as L
 
@@ -59,7 +59,10 @@ class SimOptions:
     (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it);
     `decode_overhead_s`: fixed DE time per request between its last decode step and persisting
     (control-plane messages, admission polling, bookkeeping of the real engines; fitted for the
-    CPU engines by `sim.fit`, 0 for the GPU presets).
+    CPU engines by `sim.fit`, 0 for the GPU presets); `decode_macro_steps`: a decode batch
+    whose members cannot change (no request finishes, none is admitted) advances all those
+    steps in one event, each timed at the span's mean context; an admission cuts the span after
+    the step in progress (False: one event per step, each at its own context).
     """
 
     quantum_s: float = 0.01
@@ -69,6 +72,7 @@ class SimOptions:
     kv_format: str | None = None
     hbm_tokens: int = 0
     decode_overhead_s: float = 0.0
+    decode_macro_steps: bool = True
 
 
 @dataclasses.dataclass
@@ -167,7 +171,9 @@ class _Engine:
     finish: list = dataclasses.field(default_factory=list)  # heap of (last step, admission no.)
     seconds: dict = dataclasses.field(default_factory=dict)  # step -> requests to stamp t_second
     steps: int = 0  # decode steps completed
-    batch_n: int = 0  # requests in the step on the device
+    batch_n: int = 0  # requests in the step(s) on the device
+    span: tuple = (0.0, 0.0, 0)  # (start, seconds per step, steps) of the span on the device
+    span_event: Event | None = None
     hbm_used: int = 0
     stepping: bool = False
     ctx_sum: int = 0  # sum of prompt + generated tokens over `active`
@@ -489,6 +495,8 @@ class SimCluster:
             return
         ids = admit_decode(((s.request.id, s.request.hbm_tokens) for s in de.waiting),
                            free_hbm_tokens=de.hbm_tokens - de.hbm_used, free_slots=de.slots - len(de.active))
+        if ids and de.stepping:
+            self._cut_span(de)
         for _ in ids:
             st = de.waiting.popleft()
             de.hbm_used += st.request.hbm_tokens
@@ -496,7 +504,7 @@ class SimCluster:
                 self._decoded(de, st)
             else:
                 k = next(self._admitted)
-                first = de.steps + (2 if de.stepping else 1)  # the next step that starts
+                first = de.steps + (de.span[2] + 1 if de.stepping else 1)  # the next step that starts
                 de.active[k] = st
                 de.ctx_sum += st.request.prompt_tokens + st.generated
                 heapq.heappush(de.finish, (first + st.request.gen_tokens - st.generated - 1, k))
@@ -508,20 +516,38 @@ class SimCluster:
     def _step(self, de: _Engine) -> None:
         n = de.batch_n = len(de.active)
         de.stepping = True
-        self.loop.after(self.cost.decode_step_time(n, int(de.ctx_sum / n)), self._step_end, de)
+        k = max(1, de.finish[0][0] - de.steps) if self.opt.decode_macro_steps else 1
+        dt = self.cost.decode_step_time(n, int(de.ctx_sum / n + (k - 1) / 2))
+        de.span = (self.loop.now, dt, k)
+        de.span_event = self.loop.after(dt * k, self._step_end, de)
+
+    def _cut_span(self, de: _Engine) -> None:
+        """A request is admitted mid-span: the span ends with the step in progress."""
+        t0, dt, k = de.span
+        if k == 1:
+            return
+        m = min(k, int((self.loop.now - t0) / dt) + 1) if dt > 0 else 1
+        if m < k:
+            assert de.span_event is not None
+            de.span_event.cancel()
+            # the first m steps, timed at their own mean context (ending no earlier than now)
+            dt = self.cost.decode_step_time(de.batch_n, int(de.ctx_sum / de.batch_n + (m - 1) / 2))
+            dt = max(dt, (self.loop.now - t0) / m)
+            de.span = (t0, dt, m)
+            de.span_event = self.loop.at(t0 + m * dt, self._step_end, de)
 
     def _step_end(self, de: _Engine) -> None:
-        """One token for every request of the step; O(requests finishing) per step."""
-        de.steps += 1
+        """One token per step for every request of the span; O(requests finishing) per span."""
+        t0, dt, k = de.span
+        de.steps += k
         step = de.steps
-        de.ctx_sum += de.batch_n
-        seconds = de.seconds.pop(step, None)
+        de.ctx_sum += de.batch_n * k
+        seconds = de.seconds.pop(step - k + 1, None)  # joins happen only at span starts
         if seconds:
-            now = self.loop.now
             for st in seconds:
-                st.t_second = now
+                st.t_second = t0 + dt
         fin = de.finish
-        while fin and fin[0][0] == step:
+        while fin and fin[0][0] <= step:
             st = de.active.pop(heapq.heappop(fin)[1])
             st.generated = st.request.gen_tokens
             de.ctx_sum -= st.request.prompt_tokens + st.generated
