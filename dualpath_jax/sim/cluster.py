@@ -238,6 +238,7 @@ class SimCluster:
         self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._admitted = itertools.count()
+        self._persist_paths: dict[int, list] = {}
         self._pe_fruitless: dict[int, list[EngineLoad]] = {}  # group -> loads of its last empty fetch
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
@@ -572,8 +573,10 @@ class SimCluster:
         start = min(r.cached_tokens // self.bt, n_full)
         nbytes = (n_full - start) * self.bt * self.kvb
         if self.opt.persist and self.policy.reads and nbytes > 0:
-            self.net.transfer(L.persist_path(de.name, de.node_name), nbytes, L.TrafficClass.LOW,
-                              lambda: self._finish(st))
+            path = self._persist_paths.get(de.id)
+            if path is None:
+                path = self._persist_paths[de.id] = L.persist_path(de.name, de.node_name)
+            self.net.transfer(path, nbytes, L.TrafficClass.LOW, lambda: self._finish(st))
         else:
             self.loop.soon(self._finish, st)
 

@@ -59,13 +59,14 @@ class SimLink:
         self._busy = False  # a chunk is on the wire (a pacing event is scheduled)
         self._last: LinkRequest | None = None  # the request of the chunk on the wire
 
-    def request(self, nbytes: int, cls: TrafficClass, on_done: Done) -> None:
-        """Queues `nbytes`; `on_done()` runs (as an event) once the last byte has crossed."""
+    def request(self, nbytes: int, cls: TrafficClass, on_done: Callable[..., None]) -> None:
+        """Queues `nbytes`; `on_done()` runs (as an event) once the last byte has crossed (it is
+        called with one argument, None, when a chunk completes it)."""
         if self.arb is None or nbytes == 0:
             self._account(int(cls), nbytes, self.loop.now, self.loop.now)
             self.loop.soon(on_done)
             return
-        self.arb.enqueue(LinkRequest(nbytes, cls, lambda _exc: on_done()))
+        self.arb.enqueue(LinkRequest(nbytes, cls, on_done))
         if not self._busy:
             self._busy = True
             self._pace()
@@ -145,15 +146,20 @@ class SimNetwork:
         if nbytes <= 0 or not path:
             self.loop.soon(on_done)
             return
+        if len(path) == 1:
+            self.link(path[0]).request(nbytes, cls, lambda _exc=None: on_done())
+            return
         left = [len(path)]
 
-        def one() -> None:
+        def one(_exc: object = None) -> None:
             left[0] -= 1
             if left[0] == 0:
                 on_done()
 
+        links = self.links
         for lid in path:
-            self.link(lid).request(nbytes, cls, one)
+            ln = links.get(lid)
+            (ln if ln is not None else self.link(lid)).request(nbytes, cls, one)
 
     def totals(self) -> dict[str, int]:
         return {ln.id.name: ln.bytes[0] + ln.bytes[1] for ln in self.links.values()}
