@@ -10,7 +10,8 @@ fits one CPU cost model to the pooled `events.jsonl` of those runs (`sim.fit.fit
 batch times, decode step time and the per-request DE overhead), simulates each policy with it on
 the same trajectories, and prints measured JCT, simulated JCT and the error. The `cross` columns
 simulate with the *other* config's fit: a check that the fit is not just absorbing one run.
-Writes WORKDIR/validation.json.
+Writes WORKDIR/validation.json and WORKDIR/<config>/cpu_fit.json (for
+`launch/simulate.py --cost_json`).
 
 Wall times on a shared 2-core host are noisy (other processes, three engine processes sharing
 two cores): repeated real runs of one policy differ by several percent.
@@ -54,6 +55,8 @@ def validate(configs: list[str], policies: list[str], workdir: pathlib.Path, *, 
             measured[name] = compare(cfg, policies, wd, warmup=warmup and i == 0)["summaries"]
         fits[name] = fit_events([wd / p for p in policies], block_tokens=cfg.store.block_tokens,
                                 kv_bytes_per_token=kv_bytes_per_token(cfg.model))
+        # usable as `launch/simulate.py --cost_json=...` (FittedCostModel keys + decode_overhead_s)
+        (wd / "cpu_fit.json").write_text(json.dumps(fits[name].to_dict(), indent=1))
     rows = []
     names = list(cfgs)
     for name, cfg in cfgs.items():
