@@ -86,6 +86,10 @@ def test_notebook_runs_top_to_bottom(source, tmp_path, monkeypatch):
     t0 = time.monotonic()
     try:
         client.execute()
+    except nbclient.exceptions.CellExecutionError as e:
+        logs = sorted(tmp_path.glob("**/logs/*.log"))  # engine processes' logs, if it started any
+        tails = "\n".join(f"----- {p} -----\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+        raise AssertionError(f"{source.name} failed:\n{e}\n{tails}") from None
     finally:
         deadline = time.monotonic() + 10
         while (left := engine_pids(str(tmp_path))) and time.monotonic() < deadline:
