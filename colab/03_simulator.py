@@ -217,3 +217,6 @@ plt.show()
 # python launch/simulate.py --config=configs/cpu_1p2d.py --policy=dualpath --agents=16 --workdir=/tmp/dp_sim
 # python bench/paper_figures.py --quick --out=bench_out/paper_quick   # every paper figure, reduced
 # ```
+#
+# `docs/simulator.md` explains the calibrated GPU roofline, the paper's cluster presets and how
+# `bench/paper_figures.py` compares each headline number with the paper's.
