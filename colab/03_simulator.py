@@ -51,6 +51,7 @@ if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install t
     sys.path.insert(0, str(root))  # this kernel started before the install
 
 # %%
+import functools
 import time
 
 import matplotlib.pyplot as plt
@@ -94,14 +95,15 @@ print("agents:", AGENTS, f"(the paper's {PAPER_AGENTS} / {SCALE})")
 
 
 # %%
-def run(policy: str, agents: int, prefill_nodes: int | None = None, decode_nodes: int | None = None):
+@functools.cache  # each configuration is simulated once (the P/D sweep reuses the 2P4D runs)
+def run(policy: str, agents: int, prefill_nodes: int, decode_nodes: int):
     cfg, cost = paper_experiment(MODEL, prefill_nodes, decode_nodes, policy=policy, agents=agents,
                                  snic_bytes_per_s=SNIC)
     return simulate(cfg, cost=cost, options=OPTIONS)
 
 
 t0 = time.perf_counter()
-fig7 = {(n, p): run(p, n) for n in AGENTS for p in POLICIES}
+fig7 = {(n, p): run(p, n, cl.prefill_nodes, cl.decode_nodes) for n in AGENTS for p in POLICIES}
 print(f"{len(fig7)} simulations in {time.perf_counter() - t0:.0f} s of wall time\n")
 print(f"{'agents':>7}{'rounds':>8}" + "".join(f"{p + ' JCT s':>15}" for p in POLICIES) + f"{'Basic/DualPath':>16}")
 for n in AGENTS:
@@ -180,7 +182,8 @@ SWEEP_AGENTS = AGENTS[1]
 SPLITS = [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1)]
 t0 = time.perf_counter()
 sweep = {(pn, dn, p): run(p, SWEEP_AGENTS, pn, dn) for pn, dn in SPLITS for p in ("basic", "dualpath")}
-print(f"\n{len(sweep)} simulations in {time.perf_counter() - t0:.0f} s of wall time, {SWEEP_AGENTS} agents each\n")
+print(f"\n{len(sweep)} runs ({len(sweep) - 2} new simulations) in {time.perf_counter() - t0:.0f} s of wall time, "
+      f"{SWEEP_AGENTS} agents each\n")
 print(f"{'P/D':>5}{'basic JCT s':>13}{'dualpath JCT s':>16}")
 for pn, dn in SPLITS:
     print(f"{pn}P{dn}D{sweep[(pn, dn, 'basic')].jct_s:>13.0f}{sweep[(pn, dn, 'dualpath')].jct_s:>16.0f}")
