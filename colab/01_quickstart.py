@@ -25,10 +25,12 @@
 # 3. reads what the run wrote (`events.jsonl`, per-engine link reports) to show how many KV
 #    bytes each read path loaded and a timeline of every request.
 #
-# It takes about a minute. **Install.** From a clone of the repository: `pip install -e .` (or
-# `make demo` once, which creates `.venv` with the package), then open this notebook with that
-# Python. The next cell installs the package from the enclosing clone only when it is not
-# importable yet.
+# It takes about a minute.
+#
+# **Install.** From a clone of the repository: `pip install -e .` (or `make demo` once, which
+# creates `.venv` with the package), then open this notebook with that Python (the README's
+# "Notebooks" section shows how). On Colab, upload a copy of the repository and `%cd` into it
+# first. The next cell installs the enclosing clone only when the package is not importable.
 
 # %%
 import importlib.util

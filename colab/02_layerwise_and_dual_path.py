@@ -28,8 +28,9 @@
 #    and check them against the paper's data-path formulas (`links.expected_link_bytes`).
 #
 # **Install.** From a clone of the repository: `pip install -e .` (or `make demo` once, which
-# creates `.venv` with the package), then open this notebook with that Python. The next cell
-# installs the package from the enclosing clone only when it is not importable yet.
+# creates `.venv` with the package), then open this notebook with that Python (the README's
+# "Notebooks" section shows how). On Colab, upload a copy of the repository and `%cd` into it
+# first. The next cell installs the enclosing clone only when the package is not importable.
 
 # %%
 import importlib.util

@@ -30,9 +30,12 @@
 # 3. plots the storage NICs' read traffic, the paper's Figure 13 view.
 #
 # To run in a couple of minutes it uses fewer agents than the paper (see the note on scaling
-# below). **Install.** From a clone of the repository: `pip install -e .` (or `make demo`
-# once, which creates `.venv` with the package), then open this notebook with that Python. The
-# next cell installs the package from the enclosing clone only when it is not importable yet.
+# below).
+#
+# **Install.** From a clone of the repository: `pip install -e .` (or `make demo` once, which
+# creates `.venv` with the package), then open this notebook with that Python (the README's
+# "Notebooks" section shows how). On Colab, upload a copy of the repository and `%cd` into it
+# first. The next cell installs the enclosing clone only when the package is not importable.
 
 # %%
 import importlib.util
