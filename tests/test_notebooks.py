@@ -58,6 +58,13 @@ def test_ipynb_twin_matches_source(source):
     assert cells(twin) == cells(source), f"{twin.name} differs from {source.name}: run `make notebooks`"
 
 
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
+def test_first_cell_says_what_and_how_to_install(source):
+    kind, text = cells(source)[0]
+    assert kind == "markdown" and text.startswith("# "), "start with a markdown title cell"
+    assert "pip install -e ." in text, "say how to install: `pip install -e .` from a clone"
+
+
 def test_kernel_is_this_interpreter():
     """nbclient's "python3" kernel runs this interpreter (the venv with the package installed)."""
     from jupyter_client.manager import KernelManager
