@@ -70,9 +70,9 @@ from dualpath_jax.rollout import InProcessEngine, Session, run_trajectories
 # weights), one engine per node, and token-bucket links that make one CPU host behave like the
 # paper's storage-bound cluster: each node's storage NIC is slow, each engine's compute NIC is
 # 8x faster (8 x 400 Gbps vs 1 x 400 Gbps per node in the paper). We take one prefill and one
-# decode node (`1p1d`), the DualPath scheduler, and a workload of 4 agents with 6 rounds each.
-# Every config field can be overridden with `"section.field=value"` strings, like the
-# launchers' `--set`.
+# decode node (`1p1d`), storage NICs of 1 MB/s, the DualPath scheduler, and 4 agents of at
+# most 6 rounds each. Every config field can be overridden with `"section.field=value"`
+# strings, like the launchers' `--set`.
 
 # %%
 cfg = apply_overrides(
