@@ -1,9 +1,11 @@
 """Online serving capacity: sweep the agent arrival rate (APS) per policy (paper Figure 10 style).
 
 Run:
-  python bench/online_capacity.py --config=configs/cpu_1p2d.py --aps=0.05,0.1,0.2,0.4 --bisect=2
-Each point replays `workload.agents` agents arriving as a Poisson process at that rate (the same
-arrival times for every policy); the capacity of a policy is the highest rate whose SLO attainment
+  python bench/online_capacity.py --config=configs/cpu_1p2d.py --set workload.duration_s=150 --aps=0.04,0.08,0.16,0.32 --bisect=2
+Each point replays agents arriving as a Poisson process at that rate (the same arrival times for
+every policy) for `workload.duration_s` seconds, or `workload.agents` agents when that is 0. Use a
+duration: with a fixed number of agents a high rate is just a burst of that many agents (an
+offline run), not a sustained load, and "capacity" stops measuring throughput. the capacity of a policy is the highest rate whose SLO attainment
 (TTFT <= workload.ttft_slo_s and TPOT <= workload.tpot_slo_s per round) reaches --attainment.
 The grid stops at the first failing rate; then --bisect=N halves the gap between the highest passing and the lowest
 failing rate N times (geometric midpoints) per policy. Writes WORKDIR/capacity.json and
