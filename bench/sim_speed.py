@@ -1,6 +1,7 @@
 """Simulator speed: events per second and wall time on the paper's hardware (one core).
 
-Run: python bench/sim_speed.py --agents=2048 --policy=dualpath     (the issue's target: 2P4D,
+`cpu_s` (process CPU time of the simulation) is the one-core figure on a shared machine, where
+wall time also counts other processes. Run: python bench/sim_speed.py --agents=2048 --policy=dualpath     (the issue's target: 2P4D,
 2,048 agents, full 64K trace, <= 2 minutes). Smaller `--agents` for a quick look.
      python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   (48P96D, 48K
 agents: <= 20 minutes); `--max_turns=N` replays the first N rounds only (a measured fraction);
@@ -59,9 +60,9 @@ def main(argv):
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:
         prof.enable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run = simulate(cfg, options=opts)
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     if prof:
         prof.disable()
         out = io.StringIO()
@@ -70,8 +71,10 @@ def main(argv):
     s = run.summary
     print(json.dumps({"config": cfg.name, "agents": cfg.workload.agents, "policy": cfg.scheduler.policy.value,
                       "requests": s["requests"], "jct_s": s["jct_s"], "errors": s["errors"],
-                      "total_wall_s": total, "loop_wall_s": run.wall_s, "events": run.events, "events_per_s": run.events / run.wall_s,
-                      "snic_max_over_avg": s["snic_max_over_avg"], "sim": s["sim"]}, indent=1, default=str))
+                      "cpu_s": cpu, "total_wall_s": total, "loop_wall_s": run.wall_s, "events": run.events,
+                      "events_per_cpu_s": run.events / cpu, "events_per_s": run.events / run.wall_s,
+                      "snic_max_over_avg": s["snic_max_over_avg"], "ttft_mean_s": s["ttft_s"]["mean"],
+                      "tpot_mean_s": s["tpot_s"]["mean"], "sim": s["sim"]}, indent=1, default=str))
 
 
 if __name__ == "__main__":
