@@ -35,7 +35,7 @@ _P = flags.DEFINE_integer("prefill_nodes", 2, "P.")
 _D = flags.DEFINE_integer("decode_nodes", 4, "D.")
 _MODEL = flags.DEFINE_string("model", "deepseek-v3.2-660b", "Model preset.")
 _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
-_QUANTUM = flags.DEFINE_float("quantum_s", 0.01, "Link time per granted chunk.")
+_QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 
 

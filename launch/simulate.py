@@ -39,7 +39,7 @@ from dualpath_jax.sim import advise as adv  # noqa: E402
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second (online mode).")
 _DURATION = flags.DEFINE_float("duration_s", None, "Online arrivals stop after this many seconds.")
 _COST = flags.DEFINE_string("cost_json", None, "FittedCostModel JSON (gpu='cpu' configs).")
-_QUANTUM = flags.DEFINE_float("quantum_s", 0.01, "Link time per granted chunk (simulator detail).")
+_QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk (simulator detail).")
 _ADVISE = flags.DEFINE_bool("advise", False, "Sweep P/D, alpha and beta; report the best (advise.json).")
 _ADV_NODES = flags.DEFINE_integer("advise_nodes", 0, "Total nodes split into P and D (0: the config's P+D).")
 _ADV_PD = flags.DEFINE_string("advise_pd", "", "Explicit P/D splits, e.g. 1p2d,2p4d (overrides --advise_nodes).")

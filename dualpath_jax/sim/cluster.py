@@ -65,7 +65,7 @@ class SimOptions:
     the step in progress (False: one event per step, each at its own context).
     """
 
-    quantum_s: float = 0.01
+    quantum_s: float = 0.05
     window_s: float = 1.0
     persist: bool = True
     dispatch_interval_s: float | None = None
