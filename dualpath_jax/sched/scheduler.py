@@ -61,6 +61,7 @@ class GlobalScheduler:
         self.max_queue = max_queue
         self._de_global: collections.deque[Request] = collections.deque()
         self._de_private: dict[int, collections.deque[Request]] = {}
+        self._n_private = 0  # requests in all private queues (len() stays O(1) at 1,000 groups)
         self._private_tok: dict[int, int] = {}
         self._pe_wait: collections.deque[tuple[Request, int]] = collections.deque()
         self._pe: dict[int, EngineLoad] = {}
@@ -87,11 +88,7 @@ class GlobalScheduler:
 
     def __len__(self) -> int:
         """Requests not yet fully assigned (global + private + PE waiting queues)."""
-        return (
-            len(self._de_global)
-            + sum(len(q) for q in self._de_private.values())
-            + len(self._pe_wait)
-        )
+        return len(self._de_global) + self._n_private + len(self._pe_wait)
 
     def submit(self, request: Request) -> None:
         """Adds a new request at the tail of the DE global queue."""
@@ -109,6 +106,10 @@ class GlobalScheduler:
         queue); a caller may skip a fetch that finds none (it would only record loads)."""
         q = self._de_private.get(group)
         return len(self._de_global) + (len(q) if q else 0)
+
+    def de_groups_queued(self) -> list[int]:
+        """DE groups whose private queue holds requests, in the order groups were first seen."""
+        return [g for g, q in self._de_private.items() if q]
 
     def pe_queued(self) -> int:
         """Requests waiting for a PE (a `fetch_pe` finding none only records loads)."""
@@ -147,7 +148,9 @@ class GlobalScheduler:
         self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if de not in dead)
         live_groups = {x.group for x in self._de.values()}
         for g in [g for g in self._de_private if g not in live_groups]:
-            back.extend(self._de_private.pop(g))
+            q = self._de_private.pop(g)
+            self._n_private -= len(q)
+            back.extend(q)
             self._private_tok.pop(g, None)
         self.requeue(back)
         return back
@@ -190,6 +193,7 @@ class GlobalScheduler:
             for r, g in routes:
                 self._de_private[g].append(r)
                 self._private_tok[g] += r.tokens
+            self._n_private += len(routes)
         queue = self._de_private.get(group)
         if not queue:
             return ()
@@ -200,6 +204,7 @@ class GlobalScheduler:
         self._cursor[key] = res.cursor
         for r, de in res.assigned:
             queue.popleft()
+            self._n_private -= 1
             self._private_tok[group] -= r.tokens
             self._pe_wait.append((r, de))
         for x in res.loads:

@@ -239,7 +239,12 @@ class SimCluster:
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._admitted = itertools.count()
         self._persist_paths: dict[int, list] = {}
-        self._pe_fruitless: dict[int, list[EngineLoad]] = {}  # group -> loads of its last empty fetch
+        self._pe_index = {gid: i for i, (gid, _) in enumerate(self._pe_groups)}
+        self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
+        self._de_first = next(iter(self._de_groups))
+        self._node_pes: dict[int, list[_Engine]] = {}
+        for e in self.pes:
+            self._node_pes.setdefault(e.node, []).append(e)
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
@@ -276,9 +281,12 @@ class SimCluster:
         return EngineLoad(e.id, e.node, e.group, e.seq, e.tok, self.read_q[e.node], free)
 
     def _touch_node(self, node: int) -> None:
-        """`read_q[node]` changed: a decode node's DEs must report again."""
+        """`read_q[node]` changed: a decode node's DEs must report again, a prefill node's PE
+        groups may fetch again."""
         for e in self._node_des.get(node, ()):
             self._de_dirty[e.id] = e
+        for e in self._node_pes.get(node, ()):
+            self._pe_live.add(self._pe_index[e.group])
 
     def _groups(self, engines: list[_Engine]) -> dict[int, list[_Engine]]:
         out: dict[int, list[_Engine]] = {}
@@ -298,37 +306,45 @@ class SimCluster:
             self._de_dirty.clear()
         # A fetch that finds no request only records the group's loads, which the scheduler
         # already has (unchanged since the report above): such fetches are skipped.
-        for gid, group in self._de_groups.items():
-            if not sched.de_queued(gid):
-                continue
-            for r, de in sched.fetch_de(gid, [self._load(e) for e in group]):
-                st, e = self.states[r.id], self.engines[de]
-                st.de = e
-                e.seq += 1
-                e.tok += r.tokens
-                e.hbm_promised += r.hbm_tokens
-                self._de_dirty[e.id] = e
+        # Groups in id order: the first one routes the global queue (phase 1), then every group
+        # whose private queue holds requests.
+        first = self._de_first
+        if sched.de_queued(first):
+            self._fetch_de(first)
+        for gid in sched.de_groups_queued():
+            if gid != first:
+                self._fetch_de(gid)
         # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
         # group from always seeing the queue's head.
-        # A PE fetch that assigned nothing is not repeated while the group's loads stay the same:
+        # A PE fetch that assigned nothing is not repeated until a load of its group changes:
         # both PE fetches (Algorithm 1, round robin) assign nothing exactly when every PE of the
         # group is over beta, whatever request heads the queue, and then leave their cursor.
         groups = self._pe_groups
-        k = self.counters["dispatches"] % len(groups)
-        for i in range(len(groups)):
+        n = len(groups)
+        k = self.counters["dispatches"] % n
+        for i in sorted(self._pe_live, key=lambda j: (j - k) % n):
             if not sched.pe_queued():
                 break
-            gid, group = groups[(k + i) % len(groups)]
-            loads = [self._load(e) for e in group]
-            if self._pe_fruitless.get(gid) == loads:
-                continue
-            out = sched.fetch_pe(gid, loads)
+            gid, group = groups[i]
+            out = sched.fetch_pe(gid, [self._load(e) for e in group])
             if not out:
-                self._pe_fruitless[gid] = loads
+                self._pe_live.discard(i)
                 continue
-            self._pe_fruitless.pop(gid, None)
             for a in out:
                 self._assign(a)
+
+    def _fetch_de(self, gid: int) -> None:
+        for r, de in self.scheduler.fetch_de(gid, [self._load(e) for e in self._de_groups[gid]]):
+            st, e = self.states[r.id], self.engines[de]
+            st.de = e
+            e.seq += 1
+            e.tok += r.tokens
+            e.hbm_promised += r.hbm_tokens
+            self._de_dirty[e.id] = e
+
+    def _touch_pe(self, e: _Engine) -> None:
+        """A PE's load changed: its group may fetch again."""
+        self._pe_live.add(self._pe_index[e.group])
 
     def _assign(self, a: Assignment) -> None:
         st = self.states[a.request.id]
@@ -337,6 +353,7 @@ class SimCluster:
         self._unassigned -= 1
         pe.seq += 1
         pe.tok += a.request.tokens
+        self._touch_pe(pe)
         self.counters[f"path_{a.path.value}"] += 1
         r = a.request
         if not self.policy.reads:  # Oracle: nothing is read or copied
@@ -346,6 +363,8 @@ class SimCluster:
         st.read_q = {"pe": a.pe_read_blocks * self.bt, "de": a.de_read_blocks * self.bt}
         self.read_q[pe.node] += st.read_q["pe"]
         self.read_q[de.node] += st.read_q["de"]
+        if st.read_q["pe"]:
+            self._touch_node(pe.node)
         if st.read_q["de"]:
             self._touch_node(de.node)
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
@@ -462,6 +481,7 @@ class SimCluster:
             self._dequeue_reads(st, side)
         pe.seq -= 1
         pe.tok -= st.request.tokens
+        self._touch_pe(pe)
         pe.buffer.release(st.pe_buf)
         self.events.append({"kind": "first_token", "request": st.request.id, "read_s": st.t_read,
                             "prefill_s": prefill_s})
