@@ -48,6 +48,7 @@ _LARGE = flags.DEFINE_bool("large", False, "table3 at the paper's 48P96D / 44P88
 _MODELS = flags.DEFINE_list("models", ["ds27b", "ds660b", "qwen32b"], "fig7: models.")
 _PRESETS = flags.DEFINE_list("presets", [], "fig7: MaxLen presets (default: 64k quick, all full).")
 _AGENTS = flags.DEFINE_list("agents", [], "fig7: agent counts for every model (default: per model).")
+_ABLATION = flags.DEFINE_list("ablation_agents", [], "fig12: agent counts (default: 1024,2048; quick 128).")
 _SNIC = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC rate per node (Gbps) of every run.")
 
 # Paper numbers (../NOTES: Figures 7-13, Table 3) the headline table compares against.
@@ -259,6 +260,7 @@ class Plan:
     models: tuple[str, ...] = ("ds27b", "ds660b", "qwen32b")
     preset_list: tuple[str, ...] = ()
     agent_list: tuple[int, ...] = ()
+    ablation_list: tuple[int, ...] = ()
 
     @property
     def turns(self) -> int:
@@ -283,6 +285,8 @@ class Plan:
 
     @property
     def ablation_agents(self) -> list[int]:
+        if self.ablation_list:
+            return list(self.ablation_list)
         return [128] if self.quick else [1024, 2048]
 
     @property
@@ -342,7 +346,7 @@ def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
 
 def fig8(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     ratios = [(1, 1), (2, 1), (1, 2)]
-    n = plan.sweep_agents if plan.quick else 512
+    n = plan.sweep_agents
     specs = {(p, d, pol): Spec("ds27b", p, d, pol, n, max_turns=plan.turns)
              for p, d in ratios for pol in POLICIES}
     res = runner.get(list(specs.values()))
@@ -454,7 +458,9 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     plt.close(fig11)
     ratios = {m: caps[f"{m}_dualpath"] / caps[f"{m}_basic"] if caps[f"{m}_basic"] else math.inf
               for m, _, _ in models}
-    return {"capacity_aps": caps, "capacity_ratio": ratios}
+    # A capacity at the top of the grid is a lower bound (every rate met the SLO).
+    saturated = {f"{m}_{pol}": caps[f"{m}_{pol}"] < max(plan.aps(m)) for m, _, _ in models for pol in POLICIES}
+    return {"capacity_aps": caps, "capacity_ratio": ratios, "capacity_below_grid_top": saturated}
 
 
 ABLATION = ("basic", "layerwise", "dualpath_rr", "dualpath")
@@ -507,11 +513,11 @@ def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
 
 
 def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
-    k = 24 if plan.large else 4
+    k = 24 if plan.large else 2 if plan.quick else 4
     small_n = plan.headline_agents
     offline = [Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
                Spec("ds660b", 2 * k, 4 * k, "dualpath", small_n * k, max_turns=plan.turns)]
-    k_on = 22 if plan.large else 4
+    k_on = 22 if plan.large else 2 if plan.quick else 4
     online = [Spec("ds660b", 2, 4, "dualpath", 0, mode="online", aps=0.4, duration_s=plan.duration_s,
                    max_turns=plan.turns),
               Spec("ds660b", 2 * k_on, 4 * k_on, "dualpath", 0, mode="online", aps=0.4 * k_on,
@@ -573,9 +579,12 @@ def headline(results: dict, plan: Plan) -> list[dict]:
         for m, key in (("ds660b", "capacity_ds660b"), ("ds27b", "capacity_ds27b")):
             ours = results["fig10"]["capacity_ratio"][m]
             caps = results["fig10"]["capacity_aps"]
+            below = results["fig10"].get("capacity_below_grid_top", {})
+            note = f"capacity {caps[m + '_basic']:.3f} -> {caps[m + '_dualpath']:.3f} APS"
+            if not below.get(m + "_basic", True):
+                note += " (Basic met the SLO at every rate of the grid: not saturated)"
             row(f"{m} online APS capacity DualPath/Basic", ours, PAPER[key],
-                math.isfinite(ours) and abs(ours / PAPER[key] - 1) <= 0.15,
-                f"capacity {caps[m + '_basic']:.3f} -> {caps[m + '_dualpath']:.3f} APS")
+                math.isfinite(ours) and abs(ours / PAPER[key] - 1) <= 0.15, note)
     if "fig12" in results:
         red = results["fig12"]["reduction_pct"]
         for pol, key in (("layerwise", "ablation_layerwise"), ("dualpath_rr", "ablation_dpl"),
@@ -621,7 +630,8 @@ def main(argv):
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
     plan = Plan(quick=_QUICK.value, large=_LARGE.value, models=tuple(_MODELS.value),
-                preset_list=tuple(_PRESETS.value), agent_list=tuple(int(a) for a in _AGENTS.value))
+                preset_list=tuple(_PRESETS.value), agent_list=tuple(int(a) for a in _AGENTS.value),
+                ablation_list=tuple(int(a) for a in _ABLATION.value))
     runner = Runner(out, _JOBS.value, snic_gbps=_SNIC.value)
     unknown = set(_ONLY.value) - set(FIGURES)
     if unknown:
