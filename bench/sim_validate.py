@@ -9,12 +9,13 @@ fresh local cluster (`metrics.compare.compare`, the same runs as `bench/compare_
 fits one CPU cost model to the pooled `events.jsonl` of those runs (`sim.fit.fit_events`: prefill
 batch times, decode step time and the per-request DE overhead), simulates each policy with it on
 the same trajectories, and prints measured JCT, simulated JCT and the error. The `cross` columns
-simulate with the *other* config's fit: a check that the fit is not just absorbing one run.
+simulate with the *other* config's fit: a check that the fit is not just absorbing one run. The
+`own` columns fit each run to its own events alone (the host's load during that very run).
 Writes WORKDIR/validation.json and WORKDIR/<config>/cpu_fit.json (for
 `launch/simulate.py --cost_json`).
 
 Wall times on a shared 2-core host are noisy (other processes, three engine processes sharing
-two cores): repeated real runs of one policy differ by several percent.
+two cores): repeated real runs of one policy differed by up to 18% (README).
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def validate(configs: list[str], policies: list[str], workdir: pathlib.Path, *, 
             real = measured[name][p]
             row = {"config": name, "policy": p, "measured_jct_s": real["jct_s"],
                    "measured_requests": real["requests"]}
-            for key, fit_name in (("sim", name), ("cross", other)):
-                fit = fits[fit_name]
+            own = fit_events([workdir / name / p], block_tokens=cfg.store.block_tokens,
+                             kv_bytes_per_token=kv_bytes_per_token(cfg.model))
+            for key, fit in (("sim", fits[name]), ("cross", fits[other]), ("own", own)):
                 run = simulate(with_policy(cfg, p), cost=fit.cost,
                                options=SimOptions(decode_overhead_s=fit.decode_overhead_s))
                 row[f"{key}_jct_s"] = run.jct_s
@@ -81,11 +83,12 @@ def validate(configs: list[str], policies: list[str], workdir: pathlib.Path, *, 
 
 def table(result: dict) -> str:
     head = (f"{'config':<10}{'policy':<10}{'measured s':>11}{'simulated s':>12}{'error':>8}"
-            f"{'cross s':>9}{'cross err':>10}")
+            f"{'cross s':>9}{'cross err':>10}{'own s':>8}{'own err':>9}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         lines.append(f"{r['config']:<10}{r['policy']:<10}{r['measured_jct_s']:11.1f}{r['sim_jct_s']:12.1f}"
-                     f"{r['sim_error_pct']:+7.1f}%{r['cross_jct_s']:9.1f}{r['cross_error_pct']:+9.1f}%")
+                     f"{r['sim_error_pct']:+7.1f}%{r['cross_jct_s']:9.1f}{r['cross_error_pct']:+9.1f}%"
+                     f"{r['own_jct_s']:8.1f}{r['own_error_pct']:+8.1f}%")
     lines.append("fits (prefill p0 s, p1 s/token, p2 s/pair; decode step s; DE overhead s per request):")
     for name, f in result["fits"].items():
         p = f["prefill"]
