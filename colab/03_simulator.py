@@ -77,8 +77,11 @@ from dualpath_jax.sim.advise import AdviseSpace, advise, format_report, pd_split
 # **Scaling.** The paper's Figure 7 uses 256-2,048 agents; one such run is about 10-40 minutes
 # of CPU here. We take `1/SCALE` of the agents and give every storage NIC `1/SCALE` of its
 # 50 GB/s, so that the storage load per byte of bandwidth matches the paper's, while the GPUs
-# stay the paper's (so they are relatively less loaded: expect larger gains than the paper's
-# 1.87x, and Oracle further below DualPath). `bench/paper_figures.py` runs the full-size figures.
+# stay the paper's (so they are relatively less loaded: storage binds harder than at full size,
+# and Oracle sits further below DualPath). `bench/paper_figures.py` runs the full-size figures;
+# the README's "Simulator: paper reproduction" section has the 2,048-agent run (DualPath/Basic
+# 1.52 with 50 GB/s storage NICs, where DualPath is bound by prefill compute; 2.55 at the
+# paper-implied 21 GB/s; the paper reports 1.87).
 
 # %%
 MODEL = "ds660b"
