@@ -37,6 +37,7 @@ _MODEL = flags.DEFINE_string("model", "deepseek-v3.2-660b", "Model preset.")
 _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
+_FAST_LINKS = flags.DEFINE_bool("fast_links", True, "One event per uncontended transfer.")
 
 
 def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0) -> ExperimentConfig:
@@ -56,7 +57,7 @@ def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns
 def main(argv):
     del argv
     cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
-    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value)
+    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value, fast_links=_FAST_LINKS.value)
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:
         prof.enable()

@@ -62,7 +62,8 @@ class SimOptions:
     CPU engines by `sim.fit`, 0 for the GPU presets); `decode_macro_steps`: a decode batch
     whose members cannot change (no request finishes, none is admitted) advances all those
     steps in one event, each timed at the span's mean context; an admission cuts the span after
-    the step in progress (False: one event per step, each at its own context).
+    the step in progress (False: one event per step, each at its own context); `fast_links`:
+    one event per uncontended transfer (`sim.network`; False: one per chunk per link).
     """
 
     quantum_s: float = 0.05
@@ -73,6 +74,7 @@ class SimOptions:
     hbm_tokens: int = 0
     decode_overhead_s: float = 0.0
     decode_macro_steps: bool = True
+    fast_links: bool = True
 
 
 @dataclasses.dataclass
@@ -203,7 +205,8 @@ class SimCluster:
         self.kvb = kv_bytes_per_token(cfg.model, options.kv_format)
         self.layers = cfg.model.num_layers
         self.net = SimNetwork(self.loop, lambda lid: L.link_rate(hw, lid.kind), quantum_s=options.quantum_s,
-                              high_weight=hw.high_weight, low_weight=hw.low_weight, window_s=options.window_s)
+                              high_weight=hw.high_weight, low_weight=hw.low_weight, window_s=options.window_s,
+                              fast=options.fast_links)
         self.alpha = derive_alpha(cfg.scheduler, hw, self.kvb)
         self.beta = derive_beta(cfg.scheduler, cost, ref_cached=ref_request[0], ref_new=ref_request[1],
                                 max_batch=cl.prefill_max_batch or 256)

@@ -72,3 +72,34 @@ def test_unlimited_link_only_counts():
     net.transfer([SNIC], 10**12, TrafficClass.HIGH, lambda: done.append(loop.now))
     loop.run()
     assert done == [0.0] and net.totals()[SNIC.name] == 10**12
+
+
+def _random_transfers(fast: bool, seed: int) -> tuple[list[tuple[int, float]], dict, dict]:
+    import random
+
+    rng = random.Random(seed)
+    links = [LinkId(k, f"node{n}") for k in (LinkKind.SNIC_RX, LinkKind.DRAM) for n in range(2)]
+    rates = {lid: rng.choice([1e5, 4e5, 1e6]) for lid in links}
+    loop = EventLoop()
+    net = SimNetwork(loop, lambda lid: rates.get(lid, 0.0), quantum_s=0.01, window_s=0.5, fast=fast)
+    done: list[tuple[int, float]] = []
+    for i in range(300):
+        path = rng.sample([*links, LinkId(LinkKind.H2D, "pe0")], rng.randint(1, 3))
+        nbytes = rng.choice([100, 2_000, 20_000, 300_000])
+        cls = rng.choice(list(TrafficClass))
+        loop.at(rng.uniform(0, 5), net.transfer, path, nbytes, cls,
+                lambda i=i: done.append((i, loop.now)))
+    loop.run()
+    windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
+    return sorted(done), net.totals(), windows
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_event_per_uncontended_transfer_changes_no_timing(seed):
+    # Busy and idle links, both classes, single and multi-link paths, one chunk or many.
+    slow, fast = _random_transfers(False, seed), _random_transfers(True, seed)
+    assert [i for i, _ in fast[0]] == [i for i, _ in slow[0]]
+    assert [t for _, t in fast[0]] == pytest.approx([t for _, t in slow[0]], abs=1e-9)
+    assert fast[1] == slow[1]
+    for name, series in slow[2].items():
+        assert [b for _, b in fast[2][name]] == pytest.approx([b for _, b in series])

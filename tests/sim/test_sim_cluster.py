@@ -147,3 +147,13 @@ def test_online_mode_arrivals():
     run = simulate(cfg, cost=CPU_COST)
     assert run.summary["mode"] == "online" and run.summary["errors"] == 0
     assert run.summary["agents"] == cfg.workload.agents
+
+
+@pytest.mark.parametrize("policy", ["basic", "dualpath", "split"])
+def test_one_event_per_uncontended_transfer_keeps_results(policy):
+    runs = [simulate(_cfg(1, 2, policy), cost=CPU_COST, options=SimOptions(fast_links=f))
+            for f in (False, True)]
+    slow, fast = (r.summary for r in runs)
+    assert fast["jct_s"] == pytest.approx(slow["jct_s"], rel=0.01)
+    assert fast["ttft_s"]["mean"] == pytest.approx(slow["ttft_s"]["mean"], rel=0.01)
+    assert runs[1].events < runs[0].events
