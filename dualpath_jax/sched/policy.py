@@ -158,7 +158,7 @@ class InterEnginePolicy:
         block_tokens: int,
         pe_read_rate: float = 1.0,
         de_read_rate: float = 1.0,
-        cursor: int = 0,
+        cursor: int | Mapping[int, int] = 0,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,

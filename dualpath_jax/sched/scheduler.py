@@ -68,6 +68,7 @@ class GlobalScheduler:
         self._de: dict[int, EngineLoad] = {}
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
+        self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
 
     @classmethod
     def from_config(
@@ -246,11 +247,11 @@ class GlobalScheduler:
             block_tokens=self.block_tokens,
             pe_read_rate=self.pe_read_rate,
             de_read_rate=self.de_read_rate,
-            cursor=self._cursor.get(("path", 0), 0),
+            cursor=self._path_turns,
         )
-        self._cursor[("path", 0)] = self._cursor.get(("path", 0), 0) + sum(
-            1 for a in out if a.pe_read_blocks + a.de_read_blocks > 0
-        )
+        for a in out:  # round robin keeps one PE/DE turn per DE
+            if a.pe_read_blocks + a.de_read_blocks > 0:
+                self._path_turns[a.de] = self._path_turns.get(a.de, 0) + 1
         return out
 
 

@@ -247,3 +247,14 @@ def test_round_robin_scheduler_alternates_read_sides_across_fetches():
         s.fetch_de(0, [de])
         paths += [a.path for a in s.fetch_pe(0, [pe])]
     assert paths == [ReadPath.PE, ReadPath.DE, ReadPath.PE, ReadPath.DE]
+
+
+def test_alternate_turns_are_kept_per_decode_engine():
+    pe_node, de_node = {1: 0}, {5: 1, 6: 2}
+    queue = [Request(f"r{i}", "t", 1, 128, 64, 8) for i in range(8)]
+    pairs = [(r, 1, 5 + i % 2) for i, r in enumerate(queue)]  # DEs chosen in turn
+    out, after = assign_paths(pairs, pe_node, de_node, {}, mode="alternate", block_tokens=64,
+                              cursor={})
+    # one shared cursor would read every DE-side hit on DE 6 (lockstep with the DE turns)
+    assert [a.path for a in out] == [ReadPath.PE] * 2 + [ReadPath.DE] * 2 + [ReadPath.PE] * 2 + [ReadPath.DE] * 2
+    assert after == {0: 256, 1: 128, 2: 128}
