@@ -290,6 +290,15 @@ class RooflineCostModel:
         nbytes = sum(m.kv_bytes(c + b) for c, b in pairs)
         return max(self._compute_s(0.0, flops, self.prefill_efficiency), nbytes / self.bytes_per_s)
 
+    def attention_terms(self, cached: int, bsz: int) -> tuple[float, float]:
+        """One pair's additive terms of `attention_time`: (FLOPs, KV bytes)."""
+        m = self.model
+        return m.prefill_attention_flops(cached, bsz), m.kv_bytes(cached + bsz)
+
+    def attention_time_of(self, terms: Sequence[float]) -> float:
+        """`attention_time` from the batch's summed `attention_terms`."""
+        return max(self._compute_s(0.0, terms[0], self.prefill_efficiency), terms[1] / self.bytes_per_s)
+
     def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         m = self.model
         live = [(c, b) for c, b in pairs if b > 0]
@@ -461,6 +470,14 @@ class FittedCostModel:
 
     def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         return self.prefill[2] * sum(summed_keys(c, b) for c, b in pairs)
+
+    def attention_terms(self, cached: int, bsz: int) -> tuple[float]:
+        """One pair's additive term of `attention_time`: its query-key pairs."""
+        return (summed_keys(cached, bsz),)
+
+    def attention_time_of(self, terms: Sequence[float]) -> float:
+        """`attention_time` from the batch's summed `attention_terms`."""
+        return self.prefill[2] * terms[0]
 
     def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         if not pairs:

@@ -16,10 +16,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 AttentionTime = Callable[[Sequence[tuple[int, int]]], float]
 """Predicted attention-layer time (seconds) of a batch of `(cached, bsz)` pairs; must not
 decrease when any `bsz` grows."""
+
+
+class AttentionTerms(Protocol):
+    """An `AttentionTime` that is a function of per-pair terms summed over the batch (the cost
+    models of `sched.cost`): `attention_time(pairs) == attention_time_of(elementwise sum of
+    attention_terms(c, b))`. Packing with it costs one pair per candidate, not the whole batch."""
+
+    def attention_terms(self, cached: int, bsz: int) -> tuple[float, ...]: ...
+
+    def attention_time_of(self, terms: Sequence[float]) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,20 +82,27 @@ def pack_prefill_batch(
     *,
     max_requests: int = 0,
     max_tokens: int = 0,
+    terms: AttentionTerms | None = None,
 ) -> BatchPlan:
     """FIFO packing under the compute quota with a binary-search cut of the overflowing request.
 
     `max_requests` / `max_tokens` (0: no limit) cap the batch's requests / new tokens as well.
+    `terms`: the same cost as `attention_time` in additive form (optional; same plan, cheaper).
     """
     pairs: list[tuple[int, int]] = []
     chunks: list[PrefillChunk] = []
     tokens = 0
     rest: PendingPrefill | None = None
     taken = 0
+    acc: tuple[float, ...] = ()  # summed terms of `pairs`
 
     def fits(cached: int, bsz: int) -> bool:
         if max_tokens and tokens + bsz > max_tokens:
             return False
+        if terms is not None:
+            t = terms.attention_terms(cached, bsz)
+            total = tuple(a + b for a, b in zip(acc, t)) if acc else t
+            return terms.attention_time_of(total) <= quota_s
         return attention_time([*pairs, (cached, bsz)]) <= quota_s
 
     for item in queue:
@@ -106,13 +124,21 @@ def pack_prefill_batch(
                     break
                 bsz = 1  # a lone request still makes progress
         pairs.append((item.cached, bsz))
+        if terms is not None:
+            t = terms.attention_terms(item.cached, bsz)
+            acc = tuple(a + b for a, b in zip(acc, t)) if acc else t
         chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
         tokens += bsz
         if bsz < item.new:
             rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
             break
         taken += 1
-    predicted = attention_time(pairs) if pairs else 0.0
+    if not pairs:
+        predicted = 0.0
+    elif terms is not None:
+        predicted = terms.attention_time_of(acc)
+    else:
+        predicted = attention_time(pairs)
     return BatchPlan(tuple(chunks), taken, rest, predicted)
 
 
@@ -140,9 +166,15 @@ class PrefillQueue:
         *,
         max_requests: int = 0,
         max_tokens: int = 0,
+        terms: AttentionTerms | None = None,
     ) -> BatchPlan:
         plan = pack_prefill_batch(
-            self._q, attention_time, quota_s, max_requests=max_requests, max_tokens=max_tokens
+            self._q,
+            attention_time,
+            quota_s,
+            max_requests=max_requests,
+            max_tokens=max_tokens,
+            terms=terms,
         )
         for _ in range(plan.taken):
             self._q.popleft()

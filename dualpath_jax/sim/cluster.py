@@ -255,6 +255,8 @@ class SimCluster:
         self.counters = collections.Counter()
         self._dispatch_at: float | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
+        # The additive form of the cost model's attention time, when it has one (same plans).
+        self._terms = cost if hasattr(cost, "attention_terms") else None
 
     # ------------------------------------------------------------------ router
 
@@ -428,7 +430,7 @@ class SimCluster:
         if pe.busy or not len(pe.queue):
             return
         cl = self.cfg.cluster
-        plan = pe.queue.next_batch(self.cost.attention_time, self.quota_s,
+        plan = pe.queue.next_batch(self.cost.attention_time, self.quota_s, terms=self._terms,
                                    max_requests=cl.prefill_max_batch, max_tokens=cl.prefill_max_tokens)
         pe.busy = True
         t0 = self.loop.now

@@ -125,3 +125,27 @@ def test_admit_decode_is_fifo_by_hbm_and_slots():
     assert admit_decode(waiting, free_hbm_tokens=350, free_slots=8) == ("a",)
     assert admit_decode(waiting, free_hbm_tokens=1000, free_slots=2) == ("a", "b")
     assert admit_decode(waiting, free_hbm_tokens=1000, free_slots=0) == ()
+
+
+def _cost_models():
+    from dualpath_jax.hardware import HOPPER_NODE
+    from dualpath_jax.model.presets import get_preset
+    from dualpath_jax.sched.cost import make_cost_model
+
+    roofline = make_cost_model(HOPPER_NODE, get_preset("deepseek-v3.2-660b"), kv_format="fp8_flashmla")
+    return [FittedCostModel(prefill=(0.02, 2e-5, 5e-9)), roofline]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12),
+    quota_ms=st.sampled_from([1.0, 30.0, 300.0]),
+    max_tokens=st.sampled_from([0, 2_000]),
+)
+def test_packing_with_additive_terms_plans_the_same_batch(items, quota_ms, max_tokens):
+    queue = [PendingPrefill(f"r{i}", c, n) for i, (c, n) in enumerate(items)]
+    for cost in _cost_models():
+        plain = pack_prefill_batch(queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens)
+        fast = pack_prefill_batch(queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens,
+                                  terms=cost)
+        assert fast == plain
