@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import threading
@@ -693,7 +694,9 @@ def _check_tokens(tokens: int) -> None:
 Owner = str | int
 
 
+@functools.lru_cache(maxsize=65536)
 def _lid(kind: LinkKind, owner: Owner) -> LinkId:
+    # LinkIds are immutable: the simulator builds the same few thousand for every request.
     return LinkId(kind, str(owner))
 
 
