@@ -66,6 +66,7 @@ class GlobalScheduler:
         self._pe_wait: collections.deque[tuple[Request, int]] = collections.deque()
         self._pe: dict[int, EngineLoad] = {}
         self._de: dict[int, EngineLoad] = {}
+        self._de_tok: dict[int, int] = {}  # group -> sum of its DEs' `tok_e` (kept with `_de`)
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
         self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
@@ -131,7 +132,10 @@ class GlobalScheduler:
             raise ValueError(f"role must be 'pe' or 'de', got {role!r}")
         table = self._pe if role == "pe" else self._de
         for x in loads:
-            table[x.engine] = x
+            if role == "de":
+                self._set_de(x)
+            else:
+                table[x.engine] = x
             self._read_q[x.node] = x.read_q
             if role == "de":
                 self._de_private.setdefault(x.group, collections.deque())
@@ -144,10 +148,14 @@ class GlobalScheduler:
         dead = set(engines)
         for e in dead:
             self._pe.pop(e, None)
-            self._de.pop(e, None)
+            x = self._de.pop(e, None)
+            if x is not None:
+                self._de_tok[x.group] -= x.tok_e
         back = [r for r, de in self._pe_wait if de in dead]
         self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if de not in dead)
         live_groups = {x.group for x in self._de.values()}
+        for g in [g for g in self._de_tok if g not in live_groups]:
+            del self._de_tok[g]
         for g in [g for g in self._de_private if g not in live_groups]:
             q = self._de_private.pop(g)
             self._n_private -= len(q)
@@ -184,8 +192,8 @@ class GlobalScheduler:
         self.report(loads, "de")
         if self._de_global and self._private_tok:
             group_tok = dict(self._private_tok)
-            for x in self._de.values():
-                group_tok[x.group] = group_tok.get(x.group, 0) + x.tok_e
+            for g, t in self._de_tok.items():
+                group_tok[g] = group_tok.get(g, 0) + t
             key = ("de_route", 0)
             routes, self._cursor[key] = self.policy.de_route(
                 self._de_global, group_tok, cursor=self._cursor.get(key, 0)
@@ -209,8 +217,15 @@ class GlobalScheduler:
             self._private_tok[group] -= r.tokens
             self._pe_wait.append((r, de))
         for x in res.loads:
-            self._de[x.engine] = x
+            self._set_de(x)
         return res.assigned
+
+    def _set_de(self, x: EngineLoad) -> None:
+        old = self._de.get(x.engine)
+        if old is not None:
+            self._de_tok[old.group] -= old.tok_e
+        self._de[x.engine] = x
+        self._de_tok[x.group] = self._de_tok.get(x.group, 0) + x.tok_e
 
     def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
         """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.
