@@ -66,7 +66,8 @@ class GlobalScheduler:
         self._pe_wait: collections.deque[tuple[Request, int]] = collections.deque()
         self._pe: dict[int, EngineLoad] = {}
         self._de: dict[int, EngineLoad] = {}
-        self._de_tok: dict[int, int] = {}  # group -> sum of its DEs' `tok_e` (kept with `_de`)
+        # group -> its DEs' `tok_e` plus its private queue's tokens (DE phase 1's totals)
+        self._group_tok: dict[int, int] = {}
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
         self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
@@ -150,12 +151,12 @@ class GlobalScheduler:
             self._pe.pop(e, None)
             x = self._de.pop(e, None)
             if x is not None:
-                self._de_tok[x.group] -= x.tok_e
+                self._group_tok[x.group] -= x.tok_e
         back = [r for r, de in self._pe_wait if de in dead]
         self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if de not in dead)
         live_groups = {x.group for x in self._de.values()}
-        for g in [g for g in self._de_tok if g not in live_groups]:
-            del self._de_tok[g]
+        for g in [g for g in self._group_tok if g not in live_groups]:
+            del self._group_tok[g]
         for g in [g for g in self._de_private if g not in live_groups]:
             q = self._de_private.pop(g)
             self._n_private -= len(q)
@@ -191,9 +192,7 @@ class GlobalScheduler:
         """
         self.report(loads, "de")
         if self._de_global and self._private_tok:
-            group_tok = dict(self._private_tok)
-            for g, t in self._de_tok.items():
-                group_tok[g] = group_tok.get(g, 0) + t
+            group_tok = dict(self._group_tok)
             key = ("de_route", 0)
             routes, self._cursor[key] = self.policy.de_route(
                 self._de_global, group_tok, cursor=self._cursor.get(key, 0)
@@ -202,6 +201,7 @@ class GlobalScheduler:
             for r, g in routes:
                 self._de_private[g].append(r)
                 self._private_tok[g] += r.tokens
+                self._group_tok[g] += r.tokens
             self._n_private += len(routes)
         queue = self._de_private.get(group)
         if not queue:
@@ -215,6 +215,7 @@ class GlobalScheduler:
             queue.popleft()
             self._n_private -= 1
             self._private_tok[group] -= r.tokens
+            self._group_tok[group] -= r.tokens
             self._pe_wait.append((r, de))
         for x in res.loads:
             self._set_de(x)
@@ -223,9 +224,9 @@ class GlobalScheduler:
     def _set_de(self, x: EngineLoad) -> None:
         old = self._de.get(x.engine)
         if old is not None:
-            self._de_tok[old.group] -= old.tok_e
+            self._group_tok[old.group] -= old.tok_e
         self._de[x.engine] = x
-        self._de_tok[x.group] = self._de_tok.get(x.group, 0) + x.tok_e
+        self._group_tok[x.group] = self._group_tok.get(x.group, 0) + x.tok_e
 
     def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
         """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.

@@ -636,8 +636,8 @@ class SimCluster:
             by_node.setdefault(e.node, []).append(e)
         for node, engines in sorted(by_node.items()):
             owners = {f"node{node}", *(e.name for e in engines)}
-            windows = {ln.id.name: ln.window_series() for ln in self.net.links.values()
-                       if ln.id.owner in owners}
+            windows = {ln.id.name: ln.window_series() for o in sorted(owners)
+                       for ln in self.net.by_owner.get(o, ())}
             out.append({"role": engines[0].role, "engine": engines[0].id, "node": node,
                         "snapshot": self.net.snapshot(elapsed_s, owners), "windows": windows})
         return out

@@ -176,6 +176,7 @@ class SimNetwork:
         self.high_weight, self.low_weight = high_weight, low_weight
         self.window_s = window_s
         self.links: dict[LinkId, SimLink] = {}
+        self.by_owner: dict[str, list[SimLink]] = {}
 
     def link(self, link_id: LinkId) -> SimLink:
         ln = self.links.get(link_id)
@@ -184,6 +185,7 @@ class SimNetwork:
                 link_id, self._rates(link_id), self.loop, quantum_s=self.quantum_s,
                 high_weight=self.high_weight, low_weight=self.low_weight, window_s=self.window_s,
             )
+            self.by_owner.setdefault(link_id.owner, []).append(ln)
         return ln
 
     def transfer(self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done) -> None:
@@ -246,9 +248,10 @@ class SimNetwork:
     def snapshot(self, elapsed_s: float, owners: set[str] | None = None) -> dict:
         """The `TrafficManager.snapshot()` shape for the links of `owners` (None: all)."""
         out = {}
-        for ln in sorted(self.links.values(), key=lambda x: x.id.name):
-            if owners is not None and ln.id.owner not in owners:
-                continue
+        links = self.links.values()
+        if owners is not None:
+            links = [ln for o in owners for ln in self.by_owner.get(o, ())]
+        for ln in sorted(links, key=lambda x: x.id.name):
             hi, lo = ln.bytes
             busy = ln.busy_s()
             out[ln.id.name] = link_record(ln.id, ln.rate, hi, lo, busy, elapsed_s)
