@@ -423,7 +423,7 @@ def hopper_calibration() -> Calibration:
     return calibrate(DEEPSEEK_V3_SERVING)
 
 
-def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (active set; a handful of features)."""
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
@@ -462,10 +462,10 @@ class FittedCostModel:
         prefill = decode = (0.0, 0.0, 0.0)
         if ps:
             x = np.array([[1.0, n, summed_keys(c, n)] for c, n, _ in ps])
-            prefill = tuple(float(v) for v in _nnls(x, np.array([t for *_, t in ps])))
+            prefill = tuple(float(v) for v in nnls(x, np.array([t for *_, t in ps])))
         if ds:
             x = np.array([[1.0, b, b * ctx] for b, ctx, _ in ds])
-            decode = tuple(float(v) for v in _nnls(x, np.array([t for *_, t in ds])))
+            decode = tuple(float(v) for v in nnls(x, np.array([t for *_, t in ds])))
         return cls(prefill, decode)  # type: ignore[arg-type]
 
     def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from dualpath_jax.metrics.events import read_events
-from dualpath_jax.sched.cost import FittedCostModel, summed_keys
+from dualpath_jax.sched.cost import FittedCostModel, nnls, summed_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +57,6 @@ class CpuFit:
             "prefill_rms_s": self.prefill_rms_s,
             "decode_rms_s": self.decode_rms_s,
         }
-
-
-def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with non-negative coefficients (active set; a handful of features)."""
-    active = list(range(x.shape[1]))
-    coef = np.zeros(x.shape[1])
-    while active:
-        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return coef
 
 
 def request_records(events: Iterable[dict]) -> dict[str, dict[str, dict]]:
