@@ -23,7 +23,7 @@ import pathlib
 import queue
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
@@ -378,25 +378,23 @@ class InProcessEngine:
         shape or dtype raises RolloutError and the old params stay). Each session keeps its
         context, but its cached KV is dropped (it was computed with the old params), so the next
         round recomputes it. Returns the new params version."""
-        from dualpath_jax.engine.params import check_version
-        from dualpath_jax.model.checkpoint import CheckpointError, model_from_params
+        from dualpath_jax.model.checkpoint import model_from_params
 
-        version = check_version(version or new_version())
-        try:
-            model = model_from_params(params, self.cfg)
-        except CheckpointError as e:
-            raise RolloutError(f"params {version!r} refused: {e}", "bad_request") from None
-        self._swap(model, version)
-        return version
+        return self._update(lambda: model_from_params(params, self.cfg), version)
 
     def update_params_from_checkpoint(self, path: str | pathlib.Path, version: str | None = None) -> str:
         """`update_params` from a checkpoint directory (see `Client.update_params_from_checkpoint`)."""
+        from dualpath_jax.model.checkpoint import load_params
+
+        return self._update(lambda: load_params(path, self.cfg), version)
+
+    def _update(self, load: Callable[[], Any], version: str | None) -> str:
         from dualpath_jax.engine.params import check_version
-        from dualpath_jax.model.checkpoint import CheckpointError, load_params
+        from dualpath_jax.model.checkpoint import CheckpointError
 
         version = check_version(version or new_version())
         try:
-            model = load_params(path, self.cfg)
+            model = load()
         except CheckpointError as e:
             raise RolloutError(f"params {version!r} refused: {e}", "bad_request") from None
         self._swap(model, version)
