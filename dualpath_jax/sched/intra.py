@@ -96,13 +96,16 @@ def pack_prefill_batch(
     taken = 0
     acc: tuple[float, ...] = ()  # summed terms of `pairs`
 
+    def time_with(cached: int, bsz: int) -> float:
+        assert terms is not None
+        t = terms.attention_terms(cached, bsz)
+        return terms.attention_time_of(tuple(a + b for a, b in zip(acc, t)) if acc else t)
+
     def fits(cached: int, bsz: int) -> bool:
         if max_tokens and tokens + bsz > max_tokens:
             return False
         if terms is not None:
-            t = terms.attention_terms(cached, bsz)
-            total = tuple(a + b for a, b in zip(acc, t)) if acc else t
-            return terms.attention_time_of(total) <= quota_s
+            return time_with(cached, bsz) <= quota_s
         return attention_time([*pairs, (cached, bsz)]) <= quota_s
 
     for item in queue:
@@ -110,6 +113,15 @@ def pack_prefill_batch(
             break
         if fits(item.cached, item.new):
             bsz = item.new
+        elif terms is not None:
+            hi = item.new - 1
+            if max_tokens:
+                hi = max(0, min(hi, max_tokens - tokens))
+            bsz = _largest_fitting(hi, lambda b, c=item.cached: time_with(c, b), quota_s)
+            if bsz == 0:
+                if chunks:
+                    break
+                bsz = 1  # a lone request still makes progress
         else:
             lo, hi = 0, item.new - 1  # lo fits (or is 0), hi + 1 does not
             while lo < hi:
@@ -140,6 +152,42 @@ def pack_prefill_batch(
     else:
         predicted = attention_time(pairs)
     return BatchPlan(tuple(chunks), taken, rest, predicted)
+
+
+def _largest_fitting(hi: int, time_of: Callable[[int], float], quota_s: float) -> int:
+    """The largest `b` in `[0, hi]` with `time_of(b) <= quota_s` (0 if none) for a nondecreasing
+    `time_of`: the binary search's answer, found by secant steps through the last two points
+    (kept inside the bracket; a guess that fits is probed one above, where smooth costs usually
+    end), then by halving if eight steps were not enough."""
+    f_lo = time_of(0)
+    if f_lo > quota_s:
+        return 0
+    f_up = time_of(hi + 1)
+    if f_up <= quota_s:
+        return hi
+    lo, up = 0, hi + 1  # f_lo <= quota_s < f_up
+    x1, f1, x2, f2 = lo, f_lo, up, f_up  # the last two points evaluated
+    steps = 0
+    while up - lo > 1:
+        steps += 1
+        if steps <= 8 and f2 != f1:
+            g = int(x2 + (quota_s - f2) * (x2 - x1) / (f2 - f1))
+            g = min(max(g, lo + 1), up - 1)
+        else:
+            g = (lo + up) // 2
+        f = time_of(g)
+        x1, f1, x2, f2 = x2, f2, g, f
+        if f > quota_s:
+            up = g
+            continue
+        lo = g
+        if steps <= 8 and up - lo > 1:
+            f = time_of(lo + 1)
+            if f > quota_s:
+                return lo
+            lo = lo + 1
+            x1, f1, x2, f2 = x2, f2, lo, f
+    return lo
 
 
 class PrefillQueue:

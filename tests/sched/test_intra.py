@@ -149,3 +149,27 @@ def test_packing_with_additive_terms_plans_the_same_batch(items, quota_ms, max_t
         fast = pack_prefill_batch(queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens,
                                   terms=cost)
         assert fast == plain
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=40),
+    hi=st.integers(0, 5_000),
+    quota=st.floats(0.0, 50.0),
+    power=st.sampled_from([0.5, 1.0, 2.0]),
+)
+def test_largest_fitting_is_the_binary_search_answer(steps, hi, quota, power):
+    from dualpath_jax.sched.intra import _largest_fitting
+
+    # Any nondecreasing cost: a staircase (flat runs, jumps) plus a smooth part.
+    def time_of(b: int) -> float:
+        return sum(steps[: b * len(steps) // (hi + 2)]) + (b / (hi + 1)) ** power
+
+    lo, h = 0, hi
+    while lo < h:
+        mid = (lo + h + 1) // 2
+        if time_of(mid) <= quota:
+            lo = mid
+        else:
+            h = mid - 1
+    assert _largest_fitting(hi, time_of, quota) == lo
