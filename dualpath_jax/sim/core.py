@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 Callback = Callable[..., Any]
+_push = heapq.heappush
 
 
 class Event:
@@ -64,14 +65,17 @@ class EventLoop:
                 raise ValueError(f"event time is NaN for {fn!r}")
             time = self.now
         ev = Event(time, fn, args)
-        heapq.heappush(self._heap, (time, next(self._seq), ev))
+        _push(self._heap, (time, next(self._seq), ev))
         return ev
 
     def after(self, delay: float, fn: Callback, *args: Any) -> Event:
         """Runs `fn(*args)` `delay` seconds from now (`delay >= 0`)."""
-        if delay < 0:
-            raise ValueError(f"negative delay {delay} for {fn!r}")
-        return self.at(self.now + delay, fn, *args)
+        if not delay >= 0:  # also catches NaN
+            raise ValueError(f"negative or NaN delay {delay} for {fn!r}")
+        time = self.now + delay  # the hot path: `at` inlined
+        ev = Event(time, fn, args)
+        _push(self._heap, (time, next(self._seq), ev))
+        return ev
 
     def soon(self, fn: Callback, *args: Any) -> Event:
         """Runs `fn(*args)` at the current time, after the callbacks already due now."""
@@ -88,11 +92,12 @@ class EventLoop:
         ran = 0
         self._stopped = False
         while heap and not self._stopped:
-            t, _, ev = heap[0]
+            item = pop(heap)
+            t, _, ev = item
             if t > until:
+                _push(heap, item)
                 self.now = until
                 break
-            pop(heap)
             fn = ev.fn
             if fn is None:
                 continue
