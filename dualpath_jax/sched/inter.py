@@ -22,6 +22,7 @@ Ties break towards the engine (or group) listed first, so every function is dete
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
 from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, ReadPath, Request
@@ -96,10 +97,14 @@ def de_route(
     groups = sorted(group_tok)
     tot = [group_tok[g] for g in groups]
     routes: list[tuple[Request, int]] = []
+    # A heap of (total, position): the least total, ties to the group listed first, as min().
+    heap = [(t, i) for i, t in enumerate(tot)]
+    heapq.heapify(heap)
     for r in queue:
-        best = min(range(len(groups)), key=tot.__getitem__)
+        t, best = heap[0]
         routes.append((r, groups[best]))
-        tot[best] += r.tokens
+        tot[best] = t + r.tokens
+        heapq.heapreplace(heap, (tot[best], best))
     return tuple(routes), dict(zip(groups, tot))
 
 
