@@ -245,6 +245,7 @@ class SimCluster:
         self._pe_index = {gid: i for i, (gid, _) in enumerate(self._pe_groups)}
         self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
         self._de_first = next(iter(self._de_groups))
+        self._de_stuck: set[int] = set()  # DE groups whose last fetch assigned nothing
         self._node_pes: dict[int, list[_Engine]] = {}
         for e in self.pes:
             self._node_pes.setdefault(e.node, []).append(e)
@@ -314,10 +315,15 @@ class SimCluster:
         # Groups in id order: the first one routes the global queue (phase 1), then every group
         # whose private queue holds requests.
         first = self._de_first
+        # A DE fetch assigns nothing exactly when no DE of the group has room for the head of
+        # its private queue; until a DE of the group frees HBM or a slot (`_finish`), or the
+        # head changes (only by an assignment), another fetch of that group would assign nothing
+        # too, so such a group is skipped (its DEs' loads are reported above all the same).
         if sched.de_queued(first):
             self._fetch_de(first)
+        stuck = self._de_stuck
         for gid in sched.de_groups_queued():
-            if gid != first:
+            if gid != first and gid not in stuck:
                 self._fetch_de(gid)
         # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
         # group from always seeing the queue's head.
@@ -339,7 +345,10 @@ class SimCluster:
                 self._assign(a)
 
     def _fetch_de(self, gid: int) -> None:
-        for r, de in self.scheduler.fetch_de(gid, [self._load(e) for e in self._de_groups[gid]]):
+        got = self.scheduler.fetch_de(gid, [self._load(e) for e in self._de_groups[gid]])
+        if not got:
+            self._de_stuck.add(gid)
+        for r, de in got:
             st, e = self.states[r.id], self.engines[de]
             st.de = e
             e.seq += 1
@@ -612,6 +621,7 @@ class SimCluster:
         de.tok -= r.tokens
         de.hbm_promised -= r.hbm_tokens
         self._de_dirty[de.id] = de
+        self._de_stuck.discard(de.group)
         g = r.gen_tokens
         self.results.append(RoundResult(
             request=r.id, tokens=range(g), ttft_s=st.t_first - st.t_submit,
