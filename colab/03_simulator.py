@@ -182,34 +182,29 @@ plt.show()
 # hardware it is 1/7 <= P/D <= 7/2. Inside it, which ratio is best depends on the workload's
 # compute vs storage demand, which only a simulation measures.
 #
-# `sim.advise.advise(cfg, space, cost=...)` does that: it simulates every combination of P/D
-# split, alpha and beta (the scheduler's read-queue and overload thresholds, in seconds of
-# work) of `space` on the same agents, and reports the best by JCT (or, given arrival rates, by
-# APS capacity under the SLO) beside the bottleneck-free range of the configured hardware.
+# `sim.advise.advise(cfg, space)` does that: it simulates every combination of P/D split,
+# alpha and beta (the scheduler's read-queue and overload thresholds, in seconds of work) of
+# `space` on the same agents, and reports the best by JCT (or, given arrival rates, by APS
+# capacity under the SLO) beside the bottleneck-free range of the configured hardware.
 # `python launch/simulate.py --advise` is the same from the command line (it writes
 # `advise.json`).
 #
-# The advisor simulates every candidate with the one cost model it is given. DeepSeek's depends
-# on the split (its routed experts are spread over the decode GPUs: 32 on 2P4D, 8 on 5P1D), so
-# we ask it once per split of 6 nodes with that split's calibration (default alpha and beta) and
-# merge the answers into one report.
+# DeepSeek's cost depends on the split (its routed experts are spread over the decode GPUs: 32 on
+# 2P4D, 8 on 5P1D), so we pass no `cost`: the advisor then builds each candidate's calibrated
+# roofline from that candidate's config, as `simulate(cfg)` does. Every candidate keeps the 2P4D
+# config's HBM for KV, which binds at none of these agent counts. We sweep the 6-node splits at
+# the default alpha and beta.
 
 # %%
 print("paper hardware:", format_pd_range(pd_range(g=8, s=1, mem_gbps=500, bs_gbps=50)).splitlines()[0], "\n")
 SWEEP_AGENTS = AGENTS[1]
 t0 = time.perf_counter()
-rows = []
-for pn, dn in pd_splits(6):
-    split_cfg, split_cost = paper_experiment(MODEL, pn, dn, policy="dualpath", agents=SWEEP_AGENTS,
-                                             snic_bytes_per_s=SNIC)
-    sc = split_cfg.scheduler
-    one = advise(split_cfg, AdviseSpace(pd=((pn, dn),), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)),
-                 cost=split_cost, options=OPTIONS)
-    rows += one["candidates"]
-best = min(rows, key=lambda r: r["jct_s"])
-report = dict(one, candidates=rows, best=best, near_best=sum(r["jct_s"] <= 1.01 * best["jct_s"] for r in rows))
+sweep_cfg, _ = paper_experiment(MODEL, policy="dualpath", agents=SWEEP_AGENTS, snic_bytes_per_s=SNIC)
+sc = sweep_cfg.scheduler
+report = advise(sweep_cfg, AdviseSpace(pd=pd_splits(6), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)), options=OPTIONS)
 print(format_report(report))
-print(f"({len(rows)} candidates, {SWEEP_AGENTS} agents each, in {time.perf_counter() - t0:.0f} s of wall time)")
+print(f"({len(report['candidates'])} candidates, {SWEEP_AGENTS} agents each, in {time.perf_counter() - t0:.0f} s "
+      "of wall time)")
 
 # %% [markdown]
 # With the storage NICs scaled down 64x, the compute NICs and DRAM have that much more headroom,

@@ -1,13 +1,16 @@
 """Deployment advisor: sweep P/D, alpha and beta on the simulator and pick the best configuration.
 
     space = AdviseSpace(pd=pd_splits(6), alpha_s=(1.5, 3, 6), beta_s=(2.5, 5, 10))
-    report = advise(cfg, space, cost=cost)          # offline: lowest JCT wins
+    report = advise(cfg, space)                     # offline: lowest JCT wins
     report = advise(cfg, space, objective="capacity", aps=(0.5, 1, 2))  # online: highest APS under SLO
 
 Every candidate is `cfg` with `cluster.prefill_nodes/decode_nodes` and `scheduler.alpha_s/beta_s`
 replaced (and `alpha_tokens/beta_tokens` set to 0, so alpha and beta are derived from the seconds,
-appendix A.4), simulated by `sim.run.simulate` on the same agents. Offline, a candidate's score is
-the JCT of the workload's agents started together. Online, it is the APS capacity: the highest rate
+appendix A.4), simulated by `sim.run.simulate` on the same agents. Without `cost` every candidate
+gets `simulate`'s default cost model built from its own config (the GPU rooflines depend on the
+split: routed experts are spread over the decode GPUs); `cost` may instead be a factory called with
+each candidate's config, or one fixed model for all (e.g. a `FittedCostModel` of CPU engines).
+Offline, a candidate's score is the JCT of the workload's agents started together. Online, it is the APS capacity: the highest rate
 of `aps` (ascending, stopping at the first miss) whose SLO attainment (`workload.ttft_slo_s`,
 `workload.tpot_slo_s`) reaches `attainment`; ties go to the lower mean TTFT at that rate.
 
@@ -22,7 +25,7 @@ import dataclasses
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from dualpath_jax.analysis.pd_range import PDRange, as_fraction, pd_range
@@ -101,17 +104,30 @@ def online_config(cfg: ExperimentConfig, aps: float) -> ExperimentConfig:
     return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps))
 
 
+def candidate_cost(
+    cost: CostModel | Callable[[ExperimentConfig], CostModel] | None, cfg: ExperimentConfig
+) -> CostModel | None:
+    """The cost model candidate `cfg` runs with; None leaves `simulate` to build its default
+    from `cfg` (a split-dependent expert-parallel width for the GPU rooflines)."""
+    if cost is None or not callable(cost):
+        return cost
+    return cost(cfg)
+
+
 def advise(
     cfg: ExperimentConfig,
     space: AdviseSpace,
     *,
-    cost: CostModel | None = None,
+    cost: CostModel | Callable[[ExperimentConfig], CostModel] | None = None,
     options: SimOptions | None = None,
     objective: str = "jct",
     aps: Sequence[float] = (),
     attainment: float = 0.9,
 ) -> dict[str, Any]:
-    """Simulates every candidate of `space`; returns the report (`advise.json`'s content)."""
+    """Simulates every candidate of `space`; returns the report (`advise.json`'s content).
+
+    `cost`: None (each candidate's own default, as `simulate(candidate, cost=None)`), a callable
+    `candidate config -> cost model`, or one fixed cost model shared by every candidate."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     rates = sorted(float(a) for a in aps)
@@ -123,11 +139,12 @@ def advise(
     rows: list[dict[str, Any]] = []
     for p, d, a, b in space.candidates():
         c = candidate_config(cfg, p, d, a, b)
+        c_cost = candidate_cost(cost, c)
         row: dict[str, Any] = {"prefill_nodes": p, "decode_nodes": d, "pd_ratio": p / d, "alpha_s": a,
                                "beta_s": b, "in_bottleneck_free_range": rng.contains(p, d) if rng else None}
         if objective == "jct":
             assert offline is not None
-            run = simulate(c, cost=cost, options=options, trajectories=offline[0], arrivals=offline[1])
+            run = simulate(c, cost=c_cost, options=options, trajectories=offline[0], arrivals=offline[1])
             s = run.summary
             row.update(jct_s=s["jct_s"], errors=s["errors"], alpha_tokens=s["sim"]["alpha_tokens"],
                        beta_tokens=s["sim"]["beta_tokens"], snic_max_over_avg=s["snic_max_over_avg"],
@@ -135,7 +152,7 @@ def advise(
         else:
             cap, points = 0.0, []
             for r in rates:
-                s = simulate(online_config(c, r), cost=cost, options=options).summary
+                s = simulate(online_config(c, r), cost=c_cost, options=options).summary
                 points.append({"aps": r, "slo_attainment": s["slo_attainment"], "ttft_mean_s": s["ttft_s"]["mean"],
                                "tpot_mean_s": s["tpot_s"]["mean"], "errors": s["errors"]})
                 if s["slo_attainment"] < attainment or s["errors"]:

@@ -7,13 +7,19 @@ import dataclasses
 
 import pytest
 
-from dualpath_jax.hardware import HOPPER_NODE, emulated_cpu_experiment
+from dualpath_jax.hardware import (
+    HOPPER_NODE,
+    PAPER_MODELS,
+    emulated_cpu_experiment,
+    paper_experiment,
+)
 from dualpath_jax.sched.cost import FittedCostModel
-from dualpath_jax.sim import simulate
+from dualpath_jax.sim import SimOptions, simulate
 from dualpath_jax.sim.advise import (
     AdviseSpace,
     advise,
     bottleneck_free_range,
+    candidate_config,
     format_report,
     parse_pd,
     pd_splits,
@@ -72,6 +78,24 @@ def test_online_capacity_matches_direct_runs():
     caps = {(r["prefill_nodes"], r["decode_nodes"]): r["capacity_aps"] for r in report["candidates"]}
     assert caps[(1, 2)] > caps[(1, 1)] > 0  # the extra decode node's storage NIC raises capacity
     assert (report["best"]["prefill_nodes"], report["best"]["decode_nodes"]) == (1, 2)
+
+
+def test_gpu_preset_candidates_get_their_own_default_cost():
+    """Without `cost`, each split runs with the roofline of its own expert-parallel width, the
+    same as a direct `simulate(candidate, cost=None)`; a factory is called with each candidate."""
+    cfg, cost_1p1d = paper_experiment("ds27b", 1, 1, agents=2, max_turns=3, snic_bytes_per_s=1e9)
+    options = SimOptions(kv_format=PAPER_MODELS["ds27b"].kv_format)
+    space = AdviseSpace(pd=((1, 1), (1, 3)), alpha_s=(3.0,), beta_s=(5.0,))
+    report = advise(cfg, space, options=options)
+    seen = []
+    factory = advise(cfg, space, cost=lambda c: seen.append(c.cluster.decode_nodes) or COST, options=options)
+    assert seen == [1, 3]
+    for row, fixed in zip(report["candidates"], factory["candidates"]):
+        c = candidate_config(cfg, row["prefill_nodes"], row["decode_nodes"], 3.0, 5.0)
+        assert row["jct_s"] == simulate(c, options=options).summary["jct_s"]
+        assert fixed["jct_s"] == simulate(c, cost=COST, options=options).summary["jct_s"]
+    wide = candidate_config(cfg, 1, 3, 3.0, 5.0)  # 24 expert-parallel GPUs, not 1P1D's 8
+    assert report["candidates"][1]["jct_s"] != simulate(wide, cost=cost_1p1d, options=options).summary["jct_s"]
 
 
 def test_paper_hardware_range_and_splits():
