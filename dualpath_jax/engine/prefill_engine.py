@@ -144,10 +144,9 @@ class PrefillEngine:
                 continue
             self.reading.remove(rid)
             job = r.load.job
-            traffic = self.ctx.traffic
-            if traffic is not None and job.pe_blocks and not job.oracle:
-                traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
             if job.pe_blocks and not job.oracle:
+                if self.ctx.traffic is not None:
+                    self.ctx.traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
                 self.rpc.send(M.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt))
             try:
                 r.hit = r.load.hit_blocks()

@@ -46,7 +46,6 @@ class EngineInfo:
     pid: int
     last_seen: float
     alive: bool = True
-    read_q: int = 0
     hbm_tokens: int = 0  # DE: KV capacity in tokens
     slots: int = 0
     links: dict = dataclasses.field(default_factory=dict)
@@ -433,7 +432,6 @@ class Router:
         if e is None or not e.alive:
             self.server.send(ident, M.Error(ref=str(msg.engine), message="engine not registered", kind="stop"))
             return
-        e.read_q = msg.load.read_q
         e.hbm_tokens = msg.load.hbm_capacity_tokens
         e.slots = msg.load.slots
         if msg.links:
