@@ -213,15 +213,15 @@ def assign_paths(
     block_tokens: int,
     pe_read_rate: float = 1.0,
     de_read_rate: float = 1.0,
-    cursor: int | Mapping[int, int] = 0,
+    turns: Mapping[int, int] | None = None,
 ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
     """Chooses the read side of each `(request, PE, DE)` in order.
 
-    `mode`: "shorter" (the paper), "pe" (always the PE side), "alternate" (round robin: the
-    `cursor + k`-th request with hits reads on the PE side when even, else on the DE side; the
-    caller advances its cursor by the number of such requests; a mapping DE -> cursor keeps one
-    turn per DE, so the sides do not move in lockstep with a round-robin DE choice), "split",
-    or "none" (Oracle).
+    `mode`: "shorter" (the paper), "pe" (always the PE side), "alternate" (round robin, one turn
+    per DE so the sides do not move in lockstep with a round-robin DE choice: a request with hits
+    reads on the PE side when its DE's turn count, `turns[de]` plus the earlier requests of this
+    call with that DE, is even, else on the DE side; the caller keeps `turns`), "split", or
+    "none" (Oracle).
     `read_q`: node -> read queue in tokens; each decision adds the request's hit tokens to the
     queue of the node that reads them, so later requests see it. Returns the assignments and the
     updated queues.
@@ -229,6 +229,7 @@ def assign_paths(
     if mode not in ("shorter", "pe", "alternate", "split", "none"):
         raise ValueError(f"unknown read path mode {mode!r}")
     q = dict(read_q)
+    taken: dict[int, int] = {}  # "alternate": turns taken per DE in this call
     out: list[Assignment] = []
     for r, pe, de in pairs:
         n = r.cached_blocks(block_tokens)
@@ -240,12 +241,8 @@ def assign_paths(
         if mode == "pe":
             pb, db = n, 0
         elif mode == "alternate":
-            if isinstance(cursor, int):
-                turn, cursor = cursor, cursor + 1
-            else:
-                cursor = dict(cursor)
-                turn = cursor.get(de, 0)
-                cursor[de] = turn + 1
+            turn = (turns or {}).get(de, 0) + taken.get(de, 0)
+            taken[de] = taken.get(de, 0) + 1
             pb, db = (n, 0) if turn % 2 == 0 else (0, n)
         elif mode == "shorter":
             pb, db = (n, 0) if choose_read_path(qp, qd) is ReadPath.PE else (0, n)

@@ -158,7 +158,7 @@ class InterEnginePolicy:
         block_tokens: int,
         pe_read_rate: float = 1.0,
         de_read_rate: float = 1.0,
-        cursor: int | Mapping[int, int] = 0,
+        turns: Mapping[int, int] | None = None,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,
@@ -169,7 +169,7 @@ class InterEnginePolicy:
             block_tokens=block_tokens,
             pe_read_rate=pe_read_rate,
             de_read_rate=de_read_rate,
-            cursor=cursor,
+            turns=turns,
         )
 
 

@@ -263,7 +263,7 @@ class GlobalScheduler:
             block_tokens=self.block_tokens,
             pe_read_rate=self.pe_read_rate,
             de_read_rate=self.de_read_rate,
-            cursor=self._path_turns,
+            turns=self._path_turns,
         )
         for a in out:  # round robin keeps one PE/DE turn per DE
             if a.pe_read_blocks + a.de_read_blocks > 0:
