@@ -82,16 +82,22 @@ def pack_prefill_batch(
     *,
     max_requests: int = 0,
     max_tokens: int = 0,
+    max_kv_tokens: int = 0,
     terms: AttentionTerms | None = None,
 ) -> BatchPlan:
     """FIFO packing under the compute quota with a binary-search cut of the overflowing request.
 
-    `max_requests` / `max_tokens` (0: no limit) cap the batch's requests / new tokens as well.
+    `max_requests` / `max_tokens` (0: no limit) cap the batch's requests / new tokens as well;
+    `max_kv_tokens` (0: no limit) caps the context the batch holds on the device, the sum of
+    `cached + bsz` over its chunks (a PE's HBM for KV: all layers without layerwise prefill,
+    one layer with it). The first chunk of a batch is not held to it: a lone request always
+    runs, whatever its context.
     `terms`: the same cost as `attention_time` in additive form (optional; same plan, cheaper).
     """
     pairs: list[tuple[int, int]] = []
     chunks: list[PrefillChunk] = []
     tokens = 0
+    kv = 0  # context tokens held by the batch so far
     rest: PendingPrefill | None = None
     taken = 0
     acc: tuple[float, ...] = ()  # summed terms of `pairs`
@@ -103,6 +109,8 @@ def pack_prefill_batch(
 
     def fits(cached: int, bsz: int) -> bool:
         if max_tokens and tokens + bsz > max_tokens:
+            return False
+        if max_kv_tokens and chunks and kv + cached + bsz > max_kv_tokens:
             return False
         if terms is not None:
             return time_with(cached, bsz) <= quota_s
@@ -117,6 +125,8 @@ def pack_prefill_batch(
             hi = item.new - 1
             if max_tokens:
                 hi = max(0, min(hi, max_tokens - tokens))
+            if max_kv_tokens and chunks:
+                hi = max(0, min(hi, max_kv_tokens - kv - item.cached))
             bsz = _largest_fitting(hi, lambda b, c=item.cached: time_with(c, b), quota_s)
             if bsz == 0:
                 if chunks:
@@ -141,6 +151,7 @@ def pack_prefill_batch(
             acc = tuple(a + b for a, b in zip(acc, t)) if acc else t
         chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
         tokens += bsz
+        kv += item.cached + bsz
         if bsz < item.new:
             rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
             break
@@ -214,6 +225,7 @@ class PrefillQueue:
         *,
         max_requests: int = 0,
         max_tokens: int = 0,
+        max_kv_tokens: int = 0,
         terms: AttentionTerms | None = None,
     ) -> BatchPlan:
         plan = pack_prefill_batch(
@@ -222,6 +234,7 @@ class PrefillQueue:
             quota_s,
             max_requests=max_requests,
             max_tokens=max_tokens,
+            max_kv_tokens=max_kv_tokens,
             terms=terms,
         )
         for _ in range(plan.taken):

@@ -20,7 +20,8 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   batches are `next_batch` under the compute quota, timed by `cost.prefill_time(pairs)`.
   Layerwise: the batch's hit loads start with the forward, layer i needs the first (i+1)/L of
   them, so the forward ends at `max(t0 + compute + load/L, t_loaded + compute/L)`. Basic: the
-  forward starts once every load of the batch is done.
+  forward starts once every load of the batch is done. A batch's context must fit the PE's
+  HBM for KV (`SimOptions.pe_hbm_tokens`): every layer of it in Basic, one layer when layerwise.
 - DE: admission by `admit_decode` (FIFO, HBM tokens and slots), continuous batched decode with
   one event per step of `cost.decode_step_time(batch, mean context)`.
 - Oracle: reads, H2D/D2H, PE->DE copies and persistence are bypassed (appendix A.4).
@@ -63,7 +64,11 @@ class SimOptions:
     whose members cannot change (no request finishes, none is admitted) advances all those
     steps in one event, each timed at the span's mean context; an admission cuts the span after
     the step in progress (False: one event per step, each at its own context); `fast_links`:
-    one event per uncontended transfer (`sim.network`; False: one per chunk per link).
+    one event per uncontended transfer (`sim.network`; False: one per chunk per link);
+    `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None: the DE's
+    `hardware.hbm_bytes` figure, unbounded without it; 0: unbounded). Without layerwise prefill
+    a batch holds every layer of its context (`cached + new` summed over its chunks <= this);
+    with it one layer at a time, so the bound is `layers` times larger (paper section 2).
     """
 
     quantum_s: float = 0.05
@@ -75,6 +80,7 @@ class SimOptions:
     decode_overhead_s: float = 0.0
     decode_macro_steps: bool = True
     fast_links: bool = True
+    pe_hbm_tokens: int | None = None
 
 
 @dataclasses.dataclass
@@ -218,6 +224,11 @@ class SimCluster:
         g = hw.engines_per_node
         hbm = options.hbm_tokens or (int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0
                                      else cl.decode_slots * cl.decode_max_len)
+        pe_hbm = options.pe_hbm_tokens
+        if pe_hbm is None:
+            pe_hbm = int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0
+        # The context one PE forward batch may hold (0: unbounded).
+        self.pe_kv_tokens = pe_hbm * (self.layers if self.policy.layerwise else 1)
         self.pes: list[_Engine] = []
         self.des: list[_Engine] = []
         eid = 0
@@ -440,7 +451,8 @@ class SimCluster:
             return
         cl = self.cfg.cluster
         plan = pe.queue.next_batch(self.cost.attention_time, self.quota_s, terms=self._terms,
-                                   max_requests=cl.prefill_max_batch, max_tokens=cl.prefill_max_tokens)
+                                   max_requests=cl.prefill_max_batch, max_tokens=cl.prefill_max_tokens,
+                                   max_kv_tokens=self.pe_kv_tokens)
         pe.busy = True
         t0 = self.loop.now
         compute = self.cost.prefill_time(plan.pairs)

@@ -173,3 +173,31 @@ def test_largest_fitting_is_the_binary_search_answer(steps, hi, quota, power):
         else:
             h = mid - 1
     assert _largest_fitting(hi, time_of, quota) == lo
+
+
+def test_max_kv_tokens_caps_the_context_a_batch_holds():
+    queue = [PendingPrefill("a", 900, 100), PendingPrefill("b", 900, 100), PendingPrefill("c", 10, 50)]
+    # a (1,000 tokens of context) fits; b would bring the batch to 2,000 > 1,500: the batch stops.
+    plan = pack_prefill_batch(queue, pair_cost(0.0), 1.0, max_kv_tokens=1_500)
+    assert plan.pairs == ((900, 100),) and plan.rest is None and plan.taken == 1
+    # With room for part of b's new tokens, b is cut (its whole cached context counts).
+    plan = pack_prefill_batch(queue, pair_cost(0.0), 1.0, max_kv_tokens=1_950)
+    assert plan.pairs == ((900, 100), (900, 50)) and plan.rest == PendingPrefill("b", 950, 50)
+    # A lone request runs whatever its context.
+    plan = pack_prefill_batch(queue, pair_cost(0.0), 1.0, max_kv_tokens=10)
+    assert plan.pairs == ((900, 100),)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    items=st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12),
+    max_kv=st.sampled_from([0, 5_000, 40_000, 200_000]),
+)
+def test_kv_bound_plans_agree_with_and_without_additive_terms(items, max_kv):
+    queue = [PendingPrefill(f"r{i}", c, n) for i, (c, n) in enumerate(items)]
+    for cost in _cost_models():
+        plain = pack_prefill_batch(queue, cost.attention_time, 0.3, max_kv_tokens=max_kv)
+        fast = pack_prefill_batch(queue, cost.attention_time, 0.3, max_kv_tokens=max_kv, terms=cost)
+        assert fast == plain
+        if len(plain.chunks) > 1 and max_kv:
+            assert sum(c + b for c, b in plain.pairs) <= max_kv

@@ -157,3 +157,19 @@ def test_one_event_per_uncontended_transfer_keeps_results(policy):
     assert fast["jct_s"] == pytest.approx(slow["jct_s"], rel=0.01)
     assert fast["ttft_s"]["mean"] == pytest.approx(slow["ttft_s"]["mean"], rel=0.01)
     assert runs[1].events < runs[0].events
+
+
+def test_pe_hbm_bounds_basic_batches_and_layerwise_lifts_it():
+    """Without layerwise prefill a PE batch holds every layer of its context; a PE whose HBM
+    holds about one request's context then runs one request per forward (each paying the
+    per-batch time), while layerwise prefill holds one layer and batches as before."""
+    cost = FittedCostModel(prefill=(0.2, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
+    fast_store = dict(unlimited=True)
+
+    def run(policy, pe_hbm):
+        r = simulate(_cfg(1, 1, policy, **fast_store), cost=cost, options=SimOptions(pe_hbm_tokens=pe_hbm))
+        assert r.summary["errors"] == 0
+        return r.jct_s
+
+    assert run("basic", 1_100) > 1.2 * run("basic", 0)
+    assert run("layerwise", 1_100) == pytest.approx(run("layerwise", 0), rel=0.02)
