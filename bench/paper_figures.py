@@ -596,6 +596,13 @@ def headline(results: dict, plan: Plan) -> list[dict]:
             abs(bal["dualpath_rr"]["busy_10s"] - 1.5) <= 0.15)
         row("storage-NIC max/avg, DualPath scheduler (busy 10 s windows)", bal["dualpath"]["busy_10s"],
             PAPER["snic_sched"], bal["dualpath"]["busy_10s"] <= 1.2)
+        # The launchers' `summary.json: snic_max_over_avg` (traffic-weighted 1 s windows): finer
+        # windows see each node's read bursts, so both ratios are higher than over 10 s.
+        summ = results["fig13"]["summary_metric"]
+        row("storage-NIC max/avg, round robin (summary metric, 1 s windows)", summ["dualpath_rr"], PAPER["snic_rr"],
+            abs(summ["dualpath_rr"] - 1.5) <= 0.15)
+        row("storage-NIC max/avg, DualPath scheduler (summary metric, 1 s windows)", summ["dualpath"],
+            PAPER["snic_sched"], summ["dualpath"] <= 1.2)
     if "table3" in results:
         t3 = results["table3"]
         big = t3["rows"][1]["setting"]

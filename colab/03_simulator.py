@@ -191,9 +191,9 @@ plt.show()
 #
 # DeepSeek's cost depends on the split (its routed experts are spread over the decode GPUs: 32 on
 # 2P4D, 8 on 5P1D), so we pass no `cost`: the advisor then builds each candidate's calibrated
-# roofline from that candidate's config, as `simulate(cfg)` does. Every candidate keeps the 2P4D
-# config's HBM for KV, which binds at none of these agent counts. We sweep the 6-node splits at
-# the default alpha and beta.
+# roofline from that candidate's config, as `simulate(cfg)` does; `configure` builds each split's
+# config, so each gets the HBM for KV that its GPUs keep after their share of the weights. We sweep
+# the 6-node splits at the default alpha and beta.
 
 # %%
 print("paper hardware:", format_pd_range(pd_range(g=8, s=1, mem_gbps=500, bs_gbps=50)).splitlines()[0], "\n")
@@ -201,7 +201,9 @@ SWEEP_AGENTS = AGENTS[1]
 t0 = time.perf_counter()
 sweep_cfg, _ = paper_experiment(MODEL, policy="dualpath", agents=SWEEP_AGENTS, snic_bytes_per_s=SNIC)
 sc = sweep_cfg.scheduler
-report = advise(sweep_cfg, AdviseSpace(pd=pd_splits(6), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)), options=OPTIONS)
+report = advise(sweep_cfg, AdviseSpace(pd=pd_splits(6), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)), options=OPTIONS,
+                configure=lambda p, d: paper_experiment(MODEL, p, d, policy="dualpath", agents=SWEEP_AGENTS,
+                                                        snic_bytes_per_s=SNIC)[0])
 print(format_report(report))
 print(f"({len(report['candidates'])} candidates, {SWEEP_AGENTS} agents each, in {time.perf_counter() - t0:.0f} s "
       "of wall time)")

@@ -10,6 +10,11 @@ appendix A.4), simulated by `sim.run.simulate` on the same agents. Without `cost
 gets `simulate`'s default cost model built from its own config (the GPU rooflines depend on the
 split: routed experts are spread over the decode GPUs); `cost` may instead be a factory called with
 each candidate's config, or one fixed model for all (e.g. a `FittedCostModel` of CPU engines).
+Hardware that depends on the split (the paper presets derive HBM-for-KV from the weights each GPU
+holds under expert parallelism over the decode GPUs) comes from `configure`: called with `(P, D)`
+it returns the split's base config, to which alpha and beta are applied, e.g.
+`configure=lambda p, d: paper_experiment("ds660b", p, d)[0]` with
+`cost=lambda c: paper_cost_model("ds660b", c.cluster.decode_nodes)`.
 Offline, a candidate's score is the JCT of the workload's agents started together. Online, it is the APS capacity: the highest rate
 of `aps` (ascending, stopping at the first miss) whose SLO attainment (`workload.ttft_slo_s`,
 `workload.tpot_slo_s`) reaches `attainment`; ties go to the lower mean TTFT at that rate.
@@ -119,6 +124,7 @@ def advise(
     space: AdviseSpace,
     *,
     cost: CostModel | Callable[[ExperimentConfig], CostModel] | None = None,
+    configure: Callable[[int, int], ExperimentConfig] | None = None,
     options: SimOptions | None = None,
     objective: str = "jct",
     aps: Sequence[float] = (),
@@ -127,7 +133,9 @@ def advise(
     """Simulates every candidate of `space`; returns the report (`advise.json`'s content).
 
     `cost`: None (each candidate's own default, as `simulate(candidate, cost=None)`), a callable
-    `candidate config -> cost model`, or one fixed cost model shared by every candidate."""
+    `candidate config -> cost model`, or one fixed cost model shared by every candidate.
+    `configure`: `(P, D) -> base config` of a split (None: `cfg` with the node counts replaced);
+    its workload must be `cfg`'s (offline, every candidate replays the same agents)."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     rates = sorted(float(a) for a in aps)
@@ -138,7 +146,10 @@ def advise(
     wall = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for p, d, a, b in space.candidates():
-        c = candidate_config(cfg, p, d, a, b)
+        base = cfg if configure is None else configure(p, d)
+        if base.workload != cfg.workload:
+            raise ValueError(f"configure({p}, {d}) changed the workload; candidates must share cfg's")
+        c = candidate_config(base, p, d, a, b)
         c_cost = candidate_cost(cost, c)
         row: dict[str, Any] = {"prefill_nodes": p, "decode_nodes": d, "pd_ratio": p / d, "alpha_s": a,
                                "beta_s": b, "in_bottleneck_free_range": rng.contains(p, d) if rng else None}

@@ -120,3 +120,28 @@ def test_bad_spaces_are_rejected():
         pd_splits(1)
     with pytest.raises(ValueError, match="needs arrival rates"):
         advise(_base(), AdviseSpace(pd=((1, 1),), alpha_s=(3.0,), beta_s=(5.0,)), cost=COST, objective="capacity")
+
+
+def test_configure_gives_each_split_its_own_hardware():
+    """A paper preset's HBM-for-KV depends on the split (weights per GPU under expert
+    parallelism over the decode GPUs): `configure` builds each split's config, and the
+    candidate equals a direct run of that config."""
+    kw = dict(agents=2, max_turns=3, snic_bytes_per_s=1e9)
+    cfg, _ = paper_experiment("ds660b", 2, 4, **kw)
+    options = SimOptions(kv_format=PAPER_MODELS["ds660b"].kv_format)
+    space = AdviseSpace(pd=((2, 4), (3, 3)), alpha_s=(3.0,), beta_s=(5.0,))
+    built = []
+
+    def configure(p, d):
+        c, _ = paper_experiment("ds660b", p, d, **kw)
+        built.append(c.hardware.hbm_bytes)
+        return c
+
+    report = advise(cfg, space, configure=configure, options=options)
+    assert len(built) == 2 and built[0] != built[1]
+    for row in report["candidates"]:
+        p, d = row["prefill_nodes"], row["decode_nodes"]
+        direct = candidate_config(paper_experiment("ds660b", p, d, **kw)[0], p, d, 3.0, 5.0)
+        assert row["jct_s"] == simulate(direct, options=options).summary["jct_s"]
+    with pytest.raises(ValueError, match="workload"):
+        advise(cfg, space, configure=lambda p, d: paper_experiment("ds660b", p, d, agents=3)[0], options=options)
