@@ -195,6 +195,27 @@ class _Engine:
         return f"node{self.node}"
 
 
+class _MemoTerms:
+    """A cost model's additive attention terms, remembered per `(cached, bsz)`: packing asks for
+    the same pairs again (a queued request at every batch until it is taken; the cut search)."""
+
+    LIMIT = 1 << 20  # pairs kept before the memo starts over
+
+    def __init__(self, cost) -> None:
+        self._terms = cost.attention_terms
+        self.attention_time_of = cost.attention_time_of
+        self._memo: dict[tuple[int, int], tuple[float, ...]] = {}
+
+    def attention_terms(self, cached: int, bsz: int) -> tuple[float, ...]:
+        key = (cached, bsz)
+        out = self._memo.get(key)
+        if out is None:
+            if len(self._memo) >= self.LIMIT:
+                self._memo.clear()
+            out = self._memo[key] = self._terms(cached, bsz)
+        return out
+
+
 class SimCluster:
     """Lifecycle: build with a config and a cost model; `submit_round(...)` rounds (their
     `on_done(state)` callback fires when each finishes); `loop.run()`; read `results`,
@@ -268,7 +289,7 @@ class SimCluster:
         self._dispatch_at: float | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
         # The additive form of the cost model's attention time, when it has one (same plans).
-        self._terms = cost if hasattr(cost, "attention_terms") else None
+        self._terms = _MemoTerms(cost) if hasattr(cost, "attention_terms") else None
 
     # ------------------------------------------------------------------ router
 
