@@ -1,11 +1,14 @@
-"""Simulator speed: events per second and wall time on the paper's hardware (one core).
+"""Simulator speed: events per second and CPU time on the paper's hardware (one core).
 
 `cpu_s` (process CPU time of the simulation) is the one-core figure on a shared machine, where
-wall time also counts other processes. Run: python bench/sim_speed.py --agents=2048 --policy=dualpath     (the issue's target: 2P4D,
-2,048 agents, full 64K trace, <= 2 minutes). Smaller `--agents` for a quick look.
-     python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   (48P96D, 48K
-agents: <= 20 minutes); `--max_turns=N` replays the first N rounds only (a measured fraction);
-`--profile=N` prints the N costliest functions (cProfile, cumulative).
+wall time also counts other processes. The default `--preset=paper` is the paper's cluster as
+`hardware.paper_experiment("ds660b", P, D)` builds it (the same runs as `bench/paper_figures.py`).
+
+    python bench/sim_speed.py --agents=2048                  # 2P4D, 2,048 agents, full 64K trace
+    python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   # 48P96D, 48K
+
+`--max_turns=N` replays the first N rounds only (a measured fraction); `--profile=N` prints the
+N costliest functions (cProfile, cumulative); `--model` applies to `--preset=engine_groups`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 _FAST_LINKS = flags.DEFINE_bool("fast_links", True, "One event per uncontended transfer.")
+_PRESET = flags.DEFINE_enum("preset", "paper", ["paper", "engine_groups"],
+                            "paper: hardware.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
+                            "HBM for KV after the weights, calibrated roofline); engine_groups: HOPPER_NODE "
+                            "with one-engine groups and 80 GB of KV per DE (the configuration of the first "
+                            "speed measurements).")
 
 
 def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0) -> ExperimentConfig:
@@ -56,13 +64,20 @@ def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns
 
 def main(argv):
     del argv
-    cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
+    cost = None
+    if _PRESET.value == "paper":
+        from dualpath_jax.hardware import paper_experiment
+
+        cfg, cost = paper_experiment("ds660b", _P.value, _D.value, policy=_POLICY.value, agents=_AGENTS.value,
+                                     max_turns=_TURNS.value)
+    else:
+        cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
     opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value, fast_links=_FAST_LINKS.value)
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:
         prof.enable()
     t0, c0 = time.perf_counter(), time.process_time()
-    run = simulate(cfg, options=opts)
+    run = simulate(cfg, cost=cost, options=opts)
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     if prof:
         prof.disable()
