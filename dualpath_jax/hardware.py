@@ -116,16 +116,16 @@ PAPER_MODELS: dict[str, PaperModel] = {
 def paper_cost_model(key: str, decode_nodes: int, *, engines_per_node: int = 8):
     """The calibrated Hopper roofline of a paper model (`sched.cost.hopper_calibration`); routed
     experts spread over the decode nodes' GPUs (the memory-bound side that streams them). The
-    calibrated decode overhead is expert-parallel communication, so a data-parallel dense model
-    (Qwen) does not pay it."""
+    calibrated decode overhead is expert-parallel communication, paid per MoE layer
+    (`Calibration.overhead_for`): DS 27B's 29 MoE layers pay half of DS 660B's 58, and a
+    data-parallel dense model (Qwen) pays none."""
     from dualpath_jax.model.presets import get_preset
     from dualpath_jax.sched.cost import make_cost_model
 
     m = PAPER_MODELS[key]
     ep = decode_nodes * engines_per_node if m.expert_parallel else 1
-    cost = make_cost_model(dataclasses.replace(HOPPER_NODE, gpu=m.gpu), get_preset(m.preset),
+    return make_cost_model(dataclasses.replace(HOPPER_NODE, gpu=m.gpu), get_preset(m.preset),
                            fp8=m.fp8, expert_parallel=ep, kv_format=m.kv_format)
-    return cost if m.expert_parallel else dataclasses.replace(cost, decode_overhead_s=0.0)
 
 
 def paper_experiment(

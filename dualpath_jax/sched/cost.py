@@ -74,6 +74,7 @@ class ModelCost:
     routed_expert_params: float = 0.0  # MoE routed experts, all layers (what expert parallelism splits)
     mha_pair_flops: float = 0.0  # dense MLA prefill in the MHA form (0: no such form)
     mha_context_flops: float = 0.0  # MHA form: expanding one context token's latent, per layer
+    moe_layers: int = 0  # layers with routed experts (each an expert-parallel dispatch + combine)
 
     @classmethod
     def from_model(cls, cfg: ModelConfig, kv_format: str | None = None) -> ModelCost:
@@ -143,6 +144,7 @@ class ModelCost:
             routed_expert_params=routed,
             mha_pair_flops=float(mha_pair),
             mha_context_flops=float(mha_context),
+            moe_layers=sum(1 for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)),
         )
 
     def attention_flops(self, cached: int, bsz: int) -> float:
@@ -377,12 +379,21 @@ class Calibration:
     prefill_efficiency: float
     decode_overhead_s: float
     source: str
+    moe_layers: int = 0  # of the calibrated model: the overhead is paid per MoE layer
+
+    def overhead_for(self, model: ModelCost) -> float:
+        """The decode overhead of `model`: expert-parallel dispatch and combine (and the bubbles
+        around them) happen once per MoE layer, so the calibrated step overhead is scaled by the
+        model's MoE layers over the calibrated model's (a dense model pays none)."""
+        if not self.moe_layers:
+            return self.decode_overhead_s
+        return self.decode_overhead_s * model.moe_layers / self.moe_layers
 
     def apply(self, roofline: RooflineCostModel) -> RooflineCostModel:
         return dataclasses.replace(
             roofline,
             prefill_efficiency=self.prefill_efficiency,
-            decode_overhead_s=self.decode_overhead_s,
+            decode_overhead_s=self.overhead_for(roofline.model),
         )
 
 
@@ -414,7 +425,7 @@ def calibrate(pub: PublishedServing = DEEPSEEK_V3_SERVING, *, fp8: bool = True) 
     batch = max(1, round(pub.decode_tokens_per_s / pub.gpus_per_node * step))
     roof = RooflineCostModel(model, gpu, fp8=fp8, expert_parallel=pub.decode_expert_parallel)
     overhead = step - roof.decode_step_time(batch, pub.context_tokens)
-    return Calibration(flops_s / measured, max(0.0, overhead), pub.source)
+    return Calibration(flops_s / measured, max(0.0, overhead), pub.source, model.moe_layers)
 
 
 @functools.cache

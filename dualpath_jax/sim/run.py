@@ -73,6 +73,14 @@ def reference_request(trajs: Sequence[Trajectory]) -> tuple[int, int]:
     return (ctx // max(n, 1), max(1, app // max(n, 1)))
 
 
+def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostModel:
+    """The cost model `simulate` uses without one: `make_cost_model` of the config's hardware
+    and model, routed experts spread over the decode GPUs (the side that streams them every
+    step)."""
+    return make_cost_model(cfg.hardware, cfg.model, kv_format=kv_format,
+                           expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node)
+
+
 def simulate(
     cfg: ExperimentConfig,
     *,
@@ -90,11 +98,8 @@ def simulate(
         arrivals = [0.0] * len(trajectories)
     if len(arrivals) != len(trajectories):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
-    # Routed experts spread over the decode GPUs (the side that streams them every step).
-    cost = cost or make_cost_model(
-        cfg.hardware, cfg.model, kv_format=(options or SimOptions()).kv_format,
-        expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node)
     options = options or SimOptions()
+    cost = cost or default_cost(cfg, options.kv_format)
     cluster = SimCluster(cfg, cost, options=options, scheduler=scheduler,
                          ref_request=reference_request(trajectories))
     bt = cluster.bt

@@ -110,3 +110,23 @@ def test_v32_prefill_at_the_64k_trace_is_compute_heavier_than_v3_at_deepseeks_wo
     new_v3 = v3.prefill_tokens_per_s(2809, 2180, 4) * 2180 / 4989
     new_v32 = v32.prefill_tokens_per_s(32721, 429, 16) * 429 / 33150
     assert new_v32 < new_v3
+
+
+def test_decode_overhead_is_paid_per_moe_layer():
+    """The calibrated step overhead (expert-parallel dispatch/combine) scales with MoE layers:
+    DeepSeek-V3 and V3.2 (58 each) pay all of it, DS 27B (29) half, dense Qwen none; a
+    simulation's default cost model and `paper_cost_model` agree for every paper model."""
+    from dualpath_jax.sim.run import default_cost
+
+    cal = hopper_calibration()
+    assert cal.moe_layers == 58
+    overhead = {k: paper_cost_model(k, PAPER_MODELS[k].decode_nodes).decode_overhead_s for k in PAPER_MODELS}
+    assert overhead["ds660b"] == pytest.approx(cal.decode_overhead_s)
+    assert overhead["ds27b"] == pytest.approx(cal.decode_overhead_s * 29 / 58)
+    assert overhead["qwen32b"] == 0.0
+    for key in PAPER_MODELS:
+        cfg, cost = paper_experiment(key)
+        default = default_cost(cfg, PAPER_MODELS[key].kv_format)
+        # (a dense model's expert-parallel width is moot: it has no routed experts to spread)
+        assert dataclasses.replace(default, expert_parallel=cost.expert_parallel) == cost
+        assert default.weight_bytes_per_gpu == cost.weight_bytes_per_gpu
