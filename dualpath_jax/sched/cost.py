@@ -473,11 +473,13 @@ class FittedCostModel:
         prefill = decode = (0.0, 0.0, 0.0)
         if ps:
             x = np.array([[1.0, n, summed_keys(c, n)] for c, n, _ in ps])
-            prefill = tuple(float(v) for v in nnls(x, np.array([t for *_, t in ps])))
+            p0, p1, p2 = (float(v) for v in nnls(x, np.array([t for *_, t in ps])))
+            prefill = (p0, p1, p2)
         if ds:
             x = np.array([[1.0, b, b * ctx] for b, ctx, _ in ds])
-            decode = tuple(float(v) for v in nnls(x, np.array([t for *_, t in ds])))
-        return cls(prefill, decode)  # type: ignore[arg-type]
+            d0, d1, d2 = (float(v) for v in nnls(x, np.array([t for *_, t in ds])))
+            decode = (d0, d1, d2)
+        return cls(prefill, decode)
 
     def attention_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         return self.prefill[2] * sum(summed_keys(c, b) for c, b in pairs)

@@ -127,7 +127,8 @@ def pack_prefill_batch(
                 hi = max(0, min(hi, max_tokens - tokens))
             if max_kv_tokens and chunks:
                 hi = max(0, min(hi, max_kv_tokens - kv - item.cached))
-            bsz = _largest_fitting(hi, lambda b, c=item.cached: time_with(c, b), quota_s)
+            c = item.cached
+            bsz = _largest_fitting(hi, lambda b: time_with(c, b), quota_s)
             if bsz == 0:
                 if chunks:
                     break

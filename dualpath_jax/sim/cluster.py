@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import heapq
 import itertools
 import math
@@ -285,7 +286,7 @@ class SimCluster:
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
         self.events: list[dict] = []
-        self.counters = collections.Counter()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._dispatch_at: float | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
         # The additive form of the cost model's attention time, when it has one (same plans).
@@ -437,7 +438,7 @@ class SimCluster:
         st.waits = len(reads)
         for s in reads:
             side = "pe" if s.name == "pe_store_read" else "de"
-            self.net.transfer(s.path, s.nbytes, s.cls, lambda side=side: self._read_done(st, side))
+            self.net.transfer(s.path, s.nbytes, s.cls, functools.partial(self._read_done, st, side))
 
     def _dequeue_reads(self, st: _Req, side: str) -> None:
         """The side's storage reads are over: its node's read queue drops them (the real engines
@@ -491,7 +492,7 @@ class SimCluster:
                 if n > 0:
                     st.sent += n
                     st.sends += 1
-                    self.net.transfer(send.path, n, send.cls, lambda st=st: self._sent(st))
+                    self.net.transfer(send.path, n, send.cls, functools.partial(self._sent, st))
         done = [st for st, c in batch if plan.finishes(c.request_id)]
         if not loads:
             self.loop.at(t0 + compute, self._batch_end, pe, done, t0)

@@ -32,7 +32,7 @@ over the windows it occupies), in the shape of the engines' link reports.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dualpath_jax.sim.core import EventLoop
 from dualpath_jax.transfer.links import (
@@ -248,7 +248,7 @@ class SimNetwork:
     def snapshot(self, elapsed_s: float, owners: set[str] | None = None) -> dict:
         """The `TrafficManager.snapshot()` shape for the links of `owners` (None: all)."""
         out = {}
-        links = self.links.values()
+        links: Iterable[SimLink] = self.links.values()
         if owners is not None:
             links = [ln for o in owners for ln in self.by_owner.get(o, ())]
         for ln in sorted(links, key=lambda x: x.id.name):
