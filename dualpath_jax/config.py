@@ -139,6 +139,10 @@ class ClusterConfig:
     decode_max_len: int = 4096  # tokens per decode slot
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
+    # Context (cached + new tokens) one PE forward batch may hold on the device, 0: unbounded.
+    # Without layerwise prefill (Basic) every layer of it is resident, with it one layer at a
+    # time, so the bound is `num_layers` times larger there (the first chunk always runs).
+    prefill_max_kv_tokens: int = 0
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
     max_attempts: int = 5  # tries of a request whose engines failed (transfer errors, deaths)

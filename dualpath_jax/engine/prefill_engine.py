@@ -26,7 +26,8 @@ from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
-from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
+from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
+from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class PrefillEngine:
         self.queue = PrefillQueue()
         self.stopped = False
         self.last_fetch = -1e9
+        # The router sends this policy's layerwise flag with every request.
+        self.layerwise = make_policy(cfg.scheduler).layerwise
 
     # ------------------------------------------------------------------ loop
 
@@ -180,6 +183,7 @@ class PrefillEngine:
             c.scheduler.compute_quota_ms / 1e3,
             max_requests=c.cluster.prefill_max_batch,
             max_tokens=c.cluster.prefill_max_tokens,
+            max_kv_tokens=batch_kv_bound(c.cluster.prefill_max_kv_tokens, c.model.num_layers, self.layerwise),
         )
         chunks = [ch for ch in plan.chunks if ch.request_id in self.reqs]
         if not chunks:

@@ -202,6 +202,13 @@ def _largest_fitting(hi: int, time_of: Callable[[int], float], quota_s: float) -
     return lo
 
 
+def batch_kv_bound(device_kv_tokens: int, num_layers: int, layerwise: bool) -> int:
+    """`pack_prefill_batch`'s `max_kv_tokens` for a PE whose device holds `device_kv_tokens`
+    tokens of KV (all layers; 0: unbounded): without layerwise prefill a batch keeps every layer
+    of its context resident, with it one layer at a time."""
+    return device_kv_tokens * num_layers if device_kv_tokens and layerwise else device_kv_tokens
+
+
 class PrefillQueue:
     """A PE's FIFO of pending prefills; `next_batch` plans one batch and keeps a cut request's
     remainder at the head. The only state is the deque."""

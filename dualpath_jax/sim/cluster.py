@@ -42,7 +42,7 @@ from collections.abc import Callable
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
-from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode
+from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode, batch_kv_bound
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
 from dualpath_jax.sim.core import Event, EventLoop
@@ -66,8 +66,9 @@ class SimOptions:
     steps in one event, each timed at the span's mean context; an admission cuts the span after
     the step in progress (False: one event per step, each at its own context); `fast_links`:
     one event per uncontended transfer (`sim.network`; False: one per chunk per link);
-    `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None: the DE's
-    `hardware.hbm_bytes` figure, unbounded without it; 0: unbounded). Without layerwise prefill
+    `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None:
+    `cluster.prefill_max_kv_tokens`, else the DE's `hardware.hbm_bytes` figure, unbounded
+    without either; 0: unbounded). Without layerwise prefill
     a batch holds every layer of its context (`cached + new` summed over its chunks <= this);
     with it one layer at a time, so the bound is `layers` times larger (paper section 2).
     """
@@ -248,9 +249,9 @@ class SimCluster:
                                      else cl.decode_slots * cl.decode_max_len)
         pe_hbm = options.pe_hbm_tokens
         if pe_hbm is None:
-            pe_hbm = int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0
+            pe_hbm = cl.prefill_max_kv_tokens or (int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0)
         # The context one PE forward batch may hold (0: unbounded).
-        self.pe_kv_tokens = pe_hbm * (self.layers if self.policy.layerwise else 1)
+        self.pe_kv_tokens = batch_kv_bound(pe_hbm, self.layers, self.policy.layerwise)
         self.pes: list[_Engine] = []
         self.des: list[_Engine] = []
         eid = 0

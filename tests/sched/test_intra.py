@@ -201,3 +201,11 @@ def test_kv_bound_plans_agree_with_and_without_additive_terms(items, max_kv):
         assert fast == plain
         if len(plain.chunks) > 1 and max_kv:
             assert sum(c + b for c, b in plain.pairs) <= max_kv
+
+
+def test_batch_kv_bound_is_per_layer_only_without_layerwise_prefill():
+    from dualpath_jax.sched.intra import batch_kv_bound
+
+    assert batch_kv_bound(1_000, 61, layerwise=False) == 1_000
+    assert batch_kv_bound(1_000, 61, layerwise=True) == 61_000
+    assert batch_kv_bound(0, 61, layerwise=True) == 0

@@ -173,3 +173,12 @@ def test_pe_hbm_bounds_basic_batches_and_layerwise_lifts_it():
 
     assert run("basic", 1_100) > 1.2 * run("basic", 0)
     assert run("layerwise", 1_100) == pytest.approx(run("layerwise", 0), rel=0.02)
+
+
+def test_cluster_prefill_max_kv_tokens_is_the_simulated_pe_hbm():
+    cost = FittedCostModel(prefill=(0.2, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
+    cfg = _cfg(1, 1, "basic", unlimited=True)
+    bounded = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, prefill_max_kv_tokens=1_100))
+    via_cfg = simulate(bounded, cost=cost).jct_s
+    assert via_cfg == simulate(cfg, cost=cost, options=SimOptions(pe_hbm_tokens=1_100)).jct_s
+    assert via_cfg > simulate(cfg, cost=cost).jct_s
