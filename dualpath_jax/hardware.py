@@ -163,6 +163,10 @@ def paper_experiment(
     d = m.decode_nodes if decode_nodes is None else decode_nodes
     g = HOPPER_NODE.engines_per_node
     cost = paper_cost_model(key, d, engines_per_node=g)
+    if cost.kv_hbm_bytes() <= 0:
+        raise ValueError(
+            f"{key} {p}P{d}D does not fit: {cost.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU "
+            f"(routed experts over {d * g} decode GPUs) leave no HBM for KV")
     hw = dataclasses.replace(HOPPER_NODE, gpu=m.gpu, snic_bytes_per_s=snic_bytes_per_s,
                              hbm_bytes=cost.kv_hbm_bytes(), dram_buffer_bytes=m.dram_buffer_bytes / g)
     cfg = ExperimentConfig(

@@ -135,7 +135,9 @@ def advise(
     `cost`: None (each candidate's own default, as `simulate(candidate, cost=None)`), a callable
     `candidate config -> cost model`, or one fixed cost model shared by every candidate.
     `configure`: `(P, D) -> base config` of a split (None: `cfg` with the node counts replaced);
-    its workload must be `cfg`'s (offline, every candidate replays the same agents)."""
+    its workload must be `cfg`'s (offline, every candidate replays the same agents). A split for
+    which it raises `ValueError` is reported as infeasible (its reason in `infeasible`), ranked
+    last."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     rates = sorted(float(a) for a in aps)
@@ -146,13 +148,19 @@ def advise(
     wall = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for p, d, a, b in space.candidates():
-        base = cfg if configure is None else configure(p, d)
+        row: dict[str, Any] = {"prefill_nodes": p, "decode_nodes": d, "pd_ratio": p / d, "alpha_s": a,
+                               "beta_s": b, "in_bottleneck_free_range": rng.contains(p, d) if rng else None}
+        try:
+            base = cfg if configure is None else configure(p, d)
+        except ValueError as e:  # the split cannot be deployed (e.g. its weights do not fit)
+            row.update(infeasible=str(e), errors=0, jct_s=math.inf, capacity_aps=0.0,
+                       ttft_mean_at_capacity_s=math.inf)
+            rows.append(row)
+            continue
         if base.workload != cfg.workload:
             raise ValueError(f"configure({p}, {d}) changed the workload; candidates must share cfg's")
         c = candidate_config(base, p, d, a, b)
         c_cost = candidate_cost(cost, c)
-        row: dict[str, Any] = {"prefill_nodes": p, "decode_nodes": d, "pd_ratio": p / d, "alpha_s": a,
-                               "beta_s": b, "in_bottleneck_free_range": rng.contains(p, d) if rng else None}
         if objective == "jct":
             assert offline is not None
             run = simulate(c, cost=c_cost, options=options, trajectories=offline[0], arrivals=offline[1])
@@ -178,7 +186,7 @@ def advise(
     if objective == "jct":
         near = [r for r in rows if r["errors"] == 0 and r["jct_s"] <= best["jct_s"] * (1 + NEAR)]
     else:
-        near = [r for r in rows if r["capacity_aps"] == best["capacity_aps"]]
+        near = [r for r in rows if "infeasible" not in r and r["capacity_aps"] == best["capacity_aps"]]
     return {
         "config": cfg.name,
         "objective": objective,
@@ -214,6 +222,10 @@ def format_report(report: dict[str, Any]) -> str:
     best = report["best"]
     for r in report["candidates"]:
         rng = {True: "yes", False: "no", None: "-"}[r["in_bottleneck_free_range"]]
+        if "infeasible" in r:
+            lines.append(f"{r['prefill_nodes']:>3}{r['decode_nodes']:>4}{as_fraction(r['pd_ratio']):>7}{rng:>9}"
+                         f"{r['alpha_s']:8.3g}{r['beta_s']:8.3g}  infeasible: {r['infeasible']}")
+            continue
         val = f"{r['jct_s']:10.1f}" if jct else f"{r['capacity_aps']:10.3g}"
         extra = f"{r['snic_max_over_avg']:9.2f}" if jct else f"{r['ttft_mean_at_capacity_s']:9.2f}"
         lines.append(

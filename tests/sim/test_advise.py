@@ -145,3 +145,17 @@ def test_configure_gives_each_split_its_own_hardware():
         assert row["jct_s"] == simulate(direct, options=options).summary["jct_s"]
     with pytest.raises(ValueError, match="workload"):
         advise(cfg, space, configure=lambda p, d: paper_experiment("ds660b", p, d, agents=3)[0], options=options)
+
+
+def test_a_split_whose_weights_do_not_fit_is_infeasible():
+    kw = dict(agents=2, max_turns=3, snic_bytes_per_s=1e9)
+    with pytest.raises(ValueError, match="does not fit"):
+        paper_experiment("ds660b", 5, 1, **kw)
+    cfg, _ = paper_experiment("ds660b", 2, 4, **kw)
+    space = AdviseSpace(pd=((5, 1), (2, 4)), alpha_s=(3.0,), beta_s=(5.0,))
+    report = advise(cfg, space, configure=lambda p, d: paper_experiment("ds660b", p, d, **kw)[0],
+                    options=SimOptions(kv_format=PAPER_MODELS["ds660b"].kv_format))
+    bad, good = report["candidates"]
+    assert "no HBM for KV" in bad["infeasible"] and "infeasible" not in good
+    assert report["best"] is good
+    assert "infeasible" in format_report(report)
