@@ -68,9 +68,9 @@ class SimOptions:
     one event per uncontended transfer (`sim.network`; False: one per chunk per link);
     `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None:
     `cluster.prefill_max_kv_tokens`, else the DE's `hardware.hbm_bytes` figure, unbounded
-    without either; 0: unbounded). Without layerwise prefill
-    a batch holds every layer of its context (`cached + new` summed over its chunks <= this);
-    with it one layer at a time, so the bound is `layers` times larger (paper section 2).
+    without either; 0: unbounded). Without layerwise prefill a batch holds every layer of its
+    context (`cached + new` summed over its chunks <= this); with it one layer at a time, so the
+    bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
     """
 
     quantum_s: float = 0.05
