@@ -50,6 +50,8 @@ _PRESETS = flags.DEFINE_list("presets", [], "fig7: MaxLen presets (default: 64k 
 _AGENTS = flags.DEFINE_list("agents", [], "fig7: agent counts for every model (default: per model).")
 _ABLATION = flags.DEFINE_list("ablation_agents", [], "fig12: agent counts (default: 1024,2048; quick 128).")
 _SNIC = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC rate per node (Gbps) of every run.")
+_T3_EP = flags.DEFINE_bool("table3_replicated_ep", False, "table3: the scaled-out clusters keep 2P4D's "
+                            "expert-parallel group (4 decode nodes) instead of spreading experts over all.")
 _T3_ONLINE = flags.DEFINE_float("table3_online_s", 0.0, "table3: online arrival window (s) of both online rows "
                                 "(0: the plan's duration); --large with 900 keeps 44P88D at 8.8 APS to minutes.")
 
@@ -90,6 +92,7 @@ class Spec:
     gen_scale: float = 1.0
     max_turns: int = 0
     snic_gbps: float = 400.0  # storage NIC rate per node
+    ep_decode_nodes: int = 0  # decode nodes per expert-parallel group (0: all)
 
     @property
     def name(self) -> str:
@@ -106,6 +109,8 @@ class Spec:
             parts.append(f"t{self.max_turns}")
         if self.snic_gbps != 400.0:
             parts.append(f"snic{self.snic_gbps:g}")
+        if self.ep_decode_nodes:
+            parts.append(f"ep{self.ep_decode_nodes}")
         return "_".join(parts)
 
 
@@ -114,7 +119,8 @@ def execute(spec: Spec) -> dict:
     cfg, cost = paper_experiment(
         spec.model, spec.p, spec.d, policy=spec.policy, agents=spec.agents, preset=spec.preset,
         mode=spec.mode, aps=spec.aps, duration_s=spec.duration_s, append_scale=spec.append_scale,
-        gen_scale=spec.gen_scale, max_turns=spec.max_turns, snic_bytes_per_s=spec.snic_gbps / 8 * 1e9)
+        gen_scale=spec.gen_scale, max_turns=spec.max_turns, snic_bytes_per_s=spec.snic_gbps / 8 * 1e9,
+        ep_decode_nodes=spec.ep_decode_nodes)
     t0 = time.perf_counter()
     run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
     wall = time.perf_counter() - t0
@@ -587,13 +593,14 @@ def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
 def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     k = 24 if plan.large else 2 if plan.quick else 4
     small_n = plan.headline_agents
+    ep = 4 if _T3_EP.value else 0  # replicated 2P4D expert-parallel groups, or one over all
     offline = [Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
-               Spec("ds660b", 2 * k, 4 * k, "dualpath", small_n * k, max_turns=plan.turns)]
+               Spec("ds660b", 2 * k, 4 * k, "dualpath", small_n * k, max_turns=plan.turns, ep_decode_nodes=ep)]
     k_on = 22 if plan.large else 2 if plan.quick else 4
     dur = _T3_ONLINE.value or plan.duration_s
     online = [Spec("ds660b", 2, 4, "dualpath", 0, mode="online", aps=0.4, duration_s=dur, max_turns=plan.turns),
               Spec("ds660b", 2 * k_on, 4 * k_on, "dualpath", 0, mode="online", aps=round(0.4 * k_on, 6),
-                   duration_s=dur, max_turns=plan.turns)]
+                   duration_s=dur, max_turns=plan.turns, ep_decode_nodes=ep)]
     res = runner.get(offline + online)
     rows = []
     for s in offline + online:

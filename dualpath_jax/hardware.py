@@ -144,11 +144,13 @@ def paper_experiment(
     max_turns: int = 0,
     snic_bytes_per_s: float = 50e9,
     seed: int = 0,
+    ep_decode_nodes: int = 0,
 ):
     """`(ExperimentConfig, cost model)` of one of the paper's runs: `P`P`D`D H800 nodes
     (8 GPUs, 8 x 400 Gbps compute NICs, one 400 Gbps storage NIC that 3FS saturates), the
     model's DRAM buffer, HBM left for KV after the weights, the Table 2 trace `preset`.
-    Prefill batches are bounded by the compute quota only; decode by HBM."""
+    Prefill batches are bounded by the compute quota and the PE's HBM; decode by HBM.
+    `ep_decode_nodes` (0: all D): the decode nodes one expert-parallel group spans."""
     from dualpath_jax.config import (
         ClusterConfig,
         ExperimentConfig,
@@ -162,7 +164,10 @@ def paper_experiment(
     p = m.prefill_nodes if prefill_nodes is None else prefill_nodes
     d = m.decode_nodes if decode_nodes is None else decode_nodes
     g = HOPPER_NODE.engines_per_node
-    cost = paper_cost_model(key, d, engines_per_node=g)
+    # Routed experts spread over the decode GPUs of one expert-parallel group: all D nodes, or
+    # `ep_decode_nodes` (a scaled-out cluster of replicated groups, e.g. 48P96D as 24 groups
+    # of 2P4D's 4 decode nodes, keeps its unit's weights per GPU and decode step).
+    cost = paper_cost_model(key, ep_decode_nodes or d, engines_per_node=g)
     if cost.kv_hbm_bytes() <= 0:
         raise ValueError(
             f"{key} {p}P{d}D does not fit: {cost.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU "

@@ -130,3 +130,13 @@ def test_decode_overhead_is_paid_per_moe_layer():
         # (a dense model's expert-parallel width is moot: it has no routed experts to spread)
         assert dataclasses.replace(default, expert_parallel=cost.expert_parallel) == cost
         assert default.weight_bytes_per_gpu == cost.weight_bytes_per_gpu
+
+
+def test_a_scaled_out_cluster_can_keep_its_units_expert_parallel_group():
+    """48P96D as 24 replicated 2P4D groups: the same weights per GPU, HBM for KV and decode step
+    as 2P4D; spreading the experts over all 768 decode GPUs halves the weights per GPU."""
+    _, unit = paper_experiment("ds660b", 2, 4)
+    big_cfg, replicated = paper_experiment("ds660b", 48, 96, ep_decode_nodes=4)
+    _, spread = paper_experiment("ds660b", 48, 96)
+    assert replicated == unit and big_cfg.cluster.decode_nodes == 96
+    assert spread.weight_bytes_per_gpu < 0.6 * unit.weight_bytes_per_gpu
