@@ -441,17 +441,8 @@ def capacity_under(points: list[tuple[float, float]], limit: float) -> float:
 
 def capacity(points: list[tuple[float, float]], attainment: float = ATTAINMENT) -> float:
     """Highest APS whose SLO attainment reaches `attainment`, interpolated linearly between the
-    last passing and the first failing grid point."""
-    points = sorted(points)
-    best = 0.0
-    for (a0, s0), (a1, s1) in zip([(0.0, 1.0)] + points, points):
-        if s1 >= attainment:
-            best = a1
-            continue
-        if s0 >= attainment:
-            best = a0 + (a1 - a0) * (s0 - attainment) / (s0 - s1)
-        break
-    return best
+    last passing and the first failing grid point (`capacity_under` of the missed fraction)."""
+    return capacity_under([(a, 1.0 - s) for a, s in points], 1.0 - attainment)
 
 
 def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:

@@ -167,11 +167,12 @@ def paper_experiment(
     # Routed experts spread over the decode GPUs of one expert-parallel group: all D nodes, or
     # `ep_decode_nodes` (a scaled-out cluster of replicated groups, e.g. 48P96D as 24 groups
     # of 2P4D's 4 decode nodes, keeps its unit's weights per GPU and decode step).
-    cost = paper_cost_model(key, ep_decode_nodes or d, engines_per_node=g)
+    ep_nodes = ep_decode_nodes or d
+    cost = paper_cost_model(key, ep_nodes, engines_per_node=g)
     if cost.kv_hbm_bytes() <= 0:
         raise ValueError(
             f"{key} {p}P{d}D does not fit: {cost.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU "
-            f"(routed experts over {d * g} decode GPUs) leave no HBM for KV")
+            f"(routed experts over {ep_nodes * g} decode GPUs) leave no HBM for KV")
     hw = dataclasses.replace(HOPPER_NODE, gpu=m.gpu, snic_bytes_per_s=snic_bytes_per_s,
                              hbm_bytes=cost.kv_hbm_bytes(), dram_buffer_bytes=m.dram_buffer_bytes / g)
     cfg = ExperimentConfig(

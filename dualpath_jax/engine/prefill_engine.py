@@ -71,8 +71,10 @@ class PrefillEngine:
         self.queue = PrefillQueue()
         self.stopped = False
         self.last_fetch = -1e9
-        # The router sends this policy's layerwise flag with every request.
-        self.layerwise = make_policy(cfg.scheduler).layerwise
+        # The context one forward batch may hold on the device (the router sends this policy's
+        # layerwise flag with every request).
+        self.max_kv_tokens = batch_kv_bound(cfg.cluster.prefill_max_kv_tokens, cfg.model.num_layers,
+                                            make_policy(cfg.scheduler).layerwise)
 
     # ------------------------------------------------------------------ loop
 
@@ -183,7 +185,7 @@ class PrefillEngine:
             c.scheduler.compute_quota_ms / 1e3,
             max_requests=c.cluster.prefill_max_batch,
             max_tokens=c.cluster.prefill_max_tokens,
-            max_kv_tokens=batch_kv_bound(c.cluster.prefill_max_kv_tokens, c.model.num_layers, self.layerwise),
+            max_kv_tokens=self.max_kv_tokens,
         )
         chunks = [ch for ch in plan.chunks if ch.request_id in self.reqs]
         if not chunks:

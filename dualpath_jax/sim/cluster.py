@@ -245,11 +245,11 @@ class SimCluster:
             pe_read_rate=rate, de_read_rate=rate)
         self.policy = self.scheduler.policy
         g = hw.engines_per_node
-        hbm = options.hbm_tokens or (int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0
-                                     else cl.decode_slots * cl.decode_max_len)
+        hw_kv_tokens = int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0  # 0: not configured
+        hbm = options.hbm_tokens or hw_kv_tokens or cl.decode_slots * cl.decode_max_len
         pe_hbm = options.pe_hbm_tokens
         if pe_hbm is None:
-            pe_hbm = cl.prefill_max_kv_tokens or (int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0)
+            pe_hbm = cl.prefill_max_kv_tokens or hw_kv_tokens
         # The context one PE forward batch may hold (0: unbounded).
         self.pe_kv_tokens = batch_kv_bound(pe_hbm, self.layers, self.policy.layerwise)
         self.pes: list[_Engine] = []
