@@ -50,6 +50,14 @@ from dualpath_jax.sim.network import SimNetwork
 from dualpath_jax.transfer import links as L
 
 
+# Link kinds that carry one traffic class in the simulated data paths (`transfer.links`): store
+# reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
+# H2D; D2H carries the PE's layer blocks (HIGH) or the DE's persistence (LOW). Node DRAM carries
+# both.
+_ONE_CLASS_LINKS = (L.LinkKind.SNIC_RX, L.LinkKind.SNIC_TX, L.LinkKind.CNIC_RX, L.LinkKind.CNIC_TX,
+                    L.LinkKind.H2D, L.LinkKind.D2H)
+
+
 @dataclasses.dataclass(frozen=True)
 class SimOptions:
     """Knobs of the model itself (not of the simulated hardware).
@@ -71,6 +79,9 @@ class SimOptions:
     without either; 0: unbounded). Without layerwise prefill a batch holds every layer of its
     context (`cached + new` summed over its chunks <= this); with it one layer at a time, so the
     bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
+    `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
+    (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
+    that carries both classes; off by default).
     """
 
     quantum_s: float = 0.05
@@ -83,6 +94,7 @@ class SimOptions:
     decode_macro_steps: bool = True
     fast_links: bool = True
     pe_hbm_tokens: int | None = None
+    class_blind_links: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -235,7 +247,8 @@ class SimCluster:
         self.layers = cfg.model.num_layers
         self.net = SimNetwork(self.loop, lambda lid: L.link_rate(hw, lid.kind), quantum_s=options.quantum_s,
                               high_weight=hw.high_weight, low_weight=hw.low_weight, window_s=options.window_s,
-                              fast=options.fast_links)
+                              fast=options.fast_links, fifo=_ONE_CLASS_LINKS,
+                              class_blind=options.class_blind_links)
         self.alpha = derive_alpha(cfg.scheduler, hw, self.kvb)
         self.beta = derive_beta(cfg.scheduler, cost, ref_cached=ref_request[0], ref_new=ref_request[1],
                                 max_batch=cl.prefill_max_batch or 256)

@@ -17,6 +17,15 @@ event is scheduled at that end, where the per-chunk model has it). A transfer wh
 grant it so completes with one event at the latest chunk end instead of one per link; the links
 serve the same bytes over the same intervals. `fast=False` keeps one event per chunk per link.
 
+One-class links (`fifo` kinds, fast mode only): weighted fair queueing with a single class is a
+FIFO served back to back, so a link that only ever carries one class (in the simulated cluster:
+storage NICs LOW, compute NICs and H2D HIGH, each engine's D2H one of them) grants every
+transfer at once, queued behind the bytes granted before it: completion times are those of the
+per-chunk arbiter, with no event per chunk and no arbiter round trip; a transfer over such links
+completes with one event. Bytes of the other class on such a link are a model error
+(ValueError). `class_blind` kinds are served the same way whatever the class: an approximation
+for a link whose classes rarely meet (node DRAM), off by default.
+
 Chunk size: the real links grant 64 KiB chunks, which at the paper's scale would mean billions
 of events. Here a link grants `rate * quantum_s` bytes per chunk (50 ms of the link by
 default; never below 64 KiB): the long-run rates and the HIGH:LOW shares are the same, and a
@@ -64,11 +73,15 @@ class SimLink:
     """One link on the virtual clock. Built by `SimNetwork.link`; lives as long as the run."""
 
     __slots__ = ("id", "rate", "arb", "loop", "bytes", "windows", "window_s", "_busy", "_last",
-                 "_free_at", "_chunk")
+                 "_free_at", "_chunk", "_cls", "fifo", "class_blind")
 
     def __init__(self, link_id: LinkId, rate: float, loop: EventLoop, *, quantum_s: float,
-                 high_weight: float, low_weight: float, window_s: float):
+                 high_weight: float, low_weight: float, window_s: float, fifo: bool = False,
+                 class_blind: bool = False):
         self.id = link_id
+        self.fifo = fifo or class_blind
+        self.class_blind = class_blind
+        self._cls = -1  # the traffic class a `fifo` link carries (-1: none yet)
         self.rate = float(rate)
         self.loop = loop
         self.arb: LinkArbiter | None = None
@@ -100,18 +113,39 @@ class SimLink:
                 self._pace()
 
     def serve_now(self, nbytes: int, cls: TrafficClass) -> float | None:
-        """Grants `nbytes` at once when the link is idle, nothing is queued and they fit one chunk
-        (unlimited links: always); returns the time the last byte crosses, or None (then use
-        `request`). No event is scheduled for the chunk's end."""
+        """Grants `nbytes` now, without an event of its own, when that is what the arbiter would
+        do; returns the time the last byte crosses, or None (then use `request`).
+
+        - Unlimited links: always (only counted).
+        - `fifo` links carry one traffic class, and weighted fair queueing with one class is a
+          FIFO served back to back: the bytes start when those granted before them end,
+          whatever their size (exact). Bytes of the other class raise ValueError, unless the
+          link is `class_blind` (served FIFO whatever the class: an approximation).
+        - Other links: only when the link is idle, nothing is queued and the bytes fit one
+          chunk (`_grant_alone`).
+        """
         arb = self.arb
         now = self.loop.now
         if arb is None:
             self._account(int(cls), nbytes, now, now)
             return now
-        if self._busy or nbytes > self._chunk or now < self._free_at or nbytes <= 0:
+        if nbytes <= 0:
+            return None
+        c = int(cls)
+        if self.fifo:
+            if self._cls != c:
+                if self._cls >= 0 and not self.class_blind:
+                    raise ValueError(f"link {self.id.name} is served as one-class FIFO but carried "
+                                     f"both traffic classes")
+                self._cls = c
+            start = self._free_at if self._free_at > now else now
+            self._free_at = end = start + nbytes / self.rate
+            self._account(c, nbytes, start, end)
+            return end
+        if self._busy or nbytes > self._chunk or now < self._free_at:
             return None
         start, end = _grant_alone(arb, nbytes, cls, now)
-        self._account(int(cls), nbytes, start, end)
+        self._account(c, nbytes, start, end)
         self._free_at = end
         return end
 
@@ -168,9 +202,11 @@ class SimNetwork:
 
     def __init__(self, loop: EventLoop, rates: Callable[[LinkId], float], *, quantum_s: float = 0.05,
                  high_weight: float = 99.0, low_weight: float = 1.0, window_s: float = 1.0,
-                 fast: bool = True):
+                 fast: bool = True, fifo: Iterable[str] = (), class_blind: Iterable[str] = ()):
         self.loop = loop
         self.fast = fast
+        self.fifo = frozenset(str(k) for k in fifo) if fast else frozenset()
+        self.class_blind = frozenset(str(k) for k in class_blind) if fast else frozenset()
         self._rates = rates
         self.quantum_s = quantum_s
         self.high_weight, self.low_weight = high_weight, low_weight
@@ -184,6 +220,7 @@ class SimNetwork:
             ln = self.links[link_id] = SimLink(
                 link_id, self._rates(link_id), self.loop, quantum_s=self.quantum_s,
                 high_weight=self.high_weight, low_weight=self.low_weight, window_s=self.window_s,
+                fifo=str(link_id.kind) in self.fifo, class_blind=str(link_id.kind) in self.class_blind,
             )
             self.by_owner.setdefault(link_id.owner, []).append(ln)
         return ln

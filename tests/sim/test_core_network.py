@@ -105,6 +105,59 @@ def test_one_event_per_uncontended_transfer_changes_no_timing(seed):
         assert [b for _, b in fast[2][name]] == pytest.approx([b for _, b in series])
 
 
+def _one_class_transfers(mode: str, seed: int) -> tuple[list[tuple[int, float]], dict, dict, int]:
+    """Random transfers where every link carries one class (SNIC LOW, H2D HIGH) and DRAM both.
+    mode: "chunks" (one event per chunk per link), "fast" (one-class links FIFO) or "blind"
+    (DRAM served FIFO too)."""
+    import random
+
+    rng = random.Random(seed)
+    snic = [LinkId(LinkKind.SNIC_RX, f"node{n}") for n in range(2)]
+    h2d = [LinkId(LinkKind.H2D, f"pe{n}") for n in range(2)]
+    dram = [LinkId(LinkKind.DRAM, f"node{n}") for n in range(2)]
+    rates = {lid: rng.choice([1e5, 4e5, 1e6]) for lid in (*snic, *h2d)}
+    rates.update({lid: 5e6 for lid in dram})
+    loop = EventLoop()
+    net = SimNetwork(loop, lambda lid: rates.get(lid, 0.0), quantum_s=0.01, window_s=0.5,
+                     fast=mode != "chunks", fifo=("snic_rx", "h2d"),
+                     class_blind=("dram",) if mode == "blind" else ())
+    done: list[tuple[int, float]] = []
+    for i in range(300):
+        n = rng.randrange(2)
+        path, cls = ([snic[n], dram[n]], TrafficClass.LOW) if rng.random() < 0.5 else \
+            ([dram[n], h2d[n]], TrafficClass.HIGH)
+        nbytes = rng.choice([100, 2_000, 20_000, 300_000])
+        loop.at(rng.uniform(0, 5), net.transfer, path, nbytes, cls, lambda i=i: done.append((i, loop.now)))
+    loop.run()
+    windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
+    return sorted(done), net.totals(), windows, loop.events
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_class_links_served_fifo_keep_the_arbiters_timing(seed):
+    # Weighted fair queueing with one class is FIFO: granting each transfer at once behind the
+    # bytes before it completes every transfer when the per-chunk arbiter does.
+    chunks, fast = _one_class_transfers("chunks", seed), _one_class_transfers("fast", seed)
+    assert [t for _, t in fast[0]] == pytest.approx([t for _, t in chunks[0]], abs=1e-9)
+    assert [i for i, _ in fast[0]] == [i for i, _ in chunks[0]]
+    assert fast[1] == chunks[1]
+    for name, series in chunks[2].items():
+        assert [b for _, b in fast[2][name]] == pytest.approx([b for _, b in series])
+    assert fast[3] < chunks[3]
+    # DRAM served FIFO whatever the class: same bytes, close times, fewer events still.
+    blind = _one_class_transfers("blind", seed)
+    assert blind[1] == chunks[1] and blind[3] <= fast[3]
+    assert [t for _, t in blind[0]] == pytest.approx([t for _, t in chunks[0]], rel=0.05, abs=0.05)
+
+
+def test_one_class_link_refuses_the_other_class():
+    loop = EventLoop()
+    net = SimNetwork(loop, lambda lid: 1e6, fifo=("snic_rx",))
+    net.transfer([SNIC], 1000, TrafficClass.LOW, lambda: None)
+    with pytest.raises(ValueError, match="both traffic classes"):
+        net.transfer([SNIC], 1000, TrafficClass.HIGH, lambda: None)
+
+
 def test_grant_alone_matches_enqueue_and_grant():
     import random
 
