@@ -49,7 +49,6 @@ from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimNetwork
 from dualpath_jax.transfer import links as L
 
-
 # Link kinds that carry one traffic class in the simulated data paths (`transfer.links`): store
 # reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
 # H2D; D2H carries the PE's layer blocks (HIGH) or the DE's persistence (LOW). Node DRAM carries
