@@ -21,7 +21,6 @@ Ties break towards the engine (or group) listed first, so every function is dete
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -33,7 +32,7 @@ def _updated(loads: Sequence[EngineLoad], seq: list[int], tok: list[int], hbm: l
     for i, x in enumerate(loads):
         free = x.free_hbm_tokens if hbm is None else hbm[i]
         if seq[i] != x.seq_e or tok[i] != x.tok_e or free != x.free_hbm_tokens:
-            x = dataclasses.replace(x, seq_e=seq[i], tok_e=tok[i], free_hbm_tokens=free)
+            x = EngineLoad(x.engine, x.node, x.group, seq[i], tok[i], x.read_q, free)
         out.append(x)
     return tuple(out)
 

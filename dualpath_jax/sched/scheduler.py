@@ -110,6 +110,15 @@ class GlobalScheduler:
         q = self._de_private.get(group)
         return len(self._de_global) + (len(q) if q else 0)
 
+    def de_queued_global(self) -> int:
+        """Requests in the DE global queue (not yet routed to a group)."""
+        return len(self._de_global)
+
+    def de_head(self, group: int) -> Request | None:
+        """The head of `group`'s private queue (the next request its fetch would place)."""
+        q = self._de_private.get(group)
+        return q[0] if q else None
+
     def de_groups_queued(self) -> list[int]:
         """DE groups whose private queue holds requests, in the order groups were first seen."""
         return [g for g, q in self._de_private.items() if q]
@@ -133,14 +142,15 @@ class GlobalScheduler:
             raise ValueError(f"role must be 'pe' or 'de', got {role!r}")
         table = self._pe if role == "pe" else self._de
         for x in loads:
+            self._read_q[x.node] = x.read_q
+            if table.get(x.engine) is x:  # the same report again (a caller that keeps loads)
+                continue
             if role == "de":
                 self._set_de(x)
-            else:
-                table[x.engine] = x
-            self._read_q[x.node] = x.read_q
-            if role == "de":
                 self._de_private.setdefault(x.group, collections.deque())
                 self._private_tok.setdefault(x.group, 0)
+            else:
+                table[x.engine] = x
 
     def remove_engines(self, engines: Iterable[int]) -> list[Request]:
         """Forgets dead engines. Requests waiting for a PE with a dead DE, and the private queue

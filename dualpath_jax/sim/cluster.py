@@ -285,6 +285,7 @@ class SimCluster:
         # DEs whose load changed since the scheduler last saw it (all of them before the first
         # dispatch): reporting only these is what reporting every DE would record.
         self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
+        self._de_loads: dict[int, EngineLoad] = {}  # DE id -> its load as last reported
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._admitted = itertools.count()
         self._persist_paths: dict[int, list] = {}
@@ -354,7 +355,10 @@ class SimCluster:
         sched = self.scheduler
         self.counters["dispatches"] += 1
         if self._de_dirty:
-            sched.report([self._load(e) for e in self._de_dirty.values()], "de")
+            fresh = [self._load(e) for e in self._de_dirty.values()]
+            for x in fresh:
+                self._de_loads[x.engine] = x
+            sched.report(fresh, "de")
             self._de_dirty.clear()
         # A fetch that finds no request only records the group's loads, which the scheduler
         # already has (unchanged since the report above): such fetches are skipped.
@@ -391,7 +395,18 @@ class SimCluster:
                 self._assign(a)
 
     def _fetch_de(self, gid: int) -> None:
-        got = self.scheduler.fetch_de(gid, [self._load(e) for e in self._de_groups[gid]])
+        # The group's loads as reported at the start of this dispatch: no DE load changes
+        # between that report and the group's fetch (each group fetches once per dispatch).
+        loads = [self._de_loads[e.id] for e in self._de_groups[gid]]
+        sched = self.scheduler
+        if gid != self._de_first or not sched.de_queued_global():
+            # A fetch with nothing to route assigns nothing exactly when no DE of the group has
+            # room for the head of its private queue (`inter.de_fetch` / `rr_de_fetch`).
+            head = sched.de_head(gid)
+            if head is not None and all(x.free_hbm_tokens < head.hbm_tokens for x in loads):
+                self._de_stuck.add(gid)
+                return
+        got = sched.fetch_de(gid, loads)
         if not got:
             self._de_stuck.add(gid)
         for r, de in got:
