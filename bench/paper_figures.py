@@ -121,9 +121,9 @@ def execute(spec: Spec) -> dict:
         mode=spec.mode, aps=spec.aps, duration_s=spec.duration_s, append_scale=spec.append_scale,
         gen_scale=spec.gen_scale, max_turns=spec.max_turns, snic_bytes_per_s=spec.snic_gbps / 8 * 1e9,
         ep_decode_nodes=spec.ep_decode_nodes)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = run.summary
     results = run.cluster.results
     # Online: measure the rounds submitted in the second half of the arrival period (steady
@@ -167,6 +167,7 @@ def execute(spec: Spec) -> dict:
         "beta_tokens": s["sim"]["beta_tokens"],
         "events": run.events,
         "wall_s": wall,
+        "cpu_s": cpu,
     }
 
 

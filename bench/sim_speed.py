@@ -41,6 +41,8 @@ _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 _FAST_LINKS = flags.DEFINE_bool("fast_links", True, "One event per uncontended transfer.")
+_BLIND = flags.DEFINE_list("class_blind_links", [], "Link kinds served FIFO whatever the class "
+                           "(SimOptions.class_blind_links), e.g. dram.")
 _PRESET = flags.DEFINE_enum("preset", "paper", ["paper", "engine_groups"],
                             "paper: hardware.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
                             "HBM for KV after the weights, calibrated roofline); engine_groups: HOPPER_NODE "
@@ -72,7 +74,8 @@ def main(argv):
                                      max_turns=_TURNS.value)
     else:
         cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
-    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value, fast_links=_FAST_LINKS.value)
+    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value, fast_links=_FAST_LINKS.value,
+                      class_blind_links=tuple(_BLIND.value))
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:
         prof.enable()

@@ -233,6 +233,8 @@ class GlobalScheduler:
 
     def _set_de(self, x: EngineLoad) -> None:
         old = self._de.get(x.engine)
+        if old is x:
+            return
         if old is not None:
             self._group_tok[old.group] -= old.tok_e
         self._de[x.engine] = x
