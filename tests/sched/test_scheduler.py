@@ -208,3 +208,25 @@ def test_from_config_uses_z_and_queue_bound():
     cfg = dataclasses.replace(SchedulerConfig(), z_factor=1.2, max_queue=7)
     s = GlobalScheduler.from_config(cfg, alpha=10.0, beta=20.0, block_tokens=32)
     assert (s.z_factor, s.max_queue, s.alpha, s.beta, s.block_tokens) == (1.2, 7, 10.0, 20.0, 32)
+
+
+def test_queue_heads_and_repeated_reports():
+    """`de_head` / `de_queued_global` expose what a DE fetch would act on; reporting the same
+    load objects again records nothing new, while a read queue in a report always resets the
+    node's estimate."""
+    s = GlobalScheduler(Policy.DUALPATH)
+    loads = de_loads(free=1010)
+    s.report(loads, "de")
+    for i in range(3):
+        s.submit(req(i, prompt=1000, gen=10))
+    assert s.de_queued_global() == 3 and s.de_head(0) is None
+    got = s.fetch_de(0, loads)  # routes all three to group 0, each DE takes one
+    assert len(got) == 2 and s.de_queued_global() == 0
+    assert s.de_head(0).id == "r2" and s.de_head(7) is None
+    before = (dict(s._group_tok), dict(s._de))
+    s.report(list(s._de.values()), "de")  # the loads it holds, after the fetch
+    assert (dict(s._group_tok), dict(s._de)) == before
+    s.fetch_pe(0, pe_loads())  # read decisions add to node queues
+    assert s._read_q[1] > 0 or s._read_q[0] > 0
+    s.report(list(s._de.values()), "de")
+    assert s._read_q[1] == 0
