@@ -21,7 +21,9 @@ from dualpath_jax.metrics.plots import plot_comparison
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file.")
 _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
 _POLICIES = flags.DEFINE_list(
-    "policies", ["basic", "layerwise", "dualpath_rr", "dualpath", "split", "oracle"], "Policies, in order."
+    "policies",
+    ["basic", "layerwise", "dualpath_rr", "dualpath", "split", "oracle"],
+    "Policies, in order.",
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dp_compare", "Output directory.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Replay once unmeasured to fill the compilation cache.")

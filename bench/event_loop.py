@@ -85,7 +85,9 @@ def main(argv):
         print("simpy not installed: pip install simpy to compare")
         return
     theirs = max(run_simpy(n, chains, every) for _ in range(_REPS.value))
-    print(f"simpy {__import__('simpy').__version__} (callbacks on timeouts): {theirs:,.0f} events/s")
+    print(
+        f"simpy {__import__('simpy').__version__} (callbacks on timeouts): {theirs:,.0f} events/s"
+    )
     print(f"EventLoop / SimPy: {ours / theirs:.2f}x")
 
 

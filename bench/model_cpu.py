@@ -63,7 +63,11 @@ def decode_times(runner, batch_sizes, context, repeats):
     out = {}
     for b in batch_sizes:
         dec = Decoder(runner, slots=b, max_len=context + 64)
-        kv = np.random.RandomState(1).randn(cfg.num_layers, context, cfg.kv_width).astype(cfg.kv_dtype)
+        kv = (
+            np.random.RandomState(1)
+            .randn(cfg.num_layers, context, cfg.kv_width)
+            .astype(cfg.kv_dtype)
+        )
         for s in range(b):
             dec.insert(s, kv, context, 1)
 
@@ -92,7 +96,12 @@ def ragged_compiles(runner, n=20):
 
 def main(argv):
     del argv
-    results = {"device": str(jax.devices()[0]), "cached": _CACHED.value, "new": _NEW.value, "models": {}}
+    results = {
+        "device": str(jax.devices()[0]),
+        "cached": _CACHED.value,
+        "new": _NEW.value,
+        "models": {},
+    }
     for cfg in (TINY_QWEN2, TINY_DEEPSEEK):
         runner = ModelRunner(init_model(cfg, 0))
         mono, lw = prefill_pair(runner, _CACHED.value, _NEW.value, _REPEATS.value)
@@ -108,8 +117,12 @@ def main(argv):
             "shape_buckets": buckets,
             "layer_kinds": kinds,
         }
-    print(f"device: {results['device']}; prefill at {_CACHED.value} cached + {_NEW.value} new tokens")
-    print(f"{'model':<15}{'mono ms':>9}{'layerwise ms':>14}{'ratio':>7}   decode ms/step (B=1,4,16,64; ctx 1024)   compiles/buckets")
+    print(
+        f"device: {results['device']}; prefill at {_CACHED.value} cached + {_NEW.value} new tokens"
+    )
+    print(
+        f"{'model':<15}{'mono ms':>9}{'layerwise ms':>14}{'ratio':>7}   decode ms/step (B=1,4,16,64; ctx 1024)   compiles/buckets"
+    )
     for name, r in results["models"].items():
         d = " ".join(f"{v * 1e3:6.2f}" for v in r["decode_step_s_at_1024_ctx"].values())
         print(

@@ -34,7 +34,9 @@ _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repea
 _POLICIES = flags.DEFINE_list("policies", ["basic", "dualpath"], "Policies to compare.")
 _APS = flags.DEFINE_list("aps", ["0.5", "1", "2", "4"], "Arrival rates (agents per second).")
 _ATTAIN = flags.DEFINE_float("attainment", 0.9, "Fraction of rounds that must meet the SLO.")
-_BISECT = flags.DEFINE_integer("bisect", 0, "Refinement steps between the last passing and first failing rate.")
+_BISECT = flags.DEFINE_integer(
+    "bisect", 0, "Refinement steps between the last passing and first failing rate."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dp_capacity", "Output directory.")
 
 
@@ -47,13 +49,25 @@ def main(argv):
 
     def measure(p: str, aps: float) -> bool:
         cfg = with_policy(base, p)
-        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps))
+        cfg = dataclasses.replace(
+            cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps)
+        )
         s = run_local(cfg, wd / p / f"aps{aps:g}", progress=False)
-        points[p].append({"aps": aps, "slo_attainment": s["slo_attainment"], "ttft_p90": s["ttft_s"]["p90"],
-                          "tpot_mean": s["tpot_s"]["mean"], "jct_p50": s["round_jct_s"]["p50"]})
+        points[p].append(
+            {
+                "aps": aps,
+                "slo_attainment": s["slo_attainment"],
+                "ttft_p90": s["ttft_s"]["p90"],
+                "tpot_mean": s["tpot_s"]["mean"],
+                "jct_p50": s["round_jct_s"]["p50"],
+            }
+        )
         points[p].sort(key=lambda x: x["aps"])
-        print(f"{p:<10} aps {aps:6.3f}: SLO attainment {s['slo_attainment']:.2f}, "
-              f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT {s['tpot_s']['mean'] * 1e3:.1f} ms", flush=True)
+        print(
+            f"{p:<10} aps {aps:6.3f}: SLO attainment {s['slo_attainment']:.2f}, "
+            f"TTFT p90 {s['ttft_s']['p90']:.2f} s, TPOT {s['tpot_s']['mean'] * 1e3:.1f} ms",
+            flush=True,
+        )
         return s["slo_attainment"] >= _ATTAIN.value
 
     for p in _POLICIES.value:
@@ -76,9 +90,17 @@ def main(argv):
         p: max([x["aps"] for x in pts if x["slo_attainment"] >= _ATTAIN.value], default=0.0)
         for p, pts in points.items()
     }
-    result = {"config": base.name, "emulated": base.hardware.emulated, "slo": {
-        "ttft_s": base.workload.ttft_slo_s, "tpot_s": base.workload.tpot_slo_s, "attainment": _ATTAIN.value},
-        "points": points, "capacity_aps": capacity}
+    result = {
+        "config": base.name,
+        "emulated": base.hardware.emulated,
+        "slo": {
+            "ttft_s": base.workload.ttft_slo_s,
+            "tpot_s": base.workload.tpot_slo_s,
+            "attainment": _ATTAIN.value,
+        },
+        "points": points,
+        "capacity_aps": capacity,
+    }
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "capacity.json").write_text(json.dumps(result, indent=1))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))

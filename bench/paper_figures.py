@@ -44,16 +44,30 @@ _OUT = flags.DEFINE_string("out", "bench_out/paper_figures", "Output directory."
 _QUICK = flags.DEFINE_bool("quick", False, "Small agents / turns / durations (minutes).")
 _ONLY = flags.DEFINE_list("only", list(FIGURES), f"Figures to produce, of {', '.join(FIGURES)}.")
 _JOBS = flags.DEFINE_integer("jobs", 1, "Simulations run in parallel processes.")
-_LARGE = flags.DEFINE_bool("large", False, "table3 at the paper's 48P96D / 44P88D (hours); else 8P16D.")
+_LARGE = flags.DEFINE_bool(
+    "large", False, "table3 at the paper's 48P96D / 44P88D (hours); else 8P16D."
+)
 _MODELS = flags.DEFINE_list("models", ["ds27b", "ds660b", "qwen32b"], "fig7: models.")
 _PRESETS = flags.DEFINE_list("presets", [], "fig7: MaxLen presets (default: 64k quick, all full).")
-_AGENTS = flags.DEFINE_list("agents", [], "fig7: agent counts for every model (default: per model).")
-_ABLATION = flags.DEFINE_list("ablation_agents", [], "fig12: agent counts (default: 1024,2048; quick 128).")
+_AGENTS = flags.DEFINE_list(
+    "agents", [], "fig7: agent counts for every model (default: per model)."
+)
+_ABLATION = flags.DEFINE_list(
+    "ablation_agents", [], "fig12: agent counts (default: 1024,2048; quick 128)."
+)
 _SNIC = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC rate per node (Gbps) of every run.")
-_T3_EP = flags.DEFINE_bool("table3_replicated_ep", False, "table3: the scaled-out clusters keep 2P4D's "
-                            "expert-parallel group (4 decode nodes) instead of spreading experts over all.")
-_T3_ONLINE = flags.DEFINE_float("table3_online_s", 0.0, "table3: online arrival window (s) of both online rows "
-                                "(0: the plan's duration); --large with 900 keeps 44P88D at 8.8 APS to minutes.")
+_T3_EP = flags.DEFINE_bool(
+    "table3_replicated_ep",
+    False,
+    "table3: the scaled-out clusters keep 2P4D's "
+    "expert-parallel group (4 decode nodes) instead of spreading experts over all.",
+)
+_T3_ONLINE = flags.DEFINE_float(
+    "table3_online_s",
+    0.0,
+    "table3: online arrival window (s) of both online rows "
+    "(0: the plan's duration); --large with 900 keeps 44P88D at 8.8 APS to minutes.",
+)
 
 # Paper numbers (../NOTES: Figures 7-13, Table 3) the headline table compares against.
 PAPER = {
@@ -117,10 +131,21 @@ class Spec:
 def execute(spec: Spec) -> dict:
     """Simulates `spec` and reduces the run to the numbers the figures need."""
     cfg, cost = paper_experiment(
-        spec.model, spec.p, spec.d, policy=spec.policy, agents=spec.agents, preset=spec.preset,
-        mode=spec.mode, aps=spec.aps, duration_s=spec.duration_s, append_scale=spec.append_scale,
-        gen_scale=spec.gen_scale, max_turns=spec.max_turns, snic_bytes_per_s=spec.snic_gbps / 8 * 1e9,
-        ep_decode_nodes=spec.ep_decode_nodes)
+        spec.model,
+        spec.p,
+        spec.d,
+        policy=spec.policy,
+        agents=spec.agents,
+        preset=spec.preset,
+        mode=spec.mode,
+        aps=spec.aps,
+        duration_s=spec.duration_s,
+        append_scale=spec.append_scale,
+        gen_scale=spec.gen_scale,
+        max_turns=spec.max_turns,
+        snic_bytes_per_s=spec.snic_gbps / 8 * 1e9,
+        ep_decode_nodes=spec.ep_decode_nodes,
+    )
     t0, c0 = time.perf_counter(), time.process_time()
     run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -137,8 +162,12 @@ def execute(spec: Spec) -> dict:
     for r in results:
         a = agents.setdefault(r.request.rsplit("/r", 1)[0], [math.inf, 0.0])
         a[0], a[1] = min(a[0], r.submit_s), max(a[1], r.submit_s + r.jct_s)
-    ok = [r for r in measured if r.ttft_s <= cfg.workload.ttft_slo_s
-          and (len(r.tokens) < 2 or r.tpot_s <= cfg.workload.tpot_slo_s)]
+    ok = [
+        r
+        for r in measured
+        if r.ttft_s <= cfg.workload.ttft_slo_s
+        and (len(r.tokens) < 2 or r.tpot_s <= cfg.workload.tpot_slo_s)
+    ]
     series = {}
     for rep in run.cluster.link_reports(run.cluster.loop.now):
         for name, pts in rep["windows"].items():
@@ -189,7 +218,9 @@ def snic_balance(series: dict[str, list], windows=(1.0, 10.0, 60.0)) -> dict[str
         buckets: dict[int, dict[str, float]] = {}
         for name, pts in series.items():
             for t, b in pts:
-                buckets.setdefault(int(t // w), {})[name] = buckets.get(int(t // w), {}).get(name, 0.0) + b
+                buckets.setdefault(int(t // w), {})[name] = (
+                    buckets.get(int(t // w), {}).get(name, 0.0) + b
+                )
         totals = {k: sum(v.values()) for k, v in buckets.items()}
         peak = max(totals.values(), default=0.0)
         ratios = []
@@ -216,7 +247,9 @@ class Runner:
     figure asks once, before it draws; with `collect`, `get` raises `Collected` instead, so that
     `main` can run every figure's specs in one pool, the longest first."""
 
-    def __init__(self, out: pathlib.Path, jobs: int, collect: bool = False, snic_gbps: float = 400.0):
+    def __init__(
+        self, out: pathlib.Path, jobs: int, collect: bool = False, snic_gbps: float = 400.0
+    ):
         self.dir = out / "runs"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jobs = jobs
@@ -247,8 +280,11 @@ class Runner:
 
     def _save(self, spec: Spec, res: dict) -> None:
         (self.dir / f"{spec.name}.json").write_text(json.dumps(res))
-        print(f"  {spec.name}: JCT {res['jct_s']:.0f} s, TTFT mean {res['ttft_s']['mean']:.2f} s, "
-              f"errors {res['errors']}, {res['events']} events in {res['wall_s']:.0f} s", flush=True)
+        print(
+            f"  {spec.name}: JCT {res['jct_s']:.0f} s, TTFT mean {res['ttft_s']['mean']:.2f} s, "
+            f"errors {res['errors']}, {res['events']} events in {res['wall_s']:.0f} s",
+            flush=True,
+        )
 
 
 def cost_guess(s: Spec) -> float:
@@ -326,11 +362,16 @@ def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
         for preset in plan.presets:
             for n in plan.agents(m):
                 for pol in POLICIES:
-                    specs[(m, preset, n, pol)] = Spec(m, pm.prefill_nodes, pm.decode_nodes, pol, n,
-                                                      preset, max_turns=plan.turns)
+                    specs[(m, preset, n, pol)] = Spec(
+                        m, pm.prefill_nodes, pm.decode_nodes, pol, n, preset, max_turns=plan.turns
+                    )
     res = runner.get(list(specs.values()))
-    fig, axes = plt.subplots(len(plan.models), len(plan.presets), figsize=(4 * len(plan.presets), 3 * len(plan.models)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(plan.models),
+        len(plan.presets),
+        figsize=(4 * len(plan.presets), 3 * len(plan.models)),
+        squeeze=False,
+    )
     rows = []
     for i, m in enumerate(plan.models):
         pm = PAPER_MODELS[m]
@@ -343,8 +384,17 @@ def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
                 ax.bar(x + (k - 1) * 0.27, y, 0.27, label=pol)
             for n in ns:
                 jb, jd, jo = (res[specs[(m, preset, n, p)]]["jct_s"] for p in POLICIES)
-                rows.append({"model": m, "preset": preset, "agents": n, "basic": jb, "dualpath": jd,
-                             "oracle": jo, "speedup": jb / jd})
+                rows.append(
+                    {
+                        "model": m,
+                        "preset": preset,
+                        "agents": n,
+                        "basic": jb,
+                        "dualpath": jd,
+                        "oracle": jo,
+                        "speedup": jb / jd,
+                    }
+                )
             ax.set_xticks(x, [str(n) for n in ns])
             ax.set_title(f"{m} {pm.prefill_nodes}P{pm.decode_nodes}D, MaxLen {preset}", fontsize=9)
             ax.set_xlabel("agents")
@@ -360,8 +410,11 @@ def fig7(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
 def fig8(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     ratios = [(1, 1), (2, 1), (1, 2)]
     n = plan.sweep_agents
-    specs = {(p, d, pol): Spec("ds27b", p, d, pol, n, max_turns=plan.turns)
-             for p, d in ratios for pol in POLICIES}
+    specs = {
+        (p, d, pol): Spec("ds27b", p, d, pol, n, max_turns=plan.turns)
+        for p, d in ratios
+        for pol in POLICIES
+    }
     res = runner.get(list(specs.values()))
     jct = {k: v["jct_s"] for k, v in ((k, res[s]) for k, s in specs.items())}
     pairs = {
@@ -381,9 +434,15 @@ def fig8(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     fig.savefig(out / "fig8_pd_ratio.png", dpi=110)
     plt.close(fig)
     speedups = [jct[(p, d, "basic")] / jct[(p, d, "dualpath")] for p, d in ratios]
-    return {"agents": n, "jct": {f"{p}p{d}d_{pol}": v for (p, d, pol), v in jct.items()},
-            "pairs": {k: {"a": a, "b": b, "rel_diff": abs(a - b) / max(a, b)} for k, (a, b) in pairs.items()},
-            "speedup_mean": float(np.mean(speedups)), "speedup_max": float(np.max(speedups))}
+    return {
+        "agents": n,
+        "jct": {f"{p}p{d}d_{pol}": v for (p, d, pol), v in jct.items()},
+        "pairs": {
+            k: {"a": a, "b": b, "rel_diff": abs(a - b) / max(a, b)} for k, (a, b) in pairs.items()
+        },
+        "speedup_mean": float(np.mean(speedups)),
+        "speedup_max": float(np.max(speedups)),
+    }
 
 
 def fig9(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
@@ -401,13 +460,20 @@ def fig9(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     for ax, kind in zip(axes, ("append", "gen")):
         x = np.arange(len(scales))
         for k, pol in enumerate(POLICIES):
-            ax.bar(x + (k - 1) * 0.27, [res[specs[(kind, sc, pol)]]["jct_s"] for sc in scales], 0.27,
-                   label=pol)
+            ax.bar(
+                x + (k - 1) * 0.27,
+                [res[specs[(kind, sc, pol)]]["jct_s"] for sc in scales],
+                0.27,
+                label=pol,
+            )
         ax.set_xticks(x, [f"x{sc:g}" for sc in scales])
         ax.set_xlabel(f"{kind} length")
         ax.set_ylabel("JCT (s)")
-        outd[kind] = {f"x{sc:g}": res[specs[(kind, sc, "basic")]]["jct_s"] / res[specs[(kind, sc, "dualpath")]]["jct_s"]
-                      for sc in scales}
+        outd[kind] = {
+            f"x{sc:g}": res[specs[(kind, sc, "basic")]]["jct_s"]
+            / res[specs[(kind, sc, "dualpath")]]["jct_s"]
+            for sc in scales
+        }
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Figure 9: append / generation length (DS 660B 2P4D, 64K, {n} agents)")
     fig.tight_layout()
@@ -452,8 +518,17 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     for m, p, d in models:
         for aps in plan.aps(m):
             for pol in POLICIES:
-                specs[(m, aps, pol)] = Spec(m, p, d, pol, 0, mode="online", aps=aps,
-                                            duration_s=plan.duration_s, max_turns=plan.turns)
+                specs[(m, aps, pol)] = Spec(
+                    m,
+                    p,
+                    d,
+                    pol,
+                    0,
+                    mode="online",
+                    aps=aps,
+                    duration_s=plan.duration_s,
+                    max_turns=plan.turns,
+                )
     res = runner.get(list(specs.values()))
     # Two capacities: under the paper's whole SLO (TTFT <= 4 s and TPOT <= 50 ms for 90% of
     # rounds), and under its TTFT part alone (TTFT p90 <= 4 s), the part the loading policy moves
@@ -466,8 +541,21 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
             top = max(plan.aps(m))
             if pol == "oracle" or not ttft_ok(res[specs[(m, top, pol)]]):
                 continue  # the ratio needs Basic's and DualPath's capacities
-            probe = lambda a: runner.get([Spec(m, p, d, pol, 0, mode="online", aps=round(a, 4),  # noqa: E731
-                                               duration_s=plan.duration_s, max_turns=plan.turns)])
+
+            def probe(a: float, m=m, p=p, d=d, pol=pol) -> dict:
+                spec = Spec(
+                    m,
+                    p,
+                    d,
+                    pol,
+                    0,
+                    mode="online",
+                    aps=round(a, 4),
+                    duration_s=plan.duration_s,
+                    max_turns=plan.turns,
+                )
+                return runner.get([spec])
+
             lo, hi, pts = top, None, []
             a = top
             while hi is None and a < top * 8:
@@ -491,8 +579,10 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     probed: dict[str, list[float]] = {}
     for i, (m, _, _) in enumerate(models):
         for pol in POLICIES:
-            both = sorted([(a, res[specs[(m, a, pol)]]) for a in plan.aps(m)] + extra.get((m, pol), []),
-                          key=lambda x: x[0])
+            both = sorted(
+                [(a, res[specs[(m, a, pol)]]) for a in plan.aps(m)] + extra.get((m, pol), []),
+                key=lambda x: x[0],
+            )
             grid = [a for a, _ in both]
             r = [x for _, x in both]
             for j, key in enumerate(("ttft_s", "ttst_s", "tpot_s")):
@@ -501,8 +591,12 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
                 axes[i][j].set_xlabel("APS")
                 axes[i][j].set_ylabel("s")
             axes11[0][i].plot(grid, [x["agent_jct_mean_s"] for x in r], "o-", label=pol)
-            caps[f"{m}_{pol}"] = capacity_under([(a, x["ttft_s"]["p90"]) for a, x in zip(grid, r)], TTFT_SLO_S)
-            caps_slo[f"{m}_{pol}"] = capacity([(a, x["slo_attainment"]) for a, x in zip(grid, r)], ATTAINMENT)
+            caps[f"{m}_{pol}"] = capacity_under(
+                [(a, x["ttft_s"]["p90"]) for a, x in zip(grid, r)], TTFT_SLO_S
+            )
+            caps_slo[f"{m}_{pol}"] = capacity(
+                [(a, x["slo_attainment"]) for a, x in zip(grid, r)], ATTAINMENT
+            )
             probed[f"{m}_{pol}"] = [a for a, _ in extra.get((m, pol), [])]
         axes[i][0].axhline(4.0, color="gray", lw=0.8, ls="--")
         axes[i][2].axhline(0.05, color="gray", lw=0.8, ls="--")
@@ -511,7 +605,9 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
         axes11[0][i].set_ylabel("s")
     axes[0][0].legend(fontsize=8)
     axes11[0][0].legend(fontsize=8)
-    fig.suptitle("Figure 10: online latency vs agent arrival rate (SLO: TTFT <= 4 s, TPOT <= 50 ms)")
+    fig.suptitle(
+        "Figure 10: online latency vs agent arrival rate (SLO: TTFT <= 4 s, TPOT <= 50 ms)"
+    )
     fig.tight_layout()
     fig.savefig(out / "fig10_online_latency.png", dpi=110)
     fig11.suptitle("Figure 11: mean agent JCT vs APS")
@@ -519,53 +615,93 @@ def fig10(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     fig11.savefig(out / "fig11_online_jct.png", dpi=110)
     plt.close(fig)
     plt.close(fig11)
+
     def ratio(c: dict[str, float], m: str) -> float:
         return c[f"{m}_dualpath"] / c[f"{m}_basic"] if c[f"{m}_basic"] else math.inf
 
     # A capacity at the highest rate tried is a lower bound (every rate met the limit).
-    tried = {f"{m}_{pol}": max(plan.aps(m) + probed[f"{m}_{pol}"]) for m, _, _ in models for pol in POLICIES}
+    tried = {
+        f"{m}_{pol}": max(plan.aps(m) + probed[f"{m}_{pol}"])
+        for m, _, _ in models
+        for pol in POLICIES
+    }
     saturated = {k: caps[k] < tried[k] for k in tried}
-    tpot = {f"{m}_{pol}": {f"{a:g}": res[specs[(m, a, pol)]]["tpot_s"]["p50"] for a in plan.aps(m)}
-            for m, _, _ in models for pol in POLICIES}
-    return {"capacity_aps": caps, "capacity_ratio": {m: ratio(caps, m) for m, _, _ in models},
-            "capacity_below_grid_top": saturated, "capacity_aps_slo": caps_slo,
-            "capacity_ratio_slo": {m: ratio(caps_slo, m) for m, _, _ in models},
-            "tpot_p50_s": tpot, "probed_aps": probed}
+    tpot = {
+        f"{m}_{pol}": {f"{a:g}": res[specs[(m, a, pol)]]["tpot_s"]["p50"] for a in plan.aps(m)}
+        for m, _, _ in models
+        for pol in POLICIES
+    }
+    return {
+        "capacity_aps": caps,
+        "capacity_ratio": {m: ratio(caps, m) for m, _, _ in models},
+        "capacity_below_grid_top": saturated,
+        "capacity_aps_slo": caps_slo,
+        "capacity_ratio_slo": {m: ratio(caps_slo, m) for m, _, _ in models},
+        "tpot_p50_s": tpot,
+        "probed_aps": probed,
+    }
 
 
 ABLATION = ("basic", "layerwise", "dualpath_rr", "dualpath")
 
 
 def fig12(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
-    specs = {(n, pol): Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns)
-             for n in plan.ablation_agents for pol in ABLATION}
+    specs = {
+        (n, pol): Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns)
+        for n in plan.ablation_agents
+        for pol in ABLATION
+    }
     res = runner.get(list(specs.values()))
-    red = {pol: float(np.mean([100 * (1 - res[specs[(n, pol)]]["jct_s"] / res[specs[(n, "basic")]]["jct_s"])
-                               for n in plan.ablation_agents])) for pol in ABLATION}
+    red = {
+        pol: float(
+            np.mean(
+                [
+                    100 * (1 - res[specs[(n, pol)]]["jct_s"] / res[specs[(n, "basic")]]["jct_s"])
+                    for n in plan.ablation_agents
+                ]
+            )
+        )
+        for pol in ABLATION
+    }
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = ["Basic", "+Layer", "+DPL", "+Sched"]
     ax.bar(labels, [red[p] for p in ABLATION], color="tab:blue", label="ours")
-    ax.plot(labels, [0.0, PAPER["ablation_layerwise"], PAPER["ablation_dpl"], PAPER["ablation_sched"]], "k^",
-            label="paper")
+    ax.plot(
+        labels,
+        [0.0, PAPER["ablation_layerwise"], PAPER["ablation_dpl"], PAPER["ablation_sched"]],
+        "k^",
+        label="paper",
+    )
     ax.set_ylabel("JCT reduction vs Basic (%)")
     ax.set_title(f"Figure 12 right: ablation (DS 660B 2P4D, 64K, agents {plan.ablation_agents})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "fig12_ablation.png", dpi=110)
     plt.close(fig)
-    return {"agents": plan.ablation_agents, "reduction_pct": red,
-            "jct": {f"{n}_{p}": res[s]["jct_s"] for (n, p), s in specs.items()}}
+    return {
+        "agents": plan.ablation_agents,
+        "reduction_pct": red,
+        "jct": {f"{n}_{p}": res[s]["jct_s"] for (n, p), s in specs.items()},
+    }
 
 
 def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     n = plan.headline_agents
-    specs = {pol: Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns) for pol in ("dualpath_rr", "dualpath")}
+    specs = {
+        pol: Spec("ds660b", 2, 4, pol, n, max_turns=plan.turns)
+        for pol in ("dualpath_rr", "dualpath")
+    }
     res = runner.get(list(specs.values()))
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
     for ax, (pol, spec) in zip(axes, specs.items()):
         for name, pts in sorted(res[spec]["snic_series"].items()):
             if pts:
-                ax.plot([t for t, _ in pts], [b / 10.0 / 1e9 for _, b in pts], lw=0.8, label=name.split(":")[1])
+                ax.plot(
+                    [t for t, _ in pts],
+                    [b / 10.0 / 1e9 for _, b in pts],
+                    lw=0.8,
+                    label=name.split(":")[1],
+                )
         bal = res[spec]["snic_balance"]
         ax.set_title(f"{pol}: max/avg {bal['busy_10s']:.2f} (busy 10 s windows)", fontsize=9)
         ax.set_xlabel("time (s)")
@@ -575,38 +711,89 @@ def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     fig.tight_layout()
     fig.savefig(out / "fig13_snic_balance.png", dpi=110)
     plt.close(fig)
-    return {"agents": n, "balance": {pol: res[s]["snic_balance"] for pol, s in specs.items()},
-            "summary_metric": {pol: res[s]["snic_max_over_avg"] for pol, s in specs.items()},
-            "de_read_share": {pol: res[s]["bytes_read_de_path"] / max(1, res[s]["bytes_read_de_path"]
-                                                                     + res[s]["bytes_read_pe_path"])
-                              for pol, s in specs.items()}}
+    return {
+        "agents": n,
+        "balance": {pol: res[s]["snic_balance"] for pol, s in specs.items()},
+        "summary_metric": {pol: res[s]["snic_max_over_avg"] for pol, s in specs.items()},
+        "de_read_share": {
+            pol: res[s]["bytes_read_de_path"]
+            / max(1, res[s]["bytes_read_de_path"] + res[s]["bytes_read_pe_path"])
+            for pol, s in specs.items()
+        },
+    }
 
 
 def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     k = 24 if plan.large else 2 if plan.quick else 4
     small_n = plan.headline_agents
     ep = 4 if _T3_EP.value else 0  # replicated 2P4D expert-parallel groups, or one over all
-    offline = [Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
-               Spec("ds660b", 2 * k, 4 * k, "dualpath", small_n * k, max_turns=plan.turns, ep_decode_nodes=ep)]
+    offline = [
+        Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
+        Spec(
+            "ds660b",
+            2 * k,
+            4 * k,
+            "dualpath",
+            small_n * k,
+            max_turns=plan.turns,
+            ep_decode_nodes=ep,
+        ),
+    ]
     k_on = 22 if plan.large else 2 if plan.quick else 4
     dur = _T3_ONLINE.value or plan.duration_s
-    online = [Spec("ds660b", 2, 4, "dualpath", 0, mode="online", aps=0.4, duration_s=dur, max_turns=plan.turns),
-              Spec("ds660b", 2 * k_on, 4 * k_on, "dualpath", 0, mode="online", aps=round(0.4 * k_on, 6),
-                   duration_s=dur, max_turns=plan.turns, ep_decode_nodes=ep)]
+    online = [
+        Spec(
+            "ds660b",
+            2,
+            4,
+            "dualpath",
+            0,
+            mode="online",
+            aps=0.4,
+            duration_s=dur,
+            max_turns=plan.turns,
+        ),
+        Spec(
+            "ds660b",
+            2 * k_on,
+            4 * k_on,
+            "dualpath",
+            0,
+            mode="online",
+            aps=round(0.4 * k_on, 6),
+            duration_s=dur,
+            max_turns=plan.turns,
+            ep_decode_nodes=ep,
+        ),
+    ]
     res = runner.get(offline + online)
     rows = []
     for s in offline + online:
         r = res[s]
-        rows.append({"setting": f"{s.p}P{s.d}D " + (f"{s.agents} agents" if s.mode == "offline" else f"{s.aps:g} APS"),
-                     "jct_s": r["jct_s"] if s.mode == "offline" else None, "ttft_s": r["ttft_s"]["mean"],
-                     "ttst_s": r["ttst_s"]["mean"], "tpot_s": r["tpot_s"]["mean"], "wall_s": r["wall_s"]})
+        rows.append(
+            {
+                "setting": f"{s.p}P{s.d}D "
+                + (f"{s.agents} agents" if s.mode == "offline" else f"{s.aps:g} APS"),
+                "jct_s": r["jct_s"] if s.mode == "offline" else None,
+                "ttft_s": r["ttft_s"]["mean"],
+                "ttst_s": r["ttst_s"]["mean"],
+                "tpot_s": r["tpot_s"]["mean"],
+                "wall_s": r["wall_s"],
+            }
+        )
     lines = ["| setting | JCT (s) | TTFT (s) | TTST (s) | TPOT (s) |", "|---|---|---|---|---|"]
     for r in rows:
         jct = f"{r['jct_s']:.0f}" if r["jct_s"] is not None else ""
-        lines.append(f"| {r['setting']} | {jct} | {r['ttft_s']:.3f} | {r['ttst_s']:.3f} | {r['tpot_s']:.3f} |")
+        lines.append(
+            f"| {r['setting']} | {jct} | {r['ttft_s']:.3f} | {r['ttst_s']:.3f} | {r['tpot_s']:.3f} |"
+        )
     (out / "table3.md").write_text("\n".join(lines) + "\n")
-    return {"rows": rows, "scale_jct_ratio": res[offline[1]]["jct_s"] / res[offline[0]]["jct_s"],
-            "online_small": res[online[0]], "online_large": res[online[1]]}
+    return {
+        "rows": rows,
+        "scale_jct_ratio": res[offline[1]]["jct_s"] / res[offline[0]]["jct_s"],
+        "online_small": res[online[0]],
+        "online_large": res[online[1]],
+    }
 
 
 # --------------------------------------------------------------------------- headline table
@@ -618,34 +805,68 @@ def headline(results: dict, plan: Plan) -> list[dict]:
     rows = []
 
     def row(what, ours, paper, ok, note=""):
-        rows.append({"what": what, "ours": ours, "paper": paper, "target_met": ok, "mode": mode, "note": note})
+        rows.append(
+            {
+                "what": what,
+                "ours": ours,
+                "paper": paper,
+                "target_met": ok,
+                "mode": mode,
+                "note": note,
+            }
+        )
 
     if "fig7" in results:
         r7 = [r for r in results["fig7"]["rows"] if r["model"] == "ds660b" and r["preset"] == "64k"]
         top = max(r7, key=lambda r: r["agents"])
-        row(f"DS 660B 64K DualPath/Basic JCT, {top['agents']} agents", top["speedup"], PAPER["ds660b_64k_2048_speedup"],
+        row(
+            f"DS 660B 64K DualPath/Basic JCT, {top['agents']} agents",
+            top["speedup"],
+            PAPER["ds660b_64k_2048_speedup"],
             abs(top["speedup"] / PAPER["ds660b_64k_2048_speedup"] - 1) <= 0.10,
-            f"Basic {top['basic']:.0f} s / DualPath {top['dualpath']:.0f} s (paper ~10,052 / ~5,365 at 2048)")
-        row(f"DS 660B 64K Oracle/DualPath JCT, {top['agents']} agents", top["oracle"] / top["dualpath"], 1.0,
-            abs(top["dualpath"] / top["oracle"] - 1) <= 0.10)
+            f"Basic {top['basic']:.0f} s / DualPath {top['dualpath']:.0f} s (paper ~10,052 / ~5,365 at 2048)",
+        )
+        row(
+            f"DS 660B 64K Oracle/DualPath JCT, {top['agents']} agents",
+            top["oracle"] / top["dualpath"],
+            1.0,
+            abs(top["dualpath"] / top["oracle"] - 1) <= 0.10,
+        )
         for m in ("ds27b", "qwen32b"):
             rm = [r for r in results["fig7"]["rows"] if r["model"] == m and r["preset"] == "64k"]
             if rm:
                 best = max(rm, key=lambda r: r["speedup"])
                 paper = 1.78 if m == "ds27b" else None
-                row(f"{m} 64K max DualPath/Basic", best["speedup"], paper,
+                row(
+                    f"{m} 64K max DualPath/Basic",
+                    best["speedup"],
+                    paper,
                     None if paper is None else abs(best["speedup"] / paper - 1) <= 0.10,
-                    f"{best['agents']} agents")
+                    f"{best['agents']} agents",
+                )
     if "fig8" in results:
         for k, v in results["fig8"]["pairs"].items():
-            row(f"Fig 8 pair {k}: relative JCT difference", v["rel_diff"], 0.0, v["rel_diff"] <= 0.10,
-                f"{v['a']:.0f} s vs {v['b']:.0f} s")
-        row("Fig 8 mean DualPath/Basic over 1P1D/2P1D/1P2D", results["fig8"]["speedup_mean"], 1.64,
-            abs(results["fig8"]["speedup_mean"] / 1.64 - 1) <= 0.10)
+            row(
+                f"Fig 8 pair {k}: relative JCT difference",
+                v["rel_diff"],
+                0.0,
+                v["rel_diff"] <= 0.10,
+                f"{v['a']:.0f} s vs {v['b']:.0f} s",
+            )
+        row(
+            "Fig 8 mean DualPath/Basic over 1P1D/2P1D/1P2D",
+            results["fig8"]["speedup_mean"],
+            1.64,
+            abs(results["fig8"]["speedup_mean"] / 1.64 - 1) <= 0.10,
+        )
     if "fig9" in results:
         app_s = list(results["fig9"]["speedup"]["append"].values())
-        row("Fig 9 DualPath/Basic across append scales (min-max)", f"{min(app_s):.2f}-{max(app_s):.2f}", "1.82-1.99",
-            min(app_s) >= 1.82 * 0.9 and max(app_s) <= 1.99 * 1.1)
+        row(
+            "Fig 9 DualPath/Basic across append scales (min-max)",
+            f"{min(app_s):.2f}-{max(app_s):.2f}",
+            "1.82-1.99",
+            min(app_s) >= 1.82 * 0.9 and max(app_s) <= 1.99 * 1.1,
+        )
     if "fig10" in results:
         for m, key in (("ds660b", "capacity_ds660b"), ("ds27b", "capacity_ds27b")):
             ours = results["fig10"]["capacity_ratio"][m]
@@ -657,36 +878,76 @@ def headline(results: dict, plan: Plan) -> list[dict]:
                     note += f" ({pol} met the limit at every rate tried: a lower bound)"
             slo = results["fig10"].get("capacity_aps_slo")
             if slo:
-                note += (f"; whole SLO (with TPOT <= 50 ms) {slo[m + '_basic']:.3f} -> "
-                         f"{slo[m + '_dualpath']:.3f} APS")
-            row(f"{m} online APS capacity DualPath/Basic (TTFT SLO)", ours, PAPER[key],
-                math.isfinite(ours) and abs(ours / PAPER[key] - 1) <= 0.15, note)
+                note += (
+                    f"; whole SLO (with TPOT <= 50 ms) {slo[m + '_basic']:.3f} -> "
+                    f"{slo[m + '_dualpath']:.3f} APS"
+                )
+            row(
+                f"{m} online APS capacity DualPath/Basic (TTFT SLO)",
+                ours,
+                PAPER[key],
+                math.isfinite(ours) and abs(ours / PAPER[key] - 1) <= 0.15,
+                note,
+            )
     if "fig12" in results:
         red = results["fig12"]["reduction_pct"]
-        for pol, key in (("layerwise", "ablation_layerwise"), ("dualpath_rr", "ablation_dpl"),
-                         ("dualpath", "ablation_sched")):
-            row(f"ablation JCT reduction vs Basic: {pol} (%)", red[pol], PAPER[key], abs(red[pol] - PAPER[key]) <= 5)
+        for pol, key in (
+            ("layerwise", "ablation_layerwise"),
+            ("dualpath_rr", "ablation_dpl"),
+            ("dualpath", "ablation_sched"),
+        ):
+            row(
+                f"ablation JCT reduction vs Basic: {pol} (%)",
+                red[pol],
+                PAPER[key],
+                abs(red[pol] - PAPER[key]) <= 5,
+            )
     if "fig13" in results:
         bal = results["fig13"]["balance"]
-        row("storage-NIC max/avg, round robin (busy 10 s windows)", bal["dualpath_rr"]["busy_10s"], PAPER["snic_rr"],
-            abs(bal["dualpath_rr"]["busy_10s"] - 1.5) <= 0.15)
-        row("storage-NIC max/avg, DualPath scheduler (busy 10 s windows)", bal["dualpath"]["busy_10s"],
-            PAPER["snic_sched"], bal["dualpath"]["busy_10s"] <= 1.2)
+        row(
+            "storage-NIC max/avg, round robin (busy 10 s windows)",
+            bal["dualpath_rr"]["busy_10s"],
+            PAPER["snic_rr"],
+            abs(bal["dualpath_rr"]["busy_10s"] - 1.5) <= 0.15,
+        )
+        row(
+            "storage-NIC max/avg, DualPath scheduler (busy 10 s windows)",
+            bal["dualpath"]["busy_10s"],
+            PAPER["snic_sched"],
+            bal["dualpath"]["busy_10s"] <= 1.2,
+        )
         # The launchers' `summary.json: snic_max_over_avg` (traffic-weighted 1 s windows): finer
         # windows see each node's read bursts, so both ratios are higher than over 10 s.
         summ = results["fig13"]["summary_metric"]
-        row("storage-NIC max/avg, round robin (summary metric, 1 s windows)", summ["dualpath_rr"], PAPER["snic_rr"],
-            abs(summ["dualpath_rr"] - 1.5) <= 0.15)
-        row("storage-NIC max/avg, DualPath scheduler (summary metric, 1 s windows)", summ["dualpath"],
-            PAPER["snic_sched"], summ["dualpath"] <= 1.2)
+        row(
+            "storage-NIC max/avg, round robin (summary metric, 1 s windows)",
+            summ["dualpath_rr"],
+            PAPER["snic_rr"],
+            abs(summ["dualpath_rr"] - 1.5) <= 0.15,
+        )
+        row(
+            "storage-NIC max/avg, DualPath scheduler (summary metric, 1 s windows)",
+            summ["dualpath"],
+            PAPER["snic_sched"],
+            summ["dualpath"] <= 1.2,
+        )
     if "table3" in results:
         t3 = results["table3"]
         big = t3["rows"][1]["setting"]
-        row(f"Table 3: JCT {big} / 2P4D", t3["scale_jct_ratio"], round(PAPER["scale_jct_ratio"], 3),
-            abs(t3["scale_jct_ratio"] - 1) <= 0.05)
+        row(
+            f"Table 3: JCT {big} / 2P4D",
+            t3["scale_jct_ratio"],
+            round(PAPER["scale_jct_ratio"], 3),
+            abs(t3["scale_jct_ratio"] - 1) <= 0.05,
+        )
         on = t3["online_small"]
         for key, pk in (("ttft_s", "ttft_2p4d"), ("ttst_s", "ttst_2p4d"), ("tpot_s", "tpot_2p4d")):
-            row(f"Table 3: 2P4D 0.4 APS mean {key[:-2].upper()} (s)", on[key]["mean"], PAPER[pk], None)
+            row(
+                f"Table 3: 2P4D 0.4 APS mean {key[:-2].upper()} (s)",
+                on[key]["mean"],
+                PAPER[pk],
+                None,
+            )
     return rows
 
 
@@ -701,10 +962,15 @@ def fmt(v) -> str:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| headline | ours | paper | within target | mode | note |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| headline | ours | paper | within target | mode | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ok = "" if r["target_met"] is None else fmt(bool(r["target_met"]))
-        lines.append(f"| {r['what']} | {fmt(r['ours'])} | {fmt(r['paper'])} | {ok} | {r['mode']} | {r['note']} |")
+        lines.append(
+            f"| {r['what']} | {fmt(r['ours'])} | {fmt(r['paper'])} | {ok} | {r['mode']} | {r['note']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -712,15 +978,27 @@ def main(argv):
     del argv
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)
-    plan = Plan(quick=_QUICK.value, large=_LARGE.value, models=tuple(_MODELS.value),
-                preset_list=tuple(_PRESETS.value), agent_list=tuple(int(a) for a in _AGENTS.value),
-                ablation_list=tuple(int(a) for a in _ABLATION.value))
+    plan = Plan(
+        quick=_QUICK.value,
+        large=_LARGE.value,
+        models=tuple(_MODELS.value),
+        preset_list=tuple(_PRESETS.value),
+        agent_list=tuple(int(a) for a in _AGENTS.value),
+        ablation_list=tuple(int(a) for a in _ABLATION.value),
+    )
     runner = Runner(out, _JOBS.value, snic_gbps=_SNIC.value)
     unknown = set(_ONLY.value) - set(FIGURES)
     if unknown:
         raise app.UsageError(f"unknown figure(s) {sorted(unknown)}; known: {', '.join(FIGURES)}")
-    makers = {"fig7": fig7, "fig8": fig8, "fig9": fig9, "fig10": fig10, "fig12": fig12, "fig13": fig13,
-              "table3": table3}
+    makers = {
+        "fig7": fig7,
+        "fig8": fig8,
+        "fig9": fig9,
+        "fig10": fig10,
+        "fig12": fig12,
+        "fig13": fig13,
+        "table3": table3,
+    }
     chosen = [n for n in FIGURES if n in _ONLY.value]
     collector = Runner(out, 1, collect=True, snic_gbps=_SNIC.value)
     wanted: list[Spec] = []

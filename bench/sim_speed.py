@@ -41,26 +41,43 @@ _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 _FAST_LINKS = flags.DEFINE_bool("fast_links", True, "One event per uncontended transfer.")
-_BLIND = flags.DEFINE_list("class_blind_links", [], "Link kinds served FIFO whatever the class "
-                           "(SimOptions.class_blind_links), e.g. dram.")
-_PRESET = flags.DEFINE_enum("preset", "paper", ["paper", "engine_groups"],
-                            "paper: hardware.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
-                            "HBM for KV after the weights, calibrated roofline); engine_groups: HOPPER_NODE "
-                            "with one-engine groups and 80 GB of KV per DE (the configuration of the first "
-                            "speed measurements).")
+_BLIND = flags.DEFINE_list(
+    "class_blind_links",
+    [],
+    "Link kinds served FIFO whatever the class (SimOptions.class_blind_links), e.g. dram.",
+)
+_PRESET = flags.DEFINE_enum(
+    "preset",
+    "paper",
+    ["paper", "engine_groups"],
+    "paper: hardware.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
+    "HBM for KV after the weights, calibrated roofline); engine_groups: HOPPER_NODE "
+    "with one-engine groups and 80 GB of KV per DE (the configuration of the first "
+    "speed measurements).",
+)
 
 
-def paper_config(agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0) -> ExperimentConfig:
+def paper_config(
+    agents: int, policy: str, p: int, d: int, model: str, max_turns: int = 0
+) -> ExperimentConfig:
     """The paper's testbed (HOPPER_NODE) with the 64K trace; prefill batch limits lifted."""
     return ExperimentConfig(
         name=f"paper_{p}p{d}d",
         model=get_preset(model),
         hardware=HOPPER_NODE,
-        cluster=ClusterConfig(prefill_nodes=p, decode_nodes=d, decode_slots=256, decode_max_len=65536,
-                              prefill_max_batch=0, prefill_max_tokens=0, fetch_interval_s=0.005),
+        cluster=ClusterConfig(
+            prefill_nodes=p,
+            decode_nodes=d,
+            decode_slots=256,
+            decode_max_len=65536,
+            prefill_max_batch=0,
+            prefill_max_tokens=0,
+            fetch_interval_s=0.005,
+        ),
         scheduler=SchedulerConfig(policy=Policy(policy)),
-        workload=WorkloadConfig(preset="64k", trajectories=min(agents, 500), agents=agents,
-                                max_turns=max_turns),
+        workload=WorkloadConfig(
+            preset="64k", trajectories=min(agents, 500), agents=agents, max_turns=max_turns
+        ),
     )
 
 
@@ -70,12 +87,24 @@ def main(argv):
     if _PRESET.value == "paper":
         from dualpath_jax.hardware import paper_experiment
 
-        cfg, cost = paper_experiment("ds660b", _P.value, _D.value, policy=_POLICY.value, agents=_AGENTS.value,
-                                     max_turns=_TURNS.value)
+        cfg, cost = paper_experiment(
+            "ds660b",
+            _P.value,
+            _D.value,
+            policy=_POLICY.value,
+            agents=_AGENTS.value,
+            max_turns=_TURNS.value,
+        )
     else:
-        cfg = paper_config(_AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value)
-    opts = SimOptions(kv_format="fp8_flashmla", quantum_s=_QUANTUM.value, fast_links=_FAST_LINKS.value,
-                      class_blind_links=tuple(_BLIND.value))
+        cfg = paper_config(
+            _AGENTS.value, _POLICY.value, _P.value, _D.value, _MODEL.value, _TURNS.value
+        )
+    opts = SimOptions(
+        kv_format="fp8_flashmla",
+        quantum_s=_QUANTUM.value,
+        fast_links=_FAST_LINKS.value,
+        class_blind_links=tuple(_BLIND.value),
+    )
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:
         prof.enable()
@@ -88,12 +117,30 @@ def main(argv):
         pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(_PROFILE.value)
         print(out.getvalue())
     s = run.summary
-    print(json.dumps({"config": cfg.name, "agents": cfg.workload.agents, "policy": cfg.scheduler.policy.value,
-                      "requests": s["requests"], "jct_s": s["jct_s"], "errors": s["errors"],
-                      "cpu_s": cpu, "total_wall_s": total, "loop_wall_s": run.wall_s, "events": run.events,
-                      "events_per_cpu_s": run.events / cpu, "events_per_s": run.events / run.wall_s,
-                      "snic_max_over_avg": s["snic_max_over_avg"], "ttft_mean_s": s["ttft_s"]["mean"],
-                      "tpot_mean_s": s["tpot_s"]["mean"], "sim": s["sim"]}, indent=1, default=str))
+    print(
+        json.dumps(
+            {
+                "config": cfg.name,
+                "agents": cfg.workload.agents,
+                "policy": cfg.scheduler.policy.value,
+                "requests": s["requests"],
+                "jct_s": s["jct_s"],
+                "errors": s["errors"],
+                "cpu_s": cpu,
+                "total_wall_s": total,
+                "loop_wall_s": run.wall_s,
+                "events": run.events,
+                "events_per_cpu_s": run.events / cpu,
+                "events_per_s": run.events / run.wall_s,
+                "snic_max_over_avg": s["snic_max_over_avg"],
+                "ttft_mean_s": s["ttft_s"]["mean"],
+                "tpot_mean_s": s["tpot_s"]["mean"],
+                "sim": s["sim"],
+            },
+            indent=1,
+            default=str,
+        )
+    )
 
 
 if __name__ == "__main__":

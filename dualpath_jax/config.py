@@ -246,7 +246,9 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{where or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}")
+        raise ConfigError(
+            f"{where or cls.__name__}: unknown key(s) {unknown}; known: {sorted(names)}"
+        )
     kwargs = {}
     for name, value in data.items():
         key = f"{where}.{name}" if where else name
@@ -284,9 +286,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(
-                f"{key}: {value!r} is not one of {[m.value for m in tp]}"
-            ) from None
+            raise ConfigError(f"{key}: {value!r} is not one of {[m.value for m in tp]}") from None
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -29,8 +29,10 @@ def main(argv: list[str]) -> int:
     keep = pathlib.Path(argv[1]) if len(argv) > 1 else None
     tmp = None if keep else tempfile.mkdtemp(prefix="dualpath_demo_")
     workdir = keep or pathlib.Path(tmp)
-    print(f"dualpath_jax demo: {cfg.name}, model {cfg.model.name}, {cfg.workload.agents} agents, "
-          f"storage NIC {cfg.hardware.snic_bytes_per_s / 1e6:g} MB/s per node (emulated); run dir {workdir}")
+    print(
+        f"dualpath_jax demo: {cfg.name}, model {cfg.model.name}, {cfg.workload.agents} agents, "
+        f"storage NIC {cfg.hardware.snic_bytes_per_s / 1e6:g} MB/s per node (emulated); run dir {workdir}"
+    )
     try:
         result = compare(cfg, POLICIES, workdir, progress=True)
         print()

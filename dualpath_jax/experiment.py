@@ -58,13 +58,21 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
         client = cluster.client()
         t0 = time.monotonic()
         outs = run_trajectories(
-            client, rounds, arrivals=arrivals if cfg.workload.mode == "online" else None, progress=progress
+            client,
+            rounds,
+            arrivals=arrivals if cfg.workload.mode == "online" else None,
+            progress=progress,
         )
         jct = time.monotonic() - t0
         counters = client.stats().get("counters", {})
     with open(workdir / "outputs.jsonl", "w") as f:
         for o in outs:
-            f.write(json.dumps({"id": o.id, "rounds": o.rounds, **({"error": o.error} if o.error else {})}) + "\n")
+            f.write(
+                json.dumps(
+                    {"id": o.id, "rounds": o.rounds, **({"error": o.error} if o.error else {})}
+                )
+                + "\n"
+            )
     results = [r for o in outs for r in o.results]
     summary = summarize(
         policy=cfg.scheduler.policy.value,
@@ -83,4 +91,3 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     summary["config"] = cfg.name
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-

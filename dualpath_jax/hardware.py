@@ -14,7 +14,9 @@ import dataclasses
 from dualpath_jax.config import HardwareConfig
 
 
-def cpu_emulated(snic_bytes_per_s: float, *, cnic_ratio: float = 8.0, h2d_ratio: float = 16.0) -> HardwareConfig:
+def cpu_emulated(
+    snic_bytes_per_s: float, *, cnic_ratio: float = 8.0, h2d_ratio: float = 16.0
+) -> HardwareConfig:
     return HardwareConfig(
         gpu="cpu",
         engines_per_node=1,
@@ -73,12 +75,21 @@ def emulated_cpu_experiment(
         model=TINY_DEEPSEEK if "deepseek" in parts else TINY_QWEN2,
         hardware=cpu_emulated(snic_bytes_per_s),
         cluster=ClusterConfig(
-            prefill_nodes=prefill_nodes, decode_nodes=decode_nodes, decode_max_len=2048, decode_slots=8
+            prefill_nodes=prefill_nodes,
+            decode_nodes=decode_nodes,
+            decode_max_len=2048,
+            decode_slots=8,
         ),
         store=StoreConfig(block_tokens=16),
         workload=WorkloadConfig(
-            preset="64k", trajectories=agents, agents=agents, length_scale=1 / 16, max_len=1024,
-            max_turns=16, ttft_slo_s=4.0, tpot_slo_s=CPU_TPOT_SLO_S,
+            preset="64k",
+            trajectories=agents,
+            agents=agents,
+            length_scale=1 / 16,
+            max_len=1024,
+            max_turns=16,
+            ttft_slo_s=4.0,
+            tpot_slo_s=CPU_TPOT_SLO_S,
         ),
     )
 
@@ -124,8 +135,13 @@ def paper_cost_model(key: str, decode_nodes: int, *, engines_per_node: int = 8):
 
     m = PAPER_MODELS[key]
     ep = decode_nodes * engines_per_node if m.expert_parallel else 1
-    return make_cost_model(dataclasses.replace(HOPPER_NODE, gpu=m.gpu), get_preset(m.preset),
-                           fp8=m.fp8, expert_parallel=ep, kv_format=m.kv_format)
+    return make_cost_model(
+        dataclasses.replace(HOPPER_NODE, gpu=m.gpu),
+        get_preset(m.preset),
+        fp8=m.fp8,
+        expert_parallel=ep,
+        kv_format=m.kv_format,
+    )
 
 
 def paper_experiment(
@@ -172,19 +188,41 @@ def paper_experiment(
     if cost.kv_hbm_bytes() <= 0:
         raise ValueError(
             f"{key} {p}P{d}D does not fit: {cost.weight_bytes_per_gpu / 1e9:.1f} GB of weights per GPU "
-            f"(routed experts over {ep_nodes * g} decode GPUs) leave no HBM for KV")
-    hw = dataclasses.replace(HOPPER_NODE, gpu=m.gpu, snic_bytes_per_s=snic_bytes_per_s,
-                             hbm_bytes=cost.kv_hbm_bytes(), dram_buffer_bytes=m.dram_buffer_bytes / g)
+            f"(routed experts over {ep_nodes * g} decode GPUs) leave no HBM for KV"
+        )
+    hw = dataclasses.replace(
+        HOPPER_NODE,
+        gpu=m.gpu,
+        snic_bytes_per_s=snic_bytes_per_s,
+        hbm_bytes=cost.kv_hbm_bytes(),
+        dram_buffer_bytes=m.dram_buffer_bytes / g,
+    )
     cfg = ExperimentConfig(
         name=f"paper_{key}_{p}p{d}d",
         model=get_preset(m.preset),
         hardware=hw,
-        cluster=ClusterConfig(prefill_nodes=p, decode_nodes=d, pe_group_size=g, de_group_size=g,
-                              decode_slots=1024, decode_max_len=131072, prefill_max_batch=0,
-                              prefill_max_tokens=0),
+        cluster=ClusterConfig(
+            prefill_nodes=p,
+            decode_nodes=d,
+            pe_group_size=g,
+            de_group_size=g,
+            decode_slots=1024,
+            decode_max_len=131072,
+            prefill_max_batch=0,
+            prefill_max_tokens=0,
+        ),
         scheduler=SchedulerConfig(policy=Policy(policy)),
-        workload=WorkloadConfig(preset=preset, trajectories=500, agents=agents, mode=mode, aps=aps,
-                                duration_s=duration_s, append_scale=append_scale,
-                                gen_scale=gen_scale, max_turns=max_turns, seed=seed),
+        workload=WorkloadConfig(
+            preset=preset,
+            trajectories=500,
+            agents=agents,
+            mode=mode,
+            aps=aps,
+            duration_s=duration_s,
+            append_scale=append_scale,
+            gen_scale=gen_scale,
+            max_turns=max_turns,
+            seed=seed,
+        ),
     )
     return cfg, cost

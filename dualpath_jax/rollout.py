@@ -41,11 +41,19 @@ class RolloutError(RuntimeError):
 class Backend(Protocol):
     def open_session(self, session: str) -> None: ...
     def submit(
-        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+        self,
+        session: str,
+        append: Sequence[int],
+        gen: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> futures.Future[M.Result]: ...
     def close_session(self, session: str, release: bool = False) -> None: ...
     def update_params(self, params: Any, version: str | None = None) -> str: ...
-    def update_params_from_checkpoint(self, path: str | pathlib.Path, version: str | None = None) -> str: ...
+    def update_params_from_checkpoint(
+        self, path: str | pathlib.Path, version: str | None = None
+    ) -> str: ...
 
 
 def key_to_seed(key: Any) -> int:
@@ -132,12 +140,24 @@ class Client:
         self._check(self._call(msg, session).result(timeout_s))
 
     def submit(
-        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+        self,
+        session: str,
+        append: Sequence[int],
+        gen: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> futures.Future[M.Result]:
         """One round; the future resolves to a `Result` or raises `RolloutError`."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        sub = M.Submit(request=rid, session=session, append=[int(t) for t in append], gen=int(gen),
-                       temperature=float(temperature), seed=int(seed))
+        sub = M.Submit(
+            request=rid,
+            session=session,
+            append=[int(t) for t in append],
+            gen=int(gen),
+            temperature=float(temperature),
+            seed=int(seed),
+        )
         raw = self._call(sub, rid)
         out: futures.Future[M.Result] = futures.Future()
 
@@ -172,7 +192,9 @@ class Client:
         version = check_version(version or new_version())
         if directory is None:
             if self.params_dir is None:
-                raise RolloutError("update_params needs a directory (or a Client with params_dir)", "bad_request")
+                raise RolloutError(
+                    "update_params needs a directory (or a Client with params_dir)", "bad_request"
+                )
             directory = self.params_dir / version
         path = save_params_tree(params, directory)
         return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s)
@@ -235,7 +257,9 @@ class Session:
         key: Any = None,
     ) -> list[int]:
         """Appends `append`, generates exactly `gen` tokens and returns them."""
-        return list(self.step_async(append, gen, temperature=temperature, key=key).result(timeout_s).tokens)
+        return list(
+            self.step_async(append, gen, temperature=temperature, key=key).result(timeout_s).tokens
+        )
 
     def close(self, release: bool = False) -> None:
         self.backend.close_session(self.id, release)
@@ -317,7 +341,9 @@ def run_trajectories(
                 bar.update(1)
             advance(k, session, i + 1)
 
-        session.step_async(append, gen, temperature=temperature, key=round_key(k, i)).add_done_callback(on_done)
+        session.step_async(
+            append, gen, temperature=temperature, key=round_key(k, i)
+        ).add_done_callback(on_done)
 
     if not trajs:
         return outputs
@@ -382,7 +408,9 @@ class InProcessEngine:
 
         return self._update(lambda: model_from_params(params, self.cfg), version)
 
-    def update_params_from_checkpoint(self, path: str | pathlib.Path, version: str | None = None) -> str:
+    def update_params_from_checkpoint(
+        self, path: str | pathlib.Path, version: str | None = None
+    ) -> str:
         """`update_params` from a checkpoint directory (see `Client.update_params_from_checkpoint`)."""
         from dualpath_jax.model.checkpoint import load_params
 
@@ -417,13 +445,21 @@ class InProcessEngine:
                 raise RolloutError(f"unknown session {session!r}", "bad_request")
 
     def submit(
-        self, session: str, append: Sequence[int], gen: int, *, temperature: float = 0.0, seed: int = 0
+        self,
+        session: str,
+        append: Sequence[int],
+        gen: int,
+        *,
+        temperature: float = 0.0,
+        seed: int = 0,
     ) -> futures.Future[M.Result]:
         fut: futures.Future[M.Result] = futures.Future()
         try:
             if not temperature >= 0:
                 raise RolloutError(f"temperature must be >= 0, got {temperature}", "bad_request")
-            res = self._round(session, [int(t) for t in append], int(gen), float(temperature), int(seed))
+            res = self._round(
+                session, [int(t) for t in append], int(gen), float(temperature), int(seed)
+            )
             fut.set_result(res)
         except RolloutError as e:
             fut.set_exception(e)
@@ -431,7 +467,9 @@ class InProcessEngine:
             fut.set_exception(RolloutError(str(e), "bad_request"))
         return fut
 
-    def _round(self, session: str, append: list[int], gen: int, temperature: float, seed: int) -> M.Result:
+    def _round(
+        self, session: str, append: list[int], gen: int, temperature: float, seed: int
+    ) -> M.Result:
         import time
 
         from dualpath_jax.model.decode import Decoder, sample_at
@@ -448,7 +486,10 @@ class InProcessEngine:
             raise RolloutError("a round must append at least one token", "bad_request")
         prompt = context + append
         if len(prompt) + gen > self.max_len:
-            raise RolloutError(f"context of {len(prompt)} + {gen} tokens exceeds the limit of {self.max_len}", "bad_request")
+            raise RolloutError(
+                f"context of {len(prompt)} + {gen} tokens exceeds the limit of {self.max_len}",
+                "bad_request",
+            )
         t0 = time.monotonic()
         cached = 0 if kv is None else kv.shape[1]
         batch = PrefillBatch.build(cfg, [prompt[cached:]], [cached], self.runner.min_bucket)
@@ -478,8 +519,15 @@ class InProcessEngine:
                 self._sessions[session] = (prompt + out, kv_after)
         now = time.monotonic()
         return M.Result(
-            request=f"{session}#{len(context)}", tokens=out, ttft_s=t_first - t0,
+            request=f"{session}#{len(context)}",
+            tokens=out,
+            ttft_s=t_first - t0,
             ttst_s=t_second - t_first if gen > 1 else 0.0,
-            tpot_s=(now - t_first) / (gen - 1) if gen > 1 else 0.0, jct_s=now - t0, queue_s=0.0,
-            cached_tokens=cached, prompt_tokens=len(prompt), read_path="none", recomputed_blocks=0,
+            tpot_s=(now - t_first) / (gen - 1) if gen > 1 else 0.0,
+            jct_s=now - t0,
+            queue_s=0.0,
+            cached_tokens=cached,
+            prompt_tokens=len(prompt),
+            read_path="none",
+            recomputed_blocks=0,
         )

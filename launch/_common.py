@@ -13,11 +13,19 @@ from absl import flags
 from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json
 from dualpath_jax.configs_loader import load_config
 
-CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file `configs/NAME.py[:ARG]`.")
+CONFIG = flags.DEFINE_string(
+    "config", "configs/cpu_1p2d.py", "Experiment file `configs/NAME.py[:ARG]`."
+)
 SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
-WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (config.json, events, summary.json).")
-POLICY = flags.DEFINE_enum("policy", None, [p.value for p in Policy], "Loading policy (overrides the config).")
-AGENTS = flags.DEFINE_integer("agents", None, "Agents (trajectories replayed; overrides workload.agents).")
+WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Output directory (config.json, events, summary.json)."
+)
+POLICY = flags.DEFINE_enum(
+    "policy", None, [p.value for p in Policy], "Loading policy (overrides the config)."
+)
+AGENTS = flags.DEFINE_integer(
+    "agents", None, "Agents (trajectories replayed; overrides workload.agents)."
+)
 TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic preset).")
 
 
@@ -32,7 +40,9 @@ def build_config(mode: str, **workload: object) -> ExperimentConfig:
         w["trace"] = TRACE.value
     cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **w))
     if POLICY.value:
-        cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(POLICY.value)))
+        cfg = dataclasses.replace(
+            cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(POLICY.value))
+        )
     return cfg
 
 
@@ -42,14 +52,28 @@ def prepare_workdir(cfg: ExperimentConfig) -> pathlib.Path:
     wd = pathlib.Path(WORKDIR.value)
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "config.json").write_text(to_json(cfg, indent=1))
-    logging.info("python %s on %s; config %s -> %s", platform.python_version(), platform.node(), cfg.name, wd)
+    logging.info(
+        "python %s on %s; config %s -> %s", platform.python_version(), platform.node(), cfg.name, wd
+    )
     return wd
 
 
 def print_summary(summary: dict) -> None:
-    keys = ["policy", "mode", "emulated", "agents", "requests", "jct_s", "tokens_generated",
-            "bytes_read_pe_path", "bytes_read_de_path", "snic_max_over_avg", "recomputed_blocks",
-            "slo_attainment", "errors"]
+    keys = [
+        "policy",
+        "mode",
+        "emulated",
+        "agents",
+        "requests",
+        "jct_s",
+        "tokens_generated",
+        "bytes_read_pe_path",
+        "bytes_read_de_path",
+        "snic_max_over_avg",
+        "recomputed_blocks",
+        "slo_attainment",
+        "errors",
+    ]
     print(json.dumps({k: summary[k] for k in keys if k in summary}, indent=1))
     t, p = summary["ttft_s"], summary["tpot_s"]
     print(f"TTFT p50/p90: {t['p50']:.3f}/{t['p90']:.3f} s  TPOT mean {p['mean']:.4f} s")

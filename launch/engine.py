@@ -20,11 +20,15 @@ from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine.process import ProcessSpec, run_process
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
-_CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py", "Experiment file `configs/NAME.py[:ARG]`.")
+_CONFIG = flags.DEFINE_string(
+    "config", "configs/cpu_1p1d.py", "Experiment file `configs/NAME.py[:ARG]`."
+)
 _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (events, logs, link reports).")
 _ROUTER = flags.DEFINE_string("router", "", "Router address tcp://HOST:PORT (engines).")
-_ENGINE = flags.DEFINE_integer("engine_id", 0, "Engine id, unique across prefill and decode engines.")
+_ENGINE = flags.DEFINE_integer(
+    "engine_id", 0, "Engine id, unique across prefill and decode engines."
+)
 _NODE = flags.DEFINE_integer("node", 0, "Node id, unique across the cluster.")
 _GROUP = flags.DEFINE_integer("group", 0, "Engine group (its leader fetches for the group).")
 flags.mark_flags_as_required(["role", "workdir"])
@@ -40,7 +44,12 @@ def main(argv):
     elif not _ROUTER.value:
         raise app.UsageError("engines need --router=tcp://HOST:PORT")
     spec = ProcessSpec(
-        _ROLE.value, str(wd), _ROUTER.value, _ENGINE.value, _NODE.value, _GROUP.value,
+        _ROLE.value,
+        str(wd),
+        _ROUTER.value,
+        _ENGINE.value,
+        _NODE.value,
+        _GROUP.value,
         address_file=str(wd / "router.address") if _ROLE.value == "router" else "",
     )
     logging.info("starting %s with config %s", _ROLE.value, cfg.name)

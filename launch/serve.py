@@ -17,7 +17,9 @@ import _common  # noqa: E402
 from dualpath_jax.experiment import run_local  # noqa: E402
 
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second.")
-_DURATION = flags.DEFINE_float("duration_s", None, "Arrivals stop after this many seconds (0: use --agents).")
+_DURATION = flags.DEFINE_float(
+    "duration_s", None, "Arrivals stop after this many seconds (0: use --agents)."
+)
 
 
 def main(argv):

@@ -40,19 +40,35 @@ _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second (online mode).
 _DURATION = flags.DEFINE_float("duration_s", None, "Online arrivals stop after this many seconds.")
 _COST = flags.DEFINE_string("cost_json", None, "FittedCostModel JSON (gpu='cpu' configs).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk (simulator detail).")
-_ADVISE = flags.DEFINE_bool("advise", False, "Sweep P/D, alpha and beta; report the best (advise.json).")
-_ADV_NODES = flags.DEFINE_integer("advise_nodes", 0, "Total nodes split into P and D (0: the config's P+D).")
-_ADV_PD = flags.DEFINE_string("advise_pd", "", "Explicit P/D splits, e.g. 1p2d,2p4d (overrides --advise_nodes).")
-_ADV_ALPHA = flags.DEFINE_list("advise_alpha_s", [], "alpha seconds to try (default: config x 0.5,1,2).")
-_ADV_BETA = flags.DEFINE_list("advise_beta_s", [], "beta seconds to try (default: config x 0.5,1,2).")
-_ADV_APS = flags.DEFINE_list("advise_aps", [], "Online: arrival rates to try; the objective becomes APS capacity.")
-_ADV_ATTAIN = flags.DEFINE_float("advise_attainment", 0.9, "Online: SLO attainment a rate must reach.")
+_ADVISE = flags.DEFINE_bool(
+    "advise", False, "Sweep P/D, alpha and beta; report the best (advise.json)."
+)
+_ADV_NODES = flags.DEFINE_integer(
+    "advise_nodes", 0, "Total nodes split into P and D (0: the config's P+D)."
+)
+_ADV_PD = flags.DEFINE_string(
+    "advise_pd", "", "Explicit P/D splits, e.g. 1p2d,2p4d (overrides --advise_nodes)."
+)
+_ADV_ALPHA = flags.DEFINE_list(
+    "advise_alpha_s", [], "alpha seconds to try (default: config x 0.5,1,2)."
+)
+_ADV_BETA = flags.DEFINE_list(
+    "advise_beta_s", [], "beta seconds to try (default: config x 0.5,1,2)."
+)
+_ADV_APS = flags.DEFINE_list(
+    "advise_aps", [], "Online: arrival rates to try; the objective becomes APS capacity."
+)
+_ADV_ATTAIN = flags.DEFINE_float(
+    "advise_attainment", 0.9, "Online: SLO attainment a rate must reach."
+)
 
 
 def main(argv):
     del argv
     online = _APS.value is not None
-    cfg = _common.build_config("online" if online else "offline", aps=_APS.value, duration_s=_DURATION.value)
+    cfg = _common.build_config(
+        "online" if online else "offline", aps=_APS.value, duration_s=_DURATION.value
+    )
     wd = _common.prepare_workdir(cfg)
     cost, overhead = None, 0.0
     if _COST.value:
@@ -69,27 +85,48 @@ def main(argv):
         return advise_main(cfg, wd, cost, options)
     run = simulate(cfg, cost=cost, options=options)
     write_run(run, wd)
-    logging.info("simulated %.1f s in %.2f s wall (%d events, %.0f events/s)", run.jct_s, run.wall_s,
-                 run.events, run.summary["sim"]["events_per_s"])
+    logging.info(
+        "simulated %.1f s in %.2f s wall (%d events, %.0f events/s)",
+        run.jct_s,
+        run.wall_s,
+        run.events,
+        run.summary["sim"]["events_per_s"],
+    )
     _common.print_summary(run.summary)
 
 
 def advise_main(cfg, wd, cost, options) -> None:
     sc, cl = cfg.scheduler, cfg.cluster
-    pd = adv.parse_pd(_ADV_PD.value) if _ADV_PD.value else adv.pd_splits(
-        _ADV_NODES.value or cl.prefill_nodes + cl.decode_nodes)
+    pd = (
+        adv.parse_pd(_ADV_PD.value)
+        if _ADV_PD.value
+        else adv.pd_splits(_ADV_NODES.value or cl.prefill_nodes + cl.decode_nodes)
+    )
     space = adv.AdviseSpace(
         pd=pd,
         alpha_s=tuple(map(float, _ADV_ALPHA.value)) or tuple(sc.alpha_s * k for k in (0.5, 1, 2)),
         beta_s=tuple(map(float, _ADV_BETA.value)) or tuple(sc.beta_s * k for k in (0.5, 1, 2)),
     )
     rates = tuple(map(float, _ADV_APS.value))
-    logging.info("advising over %d candidates (%s)", len(space.candidates()), "APS capacity" if rates else "JCT")
-    report = adv.advise(cfg, space, cost=cost, options=options, objective="capacity" if rates else "jct",
-                        aps=rates, attainment=_ADV_ATTAIN.value)
+    logging.info(
+        "advising over %d candidates (%s)",
+        len(space.candidates()),
+        "APS capacity" if rates else "JCT",
+    )
+    report = adv.advise(
+        cfg,
+        space,
+        cost=cost,
+        options=options,
+        objective="capacity" if rates else "jct",
+        aps=rates,
+        attainment=_ADV_ATTAIN.value,
+    )
     (wd / "advise.json").write_text(json.dumps(report, indent=1, default=str))
     print(adv.format_report(report))
-    print(f"{len(report['candidates'])} candidates simulated in {report['wall_s']:.1f} s; wrote {wd / 'advise.json'}")
+    print(
+        f"{len(report['candidates'])} candidates simulated in {report['wall_s']:.1f} s; wrote {wd / 'advise.json'}"
+    )
 
 
 if __name__ == "__main__":

@@ -55,7 +55,9 @@ def test_there_are_notebooks():
 def test_ipynb_twin_matches_source(source):
     twin = source.with_suffix(".ipynb")
     assert twin.is_file(), f"{twin.name} is missing: run `make notebooks`"
-    assert cells(twin) == cells(source), f"{twin.name} differs from {source.name}: run `make notebooks`"
+    assert cells(twin) == cells(source), (
+        f"{twin.name} differs from {source.name}: run `make notebooks`"
+    )
 
 
 @pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
@@ -76,19 +78,28 @@ def test_kernel_is_this_interpreter():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source",
-    [pytest.param(p, marks=[pytest.mark.multiprocess] if starts_engines(p) else []) for p in NOTEBOOKS],
+    [
+        pytest.param(p, marks=[pytest.mark.multiprocess] if starts_engines(p) else [])
+        for p in NOTEBOOKS
+    ],
     ids=lambda p: p.stem,
 )
 def test_notebook_runs_top_to_bottom(source, tmp_path, monkeypatch):
     """Executes the notebook in `tmp_path` (its working directory: runs write there); afterwards
     no process it started may still be alive."""
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")))
+    monkeypatch.setenv(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.environ.get("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache")),
+    )
     monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = jupytext.read(source)
     client = nbclient.NotebookClient(
-        nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(tmp_path)}}
+        nb,
+        kernel_name="python3",
+        timeout=CELL_TIMEOUT_S,
+        resources={"metadata": {"path": str(tmp_path)}},
     )
     t0 = time.monotonic()
     try:

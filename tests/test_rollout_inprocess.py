@@ -28,7 +28,10 @@ def reference_rounds(runner, rounds):
 
 def test_sessions_match_reference(engine):
     rs = np.random.RandomState(0)
-    trajs = [(f"t{k}", [(rs.randint(0, 257, a).tolist(), g) for a, g in ((30, 4), (9, 3), (20, 5))]) for k in range(2)]
+    trajs = [
+        (f"t{k}", [(rs.randint(0, 257, a).tolist(), g) for a, g in ((30, 4), (9, 3), (20, 5))])
+        for k in range(2)
+    ]
     outs = run_trajectories(engine, trajs, progress=False)
     for (tid, rounds), o in zip(trajs, outs):
         assert o.id == tid

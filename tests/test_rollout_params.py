@@ -36,7 +36,10 @@ def refs(models):
 
 
 def _leaves_equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))))
+    return all(
+        np.array_equal(x, y)
+        for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b)))
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -95,7 +98,9 @@ def test_a_checkpoint_of_another_model_config_is_refused(tmp_path):
 
     other = dataclasses.replace(TINY_QWEN2, num_layers=2)
     save_params(init_model(other, seed=0), tmp_path)
-    with pytest.raises(CheckpointError, match=r"saved for another model config \(differs in \['num_layers'\]\)"):
+    with pytest.raises(
+        CheckpointError, match=r"saved for another model config \(differs in \['num_layers'\]\)"
+    ):
         load_params(tmp_path, TINY_QWEN2)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no params/ .orbax. and no config.json"):

@@ -70,7 +70,13 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         p = subprocess.Popen(
-            [self.python, "-m", "dualpath_jax.engine", json.dumps(spec.__dict__), to_json(self.cfg)],
+            [
+                self.python,
+                "-m",
+                "dualpath_jax.engine",
+                json.dumps(spec.__dict__),
+                to_json(self.cfg),
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -86,8 +92,12 @@ class LocalCluster:
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
         addr_file = self.workdir / "router.address"
         addr_file.unlink(missing_ok=True)
-        self._spawn("router", ProcessSpec("router", str(self.workdir), address_file=str(addr_file),
-                                                parent_pid=os.getpid()))
+        self._spawn(
+            "router",
+            ProcessSpec(
+                "router", str(self.workdir), address_file=str(addr_file), parent_pid=os.getpid()
+            ),
+        )
         deadline = time.monotonic() + self.start_timeout_s
         while not addr_file.exists():
             self._check_alive()
@@ -101,8 +111,15 @@ class LocalCluster:
             for i in range(count):
                 name = f"{'pe' if role == 'prefill' else 'de'}{engine}"
                 group = i // (c.pe_group_size if role == "prefill" else c.de_group_size)
-                spec = ProcessSpec(role, str(self.workdir), self.address, engine, engine, group,
-                                   parent_pid=os.getpid())
+                spec = ProcessSpec(
+                    role,
+                    str(self.workdir),
+                    self.address,
+                    engine,
+                    engine,
+                    group,
+                    parent_pid=os.getpid(),
+                )
                 self._spawn(name, spec)
                 self.engine_ids[name] = engine
                 engine += 1
@@ -113,7 +130,9 @@ class LocalCluster:
             if sum(1 for e in engines.values() if e["alive"]) == len(self.engine_ids):
                 return
             if time.monotonic() > deadline:
-                raise ClusterError(f"only {len(engines)} of {len(self.engine_ids)} engines registered")
+                raise ClusterError(
+                    f"only {len(engines)} of {len(self.engine_ids)} engines registered"
+                )
             time.sleep(0.1)
 
     def _check_alive(self) -> None:

@@ -35,10 +35,21 @@ def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
 log = logging.getLogger(__name__)
 
 
-def register(rpc, role: str, engine: int, node: int, group: int, address: str, params_version: str = "") -> None:
+def register(
+    rpc, role: str, engine: int, node: int, group: int, address: str, params_version: str = ""
+) -> None:
     """Announces an engine (its KV channel address and served params version) to the router."""
-    rpc.send(M.Register(role=role, engine=engine, node=node, group=group, address=address, pid=os.getpid(),
-                        params_version=params_version))
+    rpc.send(
+        M.Register(
+            role=role,
+            engine=engine,
+            node=node,
+            group=group,
+            address=address,
+            pid=os.getpid(),
+            params_version=params_version,
+        )
+    )
 
 
 def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:
@@ -66,7 +77,12 @@ def is_stop(msg: M.Msg) -> bool | None:
 def failed(request: str, engine: int, exc: BaseException) -> M.Failed:
     """The `Failed` report of an engine's part of a request, classified by `failure_kind`."""
     log.warning("request %s failed: %s", request, exc)
-    return M.Failed(request=request, engine=engine, message=f"{type(exc).__name__}: {exc}", kind=failure_kind(exc))
+    return M.Failed(
+        request=request,
+        engine=engine,
+        message=f"{type(exc).__name__}: {exc}",
+        kind=failure_kind(exc),
+    )
 
 
 def failure_kind(exc: BaseException) -> str:

@@ -69,8 +69,15 @@ class DecodeEngine:
         self.last_fetch = -1e9
 
     def register(self) -> None:
-        register(self.rpc, "decode", self.engine, self.node, self.group, self.ctx.channel.address,
-                 self.params.version)
+        register(
+            self.rpc,
+            "decode",
+            self.engine,
+            self.node,
+            self.group,
+            self.ctx.channel.address,
+            self.params.version,
+        )
 
     def run(self) -> None:
         self.register()
@@ -133,7 +140,10 @@ class DecodeEngine:
             if self.ctx.buffer.free_blocks < load.n_blocks:
                 if load.n_blocks > self.ctx.buffer.capacity_blocks:
                     self.waiting.pop(0)
-                    self.fail(rid, RuntimeError(f"prompt of {job.prompt_tokens} tokens exceeds the DE buffer"))
+                    self.fail(
+                        rid,
+                        RuntimeError(f"prompt of {job.prompt_tokens} tokens exceeds the DE buffer"),
+                    )
                     continue
                 return  # back-pressure: wait for a release
             self.waiting.pop(0)
@@ -182,7 +192,9 @@ class DecodeEngine:
                 self.fail(rid, e)
                 continue
             job = r.load.job
-            self.ctx.charge(job, L.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH)
+            self.ctx.charge(
+                job, L.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH
+            )
             r.slot = free.pop(0)
             self.dec.insert(r.slot, kv, job.prompt_tokens, r.first)
             r.load.close()
@@ -232,9 +244,22 @@ class DecodeEngine:
             if blocks is not None:
                 fp = model_fingerprint(self.cfg.model, r.msg.params_version)
                 keys = block_keys(fed[: n_full * self.bt], self.bt, fp)[start:]
-                self.ctx.charge(job, L.persist_path(job.de_engine, job.de_node), blocks.nbytes, L.TrafficClass.LOW)
+                self.ctx.charge(
+                    job,
+                    L.persist_path(job.de_engine, job.de_node),
+                    blocks.nbytes,
+                    L.TrafficClass.LOW,
+                )
                 self.ctx.store.write_full(keys, blocks).result(self.ctx.timeout_s)
-            self.outbox.put(M.DecodeDone(request=rid, engine=self.engine, tokens=r.tokens,
-                                         persisted_blocks=n_full - start))
+            self.outbox.put(
+                M.DecodeDone(
+                    request=rid,
+                    engine=self.engine,
+                    tokens=r.tokens,
+                    persisted_blocks=n_full - start,
+                )
+            )
         except Exception as e:  # noqa: BLE001
-            self.outbox.put(M.Failed(request=rid, engine=self.engine, message=f"store: {e}", kind="store"))
+            self.outbox.put(
+                M.Failed(request=rid, engine=self.engine, message=f"store: {e}", kind="store")
+            )

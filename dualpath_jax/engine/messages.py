@@ -302,7 +302,9 @@ def decode(frame: bytes, token: str = "") -> Msg:
     except msgspec.DecodeError as e:
         raise FrameError(f"malformed message: {e}") from None
     if env.v != SCHEMA_VERSION:
-        raise FrameError(f"schema version {env.v} is not supported (this side speaks {SCHEMA_VERSION})")
+        raise FrameError(
+            f"schema version {env.v} is not supported (this side speaks {SCHEMA_VERSION})"
+        )
     if env.token != token:
         raise FrameError("authentication failed: wrong or missing token")
     return env.body

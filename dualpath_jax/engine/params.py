@@ -61,7 +61,10 @@ def check_params_config(cluster: ClusterConfig) -> None:
         return
     if not os.path.isdir(path):
         raise ConfigError(f"cluster.params_path={path!r} is not a directory")
-    if not (os.path.isdir(os.path.join(path, "params")) or os.path.isfile(os.path.join(path, "config.json"))):
+    if not (
+        os.path.isdir(os.path.join(path, "params"))
+        or os.path.isfile(os.path.join(path, "config.json"))
+    ):
         raise ConfigError(
             f"cluster.params_path={path!r} holds neither an orbax checkpoint (params/) nor a "
             "Hugging Face model (config.json); write one with model.checkpoint.save_params_tree"
@@ -99,7 +102,12 @@ class ParamsSlot:
             model = load_params(msg.path, self.runner.cfg)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
-            return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=False, message=f"{type(e).__name__}: {e}")
+            return M.ParamsLoaded(
+                engine=self.engine,
+                version=msg.version,
+                ok=False,
+                message=f"{type(e).__name__}: {e}",
+            )
         self._staged = (msg.version, model)
         return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
 
@@ -108,7 +116,11 @@ class ParamsSlot:
         if not msg.commit:
             return
         if staged is None or staged[0] != msg.version:
-            log.error("commit of params %s without a staged load; still serving %r", msg.version, self.version)
+            log.error(
+                "commit of params %s without a staged load; still serving %r",
+                msg.version,
+                self.version,
+            )
             return
         self.runner.update_params(staged[1])
         self.version = msg.version

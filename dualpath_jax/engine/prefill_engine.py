@@ -73,14 +73,24 @@ class PrefillEngine:
         self.last_fetch = -1e9
         # The context one forward batch may hold on the device (the router sends this policy's
         # layerwise flag with every request).
-        self.max_kv_tokens = batch_kv_bound(cfg.cluster.prefill_max_kv_tokens, cfg.model.num_layers,
-                                            make_policy(cfg.scheduler).layerwise)
+        self.max_kv_tokens = batch_kv_bound(
+            cfg.cluster.prefill_max_kv_tokens,
+            cfg.model.num_layers,
+            make_policy(cfg.scheduler).layerwise,
+        )
 
     # ------------------------------------------------------------------ loop
 
     def register(self) -> None:
-        register(self.rpc, "prefill", self.engine, self.node, self.group, self.ctx.channel.address,
-                 self.params.version)
+        register(
+            self.rpc,
+            "prefill",
+            self.engine,
+            self.node,
+            self.group,
+            self.ctx.channel.address,
+            self.params.version,
+        )
 
     def run(self) -> None:
         self.register()
@@ -98,7 +108,9 @@ class PrefillEngine:
         traffic = self.ctx.traffic
         read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
         links = traffic.snapshot() if traffic is not None else {}
-        self.rpc.send(M.Fetch(engine=self.engine, load=M.Load(read_q=read_q), links=json.dumps(links)))
+        self.rpc.send(
+            M.Fetch(engine=self.engine, load=M.Load(read_q=read_q), links=json.dumps(links))
+        )
 
     def handle(self, msg: M.Msg) -> None:
         match msg:
@@ -170,7 +182,9 @@ class PrefillEngine:
         if layer not in r.hit_rows:
             rows = r.load.readiness.wait(layer, self.ctx.timeout_s)
             r.hit_rows[layer] = (
-                rows if rows is not None else np.zeros((0, self.cfg.model.kv_width), self.cfg.model.kv_dtype)
+                rows
+                if rows is not None
+                else np.zeros((0, self.cfg.model.kv_width), self.cfg.model.kv_dtype)
             )
             r.load.consumed()
         parts = [r.hit_rows[layer], *(np.asarray(x) for x in r.done_rows.get(layer, []))]
@@ -226,8 +240,14 @@ class PrefillEngine:
             else:
                 # Basic: the whole hit is loaded onto the device before the forward starts (the
                 # same compiled layers run afterwards, so only the loading schedule differs).
-                loaded = [jax.device_put(load_layer(i)) for i in range(c.model.num_layers)] if batch.c_pad else None
-                res = self.runner.prefill_layerwise(batch, loaded.__getitem__ if loaded else None, emit_layer)
+                loaded = (
+                    [jax.device_put(load_layer(i)) for i in range(c.model.num_layers)]
+                    if batch.c_pad
+                    else None
+                )
+                res = self.runner.prefill_layerwise(
+                    batch, loaded.__getitem__ if loaded else None, emit_layer
+                )
             logits = np.asarray(res.last_logits)
             pad = [0] * (logits.shape[0] - len(reqs))
             first = sample_at(  # the first generated token sits at position len(prompt)

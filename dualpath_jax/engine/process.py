@@ -82,7 +82,10 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     kvb = kv_bytes_per_token(cfg.model)
     alpha = derive_alpha(cfg.scheduler, cfg.hardware, kvb)
     beta = derive_beta(
-        cfg.scheduler, FittedCostModel(prefill=CPU_PREFILL_COST), ref_cached=512, ref_new=32,
+        cfg.scheduler,
+        FittedCostModel(prefill=CPU_PREFILL_COST),
+        ref_cached=512,
+        ref_new=32,
         max_batch=cfg.cluster.prefill_max_batch,
     )
     snic = cfg.hardware.snic_bytes_per_s
@@ -127,7 +130,9 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.transfer.links import TrafficManager
     from dualpath_jax.transfer.loader import LoaderContext
 
-    log.info("%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices())
+    log.info(
+        "%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices()
+    )
     runner = ModelRunner(load_served_model(cfg))
     params = ParamsSlot(runner, initial_params_version(cfg.cluster), spec.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
@@ -140,27 +145,46 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     pool = futures.ThreadPoolExecutor(16, thread_name_prefix=f"{spec.role}{spec.engine}")
     prefix = "pe" if spec.role == "prefill" else "de"
     ctx = LoaderContext(
-        cfg.model, layout, store, buffer, channel, traffic, pool,
+        cfg.model,
+        layout,
+        store,
+        buffer,
+        channel,
+        traffic,
+        pool,
         timeout_s=cfg.cluster.transfer_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
     )
     rpc = RpcClient(spec.router_address, cfg.cluster.auth_token)
-    heartbeat = HeartbeatThread(spec.router_address, cfg.cluster.auth_token, spec.engine, cfg.cluster.heartbeat_s)
+    heartbeat = HeartbeatThread(
+        spec.router_address, cfg.cluster.auth_token, spec.engine, cfg.cluster.heartbeat_s
+    )
     heartbeat.start()
     try:
         if spec.role == "prefill":
             cost = FittedCostModel(prefill=CPU_PREFILL_COST)
             engine = PrefillEngine(
-                cfg, spec.engine, spec.node, spec.group, rpc, runner, ctx, attention_time=cost.attention_time,
+                cfg,
+                spec.engine,
+                spec.node,
+                spec.group,
+                rpc,
+                runner,
+                ctx,
+                attention_time=cost.attention_time,
                 params=params,
             )
         else:
             dec = Decoder(runner, cfg.cluster.decode_slots, cfg.cluster.decode_max_len)
-            engine = DecodeEngine(cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx, params=params)
+            engine = DecodeEngine(
+                cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx, params=params
+            )
         engine.run()
     finally:
         heartbeat.stop()
-        write_link_report(pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic)
+        write_link_report(
+            pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic
+        )
         rpc.close()
         pool.shutdown(wait=False, cancel_futures=True)
         channel.close()
@@ -174,10 +198,16 @@ def write_link_report(path: pathlib.Path, spec: ProcessSpec, traffic) -> None:
     import json
 
     windows = {
-        lid.name: [[traffic.origin + t, b] for t, b in traffic.window_bytes(lid)] for lid in traffic.links()
+        lid.name: [[traffic.origin + t, b] for t, b in traffic.window_bytes(lid)]
+        for lid in traffic.links()
     }
-    report = {"role": spec.role, "engine": spec.engine, "node": spec.node,
-              "snapshot": traffic.snapshot(), "windows": windows}
+    report = {
+        "role": spec.role,
+        "engine": spec.engine,
+        "node": spec.node,
+        "snapshot": traffic.snapshot(),
+        "windows": windows,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(report))

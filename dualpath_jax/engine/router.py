@@ -153,7 +153,9 @@ class Router:
                     self.handle(ident, msg)
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the router
                     log.exception("handling %s failed", type(msg).__name__)
-                    self.server.send(ident, M.Error(ref=getattr(msg, "request", ""), message=str(e)))
+                    self.server.send(
+                        ident, M.Error(ref=getattr(msg, "request", ""), message=str(e))
+                    )
             now = self.clock()
             if now - last_tick >= 0.1:
                 self.check_liveness(now)
@@ -220,15 +222,23 @@ class Router:
         """Ends a session; `release` also deletes its stored blocks that no live session claims."""
         s = self.sessions.get(msg.session)
         if s is None:
-            return self.server.send(ident, M.Error(ref=msg.session, message=f"unknown session {msg.session!r}"))
+            return self.server.send(
+                ident, M.Error(ref=msg.session, message=f"unknown session {msg.session!r}")
+            )
         if msg.release and (s.busy or any(i == ident and m.session == s.id for i, m in self.held)):
-            return self.fail(ident, msg.session, f"session {s.id!r} has a round running; close it when it is done")
+            return self.fail(
+                ident,
+                msg.session,
+                f"session {s.id!r} has a round running; close it when it is done",
+            )
         del self.sessions[msg.session]
         if msg.release:
             try:
                 n = self.store.release(msg.session).result(self.cfg.store.timeout_s)
             except Exception as e:  # noqa: BLE001 - the session is closed either way
-                return self.fail(ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store")
+                return self.fail(
+                    ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store"
+                )
             self.event("release", session=msg.session, blocks=n)
         self.server.send(ident, M.Ack(ref=msg.session))
 
@@ -241,7 +251,9 @@ class Router:
         if s is None:
             return self.fail(ident, msg.request, f"unknown session {msg.session!r}")
         if s.busy:
-            return self.fail(ident, msg.request, f"session {msg.session!r} already has a round running")
+            return self.fail(
+                ident, msg.request, f"session {msg.session!r} already has a round running"
+            )
         if msg.request in self.requests:
             return self.fail(ident, msg.request, f"duplicate request id {msg.request!r}")
         if msg.gen <= 0:
@@ -249,12 +261,18 @@ class Router:
         if not msg.append:
             return self.fail(ident, msg.request, "a round must append at least one token")
         if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
-            return self.fail(ident, msg.request, f"temperature must be a finite number >= 0, got {msg.temperature}")
+            return self.fail(
+                ident,
+                msg.request,
+                f"temperature must be a finite number >= 0, got {msg.temperature}",
+            )
         if not 0 <= msg.seed < 2**32:
             return self.fail(ident, msg.request, f"seed must lie in [0, 2**32), got {msg.seed}")
         bad = next((t for t in msg.append if not 0 <= t < model.vocab_size), None)
         if bad is not None:
-            return self.fail(ident, msg.request, f"token id {bad} is out of range [0, {model.vocab_size})")
+            return self.fail(
+                ident, msg.request, f"token id {bad} is out of range [0, {model.vocab_size})"
+            )
         prompt = s.context + list(msg.append)
         limit = min(model.max_seq_len, self.cfg.cluster.decode_max_len)
         if len(prompt) + msg.gen > limit:
@@ -277,10 +295,20 @@ class Router:
             return self.fail(ident, msg.request, str(e), kind="overloaded")
         s.busy = True
         self.requests[msg.request] = RequestState(
-            msg.request, msg.session, ident, req, prompt, keys[:hit], msg.gen, self.clock(),
-            temperature=msg.temperature, seed=msg.seed,
+            msg.request,
+            msg.session,
+            ident,
+            req,
+            prompt,
+            keys[:hit],
+            msg.gen,
+            self.clock(),
+            temperature=msg.temperature,
+            seed=msg.seed,
         )
-        self.event("submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen)
+        self.event(
+            "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
+        )
 
     def finish(self, st: RequestState, tokens: list[int]) -> None:
         now = self.clock()
@@ -307,7 +335,9 @@ class Router:
             recomputed_blocks=st.recomputed_blocks,
         )
         self.counters["requests_done"] += 1
-        self.event("done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"})
+        self.event(
+            "done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"}
+        )
         self.server.send(st.client, res)
         del self.requests[st.id]
 
@@ -322,10 +352,16 @@ class Router:
         if msg.params_version != self.params_version:
             # An engine that (re)started after an update: bring it to the current params. If it
             # cannot load them, its jobs fail with a clear version mismatch.
-            log.warning("engine %d serves params %r, the cluster %r", msg.engine, msg.params_version,
-                        self.params_version)
+            log.warning(
+                "engine %d serves params %r, the cluster %r",
+                msg.engine,
+                msg.params_version,
+                self.params_version,
+            )
             if self.params_path:
-                self.server.send(ident, M.LoadParams(version=self.params_version, path=self.params_path))
+                self.server.send(
+                    ident, M.LoadParams(version=self.params_version, path=self.params_path)
+                )
                 self.server.send(ident, M.CommitParams(version=self.params_version, commit=True))
 
     # ------------------------------------------------------------------ params updates
@@ -340,11 +376,22 @@ class Router:
         if not msg.path:
             return self.fail(ident, ref, "UpdateParams needs the path of a parameter checkpoint")
         if self.update is not None:
-            return self.fail(ident, ref, f"params update {self.update.version!r} is still in progress", kind="busy")
+            return self.fail(
+                ident,
+                ref,
+                f"params update {self.update.version!r} is still in progress",
+                kind="busy",
+            )
         if msg.version == self.params_version:
-            return self.fail(ident, ref, f"params version {msg.version!r} is already served; name updates uniquely")
+            return self.fail(
+                ident,
+                ref,
+                f"params version {msg.version!r} is already served; name updates uniquely",
+            )
         self.update = ParamsUpdate(ident, msg.version, msg.path)
-        self.event("params_update", version=msg.version, path=msg.path, in_flight=len(self.requests))
+        self.event(
+            "params_update", version=msg.version, path=msg.path, in_flight=len(self.requests)
+        )
 
     def advance_update(self) -> None:
         """Moves an update on: once no round is in flight, every live engine loads the params."""
@@ -383,7 +430,10 @@ class Router:
             self.event("params_served", version=u.version)
             self.server.send(u.client, M.Ack(ref=ref))
         else:
-            msg = f"params {u.version!r} refused, still serving {self.params_version!r}: " + "; ".join(u.errors)
+            msg = (
+                f"params {u.version!r} refused, still serving {self.params_version!r}: "
+                + "; ".join(u.errors)
+            )
             self.fail(u.client, ref, msg)
         held, self.held = self.held, []
         for ident, sub in held:
@@ -415,7 +465,8 @@ class Router:
     def engine_load(self, e: EngineInfo) -> EngineLoad:
         """Loads from the router's own in-flight tracking (exact, unlike delayed reports)."""
         mine = [
-            r for r in self.requests.values()
+            r
+            for r in self.requests.values()
             if (r.pe == e.engine and e.role == "prefill" and math.isnan(r.t_first))
             or (r.de == e.engine and e.role == "decode")
         ]
@@ -430,17 +481,27 @@ class Router:
     def on_fetch(self, ident: bytes, msg: M.Fetch) -> None:
         e = self.engines.get(msg.engine)
         if e is None or not e.alive:
-            self.server.send(ident, M.Error(ref=str(msg.engine), message="engine not registered", kind="stop"))
+            self.server.send(
+                ident, M.Error(ref=str(msg.engine), message="engine not registered", kind="stop")
+            )
             return
         e.hbm_tokens = msg.load.hbm_capacity_tokens
         e.slots = msg.load.slots
         if msg.links:
             e.links = json.loads(msg.links)
-        group = [x for x in self.engines.values() if x.alive and x.role == e.role and x.group == e.group]
+        group = [
+            x for x in self.engines.values() if x.alive and x.role == e.role and x.group == e.group
+        ]
         loads = [self.engine_load(x) for x in group]
         if e.role == "prefill":  # every DE node's read queue as of now, for the read-path choice
-            self.scheduler.report([self.engine_load(x) for x in self.engines.values()
-                                   if x.alive and x.role == "decode"], "de")
+            self.scheduler.report(
+                [
+                    self.engine_load(x)
+                    for x in self.engines.values()
+                    if x.alive and x.role == "decode"
+                ],
+                "de",
+            )
         if e.role == "decode":
             for r, de in self.scheduler.fetch_de(e.group, loads):
                 self.requests[r.id].de = de
@@ -477,8 +538,15 @@ class Router:
                 temperature=st.temperature,
                 seed=st.seed,
             )
-            self.event("assign", request=st.id, pe=a.pe, de=a.de, path=a.path.value,
-                       pe_blocks=job.pe_blocks, de_blocks=job.de_blocks)
+            self.event(
+                "assign",
+                request=st.id,
+                pe=a.pe,
+                de=a.de,
+                path=a.path.value,
+                pe_blocks=job.pe_blocks,
+                de_blocks=job.de_blocks,
+            )
             self.server.send(de.ident, M.Work(jobs=[job]))
             self.server.send(pe.ident, M.Work(jobs=[job]))
 
@@ -492,11 +560,20 @@ class Router:
         st.recomputed_blocks += msg.recomputed_blocks
         self.counters["recomputed_blocks"] += msg.recomputed_blocks
         self.counters["hit_blocks"] += msg.hit_blocks
-        self.event("first_token", request=st.id, hit_blocks=msg.hit_blocks,
-                   recomputed=msg.recomputed_blocks, read_s=msg.read_s, prefill_s=msg.prefill_s)
+        self.event(
+            "first_token",
+            request=st.id,
+            hit_blocks=msg.hit_blocks,
+            recomputed=msg.recomputed_blocks,
+            read_s=msg.read_s,
+            prefill_s=msg.prefill_s,
+        )
         de = self.engines.get(st.de)
         if de is not None and de.alive:
-            self.server.send(de.ident, M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks))
+            self.server.send(
+                de.ident,
+                M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks),
+            )
 
     def on_decode_done(self, msg: M.DecodeDone) -> None:
         st = self.requests.get(msg.request)
@@ -533,7 +610,12 @@ class Router:
             if s is not None:
                 s.busy = False
             del self.requests[st.id]
-            self.fail(st.client, st.id, f"gave up after {st.attempts} attempts (engines kept failing)", kind="engine")
+            self.fail(
+                st.client,
+                st.id,
+                f"gave up after {st.attempts} attempts (engines kept failing)",
+                kind="engine",
+            )
         queued = {r.id for r in self._queued_requests()}
         for st in states:
             st.pe = st.de = -1

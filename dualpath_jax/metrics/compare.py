@@ -19,7 +19,9 @@ PAPER_ABLATION_PCT = {"layerwise": 17.21, "dualpath_rr": 38.19, "dualpath": 45.6
 
 
 def with_policy(cfg: ExperimentConfig, policy: str) -> ExperimentConfig:
-    return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))
+    return dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+    )
 
 
 def read_outputs(path: pathlib.Path) -> dict[str, list[list[int]]]:

@@ -13,7 +13,9 @@ import numpy as np  # noqa: E402
 from dualpath_jax.metrics.summary import read_link_reports  # noqa: E402
 
 
-def snic_series(workdir: pathlib.Path, window_s: float = 1.0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def snic_series(
+    workdir: pathlib.Path, window_s: float = 1.0
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per storage NIC (read side): window start times (s from the run's first byte) and MB/s."""
     raw = {}
     for r in read_link_reports(workdir):
@@ -33,7 +35,9 @@ def snic_series(workdir: pathlib.Path, window_s: float = 1.0) -> dict[str, tuple
     return out
 
 
-def plot_comparison(result: dict, workdir: str | pathlib.Path, path: str | pathlib.Path) -> pathlib.Path:
+def plot_comparison(
+    result: dict, workdir: str | pathlib.Path, path: str | pathlib.Path
+) -> pathlib.Path:
     """JCT per policy, the TTFT breakdown, and storage-NIC traffic over time (round robin vs the
     DualPath scheduler when both ran) in one PNG."""
     workdir = pathlib.Path(workdir)
@@ -43,14 +47,26 @@ def plot_comparison(result: dict, workdir: str | pathlib.Path, path: str | pathl
     fig, axes = plt.subplots(1, 2 + len(timeline), figsize=(5 * (2 + len(timeline)), 4))
     ax = axes[0]
     jct = [s[p]["jct_s"] for p in pols]
-    bars = ax.bar(pols, jct, color=["#999" if p == "basic" else "#2a7" if p == "oracle" else "#36c" for p in pols])
+    bars = ax.bar(
+        pols,
+        jct,
+        color=["#999" if p == "basic" else "#2a7" if p == "oracle" else "#36c" for p in pols],
+    )
     base = s.get("basic", {}).get("jct_s")
     for b, v in zip(bars, jct):
-        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.0f}s" + (f"\n{base / v:.2f}x" if base else ""),
-                ha="center", va="bottom", fontsize=8)
+        ax.text(
+            b.get_x() + b.get_width() / 2,
+            v,
+            f"{v:.0f}s" + (f"\n{base / v:.2f}x" if base else ""),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylim(0, max(jct) * 1.2)
     ax.set_ylabel("JCT (s)")
-    ax.set_title(f"JCT, {result.get('config', '')}" + (" (emulated links)" if result.get("emulated") else ""))
+    ax.set_title(
+        f"JCT, {result.get('config', '')}" + (" (emulated links)" if result.get("emulated") else "")
+    )
     ax.tick_params(axis="x", rotation=30)
     ax = axes[1]
     bottom = np.zeros(len(pols))

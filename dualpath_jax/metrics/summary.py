@@ -108,7 +108,9 @@ def summarize(
         series.setdefault(n, [])
     firsts = {e["request"]: e for e in events if e.get("kind") == "first_token"}
     ok_slo = [
-        r for r in results if r.ttft_s <= ttft_slo_s and (len(r.tokens) < 2 or r.tpot_s <= tpot_slo_s)
+        r
+        for r in results
+        if r.ttft_s <= ttft_slo_s and (len(r.tokens) < 2 or r.tpot_s <= tpot_slo_s)
     ]
     paths: dict[str, int] = {}
     for r in results:

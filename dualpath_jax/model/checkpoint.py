@@ -190,7 +190,9 @@ def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
         "post_attention_layernorm": {"weight": t.get(p + "post_attention_layernorm.weight")},
     }
     if cfg.family == ModelFamily.QWEN2:
-        attn = {n: {"kernel": lin(f"self_attn.{n}")} for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        attn = {
+            n: {"kernel": lin(f"self_attn.{n}")} for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        }
         if cfg.qkv_bias:
             for n in ("q_proj", "k_proj", "v_proj"):
                 attn[n]["bias"] = t.get(p + f"self_attn.{n}.bias")
@@ -231,13 +233,21 @@ def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
             mlp["w_down"] = t.get(p + "mlp.experts.down_proj", (e, h, mi)).transpose(0, 2, 1)
         else:
             shapes = {"gate_proj": (mi, h), "up_proj": (mi, h), "down_proj": (h, mi)}
-            for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+            for ours, theirs in (
+                ("w_gate", "gate_proj"),
+                ("w_up", "up_proj"),
+                ("w_down", "down_proj"),
+            ):
                 mlp[ours] = np.stack(
-                    [t.get(p + f"mlp.experts.{j}.{theirs}.weight", shapes[theirs]).T for j in range(e)]
+                    [
+                        t.get(p + f"mlp.experts.{j}.{theirs}.weight", shapes[theirs]).T
+                        for j in range(e)
+                    ]
                 )
         if cfg.n_shared_experts:
             mlp["shared"] = {
-                n: {"kernel": lin(f"mlp.shared_experts.{n}")} for n in ("gate_proj", "up_proj", "down_proj")
+                n: {"kernel": lin(f"mlp.shared_experts.{n}")}
+                for n in ("gate_proj", "up_proj", "down_proj")
             }
     else:
         mlp = {n: {"kernel": lin(f"mlp.{n}")} for n in ("gate_proj", "up_proj", "down_proj")}
@@ -274,13 +284,16 @@ def _cast_like(values: Any, shapes: Any, path: str) -> Any:
     if isinstance(shapes, dict):
         if not isinstance(values, dict) or set(values) != set(shapes):
             missing = set(shapes) - set(values if isinstance(values, dict) else {})
-            raise CheckpointError(f"parameters at {path or '/'} do not match the model: missing {missing}")
+            raise CheckpointError(
+                f"parameters at {path or '/'} do not match the model: missing {missing}"
+            )
         return {k: _cast_like(values[k], shapes[k], f"{path}/{k}") for k in shapes}
     arr = np.asarray(values)
     if tuple(arr.shape) != tuple(shapes.shape):
-        raise CheckpointError(f"tensor {path}: shape {arr.shape}, model expects {tuple(shapes.shape)}")
+        raise CheckpointError(
+            f"tensor {path}: shape {arr.shape}, model expects {tuple(shapes.shape)}"
+        )
     return jax.numpy.asarray(arr.astype(np_dtype(str(shapes.dtype))))
-
 
 
 # --------------------------------------------------------------------------- served parameters
@@ -300,7 +313,9 @@ def params_state(params: Any) -> Any:
     )
 
 
-def save_params_tree(params: Any, directory: str | pathlib.Path, cfg: ModelConfig | None = None) -> pathlib.Path:
+def save_params_tree(
+    params: Any, directory: str | pathlib.Path, cfg: ModelConfig | None = None
+) -> pathlib.Path:
     """Saves `params` (see `params_state`) as an orbax checkpoint in `directory/params`, in the
     pure-dict layout, plus the model config when known. Nothing is checked here: the engines
     check the tree against their model when they load it (`load_params`)."""
@@ -350,7 +365,9 @@ def check_params_tree(expected: dict, got: dict, where: str = "") -> None:
         if got[p] != expected[p]
     ]
     if bad:
-        problems.append(f"{_leaves(len(bad))} {'differs' if len(bad) == 1 else 'differ'}: " + "; ".join(bad[:8]))
+        problems.append(
+            f"{_leaves(len(bad))} {'differs' if len(bad) == 1 else 'differ'}: " + "; ".join(bad[:8])
+        )
     if problems:
         raise CheckpointError(f"{where}parameters do not match the model: " + " | ".join(problems))
 
@@ -368,20 +385,30 @@ def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
 
     directory = pathlib.Path(directory).absolute()
     if not directory.is_dir():
-        raise CheckpointError(f"parameter checkpoint {directory} does not exist or is not a directory")
+        raise CheckpointError(
+            f"parameter checkpoint {directory} does not exist or is not a directory"
+        )
     if not (directory / "params").is_dir():
         if (directory / "config.json").is_file():
             model = from_pretrained(directory, cfg.dtype)
             if model.cfg != cfg:
-                raise CheckpointError(f"{directory}: the Hugging Face config does not match the served model config")
+                raise CheckpointError(
+                    f"{directory}: the Hugging Face config does not match the served model config"
+                )
             return model
         raise CheckpointError(f"{directory}: no params/ (orbax) and no config.json (Hugging Face)")
     saved_cfg = directory / _CONFIG_NAME
     if saved_cfg.is_file():
         other = from_json(ModelConfig, saved_cfg.read_text())
         if other != cfg:
-            diff = sorted(f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(other, f.name))
-            raise CheckpointError(f"{directory} was saved for another model config (differs in {diff})")
+            diff = sorted(
+                f.name
+                for f in dataclasses.fields(cfg)
+                if getattr(cfg, f.name) != getattr(other, f.name)
+            )
+            raise CheckpointError(
+                f"{directory} was saved for another model config (differs in {diff})"
+            )
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     gd, state = nnx.split(abstract)
     pure = nnx.to_pure_dict(state)
@@ -389,7 +416,9 @@ def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
         try:
             meta = ckptr.metadata(directory / "params")
         except Exception as e:  # noqa: BLE001 - orbax raises many kinds for unreadable dirs
-            raise CheckpointError(f"{directory}/params is not a readable orbax checkpoint: {e}") from None
+            raise CheckpointError(
+                f"{directory}/params is not a readable orbax checkpoint: {e}"
+            ) from None
         tree = getattr(meta, "item_metadata", meta)
         state_layout = any(p.endswith("/value") for p in _flat_spec(tree, False))
         check_params_tree(_flat_spec(pure, False), _flat_spec(tree, state_layout), f"{directory}: ")

@@ -136,7 +136,9 @@ class Decoder:
     def __init__(self, runner: ModelRunner, slots: int, max_len: int, min_bucket: int = 64):
         cfg = runner.cfg
         if max_len > cfg.max_seq_len:
-            raise ValueError(f"decode max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+            raise ValueError(
+                f"decode max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}"
+            )
         self.runner, self.slots, self.max_len, self.min_bucket = runner, slots, max_len, min_bucket
         self.kv = jnp.zeros((cfg.num_layers, slots, max_len, cfg.kv_width), cfg.kv_dtype)
         self.lengths = np.zeros((slots,), np.int32)
@@ -146,20 +148,28 @@ class Decoder:
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if not self.active[i]]
 
-    def insert(self, slot: int, prompt_kv: np.ndarray | Array, length: int, next_token: int) -> None:
+    def insert(
+        self, slot: int, prompt_kv: np.ndarray | Array, length: int, next_token: int
+    ) -> None:
         """Loads a prompt's KV rows `[L, >= length, W]` into `slot`; `next_token` is fed next."""
         cfg = self.runner.cfg
         if self.active[slot]:
             raise ValueError(f"decode slot {slot} is in use")
         if length + 1 > self.max_len:
-            raise ValueError(f"prompt of {length} tokens does not fit a decode slot of {self.max_len}")
+            raise ValueError(
+                f"prompt of {length} tokens does not fit a decode slot of {self.max_len}"
+            )
         if prompt_kv.shape[0] != cfg.num_layers or prompt_kv.shape[2] != cfg.kv_width:
             raise ValueError(
                 f"prompt KV has shape {tuple(prompt_kv.shape)}, expected ({cfg.num_layers}, T, {cfg.kv_width})"
             )
         validate_tokens(cfg, np.array([next_token]), "next token")
         tb = min(bucket_len(length, self.min_bucket), self.max_len)
-        rows = np.zeros((cfg.num_layers, tb, cfg.kv_width), np.dtype(cfg.kv_dtype)) if length < tb else None
+        rows = (
+            np.zeros((cfg.num_layers, tb, cfg.kv_width), np.dtype(cfg.kv_dtype))
+            if length < tb
+            else None
+        )
         src = np.asarray(prompt_kv[:, :length]) if rows is not None else prompt_kv[:, :tb]
         if rows is not None:
             rows[:, :length] = src
@@ -242,7 +252,9 @@ def generate(
     return out
 
 
-def reference_generate(runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+def reference_generate(
+    runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int
+) -> list[int]:
     """Greedy generation with no KV cache at all: a full monolithic forward over the whole
     sequence for every token. Slow; the oracle the cached paths are tested against."""
     seq = list(prompt)

@@ -155,7 +155,9 @@ class MLAttention(nnx.Module):
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(h, cfg.q_lora_rank, bias=False, dtype=dt, rngs=rngs)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dt)
-            self.q_b_proj = Linear(cfg.q_lora_rank, nh * self.qk_head_dim, bias=False, dtype=dt, rngs=rngs)
+            self.q_b_proj = Linear(
+                cfg.q_lora_rank, nh * self.qk_head_dim, bias=False, dtype=dt, rngs=rngs
+            )
             self.q_proj = None
         else:
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
@@ -165,11 +167,19 @@ class MLAttention(nnx.Module):
         )
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, dt)
         # kv_b_proj split per head into the key (W_UK) and value (W_UV) up-projections.
-        self.w_uk = nnx.Param(_init(rngs, (cfg.kv_lora_rank, nh, cfg.qk_nope_head_dim), dt, cfg.kv_lora_rank))
-        self.w_uv = nnx.Param(_init(rngs, (cfg.kv_lora_rank, nh, cfg.v_head_dim), dt, cfg.kv_lora_rank))
+        self.w_uk = nnx.Param(
+            _init(rngs, (cfg.kv_lora_rank, nh, cfg.qk_nope_head_dim), dt, cfg.kv_lora_rank)
+        )
+        self.w_uv = nnx.Param(
+            _init(rngs, (cfg.kv_lora_rank, nh, cfg.v_head_dim), dt, cfg.kv_lora_rank)
+        )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False, dtype=dt, rngs=rngs)
         self.num_heads = nh
-        self.kv_lora_rank, self.nope, self.rope = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.kv_lora_rank, self.nope, self.rope = (
+            cfg.kv_lora_rank,
+            cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim,
+        )
         self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
         self.kv_dtype = _dtype(cfg.kv_dtype)
 
@@ -225,7 +235,11 @@ class MoE(nnx.Module):
         self.w_up = nnx.Param(_init(rngs, (e, h, i), dt, h))
         self.w_down = nnx.Param(_init(rngs, (e, i, h), dt, i))
         self.shared = MLP(h, i * cfg.n_shared_experts, dt, rngs) if cfg.n_shared_experts else None
-        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.top_k, self.n_group, self.topk_group = (
+            cfg.num_experts_per_tok,
+            cfg.n_group,
+            cfg.topk_group,
+        )
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
     def route(self, x: Array) -> tuple[Array, Array]:
@@ -278,7 +292,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
 
-    def __call__(self, h: Array, positions: Array, cached_rows: Array, mask: Array) -> tuple[Array, Array]:
+    def __call__(
+        self, h: Array, positions: Array, cached_rows: Array, mask: Array
+    ) -> tuple[Array, Array]:
         """h `[B, N, hidden]`, positions `[B, N]`, cached KV rows `[B, C, W]`, mask `[B, N, C + N]`
         -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`)."""
         q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)

@@ -49,7 +49,9 @@ def validate_tokens(cfg: ModelConfig, tokens: np.ndarray, what: str = "tokens") 
 
 def validate_context(cfg: ModelConfig, total: int) -> None:
     if total > cfg.max_seq_len:
-        raise ValueError(f"context of {total} tokens exceeds the model's max_seq_len {cfg.max_seq_len}")
+        raise ValueError(
+            f"context of {total} tokens exceeds the model's max_seq_len {cfg.max_seq_len}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +138,16 @@ def _head(gd, state, embedding, h, new_lens, all_logits):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 9))
 def _forward_all(
-    embed_gd, layer_gds, head_gd, params, tokens, positions, cached_kv, cached_lens, new_lens, all_logits
+    embed_gd,
+    layer_gds,
+    head_gd,
+    params,
+    tokens,
+    positions,
+    cached_kv,
+    cached_lens,
+    new_lens,
+    all_logits,
 ):
     """Monolithic prefill: every layer in one compiled function. cached_kv `[L, B, C, W]`."""
     embed_state, layer_states, head_state = params
@@ -194,7 +205,9 @@ class ModelRunner:
 
     def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
         """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` -> (h, new rows `[B, N, W]`)."""
-        return _layer(self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens)
+        return _layer(
+            self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens
+        )
 
     def head(self, h: Array, new_lens: Array, all_logits: bool = False):
         return _head(self.head_gd, self.head_state, self.embedding, h, new_lens, all_logits)
@@ -204,7 +217,9 @@ class ModelRunner:
     def check_layer_kv(self, i: int, rows, batch: PrefillBatch) -> None:
         want = (batch.batch_size, batch.c_pad, self.cfg.kv_width)
         if tuple(rows.shape) != want:
-            raise ValueError(f"layer {i}: cached KV rows have shape {tuple(rows.shape)}, expected {want}")
+            raise ValueError(
+                f"layer {i}: cached KV rows have shape {tuple(rows.shape)}, expected {want}"
+            )
 
     def prefill_layerwise(
         self,
@@ -245,7 +260,10 @@ class ModelRunner:
         return PrefillResult(last, logits)
 
     def prefill_monolithic(
-        self, batch: PrefillBatch, cached_kv: np.ndarray | Array | None = None, all_logits: bool = False
+        self,
+        batch: PrefillBatch,
+        cached_kv: np.ndarray | Array | None = None,
+        all_logits: bool = False,
     ) -> tuple[PrefillResult, Array]:
         """All layers in one compiled call with all cached KV `[L, B, c_pad, W]` given up front.
         Returns the result and the new KV rows `[L, B, N_pad, W]`."""

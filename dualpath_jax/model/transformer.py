@@ -34,8 +34,10 @@ class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
-        self.lm_head = None if cfg.tie_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, rngs=rngs
+        self.lm_head = (
+            None
+            if cfg.tie_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, rngs=rngs)
         )
 
     def __call__(self, h: Array, embedding: Array | None) -> Array:

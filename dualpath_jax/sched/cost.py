@@ -71,7 +71,9 @@ class ModelCost:
     topk: int = 0  # DeepSeek sparse attention: keys per query (0: dense)
     index_pair_flops: float = 0.0  # DSA indexer, per (query, key) pair per layer
     index_bytes_per_token_per_layer: float = 0.0  # DSA indexer key cache
-    routed_expert_params: float = 0.0  # MoE routed experts, all layers (what expert parallelism splits)
+    routed_expert_params: float = (
+        0.0  # MoE routed experts, all layers (what expert parallelism splits)
+    )
     mha_pair_flops: float = 0.0  # dense MLA prefill in the MHA form (0: no such form)
     mha_context_flops: float = 0.0  # MHA form: expanding one context token's latent, per layer
     moe_layers: int = 0  # layers with routed experts (each an expert-parallel dispatch + combine)
@@ -102,7 +104,9 @@ class ModelCost:
             index += h * cfg.index_n_heads
         mha_pair = mha_context = 0
         if cfg.is_mla and not cfg.index_topk:
-            mha_pair = 2 * d * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + 2 * d * cfg.v_head_dim
+            mha_pair = (
+                2 * d * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) + 2 * d * cfg.v_head_dim
+            )
             mha_context = 2 * cfg.kv_lora_rank * d * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         dense_mlp = 3 * h * cfg.intermediate_size
         expert = 3 * h * cfg.moe_intermediate_size
@@ -299,7 +303,9 @@ class RooflineCostModel:
 
     def attention_time_of(self, terms: Sequence[float]) -> float:
         """`attention_time` from the batch's summed `attention_terms`."""
-        return max(self._compute_s(0.0, terms[0], self.prefill_efficiency), terms[1] / self.bytes_per_s)
+        return max(
+            self._compute_s(0.0, terms[0], self.prefill_efficiency), terms[1] / self.bytes_per_s
+        )
 
     def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         m = self.model
@@ -412,8 +418,9 @@ def calibrate(pub: PublishedServing = DEEPSEEK_V3_SERVING, *, fp8: bool = True) 
     gpu = get_gpu(pub.gpu)
     cached = round(pub.hit_rate * pub.context_tokens)
     new = pub.context_tokens - cached
-    ideal = RooflineCostModel(model, gpu, fp8=fp8, expert_parallel=pub.prefill_expert_parallel,
-                              prefill_efficiency=1.0)
+    ideal = RooflineCostModel(
+        model, gpu, fp8=fp8, expert_parallel=pub.prefill_expert_parallel, prefill_efficiency=1.0
+    )
     per_gpu = pub.prefill_tokens_per_s / pub.gpus_per_node
     measured = pub.context_tokens / per_gpu
     flops_s = ideal._compute_s(

@@ -99,14 +99,20 @@ def bottleneck_free_range(hw: HardwareConfig) -> PDRange | None:
         return None
 
 
-def candidate_config(cfg: ExperimentConfig, p: int, d: int, alpha_s: float, beta_s: float) -> ExperimentConfig:
+def candidate_config(
+    cfg: ExperimentConfig, p: int, d: int, alpha_s: float, beta_s: float
+) -> ExperimentConfig:
     cl = dataclasses.replace(cfg.cluster, prefill_nodes=p, decode_nodes=d)
-    sc = dataclasses.replace(cfg.scheduler, alpha_s=alpha_s, beta_s=beta_s, alpha_tokens=0.0, beta_tokens=0.0)
+    sc = dataclasses.replace(
+        cfg.scheduler, alpha_s=alpha_s, beta_s=beta_s, alpha_tokens=0.0, beta_tokens=0.0
+    )
     return dataclasses.replace(cfg, name=f"{cfg.name}:{p}p{d}d", cluster=cl, scheduler=sc)
 
 
 def online_config(cfg: ExperimentConfig, aps: float) -> ExperimentConfig:
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps))
+    return dataclasses.replace(
+        cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=aps)
+    )
 
 
 def candidate_cost(
@@ -148,45 +154,79 @@ def advise(
     wall = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for p, d, a, b in space.candidates():
-        row: dict[str, Any] = {"prefill_nodes": p, "decode_nodes": d, "pd_ratio": p / d, "alpha_s": a,
-                               "beta_s": b, "in_bottleneck_free_range": rng.contains(p, d) if rng else None}
+        row: dict[str, Any] = {
+            "prefill_nodes": p,
+            "decode_nodes": d,
+            "pd_ratio": p / d,
+            "alpha_s": a,
+            "beta_s": b,
+            "in_bottleneck_free_range": rng.contains(p, d) if rng else None,
+        }
         try:
             base = cfg if configure is None else configure(p, d)
         except ValueError as e:  # the split cannot be deployed (e.g. its weights do not fit)
-            row.update(infeasible=str(e), errors=0, jct_s=math.inf, capacity_aps=0.0,
-                       ttft_mean_at_capacity_s=math.inf)
+            row.update(
+                infeasible=str(e),
+                errors=0,
+                jct_s=math.inf,
+                capacity_aps=0.0,
+                ttft_mean_at_capacity_s=math.inf,
+            )
             rows.append(row)
             continue
         if base.workload != cfg.workload:
-            raise ValueError(f"configure({p}, {d}) changed the workload; candidates must share cfg's")
+            raise ValueError(
+                f"configure({p}, {d}) changed the workload; candidates must share cfg's"
+            )
         c = candidate_config(base, p, d, a, b)
         c_cost = candidate_cost(cost, c)
         if objective == "jct":
             assert offline is not None
-            run = simulate(c, cost=c_cost, options=options, trajectories=offline[0], arrivals=offline[1])
+            run = simulate(
+                c, cost=c_cost, options=options, trajectories=offline[0], arrivals=offline[1]
+            )
             s = run.summary
-            row.update(jct_s=s["jct_s"], errors=s["errors"], alpha_tokens=s["sim"]["alpha_tokens"],
-                       beta_tokens=s["sim"]["beta_tokens"], snic_max_over_avg=s["snic_max_over_avg"],
-                       ttft_p50_s=s["ttft_s"]["p50"])
+            row.update(
+                jct_s=s["jct_s"],
+                errors=s["errors"],
+                alpha_tokens=s["sim"]["alpha_tokens"],
+                beta_tokens=s["sim"]["beta_tokens"],
+                snic_max_over_avg=s["snic_max_over_avg"],
+                ttft_p50_s=s["ttft_s"]["p50"],
+            )
         else:
             cap, points = 0.0, []
             for r in rates:
                 s = simulate(online_config(c, r), cost=c_cost, options=options).summary
-                points.append({"aps": r, "slo_attainment": s["slo_attainment"], "ttft_mean_s": s["ttft_s"]["mean"],
-                               "tpot_mean_s": s["tpot_s"]["mean"], "errors": s["errors"]})
+                points.append(
+                    {
+                        "aps": r,
+                        "slo_attainment": s["slo_attainment"],
+                        "ttft_mean_s": s["ttft_s"]["mean"],
+                        "tpot_mean_s": s["tpot_s"]["mean"],
+                        "errors": s["errors"],
+                    }
+                )
                 if s["slo_attainment"] < attainment or s["errors"]:
                     break
                 cap = r
-                row.update(alpha_tokens=s["sim"]["alpha_tokens"], beta_tokens=s["sim"]["beta_tokens"])
+                row.update(
+                    alpha_tokens=s["sim"]["alpha_tokens"], beta_tokens=s["sim"]["beta_tokens"]
+                )
             at = next((x for x in points if x["aps"] == cap), None)
-            row.update(capacity_aps=cap, ttft_mean_at_capacity_s=at["ttft_mean_s"] if at else math.inf,
-                       points=points)
+            row.update(
+                capacity_aps=cap,
+                ttft_mean_at_capacity_s=at["ttft_mean_s"] if at else math.inf,
+                points=points,
+            )
         rows.append(row)
     best = min(rows, key=_rank_key(objective))
     if objective == "jct":
         near = [r for r in rows if r["errors"] == 0 and r["jct_s"] <= best["jct_s"] * (1 + NEAR)]
     else:
-        near = [r for r in rows if "infeasible" not in r and r["capacity_aps"] == best["capacity_aps"]]
+        near = [
+            r for r in rows if "infeasible" not in r and r["capacity_aps"] == best["capacity_aps"]
+        ]
     return {
         "config": cfg.name,
         "objective": objective,
@@ -195,10 +235,16 @@ def advise(
         "aps": rates,
         "attainment": attainment,
         "slo": {"ttft_s": cfg.workload.ttft_slo_s, "tpot_s": cfg.workload.tpot_slo_s},
-        "bottleneck_free_range": None if rng is None else {
-            "lower": rng.lower, "upper": rng.upper, "lower_str": as_fraction(rng.lower),
+        "bottleneck_free_range": None
+        if rng is None
+        else {
+            "lower": rng.lower,
+            "upper": rng.upper,
+            "lower_str": as_fraction(rng.lower),
             "upper_str": as_fraction(rng.upper) if math.isfinite(rng.upper) else "inf",
-            "binding_lower": list(rng.binding_lower), "binding_upper": list(rng.binding_upper)},
+            "binding_lower": list(rng.binding_lower),
+            "binding_upper": list(rng.binding_upper),
+        },
         "candidates": rows,
         "best": best,
         "near_best": len(near),  # candidates within NEAR of the best JCT (or at the best capacity)
@@ -216,32 +262,48 @@ def format_report(report: dict[str, Any]) -> str:
     """The candidates table, the best one and the bottleneck-free range beside it."""
     jct = report["objective"] == "jct"
     score = "JCT s" if jct else "APS cap"
-    head = (f"{'P':>3}{'D':>4}{'P/D':>7}{'in range':>9}{'alpha s':>8}{'beta s':>8}{'alpha tok':>11}"
-            f"{'beta tok':>10}{score:>10}{'SNIC m/a' if jct else 'TTFT s':>9}")
+    head = (
+        f"{'P':>3}{'D':>4}{'P/D':>7}{'in range':>9}{'alpha s':>8}{'beta s':>8}{'alpha tok':>11}"
+        f"{'beta tok':>10}{score:>10}{'SNIC m/a' if jct else 'TTFT s':>9}"
+    )
     lines = [head, "-" * len(head)]
     best = report["best"]
     for r in report["candidates"]:
         rng = {True: "yes", False: "no", None: "-"}[r["in_bottleneck_free_range"]]
         if "infeasible" in r:
-            lines.append(f"{r['prefill_nodes']:>3}{r['decode_nodes']:>4}{as_fraction(r['pd_ratio']):>7}{rng:>9}"
-                         f"{r['alpha_s']:8.3g}{r['beta_s']:8.3g}  infeasible: {r['infeasible']}")
+            lines.append(
+                f"{r['prefill_nodes']:>3}{r['decode_nodes']:>4}{as_fraction(r['pd_ratio']):>7}{rng:>9}"
+                f"{r['alpha_s']:8.3g}{r['beta_s']:8.3g}  infeasible: {r['infeasible']}"
+            )
             continue
         val = f"{r['jct_s']:10.1f}" if jct else f"{r['capacity_aps']:10.3g}"
         extra = f"{r['snic_max_over_avg']:9.2f}" if jct else f"{r['ttft_mean_at_capacity_s']:9.2f}"
         lines.append(
             f"{r['prefill_nodes']:>3}{r['decode_nodes']:>4}{as_fraction(r['pd_ratio']):>7}{rng:>9}"
             f"{r['alpha_s']:8.3g}{r['beta_s']:8.3g}{r.get('alpha_tokens', math.nan):11.4g}"
-            f"{r.get('beta_tokens', math.nan):10.4g}{val}{extra}" + ("  <- best" if r is best else ""))
+            f"{r.get('beta_tokens', math.nan):10.4g}{val}{extra}"
+            + ("  <- best" if r is best else "")
+        )
     rng = report["bottleneck_free_range"]
-    bound = ("none (unlimited storage NIC)" if rng is None else
-             f"{rng['lower_str']} <= P/D <= {rng['upper_str']} (binding: "
-             f"{', '.join(rng['binding_lower'])}; {', '.join(rng['binding_upper'])})")
-    what = (f"JCT {best['jct_s']:.1f} s" if jct else
-            f"capacity {best['capacity_aps']:g} APS at SLO attainment >= {report['attainment']:g}")
-    lines.append(f"best: {best['prefill_nodes']}P{best['decode_nodes']}D, alpha_s {best['alpha_s']:g}, "
-                 f"beta_s {best['beta_s']:g}: {what}")
+    bound = (
+        "none (unlimited storage NIC)"
+        if rng is None
+        else f"{rng['lower_str']} <= P/D <= {rng['upper_str']} (binding: "
+        f"{', '.join(rng['binding_lower'])}; {', '.join(rng['binding_upper'])})"
+    )
+    what = (
+        f"JCT {best['jct_s']:.1f} s"
+        if jct
+        else f"capacity {best['capacity_aps']:g} APS at SLO attainment >= {report['attainment']:g}"
+    )
+    lines.append(
+        f"best: {best['prefill_nodes']}P{best['decode_nodes']}D, alpha_s {best['alpha_s']:g}, "
+        f"beta_s {best['beta_s']:g}: {what}"
+    )
     if report["near_best"] > 1:
-        lines.append(f"  ({report['near_best']} candidates tie with it: within {NEAR:.0%} of its JCT, or the same "
-                     "capacity; the first in the table is reported)")
+        lines.append(
+            f"  ({report['near_best']} candidates tie with it: within {NEAR:.0%} of its JCT, or the same "
+            "capacity; the first in the table is reported)"
+        )
     lines.append(f"bottleneck-free P/D range (section 4.2): {bound}")
     return "\n".join(lines)

@@ -53,8 +53,14 @@ from dualpath_jax.transfer import links as L
 # reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
 # H2D; D2H carries the PE's layer blocks (HIGH) or the DE's persistence (LOW). Node DRAM carries
 # both.
-_ONE_CLASS_LINKS = (L.LinkKind.SNIC_RX, L.LinkKind.SNIC_TX, L.LinkKind.CNIC_RX, L.LinkKind.CNIC_TX,
-                    L.LinkKind.H2D, L.LinkKind.D2H)
+_ONE_CLASS_LINKS = (
+    L.LinkKind.SNIC_RX,
+    L.LinkKind.SNIC_TX,
+    L.LinkKind.CNIC_RX,
+    L.LinkKind.CNIC_TX,
+    L.LinkKind.H2D,
+    L.LinkKind.D2H,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,9 +240,16 @@ class SimCluster:
     `on_done(state)` callback fires when each finishes); `loop.run()`; read `results`,
     `events`, `link_reports()`. One run per instance."""
 
-    def __init__(self, cfg: ExperimentConfig, cost: CostModel, *, options: SimOptions | None = None,
-                 loop: EventLoop | None = None, scheduler: GlobalScheduler | None = None,
-                 ref_request: tuple[int, int] = (512, 32)):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        cost: CostModel,
+        *,
+        options: SimOptions | None = None,
+        loop: EventLoop | None = None,
+        scheduler: GlobalScheduler | None = None,
+        ref_request: tuple[int, int] = (512, 32),
+    ):
         options = options or SimOptions()
         self.cfg, self.cost, self.opt = cfg, cost, options
         self.loop = loop or EventLoop()
@@ -244,17 +257,38 @@ class SimCluster:
         self.bt = cfg.store.block_tokens
         self.kvb = kv_bytes_per_token(cfg.model, options.kv_format)
         self.layers = cfg.model.num_layers
-        self.net = SimNetwork(self.loop, lambda lid: L.link_rate(hw, lid.kind), quantum_s=options.quantum_s,
-                              high_weight=hw.high_weight, low_weight=hw.low_weight, window_s=options.window_s,
-                              fast=options.fast_links, fifo=_ONE_CLASS_LINKS,
-                              class_blind=options.class_blind_links)
+        self.net = SimNetwork(
+            self.loop,
+            lambda lid: L.link_rate(hw, lid.kind),
+            quantum_s=options.quantum_s,
+            high_weight=hw.high_weight,
+            low_weight=hw.low_weight,
+            window_s=options.window_s,
+            fast=options.fast_links,
+            fifo=_ONE_CLASS_LINKS,
+            class_blind=options.class_blind_links,
+        )
         self.alpha = derive_alpha(cfg.scheduler, hw, self.kvb)
-        self.beta = derive_beta(cfg.scheduler, cost, ref_cached=ref_request[0], ref_new=ref_request[1],
-                                max_batch=cl.prefill_max_batch or 256)
+        self.beta = derive_beta(
+            cfg.scheduler,
+            cost,
+            ref_cached=ref_request[0],
+            ref_new=ref_request[1],
+            max_batch=cl.prefill_max_batch or 256,
+        )
         rate = hw.snic_bytes_per_s or 1.0
-        self.scheduler = scheduler if scheduler is not None else GlobalScheduler.from_config(
-            cfg.scheduler, alpha=self.alpha, beta=self.beta, block_tokens=self.bt,
-            pe_read_rate=rate, de_read_rate=rate)
+        self.scheduler = (
+            scheduler
+            if scheduler is not None
+            else GlobalScheduler.from_config(
+                cfg.scheduler,
+                alpha=self.alpha,
+                beta=self.beta,
+                block_tokens=self.bt,
+                pe_read_rate=rate,
+                de_read_rate=rate,
+            )
+        )
         self.policy = self.scheduler.policy
         g = hw.engines_per_node
         hw_kv_tokens = int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0  # 0: not configured
@@ -272,8 +306,15 @@ class SimCluster:
             group = self.pes if role == "prefill" else self.des
             size = cl.pe_group_size if role == "prefill" else cl.de_group_size
             for _ in range(g):
-                e = _Engine(eid, n, len(group) // max(1, size), role, _Buffer(hw.dram_buffer_bytes),
-                            hbm_tokens=hbm, slots=cl.decode_slots)
+                e = _Engine(
+                    eid,
+                    n,
+                    len(group) // max(1, size),
+                    role,
+                    _Buffer(hw.dram_buffer_bytes),
+                    hbm_tokens=hbm,
+                    slots=cl.decode_slots,
+                )
                 group.append(e)
                 eid += 1
         self.engines = {e.id: e for e in (*self.pes, *self.des)}
@@ -311,8 +352,10 @@ class SimCluster:
     def submit_round(self, request: Request, agent: int, on_done: Callable[[_Req], None]) -> None:
         """A client submits one round now (the router's `on_submit` after the store lookup)."""
         if request.hbm_tokens > self.des[0].hbm_tokens:
-            raise ValueError(f"request {request.id} needs {request.hbm_tokens} KV tokens; a DE holds "
-                             f"{self.des[0].hbm_tokens}")
+            raise ValueError(
+                f"request {request.id} needs {request.hbm_tokens} KV tokens; a DE holds "
+                f"{self.des[0].hbm_tokens}"
+            )
         self.scheduler.submit(request)
         self._unassigned += 1
         self.states[request.id] = _Req(request, agent, self.loop.now, on_done)
@@ -445,8 +488,16 @@ class SimCluster:
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
-        steps = L.request_steps(path, hit * self.kvb, r.new_tokens * self.kvb, pe=pe.name, de=de.name,
-                                pe_node=pe.node_name, de_node=de.node_name, de_hit_bytes=de_hit * self.kvb)
+        steps = L.request_steps(
+            path,
+            hit * self.kvb,
+            r.new_tokens * self.kvb,
+            pe=pe.name,
+            de=de.name,
+            pe_node=pe.node_name,
+            de_node=de.node_name,
+            de_hit_bytes=de_hit * self.kvb,
+        )
         st.steps = {s.name: s for s in steps}
         st.pe_buf = (hit - de_hit) * self.kvb
         st.de_buf = r.prompt_tokens * self.kvb
@@ -500,9 +551,14 @@ class SimCluster:
         if pe.busy or not len(pe.queue):
             return
         cl = self.cfg.cluster
-        plan = pe.queue.next_batch(self.cost.attention_time, self.quota_s, terms=self._terms,
-                                   max_requests=cl.prefill_max_batch, max_tokens=cl.prefill_max_tokens,
-                                   max_kv_tokens=self.pe_kv_tokens)
+        plan = pe.queue.next_batch(
+            self.cost.attention_time,
+            self.quota_s,
+            terms=self._terms,
+            max_requests=cl.prefill_max_batch,
+            max_tokens=cl.prefill_max_tokens,
+            max_kv_tokens=self.pe_kv_tokens,
+        )
         pe.busy = True
         t0 = self.loop.now
         compute = self.cost.prefill_time(plan.pairs)
@@ -511,12 +567,22 @@ class SimCluster:
         for st, c in batch:
             if not st.loaded:
                 st.loaded = True
-                loads += [s for s in (st.steps.get("pe_buffer_to_pe_device"),
-                                      st.steps.get("de_buffer_to_pe_device")) if s]
+                loads += [
+                    s
+                    for s in (
+                        st.steps.get("pe_buffer_to_pe_device"),
+                        st.steps.get("de_buffer_to_pe_device"),
+                    )
+                    if s
+                ]
             send = st.steps.get("pe_device_to_de_buffer")
             if send is not None:  # this chunk's layer blocks (the PE-side hit with the first)
                 first = send.nbytes - st.request.new_tokens * self.kvb if not st.sent else 0
-                n = send.nbytes - st.sent if plan.finishes(c.request_id) else first + c.bsz * self.kvb
+                n = (
+                    send.nbytes - st.sent
+                    if plan.finishes(c.request_id)
+                    else first + c.bsz * self.kvb
+                )
                 if n > 0:
                     st.sent += n
                     st.sends += 1
@@ -533,8 +599,11 @@ class SimCluster:
             if left[0]:
                 return
             t = self.loop.now
-            end = max(t0 + compute + (t - t0) / self.layers, t + compute / self.layers) if layerwise \
+            end = (
+                max(t0 + compute + (t - t0) / self.layers, t + compute / self.layers)
+                if layerwise
                 else t + compute
+            )
             self.loop.at(end, self._batch_end, pe, done, t0)
 
         for s in loads:
@@ -559,8 +628,14 @@ class SimCluster:
         pe.tok -= st.request.tokens
         self._touch_pe(pe)
         pe.buffer.release(st.pe_buf)
-        self.events.append({"kind": "first_token", "request": st.request.id, "read_s": st.t_read,
-                            "prefill_s": prefill_s})
+        self.events.append(
+            {
+                "kind": "first_token",
+                "request": st.request.id,
+                "read_s": st.t_read,
+                "prefill_s": prefill_s,
+            }
+        )
         self._wake_router()
         if not st.sends:
             self._de_receive(st)
@@ -590,8 +665,11 @@ class SimCluster:
     def _admit(self, de: _Engine) -> None:
         if not de.waiting:
             return
-        ids = admit_decode(((s.request.id, s.request.hbm_tokens) for s in de.waiting),
-                           free_hbm_tokens=de.hbm_tokens - de.hbm_used, free_slots=de.slots - len(de.active))
+        ids = admit_decode(
+            ((s.request.id, s.request.hbm_tokens) for s in de.waiting),
+            free_hbm_tokens=de.hbm_tokens - de.hbm_used,
+            free_slots=de.slots - len(de.active),
+        )
         if ids and de.stepping:
             self._cut_span(de)
         for _ in ids:
@@ -601,7 +679,9 @@ class SimCluster:
                 self._decoded(de, st)
             else:
                 k = next(self._admitted)
-                first = de.steps + (de.span[2] + 1 if de.stepping else 1)  # the next step that starts
+                first = de.steps + (
+                    de.span[2] + 1 if de.stepping else 1
+                )  # the next step that starts
                 de.active[k] = st
                 de.ctx_sum += st.request.prompt_tokens + st.generated
                 heapq.heappush(de.finish, (first + st.request.gen_tokens - st.generated - 1, k))
@@ -685,14 +765,21 @@ class SimCluster:
         self._de_dirty[de.id] = de
         self._de_stuck.discard(de.group)
         g = r.gen_tokens
-        self.results.append(RoundResult(
-            request=r.id, tokens=range(g), ttft_s=st.t_first - st.t_submit,
-            ttst_s=st.t_second - st.t_first if g > 1 else 0.0,
-            tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0, jct_s=now - st.t_submit,
-            queue_s=st.t_assign - st.t_submit, cached_tokens=r.cached_tokens,
-            prompt_tokens=r.prompt_tokens,
-            read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value,
-            submit_s=st.t_submit))
+        self.results.append(
+            RoundResult(
+                request=r.id,
+                tokens=range(g),
+                ttft_s=st.t_first - st.t_submit,
+                ttst_s=st.t_second - st.t_first if g > 1 else 0.0,
+                tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0,
+                jct_s=now - st.t_submit,
+                queue_s=st.t_assign - st.t_submit,
+                cached_tokens=r.cached_tokens,
+                prompt_tokens=r.prompt_tokens,
+                read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value,
+                submit_s=st.t_submit,
+            )
+        )
         del self.states[r.id]
         self.counters["requests_done"] += 1
         self._wake_router()
@@ -708,8 +795,18 @@ class SimCluster:
             by_node.setdefault(e.node, []).append(e)
         for node, engines in sorted(by_node.items()):
             owners = {f"node{node}", *(e.name for e in engines)}
-            windows = {ln.id.name: ln.window_series() for o in sorted(owners)
-                       for ln in self.net.by_owner.get(o, ())}
-            out.append({"role": engines[0].role, "engine": engines[0].id, "node": node,
-                        "snapshot": self.net.snapshot(elapsed_s, owners), "windows": windows})
+            windows = {
+                ln.id.name: ln.window_series()
+                for o in sorted(owners)
+                for ln in self.net.by_owner.get(o, ())
+            }
+            out.append(
+                {
+                    "role": engines[0].role,
+                    "engine": engines[0].id,
+                    "node": node,
+                    "snapshot": self.net.snapshot(elapsed_s, owners),
+                    "windows": windows,
+                }
+            )
         return out

@@ -70,33 +70,49 @@ def request_records(events: Iterable[dict]) -> dict[str, dict[str, dict]]:
     return {rid: r for rid, r in recs.items() if all(k in r for k in need)}
 
 
-def prefill_samples(recs: dict[str, dict[str, dict]], block_tokens: int,
-                    kv_bytes_per_token: float) -> list[tuple[list[float], float]]:
+def prefill_samples(
+    recs: dict[str, dict[str, dict]], block_tokens: int, kv_bytes_per_token: float
+) -> list[tuple[list[float], float]]:
     """`([1, new, pairs, pe_hit_bytes, de_hit_bytes], prefill_s)` per forward batch."""
-    batches: dict[tuple[int, float], list[tuple[int, int, int, int]]] = collections.defaultdict(list)
+    batches: dict[tuple[int, float], list[tuple[int, int, int, int]]] = collections.defaultdict(
+        list
+    )
     for r in recs.values():
         ft, a = r["first_token"], r["assign"]
         cached = int(ft.get("hit_blocks", 0)) * block_tokens
         de_hit = min(cached, int(a.get("de_blocks", 0)) * block_tokens)
         pe_hit = cached - de_hit if a.get("path", "none") != "none" else 0
-        batches[(a["pe"], ft["prefill_s"])].append((cached, r["submit"]["prompt"] - cached, pe_hit, de_hit))
+        batches[(a["pe"], ft["prefill_s"])].append(
+            (cached, r["submit"]["prompt"] - cached, pe_hit, de_hit)
+        )
     out = []
     for (_, secs), reqs in batches.items():
-        out.append(([1.0, float(sum(n for _, n, _, _ in reqs)),
-                     float(sum(summed_keys(c, n) for c, n, _, _ in reqs)),
-                     sum(p for *_, p, _ in reqs) * kv_bytes_per_token,
-                     sum(d for *_, d in reqs) * kv_bytes_per_token], float(secs)))
+        out.append(
+            (
+                [
+                    1.0,
+                    float(sum(n for _, n, _, _ in reqs)),
+                    float(sum(summed_keys(c, n) for c, n, _, _ in reqs)),
+                    sum(p for *_, p, _ in reqs) * kv_bytes_per_token,
+                    sum(d for *_, d in reqs) * kv_bytes_per_token,
+                ],
+                float(secs),
+            )
+        )
     return out
 
 
 def decode_samples(recs: dict[str, dict[str, dict]]) -> list[tuple[list[float], float]]:
     """`([1, gen - 1], first token -> decoded seconds)` per request."""
-    return [([1.0, float(r["submit"]["gen"] - 1)], r["decoded"]["t"] - r["first_token"]["t"])
-            for r in recs.values()]
+    return [
+        ([1.0, float(r["submit"]["gen"] - 1)], r["decoded"]["t"] - r["first_token"]["t"])
+        for r in recs.values()
+    ]
 
 
-def fit_events(runs: Sequence[str | pathlib.Path], *, block_tokens: int,
-               kv_bytes_per_token: float) -> CpuFit:
+def fit_events(
+    runs: Sequence[str | pathlib.Path], *, block_tokens: int, kv_bytes_per_token: float
+) -> CpuFit:
     """Fits one CPU model to the pooled `events.jsonl` of `runs` (run directories)."""
     ps: list[tuple[list[float], float]] = []
     ds: list[tuple[list[float], float]] = []
@@ -110,7 +126,9 @@ def fit_events(runs: Sequence[str | pathlib.Path], *, block_tokens: int,
     xd, yd = np.array([x for x, _ in ds]), np.array([y for _, y in ds])
     p, d = nnls(xp, yp), nnls(xd, yd)
     return CpuFit(
-        cost=FittedCostModel(prefill=(float(p[0]), float(p[1]), float(p[2])), decode=(float(d[1]), 0.0, 0.0)),
+        cost=FittedCostModel(
+            prefill=(float(p[0]), float(p[1]), float(p[2])), decode=(float(d[1]), 0.0, 0.0)
+        ),
         decode_overhead_s=float(d[0]),
         hit_s_per_byte=(float(p[3]), float(p[4])),
         prefill_batches=len(ps),

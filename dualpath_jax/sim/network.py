@@ -56,7 +56,9 @@ from dualpath_jax.transfer.links import (
 Done = Callable[[], None]
 
 
-def _grant_alone(arb: LinkArbiter, nbytes: int, cls: TrafficClass, now: float) -> tuple[float, float]:
+def _grant_alone(
+    arb: LinkArbiter, nbytes: int, cls: TrafficClass, now: float
+) -> tuple[float, float]:
     """`arb.enqueue(LinkRequest(nbytes, cls)); arb.grant(now)` on an arbiter with nothing queued
     and `nbytes <= arb.chunk_bytes`, with the same state afterwards, minus the request object
     and the queue round trip. Returns the chunk's (start, end). tests/sim/test_core_network.py
@@ -72,12 +74,36 @@ def _grant_alone(arb: LinkArbiter, nbytes: int, cls: TrafficClass, now: float) -
 class SimLink:
     """One link on the virtual clock. Built by `SimNetwork.link`; lives as long as the run."""
 
-    __slots__ = ("id", "rate", "arb", "loop", "bytes", "windows", "window_s", "_busy", "_last",
-                 "_free_at", "_chunk", "_cls", "fifo", "class_blind")
+    __slots__ = (
+        "id",
+        "rate",
+        "arb",
+        "loop",
+        "bytes",
+        "windows",
+        "window_s",
+        "_busy",
+        "_last",
+        "_free_at",
+        "_chunk",
+        "_cls",
+        "fifo",
+        "class_blind",
+    )
 
-    def __init__(self, link_id: LinkId, rate: float, loop: EventLoop, *, quantum_s: float,
-                 high_weight: float, low_weight: float, window_s: float, fifo: bool = False,
-                 class_blind: bool = False):
+    def __init__(
+        self,
+        link_id: LinkId,
+        rate: float,
+        loop: EventLoop,
+        *,
+        quantum_s: float,
+        high_weight: float,
+        low_weight: float,
+        window_s: float,
+        fifo: bool = False,
+        class_blind: bool = False,
+    ):
         self.id = link_id
         self.fifo = fifo or class_blind
         self.class_blind = class_blind
@@ -88,8 +114,9 @@ class SimLink:
         self._chunk = 0
         if self.rate > 0:
             chunk = self._chunk = max(DEFAULT_CHUNK_BYTES, int(self.rate * quantum_s))
-            self.arb = LinkArbiter(self.rate, high_weight=high_weight, low_weight=low_weight,
-                                   chunk_bytes=chunk)
+            self.arb = LinkArbiter(
+                self.rate, high_weight=high_weight, low_weight=low_weight, chunk_bytes=chunk
+            )
         self.bytes = [0, 0]  # by TrafficClass value
         self.windows: dict[int, float] = {}  # window index -> bytes (both classes)
         self.window_s = window_s
@@ -135,8 +162,10 @@ class SimLink:
         if self.fifo:
             if self._cls != c:
                 if self._cls >= 0 and not self.class_blind:
-                    raise ValueError(f"link {self.id.name} is served as one-class FIFO but carried "
-                                     f"both traffic classes")
+                    raise ValueError(
+                        f"link {self.id.name} is served as one-class FIFO but carried "
+                        f"both traffic classes"
+                    )
                 self._cls = c
             start = self._free_at if self._free_at > now else now
             self._free_at = end = start + nbytes / self.rate
@@ -200,9 +229,19 @@ class SimNetwork:
     `transfer.links.link_rate(hw, kind)`.
     """
 
-    def __init__(self, loop: EventLoop, rates: Callable[[LinkId], float], *, quantum_s: float = 0.05,
-                 high_weight: float = 99.0, low_weight: float = 1.0, window_s: float = 1.0,
-                 fast: bool = True, fifo: Iterable[str] = (), class_blind: Iterable[str] = ()):
+    def __init__(
+        self,
+        loop: EventLoop,
+        rates: Callable[[LinkId], float],
+        *,
+        quantum_s: float = 0.05,
+        high_weight: float = 99.0,
+        low_weight: float = 1.0,
+        window_s: float = 1.0,
+        fast: bool = True,
+        fifo: Iterable[str] = (),
+        class_blind: Iterable[str] = (),
+    ):
         self.loop = loop
         self.fast = fast
         self.fifo = frozenset(str(k) for k in fifo) if fast else frozenset()
@@ -218,14 +257,22 @@ class SimNetwork:
         ln = self.links.get(link_id)
         if ln is None:
             ln = self.links[link_id] = SimLink(
-                link_id, self._rates(link_id), self.loop, quantum_s=self.quantum_s,
-                high_weight=self.high_weight, low_weight=self.low_weight, window_s=self.window_s,
-                fifo=str(link_id.kind) in self.fifo, class_blind=str(link_id.kind) in self.class_blind,
+                link_id,
+                self._rates(link_id),
+                self.loop,
+                quantum_s=self.quantum_s,
+                high_weight=self.high_weight,
+                low_weight=self.low_weight,
+                window_s=self.window_s,
+                fifo=str(link_id.kind) in self.fifo,
+                class_blind=str(link_id.kind) in self.class_blind,
             )
             self.by_owner.setdefault(link_id.owner, []).append(ln)
         return ln
 
-    def transfer(self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done) -> None:
+    def transfer(
+        self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
+    ) -> None:
         """Moves `nbytes` over every link of `path` at once; `on_done()` runs (as an event) when
         the slowest link has served them. 0 bytes complete at once (as an event)."""
         if nbytes <= 0 or not path:
@@ -249,7 +296,9 @@ class SimNetwork:
             ln = links.get(lid)
             (ln if ln is not None else self.link(lid)).request(nbytes, cls, one)
 
-    def _transfer_fast(self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done) -> None:
+    def _transfer_fast(
+        self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
+    ) -> None:
         """`transfer` with `serve_now` on every link that allows it: one event when all do."""
         loop, links = self.loop, self.links
         end = loop.now

@@ -77,8 +77,12 @@ def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostMod
     """The cost model `simulate` uses without one: `make_cost_model` of the config's hardware
     and model, routed experts spread over the decode GPUs (the side that streams them every
     step)."""
-    return make_cost_model(cfg.hardware, cfg.model, kv_format=kv_format,
-                           expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node)
+    return make_cost_model(
+        cfg.hardware,
+        cfg.model,
+        kv_format=kv_format,
+        expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node,
+    )
 
 
 def simulate(
@@ -100,8 +104,9 @@ def simulate(
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
     options = options or SimOptions()
     cost = cost or default_cost(cfg, options.kv_format)
-    cluster = SimCluster(cfg, cost, options=options, scheduler=scheduler,
-                         ref_request=reference_request(trajectories))
+    cluster = SimCluster(
+        cfg, cost, options=options, scheduler=scheduler, ref_request=reference_request(trajectories)
+    )
     bt = cluster.bt
     specs = [turn_specs(t) for t in trajectories]
     done_at = [math.nan] * len(trajectories)
@@ -110,8 +115,14 @@ def simulate(
         spec = specs[agent][turn]
         prev = specs[agent][turn - 1] if turn else None
         tid = trajectories[agent].id
-        req = Request(f"{tid}/a{agent}/r{turn}", f"{tid}/a{agent}", turn, spec.prompt,
-                      round_hit(prev, spec, bt), spec.gen)
+        req = Request(
+            f"{tid}/a{agent}/r{turn}",
+            f"{tid}/a{agent}",
+            turn,
+            spec.prompt,
+            round_hit(prev, spec, bt),
+            spec.gen,
+        )
         cluster.submit_round(req, agent, lambda _st: next_round(agent, turn + 1))
 
     def next_round(agent: int, turn: int) -> None:

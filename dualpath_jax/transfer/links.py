@@ -409,7 +409,9 @@ class Link:
 # --------------------------------------------------------------------------- the manager
 
 
-def link_record(link_id: LinkId, rate: float, high: int, low: int, busy_s: float, span_s: float) -> dict[str, Any]:
+def link_record(
+    link_id: LinkId, rate: float, high: int, low: int, busy_s: float, span_s: float
+) -> dict[str, Any]:
     """One link's entry of a `snapshot()` (shared with the simulator's links): bytes by class,
     rate, busy time and utilisation over `span_s` (None for an unlimited link)."""
     return {

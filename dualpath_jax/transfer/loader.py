@@ -76,7 +76,11 @@ class LoadJob:
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
 
     def __post_init__(self) -> None:
-        if self.pe_blocks < 0 or self.de_blocks < 0 or self.pe_blocks + self.de_blocks > len(self.keys):
+        if (
+            self.pe_blocks < 0
+            or self.de_blocks < 0
+            or self.pe_blocks + self.de_blocks > len(self.keys)
+        ):
             raise ValueError(
                 f"{self.request_id}: {self.pe_blocks} + {self.de_blocks} read blocks for {len(self.keys)} keys"
             )
@@ -99,7 +103,9 @@ class LoaderContext:
     timeout_s: float = 60.0
     owners: frozenset[str] | None = None  # links this process charges (None: every link)
 
-    def charge(self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass) -> None:
+    def charge(
+        self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass
+    ) -> None:
         """Charges (and, when emulated, waits for) the links of `path` this process owns: each
         process charges its own engine's and node's links, so a copy is counted once per link."""
         if self.traffic is None or job.oracle or not nbytes:
@@ -187,7 +193,15 @@ class PrefillLoad:
 
     def _drop_de_layers(self) -> None:
         ctx, job = self.ctx, self.job
-        spec = [((self.de_read_blocks * ctx.layout.block_tokens, ctx.layout.bytes_per_token_per_layer), np.uint8)]
+        spec = [
+            (
+                (
+                    self.de_read_blocks * ctx.layout.block_tokens,
+                    ctx.layout.bytes_per_token_per_layer,
+                ),
+                np.uint8,
+            )
+        ]
         for i in range(ctx.cfg.num_layers):
             ctx.channel.pull(job.de_address, job.uuid(Part.DE_LAYER, layer=i), spec, ctx.timeout_s)
 
@@ -210,25 +224,39 @@ class PrefillLoad:
                 parts = []
                 if p_used:
                     rows = _block_rows(self._res, 0, p_used, i, bt)
-                    ctx.charge(job, L.h2d_path(job.pe_engine, job.pe_node), rows.nbytes, L.TrafficClass.HIGH)
+                    ctx.charge(
+                        job,
+                        L.h2d_path(job.pe_engine, job.pe_node),
+                        rows.nbytes,
+                        L.TrafficClass.HIGH,
+                    )
                     parts.append(rows)
                 if d_used:
                     (arr,) = ctx.channel.pull(
                         job.de_address,
                         job.uuid(Part.DE_LAYER, layer=i),
-                        [((self.de_read_blocks * bt, ctx.layout.bytes_per_token_per_layer), np.uint8)],
+                        [
+                            (
+                                (self.de_read_blocks * bt, ctx.layout.bytes_per_token_per_layer),
+                                np.uint8,
+                            )
+                        ],
                         ctx.timeout_s,
                     )
                     rows = np.asarray(arr)[: d_used * bt]
                     ctx.charge(
                         job,
-                        L.engine_to_engine_path(job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True),
+                        L.engine_to_engine_path(
+                            job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
+                        ),
                         rows.nbytes,
                         L.TrafficClass.HIGH,
                     )
                     parts.append(rows)
                 value = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
-                self.readiness.set_ready(i, None if value is None else bytes_to_kv_rows(value, ctx.cfg))
+                self.readiness.set_ready(
+                    i, None if value is None else bytes_to_kv_rows(value, ctx.cfg)
+                )
         except BaseException as e:  # noqa: BLE001 - every failure must reach the waiter
             self.readiness.set_error(e)
 
@@ -257,10 +285,14 @@ class PrefillLoad:
     def _offer_meta(self, t0: int, t1: int, last: bool) -> int:
         k = self._chunk
         self._chunk += 1
-        self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [np.array([t0, t1, int(last)], np.int32)])
+        self.ctx.channel.offer(
+            self.job.uuid(Part.PE_PIECE, k), [np.array([t0, t1, int(last)], np.int32)]
+        )
         return k
 
-    def _offer_piece(self, t0: int, t1: int, last: bool, rows_of: Callable[[int], np.ndarray | None]) -> None:
+    def _offer_piece(
+        self, t0: int, t1: int, last: bool, rows_of: Callable[[int], np.ndarray | None]
+    ) -> None:
         k = self._offer_meta(t0, t1, last)
         for i in range(self.ctx.cfg.num_layers):
             self._send(k, i, rows_of(i), t1 - t0)
@@ -269,11 +301,17 @@ class PrefillLoad:
         ctx, job = self.ctx, self.job
         parts = []
         if prefix:
-            parts.append(_block_rows(self._res, 0, prefix // ctx.layout.block_tokens, layer, ctx.layout.block_tokens))
+            parts.append(
+                _block_rows(
+                    self._res, 0, prefix // ctx.layout.block_tokens, layer, ctx.layout.block_tokens
+                )
+            )
         if rows is not None:
             parts.append(kv_rows_to_bytes(np.asarray(rows)))
         data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        path = L.engine_to_engine_path(job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False)
+        path = L.engine_to_engine_path(
+            job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
+        )
         ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
         ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), [data])
 
@@ -305,10 +343,14 @@ class DecodeLoad:
         self._done: futures.Future[None] | None = None
         self.de_hits = 0
         self.de_read_bytes = 0
-        self.on_read_done: Callable[[], None] | None = None  # e.g. the node's read queue bookkeeping
+        self.on_read_done: Callable[[], None] | None = (
+            None  # e.g. the node's read queue bookkeeping
+        )
 
     def start(self) -> DecodeLoad:
-        self._res = self.ctx.buffer.reserve(self.n_blocks, owner=self.job.request_id, timeout_s=self.ctx.timeout_s)
+        self._res = self.ctx.buffer.reserve(
+            self.n_blocks, owner=self.job.request_id, timeout_s=self.ctx.timeout_s
+        )
         self._done = self.ctx.pool.submit(self._run)
         return self
 
@@ -326,7 +368,9 @@ class DecodeLoad:
                 self.on_read_done()
             ctx.channel.offer(job.uuid(Part.DE_HITS), [np.array([self.de_hits], np.int32)])
             if self.de_hits:
-                path = L.engine_to_engine_path(job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True)
+                path = L.engine_to_engine_path(
+                    job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
+                )
                 for i in range(ctx.cfg.num_layers):
                     rows = _block_rows(res, p, self.de_hits, i, bt)
                     ctx.charge(job, path, rows.nbytes, L.TrafficClass.HIGH)
@@ -335,13 +379,19 @@ class DecodeLoad:
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer
         while not last:
-            (meta,) = ctx.channel.pull(job.pe_address, job.uuid(Part.PE_PIECE, k), [((3,), np.int32)], ctx.timeout_s)
+            (meta,) = ctx.channel.pull(
+                job.pe_address, job.uuid(Part.PE_PIECE, k), [((3,), np.int32)], ctx.timeout_s
+            )
             t0, t1, last_flag = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
             specs = [((t1 - t0, width), np.uint8)]
-            path = L.engine_to_engine_path(job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False)
+            path = L.engine_to_engine_path(
+                job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
+            )
             for i in range(ctx.cfg.num_layers):
-                (arr,) = ctx.channel.pull(job.pe_address, job.uuid(Part.PE_LAYER, k, i), specs, ctx.timeout_s)
+                (arr,) = ctx.channel.pull(
+                    job.pe_address, job.uuid(Part.PE_LAYER, k, i), specs, ctx.timeout_s
+                )
                 data = np.asarray(arr)
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)

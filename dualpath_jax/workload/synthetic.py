@@ -200,4 +200,3 @@ def from_config(cfg: WorkloadConfig, *, vocab_size: int | None = None) -> list[T
     if cfg.max_turns:
         trajs = [Trajectory(t.id, t.rounds[: cfg.max_turns]) for t in trajs]
     return trajs
-

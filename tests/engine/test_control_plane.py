@@ -55,7 +55,15 @@ SAMPLES: list[M.Msg] = [
     M.UpdateParams(version="v2", path="/ckpt/v2"),
     M.Shutdown(),
     M.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
-    M.Register(role="prefill", engine=0, node=1, group=2, address="inproc://pe0", pid=1234, params_version="v1"),
+    M.Register(
+        role="prefill",
+        engine=0,
+        node=1,
+        group=2,
+        address="inproc://pe0",
+        pid=1234,
+        params_version="v1",
+    ),
     M.LoadParams(version="v2", path="/ckpt/v2"),
     M.ParamsLoaded(engine=1, version="v2", ok=False, message="shape mismatch"),
     M.CommitParams(version="v2", commit=True),
@@ -104,8 +112,15 @@ def test_the_wire_format_is_plain_msgpack_data():
     assert msgspec.msgpack.decode(frame) == {
         "v": M.SCHEMA_VERSION,
         "token": "t",
-        "body": {"type": "Submit", "request": "r1", "session": "s1", "append": [1, 2], "gen": 3,
-                 "temperature": 0.0, "seed": 0},
+        "body": {
+            "type": "Submit",
+            "request": "r1",
+            "session": "s1",
+            "append": [1, 2],
+            "gen": 3,
+            "temperature": 0.0,
+            "seed": 0,
+        },
     }
 
 

@@ -53,15 +53,30 @@ class Rig:
         self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
         st = self.router.requests[rid]
         assert (st.pe, st.de) == (PE, DE)
-        self.handle(M.PrefillDone(request=rid, engine=PE, first_token=5, hit_blocks=0,
-                                  recomputed_blocks=0, read_s=0.0, prefill_s=0.0), b"pe")
-        return self.handle(M.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0), b"de")
+        self.handle(
+            M.PrefillDone(
+                request=rid,
+                engine=PE,
+                first_token=5,
+                hit_blocks=0,
+                recomputed_blocks=0,
+                read_s=0.0,
+                prefill_s=0.0,
+            ),
+            b"pe",
+        )
+        return self.handle(
+            M.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0), b"de"
+        )
 
 
 @pytest.fixture()
 def rig(monkeypatch):
-    cfg = ExperimentConfig(model=TINY_QWEN2, store=StoreConfig(kind="memory", block_tokens=BT),
-                           cluster=ClusterConfig(decode_max_len=256))
+    cfg = ExperimentConfig(
+        model=TINY_QWEN2,
+        store=StoreConfig(kind="memory", block_tokens=BT),
+        cluster=ClusterConfig(decode_max_len=256),
+    )
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
     router = Router(cfg, server, store, GlobalScheduler("dualpath"), clock=lambda: 0.0)
@@ -69,7 +84,9 @@ def rig(monkeypatch):
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     r = Rig(router, sent)
     for engine, role, ident in ((PE, "prefill", b"pe"), (DE, "decode", b"de")):
-        r.handle(M.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1), ident)
+        r.handle(
+            M.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1), ident
+        )
     for s in ("a", "b"):
         r.handle(M.OpenSession(session=s))
     yield r
@@ -84,13 +101,17 @@ def _only(sent, kind):
 def test_update_with_nothing_in_flight_loads_commits_and_changes_the_fingerprint(rig):
     old_fp = rig.router.fingerprint
     sent = rig.handle(M.UpdateParams(version="v1", path="/ckpt/v1"))
-    assert sorted(sent) == [(b"de", M.LoadParams(version="v1", path="/ckpt/v1")),
-                            (b"pe", M.LoadParams(version="v1", path="/ckpt/v1"))]
+    assert sorted(sent) == [
+        (b"de", M.LoadParams(version="v1", path="/ckpt/v1")),
+        (b"pe", M.LoadParams(version="v1", path="/ckpt/v1")),
+    ]
     assert rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe") == []  # DE not yet
     sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    assert sorted(sent) == [(b"client", M.Ack(ref="params:v1")),
-                            (b"de", M.CommitParams(version="v1", commit=True)),
-                            (b"pe", M.CommitParams(version="v1", commit=True))]
+    assert sorted(sent) == [
+        (b"client", M.Ack(ref="params:v1")),
+        (b"de", M.CommitParams(version="v1", commit=True)),
+        (b"pe", M.CommitParams(version="v1", commit=True)),
+    ]
     r = rig.router
     assert r.params_version == "v1" and r.params_path == "/ckpt/v1"
     assert r.fingerprint == model_fingerprint(TINY_QWEN2, "v1") != old_fp
@@ -108,9 +129,21 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
     assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {""}
-    rig.handle(M.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0, recomputed_blocks=0,
-                             read_s=0.0, prefill_s=0.0), b"pe")
-    sent = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de")
+    rig.handle(
+        M.PrefillDone(
+            request="r1",
+            engine=PE,
+            first_token=5,
+            hit_blocks=0,
+            recomputed_blocks=0,
+            read_s=0.0,
+            prefill_s=0.0,
+        ),
+        b"pe",
+    )
+    sent = rig.handle(
+        M.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de"
+    )
     # ... and only then do the engines load the new params.
     assert isinstance(_only(sent, M.Result)[0][1], M.Result)
     assert len(_only(sent, M.LoadParams)) == 2
@@ -130,15 +163,22 @@ def test_a_refusing_engine_aborts_the_update_everywhere(rig):
     rig.handle(M.UpdateParams(version="v1", path="/p"))
     rig.submit("r1", "a", [1, 2, 3])  # held meanwhile
     rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=False, message="CheckpointError: bad shape"), b"de")
-    assert [m for _, m in _only(sent, M.CommitParams)] == [M.CommitParams(version="v1", commit=False)] * 2
-    (_, err), = _only(sent, M.Error)
+    sent = rig.handle(
+        M.ParamsLoaded(engine=DE, version="v1", ok=False, message="CheckpointError: bad shape"),
+        b"de",
+    )
+    assert [m for _, m in _only(sent, M.CommitParams)] == [
+        M.CommitParams(version="v1", commit=False)
+    ] * 2
+    ((_, err),) = _only(sent, M.Error)
     assert err.ref == "params:v1" and "engine 1: CheckpointError: bad shape" in err.message
     assert "still serving ''" in err.message
     assert r.params_version == "" and r.fingerprint == model_fingerprint(TINY_QWEN2, "")
     assert list(r.requests) == ["r1"] and r.update is None  # the held round goes on, old params
     # the cluster takes the next update
-    assert len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0  # r1 drains first
+    assert (
+        len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0
+    )  # r1 drains first
 
 
 def test_an_engine_dying_mid_update_is_not_waited_for(rig):
@@ -161,17 +201,17 @@ def test_an_engine_dying_mid_update_is_not_waited_for(rig):
     ],
 )
 def test_bad_update_requests_are_refused(rig, msg, problem):
-    (_, err), = rig.handle(msg)
+    ((_, err),) = rig.handle(msg)
     assert isinstance(err, M.Error) and problem in err.message and rig.router.update is None
 
 
 def test_concurrent_and_repeated_versions_are_refused(rig):
     rig.handle(M.UpdateParams(version="v1", path="/p"))
-    (_, err), = rig.handle(M.UpdateParams(version="v2", path="/p"))
+    ((_, err),) = rig.handle(M.UpdateParams(version="v2", path="/p"))
     assert err.kind == "busy" and "'v1' is still in progress" in err.message
     rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    (_, err), = rig.handle(M.UpdateParams(version="v1", path="/other"))
+    ((_, err),) = rig.handle(M.UpdateParams(version="v1", path="/other"))
     assert "'v1' is already served" in err.message
 
 
@@ -186,9 +226,13 @@ def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
     rig.handle(M.UpdateParams(version="v1", path="/p"))
     rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    sent = rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2")
-    assert [m for _, m in sent][1:] == [M.LoadParams(version="v1", path="/p"),
-                                        M.CommitParams(version="v1", commit=True)]
+    sent = rig.handle(
+        M.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2"
+    )
+    assert [m for _, m in sent][1:] == [
+        M.LoadParams(version="v1", path="/p"),
+        M.CommitParams(version="v1", commit=True),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -202,7 +246,7 @@ def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
     ],
 )
 def test_bad_sampling_fields_are_refused(rig, kw, problem):
-    (_, err), = rig.submit("r1", "a", [1, 2], **kw)
+    ((_, err),) = rig.submit("r1", "a", [1, 2], **kw)
     assert err.kind == "bad_request" and err.message == problem
 
 
@@ -239,7 +283,9 @@ def test_close_with_release_deletes_the_sessions_blocks_but_not_shared_ones(rig)
     assert r.store.lookup(a_keys).result(10) == 3
     assert rig.handle(M.CloseSession(session="a", release=True)) == [(b"client", M.Ack(ref="a"))]
     assert r.store.lookup(a_keys[:1]).result(10) == 1  # b still uses the shared first block
-    assert r.store.lookup(a_keys[1:2]).result(10) == 0 and r.store.lookup(a_keys[2:]).result(10) == 0
+    assert (
+        r.store.lookup(a_keys[1:2]).result(10) == 0 and r.store.lookup(a_keys[2:]).result(10) == 0
+    )
     assert r.store.lookup(b_keys).result(10) == 2
     rig.handle(M.CloseSession(session="b", release=True))
     assert r.store.lookup(b_keys[:1]).result(10) == 0
@@ -257,7 +303,7 @@ def test_close_without_release_keeps_blocks(rig):
 
 def test_release_of_a_busy_session_is_refused(rig):
     rig.submit("ra", "a", [1, 2, 3])
-    (_, err), = rig.handle(M.CloseSession(session="a", release=True))
+    ((_, err),) = rig.handle(M.CloseSession(session="a", release=True))
     assert "has a round running" in err.message and "a" in rig.router.sessions
 
 
@@ -270,9 +316,23 @@ def runner():
 
 
 def _job(version: str) -> M.LoadJobMsg:
-    return M.LoadJobMsg(request="r1", keys=[], pe_blocks=0, de_blocks=0, prompt=[1], gen=1, pe_engine=0,
-                        pe_node=0, pe_address="", de_engine=1, de_node=1, de_address="", oracle=False,
-                        layerwise=True, params_version=version)
+    return M.LoadJobMsg(
+        request="r1",
+        keys=[],
+        pe_blocks=0,
+        de_blocks=0,
+        prompt=[1],
+        gen=1,
+        pe_engine=0,
+        pe_node=0,
+        pe_address="",
+        de_engine=1,
+        de_node=1,
+        de_address="",
+        oracle=False,
+        layerwise=True,
+        params_version=version,
+    )
 
 
 def test_params_slot_stages_then_commits(runner, tmp_path):
@@ -287,7 +347,9 @@ def test_params_slot_stages_then_commits(runner, tmp_path):
     slot.check_job(_job(""))
     assert slot.handle(M.CommitParams(version="v1", commit=True), sent.append)
     assert slot.version == "v1"
-    np.testing.assert_array_equal(np.asarray(runner.embedding), np.asarray(new.embed.embedding[...]))
+    np.testing.assert_array_equal(
+        np.asarray(runner.embedding), np.asarray(new.embed.embedding[...])
+    )
     with pytest.raises(RuntimeError, match="needs params version ''; this engine serves 'v1'"):
         slot.check_job(_job(""))
     slot.runner.update_params(init_model(TINY_QWEN2, seed=0))  # the module's runner again
@@ -297,12 +359,18 @@ def test_params_slot_refuses_bad_params_and_keeps_serving(runner, tmp_path):
     from dualpath_jax.model.checkpoint import params_state
 
     tree = params_state(init_model(TINY_QWEN2, seed=3))
-    tree["layers"][0]["mlp"]["up_proj"]["kernel"] = tree["layers"][0]["mlp"]["up_proj"]["kernel"][:, :8]
+    tree["layers"][0]["mlp"]["up_proj"]["kernel"] = tree["layers"][0]["mlp"]["up_proj"]["kernel"][
+        :, :8
+    ]
     save_params_tree(tree, tmp_path / "bad")
     slot = ParamsSlot(runner, "v0", 0)
     before = np.asarray(runner.embedding)
     reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "bad")))
-    assert not reply.ok and "layers/0/mlp/up_proj/kernel: float32[64, 8] but the model has float32[64, 96]" in reply.message
+    assert (
+        not reply.ok
+        and "layers/0/mlp/up_proj/kernel: float32[64, 8] but the model has float32[64, 96]"
+        in reply.message
+    )
     reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "missing")))
     assert not reply.ok and "does not exist" in reply.message
     slot.commit(M.CommitParams(version="v1", commit=True))  # nothing staged: ignored
@@ -313,7 +381,9 @@ def test_params_slot_refuses_bad_params_and_keeps_serving(runner, tmp_path):
 def test_initial_version_and_params_path_checks(tmp_path):
     assert initial_params_version(ClusterConfig()) == ""
     assert initial_params_version(ClusterConfig(params_path=str(tmp_path))) == f"path:{tmp_path}"
-    assert initial_params_version(ClusterConfig(params_path=str(tmp_path), params_version="x")) == "x"
+    assert (
+        initial_params_version(ClusterConfig(params_path=str(tmp_path), params_version="x")) == "x"
+    )
     with pytest.raises(ConfigError, match="is not a directory"):
         check_params_config(ClusterConfig(params_path=str(tmp_path / "nope")))
     with pytest.raises(ConfigError, match="neither an orbax checkpoint"):
@@ -329,7 +399,9 @@ def test_initial_version_and_params_path_checks(tmp_path):
 def test_local_cluster_refuses_a_bad_params_path_before_starting_anything(tmp_path):
     from dualpath_jax.engine.cluster import LocalCluster
 
-    cfg = ExperimentConfig(model=TINY_QWEN2, cluster=ClusterConfig(params_path=str(tmp_path / "nope")))
+    cfg = ExperimentConfig(
+        model=TINY_QWEN2, cluster=ClusterConfig(params_path=str(tmp_path / "nope"))
+    )
     with pytest.raises(ConfigError, match="cluster.params_path=.* is not a directory"):
         LocalCluster(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
@@ -343,7 +415,9 @@ def test_an_update_whose_engines_do_not_answer_is_aborted_after_the_timeout(rig)
     rig.router.check_update_timeout(limit)  # not yet
     assert rig.sent == [] and rig.router.update is not None
     rig.router.check_update_timeout(limit + 1)
-    (_, err), = _only(rig.sent, M.Error)
+    ((_, err),) = _only(rig.sent, M.Error)
     assert "engine 1: no answer within 600 s" in err.message and rig.router.params_version == ""
-    assert [m for _, m in _only(rig.sent, M.CommitParams)] == [M.CommitParams(version="v1", commit=False)] * 2
+    assert [m for _, m in _only(rig.sent, M.CommitParams)] == [
+        M.CommitParams(version="v1", commit=False)
+    ] * 2
     assert rig.router.update is None

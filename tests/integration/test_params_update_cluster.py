@@ -71,8 +71,12 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
         assert step(ref_b, rand(17), 3).cached_tokens == 5 * BT  # B's blocks reused
 
         bad = params_state(b)
-        bad["layers"][1]["self_attn"]["q_proj"]["kernel"] = bad["layers"][1]["self_attn"]["q_proj"]["kernel"][:, :8]
-        with pytest.raises(RolloutError, match="refused, still serving 'step-1'.*layers/1/self_attn/q_proj/kernel"):
+        bad["layers"][1]["self_attn"]["q_proj"]["kernel"] = bad["layers"][1]["self_attn"]["q_proj"][
+            "kernel"
+        ][:, :8]
+        with pytest.raises(
+            RolloutError, match="refused, still serving 'step-1'.*layers/1/self_attn/q_proj/kernel"
+        ):
             client.update_params(bad, version="step-bad")
         assert client.stats()["params_version"] == "step-1"
         assert step(ref_b, rand(5), 3).cached_tokens > 0
@@ -80,7 +84,9 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
         # A sampled round: the same tokens as the in-process engine with B, this context and key.
         key = jax.random.key(7)
         append = rand(6)
-        local = Session(InProcessEngine(b, max_len=512)).step(ctx + append, 6, temperature=1.0, key=key)
+        local = Session(InProcessEngine(b, max_len=512)).step(
+            ctx + append, 6, temperature=1.0, key=key
+        )
         step(None, append, 6, temperature=1.0, key=key)
         assert ctx[-6:] == local
 
@@ -91,7 +97,9 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
         assert client.update_params(a, version="step-2") == "step-2"
         assert fut.done() and list(fut.result().tokens) == reference_generate(ref_b, prompt, 6)
         follow = rand(4)
-        assert t.step(follow, 3, TIMEOUT_S) == reference_generate(ref_a, prompt + list(fut.result().tokens) + follow, 3)
+        assert t.step(follow, 3, TIMEOUT_S) == reference_generate(
+            ref_a, prompt + list(fut.result().tokens) + follow, 3
+        )
 
         # Closing with release=True deletes the blocks of the session's context.
         store = open_block_store(store_config(cfg, str(cluster.workdir)), cfg.model)

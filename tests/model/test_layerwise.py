@@ -151,5 +151,13 @@ def test_bucketing_bounds_compiles(tiny_runner):
 
 def test_bucket_len():
     assert [bucket_len(n) for n in (0, 1, 16, 17, 600, 1024, 1025, 4096, 4100)] == [
-        0, 16, 16, 32, 1024, 1024, 2048, 4096, 5120
+        0,
+        16,
+        16,
+        32,
+        1024,
+        1024,
+        2048,
+        4096,
+        5120,
     ]

@@ -227,12 +227,21 @@ def test_shorter_queue_path_sees_its_own_updates(queue, qs):
 def test_alternate_path_takes_turns_blind_to_queues(queue, cursor):
     pe_node, de_node = {1: 0}, {5: 1}
     pairs = [(r, 1, 5) for r in queue]
-    out, after = assign_paths(pairs, pe_node, de_node, {0: 10**6, 1: 0}, mode="alternate",
-                              block_tokens=64, turns={5: cursor})
+    out, after = assign_paths(
+        pairs,
+        pe_node,
+        de_node,
+        {0: 10**6, 1: 0},
+        mode="alternate",
+        block_tokens=64,
+        turns={5: cursor},
+    )
     with_hits = [a for a in out if a.path is not ReadPath.NONE]
     want = [ReadPath.PE if (cursor + k) % 2 == 0 else ReadPath.DE for k in range(len(with_hits))]
     assert [a.path for a in with_hits] == want
-    assert after[0] - 10**6 == sum(a.request.cached_tokens for a in with_hits if a.path is ReadPath.PE)
+    assert after[0] - 10**6 == sum(
+        a.request.cached_tokens for a in with_hits if a.path is ReadPath.PE
+    )
 
 
 def test_round_robin_scheduler_alternates_read_sides_across_fetches():
@@ -253,8 +262,11 @@ def test_alternate_turns_are_kept_per_decode_engine():
     pe_node, de_node = {1: 0}, {5: 1, 6: 2}
     queue = [Request(f"r{i}", "t", 1, 128, 64, 8) for i in range(8)]
     pairs = [(r, 1, 5 + i % 2) for i, r in enumerate(queue)]  # DEs chosen in turn
-    out, after = assign_paths(pairs, pe_node, de_node, {}, mode="alternate", block_tokens=64,
-                              turns={})
+    out, after = assign_paths(
+        pairs, pe_node, de_node, {}, mode="alternate", block_tokens=64, turns={}
+    )
     # one shared cursor would read every DE-side hit on DE 6 (lockstep with the DE turns)
-    assert [a.path for a in out] == [ReadPath.PE] * 2 + [ReadPath.DE] * 2 + [ReadPath.PE] * 2 + [ReadPath.DE] * 2
+    assert [a.path for a in out] == [ReadPath.PE] * 2 + [ReadPath.DE] * 2 + [ReadPath.PE] * 2 + [
+        ReadPath.DE
+    ] * 2
     assert after == {0: 256, 1: 128, 2: 128}

@@ -132,22 +132,29 @@ def _cost_models():
     from dualpath_jax.model.presets import get_preset
     from dualpath_jax.sched.cost import make_cost_model
 
-    roofline = make_cost_model(HOPPER_NODE, get_preset("deepseek-v3.2-660b"), kv_format="fp8_flashmla")
+    roofline = make_cost_model(
+        HOPPER_NODE, get_preset("deepseek-v3.2-660b"), kv_format="fp8_flashmla"
+    )
     return [FittedCostModel(prefill=(0.02, 2e-5, 5e-9)), roofline]
 
 
 @settings(max_examples=60, deadline=None)
 @given(
-    items=st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12),
+    items=st.lists(
+        st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12
+    ),
     quota_ms=st.sampled_from([1.0, 30.0, 300.0]),
     max_tokens=st.sampled_from([0, 2_000]),
 )
 def test_packing_with_additive_terms_plans_the_same_batch(items, quota_ms, max_tokens):
     queue = [PendingPrefill(f"r{i}", c, n) for i, (c, n) in enumerate(items)]
     for cost in _cost_models():
-        plain = pack_prefill_batch(queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens)
-        fast = pack_prefill_batch(queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens,
-                                  terms=cost)
+        plain = pack_prefill_batch(
+            queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens
+        )
+        fast = pack_prefill_batch(
+            queue, cost.attention_time, quota_ms / 1e3, max_tokens=max_tokens, terms=cost
+        )
         assert fast == plain
 
 
@@ -176,7 +183,11 @@ def test_largest_fitting_is_the_binary_search_answer(steps, hi, quota, power):
 
 
 def test_max_kv_tokens_caps_the_context_a_batch_holds():
-    queue = [PendingPrefill("a", 900, 100), PendingPrefill("b", 900, 100), PendingPrefill("c", 10, 50)]
+    queue = [
+        PendingPrefill("a", 900, 100),
+        PendingPrefill("b", 900, 100),
+        PendingPrefill("c", 10, 50),
+    ]
     # a (1,000 tokens of context) fits; b would bring the batch to 2,000 > 1,500: the batch stops.
     plan = pack_prefill_batch(queue, pair_cost(0.0), 1.0, max_kv_tokens=1_500)
     assert plan.pairs == ((900, 100),) and plan.rest is None and plan.taken == 1
@@ -190,7 +201,9 @@ def test_max_kv_tokens_caps_the_context_a_batch_holds():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    items=st.lists(st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12),
+    items=st.lists(
+        st.tuples(st.integers(0, 60_000), st.integers(1, 4_000)), min_size=1, max_size=12
+    ),
     max_kv=st.sampled_from([0, 5_000, 40_000, 200_000]),
 )
 def test_kv_bound_plans_agree_with_and_without_additive_terms(items, max_kv):

@@ -30,7 +30,9 @@ COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 
 def _base():
     cfg = emulated_cpu_experiment(1, 1, "tiny")
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, agents=4, trajectories=4, max_turns=4))
+    return dataclasses.replace(
+        cfg, workload=dataclasses.replace(cfg.workload, agents=4, trajectories=4, max_turns=4)
+    )
 
 
 def _direct(cfg, p, d, alpha_s, beta_s, **workload):
@@ -48,10 +50,15 @@ def test_offline_best_is_the_lowest_jct_of_direct_runs():
     space = AdviseSpace(pd=pd_splits(3), alpha_s=(0.5, 3.0), beta_s=(5.0,))
     report = advise(cfg, space, cost=COST)
     assert len(report["candidates"]) == 4
-    direct = {(p, d, a): _direct(cfg, p, d, a, 5.0)["jct_s"] for p, d in [(1, 2), (2, 1)] for a in (0.5, 3.0)}
+    direct = {
+        (p, d, a): _direct(cfg, p, d, a, 5.0)["jct_s"]
+        for p, d in [(1, 2), (2, 1)]
+        for a in (0.5, 3.0)
+    }
     for row in report["candidates"]:
-        assert row["jct_s"] == pytest.approx(direct[(row["prefill_nodes"], row["decode_nodes"], row["alpha_s"])],
-                                             rel=1e-12)
+        assert row["jct_s"] == pytest.approx(
+            direct[(row["prefill_nodes"], row["decode_nodes"], row["alpha_s"])], rel=1e-12
+        )
     best = report["best"]
     assert best["jct_s"] == min(direct.values())
     # storage-bound tiny cluster: more decode nodes pool more storage NICs for DualPath
@@ -62,20 +69,34 @@ def test_offline_best_is_the_lowest_jct_of_direct_runs():
 
 def test_online_capacity_matches_direct_runs():
     base = _base()
-    cfg = dataclasses.replace(base, workload=dataclasses.replace(base.workload, agents=8, trajectories=8,
-                                                                 ttft_slo_s=2.0, tpot_slo_s=10.0))
+    cfg = dataclasses.replace(
+        base,
+        workload=dataclasses.replace(
+            base.workload, agents=8, trajectories=8, ttft_slo_s=2.0, tpot_slo_s=10.0
+        ),
+    )
     rates = (0.05, 0.2, 0.5, 1.0, 2.0)
-    report = advise(cfg, AdviseSpace(pd=((1, 1), (1, 2)), alpha_s=(3.0,), beta_s=(5.0,)), cost=COST,
-                    objective="capacity", aps=rates, attainment=0.9)
+    report = advise(
+        cfg,
+        AdviseSpace(pd=((1, 1), (1, 2)), alpha_s=(3.0,), beta_s=(5.0,)),
+        cost=COST,
+        objective="capacity",
+        aps=rates,
+        attainment=0.9,
+    )
     for row in report["candidates"]:
         cap = 0.0
         for aps in rates:
-            s = _direct(cfg, row["prefill_nodes"], row["decode_nodes"], 3.0, 5.0, mode="online", aps=aps)
+            s = _direct(
+                cfg, row["prefill_nodes"], row["decode_nodes"], 3.0, 5.0, mode="online", aps=aps
+            )
             if s["slo_attainment"] < 0.9 or s["errors"]:
                 break
             cap = aps
         assert row["capacity_aps"] == cap
-    caps = {(r["prefill_nodes"], r["decode_nodes"]): r["capacity_aps"] for r in report["candidates"]}
+    caps = {
+        (r["prefill_nodes"], r["decode_nodes"]): r["capacity_aps"] for r in report["candidates"]
+    }
     assert caps[(1, 2)] > caps[(1, 1)] > 0  # the extra decode node's storage NIC raises capacity
     assert (report["best"]["prefill_nodes"], report["best"]["decode_nodes"]) == (1, 2)
 
@@ -88,14 +109,19 @@ def test_gpu_preset_candidates_get_their_own_default_cost():
     space = AdviseSpace(pd=((1, 1), (1, 3)), alpha_s=(3.0,), beta_s=(5.0,))
     report = advise(cfg, space, options=options)
     seen = []
-    factory = advise(cfg, space, cost=lambda c: seen.append(c.cluster.decode_nodes) or COST, options=options)
+    factory = advise(
+        cfg, space, cost=lambda c: seen.append(c.cluster.decode_nodes) or COST, options=options
+    )
     assert seen == [1, 3]
     for row, fixed in zip(report["candidates"], factory["candidates"]):
         c = candidate_config(cfg, row["prefill_nodes"], row["decode_nodes"], 3.0, 5.0)
         assert row["jct_s"] == simulate(c, options=options).summary["jct_s"]
         assert fixed["jct_s"] == simulate(c, cost=COST, options=options).summary["jct_s"]
     wide = candidate_config(cfg, 1, 3, 3.0, 5.0)  # 24 expert-parallel GPUs, not 1P1D's 8
-    assert report["candidates"][1]["jct_s"] != simulate(wide, cost=cost_1p1d, options=options).summary["jct_s"]
+    assert (
+        report["candidates"][1]["jct_s"]
+        != simulate(wide, cost=cost_1p1d, options=options).summary["jct_s"]
+    )
 
 
 def test_paper_hardware_range_and_splits():
@@ -119,7 +145,12 @@ def test_bad_spaces_are_rejected():
     with pytest.raises(ValueError):
         pd_splits(1)
     with pytest.raises(ValueError, match="needs arrival rates"):
-        advise(_base(), AdviseSpace(pd=((1, 1),), alpha_s=(3.0,), beta_s=(5.0,)), cost=COST, objective="capacity")
+        advise(
+            _base(),
+            AdviseSpace(pd=((1, 1),), alpha_s=(3.0,), beta_s=(5.0,)),
+            cost=COST,
+            objective="capacity",
+        )
 
 
 def test_configure_gives_each_split_its_own_hardware():
@@ -144,7 +175,12 @@ def test_configure_gives_each_split_its_own_hardware():
         direct = candidate_config(paper_experiment("ds660b", p, d, **kw)[0], p, d, 3.0, 5.0)
         assert row["jct_s"] == simulate(direct, options=options).summary["jct_s"]
     with pytest.raises(ValueError, match="workload"):
-        advise(cfg, space, configure=lambda p, d: paper_experiment("ds660b", p, d, agents=3)[0], options=options)
+        advise(
+            cfg,
+            space,
+            configure=lambda p, d: paper_experiment("ds660b", p, d, agents=3)[0],
+            options=options,
+        )
 
 
 def test_a_split_whose_weights_do_not_fit_is_infeasible():
@@ -153,8 +189,12 @@ def test_a_split_whose_weights_do_not_fit_is_infeasible():
         paper_experiment("ds660b", 5, 1, **kw)
     cfg, _ = paper_experiment("ds660b", 2, 4, **kw)
     space = AdviseSpace(pd=((5, 1), (2, 4)), alpha_s=(3.0,), beta_s=(5.0,))
-    report = advise(cfg, space, configure=lambda p, d: paper_experiment("ds660b", p, d, **kw)[0],
-                    options=SimOptions(kv_format=PAPER_MODELS["ds660b"].kv_format))
+    report = advise(
+        cfg,
+        space,
+        configure=lambda p, d: paper_experiment("ds660b", p, d, **kw)[0],
+        options=SimOptions(kv_format=PAPER_MODELS["ds660b"].kv_format),
+    )
     bad, good = report["candidates"]
     assert "no HBM for KV" in bad["infeasible"] and "infeasible" not in good
     assert report["best"] is good

@@ -70,7 +70,9 @@ def test_dense_mla_prefill_takes_the_cheaper_mha_form():
     assert m.prefill_attention_flops(30000, 1) == m.attention_flops(30000, 1)
     # DSA (V3.2) attends top-k keys in the absorbed form only.
     s = ModelCost.from_model(DEEPSEEK_V32_660B)
-    assert s.mha_pair_flops == 0 and s.prefill_attention_flops(2809, 2180) == s.attention_flops(2809, 2180)
+    assert s.mha_pair_flops == 0 and s.prefill_attention_flops(2809, 2180) == s.attention_flops(
+        2809, 2180
+    )
 
 
 def test_weights_per_gpu_follow_expert_parallelism_and_fp8():
@@ -91,7 +93,10 @@ def test_weights_per_gpu_follow_expert_parallelism_and_fp8():
 def test_paper_clusters_are_sized_consistently(key):
     cfg, cost = paper_experiment(key, agents=4)
     m = PAPER_MODELS[key]
-    assert (cfg.cluster.prefill_nodes, cfg.cluster.decode_nodes) == (m.prefill_nodes, m.decode_nodes)
+    assert (cfg.cluster.prefill_nodes, cfg.cluster.decode_nodes) == (
+        m.prefill_nodes,
+        m.decode_nodes,
+    )
     assert cfg.hardware.engines_per_node == 8 and cfg.hardware.snic_bytes_per_s == 50e9
     assert cfg.hardware.hbm_bytes == pytest.approx(cost.kv_hbm_bytes())
     assert cost.weight_bytes_per_gpu + cost.kv_hbm_bytes() <= get_gpu(m.gpu).hbm_bytes
@@ -99,7 +104,9 @@ def test_paper_clusters_are_sized_consistently(key):
     assert cost == paper_cost_model(key, m.decode_nodes)
     # Qwen 32B runs data parallel in BF16: the whole model on every GPU.
     if key == "qwen32b":
-        assert cost.weight_bytes_per_gpu == pytest.approx(ModelCost.from_model(QWEN25_32B).weight_bytes)
+        assert cost.weight_bytes_per_gpu == pytest.approx(
+            ModelCost.from_model(QWEN25_32B).weight_bytes
+        )
 
 
 def test_v32_prefill_at_the_64k_trace_is_compute_heavier_than_v3_at_deepseeks_workload():
@@ -120,7 +127,9 @@ def test_decode_overhead_is_paid_per_moe_layer():
 
     cal = hopper_calibration()
     assert cal.moe_layers == 58
-    overhead = {k: paper_cost_model(k, PAPER_MODELS[k].decode_nodes).decode_overhead_s for k in PAPER_MODELS}
+    overhead = {
+        k: paper_cost_model(k, PAPER_MODELS[k].decode_nodes).decode_overhead_s for k in PAPER_MODELS
+    }
     assert overhead["ds660b"] == pytest.approx(cal.decode_overhead_s)
     assert overhead["ds27b"] == pytest.approx(cal.decode_overhead_s * 29 / 58)
     assert overhead["qwen32b"] == 0.0

@@ -49,8 +49,12 @@ def test_transfer_takes_bytes_over_rate_on_the_slowest_link():
     assert done == [pytest.approx(2.0)]
     assert net.totals() == {SNIC.name: 2_000_000, DRAM.name: 2_000_000}
     series = dict((t, b) for t, b in net.link(SNIC).window_series())
-    assert series == {0.0: pytest.approx(5e5), 0.5: pytest.approx(5e5), 1.0: pytest.approx(5e5),
-                      1.5: pytest.approx(5e5)}
+    assert series == {
+        0.0: pytest.approx(5e5),
+        0.5: pytest.approx(5e5),
+        1.0: pytest.approx(5e5),
+        1.5: pytest.approx(5e5),
+    }
 
 
 def test_high_class_gets_its_weighted_share_and_low_never_starves():
@@ -87,8 +91,14 @@ def _random_transfers(fast: bool, seed: int) -> tuple[list[tuple[int, float]], d
         path = rng.sample([*links, LinkId(LinkKind.H2D, "pe0")], rng.randint(1, 3))
         nbytes = rng.choice([100, 2_000, 20_000, 300_000])
         cls = rng.choice(list(TrafficClass))
-        loop.at(rng.uniform(0, 5), net.transfer, path, nbytes, cls,
-                lambda i=i: done.append((i, loop.now)))
+        loop.at(
+            rng.uniform(0, 5),
+            net.transfer,
+            path,
+            nbytes,
+            cls,
+            lambda i=i: done.append((i, loop.now)),
+        )
     loop.run()
     windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
     return sorted(done), net.totals(), windows
@@ -118,16 +128,32 @@ def _one_class_transfers(mode: str, seed: int) -> tuple[list[tuple[int, float]],
     rates = {lid: rng.choice([1e5, 4e5, 1e6]) for lid in (*snic, *h2d)}
     rates.update({lid: 5e6 for lid in dram})
     loop = EventLoop()
-    net = SimNetwork(loop, lambda lid: rates.get(lid, 0.0), quantum_s=0.01, window_s=0.5,
-                     fast=mode != "chunks", fifo=("snic_rx", "h2d"),
-                     class_blind=("dram",) if mode == "blind" else ())
+    net = SimNetwork(
+        loop,
+        lambda lid: rates.get(lid, 0.0),
+        quantum_s=0.01,
+        window_s=0.5,
+        fast=mode != "chunks",
+        fifo=("snic_rx", "h2d"),
+        class_blind=("dram",) if mode == "blind" else (),
+    )
     done: list[tuple[int, float]] = []
     for i in range(300):
         n = rng.randrange(2)
-        path, cls = ([snic[n], dram[n]], TrafficClass.LOW) if rng.random() < 0.5 else \
-            ([dram[n], h2d[n]], TrafficClass.HIGH)
+        path, cls = (
+            ([snic[n], dram[n]], TrafficClass.LOW)
+            if rng.random() < 0.5
+            else ([dram[n], h2d[n]], TrafficClass.HIGH)
+        )
         nbytes = rng.choice([100, 2_000, 20_000, 300_000])
-        loop.at(rng.uniform(0, 5), net.transfer, path, nbytes, cls, lambda i=i: done.append((i, loop.now)))
+        loop.at(
+            rng.uniform(0, 5),
+            net.transfer,
+            path,
+            nbytes,
+            cls,
+            lambda i=i: done.append((i, loop.now)),
+        )
     loop.run()
     windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
     return sorted(done), net.totals(), windows, loop.events

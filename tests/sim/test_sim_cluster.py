@@ -24,10 +24,12 @@ def _cfg(p: int, d: int, policy: str, *, unlimited: bool = False):
     cfg = emulated_cpu_experiment(p, d, "tiny")
     hw = cfg.hardware
     if unlimited:
-        hw = dataclasses.replace(hw, snic_bytes_per_s=0.0, cnic_bytes_per_s=0.0, h2d_bytes_per_s=0.0,
-                                 d2h_bytes_per_s=0.0)
-    return dataclasses.replace(cfg, hardware=hw,
-                               scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))
+        hw = dataclasses.replace(
+            hw, snic_bytes_per_s=0.0, cnic_bytes_per_s=0.0, h2d_bytes_per_s=0.0, d2h_bytes_per_s=0.0
+        )
+    return dataclasses.replace(
+        cfg, hardware=hw, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+    )
 
 
 def _jct(p, d, policy, cost=CPU_COST, **kw):
@@ -43,8 +45,9 @@ def test_dualpath_over_basic_never_exceeds_p_plus_d_over_p(p, d):
 
 
 def test_ratio_is_one_with_unlimited_storage_bandwidth():
-    assert _jct(1, 1, "basic", unlimited=True) == pytest.approx(_jct(1, 1, "dualpath", unlimited=True),
-                                                                rel=0.01)
+    assert _jct(1, 1, "basic", unlimited=True) == pytest.approx(
+        _jct(1, 1, "dualpath", unlimited=True), rel=0.01
+    )
 
 
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 2)])
@@ -95,7 +98,8 @@ def test_the_simulator_drives_the_real_scheduler():
     paths = {a.path.value for a in spy.assignments if a.request.cached_tokens}
     assert paths == {"pe", "de"}  # both read paths are used
     assert run.summary["read_paths"] == {
-        p: sum(1 for a in spy.assignments if a.path.value == p) for p in run.summary["read_paths"]}
+        p: sum(1 for a in spy.assignments if a.path.value == p) for p in run.summary["read_paths"]
+    }
 
 
 @pytest.mark.parametrize("policy", ["basic", "dualpath", "split"])
@@ -103,8 +107,14 @@ def test_link_bytes_equal_expected_link_bytes_per_request(policy):
     cfg = _cfg(1, 1, policy)
     traj = Trajectory("t", (Round(300, 20), Round(100, 30), Round(50, 10)))
     spy = _spy(cfg)
-    run = simulate(cfg, cost=CPU_COST, options=SimOptions(persist=False), trajectories=[traj],
-                   arrivals=[0.0], scheduler=spy)
+    run = simulate(
+        cfg,
+        cost=CPU_COST,
+        options=SimOptions(persist=False),
+        trajectories=[traj],
+        arrivals=[0.0],
+        scheduler=spy,
+    )
     kvb = run.cluster.kvb
     bt = cfg.store.block_tokens
     want: dict[str, int] = {}
@@ -112,9 +122,16 @@ def test_link_bytes_equal_expected_link_bytes_per_request(policy):
         r = a.request
         pe, de = run.cluster.engines[a.pe], run.cluster.engines[a.de]
         path = a.path.value if r.cached_tokens else "none"
-        got = expected_link_bytes(path, r.cached_tokens * kvb, r.new_tokens * kvb, pe=pe.name, de=de.name,
-                                  pe_node=pe.node_name, de_node=de.node_name,
-                                  de_hit_bytes=a.de_read_blocks * bt * kvb)
+        got = expected_link_bytes(
+            path,
+            r.cached_tokens * kvb,
+            r.new_tokens * kvb,
+            pe=pe.name,
+            de=de.name,
+            pe_node=pe.node_name,
+            de_node=de.node_name,
+            de_hit_bytes=a.de_read_blocks * bt * kvb,
+        )
         for k, v in got.items():
             want[k] = want.get(k, 0) + v
     assert {k: v for k, v in run.cluster.net.totals().items() if v} == want
@@ -123,12 +140,36 @@ def test_link_bytes_equal_expected_link_bytes_per_request(policy):
 def test_summary_has_the_launcher_keys():
     run = simulate(_cfg(1, 1, "dualpath"), cost=CPU_COST)
     s = run.summary
-    for key in ["policy", "mode", "emulated", "agents", "requests", "jct_s", "ttft_s", "ttst_s", "tpot_s",
-                "tokens_generated", "bytes_read_pe_path", "bytes_read_de_path", "snic_max_over_avg",
-                "recomputed_blocks", "errors"]:
+    for key in [
+        "policy",
+        "mode",
+        "emulated",
+        "agents",
+        "requests",
+        "jct_s",
+        "ttft_s",
+        "ttst_s",
+        "tpot_s",
+        "tokens_generated",
+        "bytes_read_pe_path",
+        "bytes_read_de_path",
+        "snic_max_over_avg",
+        "recomputed_blocks",
+        "errors",
+    ]:
         assert key in s
-    assert set(s) >= set(summarize(policy="x", mode="offline", emulated=True, agents=0, results=[],
-                                   errors=0, jct_s=0.0, reports=[]))
+    assert set(s) >= set(
+        summarize(
+            policy="x",
+            mode="offline",
+            emulated=True,
+            agents=0,
+            results=[],
+            errors=0,
+            jct_s=0.0,
+            reports=[],
+        )
+    )
     assert s["bytes_read_pe_path"] > 0 and s["bytes_read_de_path"] > 0
     assert s["tokens_generated"] == sum(len(r.tokens) for r in run.cluster.results)
     assert all(r.ttft_s > 0 and r.jct_s >= r.ttft_s for r in run.cluster.results)
@@ -143,7 +184,9 @@ def test_deterministic():
 
 def test_online_mode_arrivals():
     cfg = _cfg(1, 1, "dualpath")
-    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=0.5))
+    cfg = dataclasses.replace(
+        cfg, workload=dataclasses.replace(cfg.workload, mode="online", aps=0.5)
+    )
     run = simulate(cfg, cost=CPU_COST)
     assert run.summary["mode"] == "online" and run.summary["errors"] == 0
     assert run.summary["agents"] == cfg.workload.agents
@@ -151,8 +194,10 @@ def test_online_mode_arrivals():
 
 @pytest.mark.parametrize("policy", ["basic", "dualpath", "split"])
 def test_one_event_per_uncontended_transfer_keeps_results(policy):
-    runs = [simulate(_cfg(1, 2, policy), cost=CPU_COST, options=SimOptions(fast_links=f))
-            for f in (False, True)]
+    runs = [
+        simulate(_cfg(1, 2, policy), cost=CPU_COST, options=SimOptions(fast_links=f))
+        for f in (False, True)
+    ]
     slow, fast = (r.summary for r in runs)
     assert fast["jct_s"] == pytest.approx(slow["jct_s"], rel=0.01)
     assert fast["ttft_s"]["mean"] == pytest.approx(slow["ttft_s"]["mean"], rel=0.01)
@@ -167,7 +212,9 @@ def test_pe_hbm_bounds_basic_batches_and_layerwise_lifts_it():
     fast_store = dict(unlimited=True)
 
     def run(policy, pe_hbm):
-        r = simulate(_cfg(1, 1, policy, **fast_store), cost=cost, options=SimOptions(pe_hbm_tokens=pe_hbm))
+        r = simulate(
+            _cfg(1, 1, policy, **fast_store), cost=cost, options=SimOptions(pe_hbm_tokens=pe_hbm)
+        )
         assert r.summary["errors"] == 0
         return r.jct_s
 
@@ -178,7 +225,9 @@ def test_pe_hbm_bounds_basic_batches_and_layerwise_lifts_it():
 def test_cluster_prefill_max_kv_tokens_is_the_simulated_pe_hbm():
     cost = FittedCostModel(prefill=(0.2, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
     cfg = _cfg(1, 1, "basic", unlimited=True)
-    bounded = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, prefill_max_kv_tokens=1_100))
+    bounded = dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, prefill_max_kv_tokens=1_100)
+    )
     via_cfg = simulate(bounded, cost=cost).jct_s
     assert via_cfg == simulate(cfg, cost=cost, options=SimOptions(pe_hbm_tokens=1_100)).jct_s
     assert via_cfg > simulate(cfg, cost=cost).jct_s

@@ -18,7 +18,9 @@ COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-6))
 @pytest.mark.parametrize("policy", ["basic", "dualpath", "oracle"])
 def test_spans_match_per_step_events(policy):
     cfg = emulated_cpu_experiment(1, 2, "")
-    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+    )
     step = simulate(cfg, cost=COST, options=SimOptions(decode_macro_steps=False))
     span = simulate(cfg, cost=COST, options=SimOptions(decode_macro_steps=True))
     a, b = step.summary, span.summary

@@ -21,16 +21,43 @@ def _events(rng: np.random.Generator) -> list[dict]:
         size = int(rng.integers(1, 4))
         reqs = []
         for _ in range(size):
-            hit_blocks, new, gen = int(rng.integers(0, 40)), int(rng.integers(10, 200)), int(rng.integers(1, 30))
+            hit_blocks, new, gen = (
+                int(rng.integers(0, 40)),
+                int(rng.integers(10, 200)),
+                int(rng.integers(1, 30)),
+            )
             reqs.append((f"r{n}", hit_blocks, new, gen))
             n += 1
-        secs = P0 + sum(P1 * new + P2 * summed_keys(h * BT, new) + H_PE * h * BT * KVB for _, h, new, _ in reqs)
+        secs = P0 + sum(
+            P1 * new + P2 * summed_keys(h * BT, new) + H_PE * h * BT * KVB for _, h, new, _ in reqs
+        )
         for rid, h, new, gen in reqs:
             ev += [
-                {"kind": "submit", "t": t, "request": rid, "prompt": h * BT + new, "cached": h * BT, "gen": gen},
-                {"kind": "assign", "t": t, "request": rid, "pe": batch % 2, "de": 2, "path": "pe",
-                 "pe_blocks": h, "de_blocks": 0},
-                {"kind": "first_token", "t": t + secs, "request": rid, "hit_blocks": h, "prefill_s": secs},
+                {
+                    "kind": "submit",
+                    "t": t,
+                    "request": rid,
+                    "prompt": h * BT + new,
+                    "cached": h * BT,
+                    "gen": gen,
+                },
+                {
+                    "kind": "assign",
+                    "t": t,
+                    "request": rid,
+                    "pe": batch % 2,
+                    "de": 2,
+                    "path": "pe",
+                    "pe_blocks": h,
+                    "de_blocks": 0,
+                },
+                {
+                    "kind": "first_token",
+                    "t": t + secs,
+                    "request": rid,
+                    "hit_blocks": h,
+                    "prefill_s": secs,
+                },
                 {"kind": "decoded", "t": t + secs + C + S * (gen - 1), "request": rid},
             ]
         t += 10.0
@@ -40,7 +67,9 @@ def _events(rng: np.random.Generator) -> list[dict]:
 def test_fit_recovers_known_costs(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in _events(np.random.default_rng(0))) + "\n")
+    (run / "events.jsonl").write_text(
+        "\n".join(json.dumps(e) for e in _events(np.random.default_rng(0))) + "\n"
+    )
     fit = fit_events([run], block_tokens=BT, kv_bytes_per_token=KVB)
     assert fit.cost.prefill == pytest.approx((P0, P1, P2), rel=1e-6)
     assert fit.hit_s_per_byte[0] == pytest.approx(H_PE, rel=1e-6)

@@ -20,7 +20,9 @@ LIGHT_COMPUTE = FittedCostModel(prefill=(1e-4, 1e-7, 1e-11), decode=(1e-4, 1e-7,
 
 def _jct(p: int, d: int, policy: str, cost=LIGHT_COMPUTE) -> float:
     cfg = emulated_cpu_experiment(p, d, "tiny")
-    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy)))
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+    )
     run = simulate(cfg, cost=cost)
     assert run.summary["errors"] == 0
     return run.jct_s
@@ -71,9 +73,13 @@ def test_speedup_bound_holds_with_a_binding_beta(p, d):
     assert _ratio(p, d, beta_tokens=4000) <= (p + d) / p * 1.01
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Algorithm 1 as the paper states it: across PE groups only beta balances; with compute ~0 the "
-    "derived beta never binds, the first group to fetch takes the whole waiting queue, and Basic's "
-    "two prefill storage NICs read in turns (docs/policies.md, Algorithm 1)"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "Algorithm 1 as the paper states it: across PE groups only beta balances; with compute ~0 the "
+        "derived beta never binds, the first group to fetch takes the whole waiting queue, and Basic's "
+        "two prefill storage NICs read in turns (docs/policies.md, Algorithm 1)"
+    ),
+)
 def test_speedup_bound_with_a_beta_that_never_binds_2p1d():
     assert _ratio(2, 1, beta_tokens=0.0) <= 1.5 * 1.01

@@ -50,8 +50,15 @@ class Cluster:
 
         def ctx(name, owners):
             return LoaderContext(
-                CFG, layout, self.store, HostBufferPool(layout, 64, name),
-                InProcessChannel(self.fabric, name), self.traffic, self.pool, 20.0, frozenset(owners),
+                CFG,
+                layout,
+                self.store,
+                HostBufferPool(layout, 64, name),
+                InProcessChannel(self.fabric, name),
+                self.traffic,
+                self.pool,
+                20.0,
+                frozenset(owners),
             )
 
         self.pe = ctx("pe0", {"pe0", "node0"})
@@ -67,8 +74,18 @@ def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=F
     """Runs both halves of one request; returns (effective hit blocks, the PE's per-layer hit
     rows, the DE buffer's prompt KV [L, T, W])."""
     job = LoadJob(
-        "r1", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
-        cluster.pe.channel.address, cluster.de.channel.address, oracle=oracle,
+        "r1",
+        tuple(keys),
+        pe_blocks,
+        de_blocks,
+        len(prompt),
+        "pe0",
+        "node0",
+        "de1",
+        "node1",
+        cluster.pe.channel.address,
+        cluster.de.channel.address,
+        oracle=oracle,
     )
     de = DecodeLoad(cluster.de, job).start()
     pe = PrefillLoad(cluster.pe, job).start()
@@ -122,7 +139,9 @@ def stored(prompt_and_kv):
     cluster.close()
 
 
-@pytest.mark.parametrize("pe_blocks, de_blocks, path", [(4, 0, "pe"), (0, 4, "de"), (1, 3, "split")])
+@pytest.mark.parametrize(
+    "pe_blocks, de_blocks, path", [(4, 0, "pe"), (0, 4, "de"), (1, 3, "split")]
+)
 def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, path):
     cluster, prompt, kv, keys = stored
     h, hit_rows, de_kv = run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks)
@@ -134,9 +153,15 @@ def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, 
     # Per-link accounting equals the bytes DESIGN 2.1 assigns to this path.
     per_token = BlockLayout.for_model(CFG, BT).bytes_per_token_per_layer * CFG.num_layers
     want = L.expected_link_bytes(
-        path, 4 * BT * per_token, (len(prompt) - 4 * BT) * per_token,
-        pe="pe0", de="de1", pe_node="node0", de_node="node1",
-        de_hit_bytes=de_blocks * BT * per_token, decode=False,
+        path,
+        4 * BT * per_token,
+        (len(prompt) - 4 * BT) * per_token,
+        pe="pe0",
+        de="de1",
+        pe_node="node0",
+        de_node="node1",
+        de_hit_bytes=de_blocks * BT * per_token,
+        decode=False,
     )
     got = {lid.name: cluster.traffic.bytes(lid) for lid in cluster.traffic.links()}
     assert {k: v for k, v in got.items() if v} == want
@@ -144,7 +169,9 @@ def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, 
 
 def test_paths_agree_with_each_other_bitwise(stored, runner):
     cluster, prompt, kv, keys = stored
-    outs = [run_request(cluster, runner, prompt, keys, p, d)[2] for p, d in ((4, 0), (0, 4), (2, 2))]
+    outs = [
+        run_request(cluster, runner, prompt, keys, p, d)[2] for p, d in ((4, 0), (0, 4), (2, 2))
+    ]
     assert outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
 
 
@@ -162,7 +189,10 @@ def test_oracle_moves_bytes_but_charges_nothing(stored, runner):
     assert all(cluster.traffic.bytes(lid) == 0 for lid in cluster.traffic.links())
 
 
-@pytest.mark.parametrize("corrupt, pe_blocks, de_blocks, want_hit", [(1, 4, 0, 1), (2, 0, 4, 2), (0, 1, 3, 0), (3, 1, 3, 3)])
+@pytest.mark.parametrize(
+    "corrupt, pe_blocks, de_blocks, want_hit",
+    [(1, 4, 0, 1), (2, 0, 4, 2), (0, 1, 3, 0), (3, 1, 3, 3)],
+)
 def test_bad_block_becomes_a_shorter_hit(stored, runner, corrupt, pe_blocks, de_blocks, want_hit):
     """A corrupt block ends the hit there; the rest is recomputed and the DE's KV is still right."""
     cluster, prompt, kv, keys = stored
@@ -182,8 +212,19 @@ def test_bad_block_becomes_a_shorter_hit(stored, runner, corrupt, pe_blocks, de_
 
 def test_errors_reach_the_waiter(stored):
     cluster, prompt, kv, keys = stored
-    job = LoadJob("r9", tuple(keys), 0, 4, len(prompt), "pe0", "node0", "de1", "node1",
-                  cluster.pe.channel.address, "nowhere")
+    job = LoadJob(
+        "r9",
+        tuple(keys),
+        0,
+        4,
+        len(prompt),
+        "pe0",
+        "node0",
+        "de1",
+        "node1",
+        cluster.pe.channel.address,
+        "nowhere",
+    )
     ctx = dataclasses.replace(cluster.pe, timeout_s=0.5)
     pe = PrefillLoad(ctx, job).start()
     with pytest.raises(Exception):  # noqa: B017 - the channel's typed error (unknown peer)
