@@ -71,6 +71,11 @@ def _grant_alone(
     return start, end
 
 
+class _TimedRequest(LinkRequest):
+    """A `LinkRequest` whose `on_done(t)` runs when its last chunk is granted, with that chunk's
+    end time (`SimLink.request_timed`)."""
+
+
 class SimLink:
     """One link on the virtual clock. Built by `SimNetwork.link`; lives as long as the run."""
 
@@ -178,9 +183,28 @@ class SimLink:
         self._free_at = end
         return end
 
+    def request_timed(
+        self, nbytes: int, cls: TrafficClass, at_end: Callable[[float], None]
+    ) -> None:
+        """`request`, but `at_end(t)` runs when the last chunk is granted, with the time `t` its
+        last byte crosses (not as an event at `t`), so the caller can merge completions."""
+        if self.arb is None or nbytes == 0:
+            self._account(int(cls), nbytes, self.loop.now, self.loop.now)
+            at_end(self.loop.now)
+            return
+        self.arb.enqueue(_TimedRequest(nbytes, cls, at_end))
+        if not self._busy:
+            self._busy = True
+            if self.loop.now < self._free_at:  # a chunk granted without an event is on the wire
+                self.loop.at(self._free_at, self._pace)
+            else:
+                self._pace()
+
     def _pace(self) -> None:
         """Runs when the chunk on the wire ends (or the link was idle): completes the request
-        whose last chunk it was, then grants the next chunk if any bytes are pending."""
+        whose last chunk it was, then grants the next chunk if any bytes are pending. A timed
+        request learns its end when its last chunk is granted; the link then needs no event at
+        that chunk's end unless more bytes are pending."""
         last, self._last = self._last, None
         if last is not None and last.remaining == 0 and last.on_done is not None:
             last.on_done(None)
@@ -190,8 +214,17 @@ class SimLink:
             self._busy = False
             return
         g = arb.grant(self.loop.now)
-        self._account(int(g.request.cls), g.nbytes, g.start, g.end)
-        self._last = g.request
+        req = g.request
+        self._account(int(req.cls), g.nbytes, g.start, g.end)
+        if req.remaining == 0 and type(req) is _TimedRequest:
+            assert req.on_done is not None
+            req.on_done(g.end)
+            if not arb.pending():
+                self._busy = False
+                self._free_at = g.end
+                return
+        else:
+            self._last = req
         self.loop.at(g.end, self._pace)
 
     def _account(self, cls: int, n: int, start: float, end: float) -> None:
@@ -315,18 +348,17 @@ class SimNetwork:
         if not slow:
             loop.at(end, on_done)
             return
-        left = [len(slow)]
+        state = [len(slow), end]  # links still to grant their last chunk, latest end so far
 
-        def one(_exc: object = None) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                if end > loop.now:
-                    loop.at(end, on_done)
-                else:
-                    on_done()
+        def one(t: float) -> None:
+            if t > state[1]:
+                state[1] = t
+            state[0] -= 1
+            if state[0] == 0:
+                loop.at(state[1], on_done)
 
         for ln in slow:
-            ln.request(nbytes, cls, one)
+            ln.request_timed(nbytes, cls, one)
 
     def totals(self) -> dict[str, int]:
         return {ln.id.name: ln.bytes[0] + ln.bytes[1] for ln in self.links.values()}
