@@ -86,11 +86,21 @@ def _random_transfers(fast: bool, seed: int) -> tuple[list[tuple[int, float]], d
     rates = {lid: rng.choice([1e5, 4e5, 1e6]) for lid in links}
     loop = EventLoop()
     net = SimNetwork(loop, lambda lid: rates.get(lid, 0.0), quantum_s=0.01, window_s=0.5, fast=fast)
+    pool = [*links, LinkId(LinkKind.H2D, "pe0")]
+
+    def pick():
+        path = rng.sample(pool, rng.randint(1, 3))
+        return path, rng.choice([100, 2_000, 20_000, 300_000]), rng.choice(list(TrafficClass))
+
+    return _replay(loop, net, rng, pick)[:3]
+
+
+def _replay(loop, net, rng, pick):
+    """Schedules 300 transfers `pick() -> (path, nbytes, cls)` at random times in [0, 5) s and
+    runs them: (sorted (index, completion time), link totals, link windows, events)."""
     done: list[tuple[int, float]] = []
     for i in range(300):
-        path = rng.sample([*links, LinkId(LinkKind.H2D, "pe0")], rng.randint(1, 3))
-        nbytes = rng.choice([100, 2_000, 20_000, 300_000])
-        cls = rng.choice(list(TrafficClass))
+        path, nbytes, cls = pick()
         loop.at(
             rng.uniform(0, 5),
             net.transfer,
@@ -101,7 +111,7 @@ def _random_transfers(fast: bool, seed: int) -> tuple[list[tuple[int, float]], d
         )
     loop.run()
     windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
-    return sorted(done), net.totals(), windows
+    return sorted(done), net.totals(), windows, loop.events
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -137,26 +147,16 @@ def _one_class_transfers(mode: str, seed: int) -> tuple[list[tuple[int, float]],
         fifo=("snic_rx", "h2d"),
         class_blind=("dram",) if mode == "blind" else (),
     )
-    done: list[tuple[int, float]] = []
-    for i in range(300):
+
+    def pick():
         n = rng.randrange(2)
-        path, cls = (
-            ([snic[n], dram[n]], TrafficClass.LOW)
-            if rng.random() < 0.5
-            else ([dram[n], h2d[n]], TrafficClass.HIGH)
-        )
-        nbytes = rng.choice([100, 2_000, 20_000, 300_000])
-        loop.at(
-            rng.uniform(0, 5),
-            net.transfer,
-            path,
-            nbytes,
-            cls,
-            lambda i=i: done.append((i, loop.now)),
-        )
-    loop.run()
-    windows = {ln.id.name: ln.window_series() for ln in net.links.values()}
-    return sorted(done), net.totals(), windows, loop.events
+        if rng.random() < 0.5:
+            path, cls = [snic[n], dram[n]], TrafficClass.LOW
+        else:
+            path, cls = [dram[n], h2d[n]], TrafficClass.HIGH
+        return path, rng.choice([100, 2_000, 20_000, 300_000]), cls
+
+    return _replay(loop, net, rng, pick)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
