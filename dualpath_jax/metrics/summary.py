@@ -76,6 +76,18 @@ def link_totals(reports: Sequence[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def _breakdown(results: Sequence[Any], firsts: dict[str, dict], key: str) -> list[float]:
+    """A TTFT component per round: from the round's `first_token` event, else from the result
+    itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not reached)."""
+    out = []
+    for r in results:
+        e = firsts.get(r.request)
+        v = e[key] if e is not None else getattr(r, key, None)
+        if v is not None and v == v:
+            out.append(v)
+    return out
+
+
 def summarize(
     *,
     policy: str,
@@ -128,8 +140,8 @@ def summarize(
         "tpot_s": dist(r.tpot_s for r in results if len(r.tokens) > 1),
         "ttft_breakdown_s": {
             "queueing": dist(r.queue_s for r in results),
-            "kv_read": dist(firsts[r.request]["read_s"] for r in results if r.request in firsts),
-            "prefill": dist(firsts[r.request]["prefill_s"] for r in results if r.request in firsts),
+            "kv_read": dist(_breakdown(results, firsts, "read_s")),
+            "prefill": dist(_breakdown(results, firsts, "prefill_s")),
         },
         "tokens_generated": sum(len(r.tokens) for r in results),
         "bytes_read_pe_path": sum(b for n, b in snic_rx.items() if n.split(":", 1)[1] in pe_nodes),

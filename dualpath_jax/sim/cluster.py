@@ -102,9 +102,11 @@ class SimOptions:
     class_blind_links: tuple[str, ...] = ()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RoundResult:
-    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds)."""
+    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds).
+    `read_s` / `prefill_s` are the TTFT breakdown the real router takes from its engines'
+    `first_token` events (kept here, one object per round, instead of an event per round)."""
 
     request: str
     tokens: range
@@ -118,6 +120,8 @@ class RoundResult:
     read_path: str
     recomputed_blocks: int = 0
     submit_s: float = 0.0  # virtual time the round was submitted (online windows)
+    read_s: float = math.nan  # assignment -> hit KV read (s)
+    prefill_s: float = math.nan  # the forward batches of its prefill (s)
 
 
 @dataclasses.dataclass(eq=False)
@@ -340,7 +344,7 @@ class SimCluster:
         self.read_q: dict[int, int] = collections.defaultdict(int)
         self.states: dict[str, _Req] = {}
         self.results: list[RoundResult] = []
-        self.events: list[dict] = []
+        self.events: list[dict] = []  # router-style events (none: the TTFT breakdown is on results)
         self.counters: collections.Counter[str] = collections.Counter()
         self._dispatch_at: float | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
@@ -628,14 +632,6 @@ class SimCluster:
         pe.tok -= st.request.tokens
         self._touch_pe(pe)
         pe.buffer.release(st.pe_buf)
-        self.events.append(
-            {
-                "kind": "first_token",
-                "request": st.request.id,
-                "read_s": st.t_read,
-                "prefill_s": prefill_s,
-            }
-        )
         self._wake_router()
         if not st.sends:
             self._de_receive(st)
@@ -778,6 +774,8 @@ class SimCluster:
                 prompt_tokens=r.prompt_tokens,
                 read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value,
                 submit_s=st.t_submit,
+                read_s=st.t_read,
+                prefill_s=st.prefill_s,
             )
         )
         del self.states[r.id]

@@ -231,3 +231,17 @@ def test_cluster_prefill_max_kv_tokens_is_the_simulated_pe_hbm():
     via_cfg = simulate(bounded, cost=cost).jct_s
     assert via_cfg == simulate(cfg, cost=cost, options=SimOptions(pe_hbm_tokens=1_100)).jct_s
     assert via_cfg > simulate(cfg, cost=cost).jct_s
+
+
+def test_ttft_breakdown_comes_from_the_results():
+    """The simulator keeps each round's read and prefill time on its result (no event per
+    round); the summary's TTFT breakdown covers every round and adds up below its TTFT."""
+    run = simulate(_cfg(1, 2, "dualpath"), cost=CPU_COST)
+    s = run.summary
+    assert run.cluster.events == []
+    rounds = run.cluster.results
+    assert all(r.read_s >= 0 and r.prefill_s > 0 for r in rounds)
+    assert all(r.queue_s + r.read_s + r.prefill_s <= r.ttft_s + 1e-9 for r in rounds)
+    br = s["ttft_breakdown_s"]
+    assert br["prefill"]["mean"] == pytest.approx(sum(r.prefill_s for r in rounds) / len(rounds))
+    assert br["kv_read"]["mean"] > 0
