@@ -83,7 +83,7 @@ def _breakdown(results: Sequence[Any], firsts: dict[str, dict], key: str) -> lis
     for r in results:
         e = firsts.get(r.request)
         v = e[key] if e is not None else getattr(r, key, None)
-        if v is not None and v == v:
+        if v is not None and not math.isnan(v):
             out.append(v)
     return out
 

@@ -110,14 +110,18 @@ class GlobalScheduler:
         q = self._de_private.get(group)
         return len(self._de_global) + (len(q) if q else 0)
 
-    def de_queued_global(self) -> int:
-        """Requests in the DE global queue (not yet routed to a group)."""
-        return len(self._de_global)
-
-    def de_head(self, group: int) -> Request | None:
-        """The head of `group`'s private queue (the next request its fetch would place)."""
+    def fetch_de_would_place(self, group: int, loads: Sequence[EngineLoad]) -> bool:
+        """False when `fetch_de(group, loads)` would route and place nothing: the global queue is
+        empty and no DE in `loads` has room (`free_hbm_tokens`) for the head of the group's
+        private queue (both phase-2 fetches stop at a head no DE can hold). A caller whose
+        `loads` are already reported may skip such a fetch: it would only record them."""
+        if self._de_global:
+            return True
         q = self._de_private.get(group)
-        return q[0] if q else None
+        if not q:
+            return False
+        need = q[0].hbm_tokens
+        return any(x.free_hbm_tokens >= need for x in loads)
 
     def de_groups_queued(self) -> list[int]:
         """DE groups whose private queue holds requests, in the order groups were first seen."""

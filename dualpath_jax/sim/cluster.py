@@ -446,14 +446,7 @@ class SimCluster:
         # between that report and the group's fetch (each group fetches once per dispatch).
         loads = [self._de_loads[e.id] for e in self._de_groups[gid]]
         sched = self.scheduler
-        if gid != self._de_first or not sched.de_queued_global():
-            # A fetch with nothing to route assigns nothing exactly when no DE of the group has
-            # room for the head of its private queue (`inter.de_fetch` / `rr_de_fetch`).
-            head = sched.de_head(gid)
-            if head is not None and all(x.free_hbm_tokens < head.hbm_tokens for x in loads):
-                self._de_stuck.add(gid)
-                return
-        got = sched.fetch_de(gid, loads)
+        got = sched.fetch_de(gid, loads) if sched.fetch_de_would_place(gid, loads) else ()
         if not got:
             self._de_stuck.add(gid)
         for r, de in got:

@@ -136,10 +136,15 @@ class SimLink:
             self._account(int(cls), nbytes, self.loop.now, self.loop.now)
             self.loop.soon(on_done)
             return
-        self.arb.enqueue(LinkRequest(nbytes, cls, on_done))
+        self._enqueue(LinkRequest(nbytes, cls, on_done))
+
+    def _enqueue(self, req: LinkRequest) -> None:
+        """Queues `req` in the arbiter and starts pacing if the link is not already paced."""
+        assert self.arb is not None
+        self.arb.enqueue(req)
         if not self._busy:
             self._busy = True
-            if self.loop.now < self._free_at:  # a `serve_now` chunk is still on the wire
+            if self.loop.now < self._free_at:  # a chunk granted without an event is on the wire
                 self.loop.at(self._free_at, self._pace)
             else:
                 self._pace()
@@ -192,13 +197,7 @@ class SimLink:
             self._account(int(cls), nbytes, self.loop.now, self.loop.now)
             at_end(self.loop.now)
             return
-        self.arb.enqueue(_TimedRequest(nbytes, cls, at_end))
-        if not self._busy:
-            self._busy = True
-            if self.loop.now < self._free_at:  # a chunk granted without an event is on the wire
-                self.loop.at(self._free_at, self._pace)
-            else:
-                self._pace()
+        self._enqueue(_TimedRequest(nbytes, cls, at_end))
 
     def _pace(self) -> None:
         """Runs when the chunk on the wire ends (or the link was idle): completes the request

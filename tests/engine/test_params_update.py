@@ -47,13 +47,9 @@ class Rig:
     def submit(self, rid: str, session: str, append: list[int], gen: int = 2, **kw) -> list:
         return self.handle(M.Submit(request=rid, session=session, append=append, gen=gen, **kw))
 
-    def run_round(self, rid: str) -> list[tuple[bytes, M.Msg]]:
-        """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
-        self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
-        self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
-        st = self.router.requests[rid]
-        assert (st.pe, st.de) == (PE, DE)
-        self.handle(
+    def prefill_done(self, rid: str) -> list[tuple[bytes, M.Msg]]:
+        """The PE reports round `rid` prefilled (first token 5, nothing read)."""
+        return self.handle(
             M.PrefillDone(
                 request=rid,
                 engine=PE,
@@ -65,6 +61,14 @@ class Rig:
             ),
             b"pe",
         )
+
+    def run_round(self, rid: str) -> list[tuple[bytes, M.Msg]]:
+        """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
+        self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
+        self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
+        st = self.router.requests[rid]
+        assert (st.pe, st.de) == (PE, DE)
+        self.prefill_done(rid)
         return self.handle(
             M.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0), b"de"
         )
@@ -129,18 +133,7 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
     assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {""}
-    rig.handle(
-        M.PrefillDone(
-            request="r1",
-            engine=PE,
-            first_token=5,
-            hit_blocks=0,
-            recomputed_blocks=0,
-            read_s=0.0,
-            prefill_s=0.0,
-        ),
-        b"pe",
-    )
+    rig.prefill_done("r1")
     sent = rig.handle(
         M.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de"
     )

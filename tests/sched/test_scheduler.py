@@ -210,19 +210,22 @@ def test_from_config_uses_z_and_queue_bound():
     assert (s.z_factor, s.max_queue, s.alpha, s.beta, s.block_tokens) == (1.2, 7, 10.0, 20.0, 32)
 
 
-def test_queue_heads_and_repeated_reports():
-    """`de_head` / `de_queued_global` expose what a DE fetch would act on; reporting the same
-    load objects again records nothing new, while a read queue in a report always resets the
-    node's estimate."""
+def test_fetch_de_would_place_and_repeated_reports():
+    """`fetch_de_would_place` is False exactly when a DE fetch would route and place nothing;
+    reporting the same load objects again records nothing new, while a read queue in a report
+    always resets the node's estimate."""
     s = GlobalScheduler(Policy.DUALPATH)
     loads = de_loads(free=1010)
     s.report(loads, "de")
+    assert not s.fetch_de_would_place(0, loads)  # nothing queued
     for i in range(3):
         s.submit(req(i, prompt=1000, gen=10))
-    assert s.de_queued_global() == 3 and s.de_head(0) is None
+    assert s.fetch_de_would_place(0, de_loads(free=0))  # the global queue is routed
     got = s.fetch_de(0, loads)  # routes all three to group 0, each DE takes one
-    assert len(got) == 2 and s.de_queued_global() == 0
-    assert s.de_head(0).id == "r2" and s.de_head(7) is None
+    assert len(got) == 2 and s.queued()["de_private"] == 1
+    full = [s._de[x.engine] for x in loads]  # after the fetch: no room for r2 (1010 tokens)
+    assert not s.fetch_de_would_place(0, full) and s.fetch_de(0, full) == ()
+    assert s.fetch_de_would_place(0, de_loads(free=1010)) and not s.fetch_de_would_place(7, loads)
     before = (dict(s._group_tok), dict(s._de))
     s.report(list(s._de.values()), "de")  # the loads it holds, after the fetch
     assert (dict(s._group_tok), dict(s._de)) == before
