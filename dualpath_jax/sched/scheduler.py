@@ -104,6 +104,10 @@ class GlobalScheduler:
         an engine died before finishing them). Never refused."""
         self._de_global.extendleft(reversed(list(requests)))
 
+    def de_global_queued(self) -> int:
+        """Requests in the DE global queue (the next `fetch_de`, of any group, routes them)."""
+        return len(self._de_global)
+
     def de_queued(self, group: int) -> int:
         """Requests a `fetch_de(group)` could act on now (global queue + the group's private
         queue); a caller may skip a fetch that finds none (it would only record loads)."""
@@ -205,18 +209,7 @@ class GlobalScheduler:
         group took; they now wait for a PE.
         """
         self.report(loads, "de")
-        if self._de_global and self._private_tok:
-            group_tok = dict(self._group_tok)
-            key = ("de_route", 0)
-            routes, self._cursor[key] = self.policy.de_route(
-                self._de_global, group_tok, cursor=self._cursor.get(key, 0)
-            )
-            self._de_global.clear()
-            for r, g in routes:
-                self._de_private[g].append(r)
-                self._private_tok[g] += r.tokens
-                self._group_tok[g] += r.tokens
-            self._n_private += len(routes)
+        self.route_de()
         queue = self._de_private.get(group)
         if not queue:
             return ()
@@ -234,6 +227,23 @@ class GlobalScheduler:
         for x in res.loads:
             self._set_de(x)
         return res.assigned
+
+    def route_de(self) -> tuple[tuple[Request, int], ...]:
+        """DE phase 1 alone (every `fetch_de` starts with it): drains the global queue into the
+        private queues of the groups known from DE reports. Returns `(request, group)`."""
+        if not (self._de_global and self._private_tok):
+            return ()
+        key = ("de_route", 0)
+        routes, self._cursor[key] = self.policy.de_route(
+            self._de_global, dict(self._group_tok), cursor=self._cursor.get(key, 0)
+        )
+        self._de_global.clear()
+        for r, g in routes:
+            self._de_private[g].append(r)
+            self._private_tok[g] += r.tokens
+            self._group_tok[g] += r.tokens
+        self._n_private += len(routes)
+        return routes
 
     def _set_de(self, x: EngineLoad) -> None:
         old = self._de.get(x.engine)

@@ -3,9 +3,15 @@
 Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop`):
 
 - Router: a `GlobalScheduler` (with `make_policy` inside) gets every new round with
-  `submit`; a dispatch pass (every `cluster.fetch_interval_s` while something changed, like the
-  leaders' fetch cadence) reports every DE's load, runs `fetch_de` for each DE group, then
-  `fetch_pe` for each PE group. Loads are the router's own in-flight counts: a PE counts a request
+  `submit`. Each group leader fetches on its own timer, every `cluster.fetch_interval_s`, as the
+  real engines do: the leaders' phases are spread evenly over the interval (PE group `i` of `n`
+  at `(i + 1/2) / n` of it, DE group `j` of `m` at `j / m`), and a fetch that could find nothing
+  is not simulated (it would only record loads the scheduler has). A DE fetch is `fetch_de` (phase
+  1 routes the global queue, so a new round waits for the next DE leader); a PE fetch is
+  `fetch_pe`. `SimOptions.leader_phases=False` keeps the earlier model: one synchronous pass
+  per interval in which every DE group, then every PE group fetches (the first PE group then
+  takes everything that waits, which at tens of groups sends each pass's rounds to one node).
+  Loads are the router's own in-flight counts, current at every fetch: a PE counts a request
   until its first token, a DE until it is done; `read_q` of a node is the hit tokens assigned to
   be read on it whose reads have not finished; `free_hbm_tokens` is what the DE has not
   promised to in-flight requests (0 when its decode slots are all promised).
@@ -86,7 +92,9 @@ class SimOptions:
     bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
     `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
     (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
-    that carries both classes; off by default).
+    that carries both classes; off by default). `leader_phases`: every group leader fetches at
+    its own phase of the fetch interval (the real engines' independent timers); False: one
+    synchronous pass of all groups per interval (see the module docstring).
     """
 
     quantum_s: float = 0.05
@@ -100,6 +108,7 @@ class SimOptions:
     fast_links: bool = True
     pe_hbm_tokens: int | None = None
     class_blind_links: tuple[str, ...] = ()
+    leader_phases: bool = True
 
 
 @dataclasses.dataclass(slots=True)
@@ -347,6 +356,28 @@ class SimCluster:
         self.events: list[dict] = []  # router-style events (none: the TTFT breakdown is on results)
         self.counters: collections.Counter[str] = collections.Counter()
         self._dispatch_at: float | None = None
+        interval = options.dispatch_interval_s
+        self.fetch_interval_s = cl.fetch_interval_s if interval is None else interval
+        # Leaders' fetches (`leader_phases`), as the real engine loops do them: a group's leader
+        # (its first engine) fetches at the end of a forward batch (PE) or decode step (DE) once
+        # an interval has passed since its last fetch, and every interval while idle. Leader i
+        # of n starts at phase (i + 1/2)/n of the interval (PE) or i/n (DE). `_pe_last[i]` /
+        # `_de_last[gid]`: the leader's last fetch, done or skipped as finding nothing. A new
+        # round is routed to a DE group (phase 1) when submitted: the real router routes it at
+        # the next DE fetch of any group, and the group's own fetch, which places it, comes no
+        # earlier in either case. Pending fetches: one event per DE group; one for the PE
+        # leader due first.
+        self._de_gids = list(self._de_groups)
+        self._de_polls: dict[int, Event] = {}
+        m_de = len(self._de_gids)
+        self._de_last = {
+            g: (j / m_de - 1) * self.fetch_interval_s for j, g in enumerate(self._de_gids)
+        }
+        self._de_lead = {self._de_groups[g][0].id: g for g in self._de_gids}
+        n_pe = len(self._pe_groups)
+        self._pe_last = [((i + 0.5) / n_pe - 1) * self.fetch_interval_s for i in range(n_pe)]
+        self._pe_lead = {group[0].id: i for i, (_, group) in enumerate(self._pe_groups)}
+        self._pe_poll: Event | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
         # The additive form of the cost model's attention time, when it has one (same plans).
         self._terms = _MemoTerms(cost) if hasattr(cost, "attention_terms") else None
@@ -363,13 +394,129 @@ class SimCluster:
         self.scheduler.submit(request)
         self._unassigned += 1
         self.states[request.id] = _Req(request, agent, self.loop.now, on_done)
-        self._wake_router()
+        if self.opt.leader_phases:
+            self._route()
+        else:
+            self._wake_router()
+
+    # ------------------------------------------------------------ leaders' fetches (phases)
+
+    def _route(self) -> None:
+        """Phase 1 for the rounds in the DE global queue; their groups fetch when due."""
+        self._report_des()
+        for _, gid in self.scheduler.route_de():
+            self._want_de(gid)
+
+    def _want_de(self, gid: int) -> None:
+        """Group `gid` fetches when its leader next does (unless a fetch is already due, or no
+        DE of the group can hold its private queue's head)."""
+        if gid not in self._de_polls and gid not in self._de_stuck:
+            self._de_polls[gid] = self.loop.at(self._de_fetch_at(gid), self._de_leader_fetch, gid)
+
+    def _de_fetch_at(self, gid: int) -> float:
+        """When DE group `gid`'s leader fetches next: the first step end an interval after its
+        last fetch while it decodes (steps as its current span times them), else its next
+        periodic fetch."""
+        lead = self._de_groups[gid][0]
+        now, interval, last = self.loop.now, self.fetch_interval_s, self._de_last[gid]
+        if lead.stepping:
+            t0, dt, k = lead.span
+            t = max(now, last + interval)
+            if dt <= 0:
+                return t
+            j = max(1, math.ceil((t - t0) / dt - 1e-9))
+            return t0 + min(j, k) * dt
+        if interval <= 0:
+            return now
+        return last + max(1, math.ceil((now - last) / interval - 1e-9)) * interval
+
+    def _de_leader_fetch(self, gid: int) -> None:
+        del self._de_polls[gid]
+        self._de_last[gid] = self.loop.now
+        if not self.scheduler.de_queued(gid):
+            return
+        self.counters["fetches_de"] += 1
+        self._report_des()
+        self._fetch_de(gid)
+        self._want_pe()
+
+    def _pe_idle_fetch_at(self, i: int) -> float:
+        """When idle leader `i` fetches next: the first of its periodic fetches after its last."""
+        last, interval = self._pe_last[i], self.fetch_interval_s
+        if interval <= 0:
+            return self.loop.now
+        k = math.ceil((self.loop.now - last) / interval - 1e-9)
+        return last + max(k, 1) * interval
+
+    def _want_pe(self, i: int | None = None) -> None:
+        """Rounds may wait for a PE: keeps the pending PE fetch at the idle live leader due
+        first (`i`: only group `i` changed, became live or idle; None: look at every group).
+        Busy leaders fetch at their batch ends (`_leader_batch_end`)."""
+        sched = self.scheduler
+        if not sched.pe_queued():
+            return
+        live = self._pe_live
+        groups = self._pe_groups
+        if i is None:
+            best_t, best = math.inf, -1
+            for j in live:
+                if not groups[j][1][0].busy:
+                    t = self._pe_idle_fetch_at(j)
+                    if t < best_t or (t == best_t and j < best):
+                        best_t, best = t, j
+            if best < 0:
+                return
+        else:
+            if i not in live or groups[i][1][0].busy:
+                return
+            best, best_t = i, self._pe_idle_fetch_at(i)
+        ev = self._pe_poll
+        if ev is not None:
+            if not ev.cancelled and ev.time <= best_t:
+                return
+            ev.cancel()
+        self._pe_poll = self.loop.at(best_t, self._pe_leader_fetch, best)
+
+    def _pe_leader_fetch(self, i: int) -> None:
+        """Idle leader `i`'s periodic fetch (skipped if it started a batch meanwhile)."""
+        self._pe_poll = None
+        if not self._pe_groups[i][1][0].busy:
+            self._pe_last[i] = self.loop.now
+            self._pe_fetch(i)
+        self._want_pe()
+
+    def _pe_fetch(self, i: int) -> None:
+        sched = self.scheduler
+        if i not in self._pe_live or not sched.pe_queued():
+            return
+        self.counters["fetches_pe"] += 1
+        self._report_des()  # the DE nodes' read queues as of now (the read-side choice)
+        gid, group = self._pe_groups[i]
+        out = sched.fetch_pe(gid, [self._load(e) for e in group])
+        if not out:
+            self._pe_live.discard(i)
+        for a in out:
+            self._assign(a)
+
+    def _leader_batch_start(self, i: int) -> None:
+        """Leader `i` starts a batch: its last fetch is its last periodic one while idle."""
+        interval = self.fetch_interval_s
+        gap = self.loop.now - self._pe_last[i]
+        if interval > 0 and gap >= interval:
+            self._pe_last[i] += math.floor(gap / interval + 1e-9) * interval
+
+    def _leader_batch_end(self, i: int) -> None:
+        """Leader `i`'s batch ended: the loop fetches if an interval has passed."""
+        if self.loop.now - self._pe_last[i] >= self.fetch_interval_s - 1e-12:
+            self._pe_last[i] = self.loop.now
+            self._pe_fetch(i)
+
+    # ------------------------------------------------------------ one pass per interval
 
     def _wake_router(self) -> None:
-        interval = self.opt.dispatch_interval_s
-        if interval is None:
-            interval = self.cfg.cluster.fetch_interval_s
-        t = self.loop.now + interval
+        if self.opt.leader_phases:
+            return
+        t = self.loop.now + self.fetch_interval_s
         if self._dispatch_at is None:
             self._dispatch_at = t
             self.loop.at(t, self._dispatch)
@@ -385,8 +532,23 @@ class SimCluster:
         groups may fetch again."""
         for e in self._node_des.get(node, ()):
             self._de_dirty[e.id] = e
-        for e in self._node_pes.get(node, ()):
-            self._pe_live.add(self._pe_index[e.group])
+        pes = self._node_pes.get(node)
+        if pes:
+            phases = self.opt.leader_phases
+            for e in pes:
+                i = self._pe_index[e.group]
+                self._pe_live.add(i)
+                if phases and e.id in self._pe_lead:
+                    self._want_pe(i)
+
+    def _report_des(self) -> None:
+        """Reports the DEs whose load changed since the scheduler last saw them."""
+        if self._de_dirty:
+            fresh = [self._load(e) for e in self._de_dirty.values()]
+            for x in fresh:
+                self._de_loads[x.engine] = x
+            self.scheduler.report(fresh, "de")
+            self._de_dirty.clear()
 
     def _groups(self, engines: list[_Engine]) -> dict[int, list[_Engine]]:
         out: dict[int, list[_Engine]] = {}
@@ -401,12 +563,7 @@ class SimCluster:
             return
         sched = self.scheduler
         self.counters["dispatches"] += 1
-        if self._de_dirty:
-            fresh = [self._load(e) for e in self._de_dirty.values()]
-            for x in fresh:
-                self._de_loads[x.engine] = x
-            sched.report(fresh, "de")
-            self._de_dirty.clear()
+        self._report_des()
         # A fetch that finds no request only records the group's loads, which the scheduler
         # already has (unchanged since the report above): such fetches are skipped.
         # Groups in id order: the first one routes the global queue (phase 1), then every group
@@ -447,7 +604,7 @@ class SimCluster:
         loads = [self._de_loads[e.id] for e in self._de_groups[gid]]
         sched = self.scheduler
         got = sched.fetch_de(gid, loads) if sched.fetch_de_would_place(gid, loads) else ()
-        if not got:
+        if not got and sched.de_queued(gid):
             self._de_stuck.add(gid)
         for r, de in got:
             st, e = self.states[r.id], self.engines[de]
@@ -459,7 +616,10 @@ class SimCluster:
 
     def _touch_pe(self, e: _Engine) -> None:
         """A PE's load changed: its group may fetch again."""
-        self._pe_live.add(self._pe_index[e.group])
+        i = self._pe_index[e.group]
+        self._pe_live.add(i)
+        if self.opt.leader_phases:
+            self._want_pe(i)
 
     def _assign(self, a: Assignment) -> None:
         st = self.states[a.request.id]
@@ -558,6 +718,8 @@ class SimCluster:
         )
         pe.busy = True
         t0 = self.loop.now
+        if self.opt.leader_phases and pe.id in self._pe_lead:
+            self._leader_batch_start(self._pe_lead[pe.id])
         compute = self.cost.prefill_time(plan.pairs)
         loads: list[L.TransferStep] = []
         batch = [(self.states[c.request_id], c) for c in plan.chunks]
@@ -610,7 +772,12 @@ class SimCluster:
         pe.busy = False
         for st in done:
             self._first_token(st, self.loop.now - t0)
+        lead = self._pe_lead.get(pe.id) if self.opt.leader_phases else None
+        if lead is not None:
+            self._leader_batch_end(lead)
         self._run_batch(pe)
+        if lead is not None and not pe.busy:
+            self._want_pe(lead)
 
     def _first_token(self, st: _Req, prefill_s: float) -> None:
         a, pe = st.assignment, st.pe
@@ -680,6 +847,13 @@ class SimCluster:
             self._step(de)
 
     def _step(self, de: _Engine) -> None:
+        gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
+        if gid is not None and self.fetch_interval_s > 0:  # idle until now: periodic fetches
+            gap = self.loop.now - self._de_last[gid]
+            if gap >= self.fetch_interval_s:
+                self._de_last[gid] += (
+                    math.floor(gap / self.fetch_interval_s + 1e-9) * self.fetch_interval_s
+                )
         n = de.batch_n = len(de.active)
         de.stepping = True
         k = max(1, de.finish[0][0] - de.steps) if self.opt.decode_macro_steps else 1
@@ -719,6 +893,9 @@ class SimCluster:
             de.ctx_sum -= st.request.prompt_tokens + st.generated
             self._decoded(de, st)
         de.stepping = False
+        gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
+        if gid is not None and self.loop.now - self._de_last[gid] >= self.fetch_interval_s - 1e-12:
+            self._de_last[gid] = self.loop.now  # the loop fetches (or finds nothing) here
         if de.waiting:
             self._admit(de)
         if de.active and not de.stepping:
@@ -753,6 +930,8 @@ class SimCluster:
         de.hbm_promised -= r.hbm_tokens
         self._de_dirty[de.id] = de
         self._de_stuck.discard(de.group)
+        if self.opt.leader_phases and self.scheduler.de_queued(de.group):
+            self._want_de(de.group)
         g = r.gen_tokens
         self.results.append(
             RoundResult(
