@@ -93,6 +93,14 @@ def de_route(
     """
     if not group_tok:
         raise ValueError("de_route needs at least one DE group")
+    queue = list(queue)
+    if len(queue) == 1:  # the common case (a router routing as rounds come): no sort, no heap
+        r = queue[0]
+        least = min(group_tok.values())
+        best = min(g for g, t in group_tok.items() if t == least)
+        out = dict(group_tok)
+        out[best] = least + r.tokens
+        return ((r, best),), out
     groups = sorted(group_tok)
     tot = [group_tok[g] for g in groups]
     routes: list[tuple[Request, int]] = []

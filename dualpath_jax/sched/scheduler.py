@@ -235,7 +235,7 @@ class GlobalScheduler:
             return ()
         key = ("de_route", 0)
         routes, self._cursor[key] = self.policy.de_route(
-            self._de_global, dict(self._group_tok), cursor=self._cursor.get(key, 0)
+            self._de_global, self._group_tok, cursor=self._cursor.get(key, 0)
         )
         self._de_global.clear()
         for r, g in routes:

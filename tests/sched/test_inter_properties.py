@@ -160,6 +160,12 @@ def test_de_route_sends_each_request_to_the_lightest_group(queue, group_tok):
         assert tot[g] == best and g == min(k for k, v in tot.items() if v == best)
         tot[g] += r.tokens
     assert after == tot
+    if queue:  # one request at a time (the simulator routes as rounds come) agrees
+        tot = dict(group_tok)
+        for r, g in routes:
+            one, tot = de_route([r], tot)
+            assert one == ((r, g),)
+        assert tot == after
 
 
 @SETTINGS
