@@ -43,6 +43,7 @@ import functools
 import heapq
 import itertools
 import math
+import random
 from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
@@ -360,22 +361,25 @@ class SimCluster:
         self.fetch_interval_s = cl.fetch_interval_s if interval is None else interval
         # Leaders' fetches (`leader_phases`), as the real engine loops do them: a group's leader
         # (its first engine) fetches at the end of a forward batch (PE) or decode step (DE) once
-        # an interval has passed since its last fetch, and every interval while idle. Leader i
-        # of n starts at phase (i + 1/2)/n of the interval (PE) or i/n (DE). `_pe_last[i]` /
-        # `_de_last[gid]`: the leader's last fetch, done or skipped as finding nothing. A new
-        # round is routed to a DE group (phase 1) when submitted: the real router routes it at
-        # the next DE fetch of any group, and the group's own fetch, which places it, comes no
-        # earlier in either case. Pending fetches: one event per DE group; one for the PE
-        # leader due first.
+        # an interval has passed since its last fetch, and while idle every interval plus its
+        # loop's overhead: a period of 1-1.05 intervals, fixed per leader, from a random phase
+        # (both seeded by the workload's seed); leaders polling at one common period would
+        # keep one order for ever (the same PE leader first after every DE fetch), which the
+        # real loops' jitter does not. `_pe_last[i]` / `_de_last[gid]`: the leader's last
+        # fetch, done or skipped as finding nothing. A new round is routed to a DE group
+        # (phase 1) when submitted: the real router routes it at the next DE fetch of any
+        # group, and the group's own fetch, which places it, comes no earlier in either case.
+        # Pending fetches: one event per DE group; one for the PE leader due first.
+        rng = random.Random(cfg.workload.seed)
+        interval = self.fetch_interval_s
         self._de_gids = list(self._de_groups)
         self._de_polls: dict[int, Event] = {}
-        m_de = len(self._de_gids)
-        self._de_last = {
-            g: (j / m_de - 1) * self.fetch_interval_s for j, g in enumerate(self._de_gids)
-        }
+        self._de_period = {g: interval * (1 + 0.05 * rng.random()) for g in self._de_gids}
+        self._de_last = {g: interval * rng.random() - p for g, p in self._de_period.items()}
         self._de_lead = {self._de_groups[g][0].id: g for g in self._de_gids}
         n_pe = len(self._pe_groups)
-        self._pe_last = [((i + 0.5) / n_pe - 1) * self.fetch_interval_s for i in range(n_pe)]
+        self._pe_period = [interval * (1 + 0.05 * rng.random()) for _ in range(n_pe)]
+        self._pe_last = [interval * rng.random() - p for p in self._pe_period]
         self._pe_lead = {group[0].id: i for i, (_, group) in enumerate(self._pe_groups)}
         self._pe_poll: Event | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
@@ -418,17 +422,31 @@ class SimCluster:
         last fetch while it decodes (steps as its current span times them), else its next
         periodic fetch."""
         lead = self._de_groups[gid][0]
-        now, interval, last = self.loop.now, self.fetch_interval_s, self._de_last[gid]
+        last = self._de_last[gid]
         if lead.stepping:
             t0, dt, k = lead.span
-            t = max(now, last + interval)
+            t = max(self.loop.now, last + self.fetch_interval_s)
             if dt <= 0:
                 return t
             j = max(1, math.ceil((t - t0) / dt - 1e-9))
             return t0 + min(j, k) * dt
-        if interval <= 0:
-            return now
-        return last + max(1, math.ceil((now - last) / interval - 1e-9)) * interval
+        return self._periodic_after(last, self._de_period[gid])
+
+    def _periodic_after(self, last: float, period: float) -> float:
+        """The first of `last + k * period` (k >= 1) at or after now: an idle leader's next
+        fetch."""
+        if period <= 0:
+            return self.loop.now
+        k = math.ceil((self.loop.now - last) / period - 1e-9)
+        return last + max(k, 1) * period
+
+    def _periodic_until_now(self, last: float, period: float) -> float:
+        """The last of `last + k * period` (k >= 0) at or before now: an idle leader's last
+        fetch, when it gets busy."""
+        gap = self.loop.now - last
+        if period > 0 and gap >= period:
+            last += math.floor(gap / period + 1e-9) * period
+        return last
 
     def _de_leader_fetch(self, gid: int) -> None:
         del self._de_polls[gid]
@@ -439,14 +457,6 @@ class SimCluster:
         self._report_des()
         self._fetch_de(gid)
         self._want_pe()
-
-    def _pe_idle_fetch_at(self, i: int) -> float:
-        """When idle leader `i` fetches next: the first of its periodic fetches after its last."""
-        last, interval = self._pe_last[i], self.fetch_interval_s
-        if interval <= 0:
-            return self.loop.now
-        k = math.ceil((self.loop.now - last) / interval - 1e-9)
-        return last + max(k, 1) * interval
 
     def _want_pe(self, i: int | None = None) -> None:
         """Rounds may wait for a PE: keeps the pending PE fetch at the idle live leader due
@@ -461,7 +471,7 @@ class SimCluster:
             best_t, best = math.inf, -1
             for j in live:
                 if not groups[j][1][0].busy:
-                    t = self._pe_idle_fetch_at(j)
+                    t = self._periodic_after(self._pe_last[j], self._pe_period[j])
                     if t < best_t or (t == best_t and j < best):
                         best_t, best = t, j
             if best < 0:
@@ -469,7 +479,7 @@ class SimCluster:
         else:
             if i not in live or groups[i][1][0].busy:
                 return
-            best, best_t = i, self._pe_idle_fetch_at(i)
+            best, best_t = i, self._periodic_after(self._pe_last[i], self._pe_period[i])
         ev = self._pe_poll
         if ev is not None:
             if not ev.cancelled and ev.time <= best_t:
@@ -500,10 +510,7 @@ class SimCluster:
 
     def _leader_batch_start(self, i: int) -> None:
         """Leader `i` starts a batch: its last fetch is its last periodic one while idle."""
-        interval = self.fetch_interval_s
-        gap = self.loop.now - self._pe_last[i]
-        if interval > 0 and gap >= interval:
-            self._pe_last[i] += math.floor(gap / interval + 1e-9) * interval
+        self._pe_last[i] = self._periodic_until_now(self._pe_last[i], self._pe_period[i])
 
     def _leader_batch_end(self, i: int) -> None:
         """Leader `i`'s batch ended: the loop fetches if an interval has passed."""
@@ -848,12 +855,8 @@ class SimCluster:
 
     def _step(self, de: _Engine) -> None:
         gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
-        if gid is not None and self.fetch_interval_s > 0:  # idle until now: periodic fetches
-            gap = self.loop.now - self._de_last[gid]
-            if gap >= self.fetch_interval_s:
-                self._de_last[gid] += (
-                    math.floor(gap / self.fetch_interval_s + 1e-9) * self.fetch_interval_s
-                )
+        if gid is not None:  # idle until now: its periodic fetches
+            self._de_last[gid] = self._periodic_until_now(self._de_last[gid], self._de_period[gid])
         n = de.batch_n = len(de.active)
         de.stepping = True
         k = max(1, de.finish[0][0] - de.steps) if self.opt.decode_macro_steps else 1
