@@ -46,6 +46,12 @@ _BLIND = flags.DEFINE_list(
     [],
     "Link kinds served FIFO whatever the class (SimOptions.class_blind_links), e.g. dram.",
 )
+_EP = flags.DEFINE_integer(
+    "ep_decode_nodes", 0, "--preset=paper: decode nodes per expert-parallel group (0: all D)."
+)
+_LEADERS = flags.DEFINE_bool(
+    "leader_phases", True, "Leaders fetch as the engine loops do (False: one pass per interval)."
+)
 _PRESET = flags.DEFINE_enum(
     "preset",
     "paper",
@@ -94,6 +100,7 @@ def main(argv):
             policy=_POLICY.value,
             agents=_AGENTS.value,
             max_turns=_TURNS.value,
+            ep_decode_nodes=_EP.value,
         )
     else:
         cfg = paper_config(
@@ -104,6 +111,7 @@ def main(argv):
         quantum_s=_QUANTUM.value,
         fast_links=_FAST_LINKS.value,
         class_blind_links=tuple(_BLIND.value),
+        leader_phases=_LEADERS.value,
     )
     prof = cProfile.Profile() if _PROFILE.value else None
     if prof:

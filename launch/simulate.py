@@ -40,6 +40,12 @@ _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second (online mode).
 _DURATION = flags.DEFINE_float("duration_s", None, "Online arrivals stop after this many seconds.")
 _COST = flags.DEFINE_string("cost_json", None, "FittedCostModel JSON (gpu='cpu' configs).")
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk (simulator detail).")
+_LEADERS = flags.DEFINE_bool(
+    "leader_phases",
+    True,
+    "Group leaders fetch as the engine loops do (between batches/steps, on their own timers); "
+    "false: one synchronous fetch pass of every group per interval (the earlier model).",
+)
 _ADVISE = flags.DEFINE_bool(
     "advise", False, "Sweep P/D, alpha and beta; report the best (advise.json)."
 )
@@ -80,7 +86,9 @@ def main(argv):
 
         logging.warning("gpu='cpu' without --cost_json: CPU prefill constants, decode steps cost 0")
         cost = FittedCostModel(prefill=CPU_PREFILL_COST)
-    options = SimOptions(quantum_s=_QUANTUM.value, decode_overhead_s=overhead)
+    options = SimOptions(
+        quantum_s=_QUANTUM.value, decode_overhead_s=overhead, leader_phases=_LEADERS.value
+    )
     if _ADVISE.value:
         return advise_main(cfg, wd, cost, options)
     run = simulate(cfg, cost=cost, options=options)
