@@ -372,11 +372,10 @@ class SimCluster:
         # Pending fetches: one event per DE group; one for the PE leader due first.
         rng = random.Random(cfg.workload.seed)
         interval = self.fetch_interval_s
-        self._de_gids = list(self._de_groups)
         self._de_polls: dict[int, Event] = {}
-        self._de_period = {g: interval * (1 + 0.05 * rng.random()) for g in self._de_gids}
+        self._de_period = {g: interval * (1 + 0.05 * rng.random()) for g in self._de_groups}
         self._de_last = {g: interval * rng.random() - p for g, p in self._de_period.items()}
-        self._de_lead = {self._de_groups[g][0].id: g for g in self._de_gids}
+        self._de_lead = {group[0].id: g for g, group in self._de_groups.items()}
         n_pe = len(self._pe_groups)
         self._pe_period = [interval * (1 + 0.05 * rng.random()) for _ in range(n_pe)]
         self._pe_last = [interval * rng.random() - p for p in self._pe_period]
