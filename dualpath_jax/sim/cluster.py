@@ -3,14 +3,14 @@
 Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop`):
 
 - Router: a `GlobalScheduler` (with `make_policy` inside) gets every new round with
-  `submit`. Each group leader fetches on its own timer, every `cluster.fetch_interval_s`, as the
-  real engines do: the leaders' phases are spread evenly over the interval (PE group `i` of `n`
-  at `(i + 1/2) / n` of it, DE group `j` of `m` at `j / m`), and a fetch that could find nothing
-  is not simulated (it would only record loads the scheduler has). A DE fetch is `fetch_de` (phase
-  1 routes the global queue, so a new round waits for the next DE leader); a PE fetch is
-  `fetch_pe`. `SimOptions.leader_phases=False` keeps the earlier model: one synchronous pass
-  per interval in which every DE group, then every PE group fetches (the first PE group then
-  takes everything that waits, which at tens of groups sends each pass's rounds to one node).
+  `submit` and routes it to a DE group (`route_de`, phase 1). Each group leader fetches when
+  the real engine loops do (`sim.leaders`): between its forward batches (PE) or decode steps
+  (DE), at most once per `cluster.fetch_interval_s`, and on its own timer while idle; a fetch
+  that could find nothing is not simulated (it would only record loads the scheduler has). A DE
+  fetch is `fetch_de`, a PE fetch `fetch_pe`. `SimOptions.leader_phases=False` keeps the earlier
+  model: one synchronous pass per interval in which every DE group, then every PE group fetches
+  (the first PE group then takes everything that waits, which at tens of groups sends each
+  pass's rounds to one node).
   Loads are the router's own in-flight counts, current at every fetch: a PE counts a request
   until its first token, a DE until it is done; `read_q` of a node is the hit tokens assigned to
   be read on it whose reads have not finished; `free_hbm_tokens` is what the DE has not
@@ -53,6 +53,7 @@ from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode,
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
 from dualpath_jax.sim.core import Event, EventLoop
+from dualpath_jax.sim.leaders import Leader
 from dualpath_jax.sim.network import SimNetwork
 from dualpath_jax.transfer import links as L
 
@@ -93,9 +94,9 @@ class SimOptions:
     bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
     `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
     (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
-    that carries both classes; off by default). `leader_phases`: every group leader fetches at
-    its own phase of the fetch interval (the real engines' independent timers); False: one
-    synchronous pass of all groups per interval (see the module docstring).
+    that carries both classes; off by default). `leader_phases`: every group leader fetches when
+    the engine loops do, between batches or steps and on its own timer while idle
+    (`sim.leaders`); False: one synchronous pass of all groups per interval (module docstring).
     """
 
     quantum_s: float = 0.05
@@ -359,27 +360,20 @@ class SimCluster:
         self._dispatch_at: float | None = None
         interval = options.dispatch_interval_s
         self.fetch_interval_s = cl.fetch_interval_s if interval is None else interval
-        # Leaders' fetches (`leader_phases`), as the real engine loops do them: a group's leader
-        # (its first engine) fetches at the end of a forward batch (PE) or decode step (DE) once
-        # an interval has passed since its last fetch, and while idle every interval plus its
-        # loop's overhead: a period of 1-1.05 intervals, fixed per leader, from a random phase
-        # (both seeded by the workload's seed); leaders polling at one common period would
-        # keep one order for ever (the same PE leader first after every DE fetch), which the
-        # real loops' jitter does not. `_pe_last[i]` / `_de_last[gid]`: the leader's last
-        # fetch, done or skipped as finding nothing. A new round is routed to a DE group
+        # Leaders' fetches (`leader_phases`; `sim.leaders`): while idle a leader polls every
+        # interval plus its loop's overhead, a period of 1-1.05 intervals fixed per leader,
+        # from a random phase (both seeded by the workload's seed); leaders polling at one
+        # common period would keep one order for ever (the same PE leader first after every DE
+        # fetch), which the real loops' jitter does not. A new round is routed to a DE group
         # (phase 1) when submitted: the real router routes it at the next DE fetch of any
         # group, and the group's own fetch, which places it, comes no earlier in either case.
         # Pending fetches: one event per DE group; one for the PE leader due first.
         rng = random.Random(cfg.workload.seed)
-        interval = self.fetch_interval_s
-        self._de_polls: dict[int, Event] = {}
-        self._de_period = {g: interval * (1 + 0.05 * rng.random()) for g in self._de_groups}
-        self._de_last = {g: interval * rng.random() - p for g, p in self._de_period.items()}
+        self._de_leaders = self._leaders(rng, self._de_groups)
+        self._pe_leaders = list(self._leaders(rng, dict(self._pe_groups)).values())
         self._de_lead = {group[0].id: g for g, group in self._de_groups.items()}
-        n_pe = len(self._pe_groups)
-        self._pe_period = [interval * (1 + 0.05 * rng.random()) for _ in range(n_pe)]
-        self._pe_last = [interval * rng.random() - p for p in self._pe_period]
         self._pe_lead = {group[0].id: i for i, (_, group) in enumerate(self._pe_groups)}
+        self._de_polls: dict[int, Event] = {}
         self._pe_poll: Event | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
         # The additive form of the cost model's attention time, when it has one (same plans).
@@ -416,40 +410,30 @@ class SimCluster:
         if gid not in self._de_polls and gid not in self._de_stuck:
             self._de_polls[gid] = self.loop.at(self._de_fetch_at(gid), self._de_leader_fetch, gid)
 
+    def _leaders(self, rng: random.Random, groups: dict) -> dict[int, Leader]:
+        """One `Leader` per group: idle periods of 1-1.05 fetch intervals, then random phases."""
+        interval = self.fetch_interval_s
+        periods = {g: interval * (1 + 0.05 * rng.random()) for g in groups}
+        return {g: Leader(p, interval * rng.random()) for g, p in periods.items()}
+
     def _de_fetch_at(self, gid: int) -> float:
         """When DE group `gid`'s leader fetches next: the first step end an interval after its
         last fetch while it decodes (steps as its current span times them), else its next
-        periodic fetch."""
+        idle poll."""
         lead = self._de_groups[gid][0]
-        last = self._de_last[gid]
+        leader = self._de_leaders[gid]
         if lead.stepping:
             t0, dt, k = lead.span
-            t = max(self.loop.now, last + self.fetch_interval_s)
+            t = max(self.loop.now, leader.last + self.fetch_interval_s)
             if dt <= 0:
                 return t
             j = max(1, math.ceil((t - t0) / dt - 1e-9))
             return t0 + min(j, k) * dt
-        return self._periodic_after(last, self._de_period[gid])
-
-    def _periodic_after(self, last: float, period: float) -> float:
-        """The first of `last + k * period` (k >= 1) at or after now: an idle leader's next
-        fetch."""
-        if period <= 0:
-            return self.loop.now
-        k = math.ceil((self.loop.now - last) / period - 1e-9)
-        return last + max(k, 1) * period
-
-    def _periodic_until_now(self, last: float, period: float) -> float:
-        """The last of `last + k * period` (k >= 0) at or before now: an idle leader's last
-        fetch, when it gets busy."""
-        gap = self.loop.now - last
-        if period > 0 and gap >= period:
-            last += math.floor(gap / period + 1e-9) * period
-        return last
+        return leader.next_idle(self.loop.now)
 
     def _de_leader_fetch(self, gid: int) -> None:
         del self._de_polls[gid]
-        self._de_last[gid] = self.loop.now
+        self._de_leaders[gid].last = self.loop.now
         if not self.scheduler.de_queued(gid):
             return
         self.counters["fetches_de"] += 1
@@ -466,11 +450,12 @@ class SimCluster:
             return
         live = self._pe_live
         groups = self._pe_groups
+        now = self.loop.now
         if i is None:
             best_t, best = math.inf, -1
             for j in live:
                 if not groups[j][1][0].busy:
-                    t = self._periodic_after(self._pe_last[j], self._pe_period[j])
+                    t = self._pe_leaders[j].next_idle(now)
                     if t < best_t or (t == best_t and j < best):
                         best_t, best = t, j
             if best < 0:
@@ -478,7 +463,7 @@ class SimCluster:
         else:
             if i not in live or groups[i][1][0].busy:
                 return
-            best, best_t = i, self._periodic_after(self._pe_last[i], self._pe_period[i])
+            best, best_t = i, self._pe_leaders[i].next_idle(now)
         ev = self._pe_poll
         if ev is not None:
             if not ev.cancelled and ev.time <= best_t:
@@ -490,7 +475,7 @@ class SimCluster:
         """Idle leader `i`'s periodic fetch (skipped if it started a batch meanwhile)."""
         self._pe_poll = None
         if not self._pe_groups[i][1][0].busy:
-            self._pe_last[i] = self.loop.now
+            self._pe_leaders[i].last = self.loop.now
             self._pe_fetch(i)
         self._want_pe()
 
@@ -506,16 +491,6 @@ class SimCluster:
             self._pe_live.discard(i)
         for a in out:
             self._assign(a)
-
-    def _leader_batch_start(self, i: int) -> None:
-        """Leader `i` starts a batch: its last fetch is its last periodic one while idle."""
-        self._pe_last[i] = self._periodic_until_now(self._pe_last[i], self._pe_period[i])
-
-    def _leader_batch_end(self, i: int) -> None:
-        """Leader `i`'s batch ended: the loop fetches if an interval has passed."""
-        if self.loop.now - self._pe_last[i] >= self.fetch_interval_s - 1e-12:
-            self._pe_last[i] = self.loop.now
-            self._pe_fetch(i)
 
     # ------------------------------------------------------------ one pass per interval
 
@@ -725,7 +700,7 @@ class SimCluster:
         pe.busy = True
         t0 = self.loop.now
         if self.opt.leader_phases and pe.id in self._pe_lead:
-            self._leader_batch_start(self._pe_lead[pe.id])
+            self._pe_leaders[self._pe_lead[pe.id]].went_busy(t0)
         compute = self.cost.prefill_time(plan.pairs)
         loads: list[L.TransferStep] = []
         batch = [(self.states[c.request_id], c) for c in plan.chunks]
@@ -779,8 +754,10 @@ class SimCluster:
         for st in done:
             self._first_token(st, self.loop.now - t0)
         lead = self._pe_lead.get(pe.id) if self.opt.leader_phases else None
-        if lead is not None:
-            self._leader_batch_end(lead)
+        if lead is not None and self._pe_leaders[lead].loop_check(
+            self.loop.now, self.fetch_interval_s
+        ):
+            self._pe_fetch(lead)
         self._run_batch(pe)
         if lead is not None and not pe.busy:
             self._want_pe(lead)
@@ -854,8 +831,8 @@ class SimCluster:
 
     def _step(self, de: _Engine) -> None:
         gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
-        if gid is not None:  # idle until now: its periodic fetches
-            self._de_last[gid] = self._periodic_until_now(self._de_last[gid], self._de_period[gid])
+        if gid is not None:
+            self._de_leaders[gid].went_busy(self.loop.now)
         n = de.batch_n = len(de.active)
         de.stepping = True
         k = max(1, de.finish[0][0] - de.steps) if self.opt.decode_macro_steps else 1
@@ -896,8 +873,8 @@ class SimCluster:
             self._decoded(de, st)
         de.stepping = False
         gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
-        if gid is not None and self.loop.now - self._de_last[gid] >= self.fetch_interval_s - 1e-12:
-            self._de_last[gid] = self.loop.now  # the loop fetches (or finds nothing) here
+        if gid is not None:  # the loop's check at a step end (a fetch the group needs is pending)
+            self._de_leaders[gid].loop_check(self.loop.now, self.fetch_interval_s)
         if de.waiting:
             self._admit(de)
         if de.active and not de.stepping:

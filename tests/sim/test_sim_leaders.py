@@ -17,6 +17,7 @@ from dualpath_jax.sched.types import EngineLoad, Request
 from dualpath_jax.sim import SimOptions
 from dualpath_jax.sim import run as R
 from dualpath_jax.sim.cluster import SimCluster
+from dualpath_jax.sim.leaders import Leader
 
 CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 
@@ -132,3 +133,14 @@ def test_route_de_is_phase_one_of_fetch_de():
     got = b.fetch_de(0, loads[:2])
     assert {r.id for r, _ in got} <= {r.id for r, g in routes if g == 0}
     assert a.fetch_de(0, loads[:2]) == got
+
+
+def test_leader_timing():
+    lead = Leader(period=0.005, phase=0.002)
+    assert lead.next_idle(0.0) == pytest.approx(0.002)  # the first idle poll is the phase
+    assert lead.next_idle(0.0021) == pytest.approx(0.007)
+    lead.went_busy(0.0131)  # idle polls at 2, 7 and 12 ms happened before the batch
+    assert lead.last == pytest.approx(0.012)
+    assert not lead.loop_check(0.016, 0.005)  # 4 ms since the last fetch: no fetch
+    assert lead.loop_check(0.0171, 0.005) and lead.last == 0.0171
+    assert lead.next_idle(0.0171) == pytest.approx(0.0221)  # never twice at one time
