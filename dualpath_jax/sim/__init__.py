@@ -11,7 +11,14 @@
 from dualpath_jax.sim.cluster import RoundResult, SimCluster, SimOptions
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimLink, SimNetwork
-from dualpath_jax.sim.run import SimRun, build_agents, round_hit, simulate, write_run
+from dualpath_jax.sim.run import (
+    SimRun,
+    build_agents,
+    round_hit,
+    schedule_agents,
+    simulate,
+    write_run,
+)
 
 __all__ = [
     "Event",
@@ -24,6 +31,7 @@ __all__ = [
     "SimRun",
     "build_agents",
     "round_hit",
+    "schedule_agents",
     "simulate",
     "write_run",
 ]

@@ -85,28 +85,12 @@ def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostMod
     )
 
 
-def simulate(
-    cfg: ExperimentConfig,
-    *,
-    cost: CostModel | None = None,
-    options: SimOptions | None = None,
-    trajectories: Sequence[Trajectory] | None = None,
-    arrivals: Sequence[float] | None = None,
-    scheduler: Any = None,
-) -> SimRun:
-    """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary."""
-    if trajectories is None:
-        trajectories, default_arrivals = build_agents(cfg)
-        arrivals = default_arrivals if arrivals is None else arrivals
-    if arrivals is None:
-        arrivals = [0.0] * len(trajectories)
-    if len(arrivals) != len(trajectories):
-        raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
-    options = options or SimOptions()
-    cost = cost or default_cost(cfg, options.kv_format)
-    cluster = SimCluster(
-        cfg, cost, options=options, scheduler=scheduler, ref_request=reference_request(trajectories)
-    )
+def schedule_agents(
+    cluster: SimCluster, trajectories: Sequence[Trajectory], arrivals: Sequence[float]
+) -> list[float]:
+    """Schedules each agent's first round at its arrival on `cluster`'s loop; each later round is
+    submitted when the one before finishes (appendix A.3 hits within the trajectory). Returns
+    the agents' finish times, NaN until each finishes (filled in while the loop runs)."""
     bt = cluster.bt
     specs = [turn_specs(t) for t in trajectories]
     done_at = [math.nan] * len(trajectories)
@@ -134,10 +118,36 @@ def simulate(
     for agent, t0 in enumerate(arrivals):
         if specs[agent]:
             cluster.loop.at(t0, submit, agent, 0)
+    return done_at
+
+
+def simulate(
+    cfg: ExperimentConfig,
+    *,
+    cost: CostModel | None = None,
+    options: SimOptions | None = None,
+    trajectories: Sequence[Trajectory] | None = None,
+    arrivals: Sequence[float] | None = None,
+    scheduler: Any = None,
+) -> SimRun:
+    """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary."""
+    if trajectories is None:
+        trajectories, default_arrivals = build_agents(cfg)
+        arrivals = default_arrivals if arrivals is None else arrivals
+    if arrivals is None:
+        arrivals = [0.0] * len(trajectories)
+    if len(arrivals) != len(trajectories):
+        raise ValueError(f"{len(arrivals)} arrival times for {len(trajectories)} agents")
+    options = options or SimOptions()
+    cost = cost or default_cost(cfg, options.kv_format)
+    cluster = SimCluster(
+        cfg, cost, options=options, scheduler=scheduler, ref_request=reference_request(trajectories)
+    )
+    done_at = schedule_agents(cluster, trajectories, arrivals)
     wall = time.perf_counter()
     cluster.loop.run()
     wall = time.perf_counter() - wall
-    unfinished = sum(1 for a, d in enumerate(done_at) if math.isnan(d) and specs[a])
+    unfinished = sum(1 for a, d in enumerate(done_at) if math.isnan(d) and trajectories[a].rounds)
     finished = [d for d in done_at if not math.isnan(d)]
     jct = max(finished) - (min(arrivals) if arrivals else 0.0) if finished else 0.0
     w = cfg.workload

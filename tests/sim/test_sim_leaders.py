@@ -40,19 +40,7 @@ def _cluster(p: int, d: int, agents: int, *, phases: bool, interval_s: float | N
 
 
 def _run(cl: SimCluster, trajs, arrivals) -> None:
-    specs = [R.turn_specs(t) for t in trajs]
-
-    def submit(agent: int, turn: int) -> None:
-        spec, prev = specs[agent][turn], specs[agent][turn - 1] if turn else None
-        rid = f"{trajs[agent].id}/a{agent}"
-        req = Request(
-            f"{rid}/r{turn}", rid, turn, spec.prompt, R.round_hit(prev, spec, cl.bt), spec.gen
-        )
-        nxt = turn + 1 < len(specs[agent])
-        cl.submit_round(req, agent, lambda _st: nxt and submit(agent, turn + 1))
-
-    for a, t0 in enumerate(arrivals):
-        cl.loop.at(t0, submit, a, 0)
+    R.schedule_agents(cl, trajs, arrivals)
     cl.loop.run()
 
 
