@@ -18,7 +18,8 @@ and once the PE is known the request can start at once (both read paths need bot
 
 Read queues: a load report sets its node's `read_q`; each read decision then adds the hit
 tokens to the reading node's queue until that node reports again, so one fetch does not send
-every request to the same side.
+every request to the same side. A report the scheduler already holds (the same object given
+again) changes nothing.
 """
 
 from __future__ import annotations
@@ -150,9 +151,11 @@ class GlobalScheduler:
             raise ValueError(f"role must be 'pe' or 'de', got {role!r}")
         table = self._pe if role == "pe" else self._de
         for x in loads:
-            self._read_q[x.node] = x.read_q
-            if table.get(x.engine) is x:  # the same report again (a caller that keeps loads)
+            # The same report again (a caller that keeps loads): nothing new, and its read queue
+            # is no newer than the estimate read decisions have raised since.
+            if table.get(x.engine) is x:
                 continue
+            self._read_q[x.node] = x.read_q
             if role == "de":
                 self._set_de(x)
                 self._de_private.setdefault(x.group, collections.deque())

@@ -509,10 +509,12 @@ class SimCluster:
         return EngineLoad(e.id, e.node, e.group, e.seq, e.tok, self.read_q[e.node], free)
 
     def _touch_node(self, node: int) -> None:
-        """`read_q[node]` changed: a decode node's DEs must report again, a prefill node's PE
-        groups may fetch again."""
-        for e in self._node_des.get(node, ()):
-            self._de_dirty[e.id] = e
+        """`read_q[node]` changed: a decode node reports again (through its first DE: the
+        scheduler keeps one read queue per node, and re-reporting the others would record the
+        same), a prefill node's PE groups may fetch again."""
+        des = self._node_des.get(node)
+        if des:
+            self._de_dirty[des[0].id] = des[0]
         pes = self._node_pes.get(node)
         if pes:
             phases = self.opt.leader_phases

@@ -212,8 +212,8 @@ def test_from_config_uses_z_and_queue_bound():
 
 def test_fetch_de_would_place_and_repeated_reports():
     """`fetch_de_would_place` is False exactly when a DE fetch would route and place nothing;
-    reporting the same load objects again records nothing new, while a read queue in a report
-    always resets the node's estimate."""
+    reporting the same load objects again records nothing new (not even their read queue, which
+    read decisions may have raised since), while a new report resets the node's estimate."""
     s = GlobalScheduler(Policy.DUALPATH)
     loads = de_loads(free=1010)
     s.report(loads, "de")
@@ -230,6 +230,9 @@ def test_fetch_de_would_place_and_repeated_reports():
     s.report(list(s._de.values()), "de")  # the loads it holds, after the fetch
     assert (dict(s._group_tok), dict(s._de)) == before
     s.fetch_pe(0, pe_loads())  # read decisions add to node queues
-    assert s._read_q[1] > 0 or s._read_q[0] > 0
-    s.report(list(s._de.values()), "de")
+    raised = dict(s._read_q)
+    assert raised[1] > 0 or raised[0] > 0
+    s.report(list(s._de.values()), "de")  # held reports: the raised estimate stays
+    assert s._read_q == raised
+    s.report([dataclasses.replace(x) for x in s._de.values()], "de")  # new reports reset it
     assert s._read_q[1] == 0
