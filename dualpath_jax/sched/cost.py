@@ -270,11 +270,12 @@ class RooflineCostModel:
         """Achieved linear-layer (GEMM) FLOP/s of a decode step."""
         return (self.gpu.fp8_flops if self.fp8 else self.gpu.bf16_flops) * self.gpu.flops_efficiency
 
-    @property
+    # Constants of a frozen model, asked for on every forward: computed once per instance.
+    @functools.cached_property
     def bytes_per_s(self) -> float:
         return self.gpu.hbm_bytes_per_s * self.gpu.bw_efficiency
 
-    @property
+    @functools.cached_property
     def weight_bytes_per_gpu(self) -> float:
         m = self.model
         params = m.total_params - m.routed_expert_params * (1 - 1 / max(1, self.expert_parallel))

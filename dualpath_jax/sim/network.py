@@ -179,7 +179,14 @@ class SimLink:
                 self._cls = c
             start = self._free_at if self._free_at > now else now
             self._free_at = end = start + nbytes / self.rate
-            self._account(c, nbytes, start, end)
+            w = self.window_s
+            a = int(start // w)
+            if a >= int((end - 1e-9 * w) // w):  # one window: `_account`'s common case, inlined
+                self.bytes[c] += nbytes
+                win = self.windows
+                win[a] = win.get(a, 0.0) + nbytes
+            else:
+                self._account(c, nbytes, start, end)
             return end
         if self._busy or nbytes > self._chunk or now < self._free_at:
             return None
@@ -284,10 +291,16 @@ class SimNetwork:
         self.window_s = window_s
         self.links: dict[LinkId, SimLink] = {}
         self.by_owner: dict[str, list[SimLink]] = {}
+        # `id(link id) -> (link id, link)`: paths repeat the same LinkId objects
+        # (`transfer.links` caches them), and an int key spares the dataclass hash per hop; the
+        # entry is used only while it holds that very object (ids of freed objects are reused).
+        self._by_ref: dict[int, tuple[LinkId, SimLink]] = {}
 
     def link(self, link_id: LinkId) -> SimLink:
         ln = self.links.get(link_id)
-        if ln is None:
+        if ln is not None:
+            self._by_ref[id(link_id)] = (link_id, ln)
+        else:
             ln = self.links[link_id] = SimLink(
                 link_id,
                 self._rates(link_id),
@@ -300,6 +313,7 @@ class SimNetwork:
                 class_blind=str(link_id.kind) in self.class_blind,
             )
             self.by_owner.setdefault(link_id.owner, []).append(ln)
+            self._by_ref[id(link_id)] = (link_id, ln)
         return ln
 
     def transfer(
@@ -332,13 +346,12 @@ class SimNetwork:
         self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
     ) -> None:
         """`transfer` with `serve_now` on every link that allows it: one event when all do."""
-        loop, links = self.loop, self.links
+        loop, by_ref = self.loop, self._by_ref
         end = loop.now
         slow: list[SimLink] = []
         for lid in path:
-            ln = links.get(lid)
-            if ln is None:
-                ln = self.link(lid)
+            ref = by_ref.get(id(lid))
+            ln = ref[1] if ref is not None and ref[0] is lid else self.link(lid)
             t = ln.serve_now(nbytes, cls)
             if t is None:
                 slow.append(ln)
