@@ -5,10 +5,11 @@
     run.summary["jct_s"]
 
 `core.EventLoop` is the virtual clock, `network.SimNetwork` the links (real `LinkArbiter`),
-`cluster.SimCluster` the router, engines and data paths, `run.simulate` the offline/online driver.
+`cluster.SimCluster` the router, engines and data paths (their state in `state`), `leaders` when
+group leaders fetch, `run.simulate` the offline/online driver.
 """
 
-from dualpath_jax.sim.cluster import RoundResult, SimCluster, SimOptions
+from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimLink, SimNetwork
 from dualpath_jax.sim.run import (
@@ -19,6 +20,7 @@ from dualpath_jax.sim.run import (
     simulate,
     write_run,
 )
+from dualpath_jax.sim.state import RoundResult, SimOptions
 
 __all__ = [
     "Event",

@@ -36,8 +36,8 @@ from typing import Any
 from dualpath_jax.analysis.pd_range import PDRange, as_fraction, pd_range
 from dualpath_jax.config import ExperimentConfig, HardwareConfig
 from dualpath_jax.sched.cost import CostModel
-from dualpath_jax.sim.cluster import SimOptions
 from dualpath_jax.sim.run import build_agents, simulate
+from dualpath_jax.sim.state import SimOptions
 
 OBJECTIVES = ("jct", "capacity")
 NEAR = 0.01  # candidates within 1% of the best JCT are reported as ties

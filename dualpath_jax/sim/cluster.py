@@ -38,7 +38,6 @@ The simulator has no token ids: a round result's `tokens` is `range(gen)` (a len
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -49,12 +48,20 @@ from collections.abc import Callable
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
-from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, admit_decode, batch_kv_bound
+from dualpath_jax.sched.intra import PendingPrefill, admit_decode, batch_kv_bound
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.leaders import Leader
 from dualpath_jax.sim.network import SimNetwork
+from dualpath_jax.sim.state import (
+    HostBuffer,
+    MemoTerms,
+    RoundResult,
+    RoundState,
+    SimEngine,
+    SimOptions,
+)
 from dualpath_jax.transfer import links as L
 
 # Link kinds that carry one traffic class in the simulated data paths (`transfer.links`): store
@@ -69,185 +76,6 @@ _ONE_CLASS_LINKS = (
     L.LinkKind.H2D,
     L.LinkKind.D2H,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class SimOptions:
-    """Knobs of the model itself (not of the simulated hardware).
-
-    `quantum_s`: link time per granted chunk (see `sim.network`); `window_s`: link time-series
-    window; `persist`: charge the DE's Full Block writes; `dispatch_interval_s`: router fetch
-    cadence (None: `cluster.fetch_interval_s`); `kv_format`: KV bytes format
-    (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"); `hbm_tokens`: KV tokens per DE
-    (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it);
-    `decode_overhead_s`: fixed DE time per request between its last decode step and persisting
-    (control-plane messages, admission polling, bookkeeping of the real engines; fitted for the
-    CPU engines by `sim.fit`, 0 for the GPU presets); `decode_macro_steps`: a decode batch
-    whose members cannot change (no request finishes, none is admitted) advances all those
-    steps in one event, each timed at the span's mean context; an admission cuts the span after
-    the step in progress (False: one event per step, each at its own context); `fast_links`:
-    one event per uncontended transfer (`sim.network`; False: one per chunk per link);
-    `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None:
-    `cluster.prefill_max_kv_tokens`, else the DE's `hardware.hbm_bytes` figure, unbounded
-    without either; 0: unbounded). Without layerwise prefill a batch holds every layer of its
-    context (`cached + new` summed over its chunks <= this); with it one layer at a time, so the
-    bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
-    `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
-    (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
-    that carries both classes; off by default). `leader_phases`: every group leader fetches when
-    the engine loops do, between batches or steps and on its own timer while idle
-    (`sim.leaders`); False: one synchronous pass of all groups per interval (module docstring).
-    """
-
-    quantum_s: float = 0.05
-    window_s: float = 1.0
-    persist: bool = True
-    dispatch_interval_s: float | None = None
-    kv_format: str | None = None
-    hbm_tokens: int = 0
-    decode_overhead_s: float = 0.0
-    decode_macro_steps: bool = True
-    fast_links: bool = True
-    pe_hbm_tokens: int | None = None
-    class_blind_links: tuple[str, ...] = ()
-    leader_phases: bool = True
-
-
-@dataclasses.dataclass(slots=True)
-class RoundResult:
-    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds).
-    `read_s` / `prefill_s` are the TTFT breakdown the real router takes from its engines'
-    `first_token` events (kept here, one object per round, instead of an event per round)."""
-
-    request: str
-    tokens: range
-    ttft_s: float
-    ttst_s: float
-    tpot_s: float
-    jct_s: float
-    queue_s: float
-    cached_tokens: int
-    prompt_tokens: int
-    read_path: str
-    recomputed_blocks: int = 0
-    submit_s: float = 0.0  # virtual time the round was submitted (online windows)
-    read_s: float = math.nan  # assignment -> hit KV read (s)
-    prefill_s: float = math.nan  # the forward batches of its prefill (s)
-
-
-@dataclasses.dataclass(eq=False)
-class _Req:
-    """Mutable per-request state; times are virtual seconds (NaN until reached)."""
-
-    request: Request
-    agent: int
-    t_submit: float
-    on_done: Callable[[_Req], None]
-    t_assign: float = math.nan
-    t_read: float = math.nan
-    t_first: float = math.nan
-    t_second: float = math.nan
-    pe: _Engine | None = None
-    de: _Engine | None = None
-    assignment: Assignment | None = None
-    steps: dict[str, L.TransferStep] = dataclasses.field(default_factory=dict)
-    waits: int = 0  # outstanding buffer reservations or store reads
-    loaded: bool = False  # the hit KV went to the PE device
-    sent: int = 0  # bytes of PE device -> DE buffer issued so far
-    sends: int = 0  # of those, transfers still in flight
-    prefilled: bool = False
-    prefill_s: float = 0.0
-    generated: int = 0  # tokens so far (the PE's first one included; not updated while decoding)
-    pe_buf: int = 0
-    de_buf: int = 0
-    read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
-
-
-class _Buffer:
-    """A host buffer (PE buffer / DE buffer) of `capacity` bytes; FIFO reservations."""
-
-    def __init__(self, capacity: float):
-        self.capacity = capacity
-        self.free = capacity
-        self.waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
-
-    def reserve(self, nbytes: int, granted: Callable[[], None]) -> None:
-        if nbytes > self.capacity:
-            raise ValueError(f"{nbytes} B do not fit a host buffer of {self.capacity:.0f} B")
-        self.waiting.append((nbytes, granted))
-        self._grant()
-
-    def release(self, nbytes: int) -> None:
-        self.free += nbytes
-        self._grant()
-
-    def _grant(self) -> None:
-        while self.waiting and self.waiting[0][0] <= self.free:
-            n, cb = self.waiting.popleft()
-            self.free -= n
-            cb()
-
-
-@dataclasses.dataclass(eq=False)
-class _Engine:
-    id: int
-    node: int
-    group: int
-    role: str  # "prefill" | "decode"
-    buffer: _Buffer
-    # router-side load (requests assigned, tokens, promised HBM tokens)
-    seq: int = 0
-    tok: int = 0
-    hbm_promised: int = 0
-    # PE
-    queue: PrefillQueue = dataclasses.field(default_factory=PrefillQueue)
-    busy: bool = False
-    # DE
-    hbm_tokens: int = 0
-    slots: int = 0
-    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
-    # Decoding requests by admission number. Tokens are counted lazily: a request admitted to
-    # start with step `j` holding `g0` tokens finishes at the end of step `j + gen - g0 - 1`
-    # (`finish` heap), and gets its second token at the end of step `j` (`seconds`).
-    active: dict = dataclasses.field(default_factory=dict)
-    finish: list = dataclasses.field(default_factory=list)  # heap of (last step, admission no.)
-    seconds: dict = dataclasses.field(default_factory=dict)  # step -> requests to stamp t_second
-    steps: int = 0  # decode steps completed
-    batch_n: int = 0  # requests in the step(s) on the device
-    span: tuple = (0.0, 0.0, 0)  # (start, seconds per step, steps) of the span on the device
-    span_event: Event | None = None
-    hbm_used: int = 0
-    stepping: bool = False
-    ctx_sum: int = 0  # sum of prompt + generated tokens over `active`
-
-    @property
-    def name(self) -> str:
-        return f"{'pe' if self.role == 'prefill' else 'de'}{self.id}"
-
-    @property
-    def node_name(self) -> str:
-        return f"node{self.node}"
-
-
-class _MemoTerms:
-    """A cost model's additive attention terms, remembered per `(cached, bsz)`: packing asks for
-    the same pairs again (a queued request at every batch until it is taken; the cut search)."""
-
-    LIMIT = 1 << 20  # pairs kept before the memo starts over
-
-    def __init__(self, cost) -> None:
-        self._terms = cost.attention_terms
-        self.attention_time_of = cost.attention_time_of
-        self._memo: dict[tuple[int, int], tuple[float, ...]] = {}
-
-    def attention_terms(self, cached: int, bsz: int) -> tuple[float, ...]:
-        key = (cached, bsz)
-        out = self._memo.get(key)
-        if out is None:
-            if len(self._memo) >= self.LIMIT:
-                self._memo.clear()
-            out = self._memo[key] = self._terms(cached, bsz)
-        return out
 
 
 class SimCluster:
@@ -313,20 +141,20 @@ class SimCluster:
             pe_hbm = cl.prefill_max_kv_tokens or hw_kv_tokens
         # The context one PE forward batch may hold (0: unbounded).
         self.pe_kv_tokens = batch_kv_bound(pe_hbm, self.layers, self.policy.layerwise)
-        self.pes: list[_Engine] = []
-        self.des: list[_Engine] = []
+        self.pes: list[SimEngine] = []
+        self.des: list[SimEngine] = []
         eid = 0
         for n in range(cl.prefill_nodes + cl.decode_nodes):
             role = "prefill" if n < cl.prefill_nodes else "decode"
             group = self.pes if role == "prefill" else self.des
             size = cl.pe_group_size if role == "prefill" else cl.de_group_size
             for _ in range(g):
-                e = _Engine(
+                e = SimEngine(
                     eid,
                     n,
                     len(group) // max(1, size),
                     role,
-                    _Buffer(hw.dram_buffer_bytes),
+                    HostBuffer(hw.dram_buffer_bytes),
                     hbm_tokens=hbm,
                     slots=cl.decode_slots,
                 )
@@ -335,12 +163,12 @@ class SimCluster:
         self.engines = {e.id: e for e in (*self.pes, *self.des)}
         self._de_groups = self._groups(self.des)
         self._pe_groups = list(self._groups(self.pes).items())
-        self._node_des: dict[int, list[_Engine]] = {}
+        self._node_des: dict[int, list[SimEngine]] = {}
         for e in self.des:
             self._node_des.setdefault(e.node, []).append(e)
         # DEs whose load changed since the scheduler last saw it (all of them before the first
         # dispatch): reporting only these is what reporting every DE would record.
-        self._de_dirty: dict[int, _Engine] = {e.id: e for e in self.des}
+        self._de_dirty: dict[int, SimEngine] = {e.id: e for e in self.des}
         self._de_loads: dict[int, EngineLoad] = {}  # DE id -> its load as last reported
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._admitted = itertools.count()
@@ -349,11 +177,11 @@ class SimCluster:
         self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
         self._de_first = next(iter(self._de_groups))
         self._de_stuck: set[int] = set()  # DE groups whose last fetch assigned nothing
-        self._node_pes: dict[int, list[_Engine]] = {}
+        self._node_pes: dict[int, list[SimEngine]] = {}
         for e in self.pes:
             self._node_pes.setdefault(e.node, []).append(e)
         self.read_q: dict[int, int] = collections.defaultdict(int)
-        self.states: dict[str, _Req] = {}
+        self.states: dict[str, RoundState] = {}
         self.results: list[RoundResult] = []
         self.events: list[dict] = []  # router-style events (none: the TTFT breakdown is on results)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -377,11 +205,13 @@ class SimCluster:
         self._pe_poll: Event | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
         # The additive form of the cost model's attention time, when it has one (same plans).
-        self._terms = _MemoTerms(cost) if hasattr(cost, "attention_terms") else None
+        self._terms = MemoTerms(cost) if hasattr(cost, "attention_terms") else None
 
     # ------------------------------------------------------------------ router
 
-    def submit_round(self, request: Request, agent: int, on_done: Callable[[_Req], None]) -> None:
+    def submit_round(
+        self, request: Request, agent: int, on_done: Callable[[RoundState], None]
+    ) -> None:
         """A client submits one round now (the router's `on_submit` after the store lookup)."""
         if request.hbm_tokens > self.des[0].hbm_tokens:
             raise ValueError(
@@ -390,7 +220,7 @@ class SimCluster:
             )
         self.scheduler.submit(request)
         self._unassigned += 1
-        self.states[request.id] = _Req(request, agent, self.loop.now, on_done)
+        self.states[request.id] = RoundState(request, agent, self.loop.now, on_done)
         if self.opt.leader_phases:
             self._route()
         else:
@@ -502,7 +332,7 @@ class SimCluster:
             self._dispatch_at = t
             self.loop.at(t, self._dispatch)
 
-    def _load(self, e: _Engine) -> EngineLoad:
+    def _load(self, e: SimEngine) -> EngineLoad:
         free = 0
         if e.role == "decode":
             free = 0 if e.seq >= e.slots else max(0, e.hbm_tokens - e.hbm_promised)
@@ -533,8 +363,8 @@ class SimCluster:
             self.scheduler.report(fresh, "de")
             self._de_dirty.clear()
 
-    def _groups(self, engines: list[_Engine]) -> dict[int, list[_Engine]]:
-        out: dict[int, list[_Engine]] = {}
+    def _groups(self, engines: list[SimEngine]) -> dict[int, list[SimEngine]]:
+        out: dict[int, list[SimEngine]] = {}
         for e in engines:
             out.setdefault(e.group, []).append(e)
         return out
@@ -597,7 +427,7 @@ class SimCluster:
             e.hbm_promised += r.hbm_tokens
             self._de_dirty[e.id] = e
 
-    def _touch_pe(self, e: _Engine) -> None:
+    def _touch_pe(self, e: SimEngine) -> None:
         """A PE's load changed: its group may fetch again."""
         i = self._pe_index[e.group]
         self._pe_live.add(i)
@@ -645,7 +475,7 @@ class SimCluster:
         pe.buffer.reserve(st.pe_buf, lambda: self._buffer_ready(st))
         de.buffer.reserve(st.de_buf, lambda: self._buffer_ready(st))
 
-    def _buffer_ready(self, st: _Req) -> None:
+    def _buffer_ready(self, st: RoundState) -> None:
         st.waits -= 1
         if st.waits:
             return
@@ -659,7 +489,7 @@ class SimCluster:
             side = "pe" if s.name == "pe_store_read" else "de"
             self.net.transfer(s.path, s.nbytes, s.cls, functools.partial(self._read_done, st, side))
 
-    def _dequeue_reads(self, st: _Req, side: str) -> None:
+    def _dequeue_reads(self, st: RoundState, side: str) -> None:
         """The side's storage reads are over: its node's read queue drops them (the real engines
         send `ReadsDone`)."""
         n = st.read_q.pop(side, 0)
@@ -670,7 +500,7 @@ class SimCluster:
             self._touch_node(eng.node)
             self._wake_router()
 
-    def _read_done(self, st: _Req, side: str) -> None:
+    def _read_done(self, st: RoundState, side: str) -> None:
         self._dequeue_reads(st, side)
         st.waits -= 1
         if not st.waits:
@@ -679,7 +509,7 @@ class SimCluster:
 
     # ------------------------------------------------------------------ prefill engine
 
-    def _ready_to_prefill(self, st: _Req) -> None:
+    def _ready_to_prefill(self, st: RoundState) -> None:
         r = st.request
         pe = st.pe
         assert pe is not None
@@ -687,7 +517,7 @@ class SimCluster:
         if not pe.busy:
             self._run_batch(pe)
 
-    def _run_batch(self, pe: _Engine) -> None:
+    def _run_batch(self, pe: SimEngine) -> None:
         if pe.busy or not len(pe.queue):
             return
         cl = self.cfg.cluster
@@ -751,7 +581,7 @@ class SimCluster:
         for s in loads:
             self.net.transfer(s.path, s.nbytes, s.cls, loaded)
 
-    def _batch_end(self, pe: _Engine, done: list[_Req], t0: float) -> None:
+    def _batch_end(self, pe: SimEngine, done: list[RoundState], t0: float) -> None:
         pe.busy = False
         for st in done:
             self._first_token(st, self.loop.now - t0)
@@ -764,7 +594,7 @@ class SimCluster:
         if lead is not None and not pe.busy:
             self._want_pe(lead)
 
-    def _first_token(self, st: _Req, prefill_s: float) -> None:
+    def _first_token(self, st: RoundState, prefill_s: float) -> None:
         a, pe = st.assignment, st.pe
         assert a is not None and pe is not None and st.de is not None
         st.t_first = self.loop.now
@@ -781,14 +611,14 @@ class SimCluster:
         if not st.sends:
             self._de_receive(st)
 
-    def _sent(self, st: _Req) -> None:
+    def _sent(self, st: RoundState) -> None:
         st.sends -= 1
         if not st.sends and st.prefilled:
             self._de_receive(st)
 
     # ------------------------------------------------------------------ decode engine
 
-    def _de_receive(self, st: _Req) -> None:
+    def _de_receive(self, st: RoundState) -> None:
         """The whole prompt KV is in the DE buffer: copy it to the DE device, then admit."""
         step = st.steps.get("de_buffer_to_de_device")
         if step is None:
@@ -796,14 +626,14 @@ class SimCluster:
         else:
             self.net.transfer(step.path, step.nbytes, step.cls, lambda: self._de_loaded(st))
 
-    def _de_loaded(self, st: _Req) -> None:
+    def _de_loaded(self, st: RoundState) -> None:
         de = st.de
         assert de is not None
         de.buffer.release(st.de_buf)
         de.waiting.append(st)
         self._admit(de)
 
-    def _admit(self, de: _Engine) -> None:
+    def _admit(self, de: SimEngine) -> None:
         if not de.waiting:
             return
         ids = admit_decode(
@@ -831,7 +661,7 @@ class SimCluster:
         if de.active and not de.stepping:
             self._step(de)
 
-    def _step(self, de: _Engine) -> None:
+    def _step(self, de: SimEngine) -> None:
         gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
         if gid is not None:
             self._de_leaders[gid].went_busy(self.loop.now)
@@ -842,7 +672,7 @@ class SimCluster:
         de.span = (self.loop.now, dt, k)
         de.span_event = self.loop.after(dt * k, self._step_end, de)
 
-    def _cut_span(self, de: _Engine) -> None:
+    def _cut_span(self, de: SimEngine) -> None:
         """A request is admitted mid-span: the span ends with the step in progress."""
         t0, dt, k = de.span
         if k == 1:
@@ -857,7 +687,7 @@ class SimCluster:
             de.span = (t0, dt, m)
             de.span_event = self.loop.at(t0 + m * dt, self._step_end, de)
 
-    def _step_end(self, de: _Engine) -> None:
+    def _step_end(self, de: SimEngine) -> None:
         """One token per step for every request of the span; O(requests finishing) per span."""
         t0, dt, k = de.span
         de.steps += k
@@ -882,7 +712,7 @@ class SimCluster:
         if de.active and not de.stepping:
             self._step(de)
 
-    def _decoded(self, de: _Engine, st: _Req) -> None:
+    def _decoded(self, de: SimEngine, st: RoundState) -> None:
         """Every token is out: persist the new Full Blocks, then report done (as the real DE)."""
         de.hbm_used -= st.request.hbm_tokens
         if self.opt.decode_overhead_s > 0:
@@ -890,7 +720,7 @@ class SimCluster:
         else:
             self._persist(de, st)
 
-    def _persist(self, de: _Engine, st: _Req) -> None:
+    def _persist(self, de: SimEngine, st: RoundState) -> None:
         r = st.request
         n_full = (r.prompt_tokens + r.gen_tokens - 1) // self.bt
         start = min(r.cached_tokens // self.bt, n_full)
@@ -903,7 +733,7 @@ class SimCluster:
         else:
             self.loop.soon(self._finish, st)
 
-    def _finish(self, st: _Req) -> None:
+    def _finish(self, st: RoundState) -> None:
         now, r, de = self.loop.now, st.request, st.de
         assert de is not None and st.assignment is not None
         de.seq -= 1
@@ -941,7 +771,7 @@ class SimCluster:
     def link_reports(self, elapsed_s: float) -> list[dict]:
         """One report per node in the engines' `links/*.json` shape (`metrics.summary`)."""
         out = []
-        by_node: dict[int, list[_Engine]] = {}
+        by_node: dict[int, list[SimEngine]] = {}
         for e in self.engines.values():
             by_node.setdefault(e.node, []).append(e)
         for node, engines in sorted(by_node.items()):

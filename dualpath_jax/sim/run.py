@@ -28,7 +28,8 @@ from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.metrics.summary import summarize
 from dualpath_jax.sched.cost import CostModel, make_cost_model
 from dualpath_jax.sched.types import Request
-from dualpath_jax.sim.cluster import SimCluster, SimOptions
+from dualpath_jax.sim.cluster import SimCluster
+from dualpath_jax.sim.state import SimOptions
 from dualpath_jax.workload.arrivals import agent_trajectories, schedule
 from dualpath_jax.workload.synthetic import from_config
 from dualpath_jax.workload.trace import Trajectory, TurnSpec, turn_specs

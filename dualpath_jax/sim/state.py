@@ -1,0 +1,199 @@
+"""What the simulated cluster keeps per run, per engine and per round, and the model's knobs.
+
+`SimOptions` (the model's own settings), `RoundResult` (one finished round, what
+`metrics.summary.summarize` reads), `RoundState` (a round in flight), `HostBuffer` (an engine's PE
+or DE buffer), `SimEngine` (an engine with its router-side load and its PE / DE state) and
+`MemoTerms` (the cost model's additive attention terms, remembered). `sim.cluster.SimCluster`
+drives them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Callable
+
+from dualpath_jax.sched.intra import PrefillQueue
+from dualpath_jax.sched.types import Assignment, Request
+from dualpath_jax.sim.core import Event
+from dualpath_jax.transfer import links as L
+
+
+@dataclasses.dataclass(frozen=True)
+class SimOptions:
+    """Knobs of the model itself (not of the simulated hardware).
+
+    `quantum_s`: link time per granted chunk (see `sim.network`); `window_s`: link time-series
+    window; `persist`: charge the DE's Full Block writes; `dispatch_interval_s`: router fetch
+    cadence (None: `cluster.fetch_interval_s`); `kv_format`: KV bytes format
+    (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"); `hbm_tokens`: KV tokens per DE
+    (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it);
+    `decode_overhead_s`: fixed DE time per request between its last decode step and persisting
+    (control-plane messages, admission polling, bookkeeping of the real engines; fitted for the
+    CPU engines by `sim.fit`, 0 for the GPU presets); `decode_macro_steps`: a decode batch
+    whose members cannot change (no request finishes, none is admitted) advances all those
+    steps in one event, each timed at the span's mean context; an admission cuts the span after
+    the step in progress (False: one event per step, each at its own context); `fast_links`:
+    one event per uncontended transfer (`sim.network`; False: one per chunk per link);
+    `pe_hbm_tokens`: KV tokens a PE's HBM holds for one forward batch (None:
+    `cluster.prefill_max_kv_tokens`, else the DE's `hardware.hbm_bytes` figure, unbounded
+    without either; 0: unbounded). Without layerwise prefill a batch holds every layer of its
+    context (`cached + new` summed over its chunks <= this); with it one layer at a time, so the
+    bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
+    `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
+    (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
+    that carries both classes; off by default). `leader_phases`: every group leader fetches when
+    the engine loops do, between batches or steps and on its own timer while idle
+    (`sim.leaders`); False: one synchronous pass of all groups per interval (module docstring).
+    """
+
+    quantum_s: float = 0.05
+    window_s: float = 1.0
+    persist: bool = True
+    dispatch_interval_s: float | None = None
+    kv_format: str | None = None
+    hbm_tokens: int = 0
+    decode_overhead_s: float = 0.0
+    decode_macro_steps: bool = True
+    fast_links: bool = True
+    pe_hbm_tokens: int | None = None
+    class_blind_links: tuple[str, ...] = ()
+    leader_phases: bool = True
+
+
+@dataclasses.dataclass(slots=True)
+class RoundResult:
+    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds).
+    `read_s` / `prefill_s` are the TTFT breakdown the real router takes from its engines'
+    `first_token` events (kept here, one object per round, instead of an event per round)."""
+
+    request: str
+    tokens: range
+    ttft_s: float
+    ttst_s: float
+    tpot_s: float
+    jct_s: float
+    queue_s: float
+    cached_tokens: int
+    prompt_tokens: int
+    read_path: str
+    recomputed_blocks: int = 0
+    submit_s: float = 0.0  # virtual time the round was submitted (online windows)
+    read_s: float = math.nan  # assignment -> hit KV read (s)
+    prefill_s: float = math.nan  # the forward batches of its prefill (s)
+
+
+@dataclasses.dataclass(eq=False)
+class RoundState:
+    """Mutable per-request state; times are virtual seconds (NaN until reached)."""
+
+    request: Request
+    agent: int
+    t_submit: float
+    on_done: Callable[[RoundState], None]
+    t_assign: float = math.nan
+    t_read: float = math.nan
+    t_first: float = math.nan
+    t_second: float = math.nan
+    pe: SimEngine | None = None
+    de: SimEngine | None = None
+    assignment: Assignment | None = None
+    steps: dict[str, L.TransferStep] = dataclasses.field(default_factory=dict)
+    waits: int = 0  # outstanding buffer reservations or store reads
+    loaded: bool = False  # the hit KV went to the PE device
+    sent: int = 0  # bytes of PE device -> DE buffer issued so far
+    sends: int = 0  # of those, transfers still in flight
+    prefilled: bool = False
+    prefill_s: float = 0.0
+    generated: int = 0  # tokens so far (the PE's first one included; not updated while decoding)
+    pe_buf: int = 0
+    de_buf: int = 0
+    read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
+
+
+class HostBuffer:
+    """A host buffer (PE buffer / DE buffer) of `capacity` bytes; FIFO reservations."""
+
+    def __init__(self, capacity: float):
+        self.capacity = capacity
+        self.free = capacity
+        self.waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+
+    def reserve(self, nbytes: int, granted: Callable[[], None]) -> None:
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} B do not fit a host buffer of {self.capacity:.0f} B")
+        self.waiting.append((nbytes, granted))
+        self._grant()
+
+    def release(self, nbytes: int) -> None:
+        self.free += nbytes
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.waiting and self.waiting[0][0] <= self.free:
+            n, cb = self.waiting.popleft()
+            self.free -= n
+            cb()
+
+
+@dataclasses.dataclass(eq=False)
+class SimEngine:
+    id: int
+    node: int
+    group: int
+    role: str  # "prefill" | "decode"
+    buffer: HostBuffer
+    # router-side load (requests assigned, tokens, promised HBM tokens)
+    seq: int = 0
+    tok: int = 0
+    hbm_promised: int = 0
+    # PE
+    queue: PrefillQueue = dataclasses.field(default_factory=PrefillQueue)
+    busy: bool = False
+    # DE
+    hbm_tokens: int = 0
+    slots: int = 0
+    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    # Decoding requests by admission number. Tokens are counted lazily: a request admitted to
+    # start with step `j` holding `g0` tokens finishes at the end of step `j + gen - g0 - 1`
+    # (`finish` heap), and gets its second token at the end of step `j` (`seconds`).
+    active: dict = dataclasses.field(default_factory=dict)
+    finish: list = dataclasses.field(default_factory=list)  # heap of (last step, admission no.)
+    seconds: dict = dataclasses.field(default_factory=dict)  # step -> requests to stamp t_second
+    steps: int = 0  # decode steps completed
+    batch_n: int = 0  # requests in the step(s) on the device
+    span: tuple = (0.0, 0.0, 0)  # (start, seconds per step, steps) of the span on the device
+    span_event: Event | None = None
+    hbm_used: int = 0
+    stepping: bool = False
+    ctx_sum: int = 0  # sum of prompt + generated tokens over `active`
+
+    @property
+    def name(self) -> str:
+        return f"{'pe' if self.role == 'prefill' else 'de'}{self.id}"
+
+    @property
+    def node_name(self) -> str:
+        return f"node{self.node}"
+
+
+class MemoTerms:
+    """A cost model's additive attention terms, remembered per `(cached, bsz)`: packing asks for
+    the same pairs again (a queued request at every batch until it is taken; the cut search)."""
+
+    LIMIT = 1 << 20  # pairs kept before the memo starts over
+
+    def __init__(self, cost) -> None:
+        self._terms = cost.attention_terms
+        self.attention_time_of = cost.attention_time_of
+        self._memo: dict[tuple[int, int], tuple[float, ...]] = {}
+
+    def attention_terms(self, cached: int, bsz: int) -> tuple[float, ...]:
+        key = (cached, bsz)
+        out = self._memo.get(key)
+        if out is None:
+            if len(self._memo) >= self.LIMIT:
+                self._memo.clear()
+            out = self._memo[key] = self._terms(cached, bsz)
+        return out
