@@ -292,12 +292,15 @@ class SimNetwork:
         self.links: dict[LinkId, SimLink] = {}
         self.by_owner: dict[str, list[SimLink]] = {}
         # `id(link id) -> (link id, link)`: paths repeat the same LinkId objects
-        # (`transfer.links` caches them), and an int key spares the dataclass hash per hop; the
-        # entry is used only while it holds that very object (ids of freed objects are reused).
+        # (`transfer.links` caches them), and an int key spares the dataclass hash per hop. An
+        # entry keeps its LinkId alive, so its id is not reused while it is held; callers that
+        # build new LinkIds per transfer would grow it, so it starts over past a bound.
         self._by_ref: dict[int, tuple[LinkId, SimLink]] = {}
 
     def link(self, link_id: LinkId) -> SimLink:
         ln = self.links.get(link_id)
+        if len(self._by_ref) > 4 * len(self.links) + 1024:
+            self._by_ref.clear()
         if ln is not None:
             self._by_ref[id(link_id)] = (link_id, ln)
         else:

@@ -209,3 +209,18 @@ def test_grant_alone_matches_enqueue_and_grant():
                 while arb.pending():
                     t = arb.grant(max(t, arb.ready_at())).end
             now = a.t_free
+
+
+def test_new_link_id_objects_reach_the_same_link_and_the_lookup_stays_bounded():
+    """Paths normally repeat cached LinkId objects; equal new ones still find the link, and the
+    identity lookup does not grow with them."""
+    loop = EventLoop()
+    net = SimNetwork(loop, lambda lid: 1e9, fifo=("snic_rx",))
+    done: list[float] = []
+    for _ in range(5000):
+        lid = LinkId(LinkKind.SNIC_RX, "node0")
+        net.transfer([lid], 1000, TrafficClass.LOW, lambda: done.append(loop.now))
+    loop.run()
+    assert len(net.links) == 1 and len(done) == 5000
+    assert done[-1] == pytest.approx(5000 * 1000 / 1e9)  # one FIFO link, back to back
+    assert len(net._by_ref) <= 4 * len(net.links) + 1025
