@@ -100,6 +100,8 @@ class Plan:
     preset_list: tuple[str, ...] = ()
     agent_list: tuple[int, ...] = ()
     ablation_list: tuple[int, ...] = ()
+    table3_replicated_ep: bool = False  # scaled-out clusters keep 2P4D's expert-parallel group
+    table3_online_s: float = 0.0  # table3's online arrival window (0: `duration_s`)
 
     @property
     def turns(self) -> int:
@@ -520,7 +522,7 @@ def fig13(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
 def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
     k = 24 if plan.large else 2 if plan.quick else 4
     small_n = plan.headline_agents
-    ep = 4 if _T3_EP.value else 0  # replicated 2P4D expert-parallel groups, or one over all
+    ep = 4 if plan.table3_replicated_ep else 0  # replicated 2P4D expert-parallel groups, or one
     offline = [
         Spec("ds660b", 2, 4, "dualpath", small_n, max_turns=plan.turns),
         Spec(
@@ -534,7 +536,7 @@ def table3(plan: Plan, runner: Runner, out: pathlib.Path) -> dict:
         ),
     ]
     k_on = 22 if plan.large else 2 if plan.quick else 4
-    dur = _T3_ONLINE.value or plan.duration_s
+    dur = plan.table3_online_s or plan.duration_s
     online = [
         Spec(
             "ds660b",
@@ -779,6 +781,8 @@ def main(argv):
         preset_list=tuple(_PRESETS.value),
         agent_list=tuple(int(a) for a in _AGENTS.value),
         ablation_list=tuple(int(a) for a in _ABLATION.value),
+        table3_replicated_ep=_T3_EP.value,
+        table3_online_s=_T3_ONLINE.value,
     )
     runner = Runner(out, _JOBS.value, snic_gbps=_SNIC.value)
     unknown = set(_ONLY.value) - set(FIGURES)
