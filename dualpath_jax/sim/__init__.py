@@ -5,8 +5,9 @@
     run.summary["jct_s"]
 
 `core.EventLoop` is the virtual clock, `network.SimNetwork` the links (real `LinkArbiter`),
-`cluster.SimCluster` the router, engines and data paths (their state in `state`), `leaders` when
-group leaders fetch, `run.simulate` the offline/online driver.
+`cluster.SimCluster` the router, engines and data paths (their state in `state`), `decode` a DE's
+continuous batched decode, `leaders` when group leaders fetch, `run.simulate` the offline/online
+driver.
 """
 
 from dualpath_jax.sim.cluster import SimCluster

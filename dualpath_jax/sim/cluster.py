@@ -28,8 +28,9 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   them, so the forward ends at `max(t0 + compute + load/L, t_loaded + compute/L)`. Basic: the
   forward starts once every load of the batch is done. A batch's context must fit the PE's
   HBM for KV (`SimOptions.pe_hbm_tokens`): every layer of it in Basic, one layer when layerwise.
-- DE: admission by `admit_decode` (FIFO, HBM tokens and slots), continuous batched decode with
-  one event per step of `cost.decode_step_time(batch, mean context)`.
+- DE: admission by `admit_decode` (FIFO, HBM tokens and slots) and continuous batched decode
+  timed by `cost.decode_step_time(batch, mean context)`, one event per span of steps
+  (`sim.decode.DecodeSteps`).
 - Oracle: reads, H2D/D2H, PE->DE copies and persistence are bypassed (appendix A.4).
 
 The simulator has no token ids: a round result's `tokens` is `range(gen)` (a length only).
@@ -39,8 +40,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
-import itertools
 import math
 import random
 from collections.abc import Callable
@@ -48,10 +47,11 @@ from collections.abc import Callable
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
-from dualpath_jax.sched.intra import PendingPrefill, admit_decode, batch_kv_bound
+from dualpath_jax.sched.intra import PendingPrefill, batch_kv_bound
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
 from dualpath_jax.sim.core import Event, EventLoop
+from dualpath_jax.sim.decode import DecodeSteps
 from dualpath_jax.sim.leaders import Leader
 from dualpath_jax.sim.network import SimNetwork
 from dualpath_jax.sim.state import (
@@ -171,7 +171,6 @@ class SimCluster:
         self._de_dirty: dict[int, SimEngine] = {e.id: e for e in self.des}
         self._de_loads: dict[int, EngineLoad] = {}  # DE id -> its load as last reported
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
-        self._admitted = itertools.count()
         self._persist_paths: dict[int, list] = {}
         self._pe_index = {gid: i for i, (gid, _) in enumerate(self._pe_groups)}
         self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
@@ -199,11 +198,20 @@ class SimCluster:
         rng = random.Random(cfg.workload.seed)
         self._de_leaders = self._leaders(rng, self._de_groups)
         self._pe_leaders = list(self._leaders(rng, dict(self._pe_groups)).values())
-        self._de_lead = {group[0].id: g for g, group in self._de_groups.items()}
         self._pe_lead = {group[0].id: i for i, (_, group) in enumerate(self._pe_groups)}
         self._de_polls: dict[int, Event] = {}
         self._pe_poll: Event | None = None
         self.quota_s = cfg.scheduler.compute_quota_ms / 1e3
+        self.decode = DecodeSteps(
+            self.loop,
+            cost,
+            self._decoded,
+            macro_steps=options.decode_macro_steps,
+            leaders={self._de_groups[g][0].id: lead for g, lead in self._de_leaders.items()}
+            if options.leader_phases
+            else {},
+            fetch_interval_s=self.fetch_interval_s,
+        )
         # The additive form of the cost model's attention time, when it has one (same plans).
         self._terms = MemoTerms(cost) if hasattr(cost, "attention_terms") else None
 
@@ -253,12 +261,8 @@ class SimCluster:
         lead = self._de_groups[gid][0]
         leader = self._de_leaders[gid]
         if lead.stepping:
-            t0, dt, k = lead.span
             t = max(self.loop.now, leader.last + self.fetch_interval_s)
-            if dt <= 0:
-                return t
-            j = max(1, math.ceil((t - t0) / dt - 1e-9))
-            return t0 + min(j, k) * dt
+            return self.decode.step_end_after(lead, t)
         return leader.next_idle(self.loop.now)
 
     def _de_leader_fetch(self, gid: int) -> None:
@@ -631,90 +635,10 @@ class SimCluster:
         assert de is not None
         de.buffer.release(st.de_buf)
         de.waiting.append(st)
-        self._admit(de)
-
-    def _admit(self, de: SimEngine) -> None:
-        if not de.waiting:
-            return
-        ids = admit_decode(
-            ((s.request.id, s.request.hbm_tokens) for s in de.waiting),
-            free_hbm_tokens=de.hbm_tokens - de.hbm_used,
-            free_slots=de.slots - len(de.active),
-        )
-        if ids and de.stepping:
-            self._cut_span(de)
-        for _ in ids:
-            st = de.waiting.popleft()
-            de.hbm_used += st.request.hbm_tokens
-            if st.generated >= st.request.gen_tokens:
-                self._decoded(de, st)
-            else:
-                k = next(self._admitted)
-                first = de.steps + (
-                    de.span[2] + 1 if de.stepping else 1
-                )  # the next step that starts
-                de.active[k] = st
-                de.ctx_sum += st.request.prompt_tokens + st.generated
-                heapq.heappush(de.finish, (first + st.request.gen_tokens - st.generated - 1, k))
-                if st.generated == 1:
-                    de.seconds.setdefault(first, []).append(st)
-        if de.active and not de.stepping:
-            self._step(de)
-
-    def _step(self, de: SimEngine) -> None:
-        gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
-        if gid is not None:
-            self._de_leaders[gid].went_busy(self.loop.now)
-        n = de.batch_n = len(de.active)
-        de.stepping = True
-        k = max(1, de.finish[0][0] - de.steps) if self.opt.decode_macro_steps else 1
-        dt = self.cost.decode_step_time(n, int(de.ctx_sum / n + (k - 1) / 2))
-        de.span = (self.loop.now, dt, k)
-        de.span_event = self.loop.after(dt * k, self._step_end, de)
-
-    def _cut_span(self, de: SimEngine) -> None:
-        """A request is admitted mid-span: the span ends with the step in progress."""
-        t0, dt, k = de.span
-        if k == 1:
-            return
-        m = min(k, int((self.loop.now - t0) / dt) + 1) if dt > 0 else 1
-        if m < k:
-            assert de.span_event is not None
-            de.span_event.cancel()
-            # the first m steps, timed at their own mean context (ending no earlier than now)
-            dt = self.cost.decode_step_time(de.batch_n, int(de.ctx_sum / de.batch_n + (m - 1) / 2))
-            dt = max(dt, (self.loop.now - t0) / m)
-            de.span = (t0, dt, m)
-            de.span_event = self.loop.at(t0 + m * dt, self._step_end, de)
-
-    def _step_end(self, de: SimEngine) -> None:
-        """One token per step for every request of the span; O(requests finishing) per span."""
-        t0, dt, k = de.span
-        de.steps += k
-        step = de.steps
-        de.ctx_sum += de.batch_n * k
-        seconds = de.seconds.pop(step - k + 1, None)  # joins happen only at span starts
-        if seconds:
-            for st in seconds:
-                st.t_second = t0 + dt
-        fin = de.finish
-        while fin and fin[0][0] <= step:
-            st = de.active.pop(heapq.heappop(fin)[1])
-            st.generated = st.request.gen_tokens
-            de.ctx_sum -= st.request.prompt_tokens + st.generated
-            self._decoded(de, st)
-        de.stepping = False
-        gid = self._de_lead.get(de.id) if self.opt.leader_phases else None
-        if gid is not None:  # the loop's check at a step end (a fetch the group needs is pending)
-            self._de_leaders[gid].loop_check(self.loop.now, self.fetch_interval_s)
-        if de.waiting:
-            self._admit(de)
-        if de.active and not de.stepping:
-            self._step(de)
+        self.decode.admit(de)
 
     def _decoded(self, de: SimEngine, st: RoundState) -> None:
         """Every token is out: persist the new Full Blocks, then report done (as the real DE)."""
-        de.hbm_used -= st.request.hbm_tokens
         if self.opt.decode_overhead_s > 0:
             self.loop.after(self.opt.decode_overhead_s, self._persist, de, st)
         else:
