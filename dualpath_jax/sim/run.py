@@ -14,12 +14,15 @@ times (Poisson at `workload.aps`). Times are virtual seconds.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import gc
 import json
 import math
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,34 +95,42 @@ def schedule_agents(
     """Schedules each agent's first round at its arrival on `cluster`'s loop; each later round is
     submitted when the one before finishes (appendix A.3 hits within the trajectory). Returns
     the agents' finish times, NaN until each finishes (filled in while the loop runs)."""
-    bt = cluster.bt
-    specs = [turn_specs(t) for t in trajectories]
-    done_at = [math.nan] * len(trajectories)
+    agents = _Agents(cluster, trajectories)
+    for agent, t0 in enumerate(arrivals):
+        if agents.specs[agent]:
+            cluster.loop.at(t0, agents.submit, agent, 0)
+    return agents.done_at
 
-    def submit(agent: int, turn: int) -> None:
-        spec = specs[agent][turn]
-        prev = specs[agent][turn - 1] if turn else None
-        tid = trajectories[agent].id
+
+class _Agents:
+    """`schedule_agents`' submissions: round `turn + 1` of an agent when its round `turn` is done.
+    (An object, not two closures that call each other: those would make a reference cycle.)"""
+
+    def __init__(self, cluster: SimCluster, trajectories: Sequence[Trajectory]):
+        self.cluster = cluster
+        self.trajectories = trajectories
+        self.specs = [turn_specs(t) for t in trajectories]
+        self.done_at = [math.nan] * len(trajectories)
+
+    def submit(self, agent: int, turn: int) -> None:
+        spec = self.specs[agent][turn]
+        prev = self.specs[agent][turn - 1] if turn else None
+        tid = self.trajectories[agent].id
         req = Request(
             f"{tid}/a{agent}/r{turn}",
             f"{tid}/a{agent}",
             turn,
             spec.prompt,
-            round_hit(prev, spec, bt),
+            round_hit(prev, spec, self.cluster.bt),
             spec.gen,
         )
-        cluster.submit_round(req, agent, lambda _st: next_round(agent, turn + 1))
+        self.cluster.submit_round(req, agent, functools.partial(self._done, agent, turn + 1))
 
-    def next_round(agent: int, turn: int) -> None:
-        if turn < len(specs[agent]):
-            submit(agent, turn)
+    def _done(self, agent: int, turn: int, _st: Any) -> None:
+        if turn < len(self.specs[agent]):
+            self.submit(agent, turn)
         else:
-            done_at[agent] = cluster.loop.now
-
-    for agent, t0 in enumerate(arrivals):
-        if specs[agent]:
-            cluster.loop.at(t0, submit, agent, 0)
-    return done_at
+            self.done_at[agent] = self.cluster.loop.now
 
 
 def simulate(
@@ -130,8 +141,15 @@ def simulate(
     trajectories: Sequence[Trajectory] | None = None,
     arrivals: Sequence[float] | None = None,
     scheduler: Any = None,
+    pause_gc: bool = True,
 ) -> SimRun:
-    """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary."""
+    """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary.
+
+    `pause_gc`: Python's cyclic garbage collector is off while the event loop runs (and back as
+    it was after). The simulator frees its per-round objects by reference counting, making no
+    reference cycles per round (`tests/sim/test_sim_cluster.py`), so the collector only
+    traverses the run's millions of live objects: 15% of the CPU time at 12P24D. Pass False
+    when callbacks of your own (an `on_done`, a custom scheduler) make cycles as they go."""
     if trajectories is None:
         trajectories, default_arrivals = build_agents(cfg)
         arrivals = default_arrivals if arrivals is None else arrivals
@@ -146,7 +164,8 @@ def simulate(
     )
     done_at = schedule_agents(cluster, trajectories, arrivals)
     wall = time.perf_counter()
-    cluster.loop.run()
+    with _collector_paused(pause_gc):
+        cluster.loop.run()
     wall = time.perf_counter() - wall
     unfinished = sum(1 for a, d in enumerate(done_at) if math.isnan(d) and trajectories[a].rounds)
     finished = [d for d in done_at if not math.isnan(d)]
@@ -179,6 +198,18 @@ def simulate(
         "quantum_s": options.quantum_s,
     }
     return SimRun(summary, cluster, jct, wall, cluster.loop.events)
+
+
+@contextlib.contextmanager
+def _collector_paused(pause: bool) -> Iterator[None]:
+    was = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was:
+            gc.enable()
 
 
 def write_run(run: SimRun, workdir: str | pathlib.Path) -> None:
