@@ -8,7 +8,8 @@ wall time also counts other processes. The default `--preset=paper` is the paper
     python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   # 48P96D, 48K
 
 `--max_turns=N` replays the first N rounds only (a measured fraction); `--profile=N` prints the
-N costliest functions (cProfile, cumulative); `--model` applies to `--preset=engine_groups`.
+N costliest functions (cProfile, cumulative); `--model` applies to `--preset=engine_groups`;
+`--nopause_gc` keeps Python's cyclic collector running during the simulation.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ _P = flags.DEFINE_integer("prefill_nodes", 2, "P.")
 _D = flags.DEFINE_integer("decode_nodes", 4, "D.")
 _MODEL = flags.DEFINE_string("model", "deepseek-v3.2-660b", "Model preset.")
 _TURNS = flags.DEFINE_integer("max_turns", 0, "Rounds per trajectory (0: all).")
+_PAUSE_GC = flags.DEFINE_bool(
+    "pause_gc", True, "Python's cyclic collector off while the loop runs (`simulate(pause_gc=)`)."
+)
 _QUANTUM = flags.DEFINE_float("quantum_s", 0.05, "Link time per granted chunk.")
 _PROFILE = flags.DEFINE_integer("profile", 0, "Print the N costliest functions (cProfile).")
 _FAST_LINKS = flags.DEFINE_bool("fast_links", True, "One event per uncontended transfer.")
@@ -117,7 +121,7 @@ def main(argv):
     if prof:
         prof.enable()
     t0, c0 = time.perf_counter(), time.process_time()
-    run = simulate(cfg, cost=cost, options=opts)
+    run = simulate(cfg, cost=cost, options=opts, pause_gc=_PAUSE_GC.value)
     total, cpu = time.perf_counter() - t0, time.process_time() - c0
     if prof:
         prof.disable()
