@@ -25,9 +25,9 @@ from dualpath_jax.sim.state import RoundState, SimEngine
 
 class DecodeSteps:
     """Admits requests waiting on a DE and runs its decode steps. `decoded(de, st)` is called
-    when a request's last token is out; its HBM is free again by then. `leaders` (DE leader id -> `Leader`) are told when
-    their engine starts a span and checked when it ends, as the real loop checks between steps
-    (empty: no leader timing)."""
+    when a request's last token is out; its HBM is free again by then. `leaders` (DE leader id
+    -> `Leader`) are told when their engine starts a span and checked when it ends, as the real
+    loop checks between steps (empty: no leader timing)."""
 
     def __init__(
         self,
@@ -126,10 +126,9 @@ class DecodeSteps:
             de.hbm_used -= st.request.hbm_tokens
             self.decoded(de, st)
         de.stepping = False
+        # The leader loop's check at a step end (a fetch the group needs is pending).
         leader = self.leaders.get(de.id)
-        if (
-            leader is not None
-        ):  # the loop's check at a step end (a fetch the group needs is pending)
+        if leader is not None:
             leader.loop_check(self.loop.now, self.fetch_interval_s)
         if de.waiting:
             self.admit(de)
