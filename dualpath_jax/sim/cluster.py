@@ -562,19 +562,23 @@ class SimCluster:
                 if n > 0:
                     st.sent += n
                     st.sends += 1
-                    self.net.transfer(send.path, n, send.cls, functools.partial(self._sent, st))
+                    self.net.transfer_timed(
+                        send.path, n, send.cls, functools.partial(self._sent, st)
+                    )
         done = [st for st, c in batch if plan.finishes(c.request_id)]
         if not loads:
             self.loop.at(t0 + compute, self._batch_end, pe, done, t0)
             return
-        left = [len(loads)]
+        left = [len(loads), t0]  # loads whose end is not known yet, latest end known
         layerwise = self.policy.layerwise
 
-        def loaded() -> None:
+        def loaded(t_end: float) -> None:
+            if t_end > left[1]:
+                left[1] = t_end
             left[0] -= 1
             if left[0]:
                 return
-            t = self.loop.now
+            t = left[1]  # the batch's hit KV is on the device
             end = (
                 max(t0 + compute + (t - t0) / self.layers, t + compute / self.layers)
                 if layerwise
@@ -582,8 +586,9 @@ class SimCluster:
             )
             self.loop.at(end, self._batch_end, pe, done, t0)
 
+        # One event for the batch: its end, scheduled once every load's end is known.
         for s in loads:
-            self.net.transfer(s.path, s.nbytes, s.cls, loaded)
+            self.net.transfer_timed(s.path, s.nbytes, s.cls, loaded)
 
     def _batch_end(self, pe: SimEngine, done: list[RoundState], t0: float) -> None:
         pe.busy = False
@@ -613,12 +618,22 @@ class SimCluster:
         pe.buffer.release(st.pe_buf)
         self._wake_router()
         if not st.sends:
-            self._de_receive(st)
+            self._receive_at(st)
 
-    def _sent(self, st: RoundState) -> None:
+    def _sent(self, st: RoundState, t_end: float) -> None:
+        """One of the request's layer-block sends will end at `t_end` (known now, `transfer_timed`)."""
         st.sends -= 1
+        if t_end > st.sent_end:
+            st.sent_end = t_end
         if not st.sends and st.prefilled:
+            self._receive_at(st)
+
+    def _receive_at(self, st: RoundState) -> None:
+        """Prefill done and every send's end known: the DE side starts when the last send ends."""
+        if st.sent_end <= self.loop.now:
             self._de_receive(st)
+        else:
+            self.loop.at(st.sent_end, self._de_receive, st)
 
     # ------------------------------------------------------------------ decode engine
 

@@ -261,6 +261,28 @@ class SimLink:
         return [[i * self.window_s, self.windows.get(i, 0.0)] for i in range(max(self.windows) + 1)]
 
 
+class _Join:
+    """One transfer over links that grant it chunk by chunk: `at_end(t)` gets the latest of
+    `end` (the links that served the bytes at once) and those links' last chunk ends once all
+    of them have granted their last chunk (at that grant's time, so `t >= now`)."""
+
+    __slots__ = ("slow", "left", "end", "at_end")
+
+    def __init__(self, slow: list[SimLink], end: float, at_end: Callable[[float], None]):
+        self.slow, self.left, self.end, self.at_end = slow, len(slow), end, at_end
+
+    def request(self, nbytes: int, cls: TrafficClass) -> None:
+        for ln in self.slow:
+            ln.request_timed(nbytes, cls, self.granted)
+
+    def granted(self, t: float) -> None:
+        if t > self.end:
+            self.end = t
+        self.left -= 1
+        if not self.left:
+            self.at_end(self.end)
+
+
 class SimNetwork:
     """Every link of the simulated cluster, by `LinkId`, and transfers over paths.
 
@@ -345,12 +367,47 @@ class SimNetwork:
             ln = links.get(lid)
             (ln if ln is not None else self.link(lid)).request(nbytes, cls, one)
 
+    def transfer_timed(
+        self,
+        path: Sequence[LinkId],
+        nbytes: int,
+        cls: TrafficClass,
+        at_end: Callable[[float], None],
+    ) -> None:
+        """`transfer`, but `at_end(t)` is called as soon as the completion time `t` is known
+        (`t >= now`; often at once, inside this call) instead of running as an event at `t`: a
+        caller joining several transfers then needs one event for all of them."""
+        if nbytes <= 0 or not path:
+            at_end(self.loop.now)
+            return
+        if not self.fast:
+            loop = self.loop
+            self.transfer(path, nbytes, cls, lambda: at_end(loop.now))
+            return
+        end, slow = self._start(path, nbytes, cls)
+        if not slow:
+            at_end(end)
+            return
+        _Join(slow, end, at_end).request(nbytes, cls)
+
     def _transfer_fast(
         self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
     ) -> None:
         """`transfer` with `serve_now` on every link that allows it: one event when all do."""
-        loop, by_ref = self.loop, self._by_ref
-        end = loop.now
+        end, slow = self._start(path, nbytes, cls)
+        if not slow:
+            self.loop.at(end, on_done)
+            return
+        loop = self.loop
+        _Join(slow, end, lambda t: loop.at(t, on_done)).request(nbytes, cls)
+
+    def _start(
+        self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass
+    ) -> tuple[float, list[SimLink]]:
+        """`serve_now` on every link of `path`: the latest end among the links that served the
+        bytes at once, and the links that did not."""
+        by_ref = self._by_ref
+        end = self.loop.now
         slow: list[SimLink] = []
         for lid in path:
             ref = by_ref.get(id(lid))
@@ -360,20 +417,7 @@ class SimNetwork:
                 slow.append(ln)
             elif t > end:
                 end = t
-        if not slow:
-            loop.at(end, on_done)
-            return
-        state = [len(slow), end]  # links still to grant their last chunk, latest end so far
-
-        def one(t: float) -> None:
-            if t > state[1]:
-                state[1] = t
-            state[0] -= 1
-            if state[0] == 0:
-                loop.at(state[1], on_done)
-
-        for ln in slow:
-            ln.request_timed(nbytes, cls, one)
+        return end, slow
 
     def totals(self) -> dict[str, int]:
         return {ln.id.name: ln.bytes[0] + ln.bytes[1] for ln in self.links.values()}

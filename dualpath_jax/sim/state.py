@@ -103,7 +103,8 @@ class RoundState:
     waits: int = 0  # outstanding buffer reservations or store reads
     loaded: bool = False  # the hit KV went to the PE device
     sent: int = 0  # bytes of PE device -> DE buffer issued so far
-    sends: int = 0  # of those, transfers still in flight
+    sends: int = 0  # of those, transfers whose end is not known yet
+    sent_end: float = -math.inf  # the latest end known of those transfers
     prefilled: bool = False
     prefill_s: float = 0.0
     generated: int = 0  # tokens so far (the PE's first one included; not updated while decoding)

@@ -176,6 +176,42 @@ def test_one_class_links_served_fifo_keep_the_arbiters_timing(seed):
     assert [t for _, t in blind[0]] == pytest.approx([t for _, t in chunks[0]], rel=0.05, abs=0.05)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_timed_transfers_learn_the_completion_time_no_later_than_it(fast):
+    """`transfer_timed` reports each transfer's completion time (the one `transfer` runs its
+    callback at) at or before that time; on fast links without an event of its own."""
+    import random
+
+    def run(timed: bool):
+        rng = random.Random(7)
+        links = [SNIC, DRAM, LinkId(LinkKind.H2D, "pe0")]
+        loop = EventLoop()
+        net = SimNetwork(loop, lambda lid: 1e6, quantum_s=0.01, fast=fast, fifo=("snic_rx", "h2d"))
+        out: dict[int, tuple[float, float]] = {}
+
+        def start(i, path, nbytes, cls):
+            if timed:
+                net.transfer_timed(path, nbytes, cls, lambda t: out.setdefault(i, (t, loop.now)))
+            else:
+                net.transfer(path, nbytes, cls, lambda: out.setdefault(i, (loop.now, loop.now)))
+
+        for i in range(200):
+            path = rng.sample(links, rng.randint(1, 3))
+            cls = TrafficClass.HIGH if LinkId(LinkKind.H2D, "pe0") in path else TrafficClass.LOW
+            if SNIC in path and cls is TrafficClass.HIGH:
+                path.remove(SNIC)
+            loop.at(rng.uniform(0, 2), start, i, path, rng.choice([500, 8_000, 40_000]), cls)
+        loop.run()
+        return out, loop.events
+
+    (ref, ref_events), (timed, timed_events) = run(False), run(True)
+    assert sorted(timed) == sorted(ref) == list(range(200))
+    for i, (t, _) in ref.items():
+        assert timed[i][0] == t  # the same completion time
+        assert timed[i][1] <= t  # known no later than it
+    assert timed_events < ref_events if fast else timed_events == ref_events
+
+
 def test_one_class_link_refuses_the_other_class():
     loop = EventLoop()
     net = SimNetwork(loop, lambda lid: 1e6, fifo=("snic_rx",))
