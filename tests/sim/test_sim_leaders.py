@@ -47,15 +47,15 @@ def _run(cl: SimCluster, trajs, arrivals) -> None:
 def test_pe_leaders_fetch_between_batches_at_most_once_per_interval():
     cl, trajs, arrivals = _cluster(4, 2, 24, phases=True)
     fetches: list[tuple[float, int]] = []
-    orig = cl._pe_fetch
+    orig = cl.router._pe_fetch
 
     def spy(i: int) -> None:
-        leader = cl._pe_groups[i][1][0]
+        leader = cl.router._pe_groups[i][1][0]
         assert not leader.busy, "a PE leader fetched during a forward batch"
         fetches.append((cl.loop.now, i))
         orig(i)
 
-    cl._pe_fetch = spy
+    cl.router._pe_fetch = spy
     _run(cl, trajs, arrivals)
     assert len(cl.results) == sum(len(t.rounds) for t in trajs)
     interval = cl.fetch_interval_s
@@ -70,13 +70,13 @@ def test_pe_leaders_fetch_between_batches_at_most_once_per_interval():
 def test_de_leaders_fetch_at_most_once_per_interval():
     cl, trajs, arrivals = _cluster(2, 3, 24, phases=True)
     times: dict[int, list[float]] = {}
-    orig = cl._de_leader_fetch
+    orig = cl.router._de_leader_fetch
 
     def spy(gid: int) -> None:
         times.setdefault(gid, []).append(cl.loop.now)
         orig(gid)
 
-    cl._de_leader_fetch = spy
+    cl.router._de_leader_fetch = spy
     _run(cl, trajs, arrivals)
     assert len(cl.results) == sum(len(t.rounds) for t in trajs)
     for ts in times.values():
