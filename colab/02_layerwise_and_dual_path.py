@@ -25,7 +25,7 @@
 #    the **split path** (some blocks each way): the prefill engine and the decode buffer end up
 #    with byte-identical KV on all three.
 # 3. Every byte is charged to a named link; we draw the per-link bytes of each path as a picture
-#    and check them against the paper's data-path formulas (`links.expected_link_bytes`).
+#    and check them against the paper's data-path formulas (`paths.expected_link_bytes`).
 #
 # **Install.** From a clone of the repository: `pip install -e .` (or `make demo` once, which
 # creates `.venv` with the package), then open this notebook with that Python (the README's
@@ -62,6 +62,7 @@ from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
 
@@ -193,7 +194,7 @@ per_token = layout.bytes_per_token_per_layer * CFG.num_layers
 for name, (seen, prompt_kv, link_bytes) in runs.items():
     exact_hit = all(seen[i].tobytes() == kv_ref[i, :CACHED].tobytes() for i in range(CFG.num_layers))
     tail_err = float(np.max(np.abs(prompt_kv - kv_ref)))
-    want = L.expected_link_bytes(
+    want = P.expected_link_bytes(
         name, CACHED * per_token, (len(prompt) - CACHED) * per_token, pe="pe0", de="de1",
         pe_node="node0", de_node="node1", de_hit_bytes=PATHS[name][1] * BT * per_token, decode=False,
     )

@@ -27,6 +27,7 @@ from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder, sample_at
 from dualpath_jax.model.layout import kv_to_full_blocks
 from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class DecodeEngine:
                 continue
             job = r.load.job
             self.ctx.charge(
-                job, L.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH
+                job, P.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH
             )
             r.slot = free.pop(0)
             self.dec.insert(r.slot, kv, job.prompt_tokens, r.first)
@@ -246,7 +247,7 @@ class DecodeEngine:
                 keys = block_keys(fed[: n_full * self.bt], self.bt, fp)[start:]
                 self.ctx.charge(
                     job,
-                    L.persist_path(job.de_engine, job.de_node),
+                    P.persist_path(job.de_engine, job.de_node),
                     blocks.nbytes,
                     L.TrafficClass.LOW,
                 )

@@ -6,7 +6,7 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   new round when it is submitted; group leaders fetch when the real engine loops do
   (`sim.leaders`), with the router's own in-flight loads. The cluster tells it what the real
   engines' messages would (assigned, reads done, first token, done, batch start and end).
-- Data paths (paper Fig. 4): each request's copies are `transfer.links.request_steps` (the same
+- Data paths (paper Fig. 4): each request's copies are `transfer.paths.request_steps` (the same
   list the real loader charges), moved over `sim.network.SimNetwork` links arbitrated by the real
   `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
   with capacity, reserved FIFO before reading); the hit KV goes to the PE device per forward
@@ -52,6 +52,7 @@ from dualpath_jax.sim.state import (
     SimOptions,
 )
 from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 
 # Link kinds that carry one traffic class in the simulated data paths (`transfer.links`): store
 # reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
@@ -214,7 +215,7 @@ class SimCluster:
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
-        steps = L.request_steps(
+        steps = P.request_steps(
             path,
             hit * self.kvb,
             r.new_tokens * self.kvb,
@@ -287,7 +288,7 @@ class SimCluster:
         t0 = self.loop.now
         self.router.batch_started(pe, t0)
         compute = self.cost.prefill_time(plan.pairs)
-        loads: list[L.TransferStep] = []
+        loads: list[P.TransferStep] = []
         batch = [(self.states[c.request_id], c) for c in plan.chunks]
         for st, c in batch:
             if not st.loaded:
@@ -410,7 +411,7 @@ class SimCluster:
         if self.opt.persist and self.policy.reads and nbytes > 0:
             path = self._persist_paths.get(de.id)
             if path is None:
-                path = self._persist_paths[de.id] = L.persist_path(de.name, de.node_name)
+                path = self._persist_paths[de.id] = P.persist_path(de.name, de.node_name)
             self.net.transfer(path, nbytes, L.TrafficClass.LOW, lambda: self._finish(st))
         else:
             self.loop.soon(self._finish, st)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dualpath_jax.sched.intra import PrefillQueue
 from dualpath_jax.sched.types import Assignment, Request
 from dualpath_jax.sim.core import Event
-from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ class RoundState:
     pe: SimEngine | None = None
     de: SimEngine | None = None
     assignment: Assignment | None = None
-    steps: dict[str, L.TransferStep] = dataclasses.field(default_factory=dict)
+    steps: dict[str, P.TransferStep] = dataclasses.field(default_factory=dict)
     waits: int = 0  # outstanding buffer reservations or store reads
     loaded: bool = False  # the hit KV went to the PE device
     sent: int = 0  # bytes of PE device -> DE buffer issued so far

@@ -39,6 +39,7 @@ from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes
 from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 from dualpath_jax.transfer.readiness import LayerReadiness
 
@@ -163,7 +164,7 @@ class PrefillLoad:
             got = ctx.store.read_full(job.keys[:p], out=out).result(ctx.timeout_s)
             pe_hits = got.hits
             self.pe_read_bytes = pe_hits * ctx.layout.nbytes
-            ctx.charge(job, L.store_read_path(job.pe_node), self.pe_read_bytes, L.TrafficClass.LOW)
+            ctx.charge(job, P.store_read_path(job.pe_node), self.pe_read_bytes, L.TrafficClass.LOW)
         de_hits = 0
         if job.de_blocks:
             (arr,) = ctx.channel.pull(
@@ -226,7 +227,7 @@ class PrefillLoad:
                     rows = _block_rows(self._res, 0, p_used, i, bt)
                     ctx.charge(
                         job,
-                        L.h2d_path(job.pe_engine, job.pe_node),
+                        P.h2d_path(job.pe_engine, job.pe_node),
                         rows.nbytes,
                         L.TrafficClass.HIGH,
                     )
@@ -246,7 +247,7 @@ class PrefillLoad:
                     rows = np.asarray(arr)[: d_used * bt]
                     ctx.charge(
                         job,
-                        L.engine_to_engine_path(
+                        P.engine_to_engine_path(
                             job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                         ),
                         rows.nbytes,
@@ -309,7 +310,7 @@ class PrefillLoad:
         if rows is not None:
             parts.append(kv_rows_to_bytes(np.asarray(rows)))
         data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        path = L.engine_to_engine_path(
+        path = P.engine_to_engine_path(
             job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
         )
         ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
@@ -363,12 +364,12 @@ class DecodeLoad:
             got = ctx.store.read_full(job.keys[p : p + d], out=out).result(ctx.timeout_s)
             self.de_hits = got.hits
             self.de_read_bytes = got.hits * ctx.layout.nbytes
-            ctx.charge(job, L.store_read_path(job.de_node), self.de_read_bytes, L.TrafficClass.LOW)
+            ctx.charge(job, P.store_read_path(job.de_node), self.de_read_bytes, L.TrafficClass.LOW)
             if self.on_read_done is not None:
                 self.on_read_done()
             ctx.channel.offer(job.uuid(Part.DE_HITS), [np.array([self.de_hits], np.int32)])
             if self.de_hits:
-                path = L.engine_to_engine_path(
+                path = P.engine_to_engine_path(
                     job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                 )
                 for i in range(ctx.cfg.num_layers):
@@ -385,7 +386,7 @@ class DecodeLoad:
             t0, t1, last_flag = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
             specs = [((t1 - t0, width), np.uint8)]
-            path = L.engine_to_engine_path(
+            path = P.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
             )
             for i in range(ctx.cfg.num_layers):

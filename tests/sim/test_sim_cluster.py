@@ -15,7 +15,7 @@ from dualpath_jax.metrics.summary import summarize
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sim import SimOptions, simulate
-from dualpath_jax.transfer.links import expected_link_bytes
+from dualpath_jax.transfer.paths import expected_link_bytes
 from dualpath_jax.workload.trace import Round, Trajectory
 
 CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))

@@ -18,11 +18,13 @@ from dualpath_jax.transfer.links import (
     LinkRequest,
     TrafficClass,
     TrafficManager,
+    link_rate,
+)
+from dualpath_jax.transfer.paths import (
     d2h_path,
     engine_to_engine_path,
     expected_link_bytes,
     h2d_path,
-    link_rate,
     persist_path,
     request_steps,
     store_read_path,

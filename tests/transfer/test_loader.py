@@ -17,6 +17,7 @@ from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.transfer import links as L
+from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
 
@@ -152,7 +153,7 @@ def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, 
     np.testing.assert_allclose(de_kv, kv, atol=2e-5)  # and the computed tail matches
     # Per-link accounting equals the bytes DESIGN 2.1 assigns to this path.
     per_token = BlockLayout.for_model(CFG, BT).bytes_per_token_per_layer * CFG.num_layers
-    want = L.expected_link_bytes(
+    want = P.expected_link_bytes(
         path,
         4 * BT * per_token,
         (len(prompt) - 4 * BT) * per_token,
