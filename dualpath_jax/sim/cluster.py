@@ -54,7 +54,7 @@ from dualpath_jax.sim.state import (
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 
-# Link kinds that carry one traffic class in the simulated data paths (`transfer.links`): store
+# Link kinds that carry one traffic class in the simulated data paths (`transfer.paths`): store
 # reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
 # H2D; D2H carries the PE's layer blocks (HIGH) or the DE's persistence (LOW). Node DRAM carries
 # both.

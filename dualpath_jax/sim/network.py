@@ -314,7 +314,7 @@ class SimNetwork:
         self.links: dict[LinkId, SimLink] = {}
         self.by_owner: dict[str, list[SimLink]] = {}
         # `id(link id) -> (link id, link)`: paths repeat the same LinkId objects
-        # (`transfer.links` caches them), and an int key spares the dataclass hash per hop. An
+        # (`transfer.paths` caches them), and an int key spares the dataclass hash per hop. An
         # entry keeps its LinkId alive, so its id is not reused while it is held; callers that
         # build new LinkIds per transfer would grow it, so it starts over past a bound.
         self._by_ref: dict[int, tuple[LinkId, SimLink]] = {}
