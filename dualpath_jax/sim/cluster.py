@@ -166,7 +166,6 @@ class SimCluster:
             fetch_interval_s=self.fetch_interval_s,
             leader_phases=options.leader_phases,
             seed=cfg.workload.seed,
-            decode=lambda: self.decode,
             assign=self._assign,
             place=self._place,
             counters=self.counters,
@@ -180,6 +179,7 @@ class SimCluster:
             leaders=self.router.de_leaders() if options.leader_phases else {},
             fetch_interval_s=self.fetch_interval_s,
         )
+        self.router.decode = self.decode
         # The additive form of the cost model's attention time, when it has one (same plans).
         self._terms = MemoTerms(cost) if hasattr(cost, "attention_terms") else None
 

@@ -37,7 +37,8 @@ class SimRouter:
     """Lifecycle: built by `SimCluster` with its engines; lives as long as the run.
 
     `assign(a)` is the cluster's: it starts the data paths of an `Assignment` a PE fetch made;
-    `place(request, de)` records the DE a DE fetch chose for a request.
+    `place(request, de)` records the DE a DE fetch chose for a request. `decode` (the cluster's
+    `DecodeSteps`, which needs the leaders made here) is set after construction.
     """
 
     def __init__(
@@ -50,7 +51,6 @@ class SimRouter:
         fetch_interval_s: float,
         leader_phases: bool,
         seed: int,
-        decode: Callable[[], DecodeSteps],
         assign: Callable[[Assignment], None],
         place: Callable[[Request, SimEngine], None],
         counters: collections.Counter[str],
@@ -58,7 +58,8 @@ class SimRouter:
         self.loop, self.scheduler = loop, scheduler
         self.fetch_interval_s = fetch_interval_s
         self.phases = leader_phases
-        self._decode, self._assign, self._place = decode, assign, place
+        self._assign, self._place = assign, place
+        self.decode: DecodeSteps | None = None  # the cluster's, set once it is built
         self.counters = counters
         self.engines = {e.id: e for e in (*pes, *des)}
         self._de_groups = _groups(des)
@@ -201,7 +202,8 @@ class SimRouter:
         leader = self._de_leaders[gid]
         if lead.stepping:
             t = max(self.loop.now, leader.last + self.fetch_interval_s)
-            return self._decode().step_end_after(lead, t)
+            assert self.decode is not None
+            return self.decode.step_end_after(lead, t)
         return leader.next_idle(self.loop.now)
 
     def _de_leader_fetch(self, gid: int) -> None:
