@@ -302,11 +302,16 @@ class RooflineCostModel:
         m = self.model
         return m.prefill_attention_flops(cached, bsz), m.kv_bytes(cached + bsz)
 
+    @functools.cached_property
+    def _prefill_attention_rate(self) -> tuple[float, float]:
+        """(BF16 FLOP/s, prefill efficiency): `_compute_s(0.0, flops, prefill_efficiency)` is
+        `flops / rate / efficiency`, to the bit."""
+        return self.gpu.bf16_flops, self.prefill_efficiency or self.gpu.flops_efficiency
+
     def attention_time_of(self, terms: Sequence[float]) -> float:
         """`attention_time` from the batch's summed `attention_terms`."""
-        return max(
-            self._compute_s(0.0, terms[0], self.prefill_efficiency), terms[1] / self.bytes_per_s
-        )
+        rate, eff = self._prefill_attention_rate
+        return max(terms[0] / rate / eff, terms[1] / self.bytes_per_s)
 
     def prefill_time(self, pairs: Sequence[tuple[int, int]]) -> float:
         m = self.model

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -102,10 +103,12 @@ def pack_prefill_batch(
     taken = 0
     acc: tuple[float, ...] = ()  # summed terms of `pairs`
 
+    if terms is not None:
+        term_of, time_of = terms.attention_terms, terms.attention_time_of
+
     def time_with(cached: int, bsz: int) -> float:
-        assert terms is not None
-        t = terms.attention_terms(cached, bsz)
-        return terms.attention_time_of(tuple(a + b for a, b in zip(acc, t)) if acc else t)
+        t = term_of(cached, bsz)
+        return time_of(tuple(map(operator.add, acc, t)) if acc else t)
 
     def fits(cached: int, bsz: int) -> bool:
         if max_tokens and tokens + bsz > max_tokens:
@@ -148,8 +151,8 @@ def pack_prefill_batch(
                 bsz = 1  # a lone request still makes progress
         pairs.append((item.cached, bsz))
         if terms is not None:
-            t = terms.attention_terms(item.cached, bsz)
-            acc = tuple(a + b for a, b in zip(acc, t)) if acc else t
+            t = term_of(item.cached, bsz)
+            acc = tuple(map(operator.add, acc, t)) if acc else t
         chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
         tokens += bsz
         kv += item.cached + bsz
