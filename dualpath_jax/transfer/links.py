@@ -36,7 +36,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from dualpath_jax.config import HardwareConfig
 
@@ -131,9 +131,9 @@ class LinkRequest:
         self.remaining = self.nbytes
 
 
-@dataclasses.dataclass(frozen=True)
-class Grant:
-    """One chunk served: it occupies the link during `[start, end)` (seconds, link clock)."""
+class Grant(NamedTuple):
+    """One chunk served: it occupies the link during `[start, end)` (seconds, link clock).
+    (A named tuple: one is made per chunk, and a frozen dataclass costs several times more.)"""
 
     request: LinkRequest
     nbytes: int
@@ -202,7 +202,8 @@ class LinkArbiter:
             )
 
     def pending(self) -> bool:
-        return any(self._queue.values())
+        q = self._queue
+        return bool(q[TrafficClass.HIGH] or q[TrafficClass.LOW])
 
     def pending_bytes(self, cls: TrafficClass | None = None) -> int:
         classes = TrafficClass if cls is None else (TrafficClass(cls),)
@@ -221,12 +222,18 @@ class LinkArbiter:
         return self.t_free - self.burst_s / 2
 
     def grant(self, now: float) -> Grant:
-        tags = [(t, c) for c, t in self._head_tag.items() if t is not None]
-        if not tags:
+        heads = self._head_tag
+        high, low = heads[TrafficClass.HIGH], heads[TrafficClass.LOW]
+        if high is None and low is None:
             raise RuntimeError("grant() with nothing pending")
-        if now < self.ready_at() - 1e-9:
+        if now < self.t_free - self.burst_s - 1e-9:
             raise RuntimeError(f"grant() at {now} before ready_at() {self.ready_at()}")
-        tag, cls = min(tags)
+        # The smaller tag; ties go to HIGH.
+        if low is None or (high is not None and high <= low):
+            tag, cls = high, TrafficClass.HIGH
+        else:
+            tag, cls = low, TrafficClass.LOW
+        assert tag is not None
         q = self._queue[cls]
         req = q[0]
         n = min(self.chunk_bytes, req.remaining)
