@@ -18,6 +18,7 @@ import cProfile
 import io
 import json
 import pstats
+import resource
 import time
 
 from absl import app, flags
@@ -144,6 +145,8 @@ def main(argv):
                 "events": run.events,
                 "events_per_cpu_s": run.events / cpu,
                 "events_per_s": run.events / run.wall_s,
+                # Peak resident memory of this process (Linux reports KiB).
+                "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 "snic_max_over_avg": s["snic_max_over_avg"],
                 "ttft_mean_s": s["ttft_s"]["mean"],
                 "tpot_mean_s": s["tpot_s"]["mean"],
