@@ -120,6 +120,7 @@ class SimRouter:
         self._touch_pe(pe)
         self.counters[f"path_{a.path.value}"] += 1
         de_node = self.engines[a.de].node
+        # Both read queues grow before either node is touched (a touch may schedule a fetch).
         if pe_read:
             self.read_q[pe.node] += pe_read
         if de_read:
@@ -157,6 +158,7 @@ class SimRouter:
         self._wake_router()
 
     def batch_started(self, pe: SimEngine, now: float) -> None:
+        """A PE started a forward batch: a leader cannot fetch until it ends."""
         if self.phases and pe.id in self._pe_lead:
             self._pe_leaders[self._pe_lead[pe.id]].went_busy(now)
 
