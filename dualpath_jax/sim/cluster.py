@@ -365,7 +365,7 @@ class SimCluster:
             self._receive_at(st)
 
     def _sent(self, st: RoundState, t_end: float) -> None:
-        """One of the request's layer-block sends will end at `t_end` (known now, `transfer_timed`)."""
+        """One of the request's layer-block sends ends at `t_end` (known now: `transfer_timed`)."""
         st.sends -= 1
         if t_end > st.sent_end:
             st.sent_end = t_end

@@ -226,7 +226,7 @@ class LinkArbiter:
         high, low = heads[TrafficClass.HIGH], heads[TrafficClass.LOW]
         if high is None and low is None:
             raise RuntimeError("grant() with nothing pending")
-        if now < self.t_free - self.burst_s - 1e-9:
+        if now < self.ready_at() - 1e-9:
             raise RuntimeError(f"grant() at {now} before ready_at() {self.ready_at()}")
         # The smaller tag; ties go to HIGH.
         if low is None or (high is not None and high <= low):
