@@ -16,8 +16,9 @@ import concurrent.futures
 import time
 
 from dualpath_jax.config import HardwareConfig
-from dualpath_jax.transfer.links import LinkClosedError, LinkId, LinkKind, TrafficClass
-from dualpath_jax.transfer.links import TrafficManager as TM
+from dualpath_jax.transfer.links import LinkId, LinkKind, TrafficClass
+from dualpath_jax.transfer.traffic import LinkClosedError
+from dualpath_jax.transfer.traffic import TrafficManager as TM
 
 HIGH, LOW = TrafficClass.HIGH, TrafficClass.LOW
 LINK = LinkId(LinkKind.SNIC_RX, "node0")

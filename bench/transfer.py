@@ -310,6 +310,7 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     from dualpath_jax.transfer import links as L
     from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
     from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+    from dualpath_jax.transfer.traffic import TrafficManager
 
     cfg = dataclasses.replace(TINY_QWEN2, num_layers=n_layers)
     store_cfg = StoreConfig(kind="memory")
@@ -349,7 +350,7 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     rate = total_bytes / statistics.median(compute_alone() for _ in range(max(reps, 5)))
 
     pool = futures.ThreadPoolExecutor(4)
-    traffic = L.TrafficManager(HardwareConfig(h2d_bytes_per_s=rate, emulated=True))
+    traffic = TrafficManager(HardwareConfig(h2d_bytes_per_s=rate, emulated=True))
     channel = InProcessChannel(InProcessFabric(), "pe0")
     ctx = LoaderContext(
         cfg, layout, store, HostBufferPool(layout, len(keys), "pe0"), channel, traffic, pool

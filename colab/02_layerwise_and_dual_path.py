@@ -61,10 +61,10 @@ from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
 from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
+from dualpath_jax.transfer.traffic import TrafficManager
 
 CFG = TINY_QWEN2  # 3 layers, GQA, vocab 257: random weights, but every equivalence is exact
 BT = 16  # tokens per block (the paper uses 64; small blocks keep this example small)
@@ -150,7 +150,7 @@ def run_one_request(pe_blocks: int, de_blocks: int):
     """Moves the request's KV with `pe_blocks` read on the PE side and `de_blocks` on the DE
     side, prefilling the new tokens layer by layer; returns (hit KV the prefill engine saw
     per layer, the DE buffer's prompt KV [L, T, W], bytes per link)."""
-    fabric, traffic = InProcessFabric(), L.TrafficManager(HardwareConfig())  # rate 0: unlimited
+    fabric, traffic = InProcessFabric(), TrafficManager(HardwareConfig())  # rate 0: unlimited
     pool = futures.ThreadPoolExecutor(8)
 
     def context(engine, node):

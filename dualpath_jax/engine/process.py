@@ -127,8 +127,8 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.sched.cost import FittedCostModel
     from dualpath_jax.transfer.channel import JaxTransferChannel
-    from dualpath_jax.transfer.links import TrafficManager
     from dualpath_jax.transfer.loader import LoaderContext
+    from dualpath_jax.transfer.traffic import TrafficManager
 
     log.info(
         "%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices()

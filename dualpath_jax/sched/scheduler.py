@@ -29,12 +29,9 @@ import math
 from collections.abc import Iterable, Sequence
 
 from dualpath_jax.config import Policy, SchedulerConfig
+from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.policy import InterEnginePolicy, PolicyName, PolicySpec, make_policy
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
-
-
-class QueueFull(RuntimeError):
-    """The scheduler holds `max_queue` requests already; the client should retry later."""
 
 
 class GlobalScheduler:

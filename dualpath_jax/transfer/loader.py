@@ -42,6 +42,7 @@ from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 from dualpath_jax.transfer.readiness import LayerReadiness
+from dualpath_jax.transfer.traffic import TrafficManager
 
 
 class Part(enum.IntEnum):
@@ -99,7 +100,7 @@ class LoaderContext:
     store: BlockStore
     buffer: HostBufferPool
     channel: KVChannel
-    traffic: L.TrafficManager | None
+    traffic: TrafficManager | None
     pool: futures.Executor
     timeout_s: float = 60.0
     owners: frozenset[str] | None = None  # links this process charges (None: every link)

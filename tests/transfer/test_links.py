@@ -12,12 +12,10 @@ import pytest
 from dualpath_jax.config import HardwareConfig
 from dualpath_jax.transfer.links import (
     LinkArbiter,
-    LinkClosedError,
     LinkId,
     LinkKind,
     LinkRequest,
     TrafficClass,
-    TrafficManager,
     link_rate,
 )
 from dualpath_jax.transfer.paths import (
@@ -30,6 +28,7 @@ from dualpath_jax.transfer.paths import (
     store_read_path,
     store_write_path,
 )
+from dualpath_jax.transfer.traffic import LinkClosedError, TrafficManager
 
 HIGH, LOW = TrafficClass.HIGH, TrafficClass.LOW
 K = LinkKind

@@ -20,6 +20,7 @@ from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
+from dualpath_jax.transfer.traffic import TrafficManager
 
 BT = 16
 CFG = TINY_QWEN2
@@ -46,7 +47,7 @@ class Cluster:
         self.store = open_block_store(StoreConfig(kind="memory", block_tokens=BT), CFG)
         layout = BlockLayout.for_model(CFG, BT)
         self.fabric = InProcessFabric()
-        self.traffic = L.TrafficManager(hw)
+        self.traffic = TrafficManager(hw)
         self.pool = futures.ThreadPoolExecutor(16)
 
         def ctx(name, owners):
