@@ -1,6 +1,11 @@
 """dualpath_jax: DualPath PD-disaggregated agentic inference with dual-path KV loading, in JAX."""
 
-from dualpath_jax.config import (
+# First: the compiled core, when a fresh build exists, replaces its modules before any is imported.
+from dualpath_jax import _compiled
+
+_compiled.install()
+
+from dualpath_jax.config import (  # noqa: E402 (after the compiled core is installed)
     ClusterConfig,
     ConfigError,
     ExperimentConfig,

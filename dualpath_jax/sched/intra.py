@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -76,6 +77,53 @@ class BatchPlan:
         return self.rest is None or self.rest.request_id != request_id
 
 
+class _Packer:
+    """The running state of one `pack_prefill_batch` (an object rather than closures, which
+    would make a reference cycle per batch)."""
+
+    def __init__(
+        self,
+        attention_time: AttentionTime,
+        quota_s: float,
+        max_tokens: int,
+        max_kv_tokens: int,
+        terms: AttentionTerms | None,
+    ):
+        self.attention_time, self.quota_s = attention_time, quota_s
+        self.max_tokens, self.max_kv_tokens, self.terms = max_tokens, max_kv_tokens, terms
+        self.pairs: list[tuple[int, int]] = []
+        self.chunks: list[PrefillChunk] = []
+        self.tokens = 0
+        self.kv = 0  # context tokens held by the batch so far
+        self.acc: tuple[float, ...] = ()  # summed terms of `pairs`
+        if terms is not None:
+            self.term_of, self.time_of = terms.attention_terms, terms.attention_time_of
+
+    def time_with(self, cached: int, bsz: int) -> float:
+        """The batch's attention time with `(cached, bsz)` added (`terms` only)."""
+        t = self.term_of(cached, bsz)
+        acc = self.acc
+        return self.time_of(tuple(map(operator.add, acc, t)) if acc else t)
+
+    def fits(self, cached: int, bsz: int) -> bool:
+        if self.max_tokens and self.tokens + bsz > self.max_tokens:
+            return False
+        if self.max_kv_tokens and self.chunks and self.kv + cached + bsz > self.max_kv_tokens:
+            return False
+        if self.terms is not None:
+            return self.time_with(cached, bsz) <= self.quota_s
+        return self.attention_time([*self.pairs, (cached, bsz)]) <= self.quota_s
+
+    def add(self, cached: int, bsz: int) -> None:
+        self.pairs.append((cached, bsz))
+        if self.terms is not None:
+            t = self.term_of(cached, bsz)
+            acc = self.acc
+            self.acc = tuple(map(operator.add, acc, t)) if acc else t
+        self.tokens += bsz
+        self.kv += cached + bsz
+
+
 def pack_prefill_batch(
     queue: Iterable[PendingPrefill],
     attention_time: AttentionTime,
@@ -95,43 +143,22 @@ def pack_prefill_batch(
     runs, whatever its context.
     `terms`: the same cost as `attention_time` in additive form (optional; same plan, cheaper).
     """
-    pairs: list[tuple[int, int]] = []
-    chunks: list[PrefillChunk] = []
-    tokens = 0
-    kv = 0  # context tokens held by the batch so far
+    p = _Packer(attention_time, quota_s, max_tokens, max_kv_tokens, terms)
+    chunks = p.chunks
     rest: PendingPrefill | None = None
     taken = 0
-    acc: tuple[float, ...] = ()  # summed terms of `pairs`
-
-    if terms is not None:
-        term_of, time_of = terms.attention_terms, terms.attention_time_of
-
-    def time_with(cached: int, bsz: int) -> float:
-        t = term_of(cached, bsz)
-        return time_of(tuple(map(operator.add, acc, t)) if acc else t)
-
-    def fits(cached: int, bsz: int) -> bool:
-        if max_tokens and tokens + bsz > max_tokens:
-            return False
-        if max_kv_tokens and chunks and kv + cached + bsz > max_kv_tokens:
-            return False
-        if terms is not None:
-            return time_with(cached, bsz) <= quota_s
-        return attention_time([*pairs, (cached, bsz)]) <= quota_s
-
     for item in queue:
         if max_requests and len(chunks) >= max_requests:
             break
-        if fits(item.cached, item.new):
+        if p.fits(item.cached, item.new):
             bsz = item.new
         elif terms is not None:
             hi = item.new - 1
             if max_tokens:
-                hi = max(0, min(hi, max_tokens - tokens))
+                hi = max(0, min(hi, max_tokens - p.tokens))
             if max_kv_tokens and chunks:
-                hi = max(0, min(hi, max_kv_tokens - kv - item.cached))
-            c = item.cached
-            bsz = _largest_fitting(hi, lambda b: time_with(c, b), quota_s)
+                hi = max(0, min(hi, max_kv_tokens - p.kv - item.cached))
+            bsz = _largest_fitting(hi, functools.partial(p.time_with, item.cached), quota_s)
             if bsz == 0:
                 if chunks:
                     break
@@ -140,7 +167,7 @@ def pack_prefill_batch(
             lo, hi = 0, item.new - 1  # lo fits (or is 0), hi + 1 does not
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if fits(item.cached, mid):
+                if p.fits(item.cached, mid):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -149,23 +176,18 @@ def pack_prefill_batch(
                 if chunks:
                     break
                 bsz = 1  # a lone request still makes progress
-        pairs.append((item.cached, bsz))
-        if terms is not None:
-            t = term_of(item.cached, bsz)
-            acc = tuple(map(operator.add, acc, t)) if acc else t
+        p.add(item.cached, bsz)
         chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
-        tokens += bsz
-        kv += item.cached + bsz
         if bsz < item.new:
             rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
             break
         taken += 1
-    if not pairs:
+    if not p.pairs:
         predicted = 0.0
     elif terms is not None:
-        predicted = terms.attention_time_of(acc)
+        predicted = terms.attention_time_of(p.acc)
     else:
-        predicted = attention_time(pairs)
+        predicted = attention_time(p.pairs)
     return BatchPlan(tuple(chunks), taken, rest, predicted)
 
 

@@ -28,12 +28,14 @@ import collections
 import math
 from collections.abc import Iterable, Sequence
 
+from dualpath_jax._compiled import mypyc_attr
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.policy import InterEnginePolicy, PolicyName, PolicySpec, make_policy
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # tests and users subclass it
 class GlobalScheduler:
     """Queues + last-known loads + an `InterEnginePolicy`. Not thread safe (one router loop)."""
 

@@ -186,7 +186,7 @@ class SimCluster:
     # ------------------------------------------------------------------ router
 
     def submit_round(
-        self, request: Request, agent: int, on_done: Callable[[RoundState], None]
+        self, request: Request, agent: int, on_done: Callable[[RoundState], object]
     ) -> None:
         """A client submits one round now (the router's `on_submit` after the store lookup)."""
         if request.hbm_tokens > self.des[0].hbm_tokens:

@@ -33,7 +33,7 @@ class DecodeSteps:
         self,
         loop: EventLoop,
         cost: CostModel,
-        decoded: Callable[[SimEngine, RoundState], None],
+        decoded: Callable[[SimEngine, RoundState], object],
         *,
         macro_steps: bool = True,
         leaders: dict[int, Leader] | None = None,

@@ -40,6 +40,7 @@ over the windows it occupies), in the shape of the engines' link reports.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -53,7 +54,7 @@ from dualpath_jax.transfer.links import (
     link_record,
 )
 
-Done = Callable[[], None]
+Done = Callable[[], object]
 
 
 def _grant_alone(
@@ -71,9 +72,12 @@ def _grant_alone(
     return start, end
 
 
+@dataclasses.dataclass(eq=False)
 class _TimedRequest(LinkRequest):
-    """A `LinkRequest` whose `on_done(t)` runs when its last chunk is granted, with that chunk's
-    end time (`SimLink.request_timed`)."""
+    """A `LinkRequest` whose `at_end(t)` runs when its last chunk is granted, with that chunk's
+    end time (`SimLink.request_timed`); its `on_done` stays None."""
+
+    at_end: Callable[[float], object] | None = None
 
 
 class SimLink:
@@ -129,7 +133,7 @@ class SimLink:
         self._last: LinkRequest | None = None  # the request of the chunk on the wire
         self._free_at = -math.inf  # end of a chunk granted by `serve_now` (no event of its own)
 
-    def request(self, nbytes: int, cls: TrafficClass, on_done: Callable[..., None]) -> None:
+    def request(self, nbytes: int, cls: TrafficClass, on_done: Callable[..., object]) -> None:
         """Queues `nbytes`; `on_done()` runs (as an event) once the last byte has crossed (it is
         called with one argument, None, when a chunk completes it)."""
         if self.arb is None or nbytes == 0:
@@ -196,7 +200,7 @@ class SimLink:
         return end
 
     def request_timed(
-        self, nbytes: int, cls: TrafficClass, at_end: Callable[[float], None]
+        self, nbytes: int, cls: TrafficClass, at_end: Callable[[float], object]
     ) -> None:
         """`request`, but `at_end(t)` runs when the last chunk is granted, with the time `t` its
         last byte crosses (not as an event at `t`), so the caller can merge completions."""
@@ -204,7 +208,7 @@ class SimLink:
             self._account(int(cls), nbytes, self.loop.now, self.loop.now)
             at_end(self.loop.now)
             return
-        self._enqueue(_TimedRequest(nbytes, cls, at_end))
+        self._enqueue(_TimedRequest(nbytes, cls, None, at_end))
 
     def _pace(self) -> None:
         """Runs when the chunk on the wire ends (or the link was idle): completes the request
@@ -223,8 +227,8 @@ class SimLink:
         req = g.request
         self._account(int(req.cls), g.nbytes, g.start, g.end)
         if req.remaining == 0 and type(req) is _TimedRequest:
-            assert req.on_done is not None
-            req.on_done(g.end)
+            assert req.at_end is not None
+            req.at_end(g.end)
             if not arb.pending():
                 self._busy = False
                 self._free_at = g.end
@@ -268,7 +272,7 @@ class _Join:
 
     __slots__ = ("slow", "left", "end", "at_end")
 
-    def __init__(self, slow: list[SimLink], end: float, at_end: Callable[[float], None]):
+    def __init__(self, slow: list[SimLink], end: float, at_end: Callable[[float], object]):
         self.slow, self.left, self.end, self.at_end = slow, len(slow), end, at_end
 
     def request(self, nbytes: int, cls: TrafficClass) -> None:
@@ -372,7 +376,7 @@ class SimNetwork:
         path: Sequence[LinkId],
         nbytes: int,
         cls: TrafficClass,
-        at_end: Callable[[float], None],
+        at_end: Callable[[float], object],
     ) -> None:
         """`transfer`, but `at_end(t)` is called as soon as the completion time `t` is known
         (`t >= now`; often at once, inside this call) instead of running as an event at `t`: a

@@ -51,8 +51,8 @@ class SimRouter:
         fetch_interval_s: float,
         leader_phases: bool,
         seed: int,
-        assign: Callable[[Assignment], None],
-        place: Callable[[Request, SimEngine], None],
+        assign: Callable[[Assignment], object],
+        place: Callable[[Request, SimEngine], object],
         counters: collections.Counter[str],
     ):
         self.loop, self.scheduler = loop, scheduler

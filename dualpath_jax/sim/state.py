@@ -91,7 +91,7 @@ class RoundState:
     request: Request
     agent: int
     t_submit: float
-    on_done: Callable[[RoundState], None]
+    on_done: Callable[[RoundState], object]
     t_assign: float = math.nan
     t_read: float = math.nan
     t_first: float = math.nan
@@ -119,9 +119,9 @@ class HostBuffer:
     def __init__(self, capacity: float):
         self.capacity = capacity
         self.free = capacity
-        self.waiting: collections.deque[tuple[int, Callable[[], None]]] = collections.deque()
+        self.waiting: collections.deque[tuple[int, Callable[[], object]]] = collections.deque()
 
-    def reserve(self, nbytes: int, granted: Callable[[], None]) -> None:
+    def reserve(self, nbytes: int, granted: Callable[[], object]) -> None:
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} B do not fit a host buffer of {self.capacity:.0f} B")
         self.waiting.append((nbytes, granted))

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from dualpath_jax.config import HardwareConfig
 
-DoneCallback = Callable[[BaseException | None], None]
+DoneCallback = Callable[[BaseException | None], object]
 
 DEFAULT_CHUNK_BYTES = 64 * 1024
 DEFAULT_BURST_S = 0.005

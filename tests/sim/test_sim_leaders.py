@@ -22,6 +22,31 @@ from dualpath_jax.sim.leaders import Leader
 CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 
 
+class _Recording(GlobalScheduler):
+    """The real scheduler, recording every PE and DE fetch that reaches it:
+    `(time, group, whether the group's leader was in a forward batch, rounds assigned)`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster: SimCluster | None = None
+        self.pe_fetches: list[tuple[float, int, bool, int]] = []
+        self.de_fetches: list[tuple[float, int, bool, int]] = []
+
+    def _record(self, into: list, group: int, loads, n: int) -> None:
+        cl = self.cluster
+        into.append((cl.loop.now, group, cl.engines[loads[0].engine].busy, n))
+
+    def fetch_pe(self, group, loads):
+        out = super().fetch_pe(group, loads)
+        self._record(self.pe_fetches, group, loads, len(out))
+        return out
+
+    def fetch_de(self, group, loads):
+        out = super().fetch_de(group, loads)
+        self._record(self.de_fetches, group, loads, len(out))
+        return out
+
+
 def _cluster(p: int, d: int, agents: int, *, phases: bool, interval_s: float | None = None):
     cfg = emulated_cpu_experiment(p, d)
     cfg = dataclasses.replace(
@@ -30,12 +55,20 @@ def _cluster(p: int, d: int, agents: int, *, phases: bool, interval_s: float | N
         workload=dataclasses.replace(cfg.workload, agents=agents, trajectories=agents),
     )
     trajs, arrivals = R.build_agents(cfg)
-    cl = SimCluster(
-        cfg,
-        CPU_COST,
-        options=SimOptions(leader_phases=phases, dispatch_interval_s=interval_s),
-        ref_request=R.reference_request(trajs),
+    opts = SimOptions(leader_phases=phases, dispatch_interval_s=interval_s)
+    ref = R.reference_request(trajs)
+    plain = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref)  # its alpha, beta, rates
+    rate = cfg.hardware.snic_bytes_per_s or 1.0
+    sched = _Recording.from_config(
+        cfg.scheduler,
+        alpha=plain.alpha,
+        beta=plain.beta,
+        block_tokens=plain.bt,
+        pe_read_rate=rate,
+        de_read_rate=rate,
     )
+    cl = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref, scheduler=sched)
+    sched.cluster = cl
     return cl, trajs, arrivals
 
 
@@ -46,39 +79,27 @@ def _run(cl: SimCluster, trajs, arrivals) -> None:
 
 def test_pe_leaders_fetch_between_batches_at_most_once_per_interval():
     cl, trajs, arrivals = _cluster(4, 2, 24, phases=True)
-    fetches: list[tuple[float, int]] = []
-    orig = cl.router._pe_fetch
-
-    def spy(i: int) -> None:
-        leader = cl.router._pe_groups[i][1][0]
-        assert not leader.busy, "a PE leader fetched during a forward batch"
-        fetches.append((cl.loop.now, i))
-        orig(i)
-
-    cl.router._pe_fetch = spy
     _run(cl, trajs, arrivals)
     assert len(cl.results) == sum(len(t.rounds) for t in trajs)
+    fetches = cl.scheduler.pe_fetches
+    assert not any(busy for _, _, busy, _ in fetches), "a PE leader fetched during a batch"
     interval = cl.fetch_interval_s
     last: dict[int, float] = {}
-    for t, i in fetches:
-        if i in last:
-            assert t - last[i] >= interval - 1e-9
-        last[i] = t
-    assert set(last) == set(range(4))  # every prefill node's leader took work
+    for t, g, _, _ in fetches:
+        if g in last:
+            assert t - last[g] >= interval - 1e-9
+        last[g] = t
+    assert len(last) == 4  # every prefill node's leader took work
 
 
 def test_de_leaders_fetch_at_most_once_per_interval():
     cl, trajs, arrivals = _cluster(2, 3, 24, phases=True)
-    times: dict[int, list[float]] = {}
-    orig = cl.router._de_leader_fetch
-
-    def spy(gid: int) -> None:
-        times.setdefault(gid, []).append(cl.loop.now)
-        orig(gid)
-
-    cl.router._de_leader_fetch = spy
     _run(cl, trajs, arrivals)
     assert len(cl.results) == sum(len(t.rounds) for t in trajs)
+    times: dict[int, list[float]] = {}
+    for t, g, _, _ in cl.scheduler.de_fetches:
+        times.setdefault(g, []).append(t)
+    assert len(times) == 3
     for ts in times.values():
         assert all(b - a >= cl.fetch_interval_s - 1e-9 for a, b in zip(ts, ts[1:]))
 
@@ -89,18 +110,9 @@ def test_rounds_per_pe_fetch(phases):
     per interval the first group takes every round that came in since the last pass; with the
     leaders' own timers most fetches find one."""
     cl, trajs, arrivals = _cluster(8, 8, 64, phases=phases, interval_s=0.2)
-    sizes: list[int] = []
-    orig = cl.scheduler.fetch_pe
-
-    def spy(gid, loads):
-        out = orig(gid, loads)
-        if out:
-            sizes.append(len(out))
-        return out
-
-    cl.scheduler.fetch_pe = spy
     _run(cl, trajs, arrivals)
     assert len(cl.results) == sum(len(t.rounds) for t in trajs)
+    sizes = [n for _, _, _, n in cl.scheduler.pe_fetches if n]
     later = sizes[len(sizes) // 4 :]  # after the start, where all agents submit at once
     mean = sum(later) / len(later)
     assert mean < 1.5 if phases else mean > 2.0

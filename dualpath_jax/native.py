@@ -1,0 +1,151 @@
+"""The compiled core: the simulator's hot modules and the pure cores they call, as C extensions.
+
+The modules in `MODULES` (the scheduler's pure cores, the link arbiter, the data paths and the
+simulator's event loop, links, engines and router) are ordinary typed Python. `build()` compiles
+them with mypyc (one C extension per module plus one shared library) into a directory with a
+manifest of the sources' SHA-256; importing `dualpath_jax` then loads the compiled modules in
+place of the sources, all of them or none:
+
+- only when the manifest matches this interpreter and every source, byte for byte (an edited
+  source makes the whole set stale: a warning says so and the pure modules run);
+- never with `DUALPATH_JAX_NATIVE=0` in the environment (the pure modules run; how side-by-side
+  speed figures are measured);
+- from `DUALPATH_JAX_NATIVE_DIR` if set, else `dualpath_jax/_native/` beside this file.
+
+Results are the same either way (`tests/test_native.py` runs the simulator's and the
+scheduler's tests against a fresh build and compares simulations with the pure modules); only the
+speed differs (`bench/sim_speed.py` reports which ran). Building needs `mypy` (the `native`
+extra) and a C compiler:
+
+    make native                                  # or: python -m dualpath_jax.native build
+    python -m dualpath_jax.native status         # what is built, whether it is in use
+    python -m dualpath_jax.native clean
+
+The compiled modules are checked more strictly than Python: an argument of the wrong type (a
+`float` where an `int` is declared, a numpy integer for an `int`) raises `TypeError` at the call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from dualpath_jax._compiled import (
+    _MANIFEST,
+    _PACKAGE,
+    MODULES,
+    _abi,
+    _sha256,
+    active,
+    install,
+    native_dir,
+    status,
+)
+
+__all__ = ["MODULES", "active", "build", "clean", "install", "native_dir", "status"]
+
+
+# --------------------------------------------------------------------------- building
+
+_SETUP = """
+import sys
+from mypyc.build import mypycify
+from setuptools import setup
+
+paths = sys.argv[1:]
+sys.argv = [sys.argv[0], "build_ext", "--build-lib", "out", "--build-temp", "tmp"]
+setup(
+    name="dualpath_jax_native",
+    ext_modules=mypycify(paths + ["--follow-imports=silent", "--ignore-missing-imports"],
+                         opt_level="3", target_dir="c"),
+)
+"""
+
+
+def build(out: pathlib.Path | None = None, *, quiet: bool = True) -> pathlib.Path:
+    """Compiles `MODULES` into `out` (default `native_dir()`), replacing what is there. The
+    sources are copied first, so the manifest's hashes are those of what was compiled. Raises
+    RuntimeError (with mypyc's and the compiler's output) if the build fails."""
+    try:
+        import mypyc  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(
+            "building the compiled core needs mypy: pip install 'dualpath_jax[native]'"
+        ) from e
+    out = (out or native_dir()).resolve()
+    with tempfile.TemporaryDirectory(prefix="dualpath_native_") as tmp:
+        work = pathlib.Path(tmp)
+        pkg = work / "dualpath_jax"
+        shutil.copytree(
+            _PACKAGE, pkg, ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so")
+        )
+        rel = [str(pathlib.Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
+        (work / "setup_native.py").write_text(_SETUP)
+        proc = subprocess.run(
+            [sys.executable, "setup_native.py", *rel],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"mypyc build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+        if not quiet:
+            print(proc.stdout[-2000:])
+        built = work / "out"
+        suffix = sysconfig.get_config_var("EXT_SUFFIX")
+        shared = [p for p in built.glob(f"*__mypyc{suffix}")]
+        if len(shared) != 1:
+            raise RuntimeError(f"expected one shared library in {built}, found {shared}")
+        manifest: dict[str, Any] = {
+            "abi": _abi(),
+            "shared": {"name": shared[0].name[: -len(suffix)], "file": shared[0].name},
+            "modules": {},
+        }
+        for m, r in zip(MODULES, rel):
+            ext = pathlib.Path(r).with_suffix("")
+            ext = ext.with_name(ext.name + suffix)
+            if not (built / ext).exists():
+                raise RuntimeError(f"the build made no {ext}")
+            manifest["modules"][m] = {"file": str(ext), "sha256": _sha256(work / r)}
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(built, out)
+        (out / _MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    return out
+
+
+def clean(out: pathlib.Path | None = None) -> None:
+    """Removes a build (the pure modules run from the next import of `dualpath_jax` on)."""
+    out = out or native_dir()
+    if out.exists():
+        shutil.rmtree(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    cmd = args[0] if args else "status"
+    if cmd == "build":
+        where = build(quiet=False)
+        print(f"built {len(MODULES)} modules into {where}")
+        return 0
+    if cmd == "clean":
+        clean()
+        return 0
+    if cmd == "status":
+        print(json.dumps(status(), indent=1))
+        return 0
+    print("usage: python -m dualpath_jax.native [build|status|clean]", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
