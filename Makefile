@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test bench lint notebooks clean
+.PHONY: demo test bench lint notebooks native clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,5 +50,10 @@ lint: $(TEST_STAMP)
 notebooks: $(TEST_STAMP)
 	$(PY) -m jupytext --update --to ipynb colab/*.py
 
+# The simulator's compiled core (dualpath_jax.native): optional, same results, faster.
+native: $(STAMP)
+	$(PY) -m pip install -q -e '.[native]'
+	$(PY) -m dualpath_jax.native build
+
 clean:
-	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out
+	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out dualpath_jax/_native

@@ -9,7 +9,9 @@ wall time also counts other processes. The default `--preset=paper` is the paper
 
 `--max_turns=N` replays the first N rounds only (a measured fraction); `--profile=N` prints the
 N costliest functions (cProfile, cumulative); `--model` applies to `--preset=engine_groups`;
-`--nopause_gc` keeps Python's cyclic collector running during the simulation.
+`--nopause_gc` keeps Python's cyclic collector running during the simulation. With a build of the
+compiled core (`make native`) it runs unless `DUALPATH_JAX_NATIVE=0`; `native` in the output
+says which ran.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 
 from absl import app, flags
 
+from dualpath_jax import native
 from dualpath_jax.config import (
     ClusterConfig,
     ExperimentConfig,
@@ -145,6 +148,8 @@ def main(argv):
                 "events": run.events,
                 "events_per_cpu_s": run.events / cpu,
                 "events_per_s": run.events / run.wall_s,
+                # The compiled core ran (`dualpath_jax.native`; DUALPATH_JAX_NATIVE=0: pure).
+                "native": native.active(),
                 # Peak resident memory of this process (Linux reports KiB).
                 "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                 "snic_max_over_avg": s["snic_max_over_avg"],

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 from collections.abc import Iterable, Sequence
 
 from dualpath_jax._compiled import mypyc_attr
@@ -266,7 +267,7 @@ class GlobalScheduler:
             return ()
         key = ("pe", group)
         res = self.policy.pe_fetch(
-            (r for r, _ in self._pe_wait),
+            map(_first, self._pe_wait),  # lazy: Algorithm 1 reads only the head it takes
             loads,
             alpha=self.alpha,
             beta=self.beta,
@@ -297,6 +298,9 @@ class GlobalScheduler:
             if a.pe_read_blocks + a.de_read_blocks > 0:
                 self._path_turns[a.de] = self._path_turns.get(a.de, 0) + 1
         return out
+
+
+_first = operator.itemgetter(0)
 
 
 def _with_read_q(x: EngineLoad, q: int) -> EngineLoad:

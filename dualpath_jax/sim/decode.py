@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from dualpath_jax.sched.cost import CostModel
 from dualpath_jax.sched.intra import admit_decode
@@ -50,7 +50,7 @@ class DecodeSteps:
         if not de.waiting:
             return
         ids = admit_decode(
-            ((s.request.id, s.request.hbm_tokens) for s in de.waiting),
+            _needs(de.waiting),
             free_hbm_tokens=de.hbm_tokens - de.hbm_used,
             free_slots=de.slots - len(de.active),
         )
@@ -134,3 +134,9 @@ class DecodeSteps:
             self.admit(de)
         if de.active and not de.stepping:
             self._step(de)
+
+
+def _needs(waiting: Iterable[RoundState]) -> Iterator[tuple[str, int]]:
+    """`(request id, KV tokens)` of the waiting rounds, lazily (admission reads only a head)."""
+    for s in waiting:
+        yield s.request.id, s.request.hbm_tokens
