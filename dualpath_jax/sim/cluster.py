@@ -80,7 +80,7 @@ class SimCluster:
         *,
         options: SimOptions | None = None,
         loop: EventLoop | None = None,
-        scheduler: GlobalScheduler | None = None,
+        scheduler: GlobalScheduler | type[GlobalScheduler] | None = None,
         ref_request: tuple[int, int] = (512, 32),
     ):
         options = options or SimOptions()
@@ -110,10 +110,10 @@ class SimCluster:
             max_batch=cl.prefill_max_batch or 256,
         )
         rate = hw.snic_bytes_per_s or 1.0
-        self.scheduler = (
-            scheduler
-            if scheduler is not None
-            else GlobalScheduler.from_config(
+        # An instance is used as given; a class (GlobalScheduler or a subclass, e.g. one that
+        # records its fetches) is built with the cluster's alpha, beta and read rates.
+        if scheduler is None or isinstance(scheduler, type):
+            self.scheduler = (scheduler or GlobalScheduler).from_config(
                 cfg.scheduler,
                 alpha=self.alpha,
                 beta=self.beta,
@@ -121,7 +121,8 @@ class SimCluster:
                 pe_read_rate=rate,
                 de_read_rate=rate,
             )
-        )
+        else:
+            self.scheduler = scheduler
         self.policy = self.scheduler.policy
         g = hw.engines_per_node
         hw_kv_tokens = int(hw.hbm_bytes // self.kvb) if hw.hbm_bytes > 0 else 0  # 0: not configured

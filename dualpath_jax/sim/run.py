@@ -145,6 +145,9 @@ def simulate(
 ) -> SimRun:
     """Simulates `cfg`'s workload (or the given agents) and returns the run with its summary.
 
+    `scheduler`: a `GlobalScheduler` to use as is, or a `GlobalScheduler` subclass that the
+    cluster builds with its own alpha, beta and read rates (None: `GlobalScheduler`).
+
     `pause_gc`: Python's cyclic garbage collector is off while the event loop runs (and back as
     it was after). The simulator frees its per-round objects by reference counting, making no
     reference cycles per round (`tests/sim/test_sim_cluster.py`), so the collector only

@@ -57,18 +57,8 @@ def _cluster(p: int, d: int, agents: int, *, phases: bool, interval_s: float | N
     trajs, arrivals = R.build_agents(cfg)
     opts = SimOptions(leader_phases=phases, dispatch_interval_s=interval_s)
     ref = R.reference_request(trajs)
-    plain = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref)  # its alpha, beta, rates
-    rate = cfg.hardware.snic_bytes_per_s or 1.0
-    sched = _Recording.from_config(
-        cfg.scheduler,
-        alpha=plain.alpha,
-        beta=plain.beta,
-        block_tokens=plain.bt,
-        pe_read_rate=rate,
-        de_read_rate=rate,
-    )
-    cl = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref, scheduler=sched)
-    sched.cluster = cl
+    cl = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref, scheduler=_Recording)
+    cl.scheduler.cluster = cl
     return cl, trajs, arrivals
 
 
