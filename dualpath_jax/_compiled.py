@@ -59,8 +59,13 @@ def native_dir() -> pathlib.Path:
     return pathlib.Path(d) if d else _PACKAGE / "_native"
 
 
+def _relpath(module: str) -> pathlib.Path:
+    """A module's source file relative to the directory that holds the package."""
+    return pathlib.Path(*module.split(".")).with_suffix(".py")
+
+
 def _source(module: str) -> pathlib.Path:
-    return _PACKAGE.parent.joinpath(*module.split(".")).with_suffix(".py")
+    return _PACKAGE.parent / _relpath(module)
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -154,15 +159,15 @@ def active() -> bool:
 
 def status() -> dict[str, Any]:
     """Whether the compiled core is in use, where it is looked for, and why not if not."""
-    loaded = [m for m in MODULES if m in sys.modules]
+    pure = {
+        m: str(getattr(sys.modules[m], "__file__", "")).endswith(".py")
+        for m in MODULES
+        if m in sys.modules
+    }
     return {
         "active": active(),
         "dir": _state["dir"] or str(native_dir()),
         "why_not": _state["why"],
-        "compiled_loaded": [
-            m for m in loaded if not str(getattr(sys.modules[m], "__file__", "")).endswith(".py")
-        ],
-        "pure_loaded": [
-            m for m in loaded if str(getattr(sys.modules[m], "__file__", "")).endswith(".py")
-        ],
+        "compiled_loaded": [m for m, p in pure.items() if not p],
+        "pure_loaded": [m for m, p in pure.items() if p],
     }

@@ -43,6 +43,7 @@ from dualpath_jax._compiled import (
     _PACKAGE,
     MODULES,
     _abi,
+    _relpath,
     _sha256,
     active,
     install,
@@ -87,7 +88,7 @@ def build(out: pathlib.Path | None = None, *, quiet: bool = True) -> pathlib.Pat
         shutil.copytree(
             _PACKAGE, pkg, ignore=shutil.ignore_patterns("_native", "__pycache__", "*.so")
         )
-        rel = [str(pathlib.Path(*m.split(".")).with_suffix(".py")) for m in MODULES]
+        rel = [str(_relpath(m)) for m in MODULES]
         (work / "setup_native.py").write_text(_SETUP)
         proc = subprocess.run(
             [sys.executable, "setup_native.py", *rel],

@@ -114,7 +114,8 @@ class _Packer:
             return self.time_with(cached, bsz) <= self.quota_s
         return self.attention_time([*self.pairs, (cached, bsz)]) <= self.quota_s
 
-    def add(self, cached: int, bsz: int) -> None:
+    def add(self, request_id: str, cached: int, bsz: int) -> None:
+        self.chunks.append(PrefillChunk(request_id, cached, bsz))
         self.pairs.append((cached, bsz))
         if self.terms is not None:
             t = self.term_of(cached, bsz)
@@ -176,8 +177,7 @@ def pack_prefill_batch(
                 if chunks:
                     break
                 bsz = 1  # a lone request still makes progress
-        p.add(item.cached, bsz)
-        chunks.append(PrefillChunk(item.request_id, item.cached, bsz))
+        p.add(item.request_id, item.cached, bsz)
         if bsz < item.new:
             rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
             break
