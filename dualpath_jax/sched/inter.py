@@ -91,16 +91,26 @@ def de_route(
     `group_tok`: group id -> total tokens of the group (its engines' `tok_e` plus its private
     queue). Returns `(request, group)` in queue order and the updated totals.
     """
+    routes = de_routes(queue, group_tok)
+    out = dict(group_tok)
+    for r, g in routes:
+        out[g] += r.tokens
+    return routes, out
+
+
+def de_routes(
+    queue: Iterable[Request], group_tok: Mapping[int, int]
+) -> tuple[tuple[Request, int], ...]:
+    """`de_route`'s routes alone (a caller that keeps its own totals)."""
     if not group_tok:
         raise ValueError("de_route needs at least one DE group")
     queue = list(queue)
-    if len(queue) == 1:  # the common case (a router routing as rounds come): no sort, no heap
-        r = queue[0]
-        least = min(group_tok.values())
-        best = min(g for g, t in group_tok.items() if t == least)
-        out = dict(group_tok)
-        out[best] = least + r.tokens
-        return ((r, best),), out
+    if len(queue) == 1:  # the common case (a router routing as rounds come): one pass
+        best, least = -1, 0
+        for g, t in group_tok.items():
+            if best < 0 or t < least or (t == least and g < best):
+                best, least = g, t
+        return ((queue[0], best),)
     groups = sorted(group_tok)
     tot = [group_tok[g] for g in groups]
     routes: list[tuple[Request, int]] = []
@@ -112,7 +122,7 @@ def de_route(
         routes.append((r, groups[best]))
         tot[best] = t + r.tokens
         heapq.heapreplace(heap, (tot[best], best))
-    return tuple(routes), dict(zip(groups, tot))
+    return tuple(routes)
 
 
 def feasible_head(queue: Iterable[Request], free_hbm_total: int) -> list[Request]:

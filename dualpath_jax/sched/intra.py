@@ -35,7 +35,11 @@ class AttentionTerms(Protocol):
     def attention_time_of(self, terms: Sequence[float]) -> float: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+# The values below spell out their `__init__` (`init=False`): the compiled core compiles a
+# written one and would run a generated one as interpreted code (see `sched.types`).
+
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class PendingPrefill:
     """What is left to prefill of one request on a PE: `new` tokens after `cached` ones."""
 
@@ -43,12 +47,15 @@ class PendingPrefill:
     cached: int
     new: int
 
-    def __post_init__(self) -> None:
+    def __init__(self, request_id: str, cached: int, new: int) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "new", new)
         if self.cached < 0 or self.new < 1:
             raise ValueError(f"{self.request_id}: need cached >= 0 and new >= 1, got {self}")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class PrefillChunk:
     """One request's part of a forward batch: compute `bsz` tokens after `cached` ones."""
 
@@ -56,8 +63,13 @@ class PrefillChunk:
     cached: int
     bsz: int
 
+    def __init__(self, request_id: str, cached: int, bsz: int) -> None:
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "cached", cached)
+        object.__setattr__(self, "bsz", bsz)
 
-@dataclasses.dataclass(frozen=True, slots=True)
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class BatchPlan:
     """One forward batch. `taken`: queue items finished by it (all chunks, except a cut last one);
     `rest`: the cut request's remainder, to be put at the head of the queue; `predicted_s`: the
@@ -67,6 +79,18 @@ class BatchPlan:
     taken: int
     rest: PendingPrefill | None
     predicted_s: float
+
+    def __init__(
+        self,
+        chunks: tuple[PrefillChunk, ...],
+        taken: int,
+        rest: PendingPrefill | None,
+        predicted_s: float,
+    ) -> None:
+        object.__setattr__(self, "chunks", chunks)
+        object.__setattr__(self, "taken", taken)
+        object.__setattr__(self, "rest", rest)
+        object.__setattr__(self, "predicted_s", predicted_s)
 
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:

@@ -133,8 +133,7 @@ class InterEnginePolicy:
         """Phase 1. Returns `(request, group)` routes and the next round-robin cursor."""
         if self.spec.engine_choice is EngineChoice.ROUND_ROBIN:
             return inter.rr_de_route(queue, sorted(group_tok), cursor=cursor)
-        routes, _ = inter.de_route(queue, group_tok)
-        return routes, cursor
+        return inter.de_routes(queue, group_tok), cursor
 
     def de_fetch(
         self,

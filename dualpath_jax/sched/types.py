@@ -6,6 +6,12 @@ return new values instead of mutating anything.
 
 Identifiers: engine ids and node ids are plain ints, unique across both roles (a PE and a DE never
 share an id, and neither do a prefill node and a decode node). Token counts are ints.
+
+The values made per request or per fetch (`Request`, `EngineLoad`, `Assignment`, `FetchResult`)
+spell out their `__init__` (`init=False`, fields set with `object.__setattr__`, as the generated
+one does): the compiled core (`dualpath_jax.native`) compiles a written `__init__` but runs a
+generated one as interpreted code, about 20 times slower per object, and the simulator makes
+millions. Fields, order, defaults, equality, hashing and `dataclasses.replace` are unchanged.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class ReadPath(enum.StrEnum):
     NONE = "none"  # nothing is read: no hit, or the Oracle policy
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Request:
     """One round of one trajectory, as the scheduler sees it.
 
@@ -44,7 +50,21 @@ class Request:
     cached_tokens: int
     gen_tokens: int
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        id: str,
+        trajectory: str,
+        turn: int,
+        prompt_tokens: int,
+        cached_tokens: int,
+        gen_tokens: int,
+    ) -> None:
+        object.__setattr__(self, "id", id)
+        object.__setattr__(self, "trajectory", trajectory)
+        object.__setattr__(self, "turn", turn)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
+        object.__setattr__(self, "gen_tokens", gen_tokens)
         if self.prompt_tokens < 1:
             raise ValueError(
                 f"request {self.id}: prompt_tokens must be >= 1, got {self.prompt_tokens}"
@@ -76,7 +96,7 @@ class Request:
         return -(-self.cached_tokens // block_tokens)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class EngineLoad:
     """One engine's load report (paper 6.1), sent by its group leader when the group fetches.
 
@@ -92,6 +112,24 @@ class EngineLoad:
     tok_e: int = 0
     read_q: int = 0
     free_hbm_tokens: int = 0
+
+    def __init__(
+        self,
+        engine: int,
+        node: int,
+        group: int,
+        seq_e: int = 0,
+        tok_e: int = 0,
+        read_q: int = 0,
+        free_hbm_tokens: int = 0,
+    ) -> None:
+        object.__setattr__(self, "engine", engine)
+        object.__setattr__(self, "node", node)
+        object.__setattr__(self, "group", group)
+        object.__setattr__(self, "seq_e", seq_e)
+        object.__setattr__(self, "tok_e", tok_e)
+        object.__setattr__(self, "read_q", read_q)
+        object.__setattr__(self, "free_hbm_tokens", free_hbm_tokens)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,7 +159,7 @@ class ClusterView:
         return {x.node: x.read_q for x in (*self.pe, *self.de)}
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class Assignment:
     """The scheduler's decision for one request: its PE, its DE and how its hit KV is read.
 
@@ -137,8 +175,24 @@ class Assignment:
     pe_read_blocks: int = 0
     de_read_blocks: int = 0
 
+    def __init__(
+        self,
+        request: Request,
+        pe: int,
+        de: int,
+        path: ReadPath,
+        pe_read_blocks: int = 0,
+        de_read_blocks: int = 0,
+    ) -> None:
+        object.__setattr__(self, "request", request)
+        object.__setattr__(self, "pe", pe)
+        object.__setattr__(self, "de", de)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "pe_read_blocks", pe_read_blocks)
+        object.__setattr__(self, "de_read_blocks", de_read_blocks)
 
-@dataclasses.dataclass(frozen=True, slots=True)
+
+@dataclasses.dataclass(frozen=True, slots=True, init=False)
 class FetchResult:
     """What one group fetch decided.
 
@@ -153,6 +207,18 @@ class FetchResult:
     loads: tuple[EngineLoad, ...]
     cursor: int = 0
     z: float = 0.0
+
+    def __init__(
+        self,
+        assigned: tuple[tuple[Request, int], ...],
+        loads: tuple[EngineLoad, ...],
+        cursor: int = 0,
+        z: float = 0.0,
+    ) -> None:
+        object.__setattr__(self, "assigned", assigned)
+        object.__setattr__(self, "loads", loads)
+        object.__setattr__(self, "cursor", cursor)
+        object.__setattr__(self, "z", z)
 
     @property
     def taken(self) -> int:

@@ -62,7 +62,11 @@ class SimOptions:
     leader_phases: bool = True
 
 
-@dataclasses.dataclass(slots=True)
+# `RoundResult` and `RoundState` (one each per round) spell out their `__init__` (`init=False`):
+# the compiled core compiles a written one and would run a generated one as interpreted code.
+
+
+@dataclasses.dataclass(slots=True, init=False)
 class RoundResult:
     """One finished round, with the attributes `metrics.summary.summarize` reads (seconds).
     `read_s` / `prefill_s` are the TTFT breakdown the real router takes from its engines'
@@ -83,8 +87,40 @@ class RoundResult:
     read_s: float = math.nan  # assignment -> hit KV read (s)
     prefill_s: float = math.nan  # the forward batches of its prefill (s)
 
+    def __init__(
+        self,
+        request: str,
+        tokens: range,
+        ttft_s: float,
+        ttst_s: float,
+        tpot_s: float,
+        jct_s: float,
+        queue_s: float,
+        cached_tokens: int,
+        prompt_tokens: int,
+        read_path: str,
+        recomputed_blocks: int = 0,
+        submit_s: float = 0.0,
+        read_s: float = math.nan,
+        prefill_s: float = math.nan,
+    ) -> None:
+        self.request = request
+        self.tokens = tokens
+        self.ttft_s = ttft_s
+        self.ttst_s = ttst_s
+        self.tpot_s = tpot_s
+        self.jct_s = jct_s
+        self.queue_s = queue_s
+        self.cached_tokens = cached_tokens
+        self.prompt_tokens = prompt_tokens
+        self.read_path = read_path
+        self.recomputed_blocks = recomputed_blocks
+        self.submit_s = submit_s
+        self.read_s = read_s
+        self.prefill_s = prefill_s
 
-@dataclasses.dataclass(eq=False)
+
+@dataclasses.dataclass(eq=False, init=False)
 class RoundState:
     """Mutable per-request state; times are virtual seconds (NaN until reached)."""
 
@@ -111,6 +147,28 @@ class RoundState:
     pe_buf: int = 0
     de_buf: int = 0
     read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
+
+    def __init__(
+        self,
+        request: Request,
+        agent: int,
+        t_submit: float,
+        on_done: Callable[[RoundState], object],
+    ) -> None:
+        self.request, self.agent, self.t_submit, self.on_done = request, agent, t_submit, on_done
+        self.t_assign = self.t_read = self.t_first = self.t_second = math.nan
+        self.pe = self.de = None
+        self.assignment = None
+        self.steps = {}
+        self.waits = 0
+        self.loaded = False
+        self.sent = self.sends = 0
+        self.sent_end = -math.inf
+        self.prefilled = False
+        self.prefill_s = 0.0
+        self.generated = 0
+        self.pe_buf = self.de_buf = 0
+        self.read_q = {}
 
 
 class HostBuffer:

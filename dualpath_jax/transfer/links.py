@@ -102,18 +102,22 @@ def link_rate(hw: HardwareConfig, kind: LinkKind) -> float:
 # --------------------------------------------------------------------------- arbitration core
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, init=False)
 class LinkRequest:
     """One caller's bytes on one link: queued FIFO in its class, served chunk by chunk
-    (`remaining` falls to 0), then `on_done(None)`, or `on_done(LinkClosedError)` on close."""
+    (`remaining` falls to 0), then `on_done(None)`, or `on_done(LinkClosedError)` on close.
+    (A written `__init__`: the compiled core runs a generated one as interpreted code.)"""
 
     nbytes: int
     cls: TrafficClass
     on_done: DoneCallback | None = None
     remaining: int = dataclasses.field(init=False)
 
-    def __post_init__(self) -> None:
-        self.remaining = self.nbytes
+    def __init__(self, nbytes: int, cls: TrafficClass, on_done: DoneCallback | None = None) -> None:
+        self.nbytes = nbytes
+        self.cls = cls
+        self.on_done = on_done
+        self.remaining = nbytes
 
 
 class Grant(NamedTuple):

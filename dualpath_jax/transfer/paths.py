@@ -82,14 +82,21 @@ def persist_path(engine: Owner, node: Owner, *, cnic_assisted: bool = False) -> 
     return [*d2h_path(engine, node, cnic_assisted=cnic_assisted), *store_write_path(node)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class TransferStep:
-    """One copy of one request: `nbytes` over `path` in class `cls`; `name` says which copy."""
+    """One copy of one request: `nbytes` over `path` in class `cls`; `name` says which copy.
+    (A written `__init__`: the compiled core runs a generated one as interpreted code.)"""
 
     name: str
     path: tuple[LinkId, ...]
     nbytes: int
     cls: TrafficClass
+
+    def __init__(self, name: str, path: tuple[LinkId, ...], nbytes: int, cls: TrafficClass):
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "path", path)
+        object.__setattr__(self, "nbytes", nbytes)
+        object.__setattr__(self, "cls", cls)
 
 
 def request_steps(
