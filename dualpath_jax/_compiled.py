@@ -45,6 +45,7 @@ MODULES = (
     "dualpath_jax.sim.network",
     "dualpath_jax.sim.router",
     "dualpath_jax.sim.cluster",
+    "dualpath_jax.sim.agents",
 )
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent

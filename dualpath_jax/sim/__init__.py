@@ -6,18 +6,17 @@
 
 `core.EventLoop` is the virtual clock, `network.SimNetwork` the links (real `LinkArbiter`),
 `cluster.SimCluster` the router, engines and data paths (their state in `state`), `decode` a DE's
-continuous batched decode, `leaders` when group leaders fetch, `run.simulate` the offline/online
-driver.
+continuous batched decode, `leaders` when group leaders fetch, `agents` the agents' rounds,
+`run.simulate` the offline/online driver.
 """
 
+from dualpath_jax.sim.agents import round_hit, schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimLink, SimNetwork
 from dualpath_jax.sim.run import (
     SimRun,
     build_agents,
-    round_hit,
-    schedule_agents,
     simulate,
     write_run,
 )

@@ -3,7 +3,7 @@
     summary = simulate(cfg)                      # roofline of cfg.hardware.gpu
     summary = simulate(cfg, cost=fitted_model)   # e.g. a FittedCostModel of the CPU engines
 
-Agents replay their trajectories per appendix A.3 (`workload.trace.turn_specs`): round i+1 is
+Agents replay their trajectories per appendix A.3 (`sim.agents`): round i+1 is
 submitted when round i is done, with prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what
 the DE persisted for the previous round (every Full Block of its prompt + generated tokens but
 the last, whose KV is never computed), less one block when it would cover the whole prompt
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import json
 import math
@@ -30,12 +29,12 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.metrics.summary import summarize
 from dualpath_jax.sched.cost import CostModel, make_cost_model
-from dualpath_jax.sched.types import Request
+from dualpath_jax.sim.agents import schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import SimOptions
 from dualpath_jax.workload.arrivals import agent_trajectories, schedule
 from dualpath_jax.workload.synthetic import from_config
-from dualpath_jax.workload.trace import Trajectory, TurnSpec, turn_specs
+from dualpath_jax.workload.trace import Trajectory, turn_specs
 
 
 @dataclasses.dataclass
@@ -58,16 +57,6 @@ def build_agents(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
     return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
 
 
-def round_hit(prev: TurnSpec | None, spec: TurnSpec, block_tokens: int) -> int:
-    """Cached tokens of round `spec` given the previous round of the same trajectory."""
-    if prev is None:
-        return 0
-    blocks = (prev.prompt + prev.gen - 1) // block_tokens
-    if blocks * block_tokens >= spec.prompt:
-        blocks -= 1
-    return max(0, blocks) * block_tokens
-
-
 def reference_request(trajs: Sequence[Trajectory]) -> tuple[int, int]:
     """`(cached, new)` of a mean round of the workload: the reference request of beta."""
     ctx, app, n = 0, 0, 0
@@ -87,50 +76,6 @@ def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostMod
         kv_format=kv_format,
         expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node,
     )
-
-
-def schedule_agents(
-    cluster: SimCluster, trajectories: Sequence[Trajectory], arrivals: Sequence[float]
-) -> list[float]:
-    """Schedules each agent's first round at its arrival on `cluster`'s loop; each later round is
-    submitted when the one before finishes (appendix A.3 hits within the trajectory). Returns
-    the agents' finish times, NaN until each finishes (filled in while the loop runs)."""
-    agents = _Agents(cluster, trajectories)
-    for agent, t0 in enumerate(arrivals):
-        if agents.specs[agent]:
-            cluster.loop.at(t0, agents.submit, agent, 0)
-    return agents.done_at
-
-
-class _Agents:
-    """`schedule_agents`' submissions: round `turn + 1` of an agent when its round `turn` is done.
-    (An object, not two closures that call each other: those would make a reference cycle.)"""
-
-    def __init__(self, cluster: SimCluster, trajectories: Sequence[Trajectory]):
-        self.cluster = cluster
-        self.trajectories = trajectories
-        self.specs = [turn_specs(t) for t in trajectories]
-        self.done_at = [math.nan] * len(trajectories)
-
-    def submit(self, agent: int, turn: int) -> None:
-        spec = self.specs[agent][turn]
-        prev = self.specs[agent][turn - 1] if turn else None
-        tid = self.trajectories[agent].id
-        req = Request(
-            f"{tid}/a{agent}/r{turn}",
-            f"{tid}/a{agent}",
-            turn,
-            spec.prompt,
-            round_hit(prev, spec, self.cluster.bt),
-            spec.gen,
-        )
-        self.cluster.submit_round(req, agent, functools.partial(self._done, agent, turn + 1))
-
-    def _done(self, agent: int, turn: int, _st: Any) -> None:
-        if turn < len(self.specs[agent]):
-            self.submit(agent, turn)
-        else:
-            self.done_at[agent] = self.cluster.loop.now
 
 
 def simulate(

@@ -1,0 +1,86 @@
+"""Agents replaying their trajectories on a simulated cluster (appendix A.3).
+
+Round i+1 of an agent is submitted when its round i is done, with prompt `A_1 G_1 ... A_{i+1}`.
+The hit of a round is what the DE persisted for the previous round (`round_hit`). Part of the
+compiled core (`dualpath_jax.native`): one submission per round of every agent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dualpath_jax.sched.types import Request
+from dualpath_jax.sim.cluster import SimCluster
+from dualpath_jax.sim.state import RoundState
+from dualpath_jax.workload.trace import Trajectory, TurnSpec
+
+
+def round_hit(prev: TurnSpec | None, spec: TurnSpec, block_tokens: int) -> int:
+    """Cached tokens of round `spec` given the previous round of the same trajectory: every Full
+    Block of its prompt + generated tokens but the last (whose KV is never computed), less one
+    block when that would cover the whole prompt (at least one new token makes logits)."""
+    if prev is None:
+        return 0
+    return _hit(prev.prompt, prev.gen, spec.prompt, block_tokens)
+
+
+def _hit(prev_prompt: int, prev_gen: int, prompt: int, block_tokens: int) -> int:
+    blocks = (prev_prompt + prev_gen - 1) // block_tokens
+    if blocks * block_tokens >= prompt:
+        blocks -= 1
+    return max(0, blocks) * block_tokens
+
+
+def schedule_agents(
+    cluster: SimCluster, trajectories: Sequence[Trajectory], arrivals: Sequence[float]
+) -> list[float]:
+    """Schedules each agent's first round at its arrival on `cluster`'s loop; each later round is
+    submitted when the one before finishes. Returns the agents' finish times, NaN until each
+    finishes (filled in while the loop runs)."""
+    agents = AgentReplay(cluster, trajectories)
+    for agent, t0 in enumerate(arrivals):
+        if agents.prompts[agent]:
+            cluster.loop.at(t0, agents.submit, agent, 0)
+    return agents.done_at
+
+
+class AgentReplay:
+    """`schedule_agents`' submissions. Keeps each agent's round lengths as ints (`turn_specs`'
+    prompt and gen, without a `TurnSpec` per round). Its callbacks are bound methods, not
+    closures that call each other (those would make a reference cycle per round)."""
+
+    def __init__(self, cluster: SimCluster, trajectories: Sequence[Trajectory]) -> None:
+        self.cluster = cluster
+        self.bt = cluster.bt
+        self.ids: list[str] = []
+        self.prompts: list[list[int]] = []
+        self.gens: list[list[int]] = []
+        for t in trajectories:
+            prompts: list[int] = []
+            gens: list[int] = []
+            context = 0
+            for r in t.rounds:
+                append = r.append_len
+                prompts.append(context + append)
+                gens.append(r.gen)
+                context += append + r.gen
+            self.ids.append(t.id)
+            self.prompts.append(prompts)
+            self.gens.append(gens)
+        self.done_at: list[float] = [math.nan] * len(self.ids)
+
+    def submit(self, agent: int, turn: int) -> None:
+        prompts, gens = self.prompts[agent], self.gens[agent]
+        prompt = prompts[turn]
+        hit = _hit(prompts[turn - 1], gens[turn - 1], prompt, self.bt) if turn else 0
+        traj = f"{self.ids[agent]}/a{agent}"
+        req = Request(f"{traj}/r{turn}", traj, turn, prompt, hit, gens[turn])
+        self.cluster.submit_round(req, agent, self._done)
+
+    def _done(self, st: RoundState) -> None:
+        agent, turn = st.agent, st.request.turn + 1
+        if turn < len(self.prompts[agent]):
+            self.submit(agent, turn)
+        else:
+            self.done_at[agent] = self.cluster.loop.now
