@@ -32,6 +32,19 @@ def _hit(prev_prompt: int, prev_gen: int, prompt: int, block_tokens: int) -> int
     return max(0, blocks) * block_tokens
 
 
+def reference_request(trajs: Sequence[Trajectory]) -> tuple[int, int]:
+    """`(cached, new)` of a mean round of the workload (`turn_specs`' context and append over
+    every round of every trajectory): the reference request of beta."""
+    ctx, app, n = 0, 0, 0
+    for t in trajs:
+        context = 0
+        for r in t.rounds:
+            append = r.append_len
+            ctx, app, n = ctx + context, app + append, n + 1
+            context += append + r.gen
+    return (ctx // max(n, 1), max(1, app // max(n, 1)))
+
+
 def schedule_agents(
     cluster: SimCluster, trajectories: Sequence[Trajectory], arrivals: Sequence[float]
 ) -> list[float]:

@@ -29,12 +29,12 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.metrics.summary import summarize
 from dualpath_jax.sched.cost import CostModel, make_cost_model
-from dualpath_jax.sim.agents import schedule_agents
+from dualpath_jax.sim.agents import reference_request, schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import SimOptions
 from dualpath_jax.workload.arrivals import agent_trajectories, schedule
 from dualpath_jax.workload.synthetic import from_config
-from dualpath_jax.workload.trace import Trajectory, turn_specs
+from dualpath_jax.workload.trace import Trajectory
 
 
 @dataclasses.dataclass
@@ -55,15 +55,6 @@ def build_agents(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
     base = from_config(w)
     arrivals = [a.time_s for a in schedule(w, rng)]
     return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
-
-
-def reference_request(trajs: Sequence[Trajectory]) -> tuple[int, int]:
-    """`(cached, new)` of a mean round of the workload: the reference request of beta."""
-    ctx, app, n = 0, 0, 0
-    for t in trajs:
-        for s in turn_specs(t):
-            ctx, app, n = ctx + s.context, app + s.append, n + 1
-    return (ctx // max(n, 1), max(1, app // max(n, 1)))
 
 
 def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostModel:

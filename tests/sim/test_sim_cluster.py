@@ -284,3 +284,33 @@ def test_simulate_leaves_the_collector_as_it_found_it(enabled):
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [enabled, enabled] and run.summary["errors"] == 0
+
+
+def test_agents_replay_turn_specs_lengths_and_hits():
+    """`sim.agents` keeps round lengths as ints: every submitted request has `turn_specs`' prompt
+    and gen and `round_hit`'s hit, and `reference_request` is the mean of `turn_specs`."""
+    from dualpath_jax.sim.agents import reference_request, round_hit
+    from dualpath_jax.workload.trace import turn_specs
+
+    trajs = [
+        Trajectory("t0", (Round(300, 20), Round(70, 5), Round(1, 130))),
+        Trajectory("t1", (Round((1, 2, 3), 9), Round(200, 1))),
+    ]
+    cfg = _cfg(1, 1, "dualpath")
+    run = simulate(cfg, cost=CPU_COST, trajectories=trajs, arrivals=[0.0, 0.5])
+    bt = cfg.store.block_tokens
+    got = {
+        r.request: (r.prompt_tokens, r.cached_tokens, len(r.tokens)) for r in run.cluster.results
+    }
+    want = {}
+    for agent, t in enumerate(trajs):
+        specs = turn_specs(t)
+        for i, s in enumerate(specs):
+            hit = round_hit(specs[i - 1] if i else None, s, bt)
+            want[f"{t.id}/a{agent}/r{i}"] = (s.prompt, hit, s.gen)
+    assert got == want
+    assert any(hit for _, hit, _ in want.values())
+    specs = [s for t in trajs for s in turn_specs(t)]
+    mean_ctx = sum(s.context for s in specs) // len(specs)
+    mean_app = sum(s.append for s in specs) // len(specs)
+    assert reference_request(trajs) == (mean_ctx, max(1, mean_app))
