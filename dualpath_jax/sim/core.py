@@ -14,7 +14,6 @@ backwards. Nothing here reads a wall clock.
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +50,7 @@ class EventLoop:
         self.now = 0.0
         self.events = 0
         self._heap: list[tuple[float, int, Event]] = []
-        self._seq = itertools.count()
+        self._seq = 0  # events scheduled so far: FIFO order among equal times
         self._stopped = False
 
     def __len__(self) -> int:
@@ -65,7 +64,8 @@ class EventLoop:
                 raise ValueError(f"event time is NaN for {fn!r}")
             time = self.now
         ev = Event(time, fn, args)
-        _push(self._heap, (time, next(self._seq), ev))
+        self._seq += 1
+        _push(self._heap, (time, self._seq, ev))
         return ev
 
     def after(self, delay: float, fn: Callback, *args: Any) -> Event:
@@ -74,7 +74,8 @@ class EventLoop:
             raise ValueError(f"negative or NaN delay {delay} for {fn!r}")
         time = self.now + delay  # the hot path: `at` inlined
         ev = Event(time, fn, args)
-        _push(self._heap, (time, next(self._seq), ev))
+        self._seq += 1
+        _push(self._heap, (time, self._seq, ev))
         return ev
 
     def soon(self, fn: Callback, *args: Any) -> Event:
