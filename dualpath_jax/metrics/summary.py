@@ -16,7 +16,8 @@ import numpy as np
 
 def dist(values: Iterable[float]) -> dict[str, float]:
     """`{p50, p90, p99, mean}` of the finite values (zeros when there are none)."""
-    v = np.array([x for x in values if x is not None and math.isfinite(x)], float)
+    v = np.array(values if isinstance(values, list) else list(values), float)  # None -> NaN
+    v = v[np.isfinite(v)]
     if v.size == 0:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
     p50, p90, p99 = np.percentile(v, [50, 90, 99])
@@ -78,13 +79,14 @@ def link_totals(reports: Sequence[dict[str, Any]]) -> dict[str, int]:
 
 def _breakdown(results: Sequence[Any], firsts: dict[str, dict], key: str) -> list[float]:
     """A TTFT component per round: from the round's `first_token` event, else from the result
-    itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not reached)."""
+    itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not reached).
+    Missing values come back as None (`dist` drops them with the NaNs)."""
+    if not firsts:
+        return [getattr(r, key, None) for r in results]
     out = []
     for r in results:
         e = firsts.get(r.request)
-        v = e[key] if e is not None else getattr(r, key, None)
-        if v is not None and not math.isnan(v):
-            out.append(v)
+        out.append(e[key] if e is not None else getattr(r, key, None))
     return out
 
 
