@@ -133,9 +133,8 @@ class SimLink:
                 self.rate, high_weight=high_weight, low_weight=low_weight, chunk_bytes=chunk
             )
         self.bytes = [0, 0]  # by TrafficClass value
-        # Bytes per time window (both classes), by window index: a list, not a dict, as windows
-        # fill in time order (at 48P96D, 5,000 links x 3,000 windows; a dict took 5 times the
-        # memory and a hash lookup per chunk).
+        # Bytes per time window (both classes), by window index: a list, as windows fill in time
+        # order (a dict cost a hash lookup per chunk).
         self.windows: list[float] = []
         self.window_s = window_s
         self._busy = False  # a chunk is on the wire (a pacing event is scheduled)
