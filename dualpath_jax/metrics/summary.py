@@ -81,8 +81,6 @@ def _breakdown(results: Sequence[Any], firsts: dict[str, dict], key: str) -> lis
     """A TTFT component per round: from the round's `first_token` event, else from the result
     itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not reached).
     Missing values come back as None (`dist` drops them with the NaNs)."""
-    if not firsts:
-        return [getattr(r, key, None) for r in results]
     out = []
     for r in results:
         e = firsts.get(r.request)

@@ -252,13 +252,12 @@ class SimLink:
         w = self.window_s
         a, b = int(start // w), int((end - 1e-9 * w) // w)
         win = self.windows
+        top = max(a, b)  # the last window written
+        if top >= len(win):
+            win.extend([0.0] * (top + 1 - len(win)))
         if a >= b or end <= start:
-            if a >= len(win):
-                win.extend([0.0] * (a + 1 - len(win)))
             win[a] += n
             return
-        if b >= len(win):
-            win.extend([0.0] * (b + 1 - len(win)))
         span = end - start
         for i in range(a, b + 1):
             lo, hi = max(start, i * w), min(end, (i + 1) * w)
