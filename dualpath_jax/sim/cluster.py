@@ -6,9 +6,10 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   new round when it is submitted; group leaders fetch when the real engine loops do
   (`sim.leaders`), with the router's own in-flight loads. The cluster tells it what the real
   engines' messages would (assigned, reads done, first token, done, batch start and end).
-- Data paths (paper Fig. 4): each request's copies are `transfer.paths.request_steps` (the same
-  list the real loader charges), moved over `sim.network.SimNetwork` links arbitrated by the real
-  `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
+- Data paths (paper Fig. 4): each request's copies are those of `transfer.paths.request_steps`
+  (the same list the real loader charges: its links per engine pair, `request_paths`, resolved
+  once per pair, and each request's bytes, `step_bytes`), moved over `sim.network.SimNetwork`
+  links arbitrated by the real `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
   with capacity, reserved FIFO before reading); the hit KV goes to the PE device per forward
   (HIGH); layer blocks go PE device -> DE buffer (HIGH); then DE buffer -> DE device (HIGH);
   when decoding ends the DE persists the request's new Full Blocks (LOW, `persist_path`) and
@@ -41,7 +42,7 @@ from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, ReadPath, Request
 from dualpath_jax.sim.core import EventLoop
 from dualpath_jax.sim.decode import DecodeSteps
-from dualpath_jax.sim.network import SimNetwork
+from dualpath_jax.sim.network import SimLink, SimNetwork
 from dualpath_jax.sim.router import SimRouter
 from dualpath_jax.sim.state import (
     HostBuffer,
@@ -66,6 +67,10 @@ _ONE_CLASS_LINKS = (
     L.LinkKind.H2D,
     L.LinkKind.D2H,
 )
+
+# A request's copies (`transfer.paths.STEP_NAMES`) by position.
+_PE_READ, _DE_READ, _PE_LOAD, _DE_LOAD, _SEND, _DE_H2D = range(6)
+_LOW, _HIGH = L.TrafficClass.LOW, L.TrafficClass.HIGH
 
 
 class SimCluster:
@@ -152,7 +157,11 @@ class SimCluster:
                 group.append(e)
                 eid += 1
         self.engines = {e.id: e for e in (*self.pes, *self.des)}
-        self._persist_paths: dict[int, list] = {}
+        self._persist_links: dict[int, tuple[SimLink, ...]] = {}
+        # The links of each copy between a PE and a DE (`_links`), by `pe * engines + de`, each
+        # resolved on its first bytes; paths by their LinkIds, so that pairs share one end's.
+        self._pair_links: dict[int, list[tuple[SimLink, ...] | None]] = {}
+        self._path_links: dict[tuple[L.LinkId, ...], tuple[SimLink, ...]] = {}
         self.states: dict[str, RoundState] = {}
         self.results: list[RoundResult] = []
         self.events: list[dict] = []  # router-style events (none: the TTFT breakdown is on results)
@@ -216,36 +225,50 @@ class SimCluster:
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
-        steps = P.request_steps(
-            path,
-            hit * self.kvb,
-            r.new_tokens * self.kvb,
-            pe=pe.name,
-            de=de.name,
-            pe_node=pe.node_name,
-            de_node=de.node_name,
-            de_hit_bytes=de_hit * self.kvb,
-        )
-        st.steps = {s.name: s for s in steps}
+        st.nbytes = P.step_bytes(path, hit * self.kvb, r.new_tokens * self.kvb, de_hit * self.kvb)
+        key = pe.id * len(self.engines) + de.id
+        links = self._pair_links.get(key)
+        if links is None:
+            links = self._pair_links[key] = [None] * 6
+        st.links = links
         st.pe_buf = (hit - de_hit) * self.kvb
         st.de_buf = r.prompt_tokens * self.kvb
         st.waits = 2
-        pe.buffer.reserve(st.pe_buf, lambda: self._buffer_ready(st))
-        de.buffer.reserve(st.de_buf, lambda: self._buffer_ready(st))
+        pe.buffer.reserve(st.pe_buf, self._buffer_ready, st)
+        de.buffer.reserve(st.de_buf, self._buffer_ready, st)
+
+    def _links(self, st: RoundState, i: int) -> tuple[SimLink, ...]:
+        """The links of copy `i` (`STEP_NAMES` order) between `st`'s PE and DE. Resolved when
+        the pair first moves bytes on it: a link exists from its first bytes on, as when each
+        request resolved its own paths."""
+        out = st.links[i]
+        if out is None:
+            pe, de = st.pe, st.de
+            assert pe is not None and de is not None
+            path = P.request_paths(
+                pe=pe.name, de=de.name, pe_node=pe.node_name, de_node=de.node_name
+            )[i]
+            k = tuple(path)
+            out = self._path_links.get(k)
+            if out is None:
+                out = self._path_links[k] = self.net.resolve(path)
+            st.links[i] = out
+        return out
 
     def _buffer_ready(self, st: RoundState) -> None:
         st.waits -= 1
         if st.waits:
             return
-        reads = [s for s in (st.steps.get("pe_store_read"), st.steps.get("de_store_read")) if s]
-        if not reads:
+        nb = st.nbytes
+        st.waits = int(nb[_PE_READ] > 0) + int(nb[_DE_READ] > 0)
+        if not st.waits:
             st.t_read = self.loop.now - st.t_assign
             self._ready_to_prefill(st)
             return
-        st.waits = len(reads)
-        for s in reads:
-            side = "pe" if s.name == "pe_store_read" else "de"
-            self.net.transfer(s.path, s.nbytes, s.cls, functools.partial(self._read_done, st, side))
+        if nb[_PE_READ] > 0:
+            self.net.send(self._links(st, _PE_READ), nb[_PE_READ], _LOW, self._read_done, st, "pe")
+        if nb[_DE_READ] > 0:
+            self.net.send(self._links(st, _DE_READ), nb[_DE_READ], _LOW, self._read_done, st, "de")
 
     def _dequeue_reads(self, st: RoundState, side: str) -> None:
         """The side's storage reads are over: its node's read queue drops them (the real engines
@@ -289,32 +312,27 @@ class SimCluster:
         t0 = self.loop.now
         self.router.batch_started(pe, t0)
         compute = self.cost.prefill_time(plan.pairs)
-        loads: list[P.TransferStep] = []
+        loads: list[tuple[tuple[SimLink, ...], int]] = []  # (links, bytes) of the hit loads
         batch = [(self.states[c.request_id], c) for c in plan.chunks]
         for st, c in batch:
+            nb = st.nbytes
+            if not nb:  # Oracle: nothing is copied
+                continue
             if not st.loaded:
                 st.loaded = True
-                loads += [
-                    s
-                    for s in (
-                        st.steps.get("pe_buffer_to_pe_device"),
-                        st.steps.get("de_buffer_to_pe_device"),
-                    )
-                    if s
-                ]
-            send = st.steps.get("pe_device_to_de_buffer")
-            if send is not None:  # this chunk's layer blocks (the PE-side hit with the first)
-                first = send.nbytes - st.request.new_tokens * self.kvb if not st.sent else 0
-                n = (
-                    send.nbytes - st.sent
-                    if plan.finishes(c.request_id)
-                    else first + c.bsz * self.kvb
-                )
+                if nb[_PE_LOAD] > 0:
+                    loads.append((self._links(st, _PE_LOAD), nb[_PE_LOAD]))
+                if nb[_DE_LOAD] > 0:
+                    loads.append((self._links(st, _DE_LOAD), nb[_DE_LOAD]))
+            total = nb[_SEND]
+            if total > 0:  # this chunk's layer blocks (the PE-side hit with the first)
+                first = total - st.request.new_tokens * self.kvb if not st.sent else 0
+                n = total - st.sent if plan.finishes(c.request_id) else first + c.bsz * self.kvb
                 if n > 0:
                     st.sent += n
                     st.sends += 1
-                    self.net.transfer_timed(
-                        send.path, n, send.cls, functools.partial(self._sent, st)
+                    self.net.send_timed(
+                        self._links(st, _SEND), n, _HIGH, functools.partial(self._sent, st)
                     )
         done = [st for st, c in batch if plan.finishes(c.request_id)]
         if not loads:
@@ -338,8 +356,8 @@ class SimCluster:
             self.loop.at(end, self._batch_end, pe, done, t0)
 
         # One event for the batch: its end, scheduled once every load's end is known.
-        for s in loads:
-            self.net.transfer_timed(s.path, s.nbytes, s.cls, loaded)
+        for links, n in loads:
+            self.net.send_timed(links, n, _HIGH, loaded)
 
     def _batch_end(self, pe: SimEngine, done: list[RoundState], t0: float) -> None:
         pe.busy = False
@@ -384,11 +402,11 @@ class SimCluster:
 
     def _de_receive(self, st: RoundState) -> None:
         """The whole prompt KV is in the DE buffer: copy it to the DE device, then admit."""
-        step = st.steps.get("de_buffer_to_de_device")
-        if step is None:
+        nb = st.nbytes
+        if not nb or nb[_DE_H2D] <= 0:
             self._de_loaded(st)
         else:
-            self.net.transfer(step.path, step.nbytes, step.cls, lambda: self._de_loaded(st))
+            self.net.send(self._links(st, _DE_H2D), nb[_DE_H2D], _HIGH, self._de_loaded, st)
 
     def _de_loaded(self, st: RoundState) -> None:
         de = st.de
@@ -410,10 +428,11 @@ class SimCluster:
         start = min(r.cached_tokens // self.bt, n_full)
         nbytes = (n_full - start) * self.bt * self.kvb
         if self.opt.persist and self.policy.reads and nbytes > 0:
-            path = self._persist_paths.get(de.id)
-            if path is None:
-                path = self._persist_paths[de.id] = P.persist_path(de.name, de.node_name)
-            self.net.transfer(path, nbytes, L.TrafficClass.LOW, lambda: self._finish(st))
+            links = self._persist_links.get(de.id)
+            if links is None:
+                links = self.net.resolve(P.persist_path(de.name, de.node_name))
+                self._persist_links[de.id] = links
+            self.net.send(links, nbytes, _LOW, self._finish, st)
         else:
             self.loop.soon(self._finish, st)
 

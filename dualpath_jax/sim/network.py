@@ -94,8 +94,11 @@ class SimLink:
         "rate",
         "arb",
         "loop",
-        "bytes",
+        "_hi",
+        "_lo",
         "windows",
+        "_win",
+        "_acc",
         "window_s",
         "_busy",
         "_last",
@@ -132,10 +135,13 @@ class SimLink:
             self.arb = LinkArbiter(
                 self.rate, high_weight=high_weight, low_weight=low_weight, chunk_bytes=chunk
             )
-        self.bytes = [0, 0]  # by TrafficClass value
-        # Bytes per time window (both classes), by window index: a list, as windows fill in time
-        # order (a dict cost a hash lookup per chunk).
+        self._hi = self._lo = 0  # bytes by class (`bytes`)
+        # Bytes per time window (both classes): a link's chunks start in time order, so windows
+        # fill in order; the open one (`_win`, -1: none yet) sums in `_acc` (a native float
+        # when compiled) and joins `windows`, the closed ones by index, when a later one opens.
         self.windows: list[float] = []
+        self._win = -1
+        self._acc = 0.0
         self.window_s = window_s
         self._busy = False  # a chunk is on the wire (a pacing event is scheduled)
         self._last: LinkRequest | None = None  # the request of the chunk on the wire
@@ -193,10 +199,12 @@ class SimLink:
             self._free_at = end = start + nbytes / self.rate
             w = self.window_s
             a = int(start // w)
-            win = self.windows
-            if a >= int((end - 1e-9 * w) // w) and a < len(win):  # `_account`'s common case
-                self.bytes[c] += nbytes
-                win[a] += nbytes
+            if a == self._win and a >= int((end - 1e-9 * w) // w):  # `_account`'s common case
+                if c:
+                    self._lo += nbytes
+                else:
+                    self._hi += nbytes
+                self._acc += nbytes
             else:
                 self._account(c, nbytes, start, end)
             return end
@@ -245,34 +253,58 @@ class SimLink:
             self._last = req
         self.loop.at(g.end, self._pace)
 
+    @property
+    def bytes(self) -> list[int]:
+        """Bytes served so far, by `TrafficClass` value (`[HIGH, LOW]`)."""
+        return [self._hi, self._lo]
+
     def _account(self, cls: int, n: int, start: float, end: float) -> None:
-        self.bytes[cls] += n
+        if cls:
+            self._lo += n
+        else:
+            self._hi += n
         if n == 0:
             return
         w = self.window_s
         a, b = int(start // w), int((end - 1e-9 * w) // w)
-        win = self.windows
-        top = max(a, b)  # the last window written
-        if top >= len(win):
-            win.extend([0.0] * (top + 1 - len(win)))
         if a >= b or end <= start:
-            win[a] += n
+            self._add(a, n)
             return
         span = end - start
         for i in range(a, b + 1):
             lo, hi = max(start, i * w), min(end, (i + 1) * w)
             if hi > lo:
-                win[i] += n * (hi - lo) / span
+                self._add(i, n * (hi - lo) / span)
+
+    def _add(self, i: int, v: float) -> None:
+        """Adds `v` bytes to window `i`."""
+        if i == self._win:
+            self._acc += v
+        elif i > self._win:
+            win = self.windows
+            if self._win >= 0:
+                win.append(self._acc)
+            if i > len(win):
+                win.extend([0.0] * (i - len(win)))
+            self._win = i
+            self._acc = 0.0
+            self._acc += v
+        else:  # an earlier window (chunks start in time order: not expected)
+            self.windows[i] += v
 
     def pending_bytes(self) -> int:
         return 0 if self.arb is None else self.arb.pending_bytes()
 
     def busy_s(self) -> float:
-        return (self.bytes[0] + self.bytes[1]) / self.rate if self.rate else 0.0
+        return (self._hi + self._lo) / self.rate if self.rate else 0.0
 
     def window_series(self) -> list[list[float]]:
         """`[[window start (s), bytes]]` for every window up to the last busy one."""
-        return [[i * self.window_s, v] for i, v in enumerate(self.windows)]
+        closed = self.windows
+        series = [[i * self.window_s, v] for i, v in enumerate(closed)]
+        if self._win >= 0:
+            series.append([self._win * self.window_s, self._acc])
+        return series
 
 
 class _Join:
@@ -355,31 +387,22 @@ class SimNetwork:
             self._by_ref[id(link_id)] = (link_id, ln)
         return ln
 
+    def resolve(self, path: Sequence[LinkId]) -> tuple[SimLink, ...]:
+        """The links of `path`, built on first use: what `send` / `send_timed` take. A caller
+        that moves bytes over the same path many times resolves it once."""
+        by_ref = self._by_ref
+        out = []
+        for lid in path:
+            ref = by_ref.get(id(lid))
+            out.append(ref[1] if ref is not None and ref[0] is lid else self.link(lid))
+        return tuple(out)
+
     def transfer(
         self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
     ) -> None:
         """Moves `nbytes` over every link of `path` at once; `on_done()` runs (as an event) when
         the slowest link has served them. 0 bytes complete at once (as an event)."""
-        if nbytes <= 0 or not path:
-            self.loop.soon(on_done)
-            return
-        if self.fast:
-            self._transfer_fast(path, nbytes, cls, on_done)
-            return
-        if len(path) == 1:
-            self.link(path[0]).request(nbytes, cls, lambda _exc=None: on_done())
-            return
-        left = [len(path)]
-
-        def one(_exc: object = None) -> None:
-            left[0] -= 1
-            if left[0] == 0:
-                on_done()
-
-        links = self.links
-        for lid in path:
-            ln = links.get(lid)
-            (ln if ln is not None else self.link(lid)).request(nbytes, cls, one)
+        self.send(self.resolve(path), nbytes, cls, on_done)
 
     def transfer_timed(
         self,
@@ -391,41 +414,76 @@ class SimNetwork:
         """`transfer`, but `at_end(t)` is called as soon as the completion time `t` is known
         (`t >= now`; often at once, inside this call) instead of running as an event at `t`: a
         caller joining several transfers then needs one event for all of them."""
-        if nbytes <= 0 or not path:
+        self.send_timed(self.resolve(path), nbytes, cls, at_end)
+
+    def send(
+        self,
+        links: Sequence[SimLink],
+        nbytes: int,
+        cls: TrafficClass,
+        fn: Callable[..., object],
+        *args: object,
+    ) -> None:
+        """`transfer` over resolved links (`resolve`): `fn(*args)` runs as an event when the
+        slowest link has served the bytes."""
+        loop = self.loop
+        if nbytes <= 0 or not links:
+            loop.at(loop.now, fn, *args)
+            return
+        if self.fast:
+            # `serve_now` on every link that allows it: one event when all do.
+            end, slow = self._start(links, nbytes, cls)
+            if not slow:
+                loop.at(end, fn, *args)
+                return
+            _Join(slow, end, lambda t: loop.at(t, fn, *args)).request(nbytes, cls)
+            return
+
+        def on_done() -> None:
+            fn(*args)
+
+        if len(links) == 1:
+            links[0].request(nbytes, cls, lambda _exc=None: on_done())
+            return
+        left = [len(links)]
+
+        def one(_exc: object = None) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                on_done()
+
+        for ln in links:
+            ln.request(nbytes, cls, one)
+
+    def send_timed(
+        self,
+        links: Sequence[SimLink],
+        nbytes: int,
+        cls: TrafficClass,
+        at_end: Callable[[float], object],
+    ) -> None:
+        """`transfer_timed` over resolved links (`resolve`)."""
+        if nbytes <= 0 or not links:
             at_end(self.loop.now)
             return
         if not self.fast:
             loop = self.loop
-            self.transfer(path, nbytes, cls, lambda: at_end(loop.now))
+            self.send(links, nbytes, cls, lambda: at_end(loop.now))
             return
-        end, slow = self._start(path, nbytes, cls)
+        end, slow = self._start(links, nbytes, cls)
         if not slow:
             at_end(end)
             return
         _Join(slow, end, at_end).request(nbytes, cls)
 
-    def _transfer_fast(
-        self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass, on_done: Done
-    ) -> None:
-        """`transfer` with `serve_now` on every link that allows it: one event when all do."""
-        end, slow = self._start(path, nbytes, cls)
-        if not slow:
-            self.loop.at(end, on_done)
-            return
-        loop = self.loop
-        _Join(slow, end, lambda t: loop.at(t, on_done)).request(nbytes, cls)
-
     def _start(
-        self, path: Sequence[LinkId], nbytes: int, cls: TrafficClass
+        self, links: Sequence[SimLink], nbytes: int, cls: TrafficClass
     ) -> tuple[float, list[SimLink]]:
-        """`serve_now` on every link of `path`: the latest end among the links that served the
-        bytes at once, and the links that did not."""
-        by_ref = self._by_ref
+        """`serve_now` on every link: the latest end among the links that served the bytes at
+        once, and the links that did not."""
         end = self.loop.now
         slow: list[SimLink] = []
-        for lid in path:
-            ref = by_ref.get(id(lid))
-            ln = ref[1] if ref is not None and ref[0] is lid else self.link(lid)
+        for ln in links:
             t = ln.serve_now(nbytes, cls)
             if t is None:
                 slow.append(ln)
@@ -434,7 +492,7 @@ class SimNetwork:
         return end, slow
 
     def totals(self) -> dict[str, int]:
-        return {ln.id.name: ln.bytes[0] + ln.bytes[1] for ln in self.links.values()}
+        return {ln.id.name: ln._hi + ln._lo for ln in self.links.values()}
 
     def snapshot(self, elapsed_s: float, owners: set[str] | None = None) -> dict:
         """The `TrafficManager.snapshot()` shape for the links of `owners` (None: all)."""

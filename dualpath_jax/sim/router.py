@@ -26,7 +26,7 @@ import random
 from collections.abc import Callable
 
 from dualpath_jax.sched.scheduler import GlobalScheduler
-from dualpath_jax.sched.types import Assignment, EngineLoad, Request
+from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath, Request
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.decode import DecodeSteps
 from dualpath_jax.sim.leaders import Leader
@@ -67,15 +67,18 @@ class SimRouter:
         self._node_des: dict[int, list[SimEngine]] = {}
         for e in des:
             self._node_des.setdefault(e.node, []).append(e)
-        self._node_pes: dict[int, list[SimEngine]] = {}
-        for e in pes:
-            self._node_pes.setdefault(e.node, []).append(e)
+        # prefill node -> its PE groups' indices (in `_pe_groups`), each once, in engine order
+        self._node_pe_groups: dict[int, list[int]] = {}
         # DEs whose load changed since the scheduler last saw it (all of them before the first
         # dispatch): reporting only these is what reporting every DE would record.
         self._de_dirty: dict[int, SimEngine] = {e.id: e for e in des}
         self._de_loads: dict[int, EngineLoad] = {}  # DE id -> its load as last reported
         self._unassigned = 0  # submitted rounds without an Assignment (== len(self.scheduler))
         self._pe_index = {gid: i for i, (gid, _) in enumerate(self._pe_groups)}
+        for e in pes:
+            at = self._node_pe_groups.setdefault(e.node, [])
+            if self._pe_index[e.group] not in at:
+                at.append(self._pe_index[e.group])
         self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
         self._de_first = next(iter(self._de_groups))
         self._de_stuck: set[int] = set()  # DE groups whose last fetch assigned nothing
@@ -118,7 +121,7 @@ class SimRouter:
         pe.seq += 1
         pe.tok += a.request.tokens
         self._touch_pe(pe)
-        self.counters[f"path_{a.path.value}"] += 1
+        self.counters[_PATH_COUNTER[a.path]] += 1
         de_node = self.engines[a.de].node
         # Both read queues grow before either node is touched (a touch may schedule a fetch).
         if pe_read:
@@ -336,13 +339,11 @@ class SimRouter:
         des = self._node_des.get(node)
         if des:
             self._de_dirty[des[0].id] = des[0]
-        pes = self._node_pes.get(node)
-        if pes:
-            phases = self.phases
-            for e in pes:
-                i = self._pe_index[e.group]
+        groups = self._node_pe_groups.get(node)
+        if groups:
+            for i in groups:
                 self._pe_live.add(i)
-                if phases and e.id in self._pe_lead:
+                if self.phases and self._pe_groups[i][1][0].node == node:
                     self._want_pe(i)
 
     def _touch_pe(self, e: SimEngine) -> None:
@@ -376,6 +377,9 @@ class SimRouter:
             e.tok += r.tokens
             e.hbm_promised += r.hbm_tokens
             self._de_dirty[e.id] = e
+
+
+_PATH_COUNTER = {p: f"path_{p.value}" for p in ReadPath}
 
 
 def _groups(engines: list[SimEngine]) -> dict[int, list[SimEngine]]:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dualpath_jax.sched.intra import PrefillQueue
 from dualpath_jax.sched.types import Assignment, Request
 from dualpath_jax.sim.core import Event
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.sim.network import SimLink
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +135,10 @@ class RoundState:
     pe: SimEngine | None = None
     de: SimEngine | None = None
     assignment: Assignment | None = None
-    steps: dict[str, P.TransferStep] = dataclasses.field(default_factory=dict)
+    # Its copies (`transfer.paths.STEP_NAMES` order): bytes (empty until assigned, and for
+    # Oracle, which copies nothing) and the links of its engine pair (`SimCluster._links`).
+    nbytes: tuple[int, ...] = ()
+    links: list[tuple[SimLink, ...] | None] = dataclasses.field(default_factory=list)
     waits: int = 0  # outstanding buffer reservations or store reads
     loaded: bool = False  # the hit KV went to the PE device
     sent: int = 0  # bytes of PE device -> DE buffer issued so far
@@ -159,7 +162,8 @@ class RoundState:
         self.t_assign = self.t_read = self.t_first = self.t_second = math.nan
         self.pe = self.de = None
         self.assignment = None
-        self.steps = {}
+        self.nbytes = ()
+        self.links = []
         self.waits = 0
         self.loaded = False
         self.sent = self.sends = 0
@@ -177,12 +181,14 @@ class HostBuffer:
     def __init__(self, capacity: float):
         self.capacity = capacity
         self.free = capacity
-        self.waiting: collections.deque[tuple[int, Callable[[], object]]] = collections.deque()
+        self.waiting: collections.deque[tuple[int, Callable[[RoundState], object], RoundState]]
+        self.waiting = collections.deque()
 
-    def reserve(self, nbytes: int, granted: Callable[[], object]) -> None:
+    def reserve(self, nbytes: int, granted: Callable[[RoundState], object], st: RoundState) -> None:
+        """`granted(st)` runs once `nbytes` are reserved (at once if they fit and nobody waits)."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} B do not fit a host buffer of {self.capacity:.0f} B")
-        self.waiting.append((nbytes, granted))
+        self.waiting.append((nbytes, granted, st))
         self._grant()
 
     def release(self, nbytes: int) -> None:
@@ -190,10 +196,11 @@ class HostBuffer:
         self._grant()
 
     def _grant(self) -> None:
-        while self.waiting and self.waiting[0][0] <= self.free:
-            n, cb = self.waiting.popleft()
+        waiting = self.waiting
+        while waiting and waiting[0][0] <= self.free:
+            n, cb, st = waiting.popleft()
             self.free -= n
-            cb()
+            cb(st)
 
 
 @dataclasses.dataclass(eq=False)

@@ -6,7 +6,9 @@ of a compute-network copy use GPUDirect RDMA (the CNIC reads / writes HBM: no H2
 `cnic_assisted=True` routes a host<->device copy through the engine's own CNIC as an RDMA
 loopback (paper section 5), which charges both CNIC directions besides the copy link.
 `request_steps` lists one request's copies (the loader charges them on a `TrafficManager`, the
-simulator on its links); `expected_link_bytes` sums them per link.
+simulator on its links: `request_paths` and `step_bytes` are its two halves, the links of each
+copy between two engines and the bytes of each copy of one request); `expected_link_bytes` sums
+them per link.
 """
 
 from __future__ import annotations
@@ -99,33 +101,46 @@ class TransferStep:
         object.__setattr__(self, "cls", cls)
 
 
-def request_steps(
-    read_path: str,
-    hit_bytes: int,
-    miss_bytes: int,
-    *,
-    pe: Owner,
-    de: Owner,
-    pe_node: Owner,
-    de_node: Owner,
-    de_hit_bytes: int | None = None,
-    cnic_assisted: bool = False,
-    decode: bool = True,
-) -> list[TransferStep]:
-    """The copies that move one request's prompt KV (paper Fig. 4), in order; 0-byte steps omitted.
+# A request's copies, in order (`request_steps`), with their traffic classes.
+STEP_NAMES = (
+    "pe_store_read",
+    "de_store_read",
+    "pe_buffer_to_pe_device",
+    "de_buffer_to_pe_device",
+    "pe_device_to_de_buffer",
+    "de_buffer_to_de_device",
+)
+STEP_CLASSES = (
+    TrafficClass.LOW,
+    TrafficClass.LOW,
+    TrafficClass.HIGH,
+    TrafficClass.HIGH,
+    TrafficClass.HIGH,
+    TrafficClass.HIGH,
+)
 
-    `read_path`: "pe", "de", "split" (then `de_hit_bytes` of the hit are read by the DE node and
-    the rest by the PE node) or "none" (no hit; `hit_bytes` must be 0); a `ReadPath` works too.
-    `hit_bytes`: KV read from storage; `miss_bytes`: KV the PE computes. With `decode`, the last
-    step moves the whole prompt KV from the DE buffer to the DE device. Steps:
 
-    - `pe_store_read`   store -> PE buffer, PE-side hit, LOW (prefetch)
-    - `de_store_read`   store -> DE buffer, DE-side hit, LOW (prefetch)
-    - `pe_buffer_to_pe_device`  per layer, PE-side hit, HIGH
-    - `de_buffer_to_pe_device`  per layer over the CNICs, DE-side hit, HIGH
-    - `pe_device_to_de_buffer`  per layer over the CNICs, PE-side hit + miss, HIGH
-    - `de_buffer_to_de_device`  decode H2D, hit + miss, HIGH
-    """
+def request_paths(
+    *, pe: Owner, de: Owner, pe_node: Owner, de_node: Owner, cnic_assisted: bool = False
+) -> tuple[list[LinkId], ...]:
+    """The links of each of a request's copies between engines `pe` and `de`, in `STEP_NAMES`
+    order (whatever their bytes: `step_bytes`). What `request_steps` moves the bytes over."""
+    cnic = cnic_assisted
+    return (
+        store_read_path(pe_node),
+        store_read_path(de_node),
+        h2d_path(pe, pe_node, cnic_assisted=cnic),
+        engine_to_engine_path(de, pe, de_node, pe_node, False, True),
+        engine_to_engine_path(pe, de, pe_node, de_node, True, False),
+        h2d_path(de, de_node, cnic_assisted=cnic),
+    )
+
+
+def step_bytes(
+    read_path: str, hit_bytes: int, miss_bytes: int, de_hit_bytes: int | None = None
+) -> tuple[int, int, int, int, int, int]:
+    """The bytes of each of a request's copies, in `STEP_NAMES` order (0: no such copy); the
+    arguments are `request_steps`'s, validated the same way."""
     kind = str(read_path)
     for name, v in (("hit_bytes", hit_bytes), ("miss_bytes", miss_bytes)):
         if not (isinstance(v, int) and v >= 0):
@@ -144,31 +159,54 @@ def request_steps(
         raise ValueError(f"read path 'none' reads nothing, but hit_bytes={hit_bytes}")
     else:
         raise ValueError(f"unknown read path {read_path!r}; expected pe, de, split or none")
-    pe_hit, hi, lo, cnic = hit_bytes - de_hit, TrafficClass.HIGH, TrafficClass.LOW, cnic_assisted
-    steps = [
-        ("pe_store_read", store_read_path(pe_node), pe_hit, lo),
-        ("de_store_read", store_read_path(de_node), de_hit, lo),
-        ("pe_buffer_to_pe_device", h2d_path(pe, pe_node, cnic_assisted=cnic), pe_hit, hi),
-        (
-            "de_buffer_to_pe_device",
-            engine_to_engine_path(de, pe, de_node, pe_node, False, True),
-            de_hit,
-            hi,
-        ),
-        (
-            "pe_device_to_de_buffer",
-            engine_to_engine_path(pe, de, pe_node, de_node, True, False),
-            pe_hit + miss_bytes,
-            hi,
-        ),
-        (
-            "de_buffer_to_de_device",
-            h2d_path(de, de_node, cnic_assisted=cnic),
-            hit_bytes + miss_bytes,
-            hi,
-        ),
-    ][: 6 if decode else 5]
-    return [TransferStep(name, tuple(p), n, c) for name, p, n, c in steps if n > 0]
+    pe_hit = hit_bytes - de_hit
+    return (
+        pe_hit,
+        de_hit,
+        pe_hit,
+        de_hit,
+        pe_hit + miss_bytes,
+        hit_bytes + miss_bytes,
+    )
+
+
+def request_steps(
+    read_path: str,
+    hit_bytes: int,
+    miss_bytes: int,
+    *,
+    pe: Owner,
+    de: Owner,
+    pe_node: Owner,
+    de_node: Owner,
+    de_hit_bytes: int | None = None,
+    cnic_assisted: bool = False,
+    decode: bool = True,
+) -> list[TransferStep]:
+    """The copies that move one request's prompt KV (paper Fig. 4), in order; 0-byte steps omitted.
+
+    `read_path`: "pe", "de", "split" (then `de_hit_bytes` of the hit are read by the DE node and
+    the rest by the PE node) or "none" (no hit; `hit_bytes` must be 0); a `ReadPath` works too.
+    `hit_bytes`: KV read from storage; `miss_bytes`: KV the PE computes. With `decode`, the last
+    step moves the whole prompt KV from the DE buffer to the DE device. Steps (`STEP_NAMES`; their
+    links `request_paths`, their bytes `step_bytes`):
+
+    - `pe_store_read`   store -> PE buffer, PE-side hit, LOW (prefetch)
+    - `de_store_read`   store -> DE buffer, DE-side hit, LOW (prefetch)
+    - `pe_buffer_to_pe_device`  per layer, PE-side hit, HIGH
+    - `de_buffer_to_pe_device`  per layer over the CNICs, DE-side hit, HIGH
+    - `pe_device_to_de_buffer`  per layer over the CNICs, PE-side hit + miss, HIGH
+    - `de_buffer_to_de_device`  decode H2D, hit + miss, HIGH
+    """
+    nbytes = step_bytes(read_path, hit_bytes, miss_bytes, de_hit_bytes)
+    paths = request_paths(
+        pe=pe, de=de, pe_node=pe_node, de_node=de_node, cnic_assisted=cnic_assisted
+    )
+    return [
+        TransferStep(STEP_NAMES[i], tuple(paths[i]), nbytes[i], STEP_CLASSES[i])
+        for i in range(6 if decode else 5)
+        if nbytes[i] > 0
+    ]
 
 
 def expected_link_bytes(
