@@ -158,8 +158,9 @@ class GlobalScheduler:
             self._read_q[x.node] = x.read_q
             if role == "de":
                 self._set_de(x)
-                self._de_private.setdefault(x.group, collections.deque())
-                self._private_tok.setdefault(x.group, 0)
+                if x.group not in self._private_tok:  # a group first seen
+                    self._de_private.setdefault(x.group, collections.deque())
+                    self._private_tok[x.group] = 0
             else:
                 table[x.engine] = x
 

@@ -7,7 +7,7 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
   (`sim.leaders`), with the router's own in-flight loads. The cluster tells it what the real
   engines' messages would (assigned, reads done, first token, done, batch start and end).
 - Data paths (paper Fig. 4): each request's copies are those of `transfer.paths.request_steps`
-  (the same list the real loader charges: its links per engine pair, `request_paths`, resolved
+  (the same list the real loader charges: its links per engine pair, `request_path`, resolved
   once per pair, and each request's bytes, `step_bytes`), moved over `sim.network.SimNetwork`
   links arbitrated by the real `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
   with capacity, reserved FIFO before reading); the hit KV goes to the PE device per forward
@@ -159,9 +159,9 @@ class SimCluster:
         self.engines = {e.id: e for e in (*self.pes, *self.des)}
         self._persist_links: dict[int, tuple[SimLink, ...]] = {}
         # The links of each copy between a PE and a DE (`_links`), by `pe * engines + de`, each
-        # resolved on its first bytes; paths by their LinkIds, so that pairs share one end's.
+        # resolved on its first bytes; resolved paths interned, so that pairs share one end's.
         self._pair_links: dict[int, list[tuple[SimLink, ...] | None]] = {}
-        self._path_links: dict[tuple[L.LinkId, ...], tuple[SimLink, ...]] = {}
+        self._path_links: dict[tuple[SimLink, ...], tuple[SimLink, ...]] = {}
         self.states: dict[str, RoundState] = {}
         self.results: list[RoundResult] = []
         self.events: list[dict] = []  # router-style events (none: the TTFT breakdown is on results)
@@ -245,14 +245,11 @@ class SimCluster:
         if out is None:
             pe, de = st.pe, st.de
             assert pe is not None and de is not None
-            path = P.request_paths(
-                pe=pe.name, de=de.name, pe_node=pe.node_name, de_node=de.node_name
-            )[i]
-            k = tuple(path)
-            out = self._path_links.get(k)
-            if out is None:
-                out = self._path_links[k] = self.net.resolve(path)
-            st.links[i] = out
+            path = P.request_path(
+                i, pe=pe.name, de=de.name, pe_node=pe.node_name, de_node=de.node_name
+            )
+            links = self.net.resolve(path)
+            out = st.links[i] = self._path_links.setdefault(links, links)
         return out
 
     def _buffer_ready(self, st: RoundState) -> None:

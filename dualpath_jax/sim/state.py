@@ -220,16 +220,19 @@ class SimEngine:
     # DE
     hbm_tokens: int = 0
     slots: int = 0
-    waiting: collections.deque = dataclasses.field(default_factory=collections.deque)
+    waiting: collections.deque[RoundState] = dataclasses.field(default_factory=collections.deque)
     # Decoding requests by admission number. Tokens are counted lazily: a request admitted to
     # start with step `j` holding `g0` tokens finishes at the end of step `j + gen - g0 - 1`
     # (`finish` heap), and gets its second token at the end of step `j` (`seconds`).
-    active: dict = dataclasses.field(default_factory=dict)
-    finish: list = dataclasses.field(default_factory=list)  # heap of (last step, admission no.)
-    seconds: dict = dataclasses.field(default_factory=dict)  # step -> requests to stamp t_second
+    # (Typed containers: the compiled core reads their items natively.)
+    active: dict[int, RoundState] = dataclasses.field(default_factory=dict)
+    # heap of (last step, admission no.)
+    finish: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # step -> requests to stamp t_second
+    seconds: dict[int, list[RoundState]] = dataclasses.field(default_factory=dict)
     steps: int = 0  # decode steps completed
     batch_n: int = 0  # requests in the step(s) on the device
-    span: tuple = (0.0, 0.0, 0)  # (start, seconds per step, steps) of the span on the device
+    span: tuple[float, float, int] = (0.0, 0.0, 0)  # (start, s per step, steps) of the span
     span_event: Event | None = None
     hbm_used: int = 0
     stepping: bool = False

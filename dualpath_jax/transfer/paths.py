@@ -6,8 +6,8 @@ of a compute-network copy use GPUDirect RDMA (the CNIC reads / writes HBM: no H2
 `cnic_assisted=True` routes a host<->device copy through the engine's own CNIC as an RDMA
 loopback (paper section 5), which charges both CNIC directions besides the copy link.
 `request_steps` lists one request's copies (the loader charges them on a `TrafficManager`, the
-simulator on its links: `request_paths` and `step_bytes` are its two halves, the links of each
-copy between two engines and the bytes of each copy of one request); `expected_link_bytes` sums
+simulator on its links: `request_path(s)` and `step_bytes` are its two halves, the links of
+each copy between two engines and the bytes of each copy of one request); `expected_link_bytes` sums
 them per link.
 """
 
@@ -120,19 +120,41 @@ STEP_CLASSES = (
 )
 
 
+def request_path(
+    step: int,
+    *,
+    pe: Owner,
+    de: Owner,
+    pe_node: Owner,
+    de_node: Owner,
+    cnic_assisted: bool = False,
+) -> list[LinkId]:
+    """The links of copy `step` (an index into `STEP_NAMES`) of a request between engines `pe`
+    and `de`, whatever its bytes (`step_bytes`)."""
+    cnic = cnic_assisted
+    if step == 0:
+        return store_read_path(pe_node)
+    if step == 1:
+        return store_read_path(de_node)
+    if step == 2:
+        return h2d_path(pe, pe_node, cnic_assisted=cnic)
+    if step == 3:
+        return engine_to_engine_path(de, pe, de_node, pe_node, False, True)
+    if step == 4:
+        return engine_to_engine_path(pe, de, pe_node, de_node, True, False)
+    if step == 5:
+        return h2d_path(de, de_node, cnic_assisted=cnic)
+    raise ValueError(f"step must be in [0, {len(STEP_NAMES)}), got {step}")
+
+
 def request_paths(
     *, pe: Owner, de: Owner, pe_node: Owner, de_node: Owner, cnic_assisted: bool = False
 ) -> tuple[list[LinkId], ...]:
-    """The links of each of a request's copies between engines `pe` and `de`, in `STEP_NAMES`
-    order (whatever their bytes: `step_bytes`). What `request_steps` moves the bytes over."""
-    cnic = cnic_assisted
-    return (
-        store_read_path(pe_node),
-        store_read_path(de_node),
-        h2d_path(pe, pe_node, cnic_assisted=cnic),
-        engine_to_engine_path(de, pe, de_node, pe_node, False, True),
-        engine_to_engine_path(pe, de, pe_node, de_node, True, False),
-        h2d_path(de, de_node, cnic_assisted=cnic),
+    """`request_path` of every copy, in `STEP_NAMES` order: what `request_steps` moves the
+    bytes over."""
+    return tuple(
+        request_path(i, pe=pe, de=de, pe_node=pe_node, de_node=de_node, cnic_assisted=cnic_assisted)
+        for i in range(len(STEP_NAMES))
     )
 
 
