@@ -22,7 +22,7 @@ Ties break towards the engine (or group) listed first, so every function is dete
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, ReadPath, Request
 
@@ -83,8 +83,67 @@ def pe_fetch(
 # --------------------------------------------------------------------------- DE phase 1 and 2
 
 
+class GroupTotals:
+    """DE phase 1's totals, group -> tokens, read like a mapping, that also give the group with
+    the least total in O(log groups) (`least`): every change pushes `(total, group)` on a heap
+    whose stale entries are dropped when they reach its top. `GlobalScheduler` keeps its totals
+    in one; `de_routes` routes over it exactly as over a dict of the same totals."""
+
+    def __init__(self, totals: Mapping[int, int] | None = None) -> None:
+        self._tok: dict[int, int] = {}
+        self._heap: list[tuple[int, int]] = []
+        for g, t in (totals or {}).items():
+            self[g] = t
+
+    def __getitem__(self, group: int) -> int:
+        return self._tok[group]
+
+    def __setitem__(self, group: int, total: int) -> None:
+        self._tok[group] = total
+        heapq.heappush(self._heap, (total, group))
+        if len(self._heap) > 4 * len(self._tok) + 64:  # mostly stale: start over
+            self._heap = [(t, g) for g, t in self._tok.items()]
+            heapq.heapify(self._heap)
+
+    def __delitem__(self, group: int) -> None:
+        del self._tok[group]
+
+    def __contains__(self, group: object) -> bool:
+        return group in self._tok
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._tok)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def __repr__(self) -> str:
+        return f"GroupTotals({self._tok!r})"
+
+    def keys(self) -> Iterable[int]:
+        return self._tok.keys()
+
+    def items(self) -> Iterable[tuple[int, int]]:
+        return self._tok.items()
+
+    def total(self, group: int) -> int:
+        """The group's total, 0 for a group not held."""
+        return self._tok.get(group, 0)
+
+    def least(self) -> int:
+        """The group with the least total, ties to the smallest group id (as `de_routes`)."""
+        heap, tok = self._heap, self._tok
+        if not tok:
+            raise ValueError("de_route needs at least one DE group")
+        while True:
+            t, g = heap[0]
+            if g in tok and tok[g] == t:
+                return g
+            heapq.heappop(heap)
+
+
 def de_route(
-    queue: Iterable[Request], group_tok: Mapping[int, int]
+    queue: Iterable[Request], group_tok: Mapping[int, int] | GroupTotals
 ) -> tuple[tuple[tuple[Request, int], ...], dict[int, int]]:
     """DE phase 1: every queued request to the group with the least total `tok`.
 
@@ -92,20 +151,22 @@ def de_route(
     queue). Returns `(request, group)` in queue order and the updated totals.
     """
     routes = de_routes(queue, group_tok)
-    out = dict(group_tok)
+    out = dict(group_tok.items())
     for r, g in routes:
         out[g] += r.tokens
     return routes, out
 
 
 def de_routes(
-    queue: Iterable[Request], group_tok: Mapping[int, int]
+    queue: Iterable[Request], group_tok: Mapping[int, int] | GroupTotals
 ) -> tuple[tuple[Request, int], ...]:
     """`de_route`'s routes alone (a caller that keeps its own totals)."""
-    if not group_tok:
+    if not len(group_tok):
         raise ValueError("de_route needs at least one DE group")
     queue = list(queue)
-    if len(queue) == 1:  # the common case (a router routing as rounds come): one pass
+    if len(queue) == 1 and isinstance(group_tok, GroupTotals):  # the router's common case
+        return ((queue[0], group_tok.least()),)
+    if len(queue) == 1:  # one pass
         best, least = -1, 0
         for g, t in group_tok.items():
             if best < 0 or t < least or (t == least and g < best):

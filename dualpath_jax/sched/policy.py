@@ -128,7 +128,11 @@ class InterEnginePolicy:
         return inter.pe_fetch(queue, pes, alpha=alpha, beta=beta)
 
     def de_route(
-        self, queue: Iterable[Request], group_tok: Mapping[int, int], *, cursor: int = 0
+        self,
+        queue: Iterable[Request],
+        group_tok: Mapping[int, int] | inter.GroupTotals,
+        *,
+        cursor: int = 0,
     ) -> tuple[tuple[tuple[Request, int], ...], int]:
         """Phase 1. Returns `(request, group)` routes and the next round-robin cursor."""
         if self.spec.engine_choice is EngineChoice.ROUND_ROBIN:

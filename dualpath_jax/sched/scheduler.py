@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dualpath_jax._compiled import mypyc_attr
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
+from dualpath_jax.sched.inter import GroupTotals
 from dualpath_jax.sched.policy import InterEnginePolicy, PolicyName, PolicySpec, make_policy
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
 
@@ -68,7 +69,7 @@ class GlobalScheduler:
         self._pe: dict[int, EngineLoad] = {}
         self._de: dict[int, EngineLoad] = {}
         # group -> its DEs' `tok_e` plus its private queue's tokens (DE phase 1's totals)
-        self._group_tok: dict[int, int] = {}
+        self._group_tok = GroupTotals()
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
         self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
@@ -256,7 +257,7 @@ class GlobalScheduler:
         if old is not None:
             self._group_tok[old.group] -= old.tok_e
         self._de[x.engine] = x
-        self._group_tok[x.group] = self._group_tok.get(x.group, 0) + x.tok_e
+        self._group_tok[x.group] = self._group_tok.total(x.group) + x.tok_e
 
     def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
         """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.

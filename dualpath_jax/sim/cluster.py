@@ -220,8 +220,8 @@ class SimCluster:
             st.t_read = 0.0
             self._ready_to_prefill(st)
             return
-        st.read_q = {"pe": a.pe_read_blocks * self.bt, "de": a.de_read_blocks * self.bt}
-        self.router.assigned(a, pe, st.read_q["pe"], st.read_q["de"])
+        st.read_pe, st.read_de = a.pe_read_blocks * self.bt, a.de_read_blocks * self.bt
+        self.router.assigned(a, pe, st.read_pe, st.read_de)
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = a.path.value if hit else "none"
@@ -270,9 +270,11 @@ class SimCluster:
     def _dequeue_reads(self, st: RoundState, side: str) -> None:
         """The side's storage reads are over: its node's read queue drops them (the real engines
         send `ReadsDone`)."""
-        n = st.read_q.pop(side, 0)
+        if side == "pe":
+            n, st.read_pe, eng = st.read_pe, 0, st.pe
+        else:
+            n, st.read_de, eng = st.read_de, 0, st.de
         if n:
-            eng = st.pe if side == "pe" else st.de
             assert eng is not None
             self.router.reads_done(eng.node, n)
 

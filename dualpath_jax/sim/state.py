@@ -149,7 +149,8 @@ class RoundState:
     generated: int = 0  # tokens so far (the PE's first one included; not updated while decoding)
     pe_buf: int = 0
     de_buf: int = 0
-    read_q: dict[str, int] = dataclasses.field(default_factory=dict)  # side -> tokens still queued
+    read_pe: int = 0  # hit tokens still queued to be read on the PE's node
+    read_de: int = 0  # ... on the DE's node
 
     def __init__(
         self,
@@ -172,7 +173,7 @@ class RoundState:
         self.prefill_s = 0.0
         self.generated = 0
         self.pe_buf = self.de_buf = 0
-        self.read_q = {}
+        self.read_pe = self.read_de = 0
 
 
 class HostBuffer:
@@ -256,13 +257,16 @@ class MemoTerms:
     def __init__(self, cost) -> None:
         self._terms = cost.attention_terms
         self.attention_time_of = cost.attention_time_of
-        self._memo: dict[tuple[int, int], tuple[float, ...]] = {}
+        self._memo: dict[int, tuple[float, ...]] = {}
 
     def attention_terms(self, cached: int, bsz: int) -> tuple[float, ...]:
-        key = (cached, bsz)
-        out = self._memo.get(key)
+        # one int per pair (no tuple to build and hash); exact while `bsz` < 2**32
+        key = cached << 32 | bsz if 0 <= bsz < 1 << 32 and cached >= 0 else -1
+        out = self._memo.get(key) if key >= 0 else None
         if out is None:
             if len(self._memo) >= self.LIMIT:
                 self._memo.clear()
-            out = self._memo[key] = self._terms(cached, bsz)
+            out = self._terms(cached, bsz)
+            if key >= 0:
+                self._memo[key] = out
         return out

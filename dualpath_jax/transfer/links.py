@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from dualpath_jax.config import HardwareConfig
 
@@ -120,14 +120,24 @@ class LinkRequest:
         self.remaining = nbytes
 
 
-class Grant(NamedTuple):
+class Grant:
     """One chunk served: it occupies the link during `[start, end)` (seconds, link clock).
-    (A named tuple: one is made per chunk, and a frozen dataclass costs several times more.)"""
+    (A plain class: one is made per chunk; a frozen dataclass costs several times more, and a
+    named tuple's constructor runs as interpreted code even in the compiled core.)"""
 
-    request: LinkRequest
-    nbytes: int
-    start: float
-    end: float
+    __slots__ = ("request", "nbytes", "start", "end")
+
+    def __init__(self, request: LinkRequest, nbytes: int, start: float, end: float) -> None:
+        self.request = request
+        self.nbytes = nbytes
+        self.start = start
+        self.end = end
+
+    def __repr__(self) -> str:
+        return (
+            f"Grant(request={self.request!r}, nbytes={self.nbytes}, "
+            f"start={self.start}, end={self.end})"
+        )
 
 
 class LinkArbiter:

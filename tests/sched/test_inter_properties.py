@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dualpath_jax.sched.inter import (
+    GroupTotals,
     assign_paths,
     de_fetch,
     de_route,
@@ -166,6 +167,32 @@ def test_de_route_sends_each_request_to_the_lightest_group(queue, group_tok):
             one, tot = de_route([r], tot)
             assert one == ((r, g),)
         assert tot == after
+
+
+@SETTINGS
+@given(
+    st.dictionaries(st.integers(0, 9), st.integers(0, 5000), min_size=1),
+    st.lists(st.tuples(st.integers(0, 11), st.integers(-1, 5000)), max_size=120),
+    requests(6),
+)
+def test_group_totals_find_the_least_group_as_a_scan(start, changes, queue):
+    """`GroupTotals` (the scheduler's phase-1 totals) against a dict: same contents after any
+    mix of changes and removals (-1), the least group with ties to the smallest id, and the same
+    routes from `de_route` one request at a time and all at once."""
+    plain, totals = dict(start), GroupTotals(start)
+    for g, t in changes:
+        if t < 0:
+            if g in plain and len(plain) > 1:
+                del plain[g], totals[g]
+            continue
+        plain[g] = t
+        totals[g] = t
+        assert dict(totals) == plain and len(totals) == len(plain)
+        best = min(plain.values())
+        assert totals.least() == min(k for k, v in plain.items() if v == best)
+    for r in queue:
+        assert de_route([r], totals) == de_route([r], plain)
+    assert de_route(queue, totals) == de_route(queue, plain)
 
 
 @SETTINGS
