@@ -254,10 +254,15 @@ class GlobalScheduler:
         old = self._de.get(x.engine)
         if old is x:
             return
-        if old is not None:
-            self._group_tok[old.group] -= old.tok_e
         self._de[x.engine] = x
-        self._group_tok[x.group] = self._group_tok.total(x.group) + x.tok_e
+        tot = self._group_tok
+        if old is not None and old.group == x.group:  # the usual case: one change of the total
+            if old.tok_e != x.tok_e:
+                tot[x.group] = tot[x.group] - old.tok_e + x.tok_e
+            return
+        if old is not None:
+            tot[old.group] -= old.tok_e
+        tot[x.group] = tot.total(x.group) + x.tok_e
 
     def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
         """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.
