@@ -85,13 +85,17 @@ def pe_fetch(
 
 class GroupTotals:
     """DE phase 1's totals, group -> tokens, read like a mapping, that also give the group with
-    the least total in O(log groups) (`least`): every change pushes `(total, group)` on a heap
-    whose stale entries are dropped when they reach its top. `GlobalScheduler` keeps its totals
-    in one; `de_routes` routes over it exactly as over a dict of the same totals."""
+    the least total in O(log groups) (`least`): past `SCAN_GROUPS` groups every change pushes
+    `(total, group)` on a heap whose stale entries are dropped when they reach its top (up to
+    that, a scan is cheaper). `GlobalScheduler` keeps its totals in one; `de_routes` routes over
+    it exactly as over a dict of the same totals."""
+
+    SCAN_GROUPS = 16
 
     def __init__(self, totals: Mapping[int, int] | None = None) -> None:
         self._tok: dict[int, int] = {}
         self._heap: list[tuple[int, int]] = []
+        self._heaped = False  # the heap is kept (more than SCAN_GROUPS groups were held)
         for g, t in (totals or {}).items():
             self[g] = t
 
@@ -99,11 +103,19 @@ class GroupTotals:
         return self._tok[group]
 
     def __setitem__(self, group: int, total: int) -> None:
-        self._tok[group] = total
-        heapq.heappush(self._heap, (total, group))
-        if len(self._heap) > 4 * len(self._tok) + 64:  # mostly stale: start over
-            self._heap = [(t, g) for g, t in self._tok.items()]
-            heapq.heapify(self._heap)
+        tok = self._tok
+        tok[group] = total
+        if self._heaped:
+            heapq.heappush(self._heap, (total, group))
+            if len(self._heap) > 4 * len(tok) + 64:  # mostly stale: start over
+                self._rebuild()
+        elif len(tok) > self.SCAN_GROUPS:
+            self._heaped = True
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._heap = [(t, g) for g, t in self._tok.items()]
+        heapq.heapify(self._heap)
 
     def __delitem__(self, group: int) -> None:
         del self._tok[group]
@@ -135,6 +147,12 @@ class GroupTotals:
         heap, tok = self._heap, self._tok
         if not tok:
             raise ValueError("de_route needs at least one DE group")
+        if not self._heaped:
+            best, least = -1, 0
+            for g, t in tok.items():
+                if best < 0 or t < least or (t == least and g < best):
+                    best, least = g, t
+            return best
         while True:
             t, g = heap[0]
             if g in tok and tok[g] == t:

@@ -172,13 +172,14 @@ def test_de_route_sends_each_request_to_the_lightest_group(queue, group_tok):
 @SETTINGS
 @given(
     st.dictionaries(st.integers(0, 9), st.integers(0, 5000), min_size=1),
-    st.lists(st.tuples(st.integers(0, 11), st.integers(-1, 5000)), max_size=120),
+    st.lists(st.tuples(st.integers(0, 40), st.integers(-1, 5000)), max_size=160),
     requests(6),
 )
 def test_group_totals_find_the_least_group_as_a_scan(start, changes, queue):
     """`GroupTotals` (the scheduler's phase-1 totals) against a dict: same contents after any
-    mix of changes and removals (-1), the least group with ties to the smallest id, and the same
-    routes from `de_route` one request at a time and all at once."""
+    mix of changes and removals (-1), the least group with ties to the smallest id (scanned up
+    to `SCAN_GROUPS` groups, from its heap past them), and the same routes from `de_route` one
+    request at a time and all at once."""
     plain, totals = dict(start), GroupTotals(start)
     for g, t in changes:
         if t < 0:
