@@ -71,6 +71,8 @@ _ONE_CLASS_LINKS = (
 # A request's copies (`transfer.paths.STEP_NAMES`) by position.
 _PE_READ, _DE_READ, _PE_LOAD, _DE_LOAD, _SEND, _DE_H2D = range(6)
 _LOW, _HIGH = L.TrafficClass.LOW, L.TrafficClass.HIGH
+# `ReadPath.value` by member (the enum's `value` is a property that runs as interpreted code)
+_PATH_VALUE = {p: p.value for p in ReadPath}
 
 
 class SimCluster:
@@ -224,7 +226,7 @@ class SimCluster:
         self.router.assigned(a, pe, st.read_pe, st.read_de)
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
-        path = a.path.value if hit else "none"
+        path = _PATH_VALUE[a.path] if hit else "none"
         st.nbytes = P.step_bytes(path, hit * self.kvb, r.new_tokens * self.kvb, de_hit * self.kvb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)
@@ -451,7 +453,7 @@ class SimCluster:
                 queue_s=st.t_assign - st.t_submit,
                 cached_tokens=r.cached_tokens,
                 prompt_tokens=r.prompt_tokens,
-                read_path=(st.assignment.path if self.policy.reads else ReadPath.NONE).value,
+                read_path=_PATH_VALUE[st.assignment.path if self.policy.reads else ReadPath.NONE],
                 submit_s=st.t_submit,
                 read_s=st.t_read,
                 prefill_s=st.prefill_s,

@@ -57,6 +57,12 @@ from dualpath_jax.transfer.links import (
 Done = Callable[[], object]
 
 
+def _window(t: float, w: float) -> int:
+    """`int(t // w)`, the window of time `t`: with `w == 1` the same number as `floor(t)`, which
+    the compiled core computes 8x faster than a float floor division."""
+    return math.floor(t) if w == 1.0 else int(t // w)
+
+
 def _grant_alone(
     arb: LinkArbiter, nbytes: int, cls: TrafficClass, now: float
 ) -> tuple[float, float]:
@@ -198,8 +204,8 @@ class SimLink:
             start = self._free_at if self._free_at > now else now
             self._free_at = end = start + nbytes / self.rate
             w = self.window_s
-            a = int(start // w)
-            if a == self._win and a >= int((end - 1e-9 * w) // w):  # `_account`'s common case
+            a = _window(start, w)
+            if a == self._win and a >= _window(end - 1e-9 * w, w):  # `_account`'s common case
                 if c:
                     self._lo += nbytes
                 else:
@@ -266,7 +272,7 @@ class SimLink:
         if n == 0:
             return
         w = self.window_s
-        a, b = int(start // w), int((end - 1e-9 * w) // w)
+        a, b = _window(start, w), _window(end - 1e-9 * w, w)
         if a >= b or end <= start:
             self._add(a, n)
             return
