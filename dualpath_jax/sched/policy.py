@@ -168,12 +168,16 @@ class InterEnginePolicy:
             pe_node,
             de_node,
             read_q,
-            mode=self.spec.path_mode.value,
+            mode=_MODE_VALUE[self.spec.path_mode],
             block_tokens=block_tokens,
             pe_read_rate=pe_read_rate,
             de_read_rate=de_read_rate,
             turns=turns,
         )
+
+
+# `PathMode.value` by member (the enum's `value` property runs as interpreted code)
+_MODE_VALUE = {m: m.value for m in PathMode}
 
 
 def make_policy(

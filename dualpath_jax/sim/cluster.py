@@ -9,11 +9,11 @@ Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop
 - Data paths (paper Fig. 4): each request's copies are those of `transfer.paths.request_steps`
   (the same list the real loader charges: its links per engine pair, `request_path`, resolved
   once per pair, and each request's bytes, `step_bytes`), moved over `sim.network.SimNetwork`
-  links arbitrated by the real `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer of the engines (host buffers
-  with capacity, reserved FIFO before reading); the hit KV goes to the PE device per forward
-  (HIGH); layer blocks go PE device -> DE buffer (HIGH); then DE buffer -> DE device (HIGH);
-  when decoding ends the DE persists the request's new Full Blocks (LOW, `persist_path`) and
-  only then reports it done, as the real DE does.
+  links arbitrated by the real `LinkArbiter`. Store reads (LOW) fill the PE buffer / DE buffer
+  of the engines (host buffers with capacity, reserved FIFO before reading); the hit KV goes to
+  the PE device per forward (HIGH); layer blocks go PE device -> DE buffer (HIGH); then DE
+  buffer -> DE device (HIGH); when decoding ends the DE persists the request's new Full Blocks
+  (LOW, `persist_path`) and only then reports it done, as the real DE does.
 - PE: a `PrefillQueue` per engine; a request joins it when its store reads are done; forward
   batches are `next_batch` under the compute quota, timed by `cost.prefill_time(pairs)`.
   Layerwise: the batch's hit loads start with the forward, layer i needs the first (i+1)/L of
@@ -70,7 +70,7 @@ _ONE_CLASS_LINKS = (
 
 # A request's copies (`transfer.paths.STEP_NAMES`) by position.
 _PE_READ, _DE_READ, _PE_LOAD, _DE_LOAD, _SEND, _DE_H2D = range(6)
-_LOW, _HIGH = L.TrafficClass.LOW, L.TrafficClass.HIGH
+_CLS = P.STEP_CLASSES
 # `ReadPath.value` by member (the enum's `value` is a property that runs as interpreted code)
 _PATH_VALUE = {p: p.value for p in ReadPath}
 
@@ -265,9 +265,11 @@ class SimCluster:
             self._ready_to_prefill(st)
             return
         if nb[_PE_READ] > 0:
-            self.net.send(self._links(st, _PE_READ), nb[_PE_READ], _LOW, self._read_done, st, "pe")
+            links = self._links(st, _PE_READ)
+            self.net.send(links, nb[_PE_READ], _CLS[_PE_READ], self._read_done, st, "pe")
         if nb[_DE_READ] > 0:
-            self.net.send(self._links(st, _DE_READ), nb[_DE_READ], _LOW, self._read_done, st, "de")
+            links = self._links(st, _DE_READ)
+            self.net.send(links, nb[_DE_READ], _CLS[_DE_READ], self._read_done, st, "de")
 
     def _dequeue_reads(self, st: RoundState, side: str) -> None:
         """The side's storage reads are over: its node's read queue drops them (the real engines
@@ -313,7 +315,7 @@ class SimCluster:
         t0 = self.loop.now
         self.router.batch_started(pe, t0)
         compute = self.cost.prefill_time(plan.pairs)
-        loads: list[tuple[tuple[SimLink, ...], int]] = []  # (links, bytes) of the hit loads
+        loads: list[tuple[tuple[SimLink, ...], int, int]] = []  # the hit loads: links, bytes, step
         batch = [(self.states[c.request_id], c) for c in plan.chunks]
         for st, c in batch:
             nb = st.nbytes
@@ -322,9 +324,9 @@ class SimCluster:
             if not st.loaded:
                 st.loaded = True
                 if nb[_PE_LOAD] > 0:
-                    loads.append((self._links(st, _PE_LOAD), nb[_PE_LOAD]))
+                    loads.append((self._links(st, _PE_LOAD), nb[_PE_LOAD], _PE_LOAD))
                 if nb[_DE_LOAD] > 0:
-                    loads.append((self._links(st, _DE_LOAD), nb[_DE_LOAD]))
+                    loads.append((self._links(st, _DE_LOAD), nb[_DE_LOAD], _DE_LOAD))
             total = nb[_SEND]
             if total > 0:  # this chunk's layer blocks (the PE-side hit with the first)
                 first = total - st.request.new_tokens * self.kvb if not st.sent else 0
@@ -333,7 +335,7 @@ class SimCluster:
                     st.sent += n
                     st.sends += 1
                     self.net.send_timed(
-                        self._links(st, _SEND), n, _HIGH, functools.partial(self._sent, st)
+                        self._links(st, _SEND), n, _CLS[_SEND], functools.partial(self._sent, st)
                     )
         done = [st for st, c in batch if plan.finishes(c.request_id)]
         if not loads:
@@ -357,8 +359,8 @@ class SimCluster:
             self.loop.at(end, self._batch_end, pe, done, t0)
 
         # One event for the batch: its end, scheduled once every load's end is known.
-        for links, n in loads:
-            self.net.send_timed(links, n, _HIGH, loaded)
+        for links, n, i in loads:
+            self.net.send_timed(links, n, _CLS[i], loaded)
 
     def _batch_end(self, pe: SimEngine, done: list[RoundState], t0: float) -> None:
         pe.busy = False
@@ -407,7 +409,8 @@ class SimCluster:
         if not nb or nb[_DE_H2D] <= 0:
             self._de_loaded(st)
         else:
-            self.net.send(self._links(st, _DE_H2D), nb[_DE_H2D], _HIGH, self._de_loaded, st)
+            links = self._links(st, _DE_H2D)
+            self.net.send(links, nb[_DE_H2D], _CLS[_DE_H2D], self._de_loaded, st)
 
     def _de_loaded(self, st: RoundState) -> None:
         de = st.de
@@ -433,7 +436,7 @@ class SimCluster:
             if links is None:
                 links = self.net.resolve(P.persist_path(de.name, de.node_name))
                 self._persist_links[de.id] = links
-            self.net.send(links, nbytes, _LOW, self._finish, st)
+            self.net.send(links, nbytes, L.TrafficClass.LOW, self._finish, st)
         else:
             self.loop.soon(self._finish, st)
 

@@ -96,6 +96,7 @@ class SimRouter:
         self._de_leaders = self._leaders(rng, self._de_groups)
         self._pe_leaders = list(self._leaders(rng, dict(self._pe_groups)).values())
         self._pe_lead = {group[0].id: i for i, (_, group) in enumerate(self._pe_groups)}
+        self._pe_lead_engine = [group[0] for _, group in self._pe_groups]  # by group index
         self._de_polls: dict[int, Event] = {}
         self._pe_poll: Event | None = None
 
@@ -229,19 +230,20 @@ class SimRouter:
         if not sched.pe_queued():
             return
         live = self._pe_live
-        groups = self._pe_groups
+        leads = self._pe_lead_engine
         now = self.loop.now
         if i is None:
             best_t, best = math.inf, -1
+            leaders = self._pe_leaders
             for j in live:
-                if not groups[j][1][0].busy:
-                    t = self._pe_leaders[j].next_idle(now)
+                if not leads[j].busy:
+                    t = leaders[j].next_idle(now)
                     if t < best_t or (t == best_t and j < best):
                         best_t, best = t, j
             if best < 0:
                 return
         else:
-            if i not in live or groups[i][1][0].busy:
+            if i not in live or leads[i].busy:
                 return
             best, best_t = i, self._pe_leaders[i].next_idle(now)
         ev = self._pe_poll
