@@ -19,12 +19,17 @@ from dualpath_jax.transfer.links import (
     link_rate,
 )
 from dualpath_jax.transfer.paths import (
+    STEP_CLASSES,
+    STEP_NAMES,
     d2h_path,
     engine_to_engine_path,
     expected_link_bytes,
     h2d_path,
     persist_path,
+    request_path,
+    request_paths,
     request_steps,
+    step_bytes,
     store_read_path,
     store_write_path,
 )
@@ -462,6 +467,26 @@ def test_steps_name_the_paper_copies_and_reject_bad_input():
         request_steps("split", H, M, **IDS)
     with pytest.raises(ValueError, match="unknown read path"):
         request_steps("both", H, M, **IDS)
+
+
+@pytest.mark.parametrize("read_path", ["pe", "de", "split"])
+def test_steps_are_paths_per_engine_pair_times_bytes_per_request(read_path):
+    """`request_steps` = `request_path` of each copy (links between two engines) with
+    `step_bytes` (bytes of one request), the two halves the simulator keeps apart."""
+    paths = request_paths(**IDS)
+    assert paths == tuple(request_path(i, **IDS) for i in range(len(STEP_NAMES)))
+    nbytes = step_bytes(read_path, H, M, H // 3)
+    steps = request_steps(read_path, H, M, **IDS, de_hit_bytes=H // 3)
+    want = [
+        (STEP_NAMES[i], tuple(paths[i]), nbytes[i], STEP_CLASSES[i])
+        for i in range(len(STEP_NAMES))
+        if nbytes[i] > 0
+    ]
+    assert [(s.name, s.path, s.nbytes, s.cls) for s in steps] == want
+    with pytest.raises(ValueError, match="step"):
+        request_path(len(STEP_NAMES), **IDS)
+    with pytest.raises(ValueError, match="reads nothing"):
+        step_bytes("none", 1, M)
 
 
 def test_persist_path_charges_dram_twice():
