@@ -148,16 +148,21 @@ class GroupTotals:
         if not tok:
             raise ValueError("de_route needs at least one DE group")
         if not self._heaped:
-            best, least = -1, 0
-            for g, t in tok.items():
-                if best < 0 or t < least or (t == least and g < best):
-                    best, least = g, t
-            return best
+            return _least_group(tok.items())
         while True:
             t, g = heap[0]
             if g in tok and tok[g] == t:
                 return g
             heapq.heappop(heap)
+
+
+def _least_group(totals: Iterable[tuple[int, int]]) -> int:
+    """The group of the least `(total, group)`: the least total, ties to the smallest id."""
+    best, least = -1, 0
+    for g, t in totals:
+        if best < 0 or t < least or (t == least and g < best):
+            best, least = g, t
+    return best
 
 
 def de_route(
@@ -185,11 +190,7 @@ def de_routes(
     if len(queue) == 1 and isinstance(group_tok, GroupTotals):  # the router's common case
         return ((queue[0], group_tok.least()),)
     if len(queue) == 1:  # one pass
-        best, least = -1, 0
-        for g, t in group_tok.items():
-            if best < 0 or t < least or (t == least and g < best):
-                best, least = g, t
-        return ((queue[0], best),)
+        return ((queue[0], _least_group(group_tok.items())),)
     groups = sorted(group_tok)
     tot = [group_tok[g] for g in groups]
     routes: list[tuple[Request, int]] = []

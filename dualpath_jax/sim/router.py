@@ -345,7 +345,7 @@ class SimRouter:
         if groups:
             for i in groups:
                 self._pe_live.add(i)
-                if self.phases and self._pe_groups[i][1][0].node == node:
+                if self.phases and self._pe_lead_engine[i].node == node:
                     self._want_pe(i)
 
     def _touch_pe(self, e: SimEngine) -> None:
