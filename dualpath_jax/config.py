@@ -130,12 +130,24 @@ class ClusterConfig:
     decode_nodes: int = 1
     pe_group_size: int = 1  # engines fetching through one leader
     de_group_size: int = 1
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the control plane's bind address
     router_port: int = 0  # 0: pick a free port
-    auth_token: str = ""  # required for non-loopback hosts
+    # A 0600 JSON file {"engine": ..., "client": ...} of the two secrets (engine/admin and
+    # client); required for non-loopback hosts. Empty: `LocalCluster` writes a fresh one into
+    # its workdir. Secrets never travel on command lines or in config.json.
+    secrets_file: str = ""
+    # Where the KV transfer server listens. It is unauthenticated and aborts on malformed
+    # input (an upstream limitation, docs/failures.md): loopback by default; a private address
+    # names the cluster's own network; a public or wildcard one needs the next flag.
+    transfer_host: str = "127.0.0.1"
+    transfer_untrusted_network_ok: bool = False
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+    # Rounds fail with kind `engine` once no live engine of a role has been seen for this long.
+    no_engine_timeout_s: float = 30.0
     decode_slots: int = 8
+    # Jobs a DE holds beyond its slots (waiting for a slot); the router assigns no more.
+    decode_queue: int = 8
     decode_max_len: int = 4096  # tokens per decode slot
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
@@ -153,6 +165,8 @@ class ClusterConfig:
     # (set it when a path is overwritten with other params, or stored KV would be reused).
     params_version: str = ""
     params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
+    # Testing only: a JSON fault plan (dualpath_jax.faults) the engines' store and channel obey.
+    fault_file: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
