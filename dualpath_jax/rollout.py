@@ -31,15 +31,51 @@ from dualpath_jax.engine import messages as M
 
 
 class RolloutError(RuntimeError):
-    """A round was refused or failed; `kind` is bad_request, store, engine, overloaded, ..."""
+    """A round was refused or failed. `kind`: bad_request (the input), overloaded (queue full),
+    store, transfer or engine (the cluster failed it; `str(e)` carries the cause), cancelled,
+    auth (wrong secret), connection (the router stopped answering)."""
 
     def __init__(self, message: str, kind: str = "error"):
         super().__init__(message)
         self.kind = kind
 
 
+TOKEN_LIMIT = 2**31  # token ids are int32 on the device
+
+
+def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
+    """Token ids as plain ints; anything but an integer (numpy integers are fine; bool, float and
+    str are not) or a value outside [0, 2**31) raises RolloutError(kind="bad_request")."""
+    import numbers
+
+    if isinstance(tokens, str | bytes):
+        raise RolloutError(
+            f"{what}s must be a sequence of ints, got {type(tokens).__name__}", "bad_request"
+        )
+    out = []
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise RolloutError(f"{what} {t!r} is not an int ({type(t).__name__})", "bad_request")
+        v = int(t)
+        if not 0 <= v < TOKEN_LIMIT:
+            raise RolloutError(f"{what} {v} is out of range [0, 2**31)", "bad_request")
+        out.append(v)
+    return out
+
+
+def _check_int(value: Any, name: str, low: int, high: int) -> int:
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
+    v = int(value)
+    if not low <= v < high:
+        raise RolloutError(f"{name} must lie in [{low}, {high}), got {v}", "bad_request")
+    return v
+
+
 class Backend(Protocol):
-    def open_session(self, session: str) -> None: ...
+    def open_session(self, session: str, resume: bool = False) -> None: ...
     def submit(
         self,
         session: str,
@@ -69,60 +105,129 @@ def new_version() -> str:
     return f"v-{uuid.uuid4().hex[:16]}"
 
 
+class RoundFuture(futures.Future):
+    """The future of one round; `request` is its id (for `Client.cancel`)."""
+
+    request: str = ""
+
+
 class Client:
     """Talks to a router. Thread safe: a background thread owns the socket.
 
-    `params_dir` is where `update_params` writes checkpoints (a directory every engine can read;
-    `LocalCluster.client()` passes `workdir/params`).
+    `token` is the client secret (`LocalCluster.client()` passes it). `params_dir` is where
+    `update_params` writes checkpoints (a directory every engine can read; `LocalCluster.client()`
+    passes `workdir/params`). The client pings the router every `ping_s`; calls that have heard
+    nothing from it for `dead_after_s` fail with kind `connection` (the router died or is
+    unreachable), and a rejected secret fails every pending call with kind `auth`.
     """
 
-    def __init__(self, address: str, token: str = "", params_dir: str | pathlib.Path | None = None):
+    def __init__(
+        self,
+        address: str,
+        token: str = "",
+        params_dir: str | pathlib.Path | None = None,
+        *,
+        ping_s: float = 1.0,
+        dead_after_s: float = 5.0,
+    ):
         from dualpath_jax.engine.rpc import RpcClient
 
+        self.address = address
         self.params_dir = pathlib.Path(params_dir) if params_dir else None
+        self.ping_s, self.dead_after_s = ping_s, dead_after_s
+        self._token = token
         self._rpc = RpcClient(address, token)
-        self._out: queue.Queue[tuple[M.Msg, str, futures.Future]] = queue.Queue()
-        self._pending: dict[str, futures.Future] = {}
-        self._stats: list[futures.Future] = []
+        self._out: queue.Queue[tuple[bytes, str, futures.Future | None, bool]] = queue.Queue()
+        self._pending: dict[str, tuple[futures.Future, float]] = {}
+        self._stats: list[tuple[futures.Future, float]] = []
         self._closed = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="dualpath-client", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        import time
+
+        heard = last_ping = time.monotonic()
         while not self._closed.is_set():
+            now = time.monotonic()
             while True:
                 try:
-                    msg, ref, fut = self._out.get_nowait()
+                    frame, ref, fut, is_stats = self._out.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(msg, M.GetStats):
-                    self._stats.append(fut)
-                else:
-                    self._pending[ref] = fut
-                self._rpc.send(msg)
+                if fut is not None:
+                    if is_stats:
+                        self._stats.append((fut, now))
+                    else:
+                        self._pending[ref] = (fut, now)
+                self._rpc.send_frame(frame)
+            if now - last_ping >= self.ping_s:
+                self._rpc.send_frame(M.encode(M.Ping(), self._token))
+                last_ping = now
             try:
                 reply = self._rpc.recv(5)
-            except Exception as e:  # noqa: BLE001 - a bad frame fails nothing in flight
-                reply = M.Error(ref="", message=str(e))
+            except Exception:  # noqa: BLE001 - a frame that fails the checks fails nothing
+                reply = None
+                heard = time.monotonic()
             if reply is None:
+                self._expire(time.monotonic(), heard)
                 continue
+            heard = time.monotonic()
             if isinstance(reply, M.Stats):
                 if self._stats:
-                    self._stats.pop(0).set_result(reply)
+                    self._stats.pop(0)[0].set_result(reply)
+                continue
+            if isinstance(reply, M.Error) and not reply.ref and reply.kind == "auth":
+                self._fail_all(
+                    RolloutError(f"the router refused this client: {reply.message}", "auth")
+                )
                 continue
             ref = getattr(reply, "request", None) or getattr(reply, "ref", "")
-            fut = self._pending.pop(ref, None)
-            if fut is not None:
-                fut.set_result(reply)
+            item = self._pending.pop(ref, None)
+            if item is not None:
+                item[0].set_result(reply)
+        self._fail_all(RolloutError("client is closed", "connection"))
         self._rpc.close()
 
-    def _call(self, msg: M.Msg, ref: str) -> futures.Future:
+    def _expire(self, now: float, heard: float) -> None:
+        """Fails calls that have heard nothing from the router for `dead_after_s`."""
+        if now - heard <= self.dead_after_s:
+            return
+        err = RolloutError(
+            f"no answer from the router at {self.address} for {now - heard:.1f} s", "connection"
+        )
+        for ref, (fut, t) in list(self._pending.items()):
+            if now - max(t, heard) > self.dead_after_s:
+                del self._pending[ref]
+                fut.set_exception(err)
+        while self._stats and now - max(self._stats[0][1], heard) > self.dead_after_s:
+            self._stats.pop(0)[0].set_exception(err)
+
+    def _fail_all(self, err: RolloutError) -> None:
+        pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            fut.set_exception(err)
+        stats, self._stats = self._stats, []
+        for fut, _ in stats:
+            fut.set_exception(err)
+
+    def _call(self, msg: M.Msg, ref: str, fut: futures.Future | None = None) -> futures.Future:
         if self._closed.is_set():
-            raise RolloutError("client is closed")
-        fut: futures.Future = futures.Future()
-        self._out.put((msg, ref, fut))
+            raise RolloutError("client is closed", "connection")
+        try:
+            frame = M.encode(msg, self._token)
+        except M.FrameError as e:
+            raise RolloutError(str(e), "bad_request") from None
+        fut = fut if fut is not None else futures.Future()
+        self._out.put((frame, ref, fut, isinstance(msg, M.GetStats)))
         return fut
+
+    def cancel(self, request: str) -> None:
+        """Abandons a round: its future fails with kind `cancelled` and its session is free for
+        the next round. A round that already finished is not affected."""
+        frame = M.encode(M.CancelRound(request=request), self._token)
+        self._out.put((frame, "", None, False))
 
     @staticmethod
     def _check(reply: M.Msg) -> M.Msg:
@@ -130,8 +235,10 @@ class Client:
             raise RolloutError(reply.message, reply.kind)
         return reply
 
-    def open_session(self, session: str, timeout_s: float = 30.0) -> None:
-        self._check(self._call(M.OpenSession(session=session), session).result(timeout_s))
+    def open_session(self, session: str, resume: bool = False, timeout_s: float = 30.0) -> None:
+        """Opens a session; an existing one is an error unless `resume=True` (continue it)."""
+        msg = M.OpenSession(session=session, resume=bool(resume))
+        self._check(self._call(msg, session).result(timeout_s))
 
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
         """Ends a session; `release=True` also deletes its stored KV blocks that no other open
@@ -148,18 +255,26 @@ class Client:
         temperature: float = 0.0,
         seed: int = 0,
     ) -> futures.Future[M.Result]:
-        """One round; the future resolves to a `Result` or raises `RolloutError`."""
+        """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
+        must be ints in [0, 2**31) (numpy integers too); bad input raises at once."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        try:
+            temperature = float(temperature)
+        except (TypeError, ValueError):
+            raise RolloutError(
+                f"temperature must be a number, got {temperature!r}", "bad_request"
+            ) from None
         sub = M.Submit(
             request=rid,
-            session=session,
-            append=[int(t) for t in append],
-            gen=int(gen),
-            temperature=float(temperature),
-            seed=int(seed),
+            session=str(session),
+            append=check_tokens(append),
+            gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
+            temperature=temperature,
+            seed=_check_int(seed, "seed", 0, 2**32),
         )
         raw = self._call(sub, rid)
-        out: futures.Future[M.Result] = futures.Future()
+        out: RoundFuture = RoundFuture()
+        out.request = rid
 
         def done(f: futures.Future) -> None:
             try:
@@ -228,12 +343,15 @@ class Client:
 
 
 class Session:
-    """One trajectory: each `step` appends tokens and generates exactly `gen` tokens."""
+    """One trajectory: each `step` appends tokens and generates exactly `gen` tokens.
 
-    def __init__(self, backend: Backend, session_id: str | None = None):
+    A `session_id` that is already open is an error unless `resume=True`, which continues that
+    session's context."""
+
+    def __init__(self, backend: Backend, session_id: str | None = None, *, resume: bool = False):
         self.backend = backend
         self.id = session_id or uuid.uuid4().hex
-        backend.open_session(self.id)
+        backend.open_session(self.id, resume=resume)
         self.results: list[M.Result] = []
 
     def step_async(
@@ -256,10 +374,17 @@ class Session:
         temperature: float = 0.0,
         key: Any = None,
     ) -> list[int]:
-        """Appends `append`, generates exactly `gen` tokens and returns them."""
-        return list(
-            self.step_async(append, gen, temperature=temperature, key=key).result(timeout_s).tokens
-        )
+        """Appends `append`, generates exactly `gen` tokens and returns them. A round that takes
+        longer than `timeout_s` is cancelled (the session can step again) and raises
+        TimeoutError."""
+        fut = self.step_async(append, gen, temperature=temperature, key=key)
+        try:
+            return list(fut.result(timeout_s).tokens)
+        except futures.TimeoutError:
+            cancel = getattr(self.backend, "cancel", None)
+            if cancel is not None and getattr(fut, "request", ""):
+                cancel(fut.request)
+            raise
 
     def close(self, release: bool = False) -> None:
         self.backend.close_session(self.id, release)
@@ -435,8 +560,12 @@ class InProcessEngine:
             for sid, (context, _) in self._sessions.items():
                 self._sessions[sid] = (context, None)
 
-    def open_session(self, session: str) -> None:
+    def open_session(self, session: str, resume: bool = False) -> None:
         with self._lock:
+            if session in self._sessions and not resume:
+                raise RolloutError(
+                    f"session {session!r} exists; pass resume=True to continue it", "bad_request"
+                )
             self._sessions.setdefault(session, ([], None))
 
     def close_session(self, session: str, release: bool = False) -> None:  # noqa: ARG002 - KV lives here
@@ -457,8 +586,18 @@ class InProcessEngine:
         try:
             if not temperature >= 0:
                 raise RolloutError(f"temperature must be >= 0, got {temperature}", "bad_request")
+            tokens = check_tokens(append)
+            bad = next((t for t in tokens if t >= self.cfg.vocab_size), None)
+            if bad is not None:
+                raise RolloutError(
+                    f"token id {bad} is out of range [0, {self.cfg.vocab_size})", "bad_request"
+                )
             res = self._round(
-                session, [int(t) for t in append], int(gen), float(temperature), int(seed)
+                session,
+                tokens,
+                _check_int(gen, "gen", 1, TOKEN_LIMIT),
+                float(temperature),
+                _check_int(seed, "seed", 0, 2**32),
             )
             fut.set_result(res)
         except RolloutError as e:

@@ -5,13 +5,19 @@
         ...
 
 Each process is `python -m dualpath_jax.engine SPEC CONFIG` with its own log in `workdir/logs`.
-The cluster waits until every engine has registered, restarts nothing silently, and on exit
-(also on Ctrl-C or a failing test) asks the router to shut down and then ends every process it
-started, by PID. One engine per node: each engine process is a node with its own storage NIC.
+The cluster waits until every engine has registered, restarts nothing silently (`restart(name)`
+does on request), and on exit (also on Ctrl-C or a failing test) asks the router to shut down
+and then ends every process it started, by PID. One engine per node: each engine process is a
+node with its own storage NIC.
+
+Secrets: without `cluster.secrets_file` the cluster writes fresh engine and client secrets to
+`workdir/secrets.json` (mode 0600) for its processes to read; `client()` holds the client
+secret only, so a client can neither register an engine nor stop the router.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -20,6 +26,7 @@ import sys
 import time
 
 from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
 from dualpath_jax.rollout import Client
@@ -48,7 +55,9 @@ class LocalCluster:
         self.env = env
         self.start_timeout_s = start_timeout_s
         self.procs: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ProcessSpec] = {}
         self.engine_ids: dict[str, int] = {}
+        self.credentials = Credentials()
         self.address = ""
         self._clients: list[Client] = []
 
@@ -85,10 +94,18 @@ class LocalCluster:
         )
         log.close()
         self.procs[name] = p
+        self.specs[name] = spec
         return p
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.cluster.secrets_file:
+            self.credentials = read_credentials(self.cfg.cluster.secrets_file)
+        else:
+            path = self.workdir / "secrets.json"
+            self.credentials = write_credentials(path)
+            cluster = dataclasses.replace(self.cfg.cluster, secrets_file=str(path))
+            self.cfg = dataclasses.replace(self.cfg, cluster=cluster)
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
         addr_file = self.workdir / "router.address"
         addr_file.unlink(missing_ok=True)
@@ -135,14 +152,17 @@ class LocalCluster:
                 )
             time.sleep(0.1)
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, names: list[str] | None = None) -> None:
         for name, p in self.procs.items():
+            if names is not None and name not in names:
+                continue
             if p.poll() is not None:
                 tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise ClusterError(f"{name} exited with {p.returncode} during start:\n{tail}")
 
-    def client(self) -> Client:
-        c = Client(self.address, self.cfg.cluster.auth_token, params_dir=self.workdir / "params")
+    def client(self, **kw) -> Client:
+        """A client holding the client secret (`Client` keyword arguments pass through)."""
+        c = Client(self.address, self.credentials.client, params_dir=self.workdir / "params", **kw)
         self._clients.append(c)
         return c
 
@@ -152,11 +172,33 @@ class LocalCluster:
         p.kill()
         p.wait(10)
 
+    def restart(self, name: str, timeout_s: float | None = None) -> None:
+        """Starts engine `name` again (after `kill`, or after it died) under its old id, once
+        the router has declared the old process dead; waits until it has registered."""
+        if name == "router" or name not in self.engine_ids:
+            raise ValueError(f"restart takes an engine name, one of {sorted(self.engine_ids)}")
+        p = self.procs[name]
+        if p.poll() is None:
+            raise ClusterError(f"{name} is still running (pid {p.pid}); kill it first")
+        engine = str(self.engine_ids[name])
+        client = self.client()
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        while client.stats()["engines"].get(engine, {}).get("alive"):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"the router still takes {name} for alive")
+            time.sleep(0.1)
+        self._spawn(name, self.specs[name])
+        while not client.stats()["engines"].get(engine, {}).get("alive"):
+            self._check_alive([name])
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} did not register again in time")
+            time.sleep(0.1)
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """Shuts the router down, then ends every process this cluster started."""
         if "router" in self.procs and self.procs["router"].poll() is None and self.address:
             try:
-                c = Client(self.address, self.cfg.cluster.auth_token)
+                c = Client(self.address, self.credentials.engine)  # Shutdown is the admin's
                 c.shutdown(timeout_s=5.0)
                 c.close()
             except Exception:  # noqa: BLE001 - we kill it below anyway

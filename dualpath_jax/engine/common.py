@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 
 from dualpath_jax.engine import messages as M
@@ -64,7 +65,10 @@ def is_stop(msg: M.Msg) -> bool | None:
     """The messages every engine treats alike: True for a stop order, False for one to ignore
     (acks, stats, logged router errors), None for an engine-specific message."""
     match msg:
-        case M.Stop() | M.Error(kind="stop"):
+        case M.Stop():
+            return True
+        case M.Error(kind="stop", message=text):
+            log.error("the router stops this engine: %s", text)
             return True
         case M.Ack() | M.Stats():
             return False
@@ -74,45 +78,74 @@ def is_stop(msg: M.Msg) -> bool | None:
     return None
 
 
-def failed(request: str, engine: int, exc: BaseException) -> M.Failed:
+def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> M.Failed:
     """The `Failed` report of an engine's part of a request, classified by `failure_kind`."""
-    log.warning("request %s failed: %s", request, exc)
+    log.warning("request %s failed: %s: %s", request, type(exc).__name__, exc)
     return M.Failed(
         request=request,
         engine=engine,
         message=f"{type(exc).__name__}: {exc}",
         kind=failure_kind(exc),
+        attempt=attempt,
     )
 
 
 def failure_kind(exc: BaseException) -> str:
     """How the router should treat a failure: `transfer` (a peer vanished or stalled: retry),
-    `store` (the block store failed: report), or `error`."""
+    `store` (the block store failed: report), or `engine` (report)."""
     if isinstance(exc, TransferError | LoadTimeout | LoadCancelled | TimeoutError):
         return "transfer"
-    if isinstance(exc, StoreError):
+    if isinstance(exc, StoreError | OSError):
         return "store"
-    return "error"
+    return "engine"
 
 
 class HeartbeatThread(threading.Thread):
     """Sends `Heartbeat` to the router every `interval_s` on a socket of its own (zmq sockets are
-    per thread), independent of the engine loop, which may block in a compile or a forward."""
+    per thread), independent of the engine loop, which may block in a compile or a forward.
 
-    def __init__(self, address: str, token: str, engine: int, interval_s: float):
+    The router answers each one; when nothing has come back for `router_timeout_s`, the router
+    is taken for dead and `on_router_lost` runs (the engine process stops itself)."""
+
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        engine: int,
+        interval_s: float,
+        router_timeout_s: float = 0.0,
+        on_router_lost: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__(name=f"heartbeat-{engine}", daemon=True)
         self.address, self.token, self.engine, self.interval_s = address, token, engine, interval_s
+        self.router_timeout_s = router_timeout_s
+        self.on_router_lost = on_router_lost
+        self.clock = clock
         self._halt = threading.Event()
 
     def run(self) -> None:
         from dualpath_jax.engine.rpc import RpcClient
 
         rpc = RpcClient(self.address, self.token)
+        heard = self.clock()
         try:
             while not self._halt.wait(self.interval_s):
                 rpc.send(M.Heartbeat(engine=self.engine))
-                while rpc.recv(0) is not None:  # the router does not answer heartbeats; drain
-                    pass
+                while True:
+                    try:
+                        reply = rpc.recv(0)
+                    except M.FrameError:
+                        reply = M.Ack()  # something answered
+                    if reply is None:
+                        break
+                    heard = self.clock()
+                silent = self.clock() - heard
+                if self.router_timeout_s and silent > self.router_timeout_s:
+                    log.error("no answer from the router at %s for %.1f s", self.address, silent)
+                    if self.on_router_lost is not None:
+                        self.on_router_lost()
+                    return
         finally:
             rpc.close()
 

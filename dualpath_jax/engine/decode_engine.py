@@ -113,7 +113,7 @@ class DecodeEngine:
                     try:
                         self.params.check_job(m)
                     except RuntimeError as e:
-                        self.rpc.send(failed(m.request, self.engine, e))
+                        self.rpc.send(failed(m.request, self.engine, e, m.attempt))
                         continue
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
@@ -154,6 +154,7 @@ class DecodeEngine:
                     traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
                 load.on_read_done = lambda rid=rid, job=job: self.reads_done(rid, job)
             r.load = load.start()
+            self.rpc.send(M.DeReady(request=rid, engine=self.engine, attempt=job.attempt))
 
     def reads_done(self, request: str, job) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
@@ -174,7 +175,8 @@ class DecodeEngine:
             r.load.close()
 
     def fail(self, request: str, exc: BaseException) -> None:
-        self.rpc.send(failed(request, self.engine, exc))
+        r = self.reqs.get(request)
+        self.rpc.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
         self.drop(request)
 
     # ------------------------------------------------------------------ decode
@@ -239,8 +241,12 @@ class DecodeEngine:
         self.ctx.pool.submit(self._persist, r, fed, start, n_full, blocks)
 
     def _persist(self, r: _Req, fed: list[int], start: int, n_full: int, blocks) -> None:
+        """Writes the new Full Blocks, then reports the tokens. A store that fails (full,
+        read-only, I/O errors) does not cost the round its tokens: they are reported with the
+        store's error text, and the next round recomputes the blocks that are missing."""
         rid = r.msg.request
         job = job_from_msg(r.msg)
+        persisted, error = 0, ""
         try:
             if blocks is not None:
                 fp = model_fingerprint(self.cfg.model, r.msg.params_version)
@@ -252,15 +258,16 @@ class DecodeEngine:
                     L.TrafficClass.LOW,
                 )
                 self.ctx.store.write_full(keys, blocks).result(self.ctx.timeout_s)
-            self.outbox.put(
-                M.DecodeDone(
-                    request=rid,
-                    engine=self.engine,
-                    tokens=r.tokens,
-                    persisted_blocks=n_full - start,
-                )
+                persisted = n_full - start
+        except Exception as e:  # noqa: BLE001 - any store failure; the tokens stand
+            error = f"{type(e).__name__}: {e}"
+            log.warning("request %s: persisting %d blocks failed: %s", rid, n_full - start, error)
+        self.outbox.put(
+            M.DecodeDone(
+                request=rid,
+                engine=self.engine,
+                tokens=r.tokens,
+                persisted_blocks=persisted,
+                persist_error=error,
             )
-        except Exception as e:  # noqa: BLE001
-            self.outbox.put(
-                M.Failed(request=rid, engine=self.engine, message=f"store: {e}", kind="store")
-            )
+        )

@@ -3,9 +3,16 @@
 Nothing on the wire is pickled: every message is a msgspec struct encoded as msgpack. Each frame
 is `Envelope(v=SCHEMA_VERSION, token=..., body=<message>)`; receivers reject frames with another
 version, a wrong token, an unknown tag or over the size limit, answering with `Error`.
+
+Two credentials: the engine secret (engines, and the admin who may `Shutdown`) and the client
+secret (sessions, stats, params updates). A frame's token says which role sent it; the router
+accepts `ENGINE_ONLY` messages from the engine role alone. Senders refuse frames over
+`MAX_FRAME_BYTES` before they leave; a peer that sends one anyway is disconnected by ZeroMQ.
 """
 
 from __future__ import annotations
+
+import hmac
 
 import msgspec
 
@@ -21,7 +28,10 @@ class Msg(msgspec.Struct, tag=True, kw_only=True):
 
 
 class OpenSession(Msg):
+    """Opens a session; one that exists already is an error unless `resume` (continue it)."""
+
     session: str
+    resume: bool = False
 
 
 class CloseSession(Msg):
@@ -44,6 +54,17 @@ class Submit(Msg):
     seed: int = 0  # uint32
 
 
+class CancelRound(Msg):
+    """Client -> router: abandon a round (its future fails with kind `cancelled`); the session
+    may submit again at once. Unknown or finished requests are ignored."""
+
+    request: str
+
+
+class Ping(Msg):
+    """Client -> router liveness probe, answered `Ack(ref="ping")`."""
+
+
 class Result(Msg):
     """The generated tokens of a round, with its timings (seconds, router clock)."""
 
@@ -58,6 +79,9 @@ class Result(Msg):
     prompt_tokens: int
     read_path: str
     recomputed_blocks: int
+    # Non-empty when the DE could not persist the round's new blocks (e.g. the store is full):
+    # the tokens are right; the next round recomputes what was not stored.
+    persist_error: str = ""
 
 
 class Ack(Msg):
@@ -65,7 +89,8 @@ class Ack(Msg):
 
 
 class Error(Msg):
-    """A request or message was refused or failed; `message` says why."""
+    """A request or message was refused or failed; `message` says why. `kind`: bad_request,
+    overloaded, store, transfer, engine, cancelled, auth, frame, busy, stop, ..."""
 
     ref: str
     message: str
@@ -145,7 +170,8 @@ class CommitParams(Msg):
 
 class Heartbeat(Msg):
     """Sent by every engine from a thread of its own, so a long compile or forward in the engine
-    loop never looks like a dead engine."""
+    loop never looks like a dead engine. The router answers `Ack(ref="hb")`; an engine that hears
+    nothing for `cluster.heartbeat_timeout_s` takes the router for dead and stops."""
 
     engine: int
 
@@ -183,6 +209,15 @@ class LoadJobMsg(Msg):
 
 class Work(Msg):
     jobs: list[LoadJobMsg]
+
+
+class DeReady(Msg):
+    """DE -> router: the DE half of a job has started (its buffer is reserved, its reads are
+    issued), so the PE may start: no PE ever waits on a DE that is not ready."""
+
+    request: str
+    engine: int
+    attempt: int = 0
 
 
 class PrefillDone(Msg):
@@ -224,16 +259,19 @@ class DecodeDone(Msg):
     engine: int
     tokens: list[int]
     persisted_blocks: int
+    persist_error: str = ""  # see Result.persist_error
 
 
 class Failed(Msg):
     """An engine could not finish its part of a request. `kind`: transfer (a peer vanished or
-    timed out: the router retries the request), store, or error (reported to the client)."""
+    timed out: the router retries, up to `cluster.max_attempts`), store or engine (reported to
+    the client with `message`)."""
 
     request: str
     engine: int
     message: str
-    kind: str = "error"
+    kind: str = "engine"
+    attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
 
 
 class Cancel(Msg):
@@ -248,6 +286,8 @@ Body = (
     OpenSession
     | CloseSession
     | Submit
+    | CancelRound
+    | Ping
     | Result
     | Ack
     | Error
@@ -264,6 +304,7 @@ Body = (
     | Fetch
     | LoadJobMsg
     | Work
+    | DeReady
     | PrefillDone
     | ReadsDone
     | FirstToken
@@ -273,6 +314,25 @@ Body = (
     | Cancel
     | Stop
 )
+
+
+# Messages only the engine role may send (Shutdown: the engine secret is the admin's too).
+ENGINE_ONLY: frozenset[type] = frozenset(
+    {
+        Register,
+        Heartbeat,
+        Fetch,
+        DeReady,
+        PrefillDone,
+        ReadsDone,
+        TokensOut,
+        DecodeDone,
+        Failed,
+        ParamsLoaded,
+        Shutdown,
+    }
+)
+ENGINE, CLIENT = "engine", "client"
 
 
 class Envelope(msgspec.Struct):
@@ -289,12 +349,25 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
 
 
+class AuthError(FrameError):
+    """A frame carried a token this side does not accept."""
+
+
 def encode(body: Msg, token: str = "") -> bytes:
-    return _encoder.encode(Envelope(SCHEMA_VERSION, token, body))
+    """One frame; raises `FrameError` if a field cannot be encoded (e.g. an int of 2**64) or the
+    frame exceeds `MAX_FRAME_BYTES`, so nothing malformed or oversized is ever sent."""
+    try:
+        frame = _encoder.encode(Envelope(SCHEMA_VERSION, token, body))
+    except (OverflowError, TypeError, msgspec.EncodeError) as e:
+        raise FrameError(f"cannot encode {type(body).__name__}: {e}") from None
+    if len(frame) > MAX_FRAME_BYTES:
+        raise FrameError(
+            f"{type(body).__name__} of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit"
+        )
+    return frame
 
 
-def decode(frame: bytes, token: str = "") -> Msg:
-    """Decodes and checks one frame; raises `FrameError` naming the problem."""
+def _open(frame: bytes) -> Envelope:
     if len(frame) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
@@ -305,6 +378,36 @@ def decode(frame: bytes, token: str = "") -> Msg:
         raise FrameError(
             f"schema version {env.v} is not supported (this side speaks {SCHEMA_VERSION})"
         )
-    if env.token != token:
-        raise FrameError("authentication failed: wrong or missing token")
+    return env
+
+
+def decode(frame: bytes, token: str = "") -> Msg:
+    """Decodes and checks one frame; raises `FrameError` naming the problem."""
+    env = _open(frame)
+    if not hmac.compare_digest(env.token.encode(), token.encode()):
+        raise AuthError("authentication failed: wrong or missing token")
+    return env.body
+
+
+def decode_role(frame: bytes, tokens: dict[str, str]) -> tuple[Msg, str]:
+    """Decodes a frame and names the role whose token it carries (`tokens`: role -> secret).
+    With no tokens configured every frame is the engine role's (a loopback-only setup)."""
+    env = _open(frame)
+    if not tokens:
+        return env.body, ENGINE
+    for role, secret in tokens.items():
+        if hmac.compare_digest(env.token.encode(), secret.encode()):
+            return env.body, role
+    raise AuthError("authentication failed: wrong or missing token")
+
+
+def decode_unsigned_error(frame: bytes) -> Error | None:
+    """The `Error` a server sends, without a token, to a peer whose frame it rejected (the server
+    must not reveal its token to a stranger); None for anything else."""
+    try:
+        env = _open(frame)
+    except FrameError:
+        return None
+    if env.token or not isinstance(env.body, Error):
+        return None
     return env.body

@@ -131,7 +131,7 @@ class PrefillEngine:
         try:
             self.params.check_job(m)
         except RuntimeError as e:
-            self.rpc.send(failed(m.request, self.engine, e))
+            self.rpc.send(failed(m.request, self.engine, e, m.attempt))
             return
         job = job_from_msg(m)
         traffic = self.ctx.traffic
@@ -151,7 +151,8 @@ class PrefillEngine:
         r.load.close()
 
     def fail(self, request: str, exc: BaseException) -> None:
-        self.rpc.send(failed(request, self.engine, exc))
+        r = self.reqs.get(request)
+        self.rpc.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
         self.drop(request)
 
     def poll_reads(self) -> None:

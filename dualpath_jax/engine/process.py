@@ -17,6 +17,8 @@ import time
 from concurrent import futures
 
 from dualpath_jax.config import ExperimentConfig, StoreConfig
+from dualpath_jax.engine.credentials import credentials_for
+from dualpath_jax.engine.rpc import check_transfer_bind, host_port
 from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
 
@@ -75,6 +77,7 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
+    from dualpath_jax.faults import load_plan, wrap_store
     from dualpath_jax.metrics.events import EventLog
     from dualpath_jax.sched.cost import FittedCostModel, derive_alpha, derive_beta
     from dualpath_jax.sched.scheduler import GlobalScheduler
@@ -96,9 +99,11 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         block_tokens=cfg.store.block_tokens,
         pe_read_rate=snic or 1.0,
         de_read_rate=snic or 1.0,
+        de_max_seqs=cfg.cluster.decode_slots + cfg.cluster.decode_queue,
     )
-    server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, cfg.cluster.auth_token)
-    store = open_store(cfg, spec.workdir)
+    creds = credentials_for(cfg.cluster.secrets_file)
+    server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, creds.tokens)
+    store = wrap_store(open_store(cfg, spec.workdir), load_plan(cfg.cluster.fault_file), "router")
     events = EventLog(pathlib.Path(spec.workdir) / "events.jsonl")
     router = Router(cfg, server, store, sched, events)
     if spec.address_file:
@@ -122,6 +127,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient
+    from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.runner import ModelRunner
@@ -133,17 +139,22 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     log.info(
         "%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices()
     )
+    c = cfg.cluster
+    creds = credentials_for(c.secrets_file)
+    check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
     runner = ModelRunner(load_served_model(cfg))
-    params = ParamsSlot(runner, initial_params_version(cfg.cluster), spec.engine)
+    params = ParamsSlot(runner, initial_params_version(c), spec.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
-    store = open_store(cfg, spec.workdir)
+    prefix = "pe" if spec.role == "prefill" else "de"
+    who = f"{prefix}{spec.engine}"
+    faults = load_plan(c.fault_file)
+    store = wrap_store(open_store(cfg, spec.workdir), faults, who)
     name = "PE buffer" if spec.role == "prefill" else "DE buffer"
     buffer = HostBufferPool.for_bytes(layout, cfg.hardware.dram_buffer_bytes, name)
-    host = cfg.cluster.host
-    channel = JaxTransferChannel(bind=f"{host}:0", transport_addresses=[f"{host}:0"])
+    bind = host_port(c.transfer_host, 0)
+    channel = wrap_channel(JaxTransferChannel(bind=bind, transport_addresses=[bind]), faults, who)
     traffic = TrafficManager(cfg.hardware)
     pool = futures.ThreadPoolExecutor(16, thread_name_prefix=f"{spec.role}{spec.engine}")
-    prefix = "pe" if spec.role == "prefill" else "de"
     ctx = LoaderContext(
         cfg.model,
         layout,
@@ -155,9 +166,14 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         timeout_s=cfg.cluster.transfer_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
     )
-    rpc = RpcClient(spec.router_address, cfg.cluster.auth_token)
+    rpc = RpcClient(spec.router_address, creds.engine)
     heartbeat = HeartbeatThread(
-        spec.router_address, cfg.cluster.auth_token, spec.engine, cfg.cluster.heartbeat_s
+        spec.router_address,
+        creds.engine,
+        spec.engine,
+        c.heartbeat_s,
+        router_timeout_s=c.heartbeat_timeout_s,
+        on_router_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
     )
     heartbeat.start()
     try:

@@ -4,11 +4,22 @@ One loop (`serve`) owns every piece of state; nothing here is shared between thr
 submit rounds of their sessions; leader engines fetch work (pull based) and report progress;
 the router answers clients when a round's tokens are complete.
 
-Request lifecycle: submitted -> queued (scheduler) -> assigned (PE, DE, read path; both engines
-get the job) -> prefilled (first token, forwarded to the DE) -> decoded (tokens, blocks
-persisted) -> answered. An engine that stops heartbeating is declared dead; every unfinished
-request it touched is cancelled on the surviving engine and requeued (its persisted blocks are
-still in the store, so the retry is a normal, possibly shorter, hit).
+Request lifecycle: submitted -> queued (scheduler) -> assigned (PE, DE, read path; the DE gets
+the job) -> DE ready (its buffer reserved, reads issued; now the PE gets the job) -> prefilled
+(first token, forwarded to the DE) -> decoded (tokens, blocks persisted) -> answered.
+
+Failures (docs/failures.md): an engine's `Failed` of kind `transfer` is retried up to
+`cluster.max_attempts`; `store` and `engine` failures end the round with that kind and the
+engine's text. An engine that stops heartbeating is declared dead; every unfinished request it
+touched is cancelled on the surviving engine and requeued (its persisted blocks are still in the
+store, so the retry is a normal, possibly shorter, hit). With no live engine of a role for
+`cluster.no_engine_timeout_s`, rounds fail with kind `engine`. Admission: no DE holds more than
+its slots plus `cluster.decode_queue` requests; beyond that rounds queue, up to
+`scheduler.max_queue`, and the rest are refused as `overloaded`.
+
+Roles: frames carry the engine or the client secret (engine/credentials.py); engine messages
+(`messages.ENGINE_ONLY`) from a client are refused, and so is a message that names an engine
+from a connection other than the one that registered it.
 """
 
 from __future__ import annotations
@@ -84,6 +95,14 @@ class RequestState:
     de_reads_done: bool = False
     temperature: float = 0.0
     seed: int = 0
+    job: M.LoadJobMsg | None = (
+        None  # the current attempt's job, sent to the PE once the DE is ready
+    )
+    last_error: str = ""  # the last engine failure's text and kind (for the final error)
+    last_kind: str = ""
+
+
+FAILURE_KINDS = ("transfer", "store", "engine")
 
 
 @dataclasses.dataclass
@@ -124,6 +143,9 @@ class Router:
         self.update: ParamsUpdate | None = None
         self.held: list[tuple[bytes, M.Submit]] = []  # rounds submitted during an update
         self.engines: dict[int, EngineInfo] = {}
+        # When a live engine of each role was last known: rounds fail once one role has had
+        # none for `cluster.no_engine_timeout_s`.
+        self.role_seen = {"prefill": clock(), "decode": clock()}
         self.sessions: dict[str, SessionState] = {}
         self.requests: dict[str, RequestState] = {}
         self.counters = {
@@ -137,6 +159,11 @@ class Router:
             "path_split": 0,
             "path_none": 0,
             "hit_blocks": 0,
+            "failed": 0,
+            "cancelled": 0,
+            "overloaded": 0,
+            "persist_errors": 0,
+            "refused_frames": 0,
         }
         self.stopping = False
 
@@ -148,9 +175,9 @@ class Router:
         while not self.stopping and not (until and until()):
             got = self.server.recv(timeout_ms=20)
             if got is not None:
-                ident, msg = got
+                ident, msg, role = got
                 try:
-                    self.handle(ident, msg)
+                    self.handle(ident, msg, role)
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the router
                     log.exception("handling %s failed", type(msg).__name__)
                     self.server.send(
@@ -164,18 +191,39 @@ class Router:
             if e.alive:
                 self.server.send(e.ident, M.Stop())
 
-    def event(self, kind: str, **fields) -> None:
+    def event(self, kind: str, /, **fields) -> None:
         if self.events is not None:
             self.events.write(kind, t=self.clock(), **fields)
 
-    def handle(self, ident: bytes, msg: M.Msg) -> None:
+    def refuse(self, ident: bytes, msg: M.Msg, why: str) -> None:
+        """Drops a message its sender may not send (wrong role, another engine's id)."""
+        self.counters["refused_frames"] += 1
+        log.warning("refused %s: %s", type(msg).__name__, why)
+        self.server.send(ident, M.Error(ref="", message=why, kind="auth"))
+
+    def handle(self, ident: bytes, msg: M.Msg, role: str = M.ENGINE) -> None:
+        if role != M.ENGINE and type(msg) in M.ENGINE_ONLY:
+            return self.refuse(ident, msg, f"{type(msg).__name__} needs the engine secret")
         engine = getattr(msg, "engine", None)
-        if isinstance(engine, int) and engine in self.engines:
-            self.engines[engine].last_seen = self.clock()
+        if isinstance(engine, int) and engine in self.engines and not isinstance(msg, M.Register):
+            e = self.engines[engine]
+            if e.ident != ident and not isinstance(msg, M.Heartbeat):
+                return self.refuse(
+                    ident, msg, f"engine {engine} is registered from another connection"
+                )
+            e.last_seen = self.clock()
         match msg:
-            case M.OpenSession(session=s):
+            case M.OpenSession(session=s, resume=resume):
+                if s in self.sessions and not resume:
+                    return self.fail(
+                        ident, s, f"session {s!r} exists; pass resume=True to continue it"
+                    )
                 self.sessions.setdefault(s, SessionState(s))
                 self.server.send(ident, M.Ack(ref=s))
+            case M.CancelRound():
+                self.on_cancel(ident, msg)
+            case M.Ping():
+                self.server.send(ident, M.Ack(ref="ping"))
             case M.CloseSession():
                 self.on_close(ident, msg)
             case M.UpdateParams():
@@ -187,9 +235,11 @@ class Router:
             case M.Register():
                 self.on_register(ident, msg)
             case M.Heartbeat():
-                pass  # last_seen was updated above
+                self.server.send(ident, M.Ack(ref="hb"))  # last_seen was updated above
             case M.Fetch():
                 self.on_fetch(ident, msg)
+            case M.DeReady():
+                self.on_de_ready(msg)
             case M.PrefillDone():
                 self.on_prefill_done(msg)
             case M.ReadsDone():
@@ -254,6 +304,9 @@ class Router:
             return self.fail(
                 ident, msg.request, f"session {msg.session!r} already has a round running"
             )
+        missing = self.missing_role()
+        if missing:
+            return self.fail(ident, msg.request, missing, kind="engine")
         if msg.request in self.requests:
             return self.fail(ident, msg.request, f"duplicate request id {msg.request!r}")
         if msg.gen <= 0:
@@ -292,7 +345,8 @@ class Router:
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
-            return self.fail(ident, msg.request, str(e), kind="overloaded")
+            self.counters["overloaded"] += 1
+            return self.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
         s.busy = True
         self.requests[msg.request] = RequestState(
             msg.request,
@@ -310,7 +364,7 @@ class Router:
             "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
         )
 
-    def finish(self, st: RequestState, tokens: list[int]) -> None:
+    def finish(self, st: RequestState, tokens: list[int], persist_error: str = "") -> None:
         now = self.clock()
         s = self.sessions.get(st.session)
         if s is not None:
@@ -333,7 +387,12 @@ class Router:
             prompt_tokens=len(st.prompt),
             read_path=st.path,
             recomputed_blocks=st.recomputed_blocks,
+            persist_error=persist_error,
         )
+        if persist_error:
+            self.counters["persist_errors"] += 1
+            log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
+            self.event("persist_failed", request=st.id, engine=st.de, message=persist_error)
         self.counters["requests_done"] += 1
         self.event(
             "done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"}
@@ -344,6 +403,21 @@ class Router:
     # ------------------------------------------------------------------ engines
 
     def on_register(self, ident: bytes, msg: M.Register) -> None:
+        old = self.engines.get(msg.engine)
+        if old is not None and old.alive and (old.ident != ident or old.pid != msg.pid):
+            why = (
+                f"engine id {msg.engine} is already registered by pid {old.pid}; "
+                f"refused the second one (pid {msg.pid})"
+            )
+            self.counters["refused_frames"] += 1
+            log.warning("%s", why)
+            self.event("register_refused", engine=msg.engine, pid=msg.pid, message=why)
+            return self.server.send(ident, M.Error(ref=str(msg.engine), message=why, kind="stop"))
+        if msg.role not in ("prefill", "decode"):
+            return self.server.send(
+                ident,
+                M.Error(ref=str(msg.engine), message=f"unknown role {msg.role!r}", kind="stop"),
+            )
         self.engines[msg.engine] = EngineInfo(
             msg.role, msg.engine, msg.node, msg.group, msg.address, ident, msg.pid, self.clock()
         )
@@ -474,7 +548,7 @@ class Router:
         free = 0
         if e.role == "decode":
             free = max(0, e.hbm_tokens - sum(r.request.hbm_tokens for r in mine))
-            if len(mine) >= e.slots:
+            if len(mine) >= e.slots + self.cfg.cluster.decode_queue:
                 free = 0
         return EngineLoad(e.engine, e.node, e.group, len(mine), tok, self.node_read_q(e.node), free)
 
@@ -547,8 +621,19 @@ class Router:
                 pe_blocks=job.pe_blocks,
                 de_blocks=job.de_blocks,
             )
-            self.server.send(de.ident, M.Work(jobs=[job]))
-            self.server.send(pe.ident, M.Work(jobs=[job]))
+            st.job = job
+            self.server.send(de.ident, M.Work(jobs=[job]))  # the PE's part waits for DeReady
+
+    def on_de_ready(self, msg: M.DeReady) -> None:
+        """The DE half of a job runs: now the PE may start (it never waits on a DE that is not
+        ready, e.g. one whose buffer is full)."""
+        st = self.requests.get(msg.request)
+        if st is None or st.de != msg.engine or msg.attempt != st.attempts or st.job is None:
+            return
+        pe = self.engines.get(st.pe)
+        if pe is not None and pe.alive:
+            self.server.send(pe.ident, M.Work(jobs=[st.job]))
+        st.job = None
 
     def on_prefill_done(self, msg: M.PrefillDone) -> None:
         st = self.requests.get(msg.request)
@@ -580,47 +665,78 @@ class Router:
         if st is None or st.de != msg.engine:
             return
         self.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
-        self.finish(st, list(msg.tokens))
+        self.finish(st, list(msg.tokens), msg.persist_error)
 
     def on_failed(self, msg: M.Failed) -> None:
+        """An engine's part of a request failed: `transfer` is retried (bounded by
+        `cluster.max_attempts`), anything else ends the round with the engine's text."""
         st = self.requests.get(msg.request)
         if st is None or msg.engine not in (st.pe, st.de):
             return
-        other = st.de if msg.engine == st.pe else st.pe
-        if other in self.engines and self.engines[other].alive:
-            self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
-        self.event("failed", request=st.id, engine=msg.engine, kind=msg.kind, message=msg.message)
-        if msg.kind == "transfer":
+        if msg.attempt and msg.attempt != st.attempts:
+            return  # an older attempt's report
+        kind = msg.kind if msg.kind in FAILURE_KINDS else "engine"
+        role = "prefill" if msg.engine == st.pe else "decode"
+        text = f"{role} engine {msg.engine}: {msg.message}"
+        self.counters["failed"] += 1
+        self.event("failed", request=st.id, engine=msg.engine, failure=kind, message=msg.message)
+        log.warning("request %s failed (%s) on %s", st.id, kind, text)
+        st.last_error, st.last_kind = text, kind
+        self.cancel_on_engines(st, but=msg.engine)
+        if kind == "transfer":
             # A peer vanished or stalled: retry; liveness checks retire a dead engine meanwhile.
             self.requeue([st])
             return
+        self.end(st, text, kind)
+
+    def cancel_on_engines(self, st: RequestState, but: int = -1) -> None:
+        for e in {st.pe, st.de} - {but, -1}:
+            info = self.engines.get(e)
+            if info is not None and info.alive:
+                self.server.send(info.ident, M.Cancel(request=st.id))
+
+    def end(self, st: RequestState, message: str, kind: str) -> None:
+        """Ends a round unfinished: it leaves every queue, its session is free again, and its
+        client gets `Error(kind)`."""
+        self.scheduler.withdraw([st.id])
         s = self.sessions.get(st.session)
         if s is not None:
             s.busy = False
-        del self.requests[st.id]
-        self.fail(st.client, st.id, msg.message, kind=msg.kind)
+        self.requests.pop(st.id, None)
+        self.fail(st.client, st.id, message, kind=kind)
+
+    def on_cancel(self, ident: bytes, msg: M.CancelRound) -> None:
+        for i, (who, sub) in enumerate(self.held):
+            if sub.request == msg.request and who == ident:
+                del self.held[i]
+                self.counters["cancelled"] += 1
+                return self.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
+        st = self.requests.get(msg.request)
+        if st is None or st.client != ident:
+            return
+        self.counters["cancelled"] += 1
+        self.event("cancel", request=st.id)
+        self.cancel_on_engines(st)
+        self.end(st, "cancelled by the client", "cancelled")
 
     def requeue(self, states: list[RequestState]) -> None:
         """Puts requests back at the head of the queue as if never assigned; one that has used up
-        `cluster.max_attempts` fails instead."""
+        `cluster.max_attempts` fails instead, with its last failure's kind and text."""
         limit = self.cfg.cluster.max_attempts
         for st in [x for x in states if x.attempts >= limit]:
             states.remove(st)
-            s = self.sessions.get(st.session)
-            if s is not None:
-                s.busy = False
-            del self.requests[st.id]
-            self.fail(
-                st.client,
-                st.id,
-                f"gave up after {st.attempts} attempts (engines kept failing)",
-                kind="engine",
+            last = st.last_error or "its engines stopped"
+            self.end(
+                st,
+                f"gave up after {st.attempts} attempts; last failure: {last}",
+                st.last_kind or "engine",
             )
-        queued = {r.id for r in self._queued_requests()}
+        queued = {r.id for r in self.scheduler.queued_requests()}
         for st in states:
             st.pe = st.de = -1
             st.t_first = st.t_second = math.nan
             st.first_token = -1
+            st.job = None
             self.counters["requeued"] += 1
             self.event("requeue", request=st.id, attempts=st.attempts)
         self.scheduler.requeue([st.request for st in states if st.id not in queued])
@@ -632,6 +748,15 @@ class Router:
         for e in list(self.engines.values()):
             if e.alive and now - e.last_seen > timeout:
                 self.engine_died(e)
+        for role in self.role_seen:
+            if any(e.alive and e.role == role for e in self.engines.values()):
+                self.role_seen[role] = now
+        missing = self.missing_role(now)
+        if missing and self.requests:
+            log.warning("%s: failing %d rounds", missing, len(self.requests))
+            for st in list(self.requests.values()):
+                self.cancel_on_engines(st)
+                self.end(st, missing, "engine")
         self.advance_update()
         self.check_update_timeout(now)
 
@@ -661,19 +786,21 @@ class Router:
                 continue
             # Even after the first token the DE may still be receiving the PE's layers, so a dead
             # PE's requests are retried too (the tokens come out the same).
-            other = st.de if st.pe == e.engine else st.pe
-            if other >= 0 and other in self.engines and self.engines[other].alive:
-                self.server.send(self.engines[other].ident, M.Cancel(request=st.id))
+            self.cancel_on_engines(st, but=e.engine)
+            st.last_error = f"{e.role} engine {e.engine} (pid {e.pid}) stopped heartbeating"
+            st.last_kind = "engine"
             back.append(st)
         self.requeue(back)
 
-    def _queued_requests(self) -> list[Request]:
-        s = self.scheduler
-        out = list(s._de_global)  # noqa: SLF001 - read-only look at the queues
-        for q in s._de_private.values():  # noqa: SLF001
-            out.extend(q)
-        out.extend(r for r, _ in s._pe_wait)  # noqa: SLF001
-        return out
+    def missing_role(self, now: float | None = None) -> str:
+        """Why no round can run now ("" if they can): a role with no live engine for longer
+        than `cluster.no_engine_timeout_s`."""
+        now = self.clock() if now is None else now
+        limit = self.cfg.cluster.no_engine_timeout_s
+        for role, seen in self.role_seen.items():
+            if now - seen > limit:
+                return f"no live {role} engine for {now - seen:.0f} s (cluster.no_engine_timeout_s={limit:g})"
+        return ""
 
     # ------------------------------------------------------------------ metrics
 

@@ -1,16 +1,19 @@
 """ZeroMQ transport for control messages: a ROUTER server (the router) and DEALER clients.
 
 Sockets are used from one thread each (zmq sockets are not thread safe). The server binds to
-loopback unless told otherwise; binding anywhere else requires a shared token, which every frame
-then carries. Bad frames are answered with `Error` and dropped; the server keeps serving. That
-`Error` goes out without the token (a peer that failed the checks must not learn it), so a
-client holding a token reads it as a FrameError.
+loopback unless told otherwise; binding anywhere else requires the secrets (engine and client
+roles, engine/credentials.py), one of which every frame then carries. Bad frames are answered
+with `Error` and dropped; the server keeps serving. That `Error` goes out without a token (a peer
+that failed the checks must not learn one); clients accept such a tokenless `Error` (kind `auth`
+or `frame`) and nothing else unsigned.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import zmq
 
@@ -29,19 +32,67 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, token: str) -> None:
-    if not is_loopback(host) and not token:
+def check_bind(host: str, tokens: Mapping[str, str] | None) -> None:
+    if not is_loopback(host) and not tokens:
         raise ConfigError(
-            f"binding the control plane to {host!r} (not loopback) needs cluster.auth_token"
+            f"binding the control plane to {host!r} (not loopback) needs cluster.secrets_file"
         )
 
 
-class RpcServer:
-    """ROUTER socket. `recv` yields (peer identity, message); `send` answers one peer."""
+def check_transfer_bind(host: str, untrusted_network_ok: bool) -> None:
+    """The KV transfer server has no authentication and aborts on malformed input (an upstream
+    limitation of `jax.experimental.transfer`), so it binds to loopback or to a private
+    address (the cluster's own network); a wildcard or public bind must be asked for."""
+    if is_loopback(host):
+        return
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_private and not ip.is_unspecified:
+        log.warning(
+            "the KV transfer server listens on %s: it is unauthenticated; keep that network "
+            "closed to anything but this cluster (docs/failures.md)",
+            host,
+        )
+        return
+    what = "a wildcard" if ip is not None and ip.is_unspecified else "a non-private"
+    if not untrusted_network_ok:
+        raise ConfigError(
+            f"cluster.transfer_host={host!r} is {what} address, but the KV transfer server is "
+            "unauthenticated and crashes on malformed input: bind it to loopback or the "
+            "cluster's private interface, or set cluster.transfer_untrusted_network_ok=true"
+        )
+    log.warning(
+        "the unauthenticated KV transfer server listens on %s (%s address): anyone who reaches "
+        "it can crash this engine",
+        host,
+        what,
+    )
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str = ""):
-        check_bind(host, token)
-        self.token = token
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, bracketing IPv6 literals."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class Incoming(NamedTuple):
+    ident: bytes  # the peer's socket identity (where answers go)
+    msg: M.Msg
+    role: str  # whose secret the frame carried: messages.ENGINE or messages.CLIENT
+
+
+class RpcServer:
+    """ROUTER socket. `recv` yields `Incoming(peer identity, message, role)`; `send` answers one
+    peer. `tokens` maps each role to its secret; with none, every peer has the engine role (only
+    allowed on loopback). Frames are signed with the engine secret."""
+
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, tokens: Mapping[str, str] | None = None
+    ):
+        check_bind(host, tokens)
+        self.tokens = dict(tokens or {})
+        self.token = self.tokens.get(M.ENGINE, "")
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -56,20 +107,22 @@ class RpcServer:
         self.poller.register(self.sock, zmq.POLLIN)
         self.rejected = 0
 
-    def recv(self, timeout_ms: int) -> tuple[bytes, M.Msg] | None:
+    def recv(self, timeout_ms: int) -> Incoming | None:
         """One message, or None after `timeout_ms` (or after rejecting a bad frame)."""
         if not self.poller.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart(zmq.NOBLOCK)
         ident, payload = frames[0], frames[-1]
         try:
-            return ident, M.decode(payload, self.token)
+            msg, role = M.decode_role(payload, self.tokens)
         except M.FrameError as e:
             self.rejected += 1
             log.warning("rejected a frame: %s", e)
+            kind = "auth" if isinstance(e, M.AuthError) else "frame"
             # Envelopes carry the token in clear, so a peer that failed the checks gets none.
-            self._send_frame(ident, M.encode(M.Error(ref="", message=str(e), kind="frame"), ""))
+            self._send_frame(ident, M.encode(M.Error(ref="", message=str(e), kind=kind), ""))
             return None
+        return Incoming(ident, msg, role)
 
     def send(self, ident: bytes, msg: M.Msg) -> None:
         self._send_frame(ident, M.encode(msg, self.token))
@@ -100,12 +153,25 @@ class RpcClient:
         self.poller.register(self.sock, zmq.POLLIN)
 
     def send(self, msg: M.Msg) -> None:
+        """Raises `FrameError` for a message that cannot be encoded or is over the size limit."""
         self.sock.send(M.encode(msg, self.token))
 
+    def send_frame(self, frame: bytes) -> None:
+        self.sock.send(frame)
+
     def recv(self, timeout_ms: int) -> M.Msg | None:
+        """The next message; a tokenless `Error` from the server (our frame was rejected, e.g.
+        for a wrong secret) is returned too, any other frame that fails the checks raises."""
         if not self.poller.poll(timeout_ms):
             return None
-        return M.decode(self.sock.recv(zmq.NOBLOCK), self.token)
+        frame = self.sock.recv(zmq.NOBLOCK)
+        try:
+            return M.decode(frame, self.token)
+        except M.AuthError:
+            err = M.decode_unsigned_error(frame) if self.token else None
+            if err is None:
+                raise
+            return err
 
     def call(self, msg: M.Msg, timeout_ms: int = 30_000) -> M.Msg:
         """Sends and waits for the next message (only for sockets with one outstanding call)."""

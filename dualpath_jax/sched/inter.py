@@ -225,12 +225,14 @@ def z_threshold(head: Sequence[Request], des: Sequence[EngineLoad], z_factor: fl
 
 
 def de_fetch(
-    queue: Iterable[Request], des: Sequence[EngineLoad], *, z_factor: float
+    queue: Iterable[Request], des: Sequence[EngineLoad], *, z_factor: float, max_seqs: int = 0
 ) -> FetchResult:
     """DE phase 2 for one group: assign the head of its private queue to DEs, FIFO.
 
-    Returns the assigned head (`(request, DE)`), the loads with `seq_e`, `tok_e` and
-    `free_hbm_tokens` updated, and Z in `FetchResult.z`.
+    `max_seqs` > 0 caps each DE's `seq_e` (a real engine's slots plus its bounded queue; the
+    paper bounds DEs by HBM alone, which is `max_seqs=0`). Returns the assigned head
+    (`(request, DE)`), the loads with `seq_e`, `tok_e` and `free_hbm_tokens` updated, and Z in
+    `FetchResult.z`.
     """
     n = len(des)
     if n == 0:
@@ -245,7 +247,7 @@ def de_fetch(
         need, length = r.hbm_tokens, r.tokens
         low = high = -1
         for i in range(n):
-            if hbm[i] < need:
+            if hbm[i] < need or (max_seqs > 0 and seq[i] >= max_seqs):
                 continue
             if tok[i] + length <= z:
                 if low < 0 or seq[i] < seq[low] or (seq[i] == seq[low] and tok[i] < tok[low]):
@@ -400,9 +402,10 @@ def rr_de_route(
 
 
 def rr_de_fetch(
-    queue: Iterable[Request], des: Sequence[EngineLoad], *, cursor: int = 0
+    queue: Iterable[Request], des: Sequence[EngineLoad], *, cursor: int = 0, max_seqs: int = 0
 ) -> FetchResult:
-    """Round robin over the group's DEs that have room for the head; stops when none has."""
+    """Round robin over the group's DEs that have room for the head (HBM, and `seq_e` below
+    `max_seqs` when that is > 0); stops when none has."""
     n = len(des)
     tok = [x.tok_e for x in des]
     seq = [x.seq_e for x in des]
@@ -413,7 +416,7 @@ def rr_de_fetch(
             need = r.hbm_tokens
             for k in range(n):
                 i = (cursor + k) % n
-                if hbm[i] >= need:
+                if hbm[i] >= need and not (max_seqs > 0 and seq[i] >= max_seqs):
                     break
             else:
                 break

@@ -146,10 +146,11 @@ class InterEnginePolicy:
         *,
         z_factor: float,
         cursor: int = 0,
+        max_seqs: int = 0,
     ) -> FetchResult:
         if self.spec.engine_choice is EngineChoice.ROUND_ROBIN:
-            return inter.rr_de_fetch(queue, des, cursor=cursor)
-        return inter.de_fetch(queue, des, z_factor=z_factor)
+            return inter.rr_de_fetch(queue, des, cursor=cursor, max_seqs=max_seqs)
+        return inter.de_fetch(queue, des, z_factor=z_factor, max_seqs=max_seqs)
 
     def assign_paths(
         self,

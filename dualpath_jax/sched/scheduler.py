@@ -52,6 +52,7 @@ class GlobalScheduler:
         pe_read_rate: float = 1.0,
         de_read_rate: float = 1.0,
         max_queue: int = 100_000,
+        de_max_seqs: int = 0,
     ) -> None:
         self.policy = policy if isinstance(policy, InterEnginePolicy) else make_policy(policy)
         self.alpha = alpha
@@ -61,6 +62,7 @@ class GlobalScheduler:
         self.pe_read_rate = pe_read_rate
         self.de_read_rate = de_read_rate
         self.max_queue = max_queue
+        self.de_max_seqs = de_max_seqs  # > 0: no DE holds more requests (see inter.de_fetch)
         self._de_global: collections.deque[Request] = collections.deque()
         self._de_private: dict[int, collections.deque[Request]] = {}
         self._n_private = 0  # requests in all private queues (len() stays O(1) at 1,000 groups)
@@ -105,6 +107,40 @@ class GlobalScheduler:
         """Puts requests back at the head of the DE global queue, in the given order (used when
         an engine died before finishing them). Never refused."""
         self._de_global.extendleft(reversed(list(requests)))
+
+    def queued_requests(self) -> list[Request]:
+        """Every request not yet fully assigned, in no particular order."""
+        out = list(self._de_global)
+        for q in self._de_private.values():
+            out.extend(q)
+        out.extend(r for r, _ in self._pe_wait)
+        return out
+
+    def withdraw(self, request_ids: Iterable[str]) -> list[Request]:
+        """Removes queued requests (cancelled, or failed before assignment) from every queue;
+        returns those found. Requests already assigned are not here (the caller owns them)."""
+        ids = set(request_ids)
+        out: list[Request] = []
+        if not ids:
+            return out
+        keep = collections.deque()
+        for r in self._de_global:
+            (out if r.id in ids else keep).append(r)
+        self._de_global = keep
+        for g, q in self._de_private.items():
+            gone = [r for r in q if r.id in ids]
+            if not gone:
+                continue
+            self._de_private[g] = collections.deque(r for r in q if r.id not in ids)
+            tok = sum(r.tokens for r in gone)
+            self._n_private -= len(gone)
+            self._private_tok[g] -= tok
+            self._group_tok[g] -= tok
+            out.extend(gone)
+        if any(r.id in ids for r, _ in self._pe_wait):
+            out.extend(r for r, _ in self._pe_wait if r.id in ids)
+            self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if r.id not in ids)
+        return out
 
     def de_global_queued(self) -> int:
         """Requests in the DE global queue (the next `fetch_de`, of any group, routes them)."""
@@ -220,7 +256,11 @@ class GlobalScheduler:
             return ()
         key = ("de", group)
         res = self.policy.de_fetch(
-            queue, loads, z_factor=self.z_factor, cursor=self._cursor.get(key, 0)
+            queue,
+            loads,
+            z_factor=self.z_factor,
+            cursor=self._cursor.get(key, 0),
+            max_seqs=self.de_max_seqs,
         )
         self._cursor[key] = res.cursor
         for r, de in res.assigned:

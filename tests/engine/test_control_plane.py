@@ -33,6 +33,10 @@ _JOB = M.LoadJobMsg(
 
 SAMPLES: list[M.Msg] = [
     M.OpenSession(session="s1"),
+    M.OpenSession(session="s1", resume=True),
+    M.CancelRound(request="r1"),
+    M.Ping(),
+    M.DeReady(request="r1", engine=1, attempt=2),
     M.CloseSession(session="s1", release=True),
     M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4, temperature=0.7, seed=2**32 - 1),
     M.Result(
@@ -84,7 +88,10 @@ SAMPLES: list[M.Msg] = [
     M.FirstToken(request="r1", token=9, hit_blocks=2),
     M.TokensOut(request="r1", tokens=[9, 10]),
     M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
-    M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer"),
+    M.DecodeDone(
+        request="r1", engine=1, tokens=[9], persisted_blocks=0, persist_error="OSError: ENOSPC"
+    ),
+    M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
     M.Cancel(request="r1"),
     M.Stop(),
 ]
@@ -219,21 +226,22 @@ def test_frames_are_never_unpickled():
 # ----------------------------------------------------------------------------- transport
 
 
-def test_check_bind_requires_a_token_off_loopback():
+def test_check_bind_requires_secrets_off_loopback():
     for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1"):
-        check_bind(host, "")
+        check_bind(host, {})
     for host in ("0.0.0.0", "10.1.2.3", "::", "node7.cluster"):
         with pytest.raises(
-            ConfigError, match=f"binding the control plane to '{host}' .*needs cluster.auth_token"
+            ConfigError,
+            match=f"binding the control plane to '{host}' .*needs cluster.secrets_file",
         ):
-            check_bind(host, "")
-        check_bind(host, "sekrit")
+            check_bind(host, {})
+        check_bind(host, {"engine": "sekrit"})
 
 
-def test_server_refuses_a_non_loopback_host_without_a_token_before_binding(monkeypatch):
+def test_server_refuses_a_non_loopback_host_without_secrets_before_binding(monkeypatch):
     monkeypatch.setattr(rpc, "zmq", None)  # any socket use would fail with AttributeError
-    with pytest.raises(ConfigError, match="needs cluster.auth_token"):
-        RpcServer("0.0.0.0", 0, token="")
+    with pytest.raises(ConfigError, match="needs cluster.secrets_file"):
+        RpcServer("0.0.0.0", 0, tokens={})
 
 
 @pytest.fixture()
@@ -248,7 +256,7 @@ def test_client_server_call(server):
     try:
         client.send(M.OpenSession(session="s1"))
         got = server.recv(WAIT_MS)
-        assert got == (b"client-1", M.OpenSession(session="s1"))
+        assert got == (b"client-1", M.OpenSession(session="s1"), M.ENGINE)
         server.send(got[0], M.Ack(ref="s1"))
         assert client.recv(WAIT_MS) == M.Ack(ref="s1")
     finally:
@@ -269,7 +277,7 @@ def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
         assert bad.recv(WAIT_MS).message.startswith("schema version 99 is not supported")
 
         good.send(M.GetStats())
-        ident, msg = server.recv(WAIT_MS)
+        ident, msg, _ = server.recv(WAIT_MS)
         assert msg == M.GetStats()
         server.send(ident, M.Stats(json="{}"))
         assert good.recv(WAIT_MS) == M.Stats(json="{}")
@@ -280,32 +288,50 @@ def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
 
 
 def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
-    srv = RpcServer("127.0.0.1", 0, token="sekrit")
-    intruder, member = RpcClient(srv.address, token="guess"), RpcClient(srv.address, token="sekrit")
+    srv = RpcServer("127.0.0.1", 0, tokens={"engine": "sekrit", "client": "public"})
+    intruder = RpcClient(srv.address, token="guess")
+    member = RpcClient(srv.address, token="sekrit")
+    user = RpcClient(srv.address, token="public")
     try:
         intruder.send(M.GetStats())
         assert srv.recv(WAIT_MS) is None and srv.rejected == 1
         assert intruder.poller.poll(WAIT_MS)
         raw = intruder.sock.recv()
-        assert b"sekrit" not in raw  # the envelope carries the token in clear: not to strangers
+        assert b"sekrit" not in raw and b"public" not in raw  # no token goes to strangers
         err = M.decode(raw, "")
-        assert isinstance(err, M.Error) and err.kind == "frame"
+        assert isinstance(err, M.Error) and err.kind == "auth"
         assert "authentication failed" in err.message
 
         member.sock.send(b"\xc1 garbage")  # a member's bad frame: its answer is tokenless too
         assert srv.recv(WAIT_MS) is None and srv.rejected == 2
+        err = member.recv(WAIT_MS)  # a tokenless Error is the one unsigned thing it accepts
+        assert isinstance(err, M.Error) and err.kind == "frame" and err.ref == ""
+        forged = M.encode(M.Ack(ref="forged"), "")
+        user.sock.send(M.encode(M.GetStats(), "public"))
+        ident, msg, role = srv.recv(WAIT_MS)
+        assert (msg, role) == (M.GetStats(), M.CLIENT)
+        srv.sock.send_multipart([ident, forged])
         with pytest.raises(M.FrameError, match="authentication failed"):
-            member.recv(WAIT_MS)
+            user.recv(WAIT_MS)
 
         member.send(M.GetStats())
-        ident, msg = srv.recv(WAIT_MS)
-        assert msg == M.GetStats()
+        ident, msg, role = srv.recv(WAIT_MS)
+        assert (msg, role) == (M.GetStats(), M.ENGINE)
         srv.send(ident, M.Ack(ref="ok"))
         assert member.recv(WAIT_MS) == M.Ack(ref="ok")
     finally:
         intruder.close()
         member.close()
+        user.close()
         srv.close()
+
+
+def test_unencodable_and_oversized_messages_never_leave(monkeypatch):
+    with pytest.raises(M.FrameError, match="cannot encode Submit"):
+        M.encode(M.Submit(request="r", session="s", append=[2**64], gen=1))
+    monkeypatch.setattr(M, "MAX_FRAME_BYTES", 100)
+    with pytest.raises(M.FrameError, match="Submit of .* bytes exceeds the 100-byte limit"):
+        M.encode(M.Submit(request="r", session="s", append=list(range(100)), gen=1))
 
 
 # ----------------------------------------------------------------------------- router validation
@@ -423,8 +449,8 @@ def test_router_over_the_wire(rig, monkeypatch):
     client = RpcClient(server.address)
     try:
         client.send(M.Submit(request="r9", session="nope", append=[1], gen=1))
-        ident, msg = server.recv(WAIT_MS)
-        rig.router.handle(ident, msg)
+        ident, msg, role = server.recv(WAIT_MS)
+        rig.router.handle(ident, msg, role)
         assert client.recv(WAIT_MS) == M.Error(
             ref="r9", message="unknown session 'nope'", kind="bad_request"
         )
