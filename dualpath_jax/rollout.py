@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
+import numbers
 import pathlib
 import queue
 import threading
@@ -28,6 +30,8 @@ from concurrent import futures
 from typing import Any, Protocol
 
 from dualpath_jax.engine import messages as M
+
+log = logging.getLogger(__name__)
 
 
 class RolloutError(RuntimeError):
@@ -46,8 +50,6 @@ TOKEN_LIMIT = 2**31  # token ids are int32 on the device
 def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
     """Token ids as plain ints; anything but an integer (numpy integers are fine; bool, float and
     str are not) or a value outside [0, 2**31) raises RolloutError(kind="bad_request")."""
-    import numbers
-
     if isinstance(tokens, str | bytes):
         raise RolloutError(
             f"{what}s must be a sequence of ints, got {type(tokens).__name__}", "bad_request"
@@ -64,8 +66,6 @@ def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
 
 
 def _check_int(value: Any, name: str, low: int, high: int) -> int:
-    import numbers
-
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
     v = int(value)
@@ -167,7 +167,8 @@ class Client:
                 last_ping = now
             try:
                 reply = self._rpc.recv(5)
-            except Exception:  # noqa: BLE001 - a frame that fails the checks fails nothing
+            except Exception as e:  # noqa: BLE001 - a frame that fails the checks fails nothing
+                log.warning("dropped a frame from the router: %s", e)
                 reply = None
                 heard = time.monotonic()
             if reply is None:
@@ -256,25 +257,28 @@ class Client:
         seed: int = 0,
     ) -> futures.Future[M.Result]:
         """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
-        must be ints in [0, 2**31) (numpy integers too); bad input raises at once."""
+        must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
+        before anything is sent."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        try:
-            temperature = float(temperature)
-        except (TypeError, ValueError):
-            raise RolloutError(
-                f"temperature must be a number, got {temperature!r}", "bad_request"
-            ) from None
-        sub = M.Submit(
-            request=rid,
-            session=str(session),
-            append=check_tokens(append),
-            gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
-            temperature=temperature,
-            seed=_check_int(seed, "seed", 0, 2**32),
-        )
-        raw = self._call(sub, rid)
         out: RoundFuture = RoundFuture()
         out.request = rid
+        try:
+            if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+                raise RolloutError(
+                    f"temperature must be a number, got {temperature!r}", "bad_request"
+                )
+            sub = M.Submit(
+                request=rid,
+                session=str(session),
+                append=check_tokens(append),
+                gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
+                temperature=float(temperature),
+                seed=_check_int(seed, "seed", 0, 2**32),
+            )
+            raw = self._call(sub, rid)
+        except RolloutError as e:
+            out.set_exception(e)
+            return out
 
         def done(f: futures.Future) -> None:
             try:

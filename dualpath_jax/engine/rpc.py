@@ -10,6 +10,7 @@ or `frame`) and nothing else unsigned.
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 from collections.abc import Mapping
@@ -21,6 +22,8 @@ from dualpath_jax.config import ConfigError
 from dualpath_jax.engine import messages as M
 
 log = logging.getLogger(__name__)
+
+_MAX_PEERS = 65_536  # peers whose role the server remembers (the oldest are forgotten first)
 
 
 def is_loopback(host: str) -> bool:
@@ -85,14 +88,16 @@ class Incoming(NamedTuple):
 class RpcServer:
     """ROUTER socket. `recv` yields `Incoming(peer identity, message, role)`; `send` answers one
     peer. `tokens` maps each role to its secret; with none, every peer has the engine role (only
-    allowed on loopback). Frames are signed with the engine secret."""
+    allowed on loopback). A peer's answers carry its own role's secret (the envelope holds the
+    token in clear, so a client never sees the engine secret); a peer never heard from gets the
+    client secret."""
 
     def __init__(
         self, host: str = "127.0.0.1", port: int = 0, tokens: Mapping[str, str] | None = None
     ):
         check_bind(host, tokens)
         self.tokens = dict(tokens or {})
-        self.token = self.tokens.get(M.ENGINE, "")
+        self._roles: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -122,10 +127,15 @@ class RpcServer:
             # Envelopes carry the token in clear, so a peer that failed the checks gets none.
             self._send_frame(ident, M.encode(M.Error(ref="", message=str(e), kind=kind), ""))
             return None
+        self._roles[ident] = role
+        self._roles.move_to_end(ident)
+        if len(self._roles) > _MAX_PEERS:
+            self._roles.popitem(last=False)
         return Incoming(ident, msg, role)
 
     def send(self, ident: bytes, msg: M.Msg) -> None:
-        self._send_frame(ident, M.encode(msg, self.token))
+        role = self._roles.get(ident, M.CLIENT)
+        self._send_frame(ident, M.encode(msg, self.tokens.get(role, "")))
 
     def _send_frame(self, ident: bytes, frame: bytes) -> None:
         try:

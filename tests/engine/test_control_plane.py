@@ -310,6 +310,10 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
         user.sock.send(M.encode(M.GetStats(), "public"))
         ident, msg, role = srv.recv(WAIT_MS)
         assert (msg, role) == (M.GetStats(), M.CLIENT)
+        srv.send(ident, M.Stats(json="{}"))  # a client's answers carry the client secret only
+        assert user.poller.poll(WAIT_MS)
+        raw = user.sock.recv()
+        assert b"sekrit" not in raw and M.decode(raw, "public") == M.Stats(json="{}")
         srv.sock.send_multipart([ident, forged])
         with pytest.raises(M.FrameError, match="authentication failed"):
             user.recv(WAIT_MS)

@@ -1,0 +1,275 @@
+"""The router's fault paths, driven in-process with a fake clock and fake engines: every failure
+an engine reports ends in a bounded retry or an error of the right kind carrying the engine's
+text; admission never gives a DE more than its slots plus its queue, and the PE starts only
+once the DE is ready; rounds can be cancelled; roles and engine identities are enforced; with
+no live engine of a role, rounds fail instead of waiting."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.router import Router
+from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.sched.scheduler import GlobalScheduler
+
+BT = 16
+PE, DE = 0, 1
+PE_ID, DE_ID, CLIENT = b"pe0", b"de1", b"client"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass
+class Rig:
+    router: Router
+    sent: list[tuple[bytes, M.Msg]]
+    clock: Clock
+
+    def handle(self, msg: M.Msg, ident: bytes = CLIENT, role: str = M.ENGINE) -> list[M.Msg]:
+        self.sent.clear()
+        self.router.handle(ident, msg, role)
+        return [m for _, m in self.sent]
+
+    def to(self, ident: bytes) -> list[M.Msg]:
+        return [m for i, m in self.sent if i == ident]
+
+    def submit(self, session: str, request: str, gen: int = 3) -> None:
+        assert self.handle(M.OpenSession(session=session), role=M.CLIENT) == [M.Ack(ref=session)]
+        assert self.handle(M.Submit(request=request, session=session, append=[1, 2, 3], gen=gen),
+                           role=M.CLIENT) == []  # fmt: skip
+
+    def fetch(self, engine: int, slots: int = 2) -> list[M.Msg]:
+        ident = PE_ID if engine == PE else DE_ID
+        load = M.Load(hbm_capacity_tokens=10_000, slots=slots) if engine == DE else M.Load()
+        self.handle(M.Fetch(engine=engine, load=load), ident)
+        return list(self.sent)
+
+    def assign(self) -> list[M.LoadJobMsg]:
+        """DE then PE fetch: the jobs the DE got."""
+        self.fetch(DE)
+        sent = self.fetch(PE)
+        return [j for i, m in sent if i == DE_ID and isinstance(m, M.Work) for j in m.jobs]
+
+
+def make_rig(**cluster) -> Rig:
+    cfg = ExperimentConfig(
+        model=TINY_QWEN2,
+        store=StoreConfig(kind="memory", block_tokens=BT),
+        cluster=ClusterConfig(decode_max_len=256, **cluster),
+    )
+    c = cfg.cluster
+    server = RpcServer("127.0.0.1", 0)
+    store = open_block_store(cfg.store, cfg.model)
+    clock = Clock()
+    sched = GlobalScheduler("dualpath", de_max_seqs=c.decode_slots + c.decode_queue)
+    router = Router(cfg, server, store, sched, clock=clock)
+    sent: list[tuple[bytes, M.Msg]] = []
+    server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
+    rig = Rig(router, sent, clock)
+    for engine, role, ident in ((PE, "prefill", PE_ID), (DE, "decode", DE_ID)):
+        rig.handle(M.Register(role=role, engine=engine, node=engine, group=0,
+                              address=f"inproc://{engine}", pid=100 + engine), ident)  # fmt: skip
+    rig.router.check_liveness(clock())
+    return rig
+
+
+@pytest.fixture()
+def rig():
+    r = make_rig(max_attempts=2)
+    yield r
+    r.router.server.close()
+    r.router.store.close()
+
+
+def errors_to_client(rig: Rig) -> list[M.Error]:
+    return [m for m in rig.to(CLIENT) if isinstance(m, M.Error)]
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+@pytest.mark.parametrize("kind", ["store", "engine", "error"])
+def test_a_reported_failure_ends_the_round_with_its_kind_and_text(rig, kind):
+    rig.submit("s", "r1")
+    (job,) = rig.assign()
+    text = "OSError: [Errno 28] No space left on device"
+    rig.handle(M.Failed(request="r1", engine=DE, message=text, kind=kind, attempt=job.attempt),
+               DE_ID)  # fmt: skip
+    (err,) = errors_to_client(rig)
+    assert err.ref == "r1" and err.kind == ("engine" if kind == "error" else kind)
+    assert text in err.message and "decode engine 1" in err.message
+    assert M.Cancel(request="r1") in rig.to(PE_ID)  # the other side drops its half
+    assert "r1" not in rig.router.requests and not rig.router.sessions["s"].busy
+    # the session is usable again
+    assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
+
+
+def test_transfer_failures_are_retried_then_end_with_the_last_cause(rig):
+    rig.submit("s", "r1")
+    for attempt in (1, 2):  # max_attempts=2
+        (job,) = rig.assign()
+        assert job.attempt == attempt
+        rig.handle(M.Failed(request="r1", engine=PE, message=f"TransferTimeout: try {attempt}",
+                            kind="transfer", attempt=attempt), PE_ID)  # fmt: skip
+    (err,) = errors_to_client(rig)
+    assert err.kind == "transfer"
+    assert "gave up after 2 attempts" in err.message and "TransferTimeout: try 2" in err.message
+    assert rig.router.counters["requeued"] == 1 and len(rig.router.scheduler) == 0
+
+
+def test_a_stale_attempts_failure_is_ignored(rig):
+    rig.submit("s", "r1")
+    rig.assign()
+    rig.handle(M.Failed(request="r1", engine=PE, message="x", kind="transfer", attempt=1), PE_ID)
+    (job,) = rig.assign()
+    assert job.attempt == 2
+    rig.handle(M.Failed(request="r1", engine=PE, message="late", kind="store", attempt=1), PE_ID)
+    assert errors_to_client(rig) == [] and "r1" in rig.router.requests
+
+
+def test_a_persist_error_still_returns_the_tokens(rig):
+    rig.submit("s", "r1")
+    (job,) = rig.assign()
+    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
+    rig.handle(M.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0,
+                             recomputed_blocks=0, read_s=0, prefill_s=0), PE_ID)  # fmt: skip
+    rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[5, 6, 7], persisted_blocks=0,
+                            persist_error="StoreError: read-only"), DE_ID)  # fmt: skip
+    (res,) = rig.to(CLIENT)
+    assert isinstance(res, M.Result) and res.tokens == [5, 6, 7]
+    assert res.persist_error == "StoreError: read-only"
+    assert rig.router.counters["persist_errors"] == 1
+    assert rig.router.sessions["s"].context == [1, 2, 3, 5, 6, 7]
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_the_pe_gets_a_job_only_once_its_de_is_ready(rig):
+    rig.submit("s", "r1")
+    rig.fetch(DE)
+    sent = rig.fetch(PE)
+    assert [i for i, m in sent if isinstance(m, M.Work)] == [DE_ID]  # not the PE yet
+    job = next(m for _, m in sent if isinstance(m, M.Work)).jobs[0]
+    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt + 1), DE_ID)
+    assert rig.to(PE_ID) == []  # another attempt's readiness
+    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
+    assert rig.to(PE_ID) == [M.Work(jobs=[job])]
+
+
+def test_a_de_never_holds_more_than_its_slots_plus_queue():
+    rig = make_rig(decode_slots=2, decode_queue=1, max_attempts=2)
+    for k in range(8):
+        rig.submit(f"s{k}", f"r{k}")
+    for _ in range(4):  # repeated fetches place no more
+        rig.fetch(DE, slots=2)
+        rig.fetch(PE)
+    held = [r for r in rig.router.requests.values() if r.de == DE]
+    assert len(held) == 3
+    assert len(rig.router.scheduler) == 5
+
+
+def test_beyond_max_queue_rounds_are_refused_as_overloaded():
+    rig = make_rig()
+    rig.router.scheduler.max_queue = 2
+    rig.submit("a", "r1")
+    rig.submit("b", "r2")
+    rig.handle(M.OpenSession(session="c"), role=M.CLIENT)
+    (err,) = rig.handle(M.Submit(request="r3", session="c", append=[1], gen=1), role=M.CLIENT)
+    assert err.kind == "overloaded" and "max_queue=2" in err.message
+    assert not rig.router.sessions["c"].busy
+
+
+# ----------------------------------------------------------------------------- cancel
+
+
+@pytest.mark.parametrize("stage", ["queued", "assigned"])
+def test_a_cancelled_round_frees_its_session(rig, stage):
+    rig.submit("s", "r1")
+    if stage == "assigned":
+        rig.assign()
+    rig.handle(M.CancelRound(request="r1"), role=M.CLIENT)
+    (err,) = errors_to_client(rig)
+    assert err.ref == "r1" and err.kind == "cancelled"
+    if stage == "assigned":
+        assert M.Cancel(request="r1") in rig.to(DE_ID) + rig.to(PE_ID)
+    assert len(rig.router.scheduler) == 0 and rig.router.requests == {}
+    assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
+    # another client cannot cancel it
+    rig.handle(M.CancelRound(request="r2"), ident=b"stranger", role=M.CLIENT)
+    assert "r2" in rig.router.requests
+
+
+# ----------------------------------------------------------------------------- roles, liveness
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        M.Register(role="decode", engine=1, node=1, group=0, address="x", pid=1),
+        M.Shutdown(),
+        M.DecodeDone(request="r1", engine=1, tokens=[1], persisted_blocks=0),
+        M.Heartbeat(engine=1),
+    ],
+    ids=lambda m: type(m).__name__,
+)
+def test_a_client_cannot_send_engine_messages(rig, msg):
+    (err,) = rig.handle(msg, ident=b"rogue", role=M.CLIENT)
+    assert err.kind == "auth" and "needs the engine secret" in err.message
+    assert not rig.router.stopping and rig.router.engines[DE].ident == DE_ID
+
+
+def test_a_second_engine_with_a_live_id_is_refused(rig):
+    (err,) = rig.handle(
+        M.Register(role="decode", engine=DE, node=1, group=0, address="evil", pid=999), b"rogue"
+    )
+    assert err.kind == "stop" and "already registered by pid 101" in err.message
+    assert rig.router.engines[DE].address == "inproc://1"
+    rig.submit("s", "r1")
+    rig.assign()
+    # messages naming engine 1 from another connection are refused too
+    (err,) = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[9], persisted_blocks=0),
+                        b"rogue")  # fmt: skip
+    assert err.kind == "auth" and "r1" in rig.router.requests
+
+
+def test_heartbeats_and_pings_are_answered(rig):
+    assert rig.handle(M.Heartbeat(engine=PE), b"hb-socket") == [M.Ack(ref="hb")]
+    assert rig.handle(M.Ping(), role=M.CLIENT) == [M.Ack(ref="ping")]
+
+
+def test_existing_session_needs_resume(rig):
+    rig.submit("s", "r1")
+    (err,) = rig.handle(M.OpenSession(session="s"), role=M.CLIENT)
+    assert err.kind == "bad_request" and "resume=True" in err.message
+    assert rig.handle(M.OpenSession(session="s", resume=True), role=M.CLIENT) == [M.Ack(ref="s")]
+
+
+def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig):
+    limit = rig.router.cfg.cluster.no_engine_timeout_s
+    rig.submit("s", "r1")
+    rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + 1
+    rig.handle(M.Heartbeat(engine=DE), DE_ID)  # the DE lives on, the PE went silent
+    rig.sent.clear()
+    rig.router.check_liveness(rig.clock())
+    assert not rig.router.engines[PE].alive and errors_to_client(rig) == []  # not yet
+    rig.clock.t += limit + 1
+    rig.handle(M.Heartbeat(engine=DE), DE_ID)
+    rig.sent.clear()
+    rig.router.check_liveness(rig.clock())
+    (err,) = errors_to_client(rig)
+    assert err.kind == "engine" and "no live prefill engine" in err.message
+    (err,) = rig.handle(M.Submit(request="r2", session="s", append=[1], gen=1), role=M.CLIENT)
+    assert err.kind == "engine" and "no live prefill engine" in err.message
