@@ -1,8 +1,9 @@
 """One process of a multi-host cluster: the router, a prefill engine or a decode engine.
 
-Examples (same config everywhere; non-loopback hosts need --set cluster.auth_token=SECRET):
+Examples (same config everywhere; non-loopback hosts need --set cluster.secrets_file=PATH, a
+0600 file from `python -m dualpath_jax.engine.credentials PATH` copied to every host):
   python launch/engine.py --role=router --config=configs/cpu_1p1d.py --workdir=/shared/run \
-      --set cluster.host=10.0.0.1 --set cluster.router_port=5555 --set cluster.auth_token=SECRET
+      --set cluster.host=10.0.0.1 --set cluster.router_port=5555 --set cluster.secrets_file=/etc/dualpath/secrets.json
   python launch/engine.py --role=prefill --engine_id=0 --node=0 --router=tcp://10.0.0.1:5555 ...
   python launch/engine.py --role=decode --engine_id=1 --node=1 --router=tcp://10.0.0.1:5555 ...
 The block store must be shared by every process (e.g. --set store.kind=spec with a gcs/s3 spec).

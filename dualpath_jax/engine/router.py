@@ -811,7 +811,14 @@ class Router:
             "in_flight": len(self.requests),
             "params_version": self.params_version,
             "engines": {
-                str(e.engine): {"role": e.role, "alive": e.alive, "node": e.node, "links": e.links}
+                str(e.engine): {
+                    "role": e.role,
+                    "alive": e.alive,
+                    "node": e.node,
+                    "pid": e.pid,
+                    "address": e.address,
+                    "links": e.links,
+                }
                 for e in self.engines.values()
             },
             "read_path_counts": {p.value: self.counters[f"path_{p.value}"] for p in ReadPath},
