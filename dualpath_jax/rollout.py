@@ -69,8 +69,11 @@ def _check_int(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
     v = int(value)
-    if not low <= v < high:
-        raise RolloutError(f"{name} must lie in [{low}, {high}), got {v}", "bad_request")
+    if v < low:
+        bound = "> 0" if low == 1 else f">= {low}"
+        raise RolloutError(f"{name} must be {bound}, got {v}", "bad_request")
+    if v >= high:
+        raise RolloutError(f"{name} must be < {high}, got {v}", "bad_request")
     return v
 
 

@@ -189,7 +189,7 @@ def test_transfer_timeouts_are_retried_then_fail_with_kind_transfer(rig, referen
         ([1.7], 2, "token id 1.7 is not an int"),
         ("123", 2, "must be a sequence of ints"),
         ([True], 2, "token id True is not an int"),
-        ([1], 2**64, r"gen must lie in \[1, 2147483648\)"),
+        ([1], 2**64, "gen must be < 2147483648"),
         ([1], 2.0, "gen must be an int"),
     ],
     ids=["2**64", "float", "str", "bool", "gen-2**64", "gen-float"],
