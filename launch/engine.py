@@ -16,9 +16,10 @@ import pathlib
 
 from absl import app, flags
 
-from dualpath_jax.config import apply_overrides, to_json
+from dualpath_jax.config import apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine.process import ProcessSpec, run_process
+from dualpath_jax.logs import install_rate_limit
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
 _CONFIG = flags.DEFINE_string(
@@ -37,7 +38,8 @@ flags.mark_flags_as_required(["role", "workdir"])
 
 def main(argv):
     del argv
-    cfg = apply_overrides(load_config(_CONFIG.value), _SET.value)
+    cfg = validate(apply_overrides(load_config(_CONFIG.value), _SET.value))
+    install_rate_limit()
     wd = pathlib.Path(_WORKDIR.value)
     wd.mkdir(parents=True, exist_ok=True)
     if _ROLE.value == "router":

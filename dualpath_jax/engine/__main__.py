@@ -12,6 +12,7 @@ import sys
 
 from dualpath_jax.config import ExperimentConfig, from_json
 from dualpath_jax.engine.process import ProcessSpec, run_process
+from dualpath_jax.logs import install_rate_limit
 
 
 def main(argv: list[str]) -> None:
@@ -23,6 +24,7 @@ def main(argv: list[str]) -> None:
         level=logging.INFO,
         format=f"%(asctime)s {spec.role}{'' if spec.role == 'router' else spec.engine} %(levelname)s %(name)s: %(message)s",
     )
+    install_rate_limit()  # a flood of garbage frames must not flood the log
     run_process(cfg, spec)
 
 

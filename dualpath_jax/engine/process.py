@@ -164,6 +164,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         traffic,
         pool,
         timeout_s=cfg.cluster.transfer_timeout_s,
+        start_timeout_s=cfg.cluster.prefill_start_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
     )
     rpc = RpcClient(spec.router_address, creds.engine)

@@ -104,6 +104,9 @@ class LoaderContext:
     pool: futures.Executor
     timeout_s: float = 60.0
     owners: frozenset[str] | None = None  # links this process charges (None: every link)
+    # How long a DE waits for its PE to begin a chunk of the request (the PE's own queue);
+    # `timeout_s` bounds each transfer once it has begun. 0: `timeout_s`.
+    start_timeout_s: float = 0.0
 
     def charge(
         self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass
@@ -381,8 +384,13 @@ class DecodeLoad:
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer
         while not last:
+            # The PE offers a chunk's meta when it begins the chunk: waiting for it is waiting
+            # in the PE's queue, which under load can take longer than any one transfer.
             (meta,) = ctx.channel.pull(
-                job.pe_address, job.uuid(Part.PE_PIECE, k), [((3,), np.int32)], ctx.timeout_s
+                job.pe_address,
+                job.uuid(Part.PE_PIECE, k),
+                [((3,), np.int32)],
+                ctx.start_timeout_s or ctx.timeout_s,
             )
             t0, t1, last_flag = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)

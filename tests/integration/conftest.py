@@ -58,7 +58,7 @@ def _running_cluster(cfg: ExperimentConfig, workdir: str | pathlib.Path) -> Iter
     assert not alive, f"processes still running after the cluster stopped: {alive}"
     # a clean stop: every process not killed on purpose exits with status 0
     codes = {name: p.returncode for name, p in cluster.procs.items() if name not in cluster.killed}
-    assert set(codes.values()) == {0}, f"exit statuses after the cluster stopped: {codes}"
+    assert set(codes.values()) <= {0}, f"exit statuses after the cluster stopped: {codes}"
 
 
 @pytest.hookimpl(tryfirst=True)
