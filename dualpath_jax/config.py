@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import types
 import typing
 from typing import Any, TypeVar
@@ -271,7 +272,11 @@ def from_dict(cls: type[T], data: dict[str, Any], where: str = "") -> T:
 
 
 def from_json(cls: type[T], text: str) -> T:
-    return from_dict(cls, json.loads(text))
+    """Parses `cls` from JSON; an ExperimentConfig is also validated (`validate`)."""
+    cfg = from_dict(cls, json.loads(text))
+    if isinstance(cfg, ExperimentConfig):
+        validate(cfg)
+    return cfg
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -384,3 +389,132 @@ def _set_path(obj: Any, parts: list[str], text: str, full: str) -> Any:
     else:
         value = _set_path(getattr(obj, head), parts[1:], text, full)
     return dataclasses.replace(obj, **{head: value})
+
+
+# --------------------------------------------------------------------------- validation
+
+# Bounds of the numeric fields: (rule, test, keys). A numeric field not named here must be >= 0
+# (where 0 has a meaning, it is documented at the field: unlimited, derived, unbounded, off).
+# NaN and infinities are rejected everywhere (no field means anything by them).
+_BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
+    (
+        "must be >= 1",
+        lambda v: v >= 1,
+        "model.vocab_size model.hidden_size model.num_layers model.num_heads model.num_kv_heads"
+        " model.head_dim model.intermediate_size model.max_seq_len model.n_group model.topk_group"
+        " hardware.engines_per_node"
+        " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
+        " cluster.decode_slots cluster.decode_max_len cluster.max_attempts"
+        " scheduler.max_queue store.block_tokens store.io_concurrency"
+        " workload.trajectories",
+    ),
+    (
+        "must be > 0",
+        lambda v: v > 0,
+        "model.rope_theta hardware.dram_buffer_bytes hardware.high_weight hardware.low_weight"
+        " cluster.heartbeat_s cluster.heartbeat_timeout_s cluster.no_engine_timeout_s"
+        " cluster.fetch_interval_s cluster.transfer_timeout_s cluster.params_load_timeout_s"
+        " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
+        " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
+    ),
+    ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
+    ("must lie in [0, 2**63)", lambda v: 0 <= v < 2**63, "seed workload.seed"),
+)
+_BOUND_OF = {key: (rule, ok) for rule, ok, keys in _BOUNDS for key in keys.split()}
+_DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
+
+# String fields with a fixed set of values (the enum-typed fields are checked by their type).
+_CHOICES = {"store.kind": ("file", "memory", "spec"), "workload.mode": ("offline", "online")}
+
+
+def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
+    """(key, holds, rule) of the rules that relate fields to each other."""
+    m, cl, w = c.model, c.cluster, c.workload
+    moe = m.n_routed_experts > 0
+    return [
+        (
+            "cluster.heartbeat_timeout_s",
+            cl.heartbeat_timeout_s > cl.heartbeat_s,
+            f"must be > cluster.heartbeat_s ({cl.heartbeat_s})",
+        ),
+        ("workload.aps", w.mode != "online" or w.aps > 0, "must be > 0 in online mode"),
+        (
+            "workload.agents",
+            w.agents >= 1 or (w.mode == "online" and w.duration_s > 0),
+            "must be >= 1 unless an online run ends after workload.duration_s",
+        ),
+        (
+            "model.num_heads",
+            m.is_mla or m.num_heads % m.num_kv_heads == 0,
+            f"must be a multiple of model.num_kv_heads ({m.num_kv_heads})",
+        ),
+        ("model.kv_lora_rank", not m.is_mla or m.kv_lora_rank >= 1, "must be >= 1 for MLA"),
+        ("model.qk_rope_head_dim", not m.is_mla or m.qk_rope_head_dim >= 1, "must be >= 1 for MLA"),
+        ("model.v_head_dim", not m.is_mla or m.v_head_dim >= 1, "must be >= 1 for MLA"),
+        (
+            "model.num_experts_per_tok",
+            not moe or 1 <= m.num_experts_per_tok <= m.n_routed_experts,
+            f"must lie in [1, model.n_routed_experts ({m.n_routed_experts})]",
+        ),
+        (
+            "model.moe_intermediate_size",
+            not moe or m.moe_intermediate_size >= 1,
+            "must be >= 1 with routed experts",
+        ),
+        (
+            "model.n_routed_experts",
+            not moe or m.n_routed_experts % m.n_group == 0,
+            f"must be a multiple of model.n_group ({m.n_group})",
+        ),
+        ("model.topk_group", m.topk_group <= m.n_group, f"must be <= model.n_group ({m.n_group})"),
+    ]
+
+
+def _type_error(tp: Any, value: Any) -> str | None:
+    """Why `value` is not of the field type `tp` (None if it is). Ints pass for floats."""
+    if dataclasses.is_dataclass(tp) or (isinstance(tp, type) and issubclass(tp, enum.Enum)):
+        ok, what = isinstance(value, tp), f"a {tp.__name__}"
+    elif tp is bool:
+        ok, what = isinstance(value, bool), "a bool"
+    elif tp is int:
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "an int"
+    elif tp is float:
+        ok, what = isinstance(value, int | float) and not isinstance(value, bool), "a number"
+    elif tp is str:
+        ok, what = isinstance(value, str), "a string"
+    else:
+        return None
+    return None if ok else f"expected {what}, got {type(value).__name__} {value!r}"
+
+
+def _check_fields(obj: Any, where: str) -> None:
+    for name, tp in typing.get_type_hints(type(obj)).items():
+        key, value = f"{where}.{name}" if where else name, getattr(obj, name)
+        why = _type_error(tp, value)
+        if why:
+            raise ConfigError(f"{key}: {why}")
+        if dataclasses.is_dataclass(tp):
+            _check_fields(value, key)
+        elif tp in (int, float):
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{key}: must be finite, got {value!r}")
+            rule, ok = _BOUND_OF.get(key, _DEFAULT_BOUND)
+            if not ok(value):
+                raise ConfigError(f"{key}: {rule}, got {value!r}")
+        elif key in _CHOICES and value not in _CHOICES[key]:
+            raise ConfigError(f"{key}: must be one of {list(_CHOICES[key])}, got {value!r}")
+
+
+def validate(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Returns `cfg` unchanged, or raises ConfigError naming the first key whose type, range or
+    relation to another key is wrong (so a bad value fails at startup, not deep in a run)."""
+    if not isinstance(cfg, ExperimentConfig):
+        raise ConfigError(f"expected an ExperimentConfig, got {type(cfg).__name__}")
+    _check_fields(cfg, "")
+    for key, holds, rule in _relations(cfg):
+        if not holds:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise ConfigError(f"{key}: {rule}, got {value!r}")
+    return cfg

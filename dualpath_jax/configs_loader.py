@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
-from typing import Any
 
-from dualpath_jax.config import ConfigError
+from dualpath_jax.config import ConfigError, ExperimentConfig, validate
 
 
-def load_config(spec: str) -> Any:
-    """`path/to/file.py[:ARG]` -> the file's `get_config(ARG)` (or `get_config()` without ARG)."""
+def load_config(spec: str) -> ExperimentConfig:
+    """`path/to/file.py[:ARG]` -> the file's `get_config(ARG)` (or `get_config()` without ARG),
+    which must be a valid ExperimentConfig (`validate`)."""
     path, _, arg = spec.partition(":")
     p = pathlib.Path(path)
     if not p.is_file():
@@ -21,4 +21,9 @@ def load_config(spec: str) -> Any:
     mod_spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config(arg)")
-    return module.get_config(arg) if arg else module.get_config()
+    cfg = module.get_config(arg) if arg else module.get_config()
+    if not isinstance(cfg, ExperimentConfig):
+        raise ConfigError(
+            f"{path}:get_config returned {type(cfg).__name__}, expected an ExperimentConfig"
+        )
+    return validate(cfg)

@@ -10,7 +10,7 @@ import platform
 
 from absl import flags
 
-from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json
+from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
 
 CONFIG = flags.DEFINE_string(
@@ -30,7 +30,8 @@ TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic
 
 
 def build_config(mode: str, **workload: object) -> ExperimentConfig:
-    """Config file + --set overrides + the convenience flags, with workload.mode = mode."""
+    """Config file + --set overrides + the convenience flags, with workload.mode = mode;
+    validated, so a bad value fails here with its key named."""
     cfg = load_config(CONFIG.value)
     cfg = apply_overrides(cfg, SET.value)
     w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
@@ -43,7 +44,7 @@ def build_config(mode: str, **workload: object) -> ExperimentConfig:
         cfg = dataclasses.replace(
             cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(POLICY.value))
         )
-    return cfg
+    return validate(cfg)
 
 
 def prepare_workdir(cfg: ExperimentConfig) -> pathlib.Path:

@@ -1,0 +1,263 @@
+"""`config.validate`: every rule names its key; every shipped config and preset passes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import subprocess
+import sys
+import typing
+
+import pytest
+
+from dualpath_jax import config as C
+from dualpath_jax.configs_loader import load_config
+from dualpath_jax.hardware import HOPPER_NODE, PAPER_MODELS, paper_experiment
+from dualpath_jax.model.presets import PRESETS, TINY_DEEPSEEK
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
+SECTIONS = {
+    f.name: typing.get_type_hints(C.ExperimentConfig)[f.name]
+    for f in dataclasses.fields(C.ExperimentConfig)
+    if dataclasses.is_dataclass(typing.get_type_hints(C.ExperimentConfig)[f.name])
+}
+
+
+def with_value(
+    key: str, value: object, cfg: C.ExperimentConfig | None = None
+) -> C.ExperimentConfig:
+    """`cfg` (default ExperimentConfig()) with the dotted `key` set, no type coercion."""
+    cfg = cfg or C.ExperimentConfig()
+    head, _, rest = key.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(
+        cfg, **{head: dataclasses.replace(getattr(cfg, head), **{rest: value})}
+    )
+
+
+def numeric_keys(tp: type) -> list[str]:
+    keys = [k for k in ("seed",) if tp is typing.get_type_hints(C.ExperimentConfig)[k]]
+    for section, cls in SECTIONS.items():
+        keys += [f"{section}.{n}" for n, t in typing.get_type_hints(cls).items() if t is tp]
+    return keys
+
+
+def rejects(cfg: C.ExperimentConfig, message: str) -> None:
+    with pytest.raises(C.ConfigError) as e:
+        C.validate(cfg)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+# --------------------------------------------------------------------------- what passes
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    spec = importlib.util.spec_from_file_location(f"_validate_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config()
+    assert C.validate(cfg) is cfg
+    assert load_config(str(path)) == cfg
+
+
+def test_defaults_presets_and_paper_runs_validate():
+    assert C.validate(C.ExperimentConfig()) == C.ExperimentConfig()
+    for model in PRESETS.values():
+        C.validate(C.ExperimentConfig(model=model, hardware=HOPPER_NODE))
+    for key in PAPER_MODELS:
+        C.validate(paper_experiment(key)[0])
+        C.validate(paper_experiment(key, mode="online", aps=1.0)[0])
+
+
+def test_table_names_real_fields():
+    for key in [*C._BOUND_OF, *C._CHOICES]:
+        obj = C.ExperimentConfig()
+        for part in key.split("."):
+            assert hasattr(obj, part), key
+            obj = getattr(obj, part)
+        expected = str if key in C._CHOICES else (int, float)
+        assert isinstance(obj, expected) and not isinstance(obj, bool), key
+
+
+# --------------------------------------------------------------------------- ranges
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("cluster.decode_slots", -4, "cluster.decode_slots: must be >= 1, got -4"),
+        ("cluster.decode_nodes", 0, "cluster.decode_nodes: must be >= 1, got 0"),
+        ("model.num_kv_heads", 0, "model.num_kv_heads: must be >= 1, got 0"),
+        ("store.block_tokens", 0, "store.block_tokens: must be >= 1, got 0"),
+        ("workload.agents", 0, "workload.agents: must be >= 1 unless an online run ends after"),
+        ("cluster.heartbeat_s", 0.0, "cluster.heartbeat_s: must be > 0, got 0.0"),
+        ("cluster.fetch_interval_s", 0, "cluster.fetch_interval_s: must be > 0, got 0"),
+        ("store.timeout_s", -1.0, "store.timeout_s: must be > 0, got -1.0"),
+        ("hardware.snic_bytes_per_s", -1.0, "hardware.snic_bytes_per_s: must be >= 0, got -1.0"),
+        ("cluster.decode_queue", -1, "cluster.decode_queue: must be >= 0, got -1"),
+        ("store.capacity_bytes", -1, "store.capacity_bytes: must be >= 0, got -1"),
+        ("cluster.router_port", 65536, "cluster.router_port: must lie in [0, 65535], got 65536"),
+        ("cluster.router_port", -1, "cluster.router_port: must lie in [0, 65535], got -1"),
+        ("seed", -1, "seed: must lie in [0, 2**63), got -1"),
+        ("workload.seed", 2**63, "workload.seed: must lie in [0, 2**63)"),
+        ("hardware.hbm_bytes", math.nan, "hardware.hbm_bytes: must be finite, got nan"),
+        ("scheduler.z_factor", math.inf, "scheduler.z_factor: must be finite, got inf"),
+        ("workload.aps", -math.inf, "workload.aps: must be finite, got -inf"),
+        ("store.kind", "s3", "store.kind: must be one of ['file', 'memory', 'spec'], got 's3'"),
+        ("workload.mode", "batch", "workload.mode: must be one of ['offline', 'online']"),
+    ],
+)
+def test_bad_value_names_its_key(key, value, message):
+    rejects(with_value(key, value), message)
+
+
+@pytest.mark.parametrize("key", numeric_keys(int) + numeric_keys(float))
+def test_every_numeric_field_rejects_negative(key):
+    rejects(with_value(key, -1), f"{key}: must ")
+
+
+@pytest.mark.parametrize("key", numeric_keys(float))
+def test_every_float_field_rejects_nan_and_inf(key):
+    rejects(with_value(key, math.nan), f"{key}: must be finite, got nan")
+    rejects(with_value(key, math.inf), f"{key}: must be finite, got inf")
+
+
+def test_zero_means_unbounded_where_documented():
+    for key in ["cluster.prefill_max_batch", "cluster.prefill_max_tokens", "store.capacity_bytes"]:
+        C.validate(with_value(key, 0))
+    timed = C.WorkloadConfig(mode="online", aps=1.0, duration_s=60.0, agents=0)
+    C.validate(C.ExperimentConfig(workload=timed))
+    rejects(
+        C.ExperimentConfig(workload=dataclasses.replace(timed, duration_s=0.0)),
+        "workload.agents: must be >= 1 unless an online run ends after workload.duration_s, got 0",
+    )
+
+
+# --------------------------------------------------------------------------- types
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("cluster.decode_slots", "8", "cluster.decode_slots: expected an int, got str '8'"),
+        ("cluster.decode_slots", 8.0, "cluster.decode_slots: expected an int, got float 8.0"),
+        ("cluster.decode_slots", True, "cluster.decode_slots: expected an int, got bool True"),
+        ("cluster.heartbeat_s", "1", "cluster.heartbeat_s: expected a number, got str '1'"),
+        ("hardware.emulated", 1, "hardware.emulated: expected a bool, got int 1"),
+        ("store.root", None, "store.root: expected a string, got NoneType None"),
+        ("scheduler.policy", "dualpath", "scheduler.policy: expected a Policy, got str"),
+        ("model.family", "qwen2", "model.family: expected a ModelFamily, got str"),
+        ("cluster", C.StoreConfig(), "cluster: expected a ClusterConfig, got StoreConfig"),
+        ("name", 3, "name: expected a string, got int 3"),
+    ],
+)
+def test_wrong_type_names_its_key(key, value, message):
+    rejects(with_value(key, value), message)
+
+
+def test_int_passes_for_a_float_field():
+    C.validate(with_value("cluster.heartbeat_s", 2))
+
+
+def test_not_an_experiment_config():
+    with pytest.raises(C.ConfigError, match="expected an ExperimentConfig, got ClusterConfig"):
+        C.validate(C.ClusterConfig())  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- relations
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"cluster.heartbeat_timeout_s": 1.0},
+            "cluster.heartbeat_timeout_s: must be > cluster.heartbeat_s (1.0), got 1.0",
+        ),
+        ({"workload.mode": "online"}, "workload.aps: must be > 0 in online mode, got 0.0"),
+        ({"model.num_kv_heads": 3}, "model.num_heads: must be a multiple of model.num_kv_heads"),
+    ],
+)
+def test_relations(overrides, message):
+    cfg = C.ExperimentConfig()
+    for key, value in overrides.items():
+        cfg = with_value(key, value, cfg)
+    rejects(cfg, message)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("model.kv_lora_rank", 0, "model.kv_lora_rank: must be >= 1 for MLA, got 0"),
+        ("model.qk_rope_head_dim", 0, "model.qk_rope_head_dim: must be >= 1 for MLA"),
+        ("model.v_head_dim", 0, "model.v_head_dim: must be >= 1 for MLA"),
+        ("model.num_experts_per_tok", 9, "model.num_experts_per_tok: must lie in [1, model."),
+        ("model.num_experts_per_tok", 0, "model.num_experts_per_tok: must lie in [1, model."),
+        ("model.moe_intermediate_size", 0, "model.moe_intermediate_size: must be >= 1 with"),
+        (
+            "model.n_routed_experts",
+            7,
+            "model.n_routed_experts: must be a multiple of model.n_group",
+        ),
+        ("model.topk_group", 3, "model.topk_group: must be <= model.n_group (2), got 3"),
+    ],
+)
+def test_model_relations(key, value, message):
+    rejects(with_value(key, value, C.ExperimentConfig(model=TINY_DEEPSEEK)), message)
+
+
+# --------------------------------------------------------------------------- where it is called
+
+
+def test_overrides_then_validate():
+    cfg = C.apply_overrides(C.ExperimentConfig(), ["cluster.decode_slots=-4"])
+    rejects(cfg, "cluster.decode_slots: must be >= 1, got -4")
+
+
+def test_from_json_validates_experiment_configs():
+    text = C.to_json(with_value("cluster.decode_slots", -4))
+    with pytest.raises(C.ConfigError, match="cluster.decode_slots: must be >= 1, got -4"):
+        C.from_json(C.ExperimentConfig, text)
+
+
+def test_get_config_must_return_an_experiment_config(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("def get_config(arg=''):\n    return {'name': 'x'}\n")
+    with pytest.raises(C.ConfigError, match=r"x.py:get_config returned dict, expected an Exp"):
+        load_config(str(path))
+
+
+def test_load_config_validates(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "import dataclasses\n"
+        "from dualpath_jax.config import ExperimentConfig, StoreConfig\n"
+        "def get_config(arg=''):\n"
+        "    return ExperimentConfig(store=StoreConfig(block_tokens=0))\n"
+    )
+    with pytest.raises(C.ConfigError, match="store.block_tokens: must be >= 1, got 0"):
+        load_config(str(path))
+
+
+def test_launcher_fails_at_once_on_a_bad_override(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "launch" / "rollout.py"),
+            "--config=configs/tiny.py",
+            "--set=cluster.decode_slots=-4",
+            f"--workdir={tmp_path}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "cluster.decode_slots: must be >= 1, got -4" in proc.stderr
+    assert not (tmp_path / "config.json").exists()
