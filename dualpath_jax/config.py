@@ -158,6 +158,9 @@ class ClusterConfig:
     prefill_max_kv_tokens: int = 0
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
+    # How long a DE waits for its PE to begin prefilling a request (the PE's queue under load);
+    # transfer_timeout_s bounds each transfer once it has begun.
+    prefill_start_timeout_s: float = 300.0
     max_attempts: int = 5  # tries of a request whose engines failed (transfer errors, deaths)
     # Served parameters: empty = `init_model(model, seed)`; else a checkpoint directory every
     # engine reads (orbax `params/`, or Hugging Face config.json + safetensors).
@@ -414,6 +417,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         "model.rope_theta hardware.dram_buffer_bytes hardware.high_weight hardware.low_weight"
         " cluster.heartbeat_s cluster.heartbeat_timeout_s cluster.no_engine_timeout_s"
         " cluster.fetch_interval_s cluster.transfer_timeout_s cluster.params_load_timeout_s"
+        " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
     ),

@@ -80,6 +80,7 @@ from dualpath_jax.transfer.channel import (
     ArrayLike,
     ChannelStats,
     KVChannel,
+    TransferCancelled,
     TransferError,
     TransferTimeout,
 )
@@ -534,24 +535,48 @@ class FaultyChannel(KVChannel):
             return None
         return self.inner.offer(uuid, arrays)
 
-    def pull(self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float) -> list[Any]:
+    def pull(
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        timeout_s: float,
+        *,
+        abort: threading.Event | None = None,
+    ) -> list[Any]:
         self._check_open()
         hit = self.plan.pick("channel.pull", self.who)
         if hit is None:
-            return self.inner.pull(peer, uuid, specs, timeout_s)
+            return self.inner.pull(peer, uuid, specs, timeout_s, abort=abort)
         i, rule = hit
         where = f"pull {uuid} from {peer}: injected {rule.describe()} into channel.pull (rule {i})"
         if rule.hang or rule.delay_s >= timeout_s:
-            self.plan.sleep(timeout_s)
+            self._wait(timeout_s, abort, peer, uuid)
             self._counters.add(timeouts=1)
             raise TransferTimeout(f"{where}: nothing within {timeout_s:.3g}s")
         if rule.delay_s:
-            self.plan.sleep(rule.delay_s)
+            self._wait(rule.delay_s, abort, peer, uuid)
         if rule.error is not None:
             self._counters.add(errors=1)
             cause = rule.oserror()
             raise TransferError(f"{where}: {cause}") from cause
-        return self.inner.pull(peer, uuid, specs, timeout_s - rule.delay_s)
+        return self.inner.pull(peer, uuid, specs, timeout_s - rule.delay_s, abort=abort)
+
+    def _wait(self, seconds: float, abort: threading.Event | None, peer: str, uuid: int) -> None:
+        """Sleeps like a hanging pull; a set `abort` ends it as it would end a real one."""
+        if abort is None and self.plan.sleep is not time.sleep:
+            self.plan.sleep(seconds)  # a test's clock
+            return
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if abort is not None and abort.wait(min(left, 0.1)):
+                raise TransferCancelled(
+                    f"pull {uuid} from {peer}: abandoned (its load was cancelled)"
+                )
+            if abort is None:
+                time.sleep(min(left, 0.1))
+            if self._closing.is_set():
+                raise TransferError(f"pull {uuid} from {peer}: channel closed")
 
     def outstanding_offers(self) -> int:
         return self.inner.outstanding_offers()

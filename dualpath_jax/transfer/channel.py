@@ -58,6 +58,15 @@ class TransferTimeout(TransferError):
     """Nothing arrived within the pull's timeout (unknown uuid, or a peer that never offers)."""
 
 
+class TransferCancelled(TransferError):
+    """The pull's `abort` event was set while it waited (its load was cancelled)."""
+
+
+def _aborted(abort: threading.Event | None, peer: str, uuid: int) -> None:
+    if abort is not None and abort.is_set():
+        raise TransferCancelled(f"pull {uuid} from {peer}: abandoned (its load was cancelled)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelStats:
     """A snapshot of one channel's counters (bytes are payload bytes, not wire bytes)."""
@@ -207,6 +216,7 @@ class KVChannel(abc.ABC):
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # set by close(): pulls still waiting end at once
 
     @property
     @abc.abstractmethod
@@ -223,12 +233,21 @@ class KVChannel(abc.ABC):
         """
 
     @abc.abstractmethod
-    def pull(self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float) -> list[jax.Array]:
+    def pull(
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        timeout_s: float,
+        *,
+        abort: threading.Event | None = None,
+    ) -> list[jax.Array]:
         """Fetch the arrays `peer` offered under `uuid`, as device arrays of this engine.
 
         specs: one `(shape, dtype)` (or ShapeDtypeStruct) per offered array, in offer order.
         Raises TransferTimeout when nothing arrived within `timeout_s` and TransferError when the
-        peer is gone or the transfer failed; the channel stays usable after either.
+        peer is gone or the transfer failed; the channel stays usable after either. Setting
+        `abort` ends the wait early with TransferCancelled (a cancelled load frees its thread).
         """
 
     @abc.abstractmethod
@@ -236,7 +255,13 @@ class KVChannel(abc.ABC):
         """Offers of this channel that may still be pulled (see each implementation)."""
 
     def pull_async(
-        self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        timeout_s: float,
+        *,
+        abort: threading.Event | None = None,
     ) -> concurrent.futures.Future[list[jax.Array]]:
         """`pull` on the channel's thread pool; the future carries the arrays or the error."""
         self._check_open()
@@ -245,7 +270,7 @@ class KVChannel(abc.ABC):
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     self._pull_workers, thread_name_prefix="kvchannel-pull"
                 )
-            return self._pool.submit(self.pull, peer, uuid, specs, timeout_s)
+            return self._pool.submit(self.pull, peer, uuid, specs, timeout_s, abort=abort)
 
     @property
     def stats(self) -> ChannelStats:
@@ -255,6 +280,7 @@ class KVChannel(abc.ABC):
         """Stop serving offers and pulling; idempotent. Queued async pulls are cancelled; running
         ones end by their own deadline."""
         self._closed = True
+        self._closing.set()
         with self._pool_lock:
             if self._pool is not None:
                 self._pool.shutdown(wait=False, cancel_futures=True)
@@ -370,7 +396,15 @@ class JaxTransferChannel(KVChannel):
             self._server.await_pull(uuid, on_device, timeout=expiry)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def pull(self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float) -> list[jax.Array]:
+    def pull(
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        timeout_s: float,
+        *,
+        abort: threading.Event | None = None,
+    ) -> list[jax.Array]:
         self._check_open()
         norm = normalize_specs(specs)
         if not norm:
@@ -387,7 +421,10 @@ class JaxTransferChannel(KVChannel):
             self._counters.add(errors=1)
             self._drop_connection(peer)
             raise TransferError(f"pull {uuid} from {peer}: {e}") from e
-        ready = self._wait_ready(out, deadline, peer)
+        ready = self._wait_ready(out, deadline, peer, abort)
+        _aborted(abort, peer, uuid)
+        if self._closing.is_set():
+            raise TransferError(f"pull {uuid} from {peer}: channel {self._address} closed")
         if ready is None or (not ready and not _port_accepts(peer)):
             self._counters.add(errors=1)
             self._drop_connection(peer)
@@ -447,9 +484,15 @@ class JaxTransferChannel(KVChannel):
         with self._lock:
             self._connections.pop(peer, None)
 
-    def _wait_ready(self, arrays: list[jax.Array], deadline: float, peer: str) -> bool | None:
-        """True when all arrays are ready (or failed), False at the deadline, None if the peer
-        stopped listening meanwhile."""
+    def _wait_ready(
+        self,
+        arrays: list[jax.Array],
+        deadline: float,
+        peer: str,
+        abort: threading.Event | None = None,
+    ) -> bool | None:
+        """True when all arrays are ready (or failed), False at the deadline (or once `abort`
+        is set), None if the peer stopped listening meanwhile."""
         pending = arrays
         nap = 20e-6
         next_probe = self._clock() + self._probe_every_s
@@ -458,7 +501,7 @@ class JaxTransferChannel(KVChannel):
             if not pending:
                 return True
             now = self._clock()
-            if now >= deadline:
+            if now >= deadline or self._closing.is_set() or (abort is not None and abort.is_set()):
                 return False
             if now >= next_probe:
                 if not _port_accepts(peer):
@@ -532,11 +575,21 @@ class InProcessFabric:
             self._slots[(address, uuid)] = _Slot(arrays, expiry)
             self._cond.notify_all()
 
-    def take(self, peer: str, uuid: int, deadline: float) -> list[jax.Array] | None:
-        """Remove and return the offer, None at the deadline; TransferError if `peer` dies."""
+    def take(
+        self,
+        peer: str,
+        uuid: int,
+        deadline: float,
+        *stops: threading.Event | None,
+    ) -> list[jax.Array] | None:
+        """Remove and return the offer, None at the deadline (or once one of `stops` is set);
+        TransferError if `peer` dies."""
         key = (peer, uuid)
+        stops = tuple(e for e in stops if e is not None)
         with self._cond:
             while True:
+                if any(e.is_set() for e in stops):
+                    return None
                 if peer not in self._live:
                     raise TransferError(
                         f"peer {peer} is {'gone' if peer in self._dead else 'unknown'}"
@@ -548,7 +601,7 @@ class InProcessFabric:
                     return slot.arrays
                 if now >= deadline:
                     return None
-                self._cond.wait(deadline - now)
+                self._cond.wait(min(0.05, deadline - now) if stops else deadline - now)
 
     def outstanding(self, address: str) -> int:
         with self._cond:
@@ -592,7 +645,15 @@ class InProcessChannel(KVChannel):
         self._fabric.put(self._address, uuid, on_device, self._fabric.clock() + ttl)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def pull(self, peer: str, uuid: int, specs: Sequence[Any], timeout_s: float) -> list[jax.Array]:
+    def pull(
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        timeout_s: float,
+        *,
+        abort: threading.Event | None = None,
+    ) -> list[jax.Array]:
         self._check_open()
         norm = normalize_specs(specs)
         if not norm:
@@ -600,10 +661,13 @@ class InProcessChannel(KVChannel):
         if not self._fabric.is_alive(self._address):
             raise TransferError(f"channel {self._address} was killed")
         try:
-            arrays = self._fabric.take(peer, uuid, self._fabric.clock() + timeout_s)
+            arrays = self._fabric.take(
+                peer, uuid, self._fabric.clock() + timeout_s, abort, self._closing
+            )
         except TransferError:
             self._counters.add(errors=1)
             raise
+        _aborted(abort, peer, uuid)
         if arrays is None:
             self._counters.add(timeouts=1)
             raise TransferTimeout(f"pull {uuid} from {peer}: nothing within {timeout_s:.3g}s")

@@ -145,6 +145,7 @@ class PrefillLoad:
         self._res: BufferReservation | None = None
         self._consumed = threading.Semaphore(lookahead)
         self._closed = False
+        self._abort = threading.Event()  # set by close(): ends this load's waiting pulls
         self._chunk = 0
         self._piece = 0
         self._prefix = 0
@@ -172,7 +173,11 @@ class PrefillLoad:
         de_hits = 0
         if job.de_blocks:
             (arr,) = ctx.channel.pull(
-                job.de_address, job.uuid(Part.DE_HITS), [((1,), np.int32)], ctx.timeout_s
+                job.de_address,
+                job.uuid(Part.DE_HITS),
+                [((1,), np.int32)],
+                ctx.timeout_s,
+                abort=self._abort,
             )
             de_hits = int(np.asarray(arr)[0])
         self.de_read_blocks = de_hits
@@ -208,7 +213,13 @@ class PrefillLoad:
             )
         ]
         for i in range(ctx.cfg.num_layers):
-            ctx.channel.pull(job.de_address, job.uuid(Part.DE_LAYER, layer=i), spec, ctx.timeout_s)
+            ctx.channel.pull(
+                job.de_address,
+                job.uuid(Part.DE_LAYER, layer=i),
+                spec,
+                ctx.timeout_s,
+                abort=self._abort,
+            )
 
     def _stream(self) -> None:
         ctx, job = self.ctx, self.job
@@ -247,6 +258,7 @@ class PrefillLoad:
                             )
                         ],
                         ctx.timeout_s,
+                        abort=self._abort,
                     )
                     rows = np.asarray(arr)[: d_used * bt]
                     ctx.charge(
@@ -328,6 +340,7 @@ class PrefillLoad:
 
     def close(self) -> None:
         self._closed = True
+        self._abort.set()
         self.readiness.cancel()
         for _ in range(self.ctx.cfg.num_layers):  # wake a streamer waiting for the prefill loop
             self._consumed.release()
@@ -344,6 +357,7 @@ class DecodeLoad:
         self.ctx, self.job = ctx, job
         bt = ctx.layout.block_tokens
         self.n_blocks = -(-job.prompt_tokens // bt)
+        self._abort = threading.Event()  # set by close(): ends this load's waiting pulls
         self._res: BufferReservation | None = None
         self._done: futures.Future[None] | None = None
         self.de_hits = 0
@@ -391,6 +405,7 @@ class DecodeLoad:
                 job.uuid(Part.PE_PIECE, k),
                 [((3,), np.int32)],
                 ctx.start_timeout_s or ctx.timeout_s,
+                abort=self._abort,
             )
             t0, t1, last_flag = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
@@ -400,7 +415,11 @@ class DecodeLoad:
             )
             for i in range(ctx.cfg.num_layers):
                 (arr,) = ctx.channel.pull(
-                    job.pe_address, job.uuid(Part.PE_LAYER, k, i), specs, ctx.timeout_s
+                    job.pe_address,
+                    job.uuid(Part.PE_LAYER, k, i),
+                    specs,
+                    ctx.timeout_s,
+                    abort=self._abort,
                 )
                 data = np.asarray(arr)
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
@@ -430,6 +449,7 @@ class DecodeLoad:
         return bytes_to_kv_rows(flat[:, : self.job.prompt_tokens], self.ctx.cfg)
 
     def close(self) -> None:
+        self._abort.set()
         if self._res is not None:
             self._res.release()
             self._res = None
