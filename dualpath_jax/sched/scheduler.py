@@ -123,7 +123,7 @@ class GlobalScheduler:
         out: list[Request] = []
         if not ids:
             return out
-        keep = collections.deque()
+        keep: collections.deque[Request] = collections.deque()
         for r in self._de_global:
             (out if r.id in ids else keep).append(r)
         self._de_global = keep
