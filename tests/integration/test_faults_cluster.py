@@ -32,7 +32,8 @@ pytestmark = pytest.mark.multiprocess
 BT = 16
 VOCAB = TINY_QWEN2.vocab_size
 WAIT_S = 120.0  # bounds a broken test; healthy rounds take well under a second
-TRANSFER_TIMEOUT_S = 3.0
+TRANSFER_TIMEOUT_S = 15.0  # compiles of new batch shapes under load take seconds here
+START_TIMEOUT_S = 15.0  # a DE's wait for its PE to begin (the PE's queue under overload)
 HEARTBEAT_TIMEOUT_S = 8.0
 NO_ENGINE_TIMEOUT_S = 25.0
 
@@ -43,6 +44,7 @@ def config(fault_file: pathlib.Path, **cluster) -> ExperimentConfig:
         cluster=ClusterConfig(
             decode_max_len=512,
             transfer_timeout_s=TRANSFER_TIMEOUT_S,
+            prefill_start_timeout_s=START_TIMEOUT_S,
             heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
             no_engine_timeout_s=NO_ENGINE_TIMEOUT_S,
             max_attempts=2,
@@ -79,6 +81,13 @@ def rig(tmp_path_factory, start_cluster):
     faults = Faults(wd / "faults.json")
     with start_cluster(config(faults.path), wd / "cluster") as cluster:
         yield cluster, faults
+
+
+@pytest.fixture(autouse=True)
+def no_faults_left(rig):
+    """Whatever a test injected is cleared after it, passed or failed."""
+    yield
+    rig[1].set()
 
 
 def events(cluster) -> list[dict]:
@@ -166,12 +175,14 @@ def test_transfer_timeouts_are_retried_then_fail_with_kind_transfer(rig, referen
     faults.set({"op": "channel.pull", "hang": True})
     s = Session(client, "hanging-pulls")
     t0 = time.monotonic()
-    with pytest.raises(RolloutError, match="gave up after 2 attempts") as err:
-        s.step_async(*trajectory("x", seed=3)[1][0]).result(WAIT_S)
+    try:
+        with pytest.raises(RolloutError, match="gave up after 2 attempts") as err:
+            s.step_async(*trajectory("x", seed=3)[1][0]).result(WAIT_S)
+    finally:
+        faults.set()
     took = time.monotonic() - t0
-    faults.set()
     assert err.value.kind == "transfer" and "TransferTimeout" in str(err.value)
-    assert took < 2 * TRANSFER_TIMEOUT_S * 4  # bounded by the retries' own timeouts
+    assert took < 2 * (START_TIMEOUT_S + TRANSFER_TIMEOUT_S) + 10  # bounded by the timeouts
     failures = [e for e in events(cluster) if e["kind"] == "failed"]
     assert any(e["failure"] == "transfer" for e in failures)
     # the session is usable again
@@ -328,8 +339,8 @@ def test_overload_ends_in_tokens_or_overloaded_errors(rig, reference_tokens):
     for o, t in zip(out, trajs):
         assert o.rounds == reference_tokens(t)[: len(o.rounds)]
     stats = client.stats()["counters"]
-    transfer = [e for e in events(cluster) if e["kind"] == "failed"]
-    assert transfer == [] and stats["engine_deaths"] == 0
+    failed = [e for e in events(cluster) if e["kind"] == "failed" and e["request"][:4] == "load"]
+    assert failed == [] and stats["engine_deaths"] == 0  # no transfer timed out
 
 
 # ----------------------------------------------------------------------------- engine and router deaths
