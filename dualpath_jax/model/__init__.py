@@ -1,1 +1,49 @@
-"""model."""
+"""The model: Qwen2 and DeepSeek-V3 family transformers in flax.nnx, checkpoints, generation.
+
+    from dualpath_jax import model as dm
+
+    net = dm.init_model(dm.get_preset("tiny-qwen2"), seed=0)   # or dm.from_pretrained(hf_dir)
+    tokens = dm.generate(net, [1, 2, 3], max_new_tokens=8)      # a flat prompt -> a flat list
+    dm.save_params(net, "/tmp/ckpt")
+
+Names resolve lazily, so importing the namespace costs nothing until one is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Transformer": "transformer",
+    "init_model": "transformer",
+    "get_preset": "presets",
+    "PRESETS": "presets",
+    "from_pretrained": "checkpoint",
+    "save_params": "checkpoint",
+    "restore_params": "checkpoint",
+    "load_params": "checkpoint",
+    "save_params_tree": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "generate": "decode",
+    "reference_generate": "decode",
+    "SamplingParams": "decode",
+    "Decoder": "decode",
+    "ModelRunner": "runner",
+    "PrefillBatch": "runner",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dualpath_jax.model' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dualpath_jax.model.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -212,19 +213,42 @@ class Decoder:
         return logits
 
 
+# One ModelRunner per model passed to `generate` (its compiled functions are reused).
+_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def as_runner(model) -> ModelRunner:
+    """`model` itself if it is a ModelRunner, else the (cached) ModelRunner of a Transformer."""
+    if isinstance(model, ModelRunner):
+        return model
+    runner = _RUNNERS.get(model)
+    if runner is None:
+        runner = _RUNNERS[model] = ModelRunner(model)
+    return runner
+
+
 def generate(
-    runner: ModelRunner,
-    prompts: Sequence[Sequence[int]],
+    model,
+    prompts: Sequence[Sequence[int]] | Sequence[int],
     max_new_tokens: int,
     *,
     sampling: SamplingParams = GREEDY,
     key: Array | None = None,
     eos_id: int | None = None,
-) -> list[list[int]]:
+) -> list[list[int]] | list[int]:
     """Monolithic prefill then batched decode. Generates exactly `max_new_tokens` tokens per
-    prompt unless `eos_id` is given (then a sequence stops after emitting it)."""
+    prompt unless `eos_id` is given (then a sequence stops after emitting it).
+
+    `model`: a `Transformer` (or its `ModelRunner`). `prompts`: a batch of token-id lists, or a
+    single prompt as a flat list, which returns a flat list."""
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    single = len(prompts) > 0 and isinstance(prompts[0], int | np.integer)
+    if single:
+        return generate(
+            model, [prompts], max_new_tokens, sampling=sampling, key=key, eos_id=eos_id
+        )[0]
+    runner = as_runner(model)
     cfg = runner.cfg
     for p in prompts:
         validate_context(cfg, len(p) + max_new_tokens)
