@@ -90,6 +90,16 @@ def no_faults_left(rig):
     rig[1].set()
 
 
+def send_raw(address: str, frames: list[bytes]) -> None:
+    """Sends frames to the router as a stranger would: raw bytes on a DEALER socket."""
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(address)
+    for f in frames:
+        raw.send(f)
+    raw.close()
+
+
 def events(cluster) -> list[dict]:
     text = (cluster.workdir / "events.jsonl").read_text()
     return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
@@ -251,12 +261,7 @@ def test_oversized_frames_are_refused(rig, reference_tokens, monkeypatch):
     assert err.value.kind == "bad_request"
     monkeypatch.undo()
     # a raw frame over the router's limit: ZeroMQ drops that peer; the router serves on
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(cluster.address)
-    raw.send(bytes(M.MAX_FRAME_BYTES + 1024))
-    raw.close()
+    send_raw(cluster.address, [bytes(M.MAX_FRAME_BYTES + 1024)])
     s.close()
     answered(client, reference_tokens, "after-oversized")
 
@@ -264,14 +269,8 @@ def test_oversized_frames_are_refused(rig, reference_tokens, monkeypatch):
 def test_garbage_frames_are_rejected_and_the_router_serves_on(rig, reference_tokens):
     cluster, _ = rig
     client = cluster.client()
-    ctx = zmq.Context.instance()
-    raw = ctx.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(cluster.address)
     rs = np.random.RandomState(0)
-    for _ in range(500):
-        raw.send(rs.bytes(int(rs.randint(1, 64))))
-    raw.close()
+    send_raw(cluster.address, [rs.bytes(int(rs.randint(1, 64))) for _ in range(500)])
     answered(client, reference_tokens, "after-garbage")
     assert client.stats()["engines"]["0"]["alive"]
     log = (cluster.workdir / "logs" / "router.log").read_text()
