@@ -93,7 +93,7 @@ def no_faults_left(rig):
 def send_raw(address: str, frames: list[bytes]) -> None:
     """Sends frames to the router as a stranger would: raw bytes on a DEALER socket."""
     raw = zmq.Context.instance().socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.LINGER, 5000)  # close() delivers what was sent
     raw.connect(address)
     for f in frames:
         raw.send(f)
