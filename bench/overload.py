@@ -25,8 +25,8 @@ at 1/64 a run of 200 sessions takes a couple of minutes and still keeps the queu
 enough to overload it. Trajectories that the workload cuts to one round are skipped, so every
 session has exactly two rounds. `--set` overrides anything else (`--set workload.seed=3`).
 
-Writes WORKDIR/summary.json and WORKDIR/outputs.jsonl (per session: status, kind, error, JCTs)
-and prints a summary. Exits 1 on a hung round, a wrong token or a transfer timeout.
+Writes WORKDIR/summary.json, WORKDIR/outputs.jsonl (per session: status, kind, error, JCTs) and
+WORKDIR/rss.jsonl (every RSS sample, kB) and prints a summary. Exits 1 on a hung round, a wrong token or a transfer timeout.
 """
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ _LENGTH_SCALE = flags.DEFINE_float(
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 0, "scheduler.max_queue (0: the config's).")
 _TIMEOUT = flags.DEFINE_float("timeout", 900.0, "Bound on the whole replay (s).")
 _RSS_INTERVAL = flags.DEFINE_float("rss_interval", 0.5, "RSS sampling period (s).")
+_LOG_COMPILES = flags.DEFINE_bool(
+    "log_compiles", False, "Engines log every XLA compile (JAX_LOG_COMPILES=1; see their logs)."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dp_overload", "Output directory (emptied first).")
 
 Trajectory = tuple[str, list[tuple[list[int], int]]]
@@ -172,6 +175,8 @@ class RssSampler(threading.Thread):
         self.cluster, self.interval = cluster, interval
         self.peak_kb: dict[str, int] = collections.defaultdict(int)
         self.samples = 0
+        self.timeline: list[dict] = []  # {"t": s since start, name: kB, ...} per sample
+        self.t0 = time.monotonic()
         self.stop = threading.Event()
 
     @staticmethod
@@ -188,11 +193,23 @@ class RssSampler(threading.Thread):
         return {**{n: p.pid for n, p in list(self.cluster.procs.items())}, "bench": "self"}
 
     def sample(self) -> None:
+        row: dict = {"t": round(time.monotonic() - self.t0, 2)}
         for name, pid in self.procs().items():
             kb = self.status_kb(pid, "VmRSS")
             if kb is not None:
                 self.peak_kb[name] = max(self.peak_kb[name], kb)
+                row[name] = kb
+        self.timeline.append(row)
         self.samples += 1
+
+    def quartiles_mib(self) -> dict[str, list[float]]:
+        """Each process's RSS (MiB) at 0, 25, 50, 75 and 100 % of the sampled time."""
+        rows = self.timeline
+        if not rows:
+            return {}
+        at = [rows[min(len(rows) - 1, round(q * (len(rows) - 1)))] for q in (0, 0.25, 0.5, 0.75, 1)]
+        names = sorted({k for r in rows for k in r if k != "t"})
+        return {n: [round(r.get(n, 0) / 1024, 1) for r in at] for n in names}
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -236,7 +253,8 @@ def main(argv):
 
     load_before = os.getloadavg()
     t_start = time.monotonic()
-    with LocalCluster(cfg, wd) as cluster:
+    env = {**os.environ, "JAX_LOG_COMPILES": "1"} if _LOG_COMPILES.value else None
+    with LocalCluster(cfg, wd, env=env) as cluster:
         start_s = time.monotonic() - t_start
         client = cluster.client(dead_after_s=30.0)
         rec = Recorder(client)
@@ -300,6 +318,9 @@ def main(argv):
                 "persist_error": [r.persist_error for r in out.results if r.persist_error],
             }
         )
+    with open(wd / "rss.jsonl", "w") as f:
+        for row in rss.timeline:
+            f.write(json.dumps(row) + "\n")
     with open(wd / "outputs.jsonl", "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
@@ -353,6 +374,7 @@ def main(argv):
         "peak_rss_mib": {k: round(v / 1024, 1) for k, v in sorted(rss.peak_kb.items())},
         "vm_hwm_mib": {k: (round(v / 1024, 1) if v else None) for k, v in sorted(hwm.items())},
         "rss_samples": rss.samples,
+        "rss_mib_at_0_25_50_75_100pct": rss.quartiles_mib(),
         "jct_s": {"p50": pct(jct, 50), "p90": pct(jct, 90), "max": pct(jct, 100)},
         "queue_s": {"p50": pct(queue, 50), "p90": pct(queue, 90), "max": pct(queue, 100)},
         "times_s": {
@@ -389,6 +411,7 @@ def print_summary(s: dict) -> None:
         f"{s['transfer_timeouts']}"
     )
     print(f"peak RSS (MiB, sampled): {s['peak_rss_mib']}; VmHWM: {s['vm_hwm_mib']}")
+    print(f"RSS (MiB) at 0/25/50/75/100 % of the replay: {s['rss_mib_at_0_25_50_75_100pct']}")
     print(f"JCT per round (s): {s['jct_s']}; queueing (s): {s['queue_s']}")
     la = s["load_average"]
     print(
