@@ -229,6 +229,9 @@ class PrefillEngine:
             return rows
 
         def emit_layer(i: int, rows) -> None:
+            # One host copy of the layer, sliced on the host: the rows go to the host to be sent
+            # anyway, and slicing the device array compiled a program per new request length.
+            rows = np.asarray(rows)
             for b, (r, ch) in enumerate(zip(reqs, chunks)):
                 new = rows[b, : ch.bsz]
                 if not plan.finishes(ch.request_id):
