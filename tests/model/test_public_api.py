@@ -32,3 +32,12 @@ def test_generate_takes_a_model_and_a_flat_prompt():
     assert isinstance(flat, list) and all(isinstance(t, int) for t in flat)
     assert flat == batch[0] == dm.generate(dm.ModelRunner(net), [[1, 2, 3]], 5)[0]
     assert flat == dm.reference_generate(dm.ModelRunner(net), [1, 2, 3], 5)
+
+
+def test_the_cluster_namespace():
+    from dualpath_jax import cluster
+    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.rollout import Client
+
+    assert cluster.LocalCluster is LocalCluster and cluster.Client is Client
+    assert set(cluster.__all__) <= set(dir(cluster))
