@@ -5,7 +5,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
-export JAX_PLATFORMS ?= cpu
 
 .PHONY: demo test bench lint notebooks native clean
 

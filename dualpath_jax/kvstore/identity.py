@@ -1,4 +1,4 @@
-"""Block identity: model fingerprints and the hash chain over token ids (DESIGN.md 2.1).
+"""Block identity: model fingerprints and the hash chain over token ids (docs/architecture.md).
 
 A Full Block's key is `key_i = H(key_{i-1}, tokens of block i)` with `key_{-1}` the model
 fingerprint, so a key names the whole token prefix up to the end of its block under one model and

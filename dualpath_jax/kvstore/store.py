@@ -1,4 +1,4 @@
-"""TensorStoreBlockStore: the BlockStore (api.py) on a tensorstore kvstore (DESIGN.md 2.1).
+"""TensorStoreBlockStore: the BlockStore (api.py) on a tensorstore kvstore (docs/architecture.md).
 
 One key per Full Block (`identity.key_path`: `ab/abcd...`), its value the codec's bytes. The
 I/Os of a batch run concurrently, at most `StoreConfig.io_concurrency` in flight, and each waits

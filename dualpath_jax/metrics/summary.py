@@ -1,4 +1,4 @@
-"""The run summary (`summary.json`, DESIGN.md 4) from round results, events and link reports.
+"""The run summary (`summary.json`, docs/launchers.md) from round results, events and link reports.
 
 Pure functions of their inputs, shared by the local-cluster launchers and the simulator.
 """

@@ -1,4 +1,4 @@
-"""KV sizes and the Layer Block / Full Block byte layout (DESIGN.md 2.1).
+"""KV sizes and the Layer Block / Full Block byte layout (docs/architecture.md).
 
 A layer's cached KV is held as *KV rows*: `[T, W]` in `kv_dtype`, one row per token, where
 `W = ModelConfig.kv_width` (GQA: K then V, each `[num_kv_heads, head_dim]` flattened; MLA: the

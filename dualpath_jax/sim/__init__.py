@@ -1,4 +1,4 @@
-"""The cluster simulator (DESIGN 2.4): the real scheduler over simulated nodes, links and GPUs.
+"""The cluster simulator (docs/simulator.md): the real scheduler over simulated nodes, links and GPUs.
 
     from dualpath_jax.sim import simulate
     run = simulate(cfg)            # or simulate(cfg, cost=FittedCostModel(...))

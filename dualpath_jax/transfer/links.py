@@ -1,4 +1,4 @@
-"""Named links and their arbitration core: every KV byte that moves is charged to a link (DESIGN 2.2).
+"""Named links and their arbitration core: every KV byte that moves is charged to a link (docs/emulation.md).
 
 A link is one direction of one piece of hardware: a node's storage NIC (`SNIC_RX` = storage ->
 node reads, `SNIC_TX` = node -> storage writes), an engine's compute NIC (`CNIC_RX`/`CNIC_TX`, full
@@ -39,7 +39,7 @@ DEFAULT_WINDOW_S = 0.1
 
 
 class TrafficClass(enum.IntEnum):
-    """Priority of a transfer on every link it crosses (paper appendix A.1, DESIGN 2.2)."""
+    """Priority of a transfer on every link it crosses (paper appendix A.1, docs/emulation.md)."""
 
     HIGH = 0  # the running forward's layer blocks, PE -> DE results, decode H2D
     LOW = 1  # prefetch reads (store -> buffer), persistence writes (device -> store)

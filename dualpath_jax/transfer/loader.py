@@ -1,4 +1,4 @@
-"""DualPathLoader: moves one request's KV along the paper's data paths (DESIGN.md 2.1, Fig. 4).
+"""DualPathLoader: moves one request's KV along the paper's data paths (docs/architecture.md, paper Fig. 4).
 
 A request's hit is `n` Full Blocks in chain order. The Assignment splits them: blocks `[0, p)` are
 read on the PE's node (PE read path), blocks `[p, p + d)` on the DE's node (DE read path); the

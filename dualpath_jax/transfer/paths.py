@@ -1,4 +1,4 @@
-"""The links each copy crosses (DESIGN 2.1, paper Fig. 4) and a request's copies in order.
+"""The links each copy crosses (docs/architecture.md, paper Fig. 4) and a request's copies in order.
 
 Each path function returns the links one copy crosses, in order. Conventions: a host buffer (PE or
 DE buffer) lives in its node's DRAM, so every read or write of it charges DRAM once; device ends

@@ -1,6 +1,6 @@
 """Agent traces: the JSONL format, validation, the appendix A.3 replay rule, expansion, stats.
 
-Trace JSONL (DESIGN.md 4), one trajectory per line:
+Trace JSONL (docs/traces.md), one trajectory per line:
 `{"id": str, "rounds": [{"append": int | [int, ...], "gen": int}, ...]}`. An int append means
 that many seeded random token ids (`materialize`); a list gives the ids themselves.
 

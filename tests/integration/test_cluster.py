@@ -1,6 +1,6 @@
 """End to end: a router and tiny-Qwen2 engine processes (at most 3) serving multi-turn trajectories.
 
-The spine is DESIGN section 4: greedy tokens are the same under every loading policy, every read
+The spine: greedy tokens are the same under every loading policy, every read
 path, after an engine dies, after a corrupt block is recomputed, and equal the monolithic
 reference model's `generate` on the same full context. Bad requests get a clear `RolloutError`
 while other sessions keep going. A failing test reports its processes' logs (see conftest).

@@ -152,7 +152,7 @@ def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, 
         assert hit_rows[i].tobytes() == kv[i, : 4 * BT].tobytes()
     assert de_kv[:, : 4 * BT].tobytes() == kv[:, : 4 * BT].tobytes()  # DE: hit bytes exact
     np.testing.assert_allclose(de_kv, kv, atol=2e-5)  # and the computed tail matches
-    # Per-link accounting equals the bytes DESIGN 2.1 assigns to this path.
+    # Per-link accounting equals the bytes docs/architecture.md assigns to this path.
     per_token = BlockLayout.for_model(CFG, BT).bytes_per_token_per_layer * CFG.num_layers
     want = P.expected_link_bytes(
         path,
