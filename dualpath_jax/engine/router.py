@@ -798,7 +798,9 @@ class Router:
         now = self.clock() if now is None else now
         limit = self.cfg.cluster.no_engine_timeout_s
         for role, seen in self.role_seen.items():
-            if now - seen > limit:
+            if any(e.alive and e.role == role for e in self.engines.values()):
+                self.role_seen[role] = now  # e.g. one that registered since the last check
+            elif now - seen > limit:
                 return f"no live {role} engine for {now - seen:.0f} s (cluster.no_engine_timeout_s={limit:g})"
         return ""
 

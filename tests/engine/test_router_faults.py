@@ -273,3 +273,16 @@ def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig):
     assert err.kind == "engine" and "no live prefill engine" in err.message
     (err,) = rig.handle(M.Submit(request="r2", session="s", append=[1], gen=1), role=M.CLIENT)
     assert err.kind == "engine" and "no live prefill engine" in err.message
+
+
+def test_an_engine_that_registers_again_serves_at_once(rig):
+    limit = rig.router.cfg.cluster.no_engine_timeout_s
+    rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + limit + 2
+    rig.handle(M.Heartbeat(engine=DE), DE_ID)
+    rig.router.check_liveness(rig.clock())
+    assert "no live prefill engine" in rig.router.missing_role()
+    rig.handle(M.Register(role="prefill", engine=PE, node=0, group=0, address="inproc://0",
+                          pid=200), PE_ID)  # fmt: skip
+    # no liveness tick in between: the new engine counts at once
+    rig.submit("s", "r1")
+    assert "r1" in rig.router.requests
