@@ -109,23 +109,14 @@ def session_trajectories(cfg: ExperimentConfig, n: int, rounds: int) -> list[Tra
 def reference_tokens(cfg: ExperimentConfig, trajs: Sequence[Trajectory]) -> list[list[list[int]]]:
     """Greedy tokens of every round from the monolithic reference model (no KV cache) on the
     full context, with the engines' parameters (`init_model(model, cfg.seed)`)."""
-    from dualpath_jax.model.decode import reference_generate
+    from dualpath_jax.model.decode import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 
     if cfg.cluster.params_path:
         raise app.UsageError("the overload bench checks tokens against init_model: no params_path")
     runner = ModelRunner(init_model(cfg.model, seed=cfg.seed))
-    out = []
-    for _, rounds in trajs:
-        ctx: list[int] = []
-        got = []
-        for append, gen in rounds:
-            ctx += list(append)
-            got.append(reference_generate(runner, ctx, gen))
-            ctx += got[-1]
-        out.append(got)
-    return out
+    return [reference_rounds(runner, rounds) for _, rounds in trajs]
 
 
 class Recorder:

@@ -27,6 +27,7 @@ _EXPORTS = {
     "CheckpointError": "checkpoint",
     "generate": "decode",
     "reference_generate": "decode",
+    "reference_rounds": "decode",
     "SamplingParams": "decode",
     "Decoder": "decode",
     "ModelRunner": "runner",

@@ -287,3 +287,17 @@ def reference_generate(
         result, _ = runner.prefill_monolithic(batch)
         seq.append(int(jnp.argmax(result.last_logits[0])))
     return seq[len(prompt) :]
+
+
+def reference_rounds(model, rounds: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
+    """The reference greedy tokens of every round of one trajectory `[(append, gen), ...]`:
+    round i generates on the full context (every earlier append and generated token), as the
+    cluster's sessions do. The oracle of the cluster tests and benchmarks."""
+    runner = as_runner(model)
+    ctx: list[int] = []
+    out = []
+    for append, gen in rounds:
+        ctx += list(append)
+        out.append(reference_generate(runner, ctx, gen))
+        ctx += out[-1]
+    return out

@@ -101,7 +101,7 @@ def no_process_survives():
 def reference_tokens():
     """`reference_tokens(trajectory)`: the greedy tokens of each round from the monolithic
     reference model (no KV cache) on the full context, with the engines' parameters (seed 0)."""
-    from dualpath_jax.model.decode import reference_generate
+    from dualpath_jax.model.decode import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 
@@ -111,13 +111,7 @@ def reference_tokens():
     def rounds(traj: tuple[str, Sequence[tuple[Sequence[int], int]]]) -> list[list[int]]:
         key = tuple((tuple(a), g) for a, g in traj[1])
         if key not in cache:
-            ctx: list[int] = []
-            out = []
-            for append, gen in traj[1]:
-                ctx += list(append)
-                out.append(reference_generate(runner, ctx, gen))
-                ctx += out[-1]
-            cache[key] = out
+            cache[key] = reference_rounds(runner, traj[1])
         return cache[key]
 
     return rounds
