@@ -84,6 +84,7 @@ from dualpath_jax.config import (
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
+from dualpath_jax.faults import write_plan
 from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.rollout import Client, RolloutError, Session
 
@@ -253,9 +254,7 @@ class FaultPlanFile:
 
     def write(self, rules: list[dict]) -> None:
         self.version += 1
-        tmp = self.path.with_suffix(f".tmp{self.version}")
-        tmp.write_text(json.dumps({"seed": self.version, "rules": rules}))
-        os.replace(tmp, self.path)
+        write_plan(self.path, rules, seed=self.version)
 
 
 def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -> dict:

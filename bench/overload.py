@@ -50,6 +50,7 @@ from dualpath_jax.config import ExperimentConfig, apply_overrides
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.experiment import build_trajectories, check_fits
+from dualpath_jax.metrics.events import read_events
 from dualpath_jax.rollout import Client, RolloutError, run_trajectories
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py:tiny", "Experiment file.")
@@ -209,13 +210,6 @@ class RssSampler(threading.Thread):
 
     def hwm_kb(self) -> dict[str, int | None]:
         return {name: self.status_kb(pid, "VmHWM") for name, pid in self.procs().items()}
-
-
-def read_events(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    text = path.read_text()
-    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
 
 
 def pct(values: Sequence[float], q: float) -> float | None:

@@ -60,6 +60,7 @@ import json
 import logging
 import math
 import os
+import pathlib
 import random
 import threading
 import time
@@ -336,6 +337,15 @@ class FaultPlan:
             log.warning("%s; keeping the previous fault plan", err)
             self._warned = (sig, str(err))
         self._bad_sig = sig
+
+
+def write_plan(path: str | os.PathLike[str], rules: Sequence[dict], seed: int = 0) -> None:
+    """Writes a plan file atomically (a temp file, then `os.replace`: a new inode, which every
+    process reading the plan notices), so running engines pick the new rules up."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"seed": seed, "rules": list(rules)}))
+    os.replace(tmp, path)
 
 
 def load_plan(path: str | os.PathLike[str]) -> FaultPlan | None:

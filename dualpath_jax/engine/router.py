@@ -748,10 +748,7 @@ class Router:
         for e in list(self.engines.values()):
             if e.alive and now - e.last_seen > timeout:
                 self.engine_died(e)
-        for role in self.role_seen:
-            if any(e.alive and e.role == role for e in self.engines.values()):
-                self.role_seen[role] = now
-        missing = self.missing_role(now)
+        missing = self.missing_role(now)  # also records which roles have a live engine now
         if missing and self.requests:
             log.warning("%s: failing %d rounds", missing, len(self.requests))
             for st in list(self.requests.values()):

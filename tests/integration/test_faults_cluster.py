@@ -9,7 +9,6 @@ ones kill engines (and restart them) and, finally, the router.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import socket
@@ -23,7 +22,9 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.params import initial_params_version
 from dualpath_jax.engine.rpc import RpcClient
+from dualpath_jax.faults import write_plan
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+from dualpath_jax.metrics.events import read_events
 from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.rollout import Client, RolloutError, Session, run_trajectories
 
@@ -69,9 +70,7 @@ class Faults:
         self.set()
 
     def set(self, *rules: dict) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"rules": list(rules)}))
-        os.replace(tmp, self.path)
+        write_plan(self.path, rules)
         time.sleep(0.2)  # past the plan's re-read interval
 
 
@@ -101,8 +100,7 @@ def send_raw(address: str, frames: list[bytes]) -> None:
 
 
 def events(cluster) -> list[dict]:
-    text = (cluster.workdir / "events.jsonl").read_text()
-    return [json.loads(x) for x in text[: text.rfind("\n") + 1].splitlines() if x.strip()]
+    return read_events(cluster.workdir / "events.jsonl")
 
 
 def run(client: Client, traj, reference_tokens) -> list[M.Result]:
