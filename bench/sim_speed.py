@@ -9,9 +9,9 @@ wall time also counts other processes. The default `--preset=paper` is the paper
 
 `--max_turns=N` replays the first N rounds only (a measured fraction); `--profile=N` prints the
 N costliest functions (cProfile, cumulative); `--model` applies to `--preset=engine_groups`;
-`--nopause_gc` keeps Python's cyclic collector running during the simulation. With a build of the
-compiled core (`make native`) it runs unless `DUALPATH_JAX_NATIVE=0`; `native` in the output
-says which ran.
+`--nopause_gc` keeps Python's cyclic collector running during the simulation. `--native=auto`
+(the default) runs the compiled core when a fresh build exists (`make native`), `--native=off`
+the pure modules, `--native=on` requires the build; `native` in the output says which ran.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from dualpath_jax.config import (
 )
 from dualpath_jax.hardware import HOPPER_NODE
 from dualpath_jax.model.presets import get_preset
-from dualpath_jax.sim import SimOptions, simulate
 
+_NATIVE = flags.DEFINE_enum(
+    "native", "auto", list(native.MODES), "Compiled core: auto (if a fresh build exists), on, off."
+)
 _AGENTS = flags.DEFINE_integer("agents", 64, "Agents (offline, all at t=0).")
 _POLICY = flags.DEFINE_enum("policy", "dualpath", [p.value for p in Policy], "Policy.")
 _P = flags.DEFINE_integer("prefill_nodes", 2, "P.")
@@ -97,6 +99,9 @@ def paper_config(
 
 def main(argv):
     del argv
+    native.use(_NATIVE.value)  # before the simulator's modules are imported
+    from dualpath_jax.sim import SimOptions, simulate
+
     cost = None
     if _PRESET.value == "paper":
         from dualpath_jax.hardware import paper_experiment
@@ -148,7 +153,7 @@ def main(argv):
                 "events": run.events,
                 "events_per_cpu_s": run.events / cpu,
                 "events_per_s": run.events / run.wall_s,
-                # The compiled core ran (`dualpath_jax.native`; DUALPATH_JAX_NATIVE=0: pure).
+                # The compiled core ran (`dualpath_jax.native`; --native=off: pure).
                 "native": native.active(),
                 # Peak resident memory of this process (Linux reports KiB).
                 "max_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,

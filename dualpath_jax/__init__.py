@@ -1,11 +1,6 @@
 """dualpath_jax: DualPath PD-disaggregated agentic inference with dual-path KV loading, in JAX."""
 
-# First: the compiled core, when a fresh build exists, replaces its modules before any is imported.
-from dualpath_jax import _compiled
-
-_compiled.install()
-
-from dualpath_jax.config import (  # noqa: E402 (after the compiled core is installed)
+from dualpath_jax.config import (
     ClusterConfig,
     ConfigError,
     ExperimentConfig,

@@ -1,8 +1,10 @@
 """Loads the compiled core (`dualpath_jax.native`) in place of its modules' sources.
 
-Importing `dualpath_jax` calls `install()` first: when a fresh build exists, a finder put in front
-of the import system loads every module of `MODULES` from it (all of them or none). See
-`dualpath_jax.native` for how to build, use and turn it off.
+Nothing happens on import: a program opts in by calling `install()` (or `use(mode)`) before it
+imports any module of `MODULES`; then, when a fresh build exists, a finder put in front of the
+import system loads every module of the set from it (all of them or none). The simulator
+launcher and the simulator benchmarks opt in (`--native=auto|on|off`); the library itself never
+does, and reads no environment. See `dualpath_jax.native` and docs/simulator.md for the rules.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
-import os
 import pathlib
 import sys
 import sysconfig
@@ -50,14 +51,12 @@ MODULES = (
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
 _MANIFEST = "manifest.json"
-_ENV_OFF = "DUALPATH_JAX_NATIVE"
-_ENV_DIR = "DUALPATH_JAX_NATIVE_DIR"
+MODES = ("auto", "on", "off")
 
 
 def native_dir() -> pathlib.Path:
-    """Where the compiled modules are built and looked for."""
-    d = os.environ.get(_ENV_DIR)
-    return pathlib.Path(d) if d else _PACKAGE / "_native"
+    """Where the compiled modules are built and looked for by default (`dualpath_jax/_native/`)."""
+    return _PACKAGE / "_native"
 
 
 def _relpath(module: str) -> pathlib.Path:
@@ -114,43 +113,58 @@ def _check(manifest: dict[str, Any], where: pathlib.Path) -> tuple[dict[str, pat
     return files, ""
 
 
-_state: dict[str, Any] = {"installed": False, "why": "not looked for yet", "dir": None}
+_state: dict[str, Any] = {"installed": False, "why": "not asked for (native.install)", "dir": None}
 
 
-def install() -> bool:
-    """Puts the compiled modules in front of the sources if a fresh build exists (importing
-    `dualpath_jax` calls this, before any module of `MODULES` can be imported). Returns whether
-    they will be used."""
+def install(directory: str | pathlib.Path | None = None, *, required: bool = False) -> bool:
+    """Puts the compiled modules in front of the sources if a fresh build exists in `directory`
+    (default `native_dir()`). Call it before any module of `MODULES` is imported. Returns whether
+    they will be used; a stale build warns and the pure modules run, unless `required`, where
+    anything but success raises RuntimeError."""
     if _state["installed"]:
         return True
-    where = native_dir()
+    where = pathlib.Path(directory) if directory is not None else native_dir()
     _state["dir"] = str(where)
-    if os.environ.get(_ENV_OFF, "1") == "0":
-        _state["why"] = f"{_ENV_OFF}=0"
-        return False
-    path = where / _MANIFEST
-    if not path.exists():
-        _state["why"] = f"no build in {where}"
-        return False
-    already = [m for m in MODULES if m in sys.modules]
-    if already:  # a compiled module must not meet a pure one of the set
-        _state["why"] = f"{already[0]} was imported before dualpath_jax.native.install()"
-        return False
-    try:
-        files, why = _check(json.loads(path.read_text()), where)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        files, why = {}, f"unreadable manifest ({e})"
+    files, why = _find(where)
     if not files:
         _state["why"] = why
-        warnings.warn(
-            f"the compiled core in {where} is stale: {why}; running the pure Python modules "
-            "(rebuild: make native, or python -m dualpath_jax.native build)",
-            stacklevel=2,
-        )
+        if required:
+            raise RuntimeError(f"the compiled core cannot be used: {why}")
+        if (where / _MANIFEST).exists():  # a build exists but cannot be used: say so
+            warnings.warn(
+                f"the compiled core in {where} is stale or unusable: {why}; running the pure Python "
+                "modules (rebuild: make native, or python -m dualpath_jax.native build)",
+                stacklevel=2,
+            )
         return False
     sys.meta_path.insert(0, _Finder(files))
     _state.update(installed=True, why="")
     return True
+
+
+def _find(where: pathlib.Path) -> tuple[dict[str, pathlib.Path], str]:
+    path = where / _MANIFEST
+    if not path.exists():
+        return {}, f"no build in {where}"
+    already = [m for m in MODULES if m in sys.modules]
+    if already:  # a compiled module must not meet a pure one of the set
+        return {}, f"{already[0]} was imported before dualpath_jax.native.install()"
+    try:
+        return _check(json.loads(path.read_text()), where)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {}, f"unreadable manifest ({e})"
+
+
+def use(mode: str = "auto", directory: str | pathlib.Path | None = None) -> bool:
+    """A launcher's `--native` flag: "auto" uses a fresh build if there is one, "on" requires it
+    (RuntimeError otherwise), "off" runs the pure modules. Returns whether compiled modules run."""
+    if mode not in MODES:
+        raise ValueError(f"native mode must be one of {MODES}, got {mode!r}")
+    if mode == "off":
+        if not _state["installed"]:
+            _state.update(why="turned off (--native=off)", dir=str(directory or native_dir()))
+        return bool(_state["installed"])
+    return install(directory, required=mode == "on")
 
 
 def active() -> bool:

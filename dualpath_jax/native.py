@@ -3,23 +3,25 @@
 The modules in `MODULES` (the scheduler's pure cores, the link arbiter, the data paths and the
 simulator's event loop, links, engines and router) are ordinary typed Python. `build()` compiles
 them with mypyc (one C extension per module plus one shared library) into a directory with a
-manifest of the sources' SHA-256; importing `dualpath_jax` then loads the compiled modules in
-place of the sources, all of them or none:
+manifest of the sources' SHA-256. Using a build is an explicit choice of the program, never a side
+effect of importing the package:
 
-- only when the manifest matches this interpreter and every source, byte for byte (an edited
-  source makes the whole set stale: a warning says so and the pure modules run);
-- never with `DUALPATH_JAX_NATIVE=0` in the environment (the pure modules run; how side-by-side
-  speed figures are measured);
-- from `DUALPATH_JAX_NATIVE_DIR` if set, else `dualpath_jax/_native/` beside this file.
+- `install(directory=None)` (or `use("auto" | "on" | "off")`, what the `--native` flag of
+  `launch/simulate.py` and the simulator benchmarks calls) puts a finder in front of the import
+  system that loads every module of `MODULES` from the build, all of them or none;
+- only when called before any module of the set is imported, and only when the manifest matches
+  this interpreter and every source byte for byte (an edited source makes the whole set stale: a
+  warning says so and the pure modules run; `use("on")` raises instead);
+- from `directory`, default `dualpath_jax/_native/` beside this file (`native_dir()`).
 
 Results are the same either way (`tests/test_native.py` runs the simulator's and the
 scheduler's tests against a fresh build and compares simulations with the pure modules); only the
 speed differs (`bench/sim_speed.py` reports which ran). Building needs `mypy` (the `native`
 extra) and a C compiler:
 
-    make native                                  # or: python -m dualpath_jax.native build
-    python -m dualpath_jax.native status         # what is built, whether it is in use
-    python -m dualpath_jax.native clean
+    make native                                  # or: python -m dualpath_jax.native build [DIR]
+    python -m dualpath_jax.native status [DIR]   # what is built, whether it can be used
+    python -m dualpath_jax.native clean [DIR]
 
 The compiled modules are checked more strictly than Python: an argument of the wrong type (a
 `float` where an `int` is declared, a numpy integer for an `int`) raises `TypeError` at the call.
@@ -41,17 +43,20 @@ from typing import Any
 from dualpath_jax._compiled import (
     _MANIFEST,
     _PACKAGE,
+    MODES,
     MODULES,
     _abi,
+    _find,
     _relpath,
     _sha256,
     active,
     install,
     native_dir,
     status,
+    use,
 )
 
-__all__ = ["MODULES", "active", "build", "clean", "install", "native_dir", "status"]
+__all__ = ["MODES", "MODULES", "active", "build", "check", "clean", "install", "native_dir", "status", "use"]
 
 
 # --------------------------------------------------------------------------- building
@@ -125,26 +130,34 @@ def build(out: pathlib.Path | None = None, *, quiet: bool = True) -> pathlib.Pat
 
 
 def clean(out: pathlib.Path | None = None) -> None:
-    """Removes a build (the pure modules run from the next import of `dualpath_jax` on)."""
+    """Removes a build (`install()` then finds none and the pure modules run)."""
     out = out or native_dir()
     if out.exists():
         shutil.rmtree(out)
 
 
+def check(directory: pathlib.Path | None = None) -> str:
+    """Why the build in `directory` (default `native_dir()`) cannot be used in this process, or ""
+    when `install()` would use it."""
+    return _find(directory or native_dir())[1]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     cmd = args[0] if args else "status"
+    where = pathlib.Path(args[1]) if len(args) > 1 else None
     if cmd == "build":
-        where = build(quiet=False)
+        where = build(where, quiet=False)
         print(f"built {len(MODULES)} modules into {where}")
         return 0
     if cmd == "clean":
-        clean()
+        clean(where)
         return 0
     if cmd == "status":
-        print(json.dumps(status(), indent=1))
+        why = check(where)
+        print(json.dumps({"dir": str(where or native_dir()), "usable": not why, "why_not": why}, indent=1))
         return 0
-    print("usage: python -m dualpath_jax.native [build|status|clean]", file=sys.stderr)
+    print("usage: python -m dualpath_jax.native [build|status|clean] [DIR]", file=sys.stderr)
     return 2
 
 

@@ -13,6 +13,22 @@ os.environ.setdefault(
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--native-dir",
+        default=None,
+        help="run against the compiled core built in this directory (dualpath_jax.native)",
+    )
+
+
+def pytest_configure(config):
+    where = config.getoption("--native-dir")
+    if where:  # before any test module imports the scheduler or the simulator
+        from dualpath_jax import native
+
+        native.install(where, required=True)
+
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2  # noqa: E402

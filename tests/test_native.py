@@ -9,7 +9,6 @@ alone. Skipped where mypy or a C compiler is missing.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -38,15 +37,10 @@ def build_dir(tmp_path_factory) -> pathlib.Path:
     return native.build(tmp_path_factory.mktemp("native") / "build")
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DUALPATH_JAX_NATIVE")}
-    env.update(extra)
-    return env
-
-
 _SIMULATE = """
-import json
+import json, sys
 from dualpath_jax import native
+native.use(sys.argv[1], sys.argv[2])
 from dualpath_jax.hardware import paper_experiment
 from dualpath_jax.sim import SimOptions, simulate
 import dualpath_jax.sim.cluster as C
@@ -63,17 +57,17 @@ print(json.dumps(out))
 """
 
 
-def _simulate(env: dict[str, str]) -> dict:
+def _simulate(mode: str, where: pathlib.Path) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", _SIMULATE], env=env, cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-c", _SIMULATE, mode, str(where)], cwd=ROOT, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_compiled_simulations_equal_the_pure_ones(build_dir):
-    compiled = _simulate(_env(DUALPATH_JAX_NATIVE_DIR=str(build_dir)))
-    pure = _simulate(_env(DUALPATH_JAX_NATIVE="0"))
+    compiled = _simulate("on", build_dir)
+    pure = _simulate("off", build_dir)
     assert compiled["active"] and compiled["cluster_file"].endswith(
         sysconfig.get_config_var("EXT_SUFFIX")
     )
@@ -91,11 +85,11 @@ def test_scheduler_and_simulator_tests_pass_compiled(build_dir):
             "-x",
             "-p",
             "no:cacheprovider",
+            f"--native-dir={build_dir}",
             "tests/sim",
             "tests/sched",
             "tests/transfer/test_links.py",
         ],
-        env=_env(DUALPATH_JAX_NATIVE_DIR=str(build_dir)),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -110,12 +104,11 @@ def test_a_stale_build_is_not_used(build_dir, tmp_path):
     manifest["modules"]["dualpath_jax.sim.network"]["sha256"] = "0" * 64  # "an edited source"
     (stale / "manifest.json").write_text(json.dumps(manifest))
     code = (
-        "import json; from dualpath_jax import native; import dualpath_jax.sim.network as n; "
-        "print(json.dumps([native.active(), n.__file__]))"
+        "import json, sys; from dualpath_jax import native; native.install(sys.argv[1]); "
+        "import dualpath_jax.sim.network as n; print(json.dumps([native.active(), n.__file__]))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=_env(DUALPATH_JAX_NATIVE_DIR=str(stale)),
+        [sys.executable, "-c", code, str(stale)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,0 +1,76 @@
+"""The package's import wall: importing `dualpath_jax` (or any public namespace) changes no module
+and reads no environment; the compiled core runs only where a program asks for it."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "dualpath_jax"
+
+_PROBE = """
+import json, sys
+import dualpath_jax
+from dualpath_jax import cluster, model, rollout, sim
+from dualpath_jax._compiled import MODULES, _Finder, active
+import dualpath_jax.sim.cluster, dualpath_jax.sched.scheduler
+print(json.dumps({
+    "native_modules": [m for m in sys.modules if "_native" in m],
+    "finders": [type(f).__name__ for f in sys.meta_path if isinstance(f, _Finder)],
+    "active": active(),
+    "compiled_files": [m for m in MODULES if m in sys.modules
+                       and not str(sys.modules[m].__file__).endswith(".py")],
+}))
+"""
+
+
+def test_importing_the_package_installs_nothing(tmp_path):
+    # Run from a directory without a build and with the variables the old loader read set: they
+    # must change nothing.
+    env = {"PATH": "/usr/bin:/bin", "DUALPATH_JAX_NATIVE": "1", "DUALPATH_JAX_NATIVE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"native_modules": [], "finders": [], "active": False, "compiled_files": []}
+
+
+def test_the_library_reads_no_environment():
+    pattern = re.compile(r"\bos\.environ\b|\bos\.getenv\b|\bgetenv\(|\benviron\[")
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "native.py" and path.parent == PACKAGE:
+            continue  # the compiled core's builder passes the environment to its compiler
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if pattern.search(line):
+                offenders.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert offenders == []
+
+
+def test_use_checks_its_mode_and_off_installs_nothing():
+    from dualpath_jax import native
+
+    with pytest.raises(ValueError, match="native mode"):
+        native.use("fast")
+    assert native.use("off") is native.active()
+
+
+def test_on_without_a_build_is_a_clear_error(tmp_path):
+    code = "import sys; from dualpath_jax import native; native.use('on', sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode != 0
+    assert "the compiled core cannot be used: no build in" in proc.stderr
