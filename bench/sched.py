@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from dualpath_jax.config import Policy
 from dualpath_jax.sched import EngineLoad, GlobalScheduler, Request, de_fetch, pe_fetch
 
 PAPER_RATE = 48_000 * 157 / 3201  # requests per second at 1,152 GPUs
@@ -69,7 +70,7 @@ def drained(loads: list[EngineLoad], known: dict[int, EngineLoad], rng) -> list[
     return out
 
 
-def end_to_end(policy: str, reqs: list[Request], pe_nodes: int, de_nodes: int) -> dict:
+def end_to_end(policy: Policy, reqs: list[Request], pe_nodes: int, de_nodes: int) -> dict:
     pes, des = build_loads(pe_nodes, de_nodes)
     s = GlobalScheduler(policy, alpha=3.75e6, beta=2.2e6)
     rng = np.random.default_rng(1)
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--pe_nodes", type=int, default=6)
     ap.add_argument("--de_nodes", type=int, default=12)
-    ap.add_argument("--policy", default="dualpath")
+    ap.add_argument("--policy", default="dualpath", type=Policy, choices=list(Policy))
     args = ap.parse_args()
     reqs = make_requests(args.requests)
     engines = 8 * (args.pe_nodes + args.de_nodes)

@@ -1,16 +1,17 @@
 """Inter-engine policies behind one factory, `make_policy`.
 
-A policy is an engine choice (the paper's load-aware fetches, or round robin) plus a read-path
-mode. The launcher-level `config.Policy` values map onto them:
+`config.Policy` is the one name of a policy, in configs, flags and code. Here, and only here, each
+is resolved to the scheduler's internal `PolicySpec`: an engine choice (the paper's load-aware
+fetches, or round robin), a read-path mode and whether prefill is layerwise:
 
-| config.Policy | policy      | engines    | read path                     | layerwise |
-|---------------|-------------|------------|-------------------------------|-----------|
-| basic         | pe_only     | load aware | PE side always                | no        |
-| layerwise     | pe_only     | load aware | PE side always                | yes       |
-| dualpath_rr   | round_robin | round robin| PE and DE side in turn        | yes       |
-| dualpath      | dualpath    | load aware | shorter read queue            | yes       |
-| split         | split       | load aware | both, by queue drain time     | yes       |
-| oracle        | oracle      | load aware | nothing is read               | yes       |
+| config.Policy | engines    | read path                     | layerwise |
+|---------------|------------|-------------------------------|-----------|
+| basic         | load aware | PE side always                | no        |
+| layerwise     | load aware | PE side always                | yes       |
+| dualpath_rr   | round robin| PE and DE side in turn        | yes       |
+| dualpath      | load aware | shorter read queue            | yes       |
+| split         | load aware | both, by queue drain time     | yes       |
+| oracle        | load aware | nothing is read               | yes       |
 
 `dualpath_rr` is the paper's "dual-path loading" ablation step and its round-robin baseline
 for storage-NIC balance (Figure 13): both read paths are used, but neither the engines nor the
@@ -29,14 +30,6 @@ from dualpath_jax.sched import inter
 from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, Request
 
 
-class PolicyName(enum.StrEnum):
-    DUALPATH = "dualpath"
-    ROUND_ROBIN = "round_robin"
-    PE_ONLY = "pe_only"
-    SPLIT = "split"
-    ORACLE = "oracle"
-
-
 class EngineChoice(enum.StrEnum):
     LOAD_AWARE = "load_aware"  # Algorithm 1 + the two-level DE fetch
     ROUND_ROBIN = "round_robin"
@@ -52,50 +45,33 @@ class PathMode(enum.StrEnum):
 
 @dataclasses.dataclass(frozen=True)
 class PolicySpec:
-    name: PolicyName
+    """What a policy does, as the scheduling cores see it (derived from `config.Policy`)."""
+
     engine_choice: EngineChoice
     path_mode: PathMode
     layerwise: bool = True  # layerwise prefill (off only for Basic)
 
 
-POLICY_SPECS: dict[PolicyName, PolicySpec] = {
-    PolicyName.DUALPATH: PolicySpec(PolicyName.DUALPATH, EngineChoice.LOAD_AWARE, PathMode.SHORTER),
-    PolicyName.ROUND_ROBIN: PolicySpec(
-        PolicyName.ROUND_ROBIN, EngineChoice.ROUND_ROBIN, PathMode.ALTERNATE
-    ),
-    PolicyName.PE_ONLY: PolicySpec(PolicyName.PE_ONLY, EngineChoice.LOAD_AWARE, PathMode.PE),
-    PolicyName.SPLIT: PolicySpec(PolicyName.SPLIT, EngineChoice.LOAD_AWARE, PathMode.SPLIT),
-    PolicyName.ORACLE: PolicySpec(PolicyName.ORACLE, EngineChoice.LOAD_AWARE, PathMode.NONE),
-}
-
-LAUNCHER_POLICIES: dict[Policy, PolicySpec] = {
-    Policy.BASIC: dataclasses.replace(POLICY_SPECS[PolicyName.PE_ONLY], layerwise=False),
-    Policy.LAYERWISE: POLICY_SPECS[PolicyName.PE_ONLY],
-    Policy.DUALPATH_RR: POLICY_SPECS[PolicyName.ROUND_ROBIN],
-    Policy.DUALPATH: POLICY_SPECS[PolicyName.DUALPATH],
-    Policy.SPLIT: POLICY_SPECS[PolicyName.SPLIT],
-    Policy.ORACLE: POLICY_SPECS[PolicyName.ORACLE],
+POLICY_SPECS: dict[Policy, PolicySpec] = {
+    Policy.BASIC: PolicySpec(EngineChoice.LOAD_AWARE, PathMode.PE, layerwise=False),
+    Policy.LAYERWISE: PolicySpec(EngineChoice.LOAD_AWARE, PathMode.PE),
+    Policy.DUALPATH_RR: PolicySpec(EngineChoice.ROUND_ROBIN, PathMode.ALTERNATE),
+    Policy.DUALPATH: PolicySpec(EngineChoice.LOAD_AWARE, PathMode.SHORTER),
+    Policy.SPLIT: PolicySpec(EngineChoice.LOAD_AWARE, PathMode.SPLIT),
+    Policy.ORACLE: PolicySpec(EngineChoice.LOAD_AWARE, PathMode.NONE),
 }
 
 
-def policy_spec(policy: SchedulerConfig | Policy | PolicyName | PolicySpec | str) -> PolicySpec:
-    """Resolves a config, launcher policy, policy name or spec to a `PolicySpec`."""
-    if isinstance(policy, PolicySpec):
-        return policy
+def policy_spec(policy: Policy | SchedulerConfig) -> PolicySpec:
+    """The scheduler's spec of a policy (or of a scheduler config's policy)."""
     if isinstance(policy, SchedulerConfig):
         policy = policy.policy
-    if isinstance(policy, Policy):
-        return LAUNCHER_POLICIES[policy]
-    if isinstance(policy, PolicyName):
-        return POLICY_SPECS[policy]
-    if isinstance(policy, str):
-        if policy in Policy._value2member_map_:
-            return LAUNCHER_POLICIES[Policy(policy)]
-        if policy in PolicyName._value2member_map_:
-            return POLICY_SPECS[PolicyName(policy)]
-        known = sorted({*Policy._value2member_map_, *PolicyName._value2member_map_})
-        raise ValueError(f"unknown policy {policy!r}; known: {known}")
-    raise TypeError(f"cannot make a policy from {type(policy).__name__}")
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            f"a policy is a config.Policy (e.g. Policy.DUALPATH or Policy('dualpath')), got "
+            f"{policy!r}; known: {[p.value for p in Policy]}"
+        )
+    return POLICY_SPECS[policy]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,8 +157,6 @@ class InterEnginePolicy:
 _MODE_VALUE = {m: m.value for m in PathMode}
 
 
-def make_policy(
-    policy: SchedulerConfig | Policy | PolicyName | PolicySpec | str,
-) -> InterEnginePolicy:
+def make_policy(policy: Policy | SchedulerConfig) -> InterEnginePolicy:
     """The one factory for inter-engine policies (see the module table for the mapping)."""
     return InterEnginePolicy(policy_spec(policy))

@@ -33,7 +33,7 @@ from dualpath_jax._compiled import mypyc_attr
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.inter import GroupTotals
-from dualpath_jax.sched.policy import InterEnginePolicy, PolicyName, PolicySpec, make_policy
+from dualpath_jax.sched.policy import InterEnginePolicy, make_policy
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
 
 
@@ -43,7 +43,7 @@ class GlobalScheduler:
 
     def __init__(
         self,
-        policy: SchedulerConfig | Policy | PolicyName | PolicySpec | str | InterEnginePolicy,
+        policy: Policy | InterEnginePolicy,
         *,
         alpha: float = math.inf,
         beta: float = math.inf,
@@ -82,7 +82,7 @@ class GlobalScheduler:
     ) -> GlobalScheduler:
         """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`)."""
         return cls(
-            cfg,
+            cfg.policy,
             alpha=alpha,
             beta=beta,
             z_factor=cfg.z_factor,

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, StoreConfig
+from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.params import (
     ParamsSlot,
@@ -83,7 +83,7 @@ def rig(monkeypatch):
     )
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
-    router = Router(cfg, server, store, GlobalScheduler("dualpath"), clock=lambda: 0.0)
+    router = Router(cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0)
     sent: list[tuple[bytes, M.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     r = Rig(router, sent)

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
+from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcServer
@@ -73,7 +73,7 @@ def make_rig(**cluster) -> Rig:
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
     clock = Clock()
-    sched = GlobalScheduler("dualpath", de_max_seqs=c.decode_slots + c.decode_queue)
+    sched = GlobalScheduler(Policy.DUALPATH, de_max_seqs=c.decode_slots + c.decode_queue)
     router = Router(cfg, server, store, sched, clock=clock)
     sent: list[tuple[bytes, M.Msg]] = []
     server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]

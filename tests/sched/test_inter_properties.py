@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dualpath_jax.config import Policy
 from dualpath_jax.sched.inter import (
     GroupTotals,
     assign_paths,
@@ -281,7 +282,7 @@ def test_alternate_path_takes_turns_blind_to_queues(queue, cursor):
 def test_round_robin_scheduler_alternates_read_sides_across_fetches():
     from dualpath_jax.sched.scheduler import GlobalScheduler
 
-    s = GlobalScheduler("dualpath_rr", alpha=1e9, beta=1e9, block_tokens=64)
+    s = GlobalScheduler(Policy.DUALPATH_RR, alpha=1e9, beta=1e9, block_tokens=64)
     de = EngineLoad(5, 1, 0, 0, 0, 0, 10**6)
     pe = EngineLoad(1, 0, 0, 0, 0, 0, 0)
     paths = []

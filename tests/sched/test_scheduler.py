@@ -13,8 +13,8 @@ from dualpath_jax.sched import (
     EngineChoice,
     EngineLoad,
     GlobalScheduler,
+    POLICY_SPECS,
     PathMode,
-    PolicyName,
     QueueFull,
     ReadPath,
     Request,
@@ -40,33 +40,32 @@ def de_loads(read_q: int = 0, free: int = 10**6, group: int = 0, base: int = 10,
 
 
 @pytest.mark.parametrize(
-    "policy, name, engines, path, layerwise",
+    "policy, engines, path, layerwise",
     [
-        (Policy.BASIC, PolicyName.PE_ONLY, EngineChoice.LOAD_AWARE, PathMode.PE, False),
-        (Policy.LAYERWISE, PolicyName.PE_ONLY, EngineChoice.LOAD_AWARE, PathMode.PE, True),
-        (
-            Policy.DUALPATH_RR,
-            PolicyName.ROUND_ROBIN,
-            EngineChoice.ROUND_ROBIN,
-            PathMode.ALTERNATE,
-            True,
-        ),
-        (Policy.DUALPATH, PolicyName.DUALPATH, EngineChoice.LOAD_AWARE, PathMode.SHORTER, True),
-        (Policy.SPLIT, PolicyName.SPLIT, EngineChoice.LOAD_AWARE, PathMode.SPLIT, True),
-        (Policy.ORACLE, PolicyName.ORACLE, EngineChoice.LOAD_AWARE, PathMode.NONE, True),
+        (Policy.BASIC, EngineChoice.LOAD_AWARE, PathMode.PE, False),
+        (Policy.LAYERWISE, EngineChoice.LOAD_AWARE, PathMode.PE, True),
+        (Policy.DUALPATH_RR, EngineChoice.ROUND_ROBIN, PathMode.ALTERNATE, True),
+        (Policy.DUALPATH, EngineChoice.LOAD_AWARE, PathMode.SHORTER, True),
+        (Policy.SPLIT, EngineChoice.LOAD_AWARE, PathMode.SPLIT, True),
+        (Policy.ORACLE, EngineChoice.LOAD_AWARE, PathMode.NONE, True),
     ],
 )
-def test_launcher_policies_map_onto_scheduler_policies(policy, name, engines, path, layerwise):
-    for arg in (policy, policy.value, SchedulerConfig(policy=policy)):
+def test_each_policy_resolves_to_its_spec(policy, engines, path, layerwise):
+    for arg in (policy, Policy(policy.value), SchedulerConfig(policy=policy)):
         p = make_policy(arg)
-        assert (p.spec.name, p.spec.engine_choice, p.spec.path_mode) == (name, engines, path)
+        assert (p.spec.engine_choice, p.spec.path_mode) == (engines, path)
         assert p.layerwise is layerwise
-    assert make_policy(name.value).spec.name is name
+    assert set(POLICY_SPECS) == set(Policy)  # one spec per policy, derived in one place
 
 
-def test_unknown_policy_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown policy 'fastest'"):
-        make_policy("fastest")
+def test_a_policy_is_a_config_policy_not_a_bare_string():
+    for bad in ("dualpath", "fastest", 3):
+        with pytest.raises(TypeError, match="a policy is a config.Policy"):
+            make_policy(bad)
+        with pytest.raises(TypeError, match="a policy is a config.Policy"):
+            GlobalScheduler(bad)
+    with pytest.raises(ValueError, match="'fastest' is not a valid Policy"):
+        Policy("fastest")
 
 
 def test_dualpath_flow_alternates_read_sides_by_queue():

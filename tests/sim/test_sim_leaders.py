@@ -111,7 +111,7 @@ def test_rounds_per_pe_fetch(phases):
 def test_route_de_is_phase_one_of_fetch_de():
     loads = [EngineLoad(e, e // 2, e // 2, 0, 0, 0, 10_000) for e in range(4)]
     reqs = [Request(f"r{i}", f"t{i}", 0, 100 * (i + 1), 0, 4) for i in range(5)]
-    a, b = GlobalScheduler("dualpath"), GlobalScheduler("dualpath")
+    a, b = GlobalScheduler(Policy.DUALPATH), GlobalScheduler(Policy.DUALPATH)
     for s in (a, b):
         s.report(loads, "de")
         for r in reqs:
