@@ -15,7 +15,8 @@ from absl import app, flags
 
 from dualpath_jax.config import apply_overrides
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.metrics.compare import compare, table
+from dualpath_jax.experiment import compare
+from dualpath_jax.metrics.compare import table
 from dualpath_jax.metrics.plots import plot_comparison
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file.")

@@ -26,8 +26,10 @@ from absl import app, flags  # noqa: E402
 
 from dualpath_jax.config import apply_overrides  # noqa: E402
 from dualpath_jax.configs_loader import load_config  # noqa: E402
-from dualpath_jax.experiment import run_local  # noqa: E402
-from dualpath_jax.metrics.compare import with_policy  # noqa: E402
+from dualpath_jax.experiment import (
+    run_local,  # noqa: E402
+    with_policy,  # noqa: E402
+)
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file.")
 _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")

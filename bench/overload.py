@@ -46,12 +46,13 @@ from concurrent import futures
 import numpy as np
 from absl import app, flags
 
+from dualpath_jax.cluster import Client
 from dualpath_jax.config import ExperimentConfig, apply_overrides
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.experiment import build_trajectories, check_fits
 from dualpath_jax.metrics.events import read_events
-from dualpath_jax.rollout import Client, RolloutError, run_trajectories
+from dualpath_jax.rollout import RolloutError, run_trajectories
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py:tiny", "Experiment file.")
 _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")

@@ -12,9 +12,9 @@ Failure kinds, secrets and liveness: docs/failures.md; several hosts: docs/multi
 
 from __future__ import annotations
 
+from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.engine.cluster import ClusterError, LocalCluster
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
-from dualpath_jax.rollout import Client, RolloutError
 
 __all__ = [
     "Client",

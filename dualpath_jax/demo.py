@@ -17,8 +17,9 @@ import shutil
 import sys
 import tempfile
 
+from dualpath_jax.experiment import compare
 from dualpath_jax.hardware import emulated_cpu_experiment
-from dualpath_jax.metrics.compare import compare, table
+from dualpath_jax.metrics.compare import table
 from dualpath_jax.metrics.plots import plot_comparison
 
 POLICIES = ("basic", "dualpath", "oracle")

@@ -1,6 +1,7 @@
 """One experiment on a local cluster: trajectories in, `outputs.jsonl` + `summary.json` out.
 
     summary = run_local(cfg, workdir)
+    result = compare(cfg, [Policy.BASIC, Policy.DUALPATH], workdir)   # side by side
 
 Offline mode starts `workload.agents` agents together (JCT = time until all finish); online mode
 starts them at Poisson arrival times (`workload.aps`). Writes to `workdir`: `config.json`,
@@ -10,13 +11,15 @@ starts them at Poisson arrival times (`workload.aps`). Writes to `workdir`: `con
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import read_link_reports, summarize
 from dualpath_jax.workload.arrivals import agent_trajectories, schedule
@@ -91,3 +94,60 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     summary["config"] = cfg.name
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def with_policy(cfg: ExperimentConfig, policy: Policy | str) -> ExperimentConfig:
+    """`cfg` under another policy (a `Policy`, or its name as a flag gives it)."""
+    return dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+    )
+
+
+def read_outputs(path: pathlib.Path) -> dict[str, list[list[int]]]:
+    with open(path) as f:
+        return {d["id"]: d["rounds"] for d in map(json.loads, f)}
+
+
+def compare(
+    cfg: ExperimentConfig,
+    policies: Sequence[Policy | str],
+    workdir: str | pathlib.Path,
+    *,
+    run: Callable[[ExperimentConfig, pathlib.Path], dict] | None = None,
+    warmup: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Side-by-side policy comparison on one config: every policy replays the same trajectories
+    on a fresh local cluster (greedy decoding makes their tokens comparable one for one), into
+    `workdir/<policy>`; returns `{"summaries", "tokens_identical",
+    "mismatches"}` and writes it to `workdir/comparison.json`.
+
+    `warmup` first replays the workload once (oracle, unmeasured) so every policy finds the
+    compiled shapes in the persistent compilation cache instead of the first one paying for them.
+    """
+    run = run or (lambda c, wd: run_local(c, wd, progress=progress))
+    policies = [Policy(p) for p in policies]
+    workdir = pathlib.Path(workdir)
+    if warmup:
+        log("warm-up run (oracle, not measured): compiling the shapes this workload needs ...")
+        run(with_policy(cfg, Policy.ORACLE), workdir / "_warmup")
+    summaries = {}
+    for p in policies:
+        log(f"running policy {p} ...")
+        summaries[p] = run(with_policy(cfg, p), workdir / p)
+        log(f"  {p}: JCT {summaries[p]['jct_s']:.1f} s")
+    outputs = {p: read_outputs(workdir / p / "outputs.jsonl") for p in policies}
+    ref = outputs[policies[0]]
+    mismatches = [
+        f"{p}:{tid}" for p in policies[1:] for tid in ref if outputs[p].get(tid) != ref[tid]
+    ]
+    result = {
+        "config": cfg.name,
+        "emulated": cfg.hardware.emulated,
+        "summaries": summaries,
+        "tokens_identical": not mismatches,
+        "mismatches": mismatches,
+    }
+    (workdir / "comparison.json").write_text(json.dumps(result, indent=1))
+    return result

@@ -17,336 +17,35 @@ key. RL loops push new params between iterations with `update_params(params)` or
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import json
 import logging
-import numbers
 import pathlib
-import queue
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any
 
 from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.client import (
+    TOKEN_LIMIT,
+    Backend,
+    RolloutError,
+    _check_int,
+    check_tokens,
+    key_to_seed,
+    new_version,
+)
 
 log = logging.getLogger(__name__)
 
-
-class RolloutError(RuntimeError):
-    """A round was refused or failed. `kind`: bad_request (the input), overloaded (queue full),
-    store, transfer or engine (the cluster failed it; `str(e)` carries the cause), cancelled,
-    auth (wrong secret), connection (the router stopped answering)."""
-
-    def __init__(self, message: str, kind: str = "error"):
-        super().__init__(message)
-        self.kind = kind
-
-
-TOKEN_LIMIT = 2**31  # token ids are int32 on the device
-
-
-def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
-    """Token ids as plain ints; anything but an integer (numpy integers are fine; bool, float and
-    str are not) or a value outside [0, 2**31) raises RolloutError(kind="bad_request")."""
-    if isinstance(tokens, str | bytes):
-        raise RolloutError(
-            f"{what}s must be a sequence of ints, got {type(tokens).__name__}", "bad_request"
-        )
-    out = []
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise RolloutError(f"{what} {t!r} is not an int ({type(t).__name__})", "bad_request")
-        v = int(t)
-        if not 0 <= v < TOKEN_LIMIT:
-            raise RolloutError(f"{what} {v} is out of range [0, 2**31)", "bad_request")
-        out.append(v)
-    return out
-
-
-def _check_int(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
-    v = int(value)
-    if v < low:
-        bound = "> 0" if low == 1 else f">= {low}"
-        raise RolloutError(f"{name} must be {bound}, got {v}", "bad_request")
-    if v >= high:
-        raise RolloutError(f"{name} must be < {high}, got {v}", "bad_request")
-    return v
-
-
-class Backend(Protocol):
-    def open_session(self, session: str, resume: bool = False) -> None: ...
-    def submit(
-        self,
-        session: str,
-        append: Sequence[int],
-        gen: int,
-        *,
-        temperature: float = 0.0,
-        seed: int = 0,
-    ) -> futures.Future[M.Result]: ...
-    def close_session(self, session: str, release: bool = False) -> None: ...
-    def update_params(self, params: Any, version: str | None = None) -> str: ...
-    def update_params_from_checkpoint(
-        self, path: str | pathlib.Path, version: str | None = None
-    ) -> str: ...
-
-
-def key_to_seed(key: Any) -> int:
-    """The uint32 seed a round's sampling is keyed by, drawn from a JAX PRNG key."""
-    import jax
-    import jax.numpy as jnp
-
-    return int(jax.random.bits(key, dtype=jnp.uint32))
-
-
-def new_version() -> str:
-    """A fresh, unique params version name."""
-    return f"v-{uuid.uuid4().hex[:16]}"
-
-
-class RoundFuture(futures.Future):
-    """The future of one round; `request` is its id (for `Client.cancel`)."""
-
-    request: str = ""
-
-
-class Client:
-    """Talks to a router. Thread safe: a background thread owns the socket.
-
-    `token` is the client secret (`LocalCluster.client()` passes it). `params_dir` is where
-    `update_params` writes checkpoints (a directory every engine can read; `LocalCluster.client()`
-    passes `workdir/params`). The client pings the router every `ping_s`; calls that have heard
-    nothing from it for `dead_after_s` fail with kind `connection` (the router died or is
-    unreachable), and a rejected secret fails every pending call with kind `auth`.
-    """
-
-    def __init__(
-        self,
-        address: str,
-        token: str = "",
-        params_dir: str | pathlib.Path | None = None,
-        *,
-        ping_s: float = 1.0,
-        dead_after_s: float = 5.0,
-    ):
-        from dualpath_jax.engine.rpc import RpcClient
-
-        self.address = address
-        self.params_dir = pathlib.Path(params_dir) if params_dir else None
-        self.ping_s, self.dead_after_s = ping_s, dead_after_s
-        self._token = token
-        self._rpc = RpcClient(address, token)
-        self._out: queue.Queue[tuple[bytes, str, futures.Future | None, bool]] = queue.Queue()
-        self._pending: dict[str, tuple[futures.Future, float]] = {}
-        self._stats: list[tuple[futures.Future, float]] = []
-        self._closed = threading.Event()
-        self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="dualpath-client", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        import time
-
-        heard = last_ping = time.monotonic()
-        while not self._closed.is_set():
-            now = time.monotonic()
-            while True:
-                try:
-                    frame, ref, fut, is_stats = self._out.get_nowait()
-                except queue.Empty:
-                    break
-                if fut is not None:
-                    if is_stats:
-                        self._stats.append((fut, now))
-                    else:
-                        self._pending[ref] = (fut, now)
-                self._rpc.send_frame(frame)
-            if now - last_ping >= self.ping_s:
-                self._rpc.send_frame(M.encode(M.Ping(), self._token))
-                last_ping = now
-            try:
-                reply = self._rpc.recv(5)
-            except Exception as e:  # noqa: BLE001 - a frame that fails the checks fails nothing
-                log.warning("dropped a frame from the router: %s", e)
-                reply = None
-                heard = time.monotonic()
-            if reply is None:
-                self._expire(time.monotonic(), heard)
-                continue
-            heard = time.monotonic()
-            if isinstance(reply, M.Stats):
-                if self._stats:
-                    self._stats.pop(0)[0].set_result(reply)
-                continue
-            if isinstance(reply, M.Error) and not reply.ref and reply.kind == "auth":
-                self._fail_all(
-                    RolloutError(f"the router refused this client: {reply.message}", "auth")
-                )
-                continue
-            ref = getattr(reply, "request", None) or getattr(reply, "ref", "")
-            item = self._pending.pop(ref, None)
-            if item is not None:
-                item[0].set_result(reply)
-        self._fail_all(RolloutError("client is closed", "connection"))
-        self._rpc.close()
-
-    def _expire(self, now: float, heard: float) -> None:
-        """Fails calls that have heard nothing from the router for `dead_after_s`."""
-        if now - heard <= self.dead_after_s:
-            return
-        err = RolloutError(
-            f"no answer from the router at {self.address} for {now - heard:.1f} s", "connection"
-        )
-        for ref, (fut, t) in list(self._pending.items()):
-            if now - max(t, heard) > self.dead_after_s:
-                del self._pending[ref]
-                fut.set_exception(err)
-        while self._stats and now - max(self._stats[0][1], heard) > self.dead_after_s:
-            self._stats.pop(0)[0].set_exception(err)
-
-    def _fail_all(self, err: RolloutError) -> None:
-        pending, self._pending = self._pending, {}
-        for fut, _ in pending.values():
-            fut.set_exception(err)
-        stats, self._stats = self._stats, []
-        for fut, _ in stats:
-            fut.set_exception(err)
-
-    def _call(self, msg: M.Msg, ref: str, fut: futures.Future | None = None) -> futures.Future:
-        if self._closed.is_set():
-            raise RolloutError("client is closed", "connection")
-        try:
-            frame = M.encode(msg, self._token)
-        except M.FrameError as e:
-            raise RolloutError(str(e), "bad_request") from None
-        fut = fut if fut is not None else futures.Future()
-        self._out.put((frame, ref, fut, isinstance(msg, M.GetStats)))
-        return fut
-
-    def cancel(self, request: str) -> None:
-        """Abandons a round: its future fails with kind `cancelled` and its session is free for
-        the next round. A round that already finished is not affected."""
-        frame = M.encode(M.CancelRound(request=request), self._token)
-        self._out.put((frame, "", None, False))
-
-    @staticmethod
-    def _check(reply: M.Msg) -> M.Msg:
-        if isinstance(reply, M.Error):
-            raise RolloutError(reply.message, reply.kind)
-        return reply
-
-    def open_session(self, session: str, resume: bool = False, timeout_s: float = 30.0) -> None:
-        """Opens a session; an existing one is an error unless `resume=True` (continue it)."""
-        msg = M.OpenSession(session=session, resume=bool(resume))
-        self._check(self._call(msg, session).result(timeout_s))
-
-    def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
-        """Ends a session; `release=True` also deletes its stored KV blocks that no other open
-        session uses."""
-        msg = M.CloseSession(session=session, release=bool(release))
-        self._check(self._call(msg, session).result(timeout_s))
-
-    def submit(
-        self,
-        session: str,
-        append: Sequence[int],
-        gen: int,
-        *,
-        temperature: float = 0.0,
-        seed: int = 0,
-    ) -> futures.Future[M.Result]:
-        """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
-        must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
-        before anything is sent."""
-        rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        out: RoundFuture = RoundFuture()
-        out.request = rid
-        try:
-            if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-                raise RolloutError(
-                    f"temperature must be a number, got {temperature!r}", "bad_request"
-                )
-            sub = M.Submit(
-                request=rid,
-                session=str(session),
-                append=check_tokens(append),
-                gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
-                temperature=float(temperature),
-                seed=_check_int(seed, "seed", 0, 2**32),
-            )
-            raw = self._call(sub, rid)
-        except RolloutError as e:
-            out.set_exception(e)
-            return out
-
-        def done(f: futures.Future) -> None:
-            try:
-                out.set_result(self._check(f.result()))
-            except BaseException as e:  # noqa: BLE001
-                out.set_exception(e)
-
-        raw.add_done_callback(done)
-        return out
-
-    def update_params(
-        self,
-        params: Any,
-        version: str | None = None,
-        *,
-        directory: str | pathlib.Path | None = None,
-        timeout_s: float = 600.0,
-    ) -> str:
-        """Serves new parameters on every engine; returns the new params version.
-
-        `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`). They
-        are written as an orbax checkpoint to `directory` (default `params_dir/<version>`), which
-        every engine must be able to read, then `update_params_from_checkpoint` runs. Raises
-        RolloutError if any engine refuses them (wrong tree, shapes or dtypes); the cluster then
-        keeps serving the old params.
-        """
-        from dualpath_jax.engine.params import check_version
-        from dualpath_jax.model.checkpoint import save_params_tree
-
-        version = check_version(version or new_version())
-        if directory is None:
-            if self.params_dir is None:
-                raise RolloutError(
-                    "update_params needs a directory (or a Client with params_dir)", "bad_request"
-                )
-            directory = self.params_dir / version
-        path = save_params_tree(params, directory)
-        return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s)
-
-    def update_params_from_checkpoint(
-        self, path: str | pathlib.Path, version: str | None = None, *, timeout_s: float = 600.0
-    ) -> str:
-        """Serves the parameters of a checkpoint directory (orbax, as written by
-        `model.checkpoint.save_params_tree`/`save_params`, or Hugging Face) as `version` (default:
-        a fresh name). The router waits for the rounds already submitted to finish with the old
-        params, holds new ones, and answers once every engine loaded and checked the new params;
-        from then on block keys use the new version, so no KV of older params is reused."""
-        from dualpath_jax.engine.params import check_version
-
-        version = check_version(version or new_version())
-        msg = M.UpdateParams(version=version, path=str(pathlib.Path(path).absolute()))
-        self._check(self._call(msg, f"params:{version}").result(timeout_s))
-        return version
-
-    def stats(self, timeout_s: float = 30.0) -> dict:
-        reply = self._check(self._call(M.GetStats(), "__stats__").result(timeout_s))
-        return json.loads(reply.json)
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        self._check(self._call(M.Shutdown(), "shutdown").result(timeout_s))
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(2)
+__all__ = [
+    "Backend",
+    "InProcessEngine",
+    "RolloutError",
+    "Session",
+    "TrajectoryOutput",
+    "run_trajectories",
+]
 
 
 class Session:

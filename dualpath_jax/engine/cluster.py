@@ -26,10 +26,10 @@ import sys
 import time
 
 from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
-from dualpath_jax.rollout import Client
 
 
 class ClusterError(RuntimeError):

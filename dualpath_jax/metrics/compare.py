@@ -1,76 +1,13 @@
-"""Side-by-side policy comparison on one config: runs, the token check, the table, the figures.
+"""The side-by-side policy comparison's table (`experiment.compare` runs the policies).
 
-Used by `bench/compare_policies.py` and `make demo`. Every policy replays the same trajectories
-on a fresh local cluster; greedy decoding makes their tokens comparable one for one.
+Used by `bench/compare_policies.py` and `make demo`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import pathlib
-from collections.abc import Callable, Sequence
-
-from dualpath_jax.config import ExperimentConfig, Policy
-
 # The paper's ablation order (Fig. 12 right) and its JCT reductions vs Basic (DS 660B, 64K).
 ABLATION = ("basic", "layerwise", "dualpath_rr", "dualpath")
 PAPER_ABLATION_PCT = {"layerwise": 17.21, "dualpath_rr": 38.19, "dualpath": 45.62}
-
-
-def with_policy(cfg: ExperimentConfig, policy: str) -> ExperimentConfig:
-    return dataclasses.replace(
-        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
-    )
-
-
-def read_outputs(path: pathlib.Path) -> dict[str, list[list[int]]]:
-    with open(path) as f:
-        return {d["id"]: d["rounds"] for d in map(json.loads, f)}
-
-
-def compare(
-    cfg: ExperimentConfig,
-    policies: Sequence[str],
-    workdir: str | pathlib.Path,
-    *,
-    run: Callable[[ExperimentConfig, pathlib.Path], dict] | None = None,
-    warmup: bool = True,
-    progress: bool = True,
-    log: Callable[[str], None] = print,
-) -> dict:
-    """Runs every policy into `workdir/<policy>`; returns `{"summaries", "tokens_identical",
-    "mismatches"}` and writes it to `workdir/comparison.json`.
-
-    `warmup` first replays the workload once (oracle, unmeasured) so every policy finds the
-    compiled shapes in the persistent compilation cache instead of the first one paying for them.
-    """
-    from dualpath_jax.experiment import run_local
-
-    run = run or (lambda c, wd: run_local(c, wd, progress=progress))
-    workdir = pathlib.Path(workdir)
-    if warmup:
-        log("warm-up run (oracle, not measured): compiling the shapes this workload needs ...")
-        run(with_policy(cfg, "oracle"), workdir / "_warmup")
-    summaries = {}
-    for p in policies:
-        log(f"running policy {p} ...")
-        summaries[p] = run(with_policy(cfg, p), workdir / p)
-        log(f"  {p}: JCT {summaries[p]['jct_s']:.1f} s")
-    outputs = {p: read_outputs(workdir / p / "outputs.jsonl") for p in policies}
-    ref = outputs[policies[0]]
-    mismatches = [
-        f"{p}:{tid}" for p in policies[1:] for tid in ref if outputs[p].get(tid) != ref[tid]
-    ]
-    result = {
-        "config": cfg.name,
-        "emulated": cfg.hardware.emulated,
-        "summaries": summaries,
-        "tokens_identical": not mismatches,
-        "mismatches": mismatches,
-    }
-    (workdir / "comparison.json").write_text(json.dumps(result, indent=1))
-    return result
 
 
 def table(result: dict) -> str:

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from dualpath_jax.model.presets import TINY_QWEN2
 
+from dualpath_jax.cluster import Client
 from dualpath_jax.config import (
     ClusterConfig,
     ExperimentConfig,
@@ -29,8 +31,7 @@ from dualpath_jax.config import (
 )
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.model.presets import TINY_QWEN2
-from dualpath_jax.rollout import Client, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
 pytestmark = pytest.mark.multiprocess
 

@@ -17,7 +17,9 @@ import time
 import numpy as np
 import pytest
 import zmq
+from dualpath_jax.model.presets import TINY_QWEN2
 
+from dualpath_jax.cluster import Client
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig, StoreConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.params import initial_params_version
@@ -25,8 +27,7 @@ from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.faults import write_plan
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.metrics.events import read_events
-from dualpath_jax.model.presets import TINY_QWEN2
-from dualpath_jax.rollout import Client, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
 pytestmark = pytest.mark.multiprocess
 
