@@ -12,7 +12,9 @@ from dualpath_jax.config import (
     StoreConfig,
     WorkloadConfig,
     apply_overrides,
+    validate,
 )
+from dualpath_jax.configs_loader import load_config
 
 __version__ = "0.1.0"
 
@@ -28,4 +30,6 @@ __all__ = [
     "StoreConfig",
     "WorkloadConfig",
     "apply_overrides",
+    "load_config",
+    "validate",
 ]

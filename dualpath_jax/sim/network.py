@@ -67,21 +67,6 @@ def _window(t: float, w: float) -> int:
     return math.floor(t) if w == 1.0 else int(t // w)
 
 
-def _grant_alone(
-    arb: LinkArbiter, nbytes: int, cls: TrafficClass, now: float
-) -> tuple[float, float]:
-    """`arb.enqueue(LinkRequest(nbytes, cls)); arb.grant(now)` on an arbiter with nothing queued
-    and `nbytes <= arb.chunk_bytes`, with the same state afterwards, minus the request object
-    and the queue round trip. Returns the chunk's (start, end). tests/sim/test_core_network.py
-    checks it against the two calls."""
-    tag = max(arb._vtime, arb._last_tag[cls]) + nbytes / arb._weight[cls]
-    arb._vtime = arb._last_tag[cls] = tag
-    start = max(arb.t_free, now)  # not lagging: the backlog emptied at the last grant
-    arb.t_free = end = start + nbytes / arb.rate
-    arb._backlogged = False
-    return start, end
-
-
 @dataclasses.dataclass(eq=False, init=False)
 class _TimedRequest(LinkRequest):
     """A `LinkRequest` whose `at_end(t)` runs when its last chunk is granted, with that chunk's
@@ -187,7 +172,7 @@ class SimLink:
           whatever their size (exact). Bytes of the other class raise ValueError, unless the
           link is `class_blind` (served FIFO whatever the class: an approximation).
         - Other links: only when the link is idle, nothing is queued and the bytes fit one
-          chunk (`_grant_alone`).
+          chunk (`LinkArbiter.grant_alone`).
         """
         arb = self.arb
         now = self.loop.now
@@ -220,7 +205,7 @@ class SimLink:
             return end
         if self._busy or nbytes > self._chunk or now < self._free_at:
             return None
-        start, end = _grant_alone(arb, nbytes, cls, now)
+        start, end = arb.grant_alone(nbytes, cls, now)
         self._account(c, nbytes, start, end)
         self._free_at = end
         return end

@@ -249,6 +249,18 @@ class LinkArbiter:
         self._backlogged = self.pending()
         return Grant(req, n, start, self.t_free)
 
+    def grant_alone(self, nbytes: int, cls: TrafficClass, now: float) -> tuple[float, float]:
+        """`enqueue(LinkRequest(nbytes, cls)); grant(now)` on an arbiter with nothing queued and
+        `nbytes <= chunk_bytes`, with the same state afterwards, minus the request object and the
+        queue round trip (the simulator's uncontended transfers). Returns the chunk's (start,
+        end)."""
+        tag = max(self._vtime, self._last_tag[cls]) + nbytes / self._weight[cls]
+        self._vtime = self._last_tag[cls] = tag
+        start = max(self.t_free, now)  # not lagging: the backlog emptied at the last grant
+        self.t_free = end = start + nbytes / self.rate
+        self._backlogged = False
+        return start, end
+
     def drain(self) -> list[LinkRequest]:
         """Removes and returns every queued request (the link is closing)."""
         out = [r for c in TrafficClass for r in self._queue[c]]

@@ -223,7 +223,6 @@ def test_one_class_link_refuses_the_other_class():
 def test_grant_alone_matches_enqueue_and_grant():
     import random
 
-    from dualpath_jax.sim.network import _grant_alone
     from dualpath_jax.transfer.links import LinkArbiter, LinkRequest
 
     rng = random.Random(0)
@@ -234,7 +233,7 @@ def test_grant_alone_matches_enqueue_and_grant():
         now = max(now, a.t_free) + rng.choice([0.0, 0.01])
         a.enqueue(LinkRequest(n, cls, None))
         g = a.grant(now)
-        assert _grant_alone(b, n, cls, now) == (g.start, g.end)
+        assert b.grant_alone(n, cls, now) == (g.start, g.end)
         state = ("_vtime", "_last_tag", "t_free", "_backlogged", "_head_tag")
         assert [getattr(a, k) for k in state] == [getattr(b, k) for k in state]
         if rng.random() < 0.3:  # a contended spell through the ordinary calls, on both
