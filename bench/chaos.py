@@ -72,7 +72,6 @@ from concurrent import futures
 
 import numpy as np
 from absl import app, flags
-from dualpath_jax.model.presets import TINY_QWEN2
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import (
@@ -87,6 +86,7 @@ from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.faults import write_plan
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session
 
 FAULTS = ("kill", "store_write", "store_read", "slow_read", "transfer_hang", "garbage")

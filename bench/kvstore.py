@@ -35,7 +35,7 @@ from dualpath_jax.config import StoreConfig
 from dualpath_jax.kvstore import BlockFormat, HostBufferPool, TensorStoreBlockStore, block_keys
 from dualpath_jax.kvstore.identity import key_path, model_fingerprint
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
-from dualpath_jax.model.presets import DEEPSEEK_V3_660B, QWEN25_32B
+from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_32B
 
 CASES = {
     # DeepSeek-V3 with FlashMLA's FP8 KV: 61 layers x 64 tokens x 656 B = 2.4 MiB per Full Block.

@@ -19,9 +19,9 @@ import numpy as np
 from absl import app, flags
 
 from dualpath_jax.model.decode import Decoder
-from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, compile_count
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 _CACHED = flags.DEFINE_integer("cached", 4096, "cached tokens per request")
 _NEW = flags.DEFINE_integer("new", 256, "new tokens per request")

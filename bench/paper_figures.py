@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from paper_runs import Collected, Runner, Spec  # noqa: E402
 
-from dualpath_jax.hardware import PAPER_MODELS  # noqa: E402
+from dualpath_jax.presets import PAPER_MODELS  # noqa: E402
 
 FIGURES = ("fig7", "fig8", "fig9", "fig10", "fig12", "fig13", "table3")
 _OUT = flags.DEFINE_string("out", "bench_out/paper_figures", "Output directory.")

@@ -1,6 +1,10 @@
 """The simulated runs behind `bench/paper_figures.py`: what one run is (`Spec`), running it on the
 paper's testbed and reducing it to the numbers the figures need (`execute`), and a cache of runs
 under OUT/runs that runs what is missing, in parallel processes when asked (`Runner`).
+
+A spec's config is `configs/paper.py:ARG` (`Spec.config`), loaded as the launchers load it, and
+simulated with the cost model that config names: `python launch/simulate.py --config=...` with
+the same ARG runs the same simulation.
 """
 
 from __future__ import annotations
@@ -14,9 +18,11 @@ import time
 
 import numpy as np
 
-from dualpath_jax.hardware import PAPER_MODELS, paper_experiment
+from dualpath_jax.configs_loader import load_config
 from dualpath_jax.metrics.summary import dist, max_over_avg
-from dualpath_jax.sim import SimOptions, simulate
+from dualpath_jax.sim import simulate
+
+CONFIG_FILE = pathlib.Path(__file__).resolve().parents[1] / "configs" / "paper.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,27 +63,31 @@ class Spec:
             parts.append(f"ep{self.ep_decode_nodes}")
         return "_".join(parts)
 
+    @property
+    def config(self) -> str:
+        """`configs/paper.py:ARG` of this run (floats written exactly, as `repr` does)."""
+        options = {
+            "policy": self.policy,
+            "agents": self.agents,
+            "preset": self.preset,
+            "mode": self.mode,
+            "aps": repr(self.aps),
+            "duration_s": repr(self.duration_s),
+            "append_scale": repr(self.append_scale),
+            "gen_scale": repr(self.gen_scale),
+            "max_turns": self.max_turns,
+            "snic_gbps": repr(self.snic_gbps),
+            "ep_decode_nodes": self.ep_decode_nodes,
+        }
+        split = f"{self.model}_{self.p}p{self.d}d"
+        return f"{CONFIG_FILE}:" + ",".join([split, *(f"{k}={v}" for k, v in options.items())])
+
 
 def execute(spec: Spec) -> dict:
     """Simulates `spec` and reduces the run to the numbers the figures need."""
-    cfg, cost = paper_experiment(
-        spec.model,
-        spec.p,
-        spec.d,
-        policy=spec.policy,
-        agents=spec.agents,
-        preset=spec.preset,
-        mode=spec.mode,
-        aps=spec.aps,
-        duration_s=spec.duration_s,
-        append_scale=spec.append_scale,
-        gen_scale=spec.gen_scale,
-        max_turns=spec.max_turns,
-        snic_bytes_per_s=spec.snic_gbps / 8 * 1e9,
-        ep_decode_nodes=spec.ep_decode_nodes,
-    )
+    cfg = load_config(spec.config)
     t0, c0 = time.perf_counter(), time.process_time()
-    run = simulate(cfg, cost=cost, options=SimOptions(kv_format=PAPER_MODELS[spec.model].kv_format))
+    run = simulate(cfg)  # the cost model the config names (the calibrated Hopper roofline)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s = run.summary
     results = run.cluster.results

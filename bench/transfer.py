@@ -304,9 +304,9 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
     from dualpath_jax.kvstore.store import open_block_store
     from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-    from dualpath_jax.model.presets import TINY_QWEN2
     from dualpath_jax.model.runner import ModelRunner, PrefillBatch
     from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.presets import TINY_QWEN2
     from dualpath_jax.transfer import links as L
     from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
     from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad

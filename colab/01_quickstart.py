@@ -57,10 +57,10 @@ import numpy as np
 from dualpath_jax.config import apply_overrides
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.experiment import build_trajectories
-from dualpath_jax.hardware import emulated_cpu_experiment
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import link_totals, read_link_reports
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.rollout import InProcessEngine, Session, run_trajectories
 
 # %% [markdown]

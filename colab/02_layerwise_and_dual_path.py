@@ -58,9 +58,9 @@ from dualpath_jax.config import HardwareConfig, StoreConfig
 from dualpath_jax.kvstore import block_keys, model_fingerprint, open_block_store
 from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad

@@ -66,8 +66,8 @@ from flax import nnx
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.model.checkpoint import params_state, save_params_tree
-from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
 
 # %% [markdown]

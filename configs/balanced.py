@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.hardware import emulated_cpu_experiment
+from dualpath_jax.presets import emulated_cpu_experiment
 
 
 def get_config(arg: str = "") -> ExperimentConfig:

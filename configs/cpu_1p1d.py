@@ -7,7 +7,7 @@ ARG: comma list of `qwen2` (default) or `deepseek`, and `tiny` (8 agents, the de
 from __future__ import annotations
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.hardware import emulated_cpu_experiment
+from dualpath_jax.presets import emulated_cpu_experiment
 
 
 def get_config(arg: str = "") -> ExperimentConfig:

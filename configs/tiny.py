@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from dualpath_jax.config import ExperimentConfig, WorkloadConfig
-from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 
 def get_config(arg: str = "qwen2") -> ExperimentConfig:

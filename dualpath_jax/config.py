@@ -107,6 +107,16 @@ class HardwareConfig:
 
     Rates are bytes per second. `emulated` marks token-bucket emulation on one host, which every
     result reports. `gpu` names a cost-model preset ("cpu" = fitted to the local engines).
+
+    The GPU cost model (`gpu` a GPU preset; `presets.config_cost_model(cfg)` builds it, and
+    `sim.simulate(cfg)` uses it when given none) is the roofline of `gpu` with `calibration`
+    (`"hopper"`: fitted to DeepSeek's published H800 serving, `presets.hopper_calibration`;
+    `"none"`: the bare roofline at the GPU's kernel efficiency), FP8 weights and GEMMs when `fp8`
+    (None: for DeepSeek-family models, whose checkpoints are FP8), routed experts spread over the
+    GPUs of `ep_decode_nodes` decode nodes (0: all of them; a dense model has none to spread)
+    and KV of `kv_format` (`model.layout.kv_bytes_per_token`: "" = `model.kv_dtype`,
+    `"fp8_flashmla"` = DeepSeek's FP8 FlashMLA layout, or a dtype name), which also sizes the
+    simulator's KV transfers. The local engines store KV as `model.kv_dtype` whatever it says.
     """
 
     gpu: str = "cpu"
@@ -121,6 +131,10 @@ class HardwareConfig:
     high_weight: float = 99.0  # weighted arbitration HIGH:LOW, like IB virtual lanes
     low_weight: float = 1.0
     emulated: bool = False
+    calibration: str = "hopper"  # "hopper" | "none"
+    fp8: bool | None = None  # None: FP8 for DeepSeek-family models
+    ep_decode_nodes: int = 0  # decode nodes per expert-parallel group, 0: all
+    kv_format: str = ""  # "": model.kv_dtype; "fp8_flashmla"; a dtype name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,14 +442,42 @@ _BOUND_OF = {key: (rule, ok) for rule, ok, keys in _BOUNDS for key in keys.split
 _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 
 # String fields with a fixed set of values (the enum-typed fields are checked by their type).
-_CHOICES = {"store.kind": ("file", "memory", "spec"), "workload.mode": ("offline", "online")}
+_CHOICES = {
+    "store.kind": ("file", "memory", "spec"),
+    "workload.mode": ("offline", "online"),
+    "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
+    "hardware.kv_format": (
+        "",
+        "fp8_flashmla",
+        "float32",
+        "bfloat16",
+        "float16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+    ),
+}
 
 
 def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     """(key, holds, rule) of the rules that relate fields to each other."""
-    m, cl, w = c.model, c.cluster, c.workload
+    m, cl, w, hw = c.model, c.cluster, c.workload, c.hardware
     moe = m.n_routed_experts > 0
     return [
+        (
+            "hardware.fp8",
+            hw.fp8 is None or isinstance(hw.fp8, bool),
+            "must be true, false or null (FP8 for DeepSeek-family models)",
+        ),
+        (
+            "hardware.ep_decode_nodes",
+            hw.ep_decode_nodes <= cl.decode_nodes,
+            f"must be <= cluster.decode_nodes ({cl.decode_nodes}); 0: all of them",
+        ),
+        (
+            "hardware.kv_format",
+            hw.kv_format != "fp8_flashmla" or m.is_mla,
+            "fp8_flashmla applies to MLA (deepseek family) models only",
+        ),
         (
             "cluster.heartbeat_timeout_s",
             cl.heartbeat_timeout_s > cl.heartbeat_s,

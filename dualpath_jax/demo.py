@@ -18,9 +18,9 @@ import sys
 import tempfile
 
 from dualpath_jax.experiment import compare
-from dualpath_jax.hardware import emulated_cpu_experiment
 from dualpath_jax.metrics.compare import table
 from dualpath_jax.metrics.plots import plot_comparison
+from dualpath_jax.presets import emulated_cpu_experiment
 
 POLICIES = ("basic", "dualpath", "oracle")
 

@@ -26,6 +26,9 @@ POLICY = flags.DEFINE_enum(
 AGENTS = flags.DEFINE_integer(
     "agents", None, "Agents (trajectories replayed; overrides workload.agents)."
 )
+MAX_TURNS = flags.DEFINE_integer(
+    "max_turns", None, "Rounds kept per trajectory (overrides workload.max_turns; 0: every round)."
+)
 TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic preset).")
 
 
@@ -37,6 +40,8 @@ def build_config(mode: str, **workload: object) -> ExperimentConfig:
     w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
     if AGENTS.value is not None:
         w["agents"] = AGENTS.value
+    if MAX_TURNS.value is not None:
+        w["max_turns"] = MAX_TURNS.value
     if TRACE.value:
         w["trace"] = TRACE.value
     cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **w))

@@ -29,7 +29,7 @@ from dualpath_jax.kvstore import (
     model_fingerprint,
 )
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer.channel import (
     InProcessChannel,
     InProcessFabric,

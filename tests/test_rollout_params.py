@@ -17,9 +17,9 @@ from dualpath_jax.model.checkpoint import (
     save_params_tree,
 )
 from dualpath_jax.model.decode import reference_generate, sample_at
-from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
 
 A_SEED, B_SEED = 21, 22

@@ -14,11 +14,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# name -> module: a submodule of dualpath_jax.model, or a full module path (the presets).
 _EXPORTS = {
     "Transformer": "transformer",
     "init_model": "transformer",
-    "get_preset": "presets",
-    "PRESETS": "presets",
+    "get_preset": "dualpath_jax.presets.models",
+    "PRESETS": "dualpath_jax.presets.models",
     "from_pretrained": "checkpoint",
     "save_params": "checkpoint",
     "restore_params": "checkpoint",
@@ -41,7 +42,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'dualpath_jax.model' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"dualpath_jax.model.{module}"), name)
+    path = module if "." in module else f"dualpath_jax.model.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value
     return value
 

@@ -1,12 +1,12 @@
 """Scheduling: request/load value objects, inter-engine cores and policies, the GlobalScheduler
-shell, intra-engine batching under the compute quota, and cost models.
+shell, intra-engine batching under the compute quota, and cost models (the maths; GPU presets,
+the roofline's calibration and `make_cost_model` are `dualpath_jax.presets`).
 
 The router and the simulator call these same functions; nothing here reads a clock, a socket,
 a flag or the environment.
 """
 
 from dualpath_jax.sched.cost import (
-    GPU_PRESETS,
     CostModel,
     FittedCostModel,
     GpuSpec,
@@ -15,8 +15,6 @@ from dualpath_jax.sched.cost import (
     derive_alpha,
     derive_alpha_beta,
     derive_beta,
-    get_gpu,
-    make_cost_model,
 )
 from dualpath_jax.sched.inter import (
     assign_paths,
@@ -36,10 +34,10 @@ from dualpath_jax.sched.intra import (
     pack_prefill_batch,
 )
 from dualpath_jax.sched.policy import (
+    POLICY_SPECS,
     EngineChoice,
     InterEnginePolicy,
     PathMode,
-    POLICY_SPECS,
     PolicySpec,
     make_policy,
     policy_spec,
@@ -55,7 +53,6 @@ from dualpath_jax.sched.types import (
 )
 
 __all__ = [
-    "GPU_PRESETS",
     "Assignment",
     "BatchPlan",
     "ClusterView",
@@ -86,8 +83,6 @@ __all__ = [
     "derive_alpha",
     "derive_alpha_beta",
     "derive_beta",
-    "get_gpu",
-    "make_cost_model",
     "make_policy",
     "pack_prefill_batch",
     "pe_fetch",

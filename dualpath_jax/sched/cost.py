@@ -1,4 +1,4 @@
-"""Cost models: FLOPs and bytes of a model, a roofline for Hopper presets, a fitted CPU model.
+"""Cost models: FLOPs and bytes of a model, a GPU roofline, a fitted CPU model.
 
 `ModelCost` reduces a model to the counts every estimate needs (per token, per attention pair,
 per cached token). Attention kinds:
@@ -22,6 +22,10 @@ Cost models (`CostModel` protocol) answer three questions in seconds: `attention
 (the predicted attention-layer time the compute quota bounds, all layers of one forward),
 `prefill_time(pairs)` and `decode_step_time(batch, context)`, where `pairs` are the
 `(cached, bsz)` pairs of one forward batch.
+
+This module is the maths only. The GPUs (`GpuSpec` values), the calibration of the roofline to
+published serving throughput and `make_cost_model`, which builds a cost model from a config's
+hardware and model, are presets: `dualpath_jax.presets`.
 """
 
 from __future__ import annotations
@@ -215,7 +219,8 @@ class CostModel(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class GpuSpec:
-    """Peak rates of one GPU and the fraction of them a good kernel reaches."""
+    """Peak rates of one GPU and the fraction of them a good kernel reaches (the presets:
+    `presets.GPU_PRESETS`)."""
 
     name: str
     bf16_flops: float
@@ -224,20 +229,6 @@ class GpuSpec:
     hbm_bytes: float
     flops_efficiency: float = 790 / 989.4  # measured dense BF16 GEMM on H200
     bw_efficiency: float = 4.3 / 4.8  # measured HBM copy bandwidth on H200
-
-
-GPU_PRESETS: dict[str, GpuSpec] = {
-    "h100": GpuSpec("h100", 989.4e12, 1978.9e12, 3.35e12, 80e9),
-    "h800": GpuSpec("h800", 989.4e12, 1978.9e12, 3.35e12, 80e9),
-    "h200": GpuSpec("h200", 989.4e12, 1978.9e12, 4.8e12, 141e9),
-}
-
-
-def get_gpu(name: str) -> GpuSpec:
-    try:
-        return GPU_PRESETS[name.lower()]
-    except KeyError:
-        raise KeyError(f"unknown GPU preset {name!r}; known: {sorted(GPU_PRESETS)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,116 +328,6 @@ class RooflineCostModel:
         return batch * (cached + new) / self.prefill_time([(cached, new)] * batch)
 
 
-# --------------------------------------------------------------------------- calibration
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishedServing:
-    """A published production serving measurement to calibrate a roofline against.
-
-    `prefill_tokens_per_s` counts prompt tokens including cache hits, per node;
-    `context_tokens` is the mean prompt length of a prefill; `decode_*` the decode side (a
-    user's output rate gives the decode step time, the node's output rate the batch).
-    """
-
-    source: str
-    model: str  # a `model.presets` name
-    gpu: str
-    gpus_per_node: int
-    prefill_tokens_per_s: float
-    hit_rate: float
-    context_tokens: int
-    prefill_expert_parallel: int
-    decode_tokens_per_s: float
-    user_tokens_per_s: float
-    decode_expert_parallel: int
-    kv_format: str | None = None
-
-
-# DeepSeek's inference-system overview (open-source week, day 6, March 2025), V3/R1 on H800:
-# 73.7k input tokens/s per node during prefill including the 56.3% of tokens that hit the on-disk
-# KV cache; 14.8k output tokens/s per node during decode at 20-22 tokens/s per user; mean KV
-# length per output token 4,989 (taken here as the mean prompt length); prefill EP32, decode EP144.
-DEEPSEEK_V3_SERVING = PublishedServing(
-    source="DeepSeek-V3/R1 inference system overview (2025-03)",
-    model="deepseek-v3-660b",
-    gpu="h800",
-    gpus_per_node=8,
-    prefill_tokens_per_s=73.7e3,
-    hit_rate=0.563,
-    context_tokens=4989,
-    prefill_expert_parallel=32,
-    decode_tokens_per_s=14.8e3,
-    user_tokens_per_s=21.0,
-    decode_expert_parallel=144,
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """What a roofline misses, fitted to a published measurement: the fraction of peak FLOP/s a
-    prefill forward reaches end to end (GEMMs, attention, expert all-to-all, imbalance) and the
-    per-step decode time beyond the roofline."""
-
-    prefill_efficiency: float
-    decode_overhead_s: float
-    source: str
-    moe_layers: int = 0  # of the calibrated model: the overhead is paid per MoE layer
-
-    def overhead_for(self, model: ModelCost) -> float:
-        """The decode overhead of `model`: expert-parallel dispatch and combine (and the bubbles
-        around them) happen once per MoE layer, so the calibrated step overhead is scaled by the
-        model's MoE layers over the calibrated model's (a dense model pays none)."""
-        if not self.moe_layers:
-            return self.decode_overhead_s
-        return self.decode_overhead_s * model.moe_layers / self.moe_layers
-
-    def apply(self, roofline: RooflineCostModel) -> RooflineCostModel:
-        return dataclasses.replace(
-            roofline,
-            prefill_efficiency=self.prefill_efficiency,
-            decode_overhead_s=self.overhead_for(roofline.model),
-        )
-
-
-def calibrate(pub: PublishedServing = DEEPSEEK_V3_SERVING, *, fp8: bool = True) -> Calibration:
-    """Solves the roofline's prefill efficiency and decode overhead so that it reproduces `pub`.
-
-    Prefill: one GPU must prefill `prefill_tokens_per_s / gpus_per_node` prompt tokens per
-    second of requests `(hit_rate * context, rest)` (compute bound: the time is linear in the
-    batch); efficiency = peak-rate time / that time. Decode: the step time is `1 /
-    user_tokens_per_s` at batch `decode_tokens_per_s / gpus_per_node * step`; the overhead is
-    that step less the roofline step at the GEMM efficiency.
-    """
-    from dualpath_jax.model.presets import get_preset
-
-    model = ModelCost.from_model(get_preset(pub.model), pub.kv_format)
-    gpu = get_gpu(pub.gpu)
-    cached = round(pub.hit_rate * pub.context_tokens)
-    new = pub.context_tokens - cached
-    ideal = RooflineCostModel(
-        model, gpu, fp8=fp8, expert_parallel=pub.prefill_expert_parallel, prefill_efficiency=1.0
-    )
-    per_gpu = pub.prefill_tokens_per_s / pub.gpus_per_node
-    measured = pub.context_tokens / per_gpu
-    flops_s = ideal._compute_s(
-        new * model.linear_flops_per_token + model.lm_head_flops,
-        model.prefill_attention_flops(cached, new),
-        1.0,
-    )
-    step = 1.0 / pub.user_tokens_per_s
-    batch = max(1, round(pub.decode_tokens_per_s / pub.gpus_per_node * step))
-    roof = RooflineCostModel(model, gpu, fp8=fp8, expert_parallel=pub.decode_expert_parallel)
-    overhead = step - roof.decode_step_time(batch, pub.context_tokens)
-    return Calibration(flops_s / measured, max(0.0, overhead), pub.source, model.moe_layers)
-
-
-@functools.cache
-def hopper_calibration() -> Calibration:
-    """`calibrate(DEEPSEEK_V3_SERVING)`: the Hopper presets' calibration."""
-    return calibrate(DEEPSEEK_V3_SERVING)
-
-
 def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with non-negative coefficients (active set; a handful of features)."""
     active = list(range(x.shape[1]))
@@ -525,34 +406,6 @@ class FittedCostModel:
             return cls(tuple(map(float, data["prefill"])), tuple(map(float, data["decode"])))  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a FittedCostModel: {text[:80]!r} ({e})") from None
-
-
-def make_cost_model(
-    hw: HardwareConfig,
-    model: ModelConfig,
-    *,
-    fitted: FittedCostModel | None = None,
-    weight_shards: int = 1,
-    expert_parallel: int = 1,
-    fp8: bool | None = None,
-    calibration: Calibration | None = None,
-    kv_format: str | None = None,
-) -> CostModel:
-    """The fitted model for "cpu"; for GPU presets the roofline of `hw.gpu` with `calibration`
-    (default `hopper_calibration()`, fitted to DeepSeek's published H800 serving). `fp8`: FP8
-    weights and GEMMs (default: DeepSeek-family models, whose checkpoints are FP8)."""
-    if hw.gpu == "cpu":
-        if fitted is None:
-            raise ValueError("hardware gpu='cpu' needs a FittedCostModel (profile the engines)")
-        return fitted
-    roof = RooflineCostModel(
-        ModelCost.from_model(model, kv_format),
-        get_gpu(hw.gpu),
-        fp8=model.is_mla if fp8 is None else fp8,
-        weight_shards=weight_shards,
-        expert_parallel=expert_parallel,
-    )
-    return (calibration or hopper_calibration()).apply(roof)
 
 
 # --------------------------------------------------------------------------- alpha and beta

@@ -95,7 +95,7 @@ class SimCluster:
         self.loop = loop or EventLoop()
         hw, cl = cfg.hardware, cfg.cluster
         self.bt = cfg.store.block_tokens
-        self.kvb = kv_bytes_per_token(cfg.model, options.kv_format)
+        self.kvb = kv_bytes_per_token(cfg.model, options.kv_format or hw.kv_format or None)
         self.layers = cfg.model.num_layers
         self.net = SimNetwork(
             self.loop,

@@ -1,6 +1,6 @@
 """Runs a workload on the simulated cluster and builds the same `summary.json` as the launchers.
 
-    summary = simulate(cfg)                      # roofline of cfg.hardware.gpu
+    summary = simulate(cfg)                      # the cost model cfg names (roofline of hardware.gpu)
     summary = simulate(cfg, cost=fitted_model)   # e.g. a FittedCostModel of the CPU engines
 
 Agents replay their trajectories per appendix A.3 (`sim.agents`): round i+1 is
@@ -28,7 +28,8 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.metrics.summary import summarize
-from dualpath_jax.sched.cost import CostModel, make_cost_model
+from dualpath_jax.presets.calibration import config_cost_model
+from dualpath_jax.sched.cost import CostModel
 from dualpath_jax.sim.agents import reference_request, schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import SimOptions
@@ -58,15 +59,12 @@ def build_agents(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
 
 
 def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostModel:
-    """The cost model `simulate` uses without one: `make_cost_model` of the config's hardware
-    and model, routed experts spread over the decode GPUs (the side that streams them every
-    step)."""
-    return make_cost_model(
-        cfg.hardware,
-        cfg.model,
-        kv_format=kv_format,
-        expert_parallel=cfg.cluster.decode_nodes * cfg.hardware.engines_per_node,
-    )
+    """The cost model `simulate` uses without one: the one the config names
+    (`presets.config_cost_model`: the roofline of `hardware.gpu` with `hardware.calibration`,
+    `fp8` and `kv_format`, routed experts spread over the GPUs of `hardware.ep_decode_nodes`
+    decode nodes, by default all of them: the side that streams them every step). `kv_format`
+    (`SimOptions.kv_format`) overrides `hardware.kv_format`."""
+    return config_cost_model(cfg, kv_format=kv_format)
 
 
 def simulate(

@@ -27,7 +27,8 @@ class SimOptions:
     `quantum_s`: link time per granted chunk (see `sim.network`); `window_s`: link time-series
     window; `persist`: charge the DE's Full Block writes; `dispatch_interval_s`: router fetch
     cadence (None: `cluster.fetch_interval_s`); `kv_format`: KV bytes format
-    (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"); `hbm_tokens`: KV tokens per DE
+    (`model.layout.kv_bytes_per_token`, e.g. "fp8_flashmla"; None: `hardware.kv_format`, which
+    the paper presets set); `hbm_tokens`: KV tokens per DE
     (0: `hardware.hbm_bytes / kv bytes per token`, or slots x `decode_max_len` without it);
     `decode_overhead_s`: fixed DE time per request between its last decode step and persisting
     (control-plane messages, admission polling, bookkeeping of the real engines; fitted for the

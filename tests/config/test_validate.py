@@ -14,8 +14,7 @@ import pytest
 
 from dualpath_jax import config as C
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.hardware import HOPPER_NODE, PAPER_MODELS, paper_experiment
-from dualpath_jax.model.presets import PRESETS, TINY_DEEPSEEK
+from dualpath_jax.presets import HOPPER_NODE, PAPER_MODELS, PRESETS, TINY_DEEPSEEK, paper_experiment
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))

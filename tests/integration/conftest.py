@@ -16,7 +16,7 @@ import pytest
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 
 # Every process any LocalCluster of this session started (checked at the end of the session).
 _STARTED: list[tuple[str, subprocess.Popen]] = []

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from dualpath_jax.model.presets import TINY_QWEN2
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import (
@@ -31,6 +30,7 @@ from dualpath_jax.config import (
 )
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
 pytestmark = pytest.mark.multiprocess

@@ -17,7 +17,6 @@ import time
 import numpy as np
 import pytest
 import zmq
-from dualpath_jax.model.presets import TINY_QWEN2
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig, StoreConfig
@@ -27,6 +26,7 @@ from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.faults import write_plan
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.metrics.events import read_events
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
 pytestmark = pytest.mark.multiprocess

@@ -21,7 +21,7 @@ _OWNER = textwrap.dedent(
     import json, pathlib, sys, time
     from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
     from dualpath_jax.engine.cluster import LocalCluster
-    from dualpath_jax.model.presets import TINY_QWEN2
+    from dualpath_jax.presets import TINY_QWEN2
 
     cfg = ExperimentConfig(model=TINY_QWEN2, cluster=ClusterConfig(decode_max_len=256),
                            store=StoreConfig(block_tokens=16))

@@ -10,7 +10,7 @@ import pytest
 from dualpath_jax.config import StoreConfig
 from dualpath_jax.kvstore import BlockFormat, TensorStoreBlockStore, model_fingerprint
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 
 # Small prime-ish dimensions: 3 layers, 4-token blocks, 12 bytes per token per layer.
 LAYOUT = BlockLayout(3, 4, 12)

@@ -15,7 +15,7 @@ from dualpath_jax.kvstore.identity import (
     key_path,
     model_fingerprint,
 )
-from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 FP = model_fingerprint(TINY_QWEN2)
 

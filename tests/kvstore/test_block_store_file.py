@@ -22,7 +22,7 @@ from dualpath_jax.kvstore import (
 )
 from dualpath_jax.kvstore.identity import key_from_path, key_path
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 
 
 def file_store(root, fmt, **kw) -> TensorStoreBlockStore:

@@ -23,9 +23,9 @@ from dualpath_jax.model.checkpoint import (
     save_params,
 )
 from dualpath_jax.model.layers import Buffer
-from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 PROMPTS = [[3, 141, 59, 26, 5, 35, 89, 79, 32], [256, 0, 17]]
 CONFIGS = {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model import layout
-from dualpath_jax.model.presets import (
+from dualpath_jax.presets import (
     DEEPSEEK_V32_660B,
     PRESETS,
     QWEN25_32B,

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from dualpath_jax.config import HardwareConfig, SchedulerConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
-from dualpath_jax.model.presets import DEEPSEEK_V3_660B, DEEPSEEK_V32_660B, QWEN25_32B, TINY_QWEN2
+from dualpath_jax.presets import (
+    DEEPSEEK_V3_660B,
+    DEEPSEEK_V32_660B,
+    QWEN25_32B,
+    TINY_QWEN2,
+    get_gpu,
+    make_cost_model,
+)
 from dualpath_jax.sched.cost import (
     FittedCostModel,
     ModelCost,
@@ -20,8 +27,6 @@ from dualpath_jax.sched.cost import (
     derive_alpha,
     derive_alpha_beta,
     derive_beta,
-    get_gpu,
-    make_cost_model,
     summed_keys,
 )
 

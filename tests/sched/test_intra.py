@@ -128,9 +128,7 @@ def test_admit_decode_is_fifo_by_hbm_and_slots():
 
 
 def _cost_models():
-    from dualpath_jax.hardware import HOPPER_NODE
-    from dualpath_jax.model.presets import get_preset
-    from dualpath_jax.sched.cost import make_cost_model
+    from dualpath_jax.presets import HOPPER_NODE, get_preset, make_cost_model
 
     roofline = make_cost_model(
         HOPPER_NODE, get_preset("deepseek-v3.2-660b"), kv_format="fp8_flashmla"

@@ -8,17 +8,21 @@ import dataclasses
 import pytest
 
 from dualpath_jax.config import SchedulerConfig
-from dualpath_jax.hardware import HOPPER_NODE, PAPER_MODELS, paper_cost_model, paper_experiment
-from dualpath_jax.model.presets import DEEPSEEK_V3_660B, DEEPSEEK_V32_660B, QWEN25_32B
-from dualpath_jax.sched.cost import (
+from dualpath_jax.presets import (
+    DEEPSEEK_V3_660B,
     DEEPSEEK_V3_SERVING,
-    ModelCost,
-    RooflineCostModel,
+    DEEPSEEK_V32_660B,
+    HOPPER_NODE,
+    PAPER_MODELS,
+    QWEN25_32B,
     calibrate,
     get_gpu,
     hopper_calibration,
     make_cost_model,
+    paper_cost_model,
+    paper_experiment,
 )
+from dualpath_jax.sched.cost import ModelCost, RooflineCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue
 
 

@@ -10,8 +10,8 @@ import gc
 import pytest
 
 from dualpath_jax.config import Policy
-from dualpath_jax.hardware import emulated_cpu_experiment
 from dualpath_jax.metrics.summary import summarize
+from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sim import SimOptions, simulate
@@ -253,7 +253,7 @@ def test_ttft_breakdown_comes_from_the_results():
 def test_a_run_makes_no_reference_cycles(policy):
     """`simulate` pauses the cyclic collector while its loop runs; that is only free of leaks
     because every object a round makes is freed by reference counting."""
-    from dualpath_jax.hardware import paper_experiment
+    from dualpath_jax.presets import paper_experiment
 
     cfg, cost = paper_experiment("ds660b", 2, 4, policy=policy, agents=32, max_turns=3)
     opts = SimOptions(kv_format="fp8_flashmla")

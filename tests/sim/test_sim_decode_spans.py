@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from dualpath_jax.config import Policy
-from dualpath_jax.hardware import emulated_cpu_experiment
+from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.types import Request
 from dualpath_jax.sim import SimOptions, simulate

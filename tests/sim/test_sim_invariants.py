@@ -11,7 +11,7 @@ import pytest
 
 from dualpath_jax.analysis.pd_range import pd_range
 from dualpath_jax.config import Policy
-from dualpath_jax.hardware import emulated_cpu_experiment
+from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sim import simulate

@@ -1,0 +1,227 @@
+"""Model presets: CPU-sized tiny models for tests and demos, full-size specs for sizing.
+
+The full-size specs (`qwen2.5-32b`, `deepseek-v3-660b`, `deepseek-v3.2-660b`, `ds-27b`) feed the
+cost models, the analysis tools and the simulator; they are never instantiated as arrays.
+`get_preset(name)` looks them up (also `dualpath_jax.model.get_preset`).
+
+Sizing-only presets (`GPT_OSS_120B`, `QWEN3_235B_A22B`: Table 1 rows that no other part of the
+project runs) feed `sched.cost.ModelCost` through `sizing_cost(name)` only. Dimensions are from
+the models' public configurations (Hugging Face `config.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from dualpath_jax.config import ModelConfig, ModelFamily
+
+if TYPE_CHECKING:  # imported where used: a model preset must not load the compiled core's modules
+    from dualpath_jax.sched.cost import ModelCost
+
+TINY_QWEN2 = ModelConfig(
+    name="tiny-qwen2",
+    family=ModelFamily.QWEN2,
+    vocab_size=257,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    max_seq_len=8192,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+)
+
+TINY_DEEPSEEK = ModelConfig(
+    name="tiny-deepseek",
+    family=ModelFamily.DEEPSEEK,
+    vocab_size=257,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=24,
+    intermediate_size=96,
+    max_seq_len=8192,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=False,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    moe_intermediate_size=32,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    n_group=2,
+    topk_group=1,
+)
+
+QWEN25_32B = ModelConfig(
+    name="qwen2.5-32b",
+    family=ModelFamily.QWEN2,
+    vocab_size=152064,
+    hidden_size=5120,
+    num_layers=64,
+    num_heads=40,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=27648,
+    max_seq_len=131072,
+    rope_theta=1e6,
+    rms_norm_eps=1e-5,
+    dtype="bfloat16",
+    kv_dtype="float16",
+)
+
+DEEPSEEK_V3_660B = ModelConfig(
+    name="deepseek-v3-660b",
+    family=ModelFamily.DEEPSEEK,
+    vocab_size=129280,
+    hidden_size=7168,
+    num_layers=61,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    intermediate_size=18432,
+    max_seq_len=163840,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    qkv_bias=False,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    n_shared_experts=1,
+    moe_intermediate_size=2048,
+    first_k_dense_replace=3,
+    routed_scaling_factor=2.5,
+    n_group=8,
+    topk_group=4,
+    dtype="bfloat16",
+    kv_dtype="float8_e4m3fn",
+)
+
+DEEPSEEK_V32_660B = dataclasses.replace(
+    DEEPSEEK_V3_660B,
+    name="deepseek-v3.2-660b",
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=2048,
+)
+
+# Paper appendix A.2; MLA dims are not given there, so DeepSeek-V3's are assumed.
+DS_27B = dataclasses.replace(
+    DEEPSEEK_V32_660B,
+    name="ds-27b",
+    hidden_size=2560,
+    intermediate_size=12288,
+    num_layers=30,
+    num_heads=32,
+    num_kv_heads=32,
+    n_routed_experts=72,
+    moe_intermediate_size=1536,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    index_n_heads=32,
+    index_head_dim=64,
+    index_topk=1024,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c
+    for c in (TINY_QWEN2, TINY_DEEPSEEK, QWEN25_32B, DEEPSEEK_V3_660B, DEEPSEEK_V32_660B, DS_27B)
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise KeyError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+# --------------------------------------------------------------------------- sizing only
+
+# GPT-OSS-120B: 36 layers alternating sliding-window (128 tokens) and full attention, GQA with
+# 64 query / 8 KV heads of 64, 128 experts (top 4) of width 2880.
+GPT_OSS_120B = ModelConfig(
+    name="gpt-oss-120b",
+    family=ModelFamily.QWEN2,  # GQA attention; the family only selects the attention counts
+    vocab_size=201088,
+    hidden_size=2880,
+    num_layers=36,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=64,
+    intermediate_size=2880,
+    max_seq_len=131072,
+    n_routed_experts=128,
+    num_experts_per_tok=4,
+    moe_intermediate_size=2880,
+    dtype="bfloat16",
+    kv_dtype="float8_e4m3fn",
+)
+GPT_OSS_WINDOW = 128
+GPT_OSS_WINDOW_LAYERS = 18
+
+# Qwen3-235B-A22B: 94 layers, GQA 64 query / 4 KV heads of 128, 128 experts (top 8) of width 1536.
+QWEN3_235B_A22B = ModelConfig(
+    name="qwen3-235b-a22b",
+    family=ModelFamily.QWEN2,
+    vocab_size=151936,
+    hidden_size=4096,
+    num_layers=94,
+    num_heads=64,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=12288,
+    max_seq_len=131072,
+    qkv_bias=False,
+    n_routed_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=1536,
+    dtype="bfloat16",
+    kv_dtype="float8_e4m3fn",
+)
+
+
+def _gpt_oss(kv_format: str | None) -> ModelCost:
+    from dualpath_jax.sched.cost import ModelCost
+
+    c = ModelCost.from_model(GPT_OSS_120B, kv_format)
+    return dataclasses.replace(
+        c,
+        full_attn_layers=c.num_layers - GPT_OSS_WINDOW_LAYERS,
+        window_layers=GPT_OSS_WINDOW_LAYERS,
+        window=GPT_OSS_WINDOW,
+    )
+
+
+def sizing_cost(name: str, kv_format: str | None = None) -> ModelCost:
+    """`ModelCost` of a model preset (`PRESETS`) or a sizing-only preset (`SIZING_MODELS`)."""
+    from dualpath_jax.sched.cost import ModelCost
+
+    if name == GPT_OSS_120B.name:
+        return _gpt_oss(kv_format)
+    if name == QWEN3_235B_A22B.name:
+        return ModelCost.from_model(QWEN3_235B_A22B, kv_format)
+    if name in PRESETS:
+        return ModelCost.from_model(PRESETS[name], kv_format)
+    raise KeyError(f"unknown model {name!r}; known: {sorted({*PRESETS, *SIZING_MODELS})}")
+
+
+SIZING_MODELS: tuple[str, ...] = (GPT_OSS_120B.name, QWEN3_235B_A22B.name)
