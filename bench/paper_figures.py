@@ -6,9 +6,9 @@ Run:
   python bench/paper_figures.py --only=fig7,fig12 --out=bench_out/paper  (some figures)
 
 Every run is the simulator (`dualpath_jax.sim`) driving the real scheduler over H800 nodes of the
-paper's testbed (`hardware.paper_experiment`: 8 GPUs, 8 x 400 Gbps compute NICs and one 400 Gbps
-storage NIC per node) with the roofline calibrated to DeepSeek's published H800 serving
-(`sched.cost.hopper_calibration`). Figures: fig7 (JCT vs agents, three models x three MaxLen),
+paper's testbed (`configs/paper.py`, `presets.paper_experiment`: 8 GPUs, 8 x 400 Gbps compute
+NICs and one 400 Gbps storage NIC per node) with the roofline calibrated to DeepSeek's published
+H800 serving (`presets.hopper_calibration`), the cost model each run's config names. Figures: fig7 (JCT vs agents, three models x three MaxLen),
 fig8 (P/D ratios, DS 27B), fig9 (append / generation length scaling, DS 660B), fig10 and fig11
 (online TTFT / TTST / TPOT and mean agent JCT vs APS, APS capacity), fig12 (ablation), fig13
 (storage-NIC balance), table3 (scale-out at a fixed P/D ratio). Each simulated run is cached as
