@@ -16,6 +16,7 @@ from dualpath_jax.config import (
     ClusterConfig,
     ConfigError,
     ExperimentConfig,
+    HardwareConfig,
     Policy,
     SchedulerConfig,
     WorkloadConfig,
@@ -54,7 +55,9 @@ PAPER_MODELS: dict[str, PaperModel] = {
 }
 
 
-def paper_hardware(key: str, *, snic_bytes_per_s: float = 50e9, ep_decode_nodes: int = 0):
+def paper_hardware(
+    key: str, *, snic_bytes_per_s: float = 50e9, ep_decode_nodes: int = 0
+) -> HardwareConfig:
     """The paper's node (`HOPPER_NODE`) for model `key`: its GPU, DRAM buffer per engine, storage
     NIC and cost model (FP8, KV format, expert-parallel group); HBM for KV is set by
     `paper_experiment` (it depends on the weights per GPU, so on the split)."""
