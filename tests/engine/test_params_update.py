@@ -66,7 +66,7 @@ class Rig:
         """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
         self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
         self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
-        st = self.router.requests[rid]
+        st = self.router.sessions.requests[rid]
         assert (st.pe, st.de) == (PE, DE)
         self.prefill_done(rid)
         return self.handle(
@@ -103,7 +103,7 @@ def _only(sent, kind):
 
 
 def test_update_with_nothing_in_flight_loads_commits_and_changes_the_fingerprint(rig):
-    old_fp = rig.router.fingerprint
+    old_fp = rig.router.params.fingerprint
     sent = rig.handle(M.UpdateParams(version="v1", path="/ckpt/v1"))
     assert sorted(sent) == [
         (b"de", M.LoadParams(version="v1", path="/ckpt/v1")),
@@ -117,8 +117,8 @@ def test_update_with_nothing_in_flight_loads_commits_and_changes_the_fingerprint
         (b"pe", M.CommitParams(version="v1", commit=True)),
     ]
     r = rig.router
-    assert r.params_version == "v1" and r.params_path == "/ckpt/v1"
-    assert r.fingerprint == model_fingerprint(TINY_QWEN2, "v1") != old_fp
+    assert r.params.version == "v1" and r.params.path == "/ckpt/v1"
+    assert r.params.fingerprint == model_fingerprint(TINY_QWEN2, "v1") != old_fp
     assert r.stats()["params_version"] == "v1"
 
 
@@ -128,7 +128,7 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     assert rig.submit("r1", "a", prompt) == []
     assert rig.handle(M.UpdateParams(version="v1", path="/p")) == []  # draining: r1 in flight
     assert rig.submit("r2", "b", prompt) == []  # held, not queued
-    assert list(r.requests) == ["r1"] and len(r.held) == 1
+    assert list(r.sessions.requests) == ["r1"] and len(r.params.held) == 1
     # r1 runs to the end with the old params (its job carries the old version) ...
     rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
@@ -144,8 +144,9 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
     assert (b"client", M.Ack(ref="params:v1")) in sent
     # The held round is submitted now, keyed by the new fingerprint: old blocks are never hit.
-    assert r.held == [] and list(r.requests) == ["r2"]
-    assert r.requests["r2"].keys == [] and r.requests["r2"].request.cached_tokens == 0
+    assert r.params.held == [] and list(r.sessions.requests) == ["r2"]
+    r2 = r.sessions.requests["r2"]
+    assert r2.keys == [] and r2.request.cached_tokens == 0
     sent = rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
     assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {"v1"}
@@ -166,8 +167,9 @@ def test_a_refusing_engine_aborts_the_update_everywhere(rig):
     ((_, err),) = _only(sent, M.Error)
     assert err.ref == "params:v1" and "engine 1: CheckpointError: bad shape" in err.message
     assert "still serving ''" in err.message
-    assert r.params_version == "" and r.fingerprint == model_fingerprint(TINY_QWEN2, "")
-    assert list(r.requests) == ["r1"] and r.update is None  # the held round goes on, old params
+    assert r.params.version == "" and r.params.fingerprint == model_fingerprint(TINY_QWEN2, "")
+    # the held round goes on, old params
+    assert list(r.sessions.requests) == ["r1"] and r.params.update is None
     # the cluster takes the next update
     assert (
         len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0
@@ -182,7 +184,7 @@ def test_an_engine_dying_mid_update_is_not_waited_for(rig):
     sent = list(rig.sent)
     assert (b"client", M.Ack(ref="params:v1")) in sent
     assert (b"pe", M.CommitParams(version="v1", commit=True)) in sent
-    assert rig.router.params_version == "v1"
+    assert rig.router.params.version == "v1"
 
 
 @pytest.mark.parametrize(
@@ -195,7 +197,7 @@ def test_an_engine_dying_mid_update_is_not_waited_for(rig):
 )
 def test_bad_update_requests_are_refused(rig, msg, problem):
     ((_, err),) = rig.handle(msg)
-    assert isinstance(err, M.Error) and problem in err.message and rig.router.update is None
+    assert isinstance(err, M.Error) and problem in err.message and rig.router.params.update is None
 
 
 def test_concurrent_and_repeated_versions_are_refused(rig):
@@ -212,7 +214,7 @@ def test_stale_or_foreign_acks_are_ignored(rig):
     rig.handle(M.UpdateParams(version="v1", path="/p"))
     assert rig.handle(M.ParamsLoaded(engine=PE, version="v0", ok=False, message="old"), b"pe") == []
     assert rig.handle(M.ParamsLoaded(engine=7, version="v1", ok=False, message="who"), b"x") == []
-    assert rig.router.update is not None and rig.router.update.waiting == {PE, DE}
+    assert rig.router.params.update is not None and rig.router.params.update.waiting == {PE, DE}
 
 
 def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
@@ -254,7 +256,7 @@ def test_sampling_fields_reach_the_job(rig):
 
 
 def _store_blocks(router: Router, tokens: list[int]) -> list[str]:
-    keys = block_keys(tokens, BT, router.fingerprint)
+    keys = block_keys(tokens, BT, router.params.fingerprint)
     width = TINY_QWEN2.kv_width
     kv = np.zeros((TINY_QWEN2.num_layers, len(keys) * BT, width), np.float32)
     router.store.write_full(keys, kv_to_full_blocks(kv, BT)).result(10)
@@ -405,12 +407,12 @@ def test_an_update_whose_engines_do_not_answer_is_aborted_after_the_timeout(rig)
     rig.handle(M.UpdateParams(version="v1", path="/p"))
     rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.sent.clear()
-    rig.router.check_update_timeout(limit)  # not yet
-    assert rig.sent == [] and rig.router.update is not None
-    rig.router.check_update_timeout(limit + 1)
+    rig.router.params.check_timeout(limit)  # not yet
+    assert rig.sent == [] and rig.router.params.update is not None
+    rig.router.params.check_timeout(limit + 1)
     ((_, err),) = _only(rig.sent, M.Error)
-    assert "engine 1: no answer within 600 s" in err.message and rig.router.params_version == ""
+    assert "engine 1: no answer within 600 s" in err.message and rig.router.params.version == ""
     assert [m for _, m in _only(rig.sent, M.CommitParams)] == [
         M.CommitParams(version="v1", commit=False)
     ] * 2
-    assert rig.router.update is None
+    assert rig.router.params.update is None

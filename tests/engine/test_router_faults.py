@@ -111,7 +111,7 @@ def test_a_reported_failure_ends_the_round_with_its_kind_and_text(rig, kind):
     assert err.ref == "r1" and err.kind == ("engine" if kind == "error" else kind)
     assert text in err.message and "decode engine 1" in err.message
     assert M.Cancel(request="r1") in rig.to(PE_ID)  # the other side drops its half
-    assert "r1" not in rig.router.requests and not rig.router.sessions["s"].busy
+    assert "r1" not in rig.router.sessions.requests and not rig.router.sessions["s"].busy
     # the session is usable again
     assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
 
@@ -136,7 +136,7 @@ def test_a_stale_attempts_failure_is_ignored(rig):
     (job,) = rig.assign()
     assert job.attempt == 2
     rig.handle(M.Failed(request="r1", engine=PE, message="late", kind="store", attempt=1), PE_ID)
-    assert errors_to_client(rig) == [] and "r1" in rig.router.requests
+    assert errors_to_client(rig) == [] and "r1" in rig.router.sessions.requests
 
 
 def test_a_persist_error_still_returns_the_tokens(rig):
@@ -176,7 +176,7 @@ def test_a_de_never_holds_more_than_its_slots_plus_queue():
     for _ in range(4):  # repeated fetches place no more
         rig.fetch(DE, slots=2)
         rig.fetch(PE)
-    held = [r for r in rig.router.requests.values() if r.de == DE]
+    held = [r for r in rig.router.sessions.requests.values() if r.de == DE]
     assert len(held) == 3
     assert len(rig.router.scheduler) == 5
 
@@ -205,11 +205,11 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     assert err.ref == "r1" and err.kind == "cancelled"
     if stage == "assigned":
         assert M.Cancel(request="r1") in rig.to(DE_ID) + rig.to(PE_ID)
-    assert len(rig.router.scheduler) == 0 and rig.router.requests == {}
+    assert len(rig.router.scheduler) == 0 and rig.router.sessions.requests == {}
     assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
     # another client cannot cancel it
     rig.handle(M.CancelRound(request="r2"), ident=b"stranger", role=M.CLIENT)
-    assert "r2" in rig.router.requests
+    assert "r2" in rig.router.sessions.requests
 
 
 # ----------------------------------------------------------------------------- roles, liveness
@@ -242,7 +242,7 @@ def test_a_second_engine_with_a_live_id_is_refused(rig):
     # messages naming engine 1 from another connection are refused too
     (err,) = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[9], persisted_blocks=0),
                         b"rogue")  # fmt: skip
-    assert err.kind == "auth" and "r1" in rig.router.requests
+    assert err.kind == "auth" and "r1" in rig.router.sessions.requests
 
 
 def test_heartbeats_and_pings_are_answered(rig):
@@ -280,9 +280,9 @@ def test_an_engine_that_registers_again_serves_at_once(rig):
     rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + limit + 2
     rig.handle(M.Heartbeat(engine=DE), DE_ID)
     rig.router.check_liveness(rig.clock())
-    assert "no live prefill engine" in rig.router.missing_role()
+    assert "no live prefill engine" in rig.router.engines.missing_role()
     rig.handle(M.Register(role="prefill", engine=PE, node=0, group=0, address="inproc://0",
                           pid=200), PE_ID)  # fmt: skip
     # no liveness tick in between: the new engine counts at once
     rig.submit("s", "r1")
-    assert "r1" in rig.router.requests
+    assert "r1" in rig.router.sessions.requests

@@ -1,0 +1,153 @@
+"""The router's engine registry: who registered, from which connection, when each was last
+heard from, and whether a role has had no live engine for too long (docs/failures.md).
+
+Pure bookkeeping: nothing here sends a message or writes an event. The router asks the registry
+and acts on its answers (refusing frames, declaring an engine dead, failing rounds).
+
+- `heard_from` authenticates a message that names an engine (it must come from the connection
+  that registered it; heartbeats come from their own socket) and refreshes its `last_seen`.
+- `silent(now)`: live engines quiet for longer than `cluster.heartbeat_timeout_s`.
+- `missing_role(now)`: why no round can run ("" if one can), a role with no live engine for
+  longer than `cluster.no_engine_timeout_s`. An engine that registers counts at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+from dualpath_jax.config import ClusterConfig
+from dualpath_jax.engine import messages as M
+
+ROLES = ("prefill", "decode")
+
+
+@dataclasses.dataclass
+class EngineInfo:
+    role: str
+    engine: int
+    node: int
+    group: int
+    address: str
+    ident: bytes
+    pid: int
+    last_seen: float
+    alive: bool = True
+    hbm_tokens: int = 0  # DE: KV capacity in tokens
+    slots: int = 0
+    links: dict = dataclasses.field(default_factory=dict)
+
+
+class EngineRegistry:
+    """Engines by id, in registration order (a re-registered id keeps its place)."""
+
+    def __init__(self, cluster: ClusterConfig, clock: Callable[[], float]):
+        self.cluster = cluster
+        self.clock = clock
+        self._engines: dict[int, EngineInfo] = {}
+        # When a live engine of each role was last known: rounds fail once one role has had
+        # none for `cluster.no_engine_timeout_s`.
+        self.role_seen = {"prefill": clock(), "decode": clock()}
+
+    # ------------------------------------------------------------------ lookup
+
+    def __getitem__(self, engine: int) -> EngineInfo:
+        return self._engines[engine]
+
+    def __contains__(self, engine: object) -> bool:
+        return engine in self._engines
+
+    def get(self, engine: int) -> EngineInfo | None:
+        return self._engines.get(engine)
+
+    def live(self, role: str | None = None, group: int | None = None) -> list[EngineInfo]:
+        """The live engines (of `role`, in `group`), in registration order."""
+        return [
+            e
+            for e in self._engines.values()
+            if e.alive and (role is None or e.role == role) and (group is None or e.group == group)
+        ]
+
+    def live_one(self, engine: int) -> EngineInfo | None:
+        """Engine `engine` if it is registered and alive."""
+        e = self._engines.get(engine)
+        return e if e is not None and e.alive else None
+
+    # ------------------------------------------------------------------ registration
+
+    def heard_from(self, ident: bytes, msg: M.Msg) -> str:
+        """Authenticates a message naming a registered engine and refreshes its `last_seen`.
+        Returns why it is refused ("" if it is not): it came from a connection other than the
+        one that registered the engine (heartbeats, from their own socket, excepted)."""
+        engine = getattr(msg, "engine", None)
+        e = self._engines.get(engine) if isinstance(engine, int) else None
+        if e is None or isinstance(msg, M.Register):
+            return ""
+        if e.ident != ident and not isinstance(msg, M.Heartbeat):
+            return f"engine {engine} is registered from another connection"
+        e.last_seen = self.clock()
+        return ""
+
+    def takeover(self, ident: bytes, msg: M.Register) -> str:
+        """Why `msg` may not register its id ("" if it may): a live engine holds it from another
+        connection or process."""
+        old = self._engines.get(msg.engine)
+        if old is not None and old.alive and (old.ident != ident or old.pid != msg.pid):
+            return (
+                f"engine id {msg.engine} is already registered by pid {old.pid}; "
+                f"refused the second one (pid {msg.pid})"
+            )
+        return ""
+
+    def add(self, ident: bytes, msg: M.Register) -> EngineInfo:
+        """Registers (or re-registers) an engine; it is live at once."""
+        e = EngineInfo(
+            msg.role, msg.engine, msg.node, msg.group, msg.address, ident, msg.pid, self.clock()
+        )
+        self._engines[msg.engine] = e
+        return e
+
+    def report(self, e: EngineInfo, load: M.Load, links: str) -> None:
+        """Takes the capacity an engine reports with each `Fetch` (and its links, if any)."""
+        e.hbm_tokens = load.hbm_capacity_tokens
+        e.slots = load.slots
+        if links:
+            e.links = json.loads(links)
+
+    # ------------------------------------------------------------------ liveness
+
+    def silent(self, now: float) -> list[EngineInfo]:
+        """Live engines not heard from for longer than `cluster.heartbeat_timeout_s`."""
+        timeout = self.cluster.heartbeat_timeout_s
+        return [e for e in self._engines.values() if e.alive and now - e.last_seen > timeout]
+
+    def mark_dead(self, e: EngineInfo) -> None:
+        e.alive = False
+
+    def missing_role(self, now: float | None = None) -> str:
+        """Why no round can run now ("" if they can): a role with no live engine for longer
+        than `cluster.no_engine_timeout_s`."""
+        now = self.clock() if now is None else now
+        limit = self.cluster.no_engine_timeout_s
+        for role, seen in self.role_seen.items():
+            if any(e.alive and e.role == role for e in self._engines.values()):
+                self.role_seen[role] = now  # e.g. one that registered since the last check
+            elif now - seen > limit:
+                return f"no live {role} engine for {now - seen:.0f} s (cluster.no_engine_timeout_s={limit:g})"
+        return ""
+
+    # ------------------------------------------------------------------ metrics
+
+    def stats(self) -> dict:
+        return {
+            str(e.engine): {
+                "role": e.role,
+                "alive": e.alive,
+                "node": e.node,
+                "pid": e.pid,
+                "address": e.address,
+                "links": e.links,
+            }
+            for e in self._engines.values()
+        }

@@ -1,0 +1,207 @@
+"""The router's session table and round bookkeeping.
+
+A session is a trajectory's context (`A_1 G_1 ...`, appendix A.3) and whether one of its rounds
+is running; a round in flight is a `RequestState`, from the `Submit` that created it to its
+`Result` or `Error`. Pure bookkeeping: nothing here sends, stores or schedules. The router asks
+`session_problem` / `round_problem` whether a `Submit` may run (their texts are the client's
+error messages), records it with `start_round`, and takes it out again with `complete` (its
+tokens extend the session) or `drop` (it ended unfinished). Each assignment to engines is
+recorded on the round (`RequestState.assign`), and undone by `unassign` for a retry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from dualpath_jax.engine import messages as M
+from dualpath_jax.sched.types import Assignment, Request
+
+
+@dataclasses.dataclass
+class SessionState:
+    id: str
+    context: list[int] = dataclasses.field(default_factory=list)  # A_1 G_1 ... (appendix A.3)
+    busy: bool = False
+
+
+@dataclasses.dataclass
+class RequestState:
+    id: str
+    session: str
+    client: bytes
+    request: Request
+    prompt: list[int]
+    keys: list[str]
+    gen: int
+    t_submit: float
+    t_assign: float = math.nan
+    t_first: float = math.nan
+    t_second: float = math.nan
+    pe: int = -1
+    de: int = -1
+    path: str = ""
+    hit_blocks: int = 0
+    recomputed_blocks: int = 0
+    attempts: int = 0
+    first_token: int = -1
+    pe_read_tokens: int = 0  # hit tokens read on the PE's node, until its reads finish
+    de_read_tokens: int = 0  # hit tokens read on the DE's node, until its reads finish
+    pe_reads_done: bool = False
+    de_reads_done: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    job: M.LoadJobMsg | None = (
+        None  # the current attempt's job, sent to the PE once the DE is ready
+    )
+    last_error: str = ""  # the last engine failure's text and kind (for the final error)
+    last_kind: str = ""
+
+    def assign(self, a: Assignment, now: float, block_tokens: int) -> None:
+        """A new attempt on `a`'s PE and DE, reading `a`'s split of the hit."""
+        self.pe, self.de, self.t_assign = a.pe, a.de, now
+        self.path = a.path.value
+        self.attempts += 1
+        self.pe_read_tokens = a.pe_read_blocks * block_tokens
+        self.de_read_tokens = a.de_read_blocks * block_tokens
+        self.pe_reads_done = self.de_reads_done = False
+
+    def unassign(self) -> None:
+        """Back to queued, as if never assigned (the attempt count stays)."""
+        self.pe = self.de = -1
+        self.t_first = self.t_second = math.nan
+        self.first_token = -1
+        self.job = None
+
+    def result(
+        self, tokens: list[int], now: float, block_tokens: int, persist_error: str = ""
+    ) -> M.Result:
+        """The client's answer: the round's tokens and its timings."""
+        g = len(tokens)
+        ttst = self.t_second - self.t_first if g > 1 and not math.isnan(self.t_second) else 0.0
+        return M.Result(
+            request=self.id,
+            tokens=tokens,
+            ttft_s=self.t_first - self.t_submit,
+            ttst_s=ttst,
+            tpot_s=(now - self.t_first) / (g - 1) if g > 1 else 0.0,
+            jct_s=now - self.t_submit,
+            queue_s=self.t_assign - self.t_submit,
+            cached_tokens=self.hit_blocks * block_tokens,
+            prompt_tokens=len(self.prompt),
+            read_path=self.path,
+            recomputed_blocks=self.recomputed_blocks,
+            persist_error=persist_error,
+        )
+
+
+class SessionTable:
+    """Sessions by id (`table[id]`, `id in table`) and the rounds in flight (`requests`, by
+    request id). `vocab_size` and `max_len` (prompt + generated tokens) bound a round."""
+
+    def __init__(self, vocab_size: int, max_len: int):
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        self.sessions: dict[str, SessionState] = {}
+        self.requests: dict[str, RequestState] = {}
+
+    def __getitem__(self, session: str) -> SessionState:
+        return self.sessions[session]
+
+    def __contains__(self, session: object) -> bool:
+        return session in self.sessions
+
+    def get(self, session: str) -> SessionState | None:
+        return self.sessions.get(session)
+
+    # ------------------------------------------------------------------ sessions
+
+    def open(self, session: str, resume: bool) -> bool:
+        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`."""
+        if session in self.sessions and not resume:
+            return False
+        self.sessions.setdefault(session, SessionState(session))
+        return True
+
+    def close(self, session: str) -> None:
+        del self.sessions[session]
+
+    # ------------------------------------------------------------------ rounds
+
+    def session_problem(self, msg: M.Submit) -> str:
+        """Why `msg`'s session cannot take a round now ("" if it can)."""
+        s = self.sessions.get(msg.session)
+        if s is None:
+            return f"unknown session {msg.session!r}"
+        if s.busy:
+            return f"session {msg.session!r} already has a round running"
+        return ""
+
+    def round_problem(self, msg: M.Submit) -> str:
+        """What is wrong with the round itself ("" if nothing); its session must exist."""
+        if msg.request in self.requests:
+            return f"duplicate request id {msg.request!r}"
+        if msg.gen <= 0:
+            return f"gen must be > 0, got {msg.gen}"
+        if not msg.append:
+            return "a round must append at least one token"
+        if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
+            return f"temperature must be a finite number >= 0, got {msg.temperature}"
+        if not 0 <= msg.seed < 2**32:
+            return f"seed must lie in [0, 2**32), got {msg.seed}"
+        bad = next((t for t in msg.append if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"token id {bad} is out of range [0, {self.vocab_size})"
+        n = len(self.prompt(msg))
+        if n + msg.gen > self.max_len:
+            return f"context of {n} + {msg.gen} tokens exceeds the limit of {self.max_len}"
+        return ""
+
+    def prompt(self, msg: M.Submit) -> list[int]:
+        """The round's prompt: its session's context, then the tokens it appends."""
+        return self.sessions[msg.session].context + list(msg.append)
+
+    def start_round(
+        self,
+        client: bytes,
+        msg: M.Submit,
+        request: Request,
+        prompt: list[int],
+        keys: list[str],
+        now: float,
+    ) -> RequestState:
+        """Records a queued round (`keys`: its hit's block keys); its session is busy."""
+        self.sessions[msg.session].busy = True
+        st = RequestState(
+            msg.request,
+            msg.session,
+            client,
+            request,
+            prompt,
+            keys,
+            msg.gen,
+            now,
+            temperature=msg.temperature,
+            seed=msg.seed,
+        )
+        self.requests[msg.request] = st
+        return st
+
+    def complete(self, st: RequestState, tokens: list[int]) -> None:
+        """A round produced `tokens`: its session's context grows by them and is free again."""
+        s = self.sessions.get(st.session)
+        if s is not None:
+            s.context = st.prompt + tokens
+            s.busy = False
+        self.requests.pop(st.id, None)
+
+    def drop(self, st: RequestState) -> None:
+        """A round ended unfinished: its session is free again, its context unchanged."""
+        s = self.sessions.get(st.session)
+        if s is not None:
+            s.busy = False
+        self.requests.pop(st.id, None)
+
+    def on_engine(self, engine: int) -> list[RequestState]:
+        """The rounds whose current attempt runs on `engine` (as PE or DE)."""
+        return [st for st in self.requests.values() if engine in (st.pe, st.de)]
