@@ -36,6 +36,7 @@
 import importlib.util
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -49,35 +50,28 @@ if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install t
     sys.path.insert(0, str(root))  # this kernel started before the install
 
 # %%
-import shutil
-
 import matplotlib.pyplot as plt
 import numpy as np
-
-from dualpath_jax.config import apply_overrides
-from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.experiment import build_trajectories
-from dualpath_jax.metrics.events import read_events
-from dualpath_jax.metrics.summary import link_totals, read_link_reports
-from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import emulated_cpu_experiment
-from dualpath_jax.rollout import InProcessEngine, Session, run_trajectories
+from dualpath_jax import apply_overrides, cluster, load_config, model, rollout
 
 # %% [markdown]
 # ## The configuration
 #
-# `emulated_cpu_experiment(P, D)` is the `configs/cpu_*` family: the tiny Qwen2 model (random
+# `configs/cpu_1p1d.py` is one of the `configs/cpu_*` family: the tiny Qwen2 model (random
 # weights), one engine per node, and token-bucket links that make one CPU host behave like the
 # paper's storage-bound cluster: each node's storage NIC is slow, each engine's compute NIC is
-# 8x faster (8 x 400 Gbps vs 1 x 400 Gbps per node in the paper). We take one prefill and one
-# decode node (`1p1d`), storage NICs of 1 MB/s, the DualPath scheduler, and 4 agents of at
-# most 6 rounds each. Every config field can be overridden with `"section.field=value"`
-# strings, like the launchers' `--set`.
+# 8x faster (8 x 400 Gbps vs 1 x 400 Gbps per node in the paper) and its host<->device copies
+# 16x faster. We take one prefill and one decode node (`1p1d`), storage NICs of 1 MB/s (the
+# other links scaled with them), the DualPath scheduler, and 4 agents of at most 6 rounds each.
+# Every config field can be overridden with `"section.field=value"` strings, like the
+# launchers' `--set`.
 
 # %%
 cfg = apply_overrides(
-    emulated_cpu_experiment(1, 1, "tiny", snic_bytes_per_s=1e6),
-    ["scheduler.policy=dualpath", "workload.agents=4", "workload.trajectories=4", "workload.max_turns=6"],
+    load_config("cpu_1p1d:tiny"),  # the repository's configs/cpu_1p1d.py, ARG "tiny"
+    ["hardware.snic_bytes_per_s=1e6", "hardware.cnic_bytes_per_s=8e6",
+     "hardware.h2d_bytes_per_s=16e6", "hardware.d2h_bytes_per_s=16e6",
+     "scheduler.policy=dualpath", "workload.agents=4", "workload.trajectories=4", "workload.max_turns=6"],
 )
 hw = cfg.hardware
 print(f"{cfg.name}: model {cfg.model.name}, policy {cfg.scheduler.policy.value}")
@@ -102,17 +96,16 @@ shutil.rmtree(WORKDIR, ignore_errors=True)  # a fresh block store, so the first 
 # - `run_trajectories` replays many trajectories concurrently, each one's rounds in order.
 
 # %%
-trajs, _ = build_trajectories(cfg)  # the synthetic 64k-shaped trace, scaled to the tiny model
-agent_rounds = [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
+agent_rounds, _ = rollout.workload_trajectories(cfg)  # the synthetic 64k-shaped trace, scaled to the tiny model
 first_turn = list(range(1, 120))  # token ids of the user's first message
 second_turn = list(range(200, 230))
 
-with LocalCluster(cfg, WORKDIR) as cluster:
-    client = cluster.client()
-    session = Session(client, "chat-0")
+with cluster.LocalCluster(cfg, WORKDIR) as local_cluster:
+    client = local_cluster.client()
+    session = rollout.Session(client, "chat-0")
     answer_1 = session.step(first_turn, 8)
     answer_2 = session.step(second_turn, 8)
-    outputs = run_trajectories(client, agent_rounds, progress=False)
+    outputs = rollout.run_trajectories(client, agent_rounds, progress=False)
     stats = client.stats()
 
 print("round 1 tokens:", answer_1)
@@ -128,7 +121,7 @@ print("rounds per read path (router):", stats["read_path_counts"])
 # disaggregation, no store) gives the same tokens, whichever path the KV took in the cluster.
 
 # %%
-local = Session(InProcessEngine(init_model(cfg.model, seed=cfg.seed), max_len=1024), "chat-0")
+local = rollout.Session(rollout.InProcessEngine(model.init_model(cfg.model, seed=cfg.seed), max_len=1024), "chat-0")
 same = local.step(first_turn, 8) == answer_1 and local.step(second_turn, 8) == answer_2
 print("cluster tokens == in-process tokens:", same)
 assert same
@@ -142,7 +135,7 @@ assert same
 # host<->device copies, `dram` the nodes' memory.
 
 # %%
-totals = link_totals(read_link_reports(WORKDIR))
+totals = cluster.link_totals(cluster.read_link_reports(WORKDIR))
 for name, nbytes in totals.items():
     print(f"{name:<16}{nbytes / 1e6:8.2f} MB")
 pe_mb, de_mb = totals.get("snic_rx:node0", 0) / 1e6, totals.get("snic_rx:node1", 0) / 1e6
@@ -158,7 +151,7 @@ print(f"\nKV read from storage: PE read path {pe_mb:.2f} MB, DE read path {de_mb
 # the link reports: DualPath keeps both busy.
 
 # %%
-events = read_events(WORKDIR / "events.jsonl")
+events = cluster.read_events(WORKDIR / "events.jsonl")
 t0 = min(e["t"] for e in events if e["kind"] == "submit")
 life: dict[str, dict] = {}
 for e in events:
@@ -181,7 +174,7 @@ ax.barh(0, 0, color="#4a4", label="decode")
 ax.set_ylabel("request (by submit time)")
 ax.legend(fontsize=7, loc="lower right")
 ax.set_title(f"{cfg.name}, {cfg.scheduler.policy.value}: {len(rows)} rounds (links emulated)")
-for r in read_link_reports(WORKDIR):
+for r in cluster.read_link_reports(WORKDIR):
     for name, pts in r["windows"].items():
         if name.startswith("snic_rx:") and pts:
             t = np.maximum(np.array([p[0] for p in pts]) - t0, 0.0)  # window starts may precede t0
@@ -201,7 +194,8 @@ plt.show()
 # - One command runs a whole experiment and writes `summary.json` (JCT, TTFT/TPOT percentiles,
 #   bytes per read path, storage-NIC balance): `python launch/rollout.py
 #   --config=configs/cpu_1p1d.py --policy=dualpath --agents=4 --workdir=/tmp/dp_run`; in Python,
-#   `dualpath_jax.experiment.run_local(cfg, workdir)`.
+#   in Python, the replay above (`rollout.workload_trajectories(cfg)` through
+#   `rollout.run_trajectories` on a `cluster.LocalCluster`) is that run.
 # - `make demo` compares Basic, DualPath and Oracle side by side.
 # - Notebook 02 follows one request's KV through both read paths; 03 runs the cluster
 #   simulator at the paper's scale; 04 drives the cluster from a JAX RL loop.

@@ -7,6 +7,10 @@ engine processes on this host; `Client` talks to any router (local or multi-host
         session = rollout.Session(c.client(), "traj-0")
         tokens = session.step([1, 2, 3], 8)
 
+What a run wrote: `read_events(workdir / "events.jsonl")` (the router's per-request events),
+`read_link_reports(workdir)` (each engine's bytes per link, written when it stops) and
+`link_totals(reports)` (bytes per link name over the whole cluster).
+
 Failure kinds, secrets and liveness: docs/failures.md; several hosts: docs/multihost.md.
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.engine.cluster import ClusterError, LocalCluster
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
+from dualpath_jax.metrics.events import read_events
+from dualpath_jax.metrics.summary import link_totals, read_link_reports
 
 __all__ = [
     "Client",
@@ -22,6 +28,9 @@ __all__ = [
     "Credentials",
     "LocalCluster",
     "RolloutError",
+    "link_totals",
     "read_credentials",
+    "read_events",
+    "read_link_reports",
     "write_credentials",
 ]

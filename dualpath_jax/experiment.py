@@ -17,25 +17,11 @@ import pathlib
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import read_link_reports, summarize
-from dualpath_jax.workload.arrivals import agent_trajectories, schedule
-from dualpath_jax.workload.synthetic import from_config
-from dualpath_jax.workload.trace import Trajectory, materialize
-
-
-def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
-    """The materialized trajectory of every agent and its start time (seconds)."""
-    w = cfg.workload
-    rng = np.random.default_rng(w.seed)
-    base = from_config(w, vocab_size=cfg.model.vocab_size)
-    arrivals = [a.time_s for a in schedule(w, rng)]
-    trajs = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
-    trajs = [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs]
-    return trajs, arrivals
+from dualpath_jax.workload.arrivals import build_trajectories
+from dualpath_jax.workload.trace import Trajectory
 
 
 def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:

@@ -45,7 +45,20 @@ __all__ = [
     "Session",
     "TrajectoryOutput",
     "run_trajectories",
+    "workload_trajectories",
 ]
+
+
+def workload_trajectories(
+    cfg: Any,
+) -> tuple[list[tuple[str, list[tuple[list[int], int]]]], list[float]]:
+    """The config's workload as `run_trajectories` input: one trajectory per agent (the Table 2
+    preset or trace file of `cfg.workload`, scaled and materialized to token ids), and each
+    agent's start time in seconds (all 0 offline; Poisson arrivals online)."""
+    from dualpath_jax.workload.arrivals import build_trajectories
+
+    trajs, arrivals = build_trajectories(cfg)
+    return [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs], arrivals
 
 
 class Session:

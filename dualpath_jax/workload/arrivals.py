@@ -12,8 +12,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from dualpath_jax.config import WorkloadConfig
-from dualpath_jax.workload.trace import Trajectory, expand
+from dualpath_jax.config import ExperimentConfig, WorkloadConfig
+from dualpath_jax.workload.synthetic import from_config
+from dualpath_jax.workload.trace import Trajectory, expand, materialize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +80,14 @@ def schedule(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[Arrival]
             count=None if cfg.duration_s else cfg.agents,
         )
     raise ValueError(f"workload.mode must be 'offline' or 'online', got {cfg.mode!r}")
+
+
+def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
+    """The materialized trajectory of every agent and its start time (seconds)."""
+    w = cfg.workload
+    rng = np.random.default_rng(w.seed)
+    base = from_config(w, vocab_size=cfg.model.vocab_size)
+    arrivals = [a.time_s for a in schedule(w, rng)]
+    trajs = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
+    trajs = [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs]
+    return trajs, arrivals

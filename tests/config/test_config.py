@@ -83,3 +83,10 @@ def test_config_arg_and_errors():
         load_config(f"{CONFIG_DIR}/tiny.py:gpt")
     with pytest.raises(C.ConfigError, match="does not exist"):
         load_config("configs/missing.py")
+
+
+def test_a_bare_name_is_a_repository_config_wherever_the_caller_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config("cpu_1p1d:tiny") == load_config(f"{CONFIG_DIR}/cpu_1p1d.py:tiny")
+    with pytest.raises(C.ConfigError, match=r"no config named 'nope'; known: \[.*'cpu_1p1d'"):
+        load_config("nope")
