@@ -5,7 +5,7 @@ Run (about 10 minutes on 2 cores):
   python bench/sim_validate.py --workdir=/tmp/dp_sim_validate --reuse   # re-fit, re-simulate only
 
 For each config (default `cpu_1p1d` and `cpu_1p2d`, `tiny`: 8 agents) it runs every policy on a
-fresh local cluster (`metrics.compare.compare`, the same runs as `bench/compare_policies.py`),
+fresh local cluster (`experiment.compare`, the same runs as `bench/compare_policies.py`),
 fits one CPU cost model to the pooled `events.jsonl` of those runs (`sim.fit.fit_events`: prefill
 batch times, decode step time and the per-request DE overhead), simulates each policy with it on
 the same trajectories, and prints measured JCT, simulated JCT and the error. The `cross` columns
@@ -27,7 +27,7 @@ from absl import app, flags
 
 from dualpath_jax.config import apply_overrides
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.metrics.compare import compare, with_policy
+from dualpath_jax.experiment import compare, with_policy
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.sim import SimOptions, simulate
 from dualpath_jax.sim.fit import fit_events

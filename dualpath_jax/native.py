@@ -56,7 +56,18 @@ from dualpath_jax._compiled import (
     use,
 )
 
-__all__ = ["MODES", "MODULES", "active", "build", "check", "clean", "install", "native_dir", "status", "use"]
+__all__ = [
+    "MODES",
+    "MODULES",
+    "active",
+    "build",
+    "check",
+    "clean",
+    "install",
+    "native_dir",
+    "status",
+    "use",
+]
 
 
 # --------------------------------------------------------------------------- building
@@ -155,7 +166,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if cmd == "status":
         why = check(where)
-        print(json.dumps({"dir": str(where or native_dir()), "usable": not why, "why_not": why}, indent=1))
+        print(
+            json.dumps(
+                {"dir": str(where or native_dir()), "usable": not why, "why_not": why}, indent=1
+            )
+        )
         return 0
     print("usage: python -m dualpath_jax.native [build|status|clean] [DIR]", file=sys.stderr)
     return 2

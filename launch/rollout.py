@@ -7,21 +7,17 @@ Writes config.json, events.jsonl, outputs.jsonl, summary.json (and logs/, links/
 
 from __future__ import annotations
 
-import sys
-
 from absl import app
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-import _common  # noqa: E402
-
-from dualpath_jax.experiment import run_local  # noqa: E402
+from dualpath_jax import launcher
+from dualpath_jax.experiment import run_local
 
 
 def main(argv):
     del argv
-    cfg = _common.build_config("offline")
-    wd = _common.prepare_workdir(cfg)
-    _common.print_summary(run_local(cfg, wd))
+    cfg = launcher.build_config("offline")
+    wd = launcher.prepare_workdir(cfg)
+    launcher.print_summary(run_local(cfg, wd))
 
 
 if __name__ == "__main__":

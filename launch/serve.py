@@ -7,14 +7,10 @@ Reports TTFT, TTST, TPOT, JCT and SLO attainment (workload.ttft_slo_s / workload
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-import _common  # noqa: E402
-
-from dualpath_jax.experiment import run_local  # noqa: E402
+from dualpath_jax import launcher
+from dualpath_jax.experiment import run_local
 
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second.")
 _DURATION = flags.DEFINE_float(
@@ -24,11 +20,11 @@ _DURATION = flags.DEFINE_float(
 
 def main(argv):
     del argv
-    cfg = _common.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
+    cfg = launcher.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
     if cfg.workload.aps <= 0:
         raise app.UsageError("online runs need --aps > 0 (or workload.aps in the config)")
-    wd = _common.prepare_workdir(cfg)
-    _common.print_summary(run_local(cfg, wd))
+    wd = launcher.prepare_workdir(cfg)
+    launcher.print_summary(run_local(cfg, wd))
 
 
 if __name__ == "__main__":

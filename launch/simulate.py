@@ -25,16 +25,18 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 from absl import app, flags, logging
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
-import _common  # noqa: E402
+from dualpath_jax import launcher, native
 
-from dualpath_jax.sched.cost import FittedCostModel  # noqa: E402
-from dualpath_jax.sim import SimOptions, simulate, write_run  # noqa: E402
-from dualpath_jax.sim import advise as adv  # noqa: E402
+_NATIVE = flags.DEFINE_enum(
+    "native",
+    "auto",
+    list(native.MODES),
+    "The simulator's compiled core (make native): auto (used when a fresh build exists), on "
+    "(required), off (the pure Python modules; same results).",
+)
 
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second (online mode).")
 _DURATION = flags.DEFINE_float("duration_s", None, "Online arrivals stop after this many seconds.")
@@ -71,11 +73,15 @@ _ADV_ATTAIN = flags.DEFINE_float(
 
 def main(argv):
     del argv
+    native.use(_NATIVE.value)  # before the simulator's modules are imported
+    from dualpath_jax.sched.cost import FittedCostModel
+    from dualpath_jax.sim import SimOptions, simulate, write_run
+
     online = _APS.value is not None
-    cfg = _common.build_config(
+    cfg = launcher.build_config(
         "online" if online else "offline", aps=_APS.value, duration_s=_DURATION.value
     )
-    wd = _common.prepare_workdir(cfg)
+    wd = launcher.prepare_workdir(cfg)
     cost, overhead = None, 0.0
     if _COST.value:
         text = pathlib.Path(_COST.value).read_text()
@@ -100,10 +106,12 @@ def main(argv):
         run.events,
         run.summary["sim"]["events_per_s"],
     )
-    _common.print_summary(run.summary)
+    launcher.print_summary(run.summary)
 
 
 def advise_main(cfg, wd, cost, options) -> None:
+    from dualpath_jax.sim import advisor as adv
+
     sc, cl = cfg.scheduler, cfg.cluster
     pd = (
         adv.parse_pd(_ADV_PD.value)

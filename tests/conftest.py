@@ -29,9 +29,10 @@ def pytest_configure(config):
 
         native.install(where, required=True)
 
+
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-from dualpath_jax.model.presets import TINY_DEEPSEEK, TINY_QWEN2  # noqa: E402
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2  # noqa: E402
 
 FAMILIES = {"qwen2": TINY_QWEN2, "deepseek": TINY_DEEPSEEK}
 

@@ -27,17 +27,19 @@ ABSL_BUILTIN = {
 }
 DEFINE = re.compile(r"DEFINE_(\w+)\(\s*[\"'](\w+)[\"']")
 COMMAND = re.compile(r"python3? ((?:launch|bench)/\w+\.py)([^`#\n]*)")
-FLAG = re.compile(r"(?<![\w-])--([A-Za-z_]\w*)")
+FLAG = re.compile(r"(?<![\w-])--([A-Za-z_][\w-]*)")
+ARGPARSE = re.compile(r"add_argument\(\s*[\"']--([\w-]+)[\"']")
 
 
 def script_flags(script: pathlib.Path) -> set[str]:
-    """Flags a launcher defines (its own DEFINE_* calls plus those of `_common.py` it imports);
-    boolean flags also as `no<name>`."""
+    """Flags a launcher defines (its own DEFINE_* calls plus those of `dualpath_jax.launcher` if
+    it imports it, and argparse's `add_argument("--name")`); boolean flags also as `no<name>`."""
     sources = [script.read_text()]
-    if "import _common" in sources[0]:
-        sources.append((script.parent / "_common.py").read_text())
+    if re.search(r"from dualpath_jax import .*\blauncher\b", sources[0]):
+        sources.append((ROOT / "dualpath_jax" / "launcher.py").read_text())
     names = set()
     for text in sources:
+        names.update(ARGPARSE.findall(text))
         for kind, name in DEFINE.findall(text):
             names.add(name)
             if kind in ("bool", "boolean"):
@@ -49,7 +51,7 @@ def doc_commands() -> list[tuple[str, str, str]]:
     """`(page, script, argument text)` of every `python launch/...` / `python bench/...` command
     in the docs, shell line continuations joined."""
     out = []
-    for page in PAGES:
+    for page in [*PAGES, ROOT / "README.md"]:
         text = page.read_text().replace("\\\n", " ")
         out += [(page.name, m.group(1), m.group(2)) for m in COMMAND.finditer(text)]
     return out

@@ -33,7 +33,11 @@ print(json.dumps({
 def test_importing_the_package_installs_nothing(tmp_path):
     # Run from a directory without a build and with the variables the old loader read set: they
     # must change nothing.
-    env = {"PATH": "/usr/bin:/bin", "DUALPATH_JAX_NATIVE": "1", "DUALPATH_JAX_NATIVE_DIR": str(tmp_path)}
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DUALPATH_JAX_NATIVE": "1",
+        "DUALPATH_JAX_NATIVE_DIR": str(tmp_path),
+    }
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE],
         cwd=ROOT,
@@ -70,7 +74,11 @@ def test_use_checks_its_mode_and_off_installs_nothing():
 def test_on_without_a_build_is_a_clear_error(tmp_path):
     code = "import sys; from dualpath_jax import native; native.use('on', sys.argv[1])"
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "the compiled core cannot be used: no build in" in proc.stderr

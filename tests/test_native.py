@@ -41,7 +41,7 @@ _SIMULATE = """
 import json, sys
 from dualpath_jax import native
 native.use(sys.argv[1], sys.argv[2])
-from dualpath_jax.hardware import paper_experiment
+from dualpath_jax.presets import paper_experiment
 from dualpath_jax.sim import SimOptions, simulate
 import dualpath_jax.sim.cluster as C
 
@@ -59,7 +59,10 @@ print(json.dumps(out))
 
 def _simulate(mode: str, where: pathlib.Path) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-c", _SIMULATE, mode, str(where)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-c", _SIMULATE, mode, str(where)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

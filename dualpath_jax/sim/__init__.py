@@ -1,8 +1,11 @@
 """The cluster simulator (docs/simulator.md): the real scheduler over simulated nodes, links and GPUs.
 
-    from dualpath_jax.sim import simulate
+    from dualpath_jax.sim import simulate, advise
     run = simulate(cfg)            # or simulate(cfg, cost=FittedCostModel(...))
     run.summary["jct_s"]
+    report = advise(cfg, AdviseSpace(pd=((1, 2), (2, 1))))   # the deployment advisor
+
+The public names are `__all__`; the modules below are internal.
 
 `core.EventLoop` is the virtual clock, `network.SimNetwork` the links (real `LinkArbiter`),
 `cluster.SimCluster` the router, engines and data paths (their state in `state`), `decode` a DE's
@@ -10,30 +13,16 @@ continuous batched decode, `leaders` when group leaders fetch, `agents` the agen
 `run.simulate` the offline/online driver.
 """
 
-from dualpath_jax.sim.agents import round_hit, schedule_agents
-from dualpath_jax.sim.cluster import SimCluster
-from dualpath_jax.sim.core import Event, EventLoop
-from dualpath_jax.sim.network import SimLink, SimNetwork
-from dualpath_jax.sim.run import (
-    SimRun,
-    build_agents,
-    simulate,
-    write_run,
-)
-from dualpath_jax.sim.state import RoundResult, SimOptions
+from dualpath_jax.sim.advisor import AdviseSpace, advise, format_report
+from dualpath_jax.sim.run import SimRun, simulate, write_run
+from dualpath_jax.sim.state import SimOptions
 
 __all__ = [
-    "Event",
-    "EventLoop",
-    "RoundResult",
-    "SimCluster",
-    "SimLink",
-    "SimNetwork",
+    "AdviseSpace",
     "SimOptions",
     "SimRun",
-    "build_agents",
-    "round_hit",
-    "schedule_agents",
+    "advise",
+    "format_report",
     "simulate",
     "write_run",
 ]

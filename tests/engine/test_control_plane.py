@@ -20,7 +20,7 @@ from dualpath_jax.engine.rpc import RpcClient, RpcServer, check_bind
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.sched.scheduler import GlobalScheduler
 
 WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test

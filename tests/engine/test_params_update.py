@@ -24,9 +24,9 @@ from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.layout import kv_to_full_blocks
-from dualpath_jax.model.presets import TINY_QWEN2
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.sched.scheduler import GlobalScheduler
 
 BT = 16

@@ -15,7 +15,7 @@ from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.kvstore.store import open_block_store
-from dualpath_jax.model.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.sched.scheduler import GlobalScheduler
 
 BT = 16

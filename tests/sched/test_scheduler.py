@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched import (
+    POLICY_SPECS,
     EngineChoice,
     EngineLoad,
     GlobalScheduler,
-    POLICY_SPECS,
     PathMode,
     QueueFull,
     ReadPath,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from dualpath_jax.hardware import (
+from dualpath_jax.presets import (
     HOPPER_NODE,
     PAPER_MODELS,
     emulated_cpu_experiment,
@@ -15,7 +15,7 @@ from dualpath_jax.hardware import (
 )
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sim import SimOptions, simulate
-from dualpath_jax.sim.advise import (
+from dualpath_jax.sim.advisor import (
     AdviseSpace,
     advise,
     bottleneck_free_range,

@@ -1,4 +1,6 @@
-"""Flags shared by the run launchers (rollout, serve, simulate) and the config they build."""
+"""The run launchers' shared flags (`launch/rollout.py`, `serve.py`, `simulate.py`) and the
+config they build. Importing this module defines the absl flags `--config`, `--set`,
+`--workdir`, `--policy`, `--agents`, `--max_turns` and `--trace`: only launchers import it."""
 
 from __future__ import annotations
 
