@@ -2,7 +2,8 @@
 
 `cpu_s` (process CPU time of the simulation) is the one-core figure on a shared machine, where
 wall time also counts other processes. The default `--preset=paper` is the paper's cluster as
-`hardware.paper_experiment("ds660b", P, D)` builds it (the same runs as `bench/paper_figures.py`).
+`presets.paper_experiment("ds660b", P, D)` builds it, the config of
+`configs/paper.py:ds660b_<P>p<D>d` (the same runs as `bench/paper_figures.py`).
 
     python bench/sim_speed.py --agents=2048                  # 2P4D, 2,048 agents, full 64K trace
     python bench/sim_speed.py --agents=49152 --prefill_nodes=48 --decode_nodes=96   # 48P96D, 48K
@@ -33,8 +34,7 @@ from dualpath_jax.config import (
     SchedulerConfig,
     WorkloadConfig,
 )
-from dualpath_jax.hardware import HOPPER_NODE
-from dualpath_jax.model.presets import get_preset
+from dualpath_jax.presets import HOPPER_NODE, get_preset
 
 _NATIVE = flags.DEFINE_enum(
     "native", "auto", list(native.MODES), "Compiled core: auto (if a fresh build exists), on, off."
@@ -66,7 +66,7 @@ _PRESET = flags.DEFINE_enum(
     "preset",
     "paper",
     ["paper", "engine_groups"],
-    "paper: hardware.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
+    "paper: presets.paper_experiment('ds660b', P, D) (per-node PE/DE groups of 8, "
     "HBM for KV after the weights, calibrated roofline); engine_groups: HOPPER_NODE "
     "with one-engine groups and 80 GB of KV per DE (the configuration of the first "
     "speed measurements).",
@@ -104,7 +104,7 @@ def main(argv):
 
     cost = None
     if _PRESET.value == "paper":
-        from dualpath_jax.hardware import paper_experiment
+        from dualpath_jax.presets import paper_experiment
 
         cfg, cost = paper_experiment(
             "ds660b",

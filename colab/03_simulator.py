@@ -61,18 +61,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from dualpath_jax.analysis import format_pd_range, pd_range
-from dualpath_jax.hardware import PAPER_MODELS, paper_experiment
-from dualpath_jax.sim import SimOptions, simulate
-from dualpath_jax.sim.advise import AdviseSpace, advise, format_report, pd_splits
+from dualpath_jax.presets import paper_config
+from dualpath_jax.sim import simulate
+from dualpath_jax.sim.advisor import AdviseSpace, advise, format_report, pd_splits
 
 # %% [markdown]
 # ## The simulated testbed
 #
-# `hardware.paper_experiment(model, P, D, ...)` returns the experiment config of one of the
-# paper's runs and its calibrated cost model: H800 nodes (`HOPPER_NODE`), the model preset, its
-# KV format (DeepSeek's FP8 FlashMLA layout) and HBM left for KV, the Table 2 trace (`64k`:
-# ~157 rounds per agent, contexts up to 64K tokens). `simulate(cfg, cost=..., options=...)`
-# replays the trace and returns the same `summary.json` the real launchers write.
+# `presets.paper_config("ds660b_2p4d,agents=...,snic_gbps=...")` is the experiment config of one
+# of the paper's runs, what `configs/paper.py:ARG` loads (`python launch/simulate.py
+# --config=configs/paper.py:ds660b_2p4d` runs it): H800 nodes (`HOPPER_NODE`), the model preset,
+# HBM left for KV, the Table 2 trace (`64k`: ~157 rounds per agent, contexts up to 64K tokens),
+# and the cost model, which the config names (`hardware.calibration`, `fp8`, `ep_decode_nodes`,
+# and `kv_format`: DeepSeek's FP8 FlashMLA layout). `simulate(cfg)` builds that calibrated
+# roofline, replays the trace and returns the same `summary.json` the real launchers write.
 #
 # **Scaling.** The paper's Figure 7 uses 256-2,048 agents; one such run is about 10-40 minutes
 # of CPU here. We take `1/SCALE` of the agents and give every storage NIC `1/SCALE` of its
@@ -88,11 +90,17 @@ MODEL = "ds660b"
 SCALE = 64  # agents and storage bandwidth divided by this
 PAPER_AGENTS = [512, 1024, 2048]
 AGENTS = [n // SCALE for n in PAPER_AGENTS]
-SNIC = 50e9 / SCALE
+SNIC_GBPS = 400 / SCALE  # per node (the paper's: 400 Gbps = 50 GB/s)
 POLICIES = ["basic", "dualpath", "oracle"]
-OPTIONS = SimOptions(kv_format=PAPER_MODELS[MODEL].kv_format)
 
-cfg, cost = paper_experiment(MODEL, policy="dualpath", agents=AGENTS[-1], snic_bytes_per_s=SNIC)
+
+def paper(prefill_nodes: int, decode_nodes: int, policy: str, agents: int):
+    """The config `configs/paper.py:ds660b_<P>p<D>d,policy=...,agents=...,snic_gbps=...`."""
+    return paper_config(f"{MODEL}_{prefill_nodes}p{decode_nodes}d,policy={policy},agents={agents},"
+                        f"snic_gbps={SNIC_GBPS}")
+
+
+cfg = paper(2, 4, "dualpath", AGENTS[-1])
 hw, cl = cfg.hardware, cfg.cluster
 print(f"{cfg.name}: {cfg.model.name}, {cl.prefill_nodes}P{cl.decode_nodes}D = "
       f"{(cl.prefill_nodes + cl.decode_nodes) * hw.engines_per_node} GPUs ({hw.gpu}), trace {cfg.workload.preset}")
@@ -104,9 +112,7 @@ print("agents:", AGENTS, f"(the paper's {PAPER_AGENTS} / {SCALE})")
 # %%
 @functools.cache  # each configuration is simulated once (the P/D sweep reuses the 2P4D runs)
 def run(policy: str, agents: int, prefill_nodes: int, decode_nodes: int):
-    cfg, cost = paper_experiment(MODEL, prefill_nodes, decode_nodes, policy=policy, agents=agents,
-                                 snic_bytes_per_s=SNIC)
-    return simulate(cfg, cost=cost, options=OPTIONS)
+    return simulate(paper(prefill_nodes, decode_nodes, policy, agents))  # the cost model it names
 
 
 t0 = time.perf_counter()
@@ -182,7 +188,7 @@ plt.show()
 # hardware it is 1/7 <= P/D <= 7/2. Inside it, which ratio is best depends on the workload's
 # compute vs storage demand, which only a simulation measures.
 #
-# `sim.advise.advise(cfg, space)` does that: it simulates every combination of P/D split,
+# `sim.advise(cfg, space)` does that: it simulates every combination of P/D split,
 # alpha and beta (the scheduler's read-queue and overload thresholds, in seconds of work) of
 # `space` on the same agents, and reports the best by JCT (or, given arrival rates, by APS
 # capacity under the SLO) beside the bottleneck-free range of the configured hardware.
@@ -199,11 +205,10 @@ plt.show()
 print("paper hardware:", format_pd_range(pd_range(g=8, s=1, mem_gbps=500, bs_gbps=50)).splitlines()[0], "\n")
 SWEEP_AGENTS = AGENTS[1]
 t0 = time.perf_counter()
-sweep_cfg, _ = paper_experiment(MODEL, policy="dualpath", agents=SWEEP_AGENTS, snic_bytes_per_s=SNIC)
+sweep_cfg = paper(2, 4, "dualpath", SWEEP_AGENTS)
 sc = sweep_cfg.scheduler
-report = advise(sweep_cfg, AdviseSpace(pd=pd_splits(6), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)), options=OPTIONS,
-                configure=lambda p, d: paper_experiment(MODEL, p, d, policy="dualpath", agents=SWEEP_AGENTS,
-                                                        snic_bytes_per_s=SNIC)[0])
+report = advise(sweep_cfg, AdviseSpace(pd=pd_splits(6), alpha_s=(sc.alpha_s,), beta_s=(sc.beta_s,)),
+                configure=lambda p, d: paper(p, d, "dualpath", SWEEP_AGENTS))
 print(format_report(report))
 print(f"({len(report['candidates'])} candidates, {SWEEP_AGENTS} agents each, in {time.perf_counter() - t0:.0f} s "
       "of wall time)")

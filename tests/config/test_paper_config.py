@@ -200,8 +200,6 @@ def test_model_and_node_presets_load_no_compiled_core_module():
     code = (
         "import sys\n"
         "from dualpath_jax.presets import TINY_QWEN2, HOPPER_NODE, emulated_cpu_experiment\n"
-        "from dualpath_jax.model.presets import get_preset\n"
-        "from dualpath_jax.hardware import HOPPER_NODE\n"
         "import dualpath_jax.model as dm; dm.get_preset('ds-27b')\n"
         "from dualpath_jax.configs_loader import load_config\n"
         "load_config('configs/cpu_1p2d.py'); load_config('configs/tiny.py')\n"
