@@ -13,8 +13,8 @@ each candidate's config, or one fixed model for all (e.g. a `FittedCostModel` of
 Hardware that depends on the split (the paper presets derive HBM-for-KV from the weights each GPU
 holds under expert parallelism over the decode GPUs) comes from `configure`: called with `(P, D)`
 it returns the split's base config, to which alpha and beta are applied, e.g.
-`configure=lambda p, d: paper_experiment("ds660b", p, d)[0]` with
-`cost=lambda c: paper_cost_model("ds660b", c.cluster.decode_nodes)`.
+`configure=lambda p, d: presets.paper_config(f"ds660b_{p}p{d}d")` (each split's
+`configs/paper.py` config, which names its calibrated roofline, so no `cost` is needed).
 Offline, a candidate's score is the JCT of the workload's agents started together. Online, it is the APS capacity: the highest rate
 of `aps` (ascending, stopping at the first miss) whose SLO attainment (`workload.ttft_slo_s`,
 `workload.tpot_slo_s`) reaches `attainment`; ties go to the lower mean TTFT at that rate.
