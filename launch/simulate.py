@@ -1,6 +1,7 @@
 """The cluster simulator: the real scheduler over simulated nodes, links and GPUs (virtual time).
 
 Example:
+  python launch/simulate.py --config=configs/paper.py:ds660b_2p4d --policy=dualpath --agents=2048 --workdir=/tmp/dp_paper
   python launch/simulate.py --config=configs/cpu_1p1d.py --policy=dualpath --agents=16 --workdir=/tmp/dp_sim
   python launch/simulate.py --config=configs/cpu_1p2d.py --policy=basic --aps=0.5 --workdir=/tmp/dp_sim_on
 Same flags as launch/rollout.py (offline) and launch/serve.py (--aps: online). Writes config.json,
@@ -8,7 +9,9 @@ summary.json (the launchers' keys plus `simulated` and `sim`), links/node<N>.jso
 series) and outputs.jsonl holding generated lengths only (`{"id", "rounds": [gen, ...],
 "lengths_only": true}`): the simulator has no token ids.
 
-Cost model: the roofline of `hardware.gpu` for GPU presets; for `gpu="cpu"` a FittedCostModel
+Cost model: for GPU presets, the one the config's `hardware` names (the roofline of
+`hardware.gpu`, calibrated unless `hardware.calibration=none`, with `fp8`, `ep_decode_nodes` and
+`kv_format`; `configs/paper.py` sets them as the paper ran); for `gpu="cpu"` a FittedCostModel
 from --cost_json (`FittedCostModel.to_json`, or a fit written by bench/sim_validate.py, whose
 `decode_overhead_s` is used too), else the CPU engines' prefill constants with no decode cost.
 

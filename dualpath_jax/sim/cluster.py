@@ -106,7 +106,6 @@ class SimCluster:
             window_s=options.window_s,
             fast=options.fast_links,
             fifo=_ONE_CLASS_LINKS,
-            class_blind=options.class_blind_links,
         )
         self.alpha = derive_alpha(cfg.scheduler, hw, self.kvb)
         self.beta = derive_beta(

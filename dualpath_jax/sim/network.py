@@ -23,8 +23,7 @@ storage NICs LOW, compute NICs and H2D HIGH, each engine's D2H one of them) gran
 transfer at once, queued behind the bytes granted before it: completion times are those of the
 per-chunk arbiter, with no event per chunk and no arbiter round trip; a transfer over such links
 completes with one event. Bytes of the other class on such a link are a model error
-(ValueError). `class_blind` kinds are served the same way whatever the class: an approximation
-for a link whose classes rarely meet (node DRAM), off by default.
+(ValueError).
 
 Chunk size: the real links grant 64 KiB chunks, which at the paper's scale would mean billions
 of events. Here a link grants `rate * quantum_s` bytes per chunk (50 ms of the link by
@@ -101,7 +100,6 @@ class SimLink:
         "_chunk",
         "_cls",
         "fifo",
-        "class_blind",
     )
 
     def __init__(
@@ -115,11 +113,9 @@ class SimLink:
         low_weight: float,
         window_s: float,
         fifo: bool = False,
-        class_blind: bool = False,
     ):
         self.id = link_id
-        self.fifo = fifo or class_blind
-        self.class_blind = class_blind
+        self.fifo = fifo
         self._cls = -1  # the traffic class a `fifo` link carries (-1: none yet)
         self.rate = float(rate)
         self.loop = loop
@@ -169,8 +165,7 @@ class SimLink:
         - Unlimited links: always (only counted).
         - `fifo` links carry one traffic class, and weighted fair queueing with one class is a
           FIFO served back to back: the bytes start when those granted before them end,
-          whatever their size (exact). Bytes of the other class raise ValueError, unless the
-          link is `class_blind` (served FIFO whatever the class: an approximation).
+          whatever their size (exact). Bytes of the other class raise ValueError.
         - Other links: only when the link is idle, nothing is queued and the bytes fit one
           chunk (`LinkArbiter.grant_alone`).
         """
@@ -184,7 +179,7 @@ class SimLink:
         c = _CLS_INDEX[cls]
         if self.fifo:
             if self._cls != c:
-                if self._cls >= 0 and not self.class_blind:
+                if self._cls >= 0:
                     raise ValueError(
                         f"link {self.id.name} is served as one-class FIFO but carried "
                         f"both traffic classes"
@@ -342,12 +337,10 @@ class SimNetwork:
         window_s: float = 1.0,
         fast: bool = True,
         fifo: Iterable[str] = (),
-        class_blind: Iterable[str] = (),
     ):
         self.loop = loop
         self.fast = fast
         self.fifo = frozenset(str(k) for k in fifo) if fast else frozenset()
-        self.class_blind = frozenset(str(k) for k in class_blind) if fast else frozenset()
         self._rates = rates
         self.quantum_s = quantum_s
         self.high_weight, self.low_weight = high_weight, low_weight
@@ -376,7 +369,6 @@ class SimNetwork:
                 low_weight=self.low_weight,
                 window_s=self.window_s,
                 fifo=str(link_id.kind) in self.fifo,
-                class_blind=str(link_id.kind) in self.class_blind,
             )
             self.by_owner.setdefault(link_id.owner, []).append(ln)
             self._by_ref[id(link_id)] = (link_id, ln)

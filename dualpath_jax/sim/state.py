@@ -42,9 +42,7 @@ class SimOptions:
     without either; 0: unbounded). Without layerwise prefill a batch holds every layer of its
     context (`cached + new` summed over its chunks <= this); with it one layer at a time, so the
     bound is `layers` times larger (paper section 2; `sched.intra.batch_kv_bound`).
-    `class_blind_links`: link kinds (e.g. `("dram",)`) served FIFO whatever the traffic class
-    (`sim.network`; an approximation that saves the arbiter's events on node DRAM, the one link
-    that carries both classes; off by default). `leader_phases`: every group leader fetches when
+    `leader_phases`: every group leader fetches when
     the engine loops do, between batches or steps and on its own timer while idle
     (`sim.leaders`); False: one synchronous pass of all groups per interval (module docstring).
     """
@@ -59,7 +57,6 @@ class SimOptions:
     decode_macro_steps: bool = True
     fast_links: bool = True
     pe_hbm_tokens: int | None = None
-    class_blind_links: tuple[str, ...] = ()
     leader_phases: bool = True
 
 
