@@ -11,7 +11,8 @@ The values made per request or per fetch (`Request`, `EngineLoad`, `Assignment`,
 spell out their `__init__` (`init=False`, fields set with `object.__setattr__`, as the generated
 one does): the compiled core (`dualpath_jax.native`) compiles a written `__init__` but runs a
 generated one as interpreted code, about 20 times slower per object, and the simulator makes
-millions. Fields, order, defaults, equality, hashing and `dataclasses.replace` are unchanged.
+millions (generated ones cost a compiled simulation 25-30% more CPU: docs/results.md, "Simulator
+speed"). Fields, order, defaults, equality, hashing and `dataclasses.replace` are unchanged.
 """
 
 from __future__ import annotations
