@@ -18,9 +18,15 @@ import time
 
 import numpy as np
 
-from dualpath_jax.configs_loader import load_config
-from dualpath_jax.metrics.summary import dist, max_over_avg
-from dualpath_jax.sim import simulate
+from dualpath_jax import native
+
+# The simulator's compiled core when a fresh build exists (`make native`; the same results),
+# before any of its modules is imported; the pure modules otherwise.
+native.install()
+
+from dualpath_jax.configs_loader import load_config  # noqa: E402
+from dualpath_jax.metrics.summary import dist, max_over_avg  # noqa: E402
+from dualpath_jax.sim import simulate  # noqa: E402
 
 CONFIG_FILE = pathlib.Path(__file__).resolve().parents[1] / "configs" / "paper.py"
 

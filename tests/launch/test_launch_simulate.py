@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from dualpath_jax.config import ExperimentConfig, from_json
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import PAPER_MODELS, paper_experiment
@@ -42,3 +44,20 @@ def test_the_launcher_runs_a_paper_testbed_from_its_config(tmp_path):
                 "ttft_s", "tpot_s", "snic_max_over_avg"):  # fmt: skip
         assert summary[key] == run.summary[key], key
     assert load_config("configs/paper.py:ds660b_2p4d,preset=32k").workload.preset == "32k"
+
+
+def test_native_on_without_a_build_is_a_clear_error(tmp_path):
+    from dualpath_jax import native
+
+    if not native.check():
+        pytest.skip("a usable build sits in the source tree: nothing to refuse")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "simulate.py"), "--config=configs/cpu_1p1d.py:tiny",
+         "--native=on", "--agents=1", "--max_turns=1", f"--workdir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "the compiled core cannot be used" in proc.stderr
