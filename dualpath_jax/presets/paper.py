@@ -95,7 +95,7 @@ def paper_experiment(
     prefill_nodes: int | None = None,
     decode_nodes: int | None = None,
     *,
-    policy: str = "dualpath",
+    policy: Policy | str = Policy.DUALPATH,
     agents: int = 1024,
     preset: str = "64k",
     mode: str = "offline",
