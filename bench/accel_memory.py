@@ -1,0 +1,268 @@
+"""Accelerator memory of the model's attention paths, compile-only: XLA's temporary bytes per figure.
+
+Run: python bench/accel_memory.py [--json] [--tiny]
+
+Nothing is allocated: every figure lowers one of the real jitted entry points of the model code
+with abstract inputs (`jax.ShapeDtypeStruct`, parameters from `nnx.eval_shape` of the model's
+init), compiles it for the local backend and reads `compiled.memory_analysis()`. The figure is
+`temp_size_in_bytes`, the scratch XLA needs beyond the arguments and outputs (those two are in
+the table too). On the project's CPU hosts that is XLA:CPU's buffer assignment, which also holds
+the f32 copies XLA:CPU makes of bf16 operands (weights of the dots, a bf16 scatter target).
+
+Figures (the default shapes; `--tiny` measures the same functions at the tiny presets):
+
+- `prefill_7b`: one Qwen2.5-7B-shaped layer (hidden 3584, 28 query / 4 KV heads of 128, SwiGLU
+  18944, bf16 weights and KV) through the runner's per-layer prefill entry (`runner._layer`, what
+  `ModelRunner.prefill_layerwise` calls per layer): 2,048 new tokens over 32,768 cached, batch 1.
+- `prefill_ragged8`: the same layer and entry for 8 requests of mixed lengths (`RAGGED`), padded
+  as `PrefillBatch.build` pads them: every request to the longest new and the longest cached
+  length of the batch. The table's `real` column is the fraction of the padded score matrix that
+  the mask lets through (what the padding costs).
+- `mla_prefill`: DeepSeek-V3's MLA (the `deepseek-v3-660b` preset: 128 heads, q_lora 1536,
+  kv_lora 512, rope 64, FP8 KV rows of 576) for 2,048 new over 32,768 cached, batch 1: the
+  attention half of `DecoderLayer.__call__` (`input_layernorm`, `self_attn.project`, the cached
+  and new rows concatenated, `self_attn.attend_rows`, the residual) with the runner's mask. The
+  MoE FFN is left out: XLA:CPU lowers `ragged_dot` densely over all 256 experts (154 GiB of
+  temporaries at 2,048 tokens), which says nothing about an accelerator.
+- `decode_64`: one decode step (`decode._decode_step`, what `Decoder.step` runs) of a one-layer
+  Qwen2.5-7B-shaped model (so embedding and head are in it) over 64 slots of one contiguous KV
+  cache `[1, 64, 32768, 1024]`, contexts 1,024..32,272 (`DECODE_CONTEXTS`); the step attends over
+  the bucket of the longest context, as `Decoder.step` picks it (32,768 here) for every slot.
+
+Backends are `BACKENDS`: name -> builder of the figures' lowerings. The model code has one
+attention path, `reference` (`layers.attend`: dense einsums, a boolean mask, f32 scores).
+`--json` prints exactly one JSON object `{backend: {figure: temp bytes}}` on stdout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from absl import app, flags
+from flax import nnx
+
+from dualpath_jax.config import ModelConfig, ModelFamily
+from dualpath_jax.model.decode import _decode_step
+from dualpath_jax.model.layers import prefill_mask
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer, bucket_len
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import DEEPSEEK_V3_660B, TINY_DEEPSEEK, TINY_QWEN2
+
+_JSON = flags.DEFINE_bool("json", False, "print one JSON object {backend: {figure: temp bytes}}")
+_TINY = flags.DEFINE_bool("tiny", False, "measure at the tiny presets and lengths (a quick check)")
+
+FIGURES = ("prefill_7b", "prefill_ragged8", "mla_prefill", "decode_64")
+
+# Qwen2.5-7B (its Hugging Face config.json); no preset holds it. One layer is all a figure needs.
+QWEN25_7B = ModelConfig(
+    name="qwen2.5-7b",
+    family=ModelFamily.QWEN2,
+    vocab_size=152064,
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=18944,
+    max_seq_len=131072,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    dtype="bfloat16",
+    kv_dtype="bfloat16",
+)
+
+# (new, cached) tokens of the ragged prefill batch: new 128..2048, cached 0..32K.
+RAGGED = (
+    (2048, 0),
+    (128, 32768),
+    (512, 4096),
+    (1024, 16384),
+    (256, 1024),
+    (1536, 8192),
+    (384, 24576),
+    (768, 2048),
+)
+DECODE_CONTEXTS = tuple(1024 + 496 * i for i in range(64))  # 1,024 .. 32,272
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """What the figures are measured at: the models and the lengths."""
+
+    gqa: ModelConfig  # prefill_7b, prefill_ragged8, decode_64
+    mla: ModelConfig  # mla_prefill
+    prefill: tuple[int, int]  # (new, cached), batch 1
+    ragged: tuple[tuple[int, int], ...]  # (new, cached) per request
+    mla_prefill: tuple[int, int]  # (new, cached), batch 1
+    decode_contexts: tuple[int, ...]  # one per slot
+    decode_max_len: int  # T_max of the decoder's cache
+
+
+FULL = Shapes(
+    gqa=QWEN25_7B,
+    mla=DEEPSEEK_V3_660B,
+    prefill=(2048, 32768),
+    ragged=RAGGED,
+    mla_prefill=(2048, 32768),
+    decode_contexts=DECODE_CONTEXTS,
+    decode_max_len=32768,
+)
+
+TINY = Shapes(
+    gqa=TINY_QWEN2,
+    mla=TINY_DEEPSEEK,
+    prefill=(32, 96),
+    ragged=((32, 0), (8, 96), (16, 40)),
+    mla_prefill=(32, 96),
+    decode_contexts=(10, 40, 100),
+    decode_max_len=128,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One figure: a thunk that lowers it, a description of its shapes, the useful fraction."""
+
+    lower: Callable[[], jax.stages.Lowered]
+    shapes: str
+    real: float  # fraction of the attended (query, key) pairs that the mask keeps
+
+
+def _one_layer(cfg: ModelConfig) -> ModelRunner:
+    """A runner of a one-layer abstract model (parameters are `ShapeDtypeStruct`s)."""
+    cfg = dataclasses.replace(cfg, num_layers=1)
+    return ModelRunner(nnx.eval_shape(lambda: init_model(cfg, 0)))
+
+
+def _prefill_args(cfg: ModelConfig, requests):
+    """Abstract inputs of one layer's prefill for `requests` [(new, cached)], padded as the
+    runner pads them; also the description and the mask's kept fraction."""
+    batch = PrefillBatch.build(cfg, [[0] * n for n, _ in requests], [c for _, c in requests])
+    b, n, c = batch.batch_size, batch.n_pad, batch.c_pad
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((b, n, cfg.hidden_size), jnp.dtype(cfg.dtype)),
+        sds((b, n), jnp.int32),
+        sds((b, c, cfg.kv_width), jnp.dtype(cfg.kv_dtype)),
+        sds((b,), jnp.int32),
+    )
+    kept = sum(nn * cc + nn * (nn + 1) // 2 for nn, cc in requests)
+    desc = f"B={b} N={n} C={c} W={cfg.kv_width} {cfg.kv_dtype}"
+    return args, desc, kept / (b * n * (c + n))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _attention_half(norm_gd, attn_gd, norm_state, attn_state, h, positions, cached_rows, lens):
+    """`DecoderLayer.__call__` up to the FFN, with `runner._layer`'s mask."""
+    norm, attn = nnx.merge(norm_gd, norm_state), nnx.merge(attn_gd, attn_state)
+    mask = prefill_mask(lens, None, cached_rows.shape[1], h.shape[1])
+    q, new_rows = attn.project(norm(h), positions)
+    rows = jnp.concatenate([cached_rows.astype(new_rows.dtype), new_rows], axis=1)
+    return h + attn.attend_rows(q, rows, mask), new_rows
+
+
+def reference(shapes: Shapes) -> dict[str, Case]:
+    """The model code as it is: `layers.attend` (dense, boolean mask, f32 scores)."""
+    gqa = _one_layer(shapes.gqa)
+
+    def prefill(requests) -> Case:
+        args, desc, real = _prefill_args(shapes.gqa, requests)
+        return Case(lambda: _layer.lower(gqa.layer_gds[0], gqa.layer_states[0], *args), desc, real)
+
+    mla_layer = nnx.eval_shape(
+        lambda: init_model(dataclasses.replace(shapes.mla, num_layers=1), 0)
+    ).layers[0]
+    norm_gd, norm_state = nnx.split(mla_layer.input_layernorm)
+    attn_gd, attn_state = nnx.split(mla_layer.self_attn)
+    mla_args, mla_desc, mla_real = _prefill_args(shapes.mla, [shapes.mla_prefill])
+
+    cfg, ctx = shapes.gqa, shapes.decode_contexts
+    s, t_max = len(ctx), shapes.decode_max_len
+    bucket = min(bucket_len(max(max(ctx), 1), 64), t_max)  # as Decoder.step picks it
+    sds = jax.ShapeDtypeStruct
+    dec_args = (
+        gqa.embed_gd,
+        gqa.layer_gds,
+        gqa.head_gd,
+        gqa.params,
+        sds((1, s, t_max, cfg.kv_width), jnp.dtype(cfg.kv_dtype)),
+        sds((s,), jnp.int32),
+        sds((s,), jnp.int32),
+        sds((s,), jnp.bool_),
+        bucket,
+    )
+    return {
+        "prefill_7b": prefill([shapes.prefill]),
+        "prefill_ragged8": prefill(shapes.ragged),
+        "mla_prefill": Case(
+            lambda: _attention_half.lower(norm_gd, attn_gd, norm_state, attn_state, *mla_args),
+            mla_desc,
+            mla_real,
+        ),
+        "decode_64": Case(
+            lambda: _decode_step.lower(*dec_args),
+            f"S={s} T_max={t_max} bucket={bucket} W={cfg.kv_width} {cfg.kv_dtype}",
+            sum(c + 1 for c in ctx) / (s * (bucket + 1)),
+        ),
+    }
+
+
+BACKENDS: dict[str, Callable[[Shapes], dict[str, Case]]] = {"reference": reference}
+
+
+def measure(shapes: Shapes, backends=None) -> dict[str, dict[str, dict]]:
+    """{backend: {figure: {"temp", "argument", "output", "alias": bytes, "shapes", "real"}}}."""
+    out: dict[str, dict[str, dict]] = {}
+    for name, build in (backends or BACKENDS).items():
+        cases = build(shapes)
+        out[name] = {}
+        for fig in FIGURES:
+            case = cases[fig]
+            mem = case.lower().compile().memory_analysis()
+            out[name][fig] = {
+                "temp": int(mem.temp_size_in_bytes),
+                "argument": int(mem.argument_size_in_bytes),
+                "output": int(mem.output_size_in_bytes),
+                "alias": int(mem.alias_size_in_bytes),
+                "shapes": case.shapes,
+                "real": case.real,
+            }
+    return out
+
+
+def temps(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, int]]:
+    """The `--json` object: {backend: {figure: temp bytes}}."""
+    return {b: {f: r["temp"] for f, r in figs.items()} for b, figs in results.items()}
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+    gib = 2.0**30
+    head = f"{'backend':<10} {'figure':<16} {'temp GiB':>9} {'args GiB':>9} {'out GiB':>8}  real   shapes"
+    lines = [head, "-" * len(head)]
+    for b, figs in results.items():
+        for f, r in figs.items():
+            lines.append(
+                f"{b:<10} {f:<16} {r['temp'] / gib:>9.2f} {r['argument'] / gib:>9.2f}"
+                f" {r['output'] / gib:>8.2f}  {r['real']:.2f}   {r['shapes']}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    results = measure(TINY if _TINY.value else FULL)
+    if _JSON.value:
+        print(json.dumps(temps(results)))
+    else:
+        print(f"device: {jax.devices()[0]}  (compile-only; nothing allocated)")
+        print(table(results))
+
+
+if __name__ == "__main__":
+    app.run(main)
