@@ -52,6 +52,7 @@ if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install t
 # %%
 import matplotlib.pyplot as plt
 import numpy as np
+
 from dualpath_jax import apply_overrides, cluster, load_config, model, rollout
 
 # %% [markdown]

@@ -7,7 +7,6 @@ import pathlib
 
 from dualpath_jax.config import ConfigError, ExperimentConfig, validate
 
-
 # The repository's experiment files, beside the package in a clone (`pip install -e .`).
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
