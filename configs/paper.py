@@ -11,6 +11,9 @@ expert-parallel group spans, default all), `policy`, `mode`, `aps`, `duration_s`
 `append_scale`, `gen_scale`, `seed`; e.g. `configs/paper.py:ds660b_48p96d,ep_decode_nodes=4`.
 The launchers' `--policy`, `--agents`, `--max_turns`, `--aps` and `--set key=value` apply on top.
 
+`config_for_split(arg, P, D)` is the same ARG on another split: `launch/simulate.py --advise`
+simulates each candidate split with it, so each has its own HBM for KV.
+
 The config names its cost model (`hardware.calibration="hopper"`, `hardware.fp8`,
 `hardware.kv_format="fp8_flashmla"` for the DeepSeek models, `hardware.ep_decode_nodes`), so
 the simulator rebuilds the calibrated roofline of `presets.paper_experiment` from it alone.
@@ -19,8 +22,13 @@ the simulator rebuilds the calibrated roofline of `presets.paper_experiment` fro
 from __future__ import annotations
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.presets import paper_config
+from dualpath_jax.presets import paper_config, paper_split_arg
 
 
 def get_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
     return paper_config(arg)
+
+
+def config_for_split(arg: str, prefill_nodes: int, decode_nodes: int) -> ExperimentConfig:
+    """The same testbed and options on another P/D split (`launch/simulate.py --advise`)."""
+    return paper_config(paper_split_arg(arg or "ds660b_2p4d", prefill_nodes, decode_nodes))

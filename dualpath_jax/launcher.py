@@ -37,7 +37,11 @@ TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic
 def build_config(mode: str, **workload: object) -> ExperimentConfig:
     """Config file + --set overrides + the convenience flags, with workload.mode = mode;
     validated, so a bad value fails here with its key named."""
-    cfg = load_config(CONFIG.value)
+    return apply_flags(load_config(CONFIG.value), mode, **workload)
+
+
+def apply_flags(cfg: ExperimentConfig, mode: str, **workload: object) -> ExperimentConfig:
+    """`cfg` with the --set overrides and the convenience flags applied (workload.mode = mode)."""
     cfg = apply_overrides(cfg, SET.value)
     w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
     if AGENTS.value is not None:

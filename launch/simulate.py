@@ -19,7 +19,9 @@ Advisor (`--advise`, `sim.advise`): sweeps P/D splits (every split of --advise_n
 the config's P+D, or the --advise_pd list), --advise_alpha_s and --advise_beta_s (default: the
 config's values x 0.5, 1, 2), simulates each candidate with the config's policy, prints a table
 and the best by JCT (offline) or by APS capacity under the SLO (with --advise_aps: the rates to
-try), beside the bottleneck-free P/D range, and writes advise.json:
+try), beside the bottleneck-free P/D range, and writes advise.json. A config file that defines
+`config_for_split(arg, P, D)` (configs/paper.py: each split's HBM for KV) gives each candidate
+its own base config:
   python launch/simulate.py --config=configs/cpu_1p2d.py:tiny --advise --workdir=/tmp/dp_advise
   python launch/simulate.py --config=configs/cpu_1p2d.py:tiny --advise --advise_aps=0.5,1,2 --workdir=/tmp/dp_advise_on
 """
@@ -32,6 +34,7 @@ import pathlib
 from absl import app, flags, logging
 
 from dualpath_jax import launcher, native
+from dualpath_jax.configs_loader import split_configurer
 
 _NATIVE = flags.DEFINE_enum(
     "native",
@@ -81,9 +84,11 @@ def main(argv):
     from dualpath_jax.sim import SimOptions, simulate, write_run
 
     online = _APS.value is not None
-    cfg = launcher.build_config(
-        "online" if online else "offline", aps=_APS.value, duration_s=_DURATION.value
+    mode, workload = (
+        "online" if online else "offline",
+        dict(aps=_APS.value, duration_s=_DURATION.value),
     )
+    cfg = launcher.build_config(mode, **workload)
     wd = launcher.prepare_workdir(cfg)
     cost, overhead = None, 0.0
     if _COST.value:
@@ -99,7 +104,13 @@ def main(argv):
         quantum_s=_QUANTUM.value, decode_overhead_s=overhead, leader_phases=_LEADERS.value
     )
     if _ADVISE.value:
-        return advise_main(cfg, wd, cost, options)
+        # Each candidate split from the config file's `config_for_split` when it has one (its
+        # hardware depends on the split), with the same --set and flags applied.
+        split = split_configurer(launcher.CONFIG.value)
+        configure = None
+        if split is not None:
+            configure = lambda p, d: launcher.apply_flags(split(p, d), mode, **workload)  # noqa: E731
+        return advise_main(cfg, wd, cost, options, configure)
     run = simulate(cfg, cost=cost, options=options)
     write_run(run, wd)
     logging.info(
@@ -112,7 +123,7 @@ def main(argv):
     launcher.print_summary(run.summary)
 
 
-def advise_main(cfg, wd, cost, options) -> None:
+def advise_main(cfg, wd, cost, options, configure) -> None:
     from dualpath_jax.sim import advisor as adv
 
     sc, cl = cfg.scheduler, cfg.cluster
@@ -136,6 +147,7 @@ def advise_main(cfg, wd, cost, options) -> None:
         cfg,
         space,
         cost=cost,
+        configure=configure,
         options=options,
         objective="capacity" if rates else "jct",
         aps=rates,

@@ -63,6 +63,7 @@ _EXPORTS = {
             "PAPER_MODELS",
             "PaperModel",
             "paper_config",
+            "paper_split_arg",
             "paper_cost_model",
             "paper_experiment",
             "paper_hardware",

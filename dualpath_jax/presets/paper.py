@@ -223,3 +223,13 @@ def paper_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
         else:
             kw[k] = value
     return paper_experiment(key, p, d, **kw)[0]  # type: ignore[arg-type]
+
+
+def paper_split_arg(arg: str, prefill_nodes: int, decode_nodes: int) -> str:
+    """`arg` (a `configs/paper.py` ARG) for another P/D split of the same model and options:
+    what the deployment advisor simulates for each candidate split (each split has its own HBM
+    for KV, as the weights per GPU depend on the decode GPUs the experts spread over)."""
+    paper_config(arg)  # a bad ARG fails here, with its own error
+    name, *options = [part.strip() for part in arg.split(",")]
+    model = _NAME.fullmatch(name).group(1)  # type: ignore[union-attr]
+    return ",".join([f"{model}_{prefill_nodes}p{decode_nodes}d", *options])

@@ -61,3 +61,35 @@ def test_native_on_without_a_build_is_a_clear_error(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "the compiled core cannot be used" in proc.stderr
+
+
+def test_advise_simulates_each_split_from_the_config_files_split_hook(tmp_path):
+    """configs/paper.py's `config_for_split`: every candidate split gets its own HBM for KV (the
+    weights per GPU depend on the decode GPUs), not the base split's."""
+    from dualpath_jax.configs_loader import split_configurer
+    from dualpath_jax.sim.advisor import candidate_config
+
+    arg = "ds660b_2p4d,preset=32k,agents=4,max_turns=2"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "launch" / "simulate.py"), f"--config=configs/paper.py:{arg}",
+         "--advise", "--advise_pd=2p4d,1p5d", "--advise_alpha_s=3", "--advise_beta_s=5",
+         f"--workdir={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        (c["prefill_nodes"], c["decode_nodes"]): c
+        for c in json.loads((tmp_path / "advise.json").read_text())["candidates"]
+    }
+    split = split_configurer(f"configs/paper.py:{arg}")
+    base = load_config(f"configs/paper.py:{arg}")
+    one_five = split(1, 5)
+    assert one_five == load_config("configs/paper.py:ds660b_1p5d,preset=32k,agents=4,max_turns=2")
+    assert one_five.hardware.hbm_bytes != base.hardware.hbm_bytes  # the split's own KV room
+    assert one_five.workload == base.workload
+    want = simulate(candidate_config(one_five, 1, 5, 3.0, 5.0)).summary["jct_s"]
+    assert rows[(1, 5)]["jct_s"] == want
+    assert split_configurer("configs/cpu_1p1d.py:tiny") is None  # no hook: node counts only
