@@ -7,7 +7,7 @@ system), orbax restores each array with the engine's
 own dtype and sharding, and the directory stays behind as a record of exactly what was served
 (a restarted engine or a later run can start from it with `cluster.params_path`).
 
-Protocol (router side in `router.py`, engine side `ParamsSlot`):
+Protocol (router side `params_update.ParamsCoordinator`, engine side `ParamsSlot`):
 1. `UpdateParams(version, path)` arrives; rounds submitted from now on are held at the router.
 2. Drain: every round submitted before it (queued or running) finishes with the old params.
 3. `LoadParams` to every live engine; each loads and checks the tree into a staging slot and
