@@ -29,8 +29,10 @@ Figures (the default shapes; `--tiny` measures the same functions at the tiny pr
   cache `[1, 64, 32768, 1024]`, contexts 1,024..32,272 (`DECODE_CONTEXTS`); the step attends over
   the bucket of the longest context, as `Decoder.step` picks it (32,768 here) for every slot.
 
-Backends are `BACKENDS`: name -> builder of the figures' lowerings. The model code has one
-attention path, `reference` (`layers.attend`: dense einsums, a boolean mask, f32 scores).
+Backends are `BACKENDS`: one per `ModelConfig.attention_impl` (`model.layers.ATTENTION_IMPLS`):
+`reference` (`layers.attend`: dense einsums, a boolean mask, f32 scores) and `xla`
+(`jax.nn.dot_product_attention`; on GPU JAX may pick cuDNN's fused kernel, on CPU it is XLA's
+own lowering). The figures are this machine's compiler's: run it where the backend matters.
 `--json` prints exactly one JSON object `{backend: {figure: temp bytes}}` on stdout.
 """
 
@@ -48,7 +50,7 @@ from flax import nnx
 
 from dualpath_jax.config import ModelConfig, ModelFamily
 from dualpath_jax.model.decode import _decode_step
-from dualpath_jax.model.layers import prefill_mask
+from dualpath_jax.model.layers import ATTENTION_IMPLS, prefill_mask
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer, bucket_len
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import DEEPSEEK_V3_660B, TINY_DEEPSEEK, TINY_QWEN2
@@ -167,8 +169,13 @@ def _attention_half(norm_gd, attn_gd, norm_state, attn_state, h, positions, cach
     return h + attn.attend_rows(q, rows, mask), new_rows
 
 
-def reference(shapes: Shapes) -> dict[str, Case]:
-    """The model code as it is: `layers.attend` (dense, boolean mask, f32 scores)."""
+def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
+    """The figures' lowerings with attention backend `impl` (`ModelConfig.attention_impl`)."""
+    shapes = dataclasses.replace(
+        shapes,
+        gqa=dataclasses.replace(shapes.gqa, attention_impl=impl),
+        mla=dataclasses.replace(shapes.mla, attention_impl=impl),
+    )
     gqa = _one_layer(shapes.gqa)
 
     def prefill(requests) -> Case:
@@ -213,7 +220,9 @@ def reference(shapes: Shapes) -> dict[str, Case]:
     }
 
 
-BACKENDS: dict[str, Callable[[Shapes], dict[str, Case]]] = {"reference": reference}
+BACKENDS: dict[str, Callable[[Shapes], dict[str, Case]]] = {
+    impl: functools.partial(cases, impl=impl) for impl in ATTENTION_IMPLS
+}
 
 
 def measure(shapes: Shapes, backends=None) -> dict[str, dict[str, dict]]:

@@ -45,7 +45,10 @@ class ModelConfig:
 
     Qwen2 uses `num_kv_heads`/`head_dim`; DeepSeek uses the MLA fields (`kv_lora_rank`,
     `qk_rope_head_dim`, ...) and the MoE fields. `dtype` is the parameter/compute dtype and
-    `kv_dtype` the dtype of cached KV (what a Layer Block holds).
+    `kv_dtype` the dtype of cached KV (what a Layer Block holds). `attention_impl` picks the
+    attention backend (`model.layers.ATTENTION_IMPLS`): `reference` (dense scores under a
+    boolean mask, the oracle), `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where
+    JAX can use it) or `auto` (the best one for the platform JAX finds at run time).
     """
 
     name: str = "tiny-qwen2"
@@ -85,6 +88,7 @@ class ModelConfig:
     index_topk: int = 0
     dtype: str = "float32"
     kv_dtype: str = "float32"
+    attention_impl: str = "auto"  # "auto" | "reference" | "xla"
 
     @property
     def is_mla(self) -> bool:
@@ -443,6 +447,7 @@ _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 
 # String fields with a fixed set of values (the enum-typed fields are checked by their type).
 _CHOICES = {
+    "model.attention_impl": ("auto", "reference", "xla"),  # model.layers.ATTENTION_IMPLS
     "store.kind": ("file", "memory", "spec"),
     "workload.mode": ("offline", "online"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS

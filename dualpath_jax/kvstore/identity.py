@@ -14,12 +14,13 @@ strings, which also makes them safe store paths (no separators, no `..`).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Sequence
 
 import numpy as np
 
-from dualpath_jax.config import ModelConfig, to_json
+from dualpath_jax.config import ModelConfig, to_dict
 
 KEY_BYTES = 16
 KEY_HEX_CHARS = 2 * KEY_BYTES
@@ -34,11 +35,14 @@ class InvalidBlockKey(ValueError):
 def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
     """Hex fingerprint of a model architecture plus a params version.
 
-    Any change to the config (including `kv_dtype`) or to `params_version` changes every block key
-    derived from it, so KV computed by older params is never reused.
+    Any change to the architecture (including `kv_dtype`) or to `params_version` changes every
+    block key derived from it, so KV computed by older params is never reused. The attention
+    backend (`attention_impl`) is not part of it: every backend computes the same model's KV.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dpjax-model")
-    h.update(to_json(cfg, sort_keys=True).encode())
+    arch = to_dict(cfg)
+    del arch["attention_impl"]
+    h.update(json.dumps(arch, sort_keys=True).encode())
     h.update(b"\x00")
     h.update(params_version.encode())
     return h.hexdigest()

@@ -92,12 +92,37 @@ def prefill_mask(cached_lens: Array, new_lens: Array, c_pad: int, n_pad: int) ->
     return cached_ok | new_ok
 
 
-def attend(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
+# Attention backends (`ModelConfig.attention_impl`); "auto" resolves to one of these.
+ATTENTION_IMPLS = ("reference", "xla")
+
+
+def resolve_attention_impl(name: str) -> str:
+    """The backend `name` runs: itself, or for "auto" the best one for the platform JAX finds
+    (`xla`, i.e. `jax.nn.dot_product_attention`, on GPU and TPU; `reference` on CPU, where
+    both materialize the scores and the reference path is the tested oracle)."""
+    if name == "auto":
+        return "reference" if jax.default_backend() == "cpu" else "xla"
+    if name not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl must be 'auto' or one of {ATTENTION_IMPLS}, got {name!r}")
+    return name
+
+
+def attend(
+    q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str = "reference"
+) -> Array:
     """Grouped-query attention.
 
     q `[B, N, Hq, dk]`, k `[B, S, Hk, dk]`, v `[B, S, Hk, dv]`, mask `[B, N, S]` -> `[B, N, Hq, dv]`.
-    Scores and softmax are float32.
+    `impl`: `reference` (float32 scores and softmax under the boolean mask) or `xla`
+    (`jax.nn.dot_product_attention`, which picks cuDNN's fused kernel where it can; `dv` may
+    differ from `dk`: the values are zero-padded to `dk` and the output sliced).
     """
+    if impl == "xla":
+        dv = v.shape[-1]
+        if dv != k.shape[-1]:
+            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k.shape[-1] - dv)))
+        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+        return out[..., :dv].astype(q.dtype)
     b, n, hq, dk = q.shape
     hk = k.shape[2]
     qg = q.reshape(b, n, hk, hq // hk, dk)
@@ -121,6 +146,7 @@ class GQAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.rope_theta = cfg.rope_theta
         self.kv_dtype = _dtype(cfg.kv_dtype)
+        self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
         """x `[B, N, hidden]` -> (queries `[B, N, Hq, D]`, new KV rows `[B, N, W]`)."""
@@ -141,7 +167,7 @@ class GQAttention(nnx.Module):
         rows = rows.astype(q.dtype)
         k = rows[..., : hk * d].reshape(b, s, hk, d)
         v = rows[..., hk * d :].reshape(b, s, hk, d)
-        out = attend(q, k, v, mask, d**-0.5)
+        out = attend(q, k, v, mask, d**-0.5, self.attention_impl)
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 
 
@@ -182,6 +208,7 @@ class MLAttention(nnx.Module):
         )
         self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
         self.kv_dtype = _dtype(cfg.kv_dtype)
+        self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
         """x `[B, N, hidden]` -> (absorbed queries `[B, N, H, r + dr]`, new KV rows `[B, N, r + dr]`)."""
@@ -205,7 +232,14 @@ class MLAttention(nnx.Module):
     def attend_rows(self, q: Array, rows: Array, mask: Array) -> Array:
         """Absorbed queries, KV rows `[B, S, r + dr]` -> attention output `[B, N, hidden]`."""
         rows = rows.astype(q.dtype)[:, :, None, :]
-        o_lat = attend(q, rows, rows[..., : self.kv_lora_rank], mask, self.qk_head_dim**-0.5)
+        o_lat = attend(
+            q,
+            rows,
+            rows[..., : self.kv_lora_rank],
+            mask,
+            self.qk_head_dim**-0.5,
+            self.attention_impl,
+        )
         out = jnp.einsum("bnhr,rhd->bnhd", o_lat, self.w_uv[...])
         return self.o_proj(out.reshape(*out.shape[:2], -1))
 

@@ -283,8 +283,9 @@ def test_logits_match_transformers(checkpoint, name):
     assert err < RTOL, f"{name}: max relative logit error {err:.2e}"
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla"])
 @pytest.mark.parametrize("name", GENERATE)
-def test_greedy_tokens_match_transformers(checkpoint, name):
+def test_greedy_tokens_match_transformers(checkpoint, name, impl):
     ckpt = checkpoint(name)
     with torch.no_grad():
         out = ckpt.hf.generate(
@@ -292,7 +293,9 @@ def test_greedy_tokens_match_transformers(checkpoint, name):
         )
     theirs = out[0, len(PROMPT) :].tolist()
     assert len(theirs) == NEW_TOKENS
-    ours = generate(ModelRunner(from_pretrained(ckpt.path)), [PROMPT], NEW_TOKENS)[0]
+    model = from_pretrained(ckpt.path, attention_impl=impl)
+    assert model.cfg.attention_impl == impl
+    ours = generate(ModelRunner(model), [PROMPT], NEW_TOKENS)[0]
     assert ours == theirs
 
 
