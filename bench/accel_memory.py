@@ -48,36 +48,17 @@ import jax.numpy as jnp
 from absl import app, flags
 from flax import nnx
 
-from dualpath_jax.config import ModelConfig, ModelFamily
+from dualpath_jax.config import ModelConfig
 from dualpath_jax.model.decode import _decode_step
 from dualpath_jax.model.layers import ATTENTION_IMPLS, prefill_mask
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer, bucket_len
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import DEEPSEEK_V3_660B, TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_7B, TINY_DEEPSEEK, TINY_QWEN2
 
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object {backend: {figure: temp bytes}}")
 _TINY = flags.DEFINE_bool("tiny", False, "measure at the tiny presets and lengths (a quick check)")
 
 FIGURES = ("prefill_7b", "prefill_ragged8", "mla_prefill", "decode_64")
-
-# Qwen2.5-7B (its Hugging Face config.json); no preset holds it. One layer is all a figure needs.
-QWEN25_7B = ModelConfig(
-    name="qwen2.5-7b",
-    family=ModelFamily.QWEN2,
-    vocab_size=152064,
-    hidden_size=3584,
-    num_layers=28,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    intermediate_size=18944,
-    max_seq_len=131072,
-    rope_theta=1e6,
-    rms_norm_eps=1e-6,
-    qkv_bias=True,
-    dtype="bfloat16",
-    kv_dtype="bfloat16",
-)
 
 # (new, cached) tokens of the ragged prefill batch: new 128..2048, cached 0..32K.
 RAGGED = (

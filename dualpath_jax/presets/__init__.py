@@ -29,6 +29,7 @@ _EXPORTS = {
             "DS_27B",
             "GPT_OSS_120B",
             "PRESETS",
+            "QWEN25_7B",
             "QWEN25_32B",
             "QWEN3_235B_A22B",
             "SIZING_MODELS",

@@ -81,6 +81,25 @@ QWEN25_32B = ModelConfig(
     kv_dtype="float16",
 )
 
+# Qwen2.5-7B (its Hugging Face config.json).
+QWEN25_7B = ModelConfig(
+    name="qwen2.5-7b",
+    family=ModelFamily.QWEN2,
+    vocab_size=152064,
+    hidden_size=3584,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    intermediate_size=18944,
+    max_seq_len=131072,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qkv_bias=True,
+    dtype="bfloat16",
+    kv_dtype="bfloat16",
+)
+
 DEEPSEEK_V3_660B = ModelConfig(
     name="deepseek-v3-660b",
     family=ModelFamily.DEEPSEEK,
@@ -143,7 +162,15 @@ DS_27B = dataclasses.replace(
 
 PRESETS: dict[str, ModelConfig] = {
     c.name: c
-    for c in (TINY_QWEN2, TINY_DEEPSEEK, QWEN25_32B, DEEPSEEK_V3_660B, DEEPSEEK_V32_660B, DS_27B)
+    for c in (
+        TINY_QWEN2,
+        TINY_DEEPSEEK,
+        QWEN25_7B,
+        QWEN25_32B,
+        DEEPSEEK_V3_660B,
+        DEEPSEEK_V32_660B,
+        DS_27B,
+    )
 }
 
 
