@@ -80,6 +80,21 @@ def _sample_at(logits: Array, seeds: Array, positions: Array, temperatures: Arra
     return jax.vmap(one)(logits, seeds, positions, temperatures)
 
 
+@jax.jit
+def _greedy(logits: Array) -> Array:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def greedy_tokens(logits: Array | np.ndarray) -> np.ndarray:
+    """Greedy token ids `[B]` (numpy int32) of logits `[B, V]`: the argmax on the device that
+    holds them, so an accelerator copies `B` ids to the host instead of `[B, V]` float32 logits;
+    on the host (numpy logits, or arrays on a CPU device) in numpy, without a device call. Ties
+    go to the lowest id either way."""
+    if isinstance(logits, jax.Array) and any(d.platform != "cpu" for d in logits.devices()):
+        return np.asarray(_greedy(logits))
+    return np.asarray(logits).argmax(-1).astype(np.int32)
+
+
 def sample_at(
     logits: Array | np.ndarray,
     seeds: Sequence[int],
@@ -92,11 +107,11 @@ def sample_at(
     `fold_in(key(seeds[b]), positions[b])`, where `positions[b]` is the absolute position of the
     token being drawn. The same (seed, position, logits) gives the same token wherever it is
     computed (prefill or decode engine, in any batch, after any retry), which keeps sampled
-    rollouts reproducible. All-greedy batches skip the device call.
+    rollouts reproducible. All-greedy batches take `greedy_tokens`.
     """
     temps = np.asarray(temperatures, np.float32)
     if not (temps > 0).any():
-        return np.asarray(logits).argmax(-1).astype(np.int32)
+        return greedy_tokens(logits)
     out = _sample_at(
         jnp.asarray(logits),
         jnp.asarray(np.asarray(seeds, np.uint32)),

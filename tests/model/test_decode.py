@@ -119,3 +119,19 @@ def test_decoder_bad_inputs(tiny_runner):
     dec.insert(0, np.zeros((cfg.num_layers, 4, cfg.kv_width), np.float32), 4, 1)
     with pytest.raises(ValueError, match="in use"):
         dec.insert(0, np.zeros((cfg.num_layers, 4, cfg.kv_width), np.float32), 4, 1)
+
+
+def test_greedy_tokens_on_device_equal_the_host_argmax_ties_included():
+    import jax.numpy as jnp
+
+    from dualpath_jax.model.decode import _greedy, greedy_tokens
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 257)).astype(np.float32)
+    logits[2, [5, 9, 200]] = 10.0  # a three-way tie: the lowest id wins
+    logits[4] = 0.0  # all equal
+    host = logits.argmax(-1)
+    assert host[2] == 5 and host[4] == 0
+    assert np.asarray(_greedy(jnp.asarray(logits))).tolist() == host.tolist()
+    assert greedy_tokens(jnp.asarray(logits)).tolist() == host.tolist()
+    assert greedy_tokens(logits).dtype == np.int32
