@@ -1,6 +1,6 @@
-"""The run launchers' shared flags (`launch/rollout.py`, `serve.py`, `simulate.py`) and the
-config they build. Importing this module defines the absl flags `--config`, `--set`,
-`--workdir`, `--policy`, `--agents`, `--max_turns` and `--trace`: only launchers import it."""
+"""What the run launchers (`launch/rollout.py`, `serve.py`, `simulate.py`) share, as plain
+functions: the run's config from an experiment config plus the launchers' options, its work
+directory, the summary they print. No flags here: `launch/_flags.py` defines them and calls these."""
 
 from __future__ import annotations
 
@@ -9,59 +9,44 @@ import json
 import logging
 import pathlib
 import platform
-
-from absl import flags
+from collections.abc import Sequence
 
 from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json, validate
-from dualpath_jax.configs_loader import load_config
-
-CONFIG = flags.DEFINE_string(
-    "config", "configs/cpu_1p2d.py", "Experiment file `configs/NAME.py[:ARG]`."
-)
-SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
-WORKDIR = flags.DEFINE_string(
-    "workdir", None, "Output directory (config.json, events, summary.json)."
-)
-POLICY = flags.DEFINE_enum(
-    "policy", None, [p.value for p in Policy], "Loading policy (overrides the config)."
-)
-AGENTS = flags.DEFINE_integer(
-    "agents", None, "Agents (trajectories replayed; overrides workload.agents)."
-)
-MAX_TURNS = flags.DEFINE_integer(
-    "max_turns", None, "Rounds kept per trajectory (overrides workload.max_turns; 0: every round)."
-)
-TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic preset).")
 
 
-def build_config(mode: str, **workload: object) -> ExperimentConfig:
-    """Config file + --set overrides + the convenience flags, with workload.mode = mode;
-    validated, so a bad value fails here with its key named."""
-    return apply_flags(load_config(CONFIG.value), mode, **workload)
-
-
-def apply_flags(cfg: ExperimentConfig, mode: str, **workload: object) -> ExperimentConfig:
-    """`cfg` with the --set overrides and the convenience flags applied (workload.mode = mode)."""
-    cfg = apply_overrides(cfg, SET.value)
+def run_config(
+    cfg: ExperimentConfig,
+    mode: str,
+    *,
+    overrides: Sequence[str] = (),
+    policy: str | None = None,
+    agents: int | None = None,
+    max_turns: int | None = None,
+    trace: str | None = None,
+    **workload: object,
+) -> ExperimentConfig:
+    """`cfg` with the `section.key=value` overrides, then the convenience options (each None:
+    unchanged) and `workload.mode = mode`; validated, so a bad value fails here with its key
+    named. `workload`: more `WorkloadConfig` fields (None values are skipped)."""
+    cfg = apply_overrides(cfg, overrides)
     w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
-    if AGENTS.value is not None:
-        w["agents"] = AGENTS.value
-    if MAX_TURNS.value is not None:
-        w["max_turns"] = MAX_TURNS.value
-    if TRACE.value:
-        w["trace"] = TRACE.value
+    if agents is not None:
+        w["agents"] = agents
+    if max_turns is not None:
+        w["max_turns"] = max_turns
+    if trace:
+        w["trace"] = trace
     cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **w))
-    if POLICY.value:
+    if policy:
         cfg = dataclasses.replace(
-            cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(POLICY.value))
+            cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
         )
     return validate(cfg)
 
 
-def prepare_workdir(cfg: ExperimentConfig) -> pathlib.Path:
-    if not WORKDIR.value:
-        raise flags.ValidationError("--workdir is required")
-    wd = pathlib.Path(WORKDIR.value)
+def prepare_workdir(cfg: ExperimentConfig, workdir: str | pathlib.Path) -> pathlib.Path:
+    """Creates `workdir` and writes the run's whole config to `workdir/config.json`."""
+    wd = pathlib.Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     (wd / "config.json").write_text(to_json(cfg, indent=1))
     logging.info(

@@ -7,6 +7,7 @@ Writes config.json, events.jsonl, outputs.jsonl, summary.json (and logs/, links/
 
 from __future__ import annotations
 
+import _flags  # this directory's shared flags
 from absl import app
 
 from dualpath_jax import launcher
@@ -15,8 +16,8 @@ from dualpath_jax.experiment import run_local
 
 def main(argv):
     del argv
-    cfg = launcher.build_config("offline")
-    wd = launcher.prepare_workdir(cfg)
+    cfg = _flags.build_config("offline")
+    wd = _flags.prepare_workdir(cfg)
     launcher.print_summary(run_local(cfg, wd))
 
 

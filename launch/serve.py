@@ -7,6 +7,7 @@ Reports TTFT, TTST, TPOT, JCT and SLO attainment (workload.ttft_slo_s / workload
 
 from __future__ import annotations
 
+import _flags  # this directory's shared flags
 from absl import app, flags
 
 from dualpath_jax import launcher
@@ -20,10 +21,10 @@ _DURATION = flags.DEFINE_float(
 
 def main(argv):
     del argv
-    cfg = launcher.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
+    cfg = _flags.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
     if cfg.workload.aps <= 0:
         raise app.UsageError("online runs need --aps > 0 (or workload.aps in the config)")
-    wd = launcher.prepare_workdir(cfg)
+    wd = _flags.prepare_workdir(cfg)
     launcher.print_summary(run_local(cfg, wd))
 
 

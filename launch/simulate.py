@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import _flags  # this directory's shared flags
 from absl import app, flags, logging
 
 from dualpath_jax import launcher, native
@@ -88,8 +89,8 @@ def main(argv):
         "online" if online else "offline",
         dict(aps=_APS.value, duration_s=_DURATION.value),
     )
-    cfg = launcher.build_config(mode, **workload)
-    wd = launcher.prepare_workdir(cfg)
+    cfg = _flags.build_config(mode, **workload)
+    wd = _flags.prepare_workdir(cfg)
     cost, overhead = None, 0.0
     if _COST.value:
         text = pathlib.Path(_COST.value).read_text()
@@ -106,10 +107,10 @@ def main(argv):
     if _ADVISE.value:
         # Each candidate split from the config file's `config_for_split` when it has one (its
         # hardware depends on the split), with the same --set and flags applied.
-        split = split_configurer(launcher.CONFIG.value)
+        split = split_configurer(_flags.CONFIG.value)
         configure = None
         if split is not None:
-            configure = lambda p, d: launcher.apply_flags(split(p, d), mode, **workload)  # noqa: E731
+            configure = lambda p, d: _flags.apply_flags(split(p, d), mode, **workload)  # noqa: E731
         return advise_main(cfg, wd, cost, options, configure)
     run = simulate(cfg, cost=cost, options=options)
     write_run(run, wd)

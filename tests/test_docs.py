@@ -32,11 +32,11 @@ ARGPARSE = re.compile(r"add_argument\(\s*[\"']--([\w-]+)[\"']")
 
 
 def script_flags(script: pathlib.Path) -> set[str]:
-    """Flags a launcher defines (its own DEFINE_* calls plus those of `dualpath_jax.launcher` if
-    it imports it, and argparse's `add_argument("--name")`); boolean flags also as `no<name>`."""
+    """Flags a launcher defines (its own DEFINE_* calls plus those of `launch/_flags.py` if it
+    imports it, and argparse's `add_argument("--name")`); boolean flags also as `no<name>`."""
     sources = [script.read_text()]
-    if re.search(r"from dualpath_jax import .*\blauncher\b", sources[0]):
-        sources.append((ROOT / "dualpath_jax" / "launcher.py").read_text())
+    if re.search(r"^import _flags\b", sources[0], flags=re.M):
+        sources.append((ROOT / "launch" / "_flags.py").read_text())
     names = set()
     for text in sources:
         names.update(ARGPARSE.findall(text))
