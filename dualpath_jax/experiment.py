@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import read_link_reports, summarize
-from dualpath_jax.workload.arrivals import build_trajectories
+from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
 from dualpath_jax.workload.trace import Trajectory
 
 
@@ -42,7 +42,7 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     workdir = pathlib.Path(workdir)
     trajs, arrivals = build_trajectories(cfg)
     check_fits(cfg, trajs)
-    rounds = [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
+    rounds = as_rounds(trajs)
     with LocalCluster(cfg, workdir) as cluster:
         client = cluster.client()
         t0 = time.monotonic()

@@ -55,10 +55,10 @@ def workload_trajectories(
     """The config's workload as `run_trajectories` input: one trajectory per agent (the Table 2
     preset or trace file of `cfg.workload`, scaled and materialized to token ids), and each
     agent's start time in seconds (all 0 offline; Poisson arrivals online)."""
-    from dualpath_jax.workload.arrivals import build_trajectories
+    from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
 
     trajs, arrivals = build_trajectories(cfg)
-    return [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs], arrivals
+    return as_rounds(trajs), arrivals
 
 
 class Session:

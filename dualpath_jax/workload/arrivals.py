@@ -91,3 +91,9 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
     trajs = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
     trajs = [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs]
     return trajs, arrivals
+
+
+def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple[list[int], int]]]]:
+    """Materialized trajectories as `rollout.run_trajectories` takes them:
+    `(id, [(append token ids, gen), ...])`."""
+    return [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
