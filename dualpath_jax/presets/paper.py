@@ -185,13 +185,9 @@ _ARG_OPTIONS: dict[str, type] = {
 _NAME = re.compile(r"([a-z0-9]+?)(?:_(\d+)p(\d+)d)?")
 
 
-def paper_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
-    """The config of `configs/paper.py:ARG`: `NAME[,key=value...]`, NAME one of
-    `PAPER_CONFIGS` or any `{model}_{P}p{D}d` (model `ds660b`, `ds27b`, `qwen32b`; the bare model
-    name is its paper split), then `paper_experiment` options: `policy`, `agents`, `preset`
-    (`32k`/`48k`/`64k`), `mode`, `aps`, `duration_s`, `append_scale`, `gen_scale`,
-    `max_turns`, `seed`, `ep_decode_nodes` and `snic_gbps` (the storage NIC per node in Gbps,
-    default 400). `paper_config(...) == paper_experiment(...)[0]` for the same arguments."""
+def _parse_arg(arg: str) -> tuple[str, int | None, int | None, dict[str, object], list[str]]:
+    """A `configs/paper.py` ARG -> (model key, P, D, `paper_experiment` keywords, the option
+    texts as written); a bad name or option raises ConfigError."""
     name, *options = [part.strip() for part in arg.split(",")]
     m = _NAME.fullmatch(name)
     if not m or m.group(1) not in PAPER_MODELS:
@@ -199,7 +195,6 @@ def paper_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
             f"configs/paper.py: unknown testbed {name!r}; use one of {list(PAPER_CONFIGS)} or "
             f"MODEL_<P>p<D>d with MODEL in {sorted(PAPER_MODELS)}"
         )
-    key = m.group(1)
     p = int(m.group(2)) if m.group(2) else None
     d = int(m.group(3)) if m.group(3) else None
     kw: dict[str, object] = {}
@@ -222,6 +217,17 @@ def paper_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
             kw["snic_bytes_per_s"] = value / 8 * 1e9  # as bench/paper_runs.py converts it
         else:
             kw[k] = value
+    return m.group(1), p, d, kw, options
+
+
+def paper_config(arg: str = "ds660b_2p4d") -> ExperimentConfig:
+    """The config of `configs/paper.py:ARG`: `NAME[,key=value...]`, NAME one of
+    `PAPER_CONFIGS` or any `{model}_{P}p{D}d` (model `ds660b`, `ds27b`, `qwen32b`; the bare model
+    name is its paper split), then `paper_experiment` options: `policy`, `agents`, `preset`
+    (`32k`/`48k`/`64k`), `mode`, `aps`, `duration_s`, `append_scale`, `gen_scale`,
+    `max_turns`, `seed`, `ep_decode_nodes` and `snic_gbps` (the storage NIC per node in Gbps,
+    default 400). `paper_config(...) == paper_experiment(...)[0]` for the same arguments."""
+    key, p, d, kw, _ = _parse_arg(arg)
     return paper_experiment(key, p, d, **kw)[0]  # type: ignore[arg-type]
 
 
@@ -229,7 +235,5 @@ def paper_split_arg(arg: str, prefill_nodes: int, decode_nodes: int) -> str:
     """`arg` (a `configs/paper.py` ARG) for another P/D split of the same model and options:
     what the deployment advisor simulates for each candidate split (each split has its own HBM
     for KV, as the weights per GPU depend on the decode GPUs the experts spread over)."""
-    paper_config(arg)  # a bad ARG fails here, with its own error
-    name, *options = [part.strip() for part in arg.split(",")]
-    model = _NAME.fullmatch(name).group(1)  # type: ignore[union-attr]
-    return ",".join([f"{model}_{prefill_nodes}p{decode_nodes}d", *options])
+    key, _, _, _, options = _parse_arg(arg)
+    return ",".join([f"{key}_{prefill_nodes}p{decode_nodes}d", *options])
