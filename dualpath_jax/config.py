@@ -48,7 +48,9 @@ class ModelConfig:
     `kv_dtype` the dtype of cached KV (what a Layer Block holds). `attention_impl` picks the
     attention backend (`model.layers.ATTENTION_IMPLS`): `reference` (dense scores under a
     boolean mask, the oracle), `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where
-    JAX can use it) or `auto` (the best one for the platform JAX finds at run time).
+    JAX can use it) or `auto` (the best one for the platform JAX finds at run time). `moe_impl`
+    picks the routed experts' grouped matmul (`model.moe.MOE_IMPLS`): `ragged_dot` (the oracle),
+    `grouped` (tiled, memory-bounded), `gmm` (Pallas megablox) or `auto`.
     """
 
     name: str = "tiny-qwen2"
@@ -89,6 +91,7 @@ class ModelConfig:
     dtype: str = "float32"
     kv_dtype: str = "float32"
     attention_impl: str = "auto"  # "auto" | "reference" | "xla"
+    moe_impl: str = "auto"  # "auto" | "ragged_dot" | "grouped" | "gmm"
 
     @property
     def is_mla(self) -> bool:
@@ -448,6 +451,7 @@ _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 # String fields with a fixed set of values (the enum-typed fields are checked by their type).
 _CHOICES = {
     "model.attention_impl": ("auto", "reference", "xla"),  # model.layers.ATTENTION_IMPLS
+    "model.moe_impl": ("auto", "ragged_dot", "grouped", "gmm"),  # model.moe.MOE_IMPLS
     "store.kind": ("file", "memory", "spec"),
     "workload.mode": ("offline", "online"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS

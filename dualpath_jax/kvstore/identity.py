@@ -37,11 +37,13 @@ def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
 
     Any change to the architecture (including `kv_dtype`) or to `params_version` changes every
     block key derived from it, so KV computed by older params is never reused. The attention
-    backend (`attention_impl`) is not part of it: every backend computes the same model's KV.
+    backend (`attention_impl`) and the MoE implementation (`moe_impl`) are not part of it: every
+    backend computes the same model's KV.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dpjax-model")
     arch = to_dict(cfg)
     del arch["attention_impl"]
+    del arch["moe_impl"]
     h.update(json.dumps(arch, sort_keys=True).encode())
     h.update(b"\x00")
     h.update(params_version.encode())

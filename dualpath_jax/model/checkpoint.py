@@ -256,15 +256,22 @@ def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
 
 
 def from_pretrained(
-    directory: str | pathlib.Path, dtype: str | None = None, *, attention_impl: str = "auto"
+    directory: str | pathlib.Path,
+    dtype: str | None = None,
+    *,
+    attention_impl: str = "auto",
+    moe_impl: str = "auto",
 ) -> Transformer:
     """Loads a Hugging Face format directory of Qwen2 or DeepSeek-V3 architecture.
-    `attention_impl`: the attention backend (`ModelConfig.attention_impl`)."""
+    `attention_impl`: the attention backend (`ModelConfig.attention_impl`); `moe_impl`: the
+    routed experts' implementation (`ModelConfig.moe_impl`)."""
     directory = pathlib.Path(directory)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory}: no config.json")
     hf = json.loads((directory / "config.json").read_text())
-    cfg = dataclasses.replace(config_from_hf(hf, dtype), attention_impl=attention_impl)
+    cfg = dataclasses.replace(
+        config_from_hf(hf, dtype), attention_impl=attention_impl, moe_impl=moe_impl
+    )
     block = (hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
     t = _Tensors(directory, tuple(block))
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))

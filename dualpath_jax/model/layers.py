@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
+from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
 
 Array = jax.Array
 
@@ -258,7 +259,8 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """DeepSeek-V3 MoE: sigmoid router with score-correction bias and group-limited top-k,
-    routed SwiGLU experts (grouped matmul over tokens sorted by expert) plus shared experts."""
+    routed SwiGLU experts (grouped matmul over tokens sorted by expert, `moe.expert_ffn` with
+    `cfg.moe_impl`) plus shared experts."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg.dtype)
@@ -275,6 +277,7 @@ class MoE(nnx.Module):
             cfg.topk_group,
         )
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.moe_impl = resolve_moe_impl(cfg.moe_impl)
 
     def route(self, x: Array) -> tuple[Array, Array]:
         """x `[T, hidden]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
@@ -303,9 +306,9 @@ class MoE(nnx.Module):
         token_of = order // k
         xs = xt[token_of]  # [T*k, hidden], sorted by expert
         sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-        gate = jax.lax.ragged_dot(xs, self.w_gate[...], sizes)
-        up = jax.lax.ragged_dot(xs, self.w_up[...], sizes)
-        ys = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.w_down[...], sizes)
+        ys = expert_ffn(
+            xs, sizes, self.w_gate[...], self.w_up[...], self.w_down[...], self.moe_impl
+        )
         ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
         out = jnp.zeros((t, shape[-1]), jnp.float32).at[token_of].add(ys).astype(x.dtype)
         if self.shared is not None:

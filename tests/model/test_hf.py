@@ -283,9 +283,11 @@ def test_logits_match_transformers(checkpoint, name):
     assert err < RTOL, f"{name}: max relative logit error {err:.2e}"
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize(
+    "impl, moe_impl", [("reference", "ragged_dot"), ("xla", "grouped"), ("xla", "gmm")]
+)
 @pytest.mark.parametrize("name", GENERATE)
-def test_greedy_tokens_match_transformers(checkpoint, name, impl):
+def test_greedy_tokens_match_transformers(checkpoint, name, impl, moe_impl):
     ckpt = checkpoint(name)
     with torch.no_grad():
         out = ckpt.hf.generate(
@@ -293,8 +295,8 @@ def test_greedy_tokens_match_transformers(checkpoint, name, impl):
         )
     theirs = out[0, len(PROMPT) :].tolist()
     assert len(theirs) == NEW_TOKENS
-    model = from_pretrained(ckpt.path, attention_impl=impl)
-    assert model.cfg.attention_impl == impl
+    model = from_pretrained(ckpt.path, attention_impl=impl, moe_impl=moe_impl)
+    assert (model.cfg.attention_impl, model.cfg.moe_impl) == (impl, moe_impl)
     ours = generate(ModelRunner(model), [PROMPT], NEW_TOKENS)[0]
     assert ours == theirs
 
