@@ -50,13 +50,12 @@ from flax import nnx
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model.decode import _decode_step
-from dualpath_jax.model.layers import ATTENTION_IMPLS, prefill_mask
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer, bucket_len
+from dualpath_jax.model.layers import ATTENTION_IMPLS, PagedKV
+from dualpath_jax.model.paged import pages_for
+from dualpath_jax.model.paged_attention import bits_dtype
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged, bucket_len
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_7B, TINY_DEEPSEEK, TINY_QWEN2
-
-_JSON = flags.DEFINE_bool("json", False, "print one JSON object {backend: {figure: temp bytes}}")
-_TINY = flags.DEFINE_bool("tiny", False, "measure at the tiny presets and lengths (a quick check)")
 
 FIGURES = ("prefill_7b", "prefill_ragged8", "mla_prefill", "decode_64")
 
@@ -72,6 +71,7 @@ RAGGED = (
     (768, 2048),
 )
 DECODE_CONTEXTS = tuple(1024 + 496 * i for i in range(64))  # 1,024 .. 32,272
+PAGE = 64  # tokens per KV page (the store's default block_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,30 +124,33 @@ def _one_layer(cfg: ModelConfig) -> ModelRunner:
 
 
 def _prefill_args(cfg: ModelConfig, requests):
-    """Abstract inputs of one layer's prefill for `requests` [(new, cached)], padded as the
-    runner pads them; also the description and the mask's kept fraction."""
+    """Abstract inputs of one layer's paged prefill (`runner._layer_paged`) for `requests`
+    [(new, cached)]: new tokens padded as `PrefillBatch.build` pads them, each request's cached
+    tokens in its own pages of `PAGE` tokens; also the description and the kept fraction."""
     batch = PrefillBatch.build(cfg, [[0] * n for n, _ in requests], [c for _, c in requests])
-    b, n, c = batch.batch_size, batch.n_pad, batch.c_pad
+    b, n = batch.batch_size, batch.n_pad
+    pages = [pages_for(c, PAGE) for _, c in requests]
     sds = jax.ShapeDtypeStruct
     args = (
         sds((b, n, cfg.hidden_size), jnp.dtype(cfg.dtype)),
         sds((b, n), jnp.int32),
-        sds((b, c, cfg.kv_width), jnp.dtype(cfg.kv_dtype)),
+        sds((max(sum(pages), 1) + 1, 1, PAGE, cfg.kv_width), bits_dtype(cfg.kv_dtype)),
+        sds((b, max(max(pages), 1)), jnp.int32),
         sds((b,), jnp.int32),
     )
     kept = sum(nn * cc + nn * (nn + 1) // 2 for nn, cc in requests)
-    desc = f"B={b} N={n} C={c} W={cfg.kv_width} {cfg.kv_dtype}"
-    return args, desc, kept / (b * n * (c + n))
+    desc = f"B={b} N={n} pages={sum(pages)}x{PAGE} W={cfg.kv_width} {cfg.kv_dtype}"
+    c_pad = max(pages) * PAGE
+    return args, desc, kept / (b * n * (c_pad + n))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _attention_half(norm_gd, attn_gd, norm_state, attn_state, h, positions, cached_rows, lens):
-    """`DecoderLayer.__call__` up to the FFN, with `runner._layer`'s mask."""
+def _attention_half(norm_gd, attn_gd, norm_state, attn_state, h, positions, pages, table, lens):
+    """`DecoderLayer.__call__` up to the FFN over paged cached KV."""
     norm, attn = nnx.merge(norm_gd, norm_state), nnx.merge(attn_gd, attn_state)
-    mask = prefill_mask(lens, None, cached_rows.shape[1], h.shape[1])
     q, new_rows = attn.project(norm(h), positions)
-    rows = jnp.concatenate([cached_rows.astype(new_rows.dtype), new_rows], axis=1)
-    return h + attn.attend_rows(q, rows, mask), new_rows
+    out, _ = attn.attend(q, new_rows, PagedKV(pages, table, lens))
+    return h + out, new_rows
 
 
 def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
@@ -161,7 +164,9 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
 
     def prefill(requests) -> Case:
         args, desc, real = _prefill_args(shapes.gqa, requests)
-        return Case(lambda: _layer.lower(gqa.layer_gds[0], gqa.layer_states[0], *args), desc, real)
+        return Case(
+            lambda: _layer_paged.lower(gqa.layer_gds[0], gqa.layer_states[0], *args), desc, real
+        )
 
     mla_layer = nnx.eval_shape(
         lambda: init_model(dataclasses.replace(shapes.mla, num_layers=1), 0)
@@ -172,18 +177,23 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
 
     cfg, ctx = shapes.gqa, shapes.decode_contexts
     s, t_max = len(ctx), shapes.decode_max_len
-    bucket = min(bucket_len(max(max(ctx), 1), 64), t_max)  # as Decoder.step picks it
+    # The pool holds every slot's pages (its context and the token fed now); the table is as
+    # `Decoder.step` passes it: every slot's page columns up to max_len for the paged kernel,
+    # up to the bucket of the longest slot for the dense backends (they gather that much).
+    n_pages = sum(pages_for(c + 1, PAGE) for c in ctx)
+    bucket = min(bucket_len(max(ctx) + 1, 64), t_max)
+    cols = pages_for(t_max if impl == "pallas" else bucket, PAGE)
     sds = jax.ShapeDtypeStruct
     dec_args = (
         gqa.embed_gd,
         gqa.layer_gds,
         gqa.head_gd,
         gqa.params,
-        sds((1, s, t_max, cfg.kv_width), jnp.dtype(cfg.kv_dtype)),
+        sds((n_pages + 1, 1, PAGE, cfg.kv_width), bits_dtype(cfg.kv_dtype)),
+        sds((s, cols), jnp.int32),
         sds((s,), jnp.int32),
         sds((s,), jnp.int32),
         sds((s,), jnp.bool_),
-        bucket,
     )
     return {
         "prefill_7b": prefill([shapes.prefill]),
@@ -195,8 +205,8 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
         ),
         "decode_64": Case(
             lambda: _decode_step.lower(*dec_args),
-            f"S={s} T_max={t_max} bucket={bucket} W={cfg.kv_width} {cfg.kv_dtype}",
-            sum(c + 1 for c in ctx) / (s * (bucket + 1)),
+            f"S={s} pages={n_pages}x{PAGE} table={s}x{cols} W={cfg.kv_width} {cfg.kv_dtype}",
+            sum(c + 1 for c in ctx) / (s * cols * PAGE),
         ),
     }
 
@@ -255,4 +265,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags exist only when run as a script: tests import several bench modules at once.
+    _JSON = flags.DEFINE_bool(
+        "json", False, "print one JSON object {backend: {figure: temp bytes}}"
+    )
+    _TINY = flags.DEFINE_bool(
+        "tiny", False, "measure at the tiny presets and lengths (a quick check)"
+    )
     app.run(main)

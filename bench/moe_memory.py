@@ -32,10 +32,6 @@ from dualpath_jax.model.layers import MoE
 from dualpath_jax.model.moe import MOE_IMPLS
 from dualpath_jax.presets import DEEPSEEK_V3_660B, TINY_DEEPSEEK
 
-_JSON = flags.DEFINE_bool("json", False, "print one JSON object {impl: temp bytes}")
-_TINY = flags.DEFINE_bool("tiny", False, "measure the tiny preset at 32 tokens (a quick check)")
-_DTYPE = flags.DEFINE_string("dtype", "", "parameter/compute dtype (default: the preset's)")
-
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
@@ -107,4 +103,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags exist only when run as a script: tests import several bench modules at once.
+    _JSON = flags.DEFINE_bool("json", False, "print one JSON object {impl: temp bytes}")
+    _TINY = flags.DEFINE_bool("tiny", False, "measure the tiny preset at 32 tokens (a quick check)")
+    _DTYPE = flags.DEFINE_string("dtype", "", "parameter/compute dtype (default: the preset's)")
     app.run(main)

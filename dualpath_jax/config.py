@@ -90,7 +90,7 @@ class ModelConfig:
     index_topk: int = 0
     dtype: str = "float32"
     kv_dtype: str = "float32"
-    attention_impl: str = "auto"  # "auto" | "reference" | "xla"
+    attention_impl: str = "auto"  # "auto" | "reference" | "xla" | "pallas"
     moe_impl: str = "auto"  # "auto" | "ragged_dot" | "grouped" | "gmm"
 
     @property
@@ -171,6 +171,12 @@ class ClusterConfig:
     # Jobs a DE holds beyond its slots (waiting for a slot); the router assigns no more.
     decode_queue: int = 8
     decode_max_len: int = 4096  # tokens per decode slot
+    # The DE's device KV budget, held in pages of store.block_tokens tokens (all layers): bytes,
+    # or a fraction of the device's memory (where the platform reports it); both 0: room for
+    # every slot at decode_max_len. With less, a request is admitted once its pages (prompt +
+    # gen tokens) are free; until then it waits in the DE's queue.
+    decode_kv_bytes: int = 0
+    decode_kv_fraction: float = 0.0
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
     # Context (cached + new tokens) one PE forward batch may hold on the device, 0: unbounded.
@@ -443,6 +449,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
     ),
     ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
+    ("must lie in [0, 1]", lambda v: 0 <= v <= 1, "cluster.decode_kv_fraction"),
     ("must lie in [0, 2**63)", lambda v: 0 <= v < 2**63, "seed workload.seed"),
 )
 _BOUND_OF = {key: (rule, ok) for rule, ok, keys in _BOUNDS for key in keys.split()}
@@ -450,7 +457,7 @@ _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 
 # String fields with a fixed set of values (the enum-typed fields are checked by their type).
 _CHOICES = {
-    "model.attention_impl": ("auto", "reference", "xla"),  # model.layers.ATTENTION_IMPLS
+    "model.attention_impl": ("auto", "reference", "xla", "pallas"),  # layers.ATTENTION_IMPLS
     "model.moe_impl": ("auto", "ragged_dot", "grouped", "gmm"),  # model.moe.MOE_IMPLS
     "store.kind": ("file", "memory", "spec"),
     "workload.mode": ("offline", "online"),

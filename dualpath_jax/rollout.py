@@ -371,7 +371,7 @@ class InProcessEngine:
             dec.set_next(np.array([tok]))
             if k == 0:
                 t_second = time.monotonic()
-        kv_after = np.asarray(dec.kv[:, 0, : len(prompt) + gen - 1])
+        kv_after = dec.rows(0, 0, len(prompt) + gen - 1)
         with self._lock:
             if session in self._sessions:
                 self._sessions[session] = (prompt + out, kv_after)

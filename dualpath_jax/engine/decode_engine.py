@@ -16,8 +16,6 @@ import queue
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
@@ -25,7 +23,8 @@ from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder, sample_at
-from dualpath_jax.model.layout import kv_to_full_blocks
+from dualpath_jax.model.layout import kv_bytes_per_token
+from dualpath_jax.model.paged import budget_pages, pages_for
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
@@ -41,6 +40,23 @@ class _Req:
     hit: int = 0
     slot: int = -1
     tokens: list[int] = dataclasses.field(default_factory=list)
+
+
+def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
+    """The DE's decoder: `cluster.decode_slots` slots of up to `cluster.decode_max_len` tokens
+    over a KV page pool of `store.block_tokens`-token pages (a page is one Full Block) sized by
+    `cluster.decode_kv_bytes` / `decode_kv_fraction` (default: every slot full)."""
+    c, bt = cfg.cluster, cfg.store.block_tokens
+    full = c.decode_slots * pages_for(c.decode_max_len, bt)
+    pages = budget_pages(
+        kv_bytes_per_token(cfg.model) * bt,
+        budget_bytes=c.decode_kv_bytes,
+        fraction=c.decode_kv_fraction,
+        default_pages=full,
+    )
+    return Decoder(
+        runner, c.decode_slots, c.decode_max_len, page_size=bt, num_pages=min(pages, full)
+    )
 
 
 class DecodeEngine:
@@ -100,7 +116,7 @@ class DecodeEngine:
         c = self.cfg.cluster
         load = M.Load(
             read_q=traffic.read_q(f"node{self.node}") if traffic is not None else 0,
-            hbm_capacity_tokens=c.decode_slots * c.decode_max_len,
+            hbm_capacity_tokens=self.dec.num_pages * self.dec.page_size,
             slots=c.decode_slots,
         )
         links = json.dumps(traffic.snapshot()) if traffic is not None else ""
@@ -182,24 +198,39 @@ class DecodeEngine:
     # ------------------------------------------------------------------ decode
 
     def admit(self) -> None:
+        """Moves requests whose prompt KV and first token are here into free slots, in arrival
+        order, while their pages (prompt + gen tokens) fit the KV pool; the first that does not
+        fit waits for pages to be freed (one that could never fit fails)."""
         free = self.dec.free_slots()
         for rid, r in list(self.reqs.items()):
             if not free:
                 return
             if r.slot >= 0 or r.load is None or r.first < 0 or not r.load.done():
                 continue
+            job = r.load.job
+            reserve = job.prompt_tokens + r.msg.gen
+            if not self.dec.can_insert(reserve):
+                if self.dec.pages_needed(reserve) > self.dec.num_pages:
+                    self.fail(
+                        rid,
+                        RuntimeError(
+                            f"a request of {reserve} tokens needs more KV pages than the DE's"
+                            f" budget of {self.dec.num_pages} pages"
+                        ),
+                    )
+                    continue
+                return  # back-pressure: wait for pages
             try:
                 r.load.wait(0)
-                kv = r.load.prompt_kv()
+                blocks = r.load.prompt_blocks()
             except Exception as e:  # noqa: BLE001 - transfer/store failures fail the request
                 self.fail(rid, e)
                 continue
-            job = r.load.job
             self.ctx.charge(
-                job, P.h2d_path(job.de_engine, job.de_node), kv.nbytes, L.TrafficClass.HIGH
+                job, P.h2d_path(job.de_engine, job.de_node), blocks.nbytes, L.TrafficClass.HIGH
             )
             r.slot = free.pop(0)
-            self.dec.insert(r.slot, kv, job.prompt_tokens, r.first)
+            self.dec.insert_blocks(r.slot, blocks, job.prompt_tokens, r.first, reserve)
             r.load.close()
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
@@ -233,8 +264,7 @@ class DecodeEngine:
         start = min(r.hit, n_full)
         blocks = None
         if n_full > start:
-            kv = np.asarray(self.dec.kv[:, slot, start * self.bt : n_full * self.bt])
-            blocks = kv_to_full_blocks(kv, self.bt)
+            blocks = self.dec.full_blocks(slot, start, n_full)  # its pages as they are
         self.dec.free(slot)
         del self.slot_req[slot]
         del self.reqs[rid]

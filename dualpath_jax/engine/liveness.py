@@ -115,6 +115,13 @@ class EngineRegistry:
         if links:
             e.links = json.loads(links)
 
+    def decode_capacity(self) -> int:
+        """The largest KV capacity (tokens) a live DE has reported; 0 before any has."""
+        return max(
+            (e.hbm_tokens for e in self._engines.values() if e.alive and e.role == "decode"),
+            default=0,
+        )
+
     # ------------------------------------------------------------------ liveness
 
     def silent(self, now: float) -> list[EngineInfo]:

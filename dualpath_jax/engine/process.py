@@ -123,13 +123,12 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     import jax
 
     from dualpath_jax.engine.common import HeartbeatThread
-    from dualpath_jax.engine.decode_engine import DecodeEngine
+    from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient
     from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
-    from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.sched.cost import FittedCostModel
     from dualpath_jax.transfer.channel import JaxTransferChannel
@@ -192,9 +191,15 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 params=params,
             )
         else:
-            dec = Decoder(runner, cfg.cluster.decode_slots, cfg.cluster.decode_max_len)
             engine = DecodeEngine(
-                cfg, spec.engine, spec.node, spec.group, rpc, dec, ctx, params=params
+                cfg,
+                spec.engine,
+                spec.node,
+                spec.group,
+                rpc,
+                make_decoder(cfg, runner),
+                ctx,
+                params=params,
             )
         engine.run()
     finally:

@@ -244,6 +244,14 @@ class Router:
         if problem:
             return self.fail(ident, msg.request, problem)
         prompt = self.sessions.prompt(msg)
+        room = self.engines.decode_capacity()
+        if room and len(prompt) + msg.gen > room:  # no DE's KV pool could ever admit it
+            return self.fail(
+                ident,
+                msg.request,
+                f"context of {len(prompt)} + {msg.gen} tokens exceeds the decode engines'"
+                f" KV budget of {room} tokens",
+            )
         keys = block_keys(prompt, self.bt, self.params.fingerprint)
         try:
             hit = self.store.lookup(keys).result(self.cfg.store.timeout_s)

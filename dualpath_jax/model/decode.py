@@ -1,9 +1,10 @@
 """Batched decode over a per-slot KV cache, sampling, and `generate` (the test oracle).
 
 Lifecycle of a decode slot: `insert(slot, prompt_kv, next_token)` puts a prompt's KV rows
-`[L, T, W]` into the slot; each `step()` feeds every active slot's pending token, appends its KV
-row and returns logits; the caller samples the next pending token with `set_next`; `free(slot)`
-releases the slot. KV is one device array `[L, S, T_max, W]` updated in place (donated).
+`[L, T, W]` into the slot's pages; each `step()` feeds every active slot's pending token, writes
+its KV row into the slot's page and returns logits; the caller samples the next pending token
+with `set_next`; `free(slot)` returns the slot's pages. KV is one page pool
+`[P, L, page_size, W]` on the device (a page is one Full Block), updated in place (donated).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dualpath_jax.model.layers import prefill_mask
+from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
+from dualpath_jax.model.layout import np_dtype
+from dualpath_jax.model.paged import PageAllocator, pages_for
+from dualpath_jax.model.paged_attention import bits_dtype
 from dualpath_jax.model.runner import (
     ModelRunner,
     PrefillBatch,
@@ -121,53 +125,110 @@ def sample_at(
     return np.asarray(out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=(4,))
-def _decode_step(embed_gd, layer_gds, head_gd, params, kv, lengths, tokens, active, bucket):
-    """One token for every slot. kv `[L, S, T_max, W]`, lengths/tokens/active `[S]`."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _decode_step(embed_gd, layer_gds, head_gd, params, pages, table, lengths, tokens, active):
+    """One token for every slot over paged KV: pages `[P, L, page_size, W]` (bits, see
+    `Decoder`), table `[S, M]`, lengths/tokens/active `[S]`. Each layer attends over the slot's
+    cached pages and the token's own row, then writes that row into the slot's page."""
     embed_state, layer_states, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
-    s = tokens.shape[0]
     h = embed(tokens[:, None])
     positions = lengths[:, None]
-    mask = prefill_mask(lengths, None, bucket, 1)
-    slots = jnp.arange(s)
+    write = active.astype(jnp.int32)
     for i, gd in enumerate(layer_gds):
-        cached = jax.lax.dynamic_slice_in_dim(kv[i], 0, bucket, axis=1)
-        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached, mask)
-        old = kv[i, slots, lengths]
-        kv = kv.at[i, slots, lengths].set(jnp.where(active[:, None], rows[:, 0], old))
+        kv = PagedKV(pages, table, lengths, i, write)
+        h, _, pages = nnx.merge(gd, layer_states[i]).run(h, positions, kv)
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
-    return logits, kv, lengths + active.astype(lengths.dtype)
+    return logits, pages, lengths + active.astype(lengths.dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _insert(kv, slot, rows):
-    """kv `[L, S, T_max, W]` <- rows `[L, T_b, W]` at slot, positions 0..T_b-1."""
-    return jax.lax.dynamic_update_slice(kv, rows[:, None].astype(kv.dtype), (0, slot, 0, 0))
+def _write_pages(pages, ids, blocks):
+    """pages `[P, L, ps, W]` <- blocks `[n, L, ps, W]` (bits) at page ids `[n]`."""
+    return pages.at[ids].set(blocks)
+
+
+@jax.jit
+def _read_pages(pages, ids):
+    return pages[ids]
 
 
 class Decoder:
-    """Continuous batched decode over `slots` slots of up to `max_len` tokens each."""
+    """Continuous batched decode over `slots` slots of up to `max_len` tokens each, with the KV
+    in pages (`paged.py`).
 
-    def __init__(self, runner: ModelRunner, slots: int, max_len: int, min_bucket: int = 64):
+    The pool is `[num_pages + 1, L, page_size, W]` (page 0 is the null page), held as the bits
+    of `kv_dtype` (`paged_attention.bits_dtype`: the kernels convert only what they load). A
+    slot holds pages for its tokens; `insert` takes the pages a request will need
+    (`reserve_tokens`, at least its prompt and the fed token) and `step` adds a page when a slot
+    outgrows them. `num_pages` defaults to `slots * max_len / page_size` (every slot full);
+    a smaller pool holds more slots than it could fill at once, and `can_insert` says whether a
+    request fits now. Slots attend over their own live pages only (`attention_impl="pallas"`)
+    or over the gathered pages of the longest slot's bucket (`reference`, `xla`)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        slots: int,
+        max_len: int,
+        min_bucket: int = 64,
+        *,
+        page_size: int = 64,
+        num_pages: int | None = None,
+    ):
         cfg = runner.cfg
         if max_len > cfg.max_seq_len:
             raise ValueError(
                 f"decode max_len {max_len} exceeds the model's max_seq_len {cfg.max_seq_len}"
             )
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.runner, self.slots, self.max_len, self.min_bucket = runner, slots, max_len, min_bucket
-        self.kv = jnp.zeros((cfg.num_layers, slots, max_len, cfg.kv_width), cfg.kv_dtype)
+        self.page_size = page_size
+        self.max_pages = pages_for(max_len, page_size)  # table width: a slot at max_len
+        self.num_pages = num_pages if num_pages is not None else slots * self.max_pages
+        self.alloc = PageAllocator(self.num_pages)
+        self.kv_dtype = jnp.dtype(cfg.kv_dtype)
+        self.pages = jnp.zeros(
+            (self.num_pages + 1, cfg.num_layers, page_size, cfg.kv_width), bits_dtype(cfg.kv_dtype)
+        )
+        self.table = np.zeros((slots, self.max_pages), np.int32)
         self.lengths = np.zeros((slots,), np.int32)
         self.active = np.zeros((slots,), bool)
         self.pending = np.zeros((slots,), np.int32)
+        self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page (all layers)."""
+        cfg = self.runner.cfg
+        return cfg.num_layers * self.page_size * cfg.kv_width * self.kv_dtype.itemsize
+
+    @property
+    def free_pages(self) -> int:
+        return self.alloc.free_pages
 
     def free_slots(self) -> list[int]:
         return [i for i in range(self.slots) if not self.active[i]]
 
+    def pages_needed(self, tokens: int) -> int:
+        return pages_for(min(tokens, self.max_len), self.page_size)
+
+    def can_insert(self, reserve_tokens: int) -> bool:
+        """Whether a request that will hold `reserve_tokens` tokens fits in the free pages now."""
+        return self.alloc.can_allocate(self.pages_needed(reserve_tokens))
+
     def insert(
-        self, slot: int, prompt_kv: np.ndarray | Array, length: int, next_token: int
+        self,
+        slot: int,
+        prompt_kv: np.ndarray | Array,
+        length: int,
+        next_token: int,
+        reserve_tokens: int = 0,
     ) -> None:
-        """Loads a prompt's KV rows `[L, >= length, W]` into `slot`; `next_token` is fed next."""
+        """Loads a prompt's KV rows `[L, >= length, W]` into `slot`'s pages; `next_token` is fed
+        next. Pages for `max(reserve_tokens, length + 1)` tokens are taken now (`PagesExhausted`
+        if the pool has too few free)."""
         cfg = self.runner.cfg
         if self.active[slot]:
             raise ValueError(f"decode slot {slot} is in use")
@@ -180,28 +241,104 @@ class Decoder:
                 f"prompt KV has shape {tuple(prompt_kv.shape)}, expected ({cfg.num_layers}, T, {cfg.kv_width})"
             )
         validate_tokens(cfg, np.array([next_token]), "next token")
-        tb = min(bucket_len(length, self.min_bucket), self.max_len)
-        rows = (
-            np.zeros((cfg.num_layers, tb, cfg.kv_width), np.dtype(cfg.kv_dtype))
-            if length < tb
-            else None
-        )
-        src = np.asarray(prompt_kv[:, :length]) if rows is not None else prompt_kv[:, :tb]
-        if rows is not None:
-            rows[:, :length] = src
-            src = rows
-        self.kv = _insert(self.kv, jnp.int32(slot), jnp.asarray(src))
+        n = pages_for(length, self.page_size)
+        rows = np.zeros((cfg.num_layers, n * self.page_size, cfg.kv_width), self.kv_np)
+        rows[:, :length] = np.asarray(prompt_kv[:, :length])
+        blocks = rows.reshape(cfg.num_layers, n, self.page_size, cfg.kv_width).transpose(1, 0, 2, 3)
+        self._insert(slot, blocks, length, next_token, reserve_tokens)
+
+    def insert_blocks(
+        self,
+        slot: int,
+        blocks: np.ndarray,
+        length: int,
+        next_token: int,
+        reserve_tokens: int = 0,
+    ) -> None:
+        """`insert` from the prompt's KV as Full Blocks `[n, L, page_size, bytes]` uint8 (the
+        store's and the DE buffer's layout, whose block size is the page size): each block
+        becomes a page as it is. Tokens past `length` in the last block are ignored."""
+        cfg = self.runner.cfg
+        n = pages_for(length, self.page_size)
+        want = (cfg.num_layers, self.page_size, cfg.kv_width * self.kv_dtype.itemsize)
+        if blocks.ndim != 4 or blocks.shape[0] < n or tuple(blocks.shape[1:]) != want:
+            raise ValueError(
+                f"prompt blocks have shape {tuple(blocks.shape)}, expected ({n}, *{want})"
+            )
+        if self.active[slot]:
+            raise ValueError(f"decode slot {slot} is in use")
+        if length + 1 > self.max_len:
+            raise ValueError(
+                f"prompt of {length} tokens does not fit a decode slot of {self.max_len}"
+            )
+        validate_tokens(cfg, np.array([next_token]), "next token")
+        self._insert(slot, blocks[:n].view(self.kv_np), length, next_token, reserve_tokens)
+
+    def _insert(self, slot, blocks, length, next_token, reserve_tokens) -> None:
+        """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
+        ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
+        self.table[slot] = 0
+        self.table[slot, : len(ids)] = ids
+        n = blocks.shape[0]
+        if n:
+            # Pad the page count to a bucket (padded pages write the null page): few shapes.
+            nb = bucket_len(n, 1, 64)
+            cfg = self.runner.cfg
+            padded = np.zeros((nb, cfg.num_layers, self.page_size, cfg.kv_width), self.kv_np)
+            padded[:n] = blocks
+            where = np.zeros((nb,), np.int32)
+            where[:n] = ids[:n]
+            bits = padded.view(bits_dtype(cfg.kv_dtype))
+            self.pages = _write_pages(self.pages, jnp.asarray(where), jnp.asarray(bits))
         self.lengths[slot] = length
         self.pending[slot] = next_token
         self.active[slot] = True
 
+    @property
+    def kv_np(self) -> np.dtype:
+        return np_dtype(self.runner.cfg.kv_dtype)
+
     def free(self, slot: int) -> None:
         self.active[slot] = False
         self.lengths[slot] = 0
+        self.alloc.free(slot)
+        self.table[slot] = 0
+
+    def rows(self, slot: int, start: int, end: int) -> np.ndarray:
+        """The slot's KV rows of tokens `start..end` `[L, end - start, W]` (numpy, kv dtype)."""
+        if not 0 <= start <= end <= self.lengths[slot]:
+            raise ValueError(f"rows {start}..{end} of a slot holding {self.lengths[slot]} tokens")
+        ps = self.page_size
+        first, last = start // ps, pages_for(end, ps)
+        if last == first:
+            return np.zeros((self.runner.cfg.num_layers, 0, self.runner.cfg.kv_width), self.kv_np)
+        ids = jnp.asarray(self.table[slot, first:last])
+        got = np.asarray(_read_pages(self.pages, ids)).view(self.kv_np)  # [n, L, ps, W]
+        got = got.transpose(1, 0, 2, 3).reshape(got.shape[1], -1, got.shape[-1])
+        return got[:, start - first * ps : end - first * ps]
+
+    def full_blocks(self, slot: int, first: int, end: int) -> np.ndarray:
+        """Blocks `first..end` of the slot as Full Blocks `[n, L, page_size, bytes]` uint8: its
+        pages as they are (the store's block size is the page size)."""
+        if end * self.page_size > self.lengths[slot]:
+            raise ValueError(f"block {end - 1} of slot {slot} is not full")
+        ids = jnp.asarray(self.table[slot, first:end])
+        got = np.asarray(_read_pages(self.pages, ids))  # [n, L, ps, W] bits
+        return got.view(np.uint8)
 
     def set_next(self, tokens: np.ndarray) -> None:
         """Sets the pending token of every active slot (`tokens` `[S]`)."""
         self.pending = np.where(self.active, np.asarray(tokens, np.int32), self.pending)
+
+    def _grow(self) -> None:
+        """Gives a page to every active slot whose next token starts a page it does not have."""
+        ps = self.page_size
+        for slot in np.flatnonzero(self.active):
+            need = int(self.lengths[slot]) // ps + 1
+            have = len(self.alloc.pages(int(slot)))
+            if need > have:
+                ids = self.alloc.allocate(int(slot), need - have)
+                self.table[slot, have:need] = ids
 
     def step(self) -> Array:
         """Feeds each active slot's pending token; returns logits `[S, V]` (rows of idle slots are
@@ -211,18 +348,23 @@ class Decoder:
         need = int(self.lengths[self.active].max())
         if need + 1 > self.max_len:
             raise ValueError(f"a decode slot reached its max_len {self.max_len}")
-        bucket = min(bucket_len(max(need, 1), self.min_bucket), self.max_len)
+        self._grow()
+        table = self.table
+        if not self.paged_kernel:
+            # Dense backends gather every slot's pages up to the bucket of the longest slot.
+            bucket = min(bucket_len(need + 1, self.min_bucket), self.max_len)
+            table = table[:, : pages_for(bucket, self.page_size)]
         r = self.runner
-        logits, self.kv, lengths = _decode_step(
+        logits, self.pages, lengths = _decode_step(
             r.embed_gd,
             r.layer_gds,
             r.head_gd,
             r.params,
-            self.kv,
+            self.pages,
+            jnp.asarray(table),
             jnp.asarray(self.lengths),
             jnp.asarray(self.pending),
             jnp.asarray(self.active),
-            bucket,
         )
         self.lengths = np.array(lengths)
         return logits

@@ -9,12 +9,17 @@ head whose key is the whole row and whose value is the latent.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
+from dualpath_jax.model import paged_attention as pa
 from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
+from dualpath_jax.model.paged_attention import RowLayout
 
 Array = jax.Array
 
@@ -40,7 +45,9 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: Array) -> Array:
-        y = jnp.dot(x, self.kernel[...])
+        # Accumulate in f32 and round once (what a bf16 matmul does on GPU and TPU); asking for
+        # it also keeps XLA:CPU from materializing an f32 copy of every bf16 weight.
+        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
@@ -94,13 +101,15 @@ def prefill_mask(cached_lens: Array, new_lens: Array, c_pad: int, n_pad: int) ->
 
 
 # Attention backends (`ModelConfig.attention_impl`); "auto" resolves to one of these.
-ATTENTION_IMPLS = ("reference", "xla")
+ATTENTION_IMPLS = ("reference", "xla", "pallas")
 
 
 def resolve_attention_impl(name: str) -> str:
-    """The backend `name` runs: itself, or for "auto" the best one for the platform JAX finds
-    (`xla`, i.e. `jax.nn.dot_product_attention`, on GPU and TPU; `reference` on CPU, where
-    both materialize the scores and the reference path is the tested oracle)."""
+    """The backend `name` runs: itself, or for "auto" the best one for the platform JAX finds:
+    `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where it applies) on GPU and
+    TPU, `reference` on CPU (where every backend materializes what it computes and the
+    reference path is the tested oracle). `pallas` (the paged kernel of `paged_attention.py`)
+    is chosen explicitly: it has been checked in interpret mode, not yet on a GPU."""
     if name == "auto":
         return "reference" if jax.default_backend() == "cpu" else "xla"
     if name not in ATTENTION_IMPLS:
@@ -111,7 +120,7 @@ def resolve_attention_impl(name: str) -> str:
 def attend(
     q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str = "reference"
 ) -> Array:
-    """Grouped-query attention.
+    """Grouped-query attention over materialized keys and values (the dense backends).
 
     q `[B, N, Hq, dk]`, k `[B, S, Hk, dk]`, v `[B, S, Hk, dv]`, mask `[B, N, S]` -> `[B, N, Hq, dv]`.
     `impl`: `reference` (float32 scores and softmax under the boolean mask) or `xla`
@@ -132,6 +141,50 @@ def attend(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgns,bskd->bnkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, n, hq, v.shape[-1]).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """One layer's cached KV in pages: `pages` `[P, L, page_size, W]` (KV rows, or their bits
+    as unsigned integers: `paged_attention.bits_dtype`), `table` `[B, M]` page ids per request,
+    `lens` `[B]` cached tokens per request, `layer` the layer of `pages` to read. With `write`
+    `[B]`, attention also writes request b's first `write[b]` new rows into its pages (decode)."""
+
+    pages: Array
+    table: Array
+    lens: Array
+    layer: Array | int = 0
+    write: Array | None = None
+
+    @classmethod
+    def contiguous(cls, rows: Array, lens: Array) -> PagedKV:
+        """Contiguous cached rows `[B, C, W]` as pages (a reshape: identity page tables)."""
+        b, c, w = rows.shape
+        if c == 0:
+            return cls(jnp.zeros((1, 1, 1, w), rows.dtype), jnp.zeros((b, 1), jnp.int32), lens)
+        ps = math.gcd(c, 64)
+        m = c // ps
+        table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+        return cls(rows.reshape(b * m, 1, ps, w), table, lens)
+
+
+def attend_kv(
+    q: Array, new_rows: Array, kv: PagedKV, layout, scale: float, kv_dtype, impl: str
+) -> tuple[Array, Array | None]:
+    """Attention of the new tokens (queries `q` `[B, N, Hq, dk]`, their rows `new_rows`
+    `[B, N, W]`) over their cached KV `kv` and themselves, causally, with backend `impl`:
+    `pallas` runs the paged kernel over the live pages only; `reference`/`xla` gather the pages
+    into contiguous rows and attend densely (the oracle). Returns (output `[B, N, Hq, dv]`, the
+    pages with the new rows written if `kv.write` is set, else None)."""
+    args = (q, kv.pages, kv.table, kv.lens, new_rows, layout, scale)
+    if impl == "pallas":
+        out = pa.paged_attention(*args, layer=kv.layer, kv_dtype=kv_dtype, write_lens=kv.write)
+        return out if kv.write is not None else (out, None)
+    out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
+    if kv.write is None:
+        return out, None
+    pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
+    return out, pages
 
 
 class GQAttention(nnx.Module):
@@ -161,15 +214,14 @@ class GQAttention(nnx.Module):
         rows = jnp.concatenate([k.reshape(b, n, -1), v], axis=-1).astype(self.kv_dtype)
         return q, rows
 
-    def attend_rows(self, q: Array, rows: Array, mask: Array) -> Array:
-        """q `[B, N, Hq, D]`, KV rows `[B, S, W]` -> attention output `[B, N, hidden]`."""
-        b, s, _ = rows.shape
-        hk, d = self.num_kv_heads, self.head_dim
-        rows = rows.astype(q.dtype)
-        k = rows[..., : hk * d].reshape(b, s, hk, d)
-        v = rows[..., hk * d :].reshape(b, s, hk, d)
-        out = attend(q, k, v, mask, d**-0.5, self.attention_impl)
-        return self.o_proj(out.reshape(*out.shape[:2], -1))
+    def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
+        """q `[B, N, Hq, D]`, the new rows `[B, N, W]`, the cached KV -> (output
+        `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
+        layout = RowLayout.gqa(self.num_kv_heads, self.head_dim)
+        out, pages = attend_kv(
+            q, new_rows, kv, layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl
+        )
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
 
 
 class MLAttention(nnx.Module):
@@ -226,23 +278,23 @@ class MLAttention(nnx.Module):
         cos, sin = rope_angles(positions, self.rope, self.rope_theta)
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe[:, :, None, :], cos, sin, self.interleave)[:, :, 0, :]
-        q_lat = jnp.einsum("bnhd,rhd->bnhr", q_nope, self.w_uk[...])
+        q_lat = jnp.einsum(
+            "bnhd,rhd->bnhr", q_nope, self.w_uk[...], preferred_element_type=jnp.float32
+        ).astype(q_nope.dtype)
         rows = jnp.concatenate([c, k_pe], axis=-1).astype(self.kv_dtype)
         return jnp.concatenate([q_lat, q_pe], axis=-1), rows
 
-    def attend_rows(self, q: Array, rows: Array, mask: Array) -> Array:
-        """Absorbed queries, KV rows `[B, S, r + dr]` -> attention output `[B, N, hidden]`."""
-        rows = rows.astype(q.dtype)[:, :, None, :]
-        o_lat = attend(
-            q,
-            rows,
-            rows[..., : self.kv_lora_rank],
-            mask,
-            self.qk_head_dim**-0.5,
-            self.attention_impl,
+    def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
+        """Absorbed queries, the new rows `[B, N, r + dr]`, the cached KV -> (output
+        `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
+        layout = RowLayout.mla(self.kv_lora_rank, self.rope)
+        o_lat, pages = attend_kv(
+            q, new_rows, kv, layout, self.qk_head_dim**-0.5, self.kv_dtype, self.attention_impl
         )
-        out = jnp.einsum("bnhr,rhd->bnhd", o_lat, self.w_uv[...])
-        return self.o_proj(out.reshape(*out.shape[:2], -1))
+        out = jnp.einsum(
+            "bnhr,rhd->bnhd", o_lat, self.w_uv[...], preferred_element_type=jnp.float32
+        ).astype(o_lat.dtype)
+        return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
 
 
 class MLP(nnx.Module):
@@ -330,12 +382,21 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
 
     def __call__(
-        self, h: Array, positions: Array, cached_rows: Array, mask: Array
+        self, h: Array, positions: Array, cached: Array | PagedKV, cached_lens: Array | None = None
     ) -> tuple[Array, Array]:
-        """h `[B, N, hidden]`, positions `[B, N]`, cached KV rows `[B, C, W]`, mask `[B, N, C + N]`
-        -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`)."""
-        q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)
-        rows = jnp.concatenate([cached_rows.astype(new_rows.dtype), new_rows], axis=1)
-        h = h + self.self_attn.attend_rows(q, rows, mask)
-        h = h + self.mlp(self.post_attention_layernorm(h))
+        """h `[B, N, hidden]`, positions `[B, N]`, the cached KV (`PagedKV`, or contiguous rows
+        `[B, C, W]` with `cached_lens` `[B]`) -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`).
+        New token j of request b sees its cached tokens and new tokens 0..j."""
+        if not isinstance(cached, PagedKV):
+            cached = PagedKV.contiguous(cached, cached_lens)
+        h, new_rows, _ = self.run(h, positions, dataclasses.replace(cached, write=None))
         return h, new_rows
+
+    def run(self, h: Array, positions: Array, kv: PagedKV) -> tuple[Array, Array, Array | None]:
+        """The layer over paged KV -> (h, new KV rows, the pages with the new rows written when
+        `kv.write` is set, else None)."""
+        q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)
+        out, pages = self.self_attn.attend(q, new_rows, kv)
+        h = h + out
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, new_rows, pages

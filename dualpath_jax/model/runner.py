@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model.layers import prefill_mask
+from dualpath_jax.model.layers import PagedKV
 from dualpath_jax.model.transformer import Transformer
 
 Array = jax.Array
@@ -125,8 +125,13 @@ def _embed(gd, state, tokens):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _layer(gd, state, h, positions, cached_rows, cached_lens):
-    mask = prefill_mask(cached_lens, None, cached_rows.shape[1], h.shape[1])
-    return nnx.merge(gd, state)(h, positions, cached_rows, mask)
+    return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _layer_paged(gd, state, h, positions, pages, table, cached_lens):
+    """One layer over cached KV in pages `[P, 1, page_size, W]` (see `PagedKV`)."""
+    return nnx.merge(gd, state)(h, positions, PagedKV(pages, table, cached_lens))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -153,10 +158,9 @@ def _forward_all(
     embed_state, layer_states, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
     h = embed(tokens)
-    mask = prefill_mask(cached_lens, None, cached_kv.shape[2], tokens.shape[1])
     new = []
     for i, gd in enumerate(layer_gds):
-        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], mask)
+        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], cached_lens)
         new.append(rows)
     head = nnx.merge(head_gd, head_state)
     emb = embed.embedding[...]
@@ -290,4 +294,4 @@ class ModelRunner:
 
 def compile_count() -> int:
     """Number of distinct compiled variants of the per-layer entry points so far (for benches)."""
-    return sum(f._cache_size() for f in (_embed, _layer, _head, _forward_all))
+    return sum(f._cache_size() for f in (_embed, _layer, _layer_paged, _head, _forward_all))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model.layers import DecoderLayer, Linear, RMSNorm, prefill_mask
+from dualpath_jax.model.layers import DecoderLayer, Linear, RMSNorm
 
 Array = jax.Array
 
@@ -73,13 +73,11 @@ class Transformer(nnx.Module):
         if cached_kv is None:
             cached_kv = jnp.zeros((self.cfg.num_layers, b, 0, self.cfg.kv_width), self.cfg.kv_dtype)
             cached_lens = jnp.zeros((b,), jnp.int32)
-        c = cached_kv.shape[2]
         positions = cached_lens[:, None] + jnp.arange(n)[None, :]
-        mask = prefill_mask(cached_lens, None, c, n)
         h = self.embed(tokens)
         new = []
         for i, layer in enumerate(self.layers):
-            h, rows = layer(h, positions, cached_kv[i], mask)
+            h, rows = layer(h, positions, cached_kv[i], cached_lens)
             new.append(rows)
         return self.head(h, self.embed.embedding[...]), jnp.stack(new)
 

@@ -442,9 +442,14 @@ class DecodeLoad:
         assert self._done is not None, "start() first"
         self._done.result(timeout_s if timeout_s is not None else self.ctx.timeout_s)
 
+    def prompt_blocks(self) -> np.ndarray:
+        """The prompt's KV as Full Blocks `[n, L, bt, bytes]` uint8 (a copy out of the DE
+        buffer; the last block may be partly filled)."""
+        return np.stack(self._res.blocks())
+
     def prompt_kv(self) -> np.ndarray:
         """The full prompt's KV rows `[L, prompt_tokens, W]` (a copy out of the DE buffer)."""
-        blocks = np.stack(self._res.blocks())  # [n, L, bt, bytes]
+        blocks = self.prompt_blocks()  # [n, L, bt, bytes]
         flat = blocks.transpose(1, 0, 2, 3).reshape(self.ctx.cfg.num_layers, -1, blocks.shape[-1])
         return bytes_to_kv_rows(flat[:, : self.job.prompt_tokens], self.ctx.cfg)
 

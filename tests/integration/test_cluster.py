@@ -345,3 +345,31 @@ def test_bad_requests_get_clear_errors_while_other_sessions_continue(
         )
     after = counters(client)
     assert after["errors"] - before["errors"] == len(cases)
+
+
+# ----------------------------------------------------------------------------- KV page budget
+
+BUDGET = make_trajectories("budget", n=4, rounds=2, seed=5)
+
+
+def test_a_small_decode_kv_budget_queues_requests_and_keeps_the_tokens(
+    tmp_path, start_cluster, reference_tokens
+):
+    """A DE whose KV pool holds two requests' pages at a time: the others wait for pages (the
+    tokens do not move), and a request larger than the whole pool fails with a clear error."""
+    from dualpath_jax.model.layout import kv_bytes_per_token
+
+    page_bytes = kv_bytes_per_token(TINY_QWEN2) * BLOCK_TOKENS
+    # Rounds hold <= 48 + 31 prompt tokens + 7 generated: <= 6 pages; 12 pages hold two.
+    cfg = cluster_config("dualpath", decode_kv_bytes=12 * page_bytes)
+    expected = [reference_tokens(t) for t in BUDGET]
+    with start_cluster(cfg, tmp_path) as cluster:
+        client = cluster.client()
+        assert tokens_of(run_lockstep(client, BUDGET)) == expected
+        big = Session(client, "too-big")
+        with pytest.raises(RolloutError, match="exceeds the decode engines' KV budget of 192") as e:
+            big.step([1] * (12 * BLOCK_TOKENS), 2, timeout_s=RESULT_TIMEOUT_S)
+        assert e.value.kind == "bad_request"
+        # the DE keeps serving
+        again = Session(client, "after")
+        assert again.step(*BUDGET[0][1][0], timeout_s=RESULT_TIMEOUT_S) == expected[0][0]

@@ -1,6 +1,7 @@
-"""Attention backends (`ModelConfig.attention_impl`): `xla` (jax.nn.dot_product_attention) gives
-the reference path's logits within float tolerance and the same greedy tokens, through the
-monolithic forward, layerwise prefill over cached KV and batched decode, for GQA and MLA."""
+"""Attention backends (`ModelConfig.attention_impl`): `xla` (jax.nn.dot_product_attention) and
+`pallas` (the paged kernel, interpret mode on CPU) give the reference path's logits within float
+tolerance and the same greedy tokens, through the monolithic forward, layerwise prefill over
+cached KV and batched paged decode, for GQA and MLA."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def both(request):
     return runners(FAMILIES[request.param])
 
 
-def test_monolithic_and_layerwise_logits_match_the_reference(both):
-    ref, xla = both["reference"], both["xla"]
+@pytest.mark.parametrize("impl", [i for i in ATTENTION_IMPLS if i != "reference"])
+def test_monolithic_and_layerwise_logits_match_the_reference(both, impl):
+    ref, xla = both["reference"], both[impl]
     whole = PrefillBatch.build(ref.cfg, PROMPTS, [0, 0])
     (r_out, r_kv), (x_out, x_kv) = (rn.prefill_monolithic(whole) for rn in (ref, xla))
     np.testing.assert_allclose(
@@ -60,6 +62,7 @@ def test_monolithic_and_layerwise_logits_match_the_reference(both):
 def test_greedy_tokens_are_identical_under_every_backend(both):
     tokens = {impl: dm.generate(rn, PROMPTS, 12) for impl, rn in both.items()}
     assert tokens["xla"] == tokens["reference"]
+    assert tokens["pallas"] == tokens["reference"]
     assert tokens["reference"][0] == dm.reference_generate(both["reference"], PROMPTS[0], 12)
 
 

@@ -1,0 +1,364 @@
+"""Paged attention: queries over KV held in pages of `block_tokens` rows, as a Pallas kernel.
+
+KV pages are the store's blocks as they are: `pages[page]` is `[L, page_size, W]`, the KV rows
+(`layout.py`) of every layer of `page_size` tokens, which with `page_size = block_tokens` is one
+Full Block (and `pages[page, layer]` one Layer Block), so a block read from the store, pulled
+from a DE or written by decode sits in one page without any reshuffle. A request's cached tokens are the first `cached_len` rows of
+its pages in page-table order; its new tokens' rows are passed separately (`new_rows`, the
+layer's output of `project`), so the cached part never has to be contiguous and the new part
+needs no page write before attention. Query token `j` of a request sees every cached token and
+new tokens `0..j` (causal).
+
+Where K and V sit inside a row is a `RowLayout`: GQA rows are `K | V` (`[Hk, D]` each), so KV head
+`h`'s key is columns `h*D .. h*D+D` and its value `Hk*D + h*D ..`; MLA rows (absorbed form) are
+`c_kv | k_pe` with one KV head whose key is the whole row and whose value is the latent. Keys
+may be split into segments (MLA: 512 + 64) so every slice the kernel loads is a power of two wide.
+
+The kernel (`paged_attention`) is one program per (request, KV head, query block): an online
+softmax over the request's live cached pages only (the loop stops at `cached_len`), then over
+the causal part of the new rows. Nothing of size `[queries, keys]` is materialized beyond one
+page, so memory does not grow with the context or with the longest request of a batch. It is a
+portable Pallas kernel: Pallas-Triton on GPU, and `interpret=True` (the default off GPU) runs it
+on CPU, where tests check it against `paged_attention_reference`, which gathers the pages into
+contiguous rows and runs the dense path (`layers.attend`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+Array = jax.Array
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Where each KV head's key and value live in a KV row.
+
+    Key of KV head `h`: the concatenation of columns `off + h * head_stride .. + width` over
+    `key_segments` `((off, width), ...)`; value: columns `value_offset + h * head_stride ..
+    + value_width`."""
+
+    num_kv_heads: int
+    key_segments: tuple[tuple[int, int], ...]
+    value_offset: int
+    value_width: int
+    head_stride: int
+
+    @property
+    def key_width(self) -> int:
+        return sum(w for _, w in self.key_segments)
+
+    @classmethod
+    def gqa(cls, num_kv_heads: int, head_dim: int) -> RowLayout:
+        return cls(num_kv_heads, ((0, head_dim),), num_kv_heads * head_dim, head_dim, head_dim)
+
+    @classmethod
+    def mla(cls, kv_lora_rank: int, rope_dim: int) -> RowLayout:
+        return cls(1, ((0, kv_lora_rank), (kv_lora_rank, rope_dim)), 0, kv_lora_rank, 0)
+
+
+def _kernel(
+    lens_ref,  # [B] cached lengths
+    table_ref,  # [B, M] page ids
+    layer_ref,  # [1] layer index
+    write_ref,  # [B] new rows to write into the pages (write mode), else unused
+    q_ref,  # [bq * G, dk] this block's queries, query-major (row r is query r // G)
+    pages_ref,  # [P, L, page_size, W]
+    new_ref,  # [N, W] this request's new rows
+    o_ref,  # [bq * G, dv]
+    *pages_out,  # write mode: `pages_ref`'s buffer (aliased)
+    layout: RowLayout,
+    group: int,
+    block_q: int,
+    scale: float,
+    kv_dtype: jnp.dtype,
+):
+    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if pages_out:
+        # In write mode every page access goes through the output ref (the same buffer): the
+        # input ref is then unused, which keeps interpret mode from carrying (copying) both.
+        pages_ref = pages_out[0]
+        _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, pages_ref, layout, block_q)
+    cached = lens_ref[b]
+    layer = layer_ref[0]
+    page_size = pages_ref.shape[2]
+    rows = block_q * group
+    q = q_ref[...]
+    # Split the queries by key segment once (the score is the sum over segments).
+    q_parts, start = [], 0
+    for _, w in layout.key_segments:
+        q_parts.append(q[:, start : start + w])
+        start += w
+    k0 = h * layout.head_stride
+    v0 = layout.value_offset + h * layout.head_stride
+
+    def scores(load):  # load(off, width) -> [keys, width]
+        s = None
+        for (off, w), qp in zip(layout.key_segments, q_parts):
+            part = jax.lax.dot_general(
+                qp,
+                load(k0 + off, w),
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
+            s = part if s is None else s + part
+        return s * scale
+
+    def update(carry, s, v):
+        acc, m, denom = carry
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = alpha * denom + p.sum(axis=1)
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return acc * alpha[:, None] + pv, m_new, l_new
+
+    carry = (
+        jnp.zeros((rows, layout.value_width), jnp.float32),
+        jnp.full((rows,), _NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+    def cached_page(j, carry):
+        page = table_ref[b, j]
+
+        def load(off, w):
+            raw = pages_ref[page, layer, :, pl.ds(off, w)]
+            return jax.lax.bitcast_convert_type(raw, kv_dtype).astype(q.dtype)
+
+        s = scores(load)
+        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(pos < cached, s, _NEG)
+        return update(carry, s, load(v0, layout.value_width))
+
+    carry = jax.lax.fori_loop(0, pl.cdiv(cached, page_size), cached_page, carry)
+
+    q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (rows, block_q), 0) // group
+
+    def new_block(j, carry):
+        def load(off, w):
+            return new_ref[pl.ds(j * block_q, block_q), pl.ds(off, w)].astype(q.dtype)
+
+        s = scores(load)
+        k_pos = j * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(k_pos <= q_pos, s, _NEG)
+        return update(carry, s, load(v0, layout.value_width))
+
+    acc, _, denom = jax.lax.fori_loop(0, qi + 1, new_block, carry)
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+
+
+def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, layout, block_q):
+    """Writes this program's share of the new rows into their pages: the rows of query block
+    `qi` below the request's write count, the columns of KV head `h` only (each program of a
+    request writes different columns or rows, so none races another)."""
+    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    page_size = out_ref.shape[2]
+    cached, layer = lens_ref[b], layer_ref[0]
+    spans = [(off + h * layout.head_stride, w) for off, w in layout.key_segments]
+    if layout.head_stride:  # GQA: the value columns are apart from the key's
+        spans.append((layout.value_offset + h * layout.head_stride, layout.value_width))
+    end = jnp.minimum(write_ref[b] - qi * block_q, block_q)
+
+    def one(j, _):
+        t = qi * block_q + j
+        pos = cached + t
+        page, row = table_ref[b, pos // page_size], pos % page_size
+        for off, w in spans:
+            out_ref[page, layer, row, pl.ds(off, w)] = jax.lax.bitcast_convert_type(
+                new_ref[t, pl.ds(off, w)], out_ref.dtype
+            )
+        return 0
+
+    jax.lax.fori_loop(0, jnp.maximum(end, 0), one, 0)
+
+
+def bits_dtype(dtype) -> jnp.dtype:
+    """The unsigned integer dtype of `dtype`'s width: what pages are held in."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+def _as_bits(x: Array) -> Array:
+    """`x` as the unsigned integers of its width (unchanged if it is already)."""
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger):
+        return x
+    return jax.lax.bitcast_convert_type(x, bits_dtype(x.dtype))
+
+
+def default_interpret() -> bool:
+    """Pallas kernels compile natively on GPU; elsewhere they run in interpret mode."""
+    return jax.default_backend() != "gpu"
+
+
+def paged_attention(
+    q: Array,
+    pages: Array,
+    page_table: Array,
+    cached_lens: Array,
+    new_rows: Array,
+    layout: RowLayout,
+    scale: float,
+    *,
+    layer: Array | int = 0,
+    kv_dtype=None,
+    write_lens: Array | None = None,
+    block_q: int = 64,
+    interpret: bool | None = None,
+) -> Array | tuple[Array, Array]:
+    """Attention of new tokens over their cached pages and themselves.
+
+    q `[B, N, Hq, dk]` (Hq a multiple of `layout.num_kv_heads`), pages `[P, L, page_size, W]`,
+    page_table `[B, M]` int32 (request b's cached token t is row `t % page_size` of page
+    `page_table[b, t // page_size]`; entries past its pages are ignored), cached_lens `[B]`,
+    new_rows `[B, N, W]` (query j's own row is `new_rows[:, j]`) -> `[B, N, Hq, dv]` in q's dtype.
+    `layer` picks the layer of `pages` (a traced scalar is fine).
+
+    With `write_lens` `[B]` the kernel also writes request b's first `write_lens[b]` new rows
+    into its pages (token j at position `cached_lens[b] + j`, whose pages the table must name)
+    and returns `(out, pages)`: the pages are updated in place (aliased), so a decode step that
+    donates its pool neither scatters nor copies it. Pages are then returned as bits
+    (`bits_dtype`)."""
+    b, n, hq, dk = q.shape
+    hk = layout.num_kv_heads
+    if dk != layout.key_width or hq % hk:
+        raise ValueError(f"queries {q.shape} do not match the row layout {layout}")
+    if new_rows.shape[:2] != (b, n) or pages.shape[-1] != new_rows.shape[-1]:
+        raise ValueError(f"new rows {new_rows.shape} / pages {pages.shape} for queries {q.shape}")
+    if kv_dtype is None:
+        if jnp.issubdtype(pages.dtype, jnp.unsignedinteger):
+            raise ValueError("pages held as bits need their kv_dtype")
+        kv_dtype = pages.dtype
+    kv_dtype = jnp.dtype(kv_dtype)
+    g = hq // hk
+    bq = math.gcd(n, block_q)
+    nq = n // bq
+    interpret = default_interpret() if interpret is None else interpret
+    # [B, N, Hk, G, dk] -> [B, Hk, N * G, dk]: a query block is contiguous rows of one KV head.
+    qh = q.reshape(b, n, hk, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hk, n * g, dk)
+    dv = layout.value_width
+    kernel = functools.partial(
+        _kernel, layout=layout, group=g, block_q=bq, scale=scale, kv_dtype=kv_dtype
+    )
+    bits = _as_bits(pages)
+    whole = pl.BlockSpec(pages.shape, lambda i, j, k: (0, 0, 0, 0))
+    out_specs = [pl.BlockSpec((None, None, bq * g, dv), lambda i, j, k: (i, j, k, 0))]
+    out_shape = [jax.ShapeDtypeStruct((b, hk, n * g, dv), q.dtype)]
+    writing = write_lens is not None
+    if writing:
+        out_specs.append(whole)
+        out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, hk, nq),
+        in_specs=[
+            pl.BlockSpec(cached_lens.shape, lambda i, j, k: (0,)),
+            pl.BlockSpec(page_table.shape, lambda i, j, k: (0, 0)),
+            pl.BlockSpec((1,), lambda i, j, k: (0,)),
+            pl.BlockSpec((b,), lambda i, j, k: (0,)),
+            pl.BlockSpec((None, None, bq * g, dk), lambda i, j, k: (i, j, k, 0)),
+            whole,
+            pl.BlockSpec((None, n, new_rows.shape[-1]), lambda i, j, k: (i, 0, 0)),
+        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={5: 1} if writing else {},
+        interpret=interpret,
+        name="paged_attention",
+    )(
+        cached_lens.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        (write_lens if writing else jnp.zeros((b,), jnp.int32)).astype(jnp.int32),
+        qh,
+        bits,
+        new_rows,
+    )
+    out = outs[0].reshape(b, hk, n, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
+    return (out, outs[1]) if writing else out
+
+
+def write_pages(
+    pages: Array,
+    page_table: Array,
+    cached_lens: Array,
+    new_rows: Array,
+    write_lens: Array,
+    layer: Array | int = 0,
+) -> Array:
+    """`pages` (bits) with request b's first `write_lens[b]` new rows written at positions
+    `cached_lens[b] + j`: the XLA scatter the dense backends use (the kernel writes its own)."""
+    b, n, _ = new_rows.shape
+    pos = cached_lens[:, None] + jnp.arange(n)[None, :]
+    ps = pages.shape[2]
+    page = jnp.take_along_axis(page_table, jnp.minimum(pos // ps, page_table.shape[1] - 1), 1)
+    keep = jnp.arange(n)[None, :] < write_lens[:, None]
+    page = jnp.where(keep, page, 0)  # rows not written go to the null page 0 ...
+    bits = jax.lax.bitcast_convert_type(new_rows, pages.dtype)
+    old = pages[page, layer, pos % ps]
+    # ... unchanged: a dropped row rewrites what is there.
+    return pages.at[page, layer, pos % ps].set(jnp.where(keep[..., None], bits, old))
+
+
+def gather_pages(pages: Array, page_table: Array, layer: Array | int = 0) -> Array:
+    """Request rows `[B, M * page_size, W]` of one layer, in page-table order."""
+    rows = pages[page_table, layer]  # [B, M, page_size, W]
+    return rows.reshape(rows.shape[0], -1, rows.shape[-1])
+
+
+def paged_attention_reference(
+    q: Array,
+    pages: Array,
+    page_table: Array,
+    cached_lens: Array,
+    new_rows: Array,
+    layout: RowLayout,
+    scale: float,
+    *,
+    layer: Array | int = 0,
+    kv_dtype=None,
+    impl: str = "reference",
+) -> Array:
+    """`paged_attention` by gathering the pages into contiguous rows and attending densely
+    (`layers.attend` with `impl`): the oracle of the kernel, and the `reference`/`xla` backends'
+    paged path."""
+    from dualpath_jax.model.layers import attend, prefill_mask
+
+    cached = gather_pages(pages, page_table, layer)
+    if kv_dtype is not None and cached.dtype != jnp.dtype(kv_dtype):
+        cached = jax.lax.bitcast_convert_type(cached, kv_dtype)
+    rows = jnp.concatenate([cached.astype(new_rows.dtype), new_rows], axis=1)
+    b, s, _ = rows.shape
+    hk = layout.num_kv_heads
+    rows = rows.astype(q.dtype)
+    k = jnp.concatenate(
+        [
+            jnp.stack(
+                [
+                    rows[..., off + h * layout.head_stride : off + h * layout.head_stride + w]
+                    for h in range(hk)
+                ],
+                axis=2,
+            )
+            for off, w in layout.key_segments
+        ],
+        axis=-1,
+    )
+    v = jnp.stack(
+        [
+            rows[..., layout.value_offset + h * layout.head_stride :][..., : layout.value_width]
+            for h in range(hk)
+        ],
+        axis=2,
+    )
+    mask = prefill_mask(cached_lens, None, cached.shape[1], q.shape[1])
+    return attend(q, k, v, mask, scale, impl)
