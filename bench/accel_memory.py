@@ -9,30 +9,33 @@ init), compiles it for the local backend and reads `compiled.memory_analysis()`.
 the table too). On the project's CPU hosts that is XLA:CPU's buffer assignment, which also holds
 the f32 copies XLA:CPU makes of bf16 operands (weights of the dots, a bf16 scatter target).
 
-Figures (the default shapes; `--tiny` measures the same functions at the tiny presets):
+Figures (the default shapes; `--tiny` measures the same functions at the tiny presets). Cached
+KV is paged as the model holds it (`layers.PagedKV`: pages of `PAGE` = 64 tokens, each request's
+cached tokens in its own pages, held as the bits of the KV dtype):
 
 - `prefill_7b`: one Qwen2.5-7B-shaped layer (hidden 3584, 28 query / 4 KV heads of 128, SwiGLU
-  18944, bf16 weights and KV) through the runner's per-layer prefill entry (`runner._layer`, what
-  `ModelRunner.prefill_layerwise` calls per layer): 2,048 new tokens over 32,768 cached, batch 1.
-- `prefill_ragged8`: the same layer and entry for 8 requests of mixed lengths (`RAGGED`), padded
-  as `PrefillBatch.build` pads them: every request to the longest new and the longest cached
-  length of the batch. The table's `real` column is the fraction of the padded score matrix that
-  the mask lets through (what the padding costs).
+  18944, bf16 weights and KV) through the runner's paged per-layer prefill entry
+  (`runner._layer_paged`): 2,048 new tokens over 32,768 cached, batch 1.
+- `prefill_ragged8`: the same layer and entry for 8 requests of mixed lengths (`RAGGED`); the new
+  tokens are padded as `PrefillBatch.build` pads them (to the longest of the batch), the cached
+  ones are not (each request has its own pages). The table's `real` column is the fraction of
+  the (query, key) pairs a dense backend computes that the mask keeps.
 - `mla_prefill`: DeepSeek-V3's MLA (the `deepseek-v3-660b` preset: 128 heads, q_lora 1536,
   kv_lora 512, rope 64, FP8 KV rows of 576) for 2,048 new over 32,768 cached, batch 1: the
-  attention half of `DecoderLayer.__call__` (`input_layernorm`, `self_attn.project`, the cached
-  and new rows concatenated, `self_attn.attend_rows`, the residual) with the runner's mask. The
-  MoE FFN is left out: XLA:CPU lowers `ragged_dot` densely over all 256 experts (154 GiB of
-  temporaries at 2,048 tokens), which says nothing about an accelerator.
-- `decode_64`: one decode step (`decode._decode_step`, what `Decoder.step` runs) of a one-layer
-  Qwen2.5-7B-shaped model (so embedding and head are in it) over 64 slots of one contiguous KV
-  cache `[1, 64, 32768, 1024]`, contexts 1,024..32,272 (`DECODE_CONTEXTS`); the step attends over
-  the bucket of the longest context, as `Decoder.step` picks it (32,768 here) for every slot.
+  attention half of `DecoderLayer` (`input_layernorm`, `self_attn.project`, `self_attn.attend`
+  over the pages, the residual). The MoE FFN is left out (see `bench/moe_memory.py`).
+- `decode_64`: one decode step (`decode._decode_step`, what `Decoder.advance` runs) of a one-layer
+  Qwen2.5-7B-shaped model (so embedding, head and in-step sampling are in it) over 64 slots
+  with contexts 1,024..32,272 (`DECODE_CONTEXTS`) in a pool of exactly their pages. The paged
+  kernel gets every slot's full page table (one shape for all lengths); the dense backends get
+  the columns up to the longest slot's bucket and gather that much for every slot.
 
 Backends are `BACKENDS`: one per `ModelConfig.attention_impl` (`model.layers.ATTENTION_IMPLS`):
-`reference` (`layers.attend`: dense einsums, a boolean mask, f32 scores) and `xla`
-(`jax.nn.dot_product_attention`; on GPU JAX may pick cuDNN's fused kernel, on CPU it is XLA's
-own lowering). The figures are this machine's compiler's: run it where the backend matters.
+`reference` (`layers.attend` over the gathered pages: dense einsums, a boolean mask, f32
+scores), `xla` (`jax.nn.dot_product_attention` over the gathered pages; on GPU JAX may pick
+cuDNN's fused kernel, on CPU it is XLA's own lowering) and `pallas` (the paged kernel,
+`model/paged_attention.py`, in interpret mode off GPU: XLA's loops over the kernel's blocks).
+The figures are this machine's compiler's: run it where the backend matters.
 `--json` prints exactly one JSON object `{backend: {figure: temp bytes}}` on stdout.
 """
 
@@ -49,7 +52,7 @@ from absl import app, flags
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model.decode import _decode_step
+from dualpath_jax.model.decode import _step_fn
 from dualpath_jax.model.layers import ATTENTION_IMPLS, PagedKV
 from dualpath_jax.model.paged import pages_for
 from dualpath_jax.model.paged_attention import bits_dtype
@@ -185,15 +188,14 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
     cols = pages_for(t_max if impl == "pallas" else bucket, PAGE)
     sds = jax.ShapeDtypeStruct
     dec_args = (
-        gqa.embed_gd,
-        gqa.layer_gds,
-        gqa.head_gd,
-        gqa.params,
+        gqa.stacked_params,
         sds((n_pages + 1, 1, PAGE, cfg.kv_width), bits_dtype(cfg.kv_dtype)),
         sds((s, cols), jnp.int32),
         sds((s,), jnp.int32),
         sds((s,), jnp.int32),
         sds((s,), jnp.bool_),
+        sds((s,), jnp.uint32),
+        sds((s,), jnp.float32),
     )
     return {
         "prefill_7b": prefill([shapes.prefill]),
@@ -204,7 +206,7 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
             mla_real,
         ),
         "decode_64": Case(
-            lambda: _decode_step.lower(*dec_args),
+            lambda: _step_fn(gqa).lower(*dec_args),
             f"S={s} pages={n_pages}x{PAGE} table={s}x{cols} W={cfg.kv_width} {cfg.kv_dtype}",
             sum(c + 1 for c in ctx) / (s * cols * PAGE),
         ),

@@ -2,9 +2,11 @@
 
 Loop (one thread owns the control socket): fetch and heartbeat; start each job's DE half of the
 load (reads its hit blocks, serves them to the PE, receives the PE's rows); once a request's
-prompt KV is complete and its first token has arrived, H2D into a free decode slot and free the
-buffer; step every active slot; a request that has its `gen` tokens persists its new Full Blocks
-(prompt + generated, whole blocks only) to the store and reports its tokens.
+prompt KV is complete, its first token has arrived and its pages fit the KV pool, its blocks
+become pages of a free decode slot and the buffer is freed; step every active slot (the next
+step is dispatched before the last one's tokens are read); a request that has its `gen` tokens
+persists its new Full Blocks (prompt + generated, whole blocks only, read from its pages) to the
+store and reports its tokens.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import queue
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
-from dualpath_jax.model.decode import Decoder, sample_at
+from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.model.paged import budget_pages, pages_for
 from dualpath_jax.transfer import links as L
@@ -84,6 +88,7 @@ class DecodeEngine:
         self.outbox: queue.Queue[M.Msg] = queue.Queue()  # messages from worker threads
         self.stopped = False
         self.last_fetch = -1e9
+        self.inflight = None  # (tokens, {slot: request}) of the step dispatched last
 
     def register(self) -> None:
         register(
@@ -109,6 +114,8 @@ class DecodeEngine:
             self.admit()
             if self.slot_req:
                 self.step()
+            else:
+                self.drain()
 
     def fetch(self, now: float) -> None:
         self.last_fetch = now
@@ -230,7 +237,15 @@ class DecodeEngine:
                 job, P.h2d_path(job.de_engine, job.de_node), blocks.nbytes, L.TrafficClass.HIGH
             )
             r.slot = free.pop(0)
-            self.dec.insert_blocks(r.slot, blocks, job.prompt_tokens, r.first, reserve)
+            self.dec.insert_blocks(
+                r.slot,
+                blocks,
+                job.prompt_tokens,
+                r.first,
+                reserve,
+                seed=r.msg.seed,
+                temperature=r.msg.temperature,
+            )
             r.load.close()
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
@@ -238,21 +253,34 @@ class DecodeEngine:
                 self.complete(r)
 
     def step(self) -> None:
-        logits = self.dec.step()
-        seeds, positions, temps = [0] * self.dec.slots, [0] * self.dec.slots, [0.0] * self.dec.slots
-        for slot, rid in self.slot_req.items():
-            m = self.reqs[rid].msg
-            seeds[slot], temps[slot] = m.seed, m.temperature
-            positions[slot] = len(m.prompt) + len(self.reqs[rid].tokens)  # of the token drawn now
-        nxt = sample_at(logits, seeds, positions, temps)
-        for slot, rid in list(self.slot_req.items()):
-            r = self.reqs[rid]
+        """Dispatches the next decode step, then takes the tokens of the step before it: the
+        device runs step t + 1 (fed with step t's tokens on the device, sampled there with each
+        request's seed and temperature) while the host reads step t's tokens. A request done at
+        step t has ridden step t + 1 too; that extra token is dropped."""
+        tokens = self.dec.advance()
+        prev, self.inflight = self.inflight, (tokens, self._riders())
+        if prev is not None:
+            self.consume(*prev)
+
+    def _riders(self) -> dict[int, _Req]:
+        return {slot: self.reqs[rid] for slot, rid in self.slot_req.items()}
+
+    def drain(self) -> None:
+        """Takes the tokens of the step in flight, if any (once no slot is active)."""
+        prev, self.inflight = self.inflight, None
+        if prev is not None:
+            self.consume(*prev)
+
+    def consume(self, tokens, riders: dict[int, _Req]) -> None:
+        nxt = np.asarray(tokens)
+        for slot, r in riders.items():
+            if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
+                continue  # finished (or dropped) since that step was dispatched
             r.tokens.append(int(nxt[slot]))
             if len(r.tokens) == 2:
-                self.rpc.send(M.TokensOut(request=rid, tokens=r.tokens[:2]))
+                self.rpc.send(M.TokensOut(request=r.msg.request, tokens=r.tokens[:2]))
             if len(r.tokens) >= r.msg.gen:
                 self.complete(r)
-        self.dec.set_next(nxt)
 
     def complete(self, r: _Req) -> None:
         """Persists the request's new Full Blocks, then reports its tokens (from a worker, so the

@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
@@ -25,7 +24,7 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, regi
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import LayerPages, ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
@@ -71,6 +70,7 @@ class PrefillEngine:
         self.queue = PrefillQueue()
         self.stopped = False
         self.last_fetch = -1e9
+        self._no_rows = np.zeros((0, cfg.model.kv_width), cfg.model.kv_dtype)
         # The context one forward batch may hold on the device (the router sends this policy's
         # layerwise flag with every request).
         self.max_kv_tokens = batch_kv_bound(
@@ -221,12 +221,15 @@ class PrefillEngine:
         for r, ch in zip(reqs, chunks):
             r.load.begin_chunk(ch.cached, ch.cached + ch.bsz, plan.finishes(ch.request_id))
 
-        def load_layer(i: int) -> np.ndarray:
-            rows = np.zeros((batch.batch_size, batch.c_pad, c.model.kv_width), c.model.kv_dtype)
-            for b, (r, ch) in enumerate(zip(reqs, chunks)):
-                if ch.cached:
-                    rows[b, : ch.cached] = self.cached_rows(r, i, ch.cached)
-            return rows
+        def load_layer(i: int) -> LayerPages:
+            # Each request's cached rows (its hit's layer blocks, then earlier chunks' rows) in
+            # pages of block_tokens: a hit block is one page as it is, and nothing is padded to
+            # the batch's longest context.
+            rows = [
+                self.cached_rows(r, i, ch.cached) if ch.cached else self._no_rows
+                for r, ch in zip(reqs, chunks)
+            ]
+            return LayerPages.from_rows(rows, self.bt, c.model.kv_width, c.model.kv_dtype)
 
         def emit_layer(i: int, rows) -> None:
             # One host copy of the layer, sliced on the host: the rows go to the host to be sent
@@ -245,7 +248,7 @@ class PrefillEngine:
                 # Basic: the whole hit is loaded onto the device before the forward starts (the
                 # same compiled layers run afterwards, so only the loading schedule differs).
                 loaded = (
-                    [jax.device_put(load_layer(i)) for i in range(c.model.num_layers)]
+                    [load_layer(i).to_device() for i in range(c.model.num_layers)]
                     if batch.c_pad
                     else None
                 )

@@ -24,6 +24,7 @@ from dualpath_jax.model.layout import np_dtype
 from dualpath_jax.model.paged import PageAllocator, pages_for
 from dualpath_jax.model.paged_attention import bits_dtype
 from dualpath_jax.model.runner import (
+    JITTED,
     ModelRunner,
     PrefillBatch,
     bucket_len,
@@ -76,12 +77,7 @@ def sample(logits: Array, params: SamplingParams = GREEDY, key: Array | None = N
 
 @jax.jit
 def _sample_at(logits: Array, seeds: Array, positions: Array, temperatures: Array) -> Array:
-    def one(row, seed, pos, t):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        drawn = jax.random.categorical(key, row / jnp.where(t > 0, t, 1.0))
-        return jnp.where(t > 0, drawn, jnp.argmax(row)).astype(jnp.int32)
-
-    return jax.vmap(one)(logits, seeds, positions, temperatures)
+    return _sample_rows(logits, seeds, positions, temperatures)
 
 
 @jax.jit
@@ -125,21 +121,69 @@ def sample_at(
     return np.asarray(out)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _decode_step(embed_gd, layer_gds, head_gd, params, pages, table, lengths, tokens, active):
-    """One token for every slot over paged KV: pages `[P, L, page_size, W]` (bits, see
-    `Decoder`), table `[S, M]`, lengths/tokens/active `[S]`. Each layer attends over the slot's
-    cached pages and the token's own row, then writes that row into the slot's page."""
-    embed_state, layer_states, head_state = params
+def _decode_step(
+    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps
+):
+    """One token for every slot over paged KV, everything on the device.
+
+    pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
+    the active mask, sampling seeds and temperatures `[S]`. The layers of each run (`runs`:
+    `ModelRunner.layer_runs`, with `params` from `ModelRunner.stacked_params`) go under one
+    `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
+    over the slot's cached pages and the token's own row, and writes that row into the slot's
+    page. Returns (logits `[S, V]`, the next tokens `[S]` (sampled as `sample_at` samples;
+    idle slots keep theirs), pages, lengths + active)."""
+    embed_state, stacked, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
-    h = embed(tokens[:, None])
+    h = embed(pending[:, None])
     positions = lengths[:, None]
     write = active.astype(jnp.int32)
-    for i, gd in enumerate(layer_gds):
-        kv = PagedKV(pages, table, lengths, i, write)
-        h, _, pages = nnx.merge(gd, layer_states[i]).run(h, positions, kv)
+    for (gd, start, count), states in zip(runs, stacked):
+
+        def body(carry, xs, gd=gd):
+            h, pages = carry
+            state, layer = xs
+            h, _, pages = nnx.merge(gd, state).run(
+                h, positions, PagedKV(pages, table, lengths, layer, write)
+            )
+            return (h, pages), None
+
+        layers = start + jnp.arange(count, dtype=jnp.int32)
+        (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
-    return logits, pages, lengths + active.astype(lengths.dtype)
+    lengths = lengths + write
+    tokens = _sample_rows(logits, seeds, lengths, temps)  # drawn at position `lengths`
+    return logits, jnp.where(active, tokens, pending), pages, lengths
+
+
+def _sample_rows(logits, seeds, positions, temperatures):
+    """`sample_at` in a traced program: greedy rows where the temperature is 0."""
+
+    def one(row, seed, pos, t):
+        key = jax.random.fold_in(jax.random.key(seed), pos)
+        drawn = jax.random.categorical(key, row / jnp.where(t > 0, t, 1.0))
+        return jnp.where(t > 0, drawn, jnp.argmax(row)).astype(jnp.int32)
+
+    return jax.vmap(one)(logits, seeds, positions, temperatures)
+
+
+def _step_fn(runner: ModelRunner):
+    """The runner's jitted decode step (graph definitions bound, so a call hashes no static
+    argument); one per runner, shared by its decoders."""
+    fn = getattr(runner, "_decode_step_fn", None)
+    if fn is None:
+        fn = jax.jit(
+            functools.partial(_decode_step, runner.embed_gd, runner.layer_runs, runner.head_gd),
+            donate_argnums=(1,),
+        )
+        runner._decode_step_fn = fn
+        JITTED.add(fn)
+    return fn
+
+
+@jax.jit
+def _merge(old, mask, new):
+    return jnp.where(mask, new, old)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -153,18 +197,30 @@ def _read_pages(pages, ids):
     return pages[ids]
 
 
+JITTED.update((_merge, _write_pages, _read_pages))
+
+
 class Decoder:
     """Continuous batched decode over `slots` slots of up to `max_len` tokens each, with the KV
-    in pages (`paged.py`).
+    in pages (`paged.py`) and the decode state on the device.
 
     The pool is `[num_pages + 1, L, page_size, W]` (page 0 is the null page), held as the bits
     of `kv_dtype` (`paged_attention.bits_dtype`: the kernels convert only what they load). A
     slot holds pages for its tokens; `insert` takes the pages a request will need
-    (`reserve_tokens`, at least its prompt and the fed token) and `step` adds a page when a slot
-    outgrows them. `num_pages` defaults to `slots * max_len / page_size` (every slot full);
-    a smaller pool holds more slots than it could fill at once, and `can_insert` says whether a
+    (`reserve_tokens`, at least its prompt and the fed token) and a step adds a page when a slot
+    outgrows them. `num_pages` defaults to `slots * max_len / page_size` (every slot full); a
+    smaller pool holds more slots than it could fill at once, and `can_insert` says whether a
     request fits now. Slots attend over their own live pages only (`attention_impl="pallas"`)
-    or over the gathered pages of the longest slot's bucket (`reference`, `xla`)."""
+    or over the gathered pages of the longest slot's bucket (`reference`, `xla`).
+
+    The page table, lengths, active mask, sampling parameters and pending tokens live on the
+    device; the host keeps a mirror of all but the pending tokens (lengths grow by the active
+    mask, which the host knows) and uploads only what `insert`, `free`, `set_next` or page
+    growth changed. `advance()` samples the next tokens in the step program (per-slot seed and
+    temperature, as `sample_at`) and feeds them to the next step without a host round trip: a
+    warmed step with nothing changed transfers nothing to the device, and the caller reads a
+    step's tokens whenever it likes (after dispatching the next one, say). `warmup()` compiles
+    every shape a decoder will run ahead of time."""
 
     def __init__(
         self,
@@ -195,8 +251,18 @@ class Decoder:
         self.table = np.zeros((slots, self.max_pages), np.int32)
         self.lengths = np.zeros((slots,), np.int32)
         self.active = np.zeros((slots,), bool)
-        self.pending = np.zeros((slots,), np.int32)
+        self.seeds = np.zeros((slots,), np.uint32)
+        self.temperatures = np.zeros((slots,), np.float32)
         self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
+        self._pending = jnp.zeros((slots,), jnp.int32)  # device-side: the tokens fed next
+        self._dev: dict[str, Array] = {}
+        self._dirty = True
+        self._width = -1  # table columns on the device
+
+    @property
+    def pending(self) -> np.ndarray:
+        """The tokens the next step feeds (a device read)."""
+        return np.asarray(self._pending)
 
     @property
     def page_nbytes(self) -> int:
@@ -225,27 +291,25 @@ class Decoder:
         length: int,
         next_token: int,
         reserve_tokens: int = 0,
+        *,
+        seed: int = 0,
+        temperature: float = 0.0,
     ) -> None:
         """Loads a prompt's KV rows `[L, >= length, W]` into `slot`'s pages; `next_token` is fed
         next. Pages for `max(reserve_tokens, length + 1)` tokens are taken now (`PagesExhausted`
-        if the pool has too few free)."""
+        if the pool has too few free). `seed`/`temperature` are the slot's sampling parameters
+        for `advance` (temperature 0: greedy)."""
         cfg = self.runner.cfg
-        if self.active[slot]:
-            raise ValueError(f"decode slot {slot} is in use")
-        if length + 1 > self.max_len:
-            raise ValueError(
-                f"prompt of {length} tokens does not fit a decode slot of {self.max_len}"
-            )
+        self._check_insert(slot, length, next_token)
         if prompt_kv.shape[0] != cfg.num_layers or prompt_kv.shape[2] != cfg.kv_width:
             raise ValueError(
                 f"prompt KV has shape {tuple(prompt_kv.shape)}, expected ({cfg.num_layers}, T, {cfg.kv_width})"
             )
-        validate_tokens(cfg, np.array([next_token]), "next token")
         n = pages_for(length, self.page_size)
         rows = np.zeros((cfg.num_layers, n * self.page_size, cfg.kv_width), self.kv_np)
         rows[:, :length] = np.asarray(prompt_kv[:, :length])
         blocks = rows.reshape(cfg.num_layers, n, self.page_size, cfg.kv_width).transpose(1, 0, 2, 3)
-        self._insert(slot, blocks, length, next_token, reserve_tokens)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature)
 
     def insert_blocks(
         self,
@@ -254,6 +318,9 @@ class Decoder:
         length: int,
         next_token: int,
         reserve_tokens: int = 0,
+        *,
+        seed: int = 0,
+        temperature: float = 0.0,
     ) -> None:
         """`insert` from the prompt's KV as Full Blocks `[n, L, page_size, bytes]` uint8 (the
         store's and the DE buffer's layout, whose block size is the page size): each block
@@ -265,24 +332,29 @@ class Decoder:
             raise ValueError(
                 f"prompt blocks have shape {tuple(blocks.shape)}, expected ({n}, *{want})"
             )
+        self._check_insert(slot, length, next_token)
+        blocks = blocks[:n].view(self.kv_np)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature)
+
+    def _check_insert(self, slot: int, length: int, next_token: int) -> None:
         if self.active[slot]:
             raise ValueError(f"decode slot {slot} is in use")
         if length + 1 > self.max_len:
             raise ValueError(
                 f"prompt of {length} tokens does not fit a decode slot of {self.max_len}"
             )
-        validate_tokens(cfg, np.array([next_token]), "next token")
-        self._insert(slot, blocks[:n].view(self.kv_np), length, next_token, reserve_tokens)
+        validate_tokens(self.runner.cfg, np.array([next_token]), "next token")
 
-    def _insert(self, slot, blocks, length, next_token, reserve_tokens) -> None:
+    def _insert(self, slot, blocks, length, next_token, reserve_tokens, seed, temperature):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
+        if temperature < 0 or not 0 <= seed < 2**32:
+            raise ValueError(f"bad sampling parameters: seed {seed}, temperature {temperature}")
         ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
         self.table[slot] = 0
         self.table[slot, : len(ids)] = ids
         n = blocks.shape[0]
         if n:
-            # Pad the page count to a bucket (padded pages write the null page): few shapes.
-            nb = bucket_len(n, 1, 64)
+            nb = self._write_bucket(n)  # padded pages write the null page: few shapes
             cfg = self.runner.cfg
             padded = np.zeros((nb, cfg.num_layers, self.page_size, cfg.kv_width), self.kv_np)
             padded[:n] = blocks
@@ -291,8 +363,13 @@ class Decoder:
             bits = padded.view(bits_dtype(cfg.kv_dtype))
             self.pages = _write_pages(self.pages, jnp.asarray(where), jnp.asarray(bits))
         self.lengths[slot] = length
-        self.pending[slot] = next_token
         self.active[slot] = True
+        self.seeds[slot], self.temperatures[slot] = seed, temperature
+        self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
+        self._dirty = True
+
+    def _write_bucket(self, n: int) -> int:
+        return min(bucket_len(n, 1, 64), bucket_len(self.max_pages, 1, 64))
 
     @property
     def kv_np(self) -> np.dtype:
@@ -303,6 +380,7 @@ class Decoder:
         self.lengths[slot] = 0
         self.alloc.free(slot)
         self.table[slot] = 0
+        self._dirty = True
 
     def rows(self, slot: int, start: int, end: int) -> np.ndarray:
         """The slot's KV rows of tokens `start..end` `[L, end - start, W]` (numpy, kv dtype)."""
@@ -312,8 +390,7 @@ class Decoder:
         first, last = start // ps, pages_for(end, ps)
         if last == first:
             return np.zeros((self.runner.cfg.num_layers, 0, self.runner.cfg.kv_width), self.kv_np)
-        ids = jnp.asarray(self.table[slot, first:last])
-        got = np.asarray(_read_pages(self.pages, ids)).view(self.kv_np)  # [n, L, ps, W]
+        got = self._read(self.table[slot, first:last]).view(self.kv_np)  # [n, L, ps, W]
         got = got.transpose(1, 0, 2, 3).reshape(got.shape[1], -1, got.shape[-1])
         return got[:, start - first * ps : end - first * ps]
 
@@ -322,13 +399,23 @@ class Decoder:
         pages as they are (the store's block size is the page size)."""
         if end * self.page_size > self.lengths[slot]:
             raise ValueError(f"block {end - 1} of slot {slot} is not full")
-        ids = jnp.asarray(self.table[slot, first:end])
-        got = np.asarray(_read_pages(self.pages, ids))  # [n, L, ps, W] bits
-        return got.view(np.uint8)
+        return self._read(self.table[slot, first:end]).view(np.uint8)
+
+    def _read(self, ids: np.ndarray) -> np.ndarray:
+        """Pages `ids` `[n, L, ps, W]` (bits) to the host, read in bucketed counts."""
+        where = np.zeros((self._write_bucket(len(ids)),), np.int32)
+        where[: len(ids)] = ids
+        return np.asarray(_read_pages(self.pages, jnp.asarray(where)))[: len(ids)]
 
     def set_next(self, tokens: np.ndarray) -> None:
-        """Sets the pending token of every active slot (`tokens` `[S]`)."""
-        self.pending = np.where(self.active, np.asarray(tokens, np.int32), self.pending)
+        """Sets the pending token of every active slot (`tokens` `[S]`): for callers that
+        sample the logits of `step` themselves."""
+        self._set_pending(self.active, np.asarray(tokens, np.int32))
+
+    def _set_pending(self, mask: np.ndarray, tokens: np.ndarray) -> None:
+        self._pending = _merge(
+            self._pending, jnp.asarray(mask), jnp.asarray(tokens.astype(np.int32))
+        )
 
     def _grow(self) -> None:
         """Gives a page to every active slot whose next token starts a page it does not have."""
@@ -339,35 +426,80 @@ class Decoder:
             if need > have:
                 ids = self.alloc.allocate(int(slot), need - have)
                 self.table[slot, have:need] = ids
+                self._dirty = True
 
-    def step(self) -> Array:
-        """Feeds each active slot's pending token; returns logits `[S, V]` (rows of idle slots are
-        meaningless). Each active slot's length grows by one."""
+    def _columns(self, need: int) -> int:
+        """Table columns a step passes: all of them for the paged kernel (one shape); for the
+        dense backends up to the bucket of the longest slot (they gather that much)."""
+        if self.paged_kernel:
+            return self.max_pages
+        bucket = min(bucket_len(need + 1, self.min_bucket), self.max_len)
+        return pages_for(bucket, self.page_size)
+
+    def _run(self, width: int):
+        if self._dirty or width != self._width:
+            self._dev = {
+                "table": jnp.asarray(self.table[:, :width]),
+                "lengths": jnp.asarray(self.lengths),
+                "active": jnp.asarray(self.active),
+                "seeds": jnp.asarray(self.seeds),
+                "temps": jnp.asarray(self.temperatures),
+            }
+            self._dirty, self._width = False, width
+        d = self._dev
+        logits, self._pending, self.pages, d["lengths"] = _step_fn(self.runner)(
+            self.runner.stacked_params,
+            self.pages,
+            d["table"],
+            d["lengths"],
+            self._pending,
+            d["active"],
+            d["seeds"],
+            d["temps"],
+        )
+        self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
+        return logits
+
+    def _prepare(self) -> int:
         if not self.active.any():
             raise ValueError("decode step with no active slot")
         need = int(self.lengths[self.active].max())
         if need + 1 > self.max_len:
             raise ValueError(f"a decode slot reached its max_len {self.max_len}")
         self._grow()
-        table = self.table
-        if not self.paged_kernel:
-            # Dense backends gather every slot's pages up to the bucket of the longest slot.
-            bucket = min(bucket_len(need + 1, self.min_bucket), self.max_len)
-            table = table[:, : pages_for(bucket, self.page_size)]
-        r = self.runner
-        logits, self.pages, lengths = _decode_step(
-            r.embed_gd,
-            r.layer_gds,
-            r.head_gd,
-            r.params,
-            self.pages,
-            jnp.asarray(table),
-            jnp.asarray(self.lengths),
-            jnp.asarray(self.pending),
-            jnp.asarray(self.active),
+        return self._columns(need)
+
+    def step(self) -> Array:
+        """Feeds each active slot's pending token; returns logits `[S, V]` (rows of idle slots are
+        meaningless). Each active slot's length grows by one, and its pending token becomes the
+        one the slot's sampling parameters draw (override it with `set_next`)."""
+        return self._run(self._prepare())
+
+    def advance(self) -> Array:
+        """`step`, returning the tokens it drew `[S]` (a device array; idle slots' entries are
+        meaningless) instead of the logits: they are already the next step's pending tokens."""
+        self._run(self._prepare())
+        return self._pending
+
+    def warmup(self) -> int:
+        """Compiles every shape this decoder runs (each table width a step may pass, each page
+        count `insert` writes) by running them on idle slots, which changes nothing. Returns the
+        number of shapes. Afterwards a step compiles nothing new."""
+        widths = (
+            {self._columns(n) for n in range(self.max_len)}
+            if not self.paged_kernel
+            else {self.max_pages}
         )
-        self.lengths = np.array(lengths)
-        return logits
+        for w in sorted(widths):
+            self._run(w)
+        nbs = {self._write_bucket(n) for n in range(1, self.max_pages + 1)}
+        cfg = self.runner.cfg
+        for nb in sorted(nbs):
+            blocks = jnp.zeros((nb, cfg.num_layers, self.page_size, cfg.kv_width), self.pages.dtype)
+            self.pages = _write_pages(self.pages, jnp.zeros((nb,), jnp.int32), blocks)
+            _read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
+        self._set_pending(self.active, np.zeros((self.slots,), np.int32))
+        return len(widths) + len(nbs)
 
 
 # One ModelRunner per model passed to `generate` (its compiled functions are reused).

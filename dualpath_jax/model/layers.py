@@ -180,10 +180,14 @@ def attend_kv(
     if impl == "pallas":
         out = pa.paged_attention(*args, layer=kv.layer, kv_dtype=kv_dtype, write_lens=kv.write)
         return out if kv.write is not None else (out, None)
-    out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
     if kv.write is None:
+        out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
         return out, None
+    # Write first, then read the written pages (the rows past `lens` are masked anyway): the
+    # pool then has one reader-writer chain, which XLA updates in place inside a layer scan.
     pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
+    args = (q, pages, *args[2:])
+    out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
     return out, pages
 
 

@@ -243,8 +243,16 @@ def paged_attention(
     bq = math.gcd(n, block_q)
     nq = n // bq
     interpret = default_interpret() if interpret is None else interpret
+    q5 = q.reshape(b, n, hk, g, dk)
+    g_real = g
+    if not interpret:
+        # Compiled (Triton) blocks are powers of two with at least 16 rows for a dot: pad the
+        # query group with zero queries (their output is sliced off).
+        g = max(1 << (g - 1).bit_length(), -(-16 // bq))
+        g = 1 << (g - 1).bit_length()
+        q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, g - g_real), (0, 0)))
     # [B, N, Hk, G, dk] -> [B, Hk, N * G, dk]: a query block is contiguous rows of one KV head.
-    qh = q.reshape(b, n, hk, g, dk).transpose(0, 2, 1, 3, 4).reshape(b, hk, n * g, dk)
+    qh = q5.transpose(0, 2, 1, 3, 4).reshape(b, hk, n * g, dk)
     dv = layout.value_width
     kernel = functools.partial(
         _kernel, layout=layout, group=g, block_q=bq, scale=scale, kv_dtype=kv_dtype
@@ -283,7 +291,8 @@ def paged_attention(
         bits,
         new_rows,
     )
-    out = outs[0].reshape(b, hk, n, g, dv).transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
+    out = outs[0].reshape(b, hk, n, g, dv)[:, :, :, :g_real]
+    out = out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
     return (out, outs[1]) if writing else out
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -107,6 +108,39 @@ class PrefillBatch:
         return self.cached_lens[:, None] + np.arange(self.n_pad, dtype=np.int32)[None, :]
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPages:
+    """One layer's cached KV of a prefill batch in pages: `pages` `[P, 1, page_size, W]` (page 0
+    the null page), `table` `[B, M]` (request b's cached token t is row `t % page_size` of page
+    `table[b, t // page_size]`). What `load_layer` may return instead of padded rows."""
+
+    pages: np.ndarray | Array
+    table: np.ndarray | Array
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[np.ndarray], page_size: int, width: int, dtype) -> LayerPages:
+        """Each request's cached rows `[c_b, W]` (in token order) into its own pages: whole
+        blocks of `page_size` rows become pages as they are; page and table counts are padded
+        to powers of two (few shapes)."""
+        counts = [-(-len(r) // page_size) for r in rows]
+        pages = np.zeros((_pow2(sum(counts) + 1), 1, page_size, width), dtype)
+        table = np.zeros((len(rows), _pow2(max(max(counts), 1))), np.int32)
+        start = 1
+        for b, (r, n) in enumerate(zip(rows, counts)):
+            if n:
+                pages[start : start + n, 0].reshape(n * page_size, width)[: len(r)] = r
+                table[b, :n] = np.arange(start, start + n)
+                start += n
+        return cls(pages, table)
+
+    def to_device(self) -> LayerPages:
+        return LayerPages(*jax.device_put((self.pages, self.table)))
+
+
 @dataclasses.dataclass
 class PrefillResult:
     """last_logits `[B, V]` (each request's last new token); logits `[B, N_pad, V]` if asked."""
@@ -168,6 +202,13 @@ def _forward_all(
     return head(last, emb), (head(h, emb) if all_logits else None), jnp.stack(new)
 
 
+def _stack(*xs):
+    """Stacks arrays on a new leading axis (abstract ones too: `nnx.eval_shape` models)."""
+    if isinstance(xs[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+    return jnp.stack(xs)
+
+
 class ModelRunner:
     """A model split into static graphdefs + parameter pytrees, run through jitted entry points.
 
@@ -188,6 +229,33 @@ class ModelRunner:
         self.embed_state = nnx.state(model.embed)
         self.head_state = nnx.state(model.head)
         self.layer_states = [nnx.state(layer) for layer in model.layers]
+        self.params_version = getattr(self, "params_version", -1) + 1  # what caches key on
+        self._stacked = None
+
+    @property
+    def layer_runs(self) -> tuple[tuple[nnx.GraphDef, int, int], ...]:
+        """Consecutive layers of one kind: `(graphdef, first layer, count)` per run (Qwen2: one
+        run; DeepSeek: the dense layers, then the MoE layers)."""
+        runs: list[list] = []
+        for i, gd in enumerate(self.layer_gds):
+            if runs and runs[-1][0] == gd:
+                runs[-1][2] += 1
+            else:
+                runs.append([gd, i, 1])
+        return tuple((gd, start, n) for gd, start, n in runs)
+
+    @property
+    def stacked_params(self):
+        """`(embed, (stacked layer states per run), head)`: each run's layer parameters stacked
+        on a leading axis, for a scan over layers (built once per parameter version; a second
+        copy of the layer weights)."""
+        if self._stacked is None:
+            stacked = tuple(
+                jax.tree.map(_stack, *self.layer_states[start : start + n])
+                for _, start, n in self.layer_runs
+            )
+            self._stacked = (self.embed_state, stacked, self.head_state)
+        return self._stacked
 
     @property
     def num_layers(self) -> int:
@@ -208,7 +276,18 @@ class ModelRunner:
         return _embed(self.embed_gd, self.embed_state, tokens)
 
     def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
-        """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` -> (h, new rows `[B, N, W]`)."""
+        """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`) -> (h,
+        new rows `[B, N, W]`)."""
+        if isinstance(cached_rows, LayerPages):
+            return _layer_paged(
+                self.layer_gds[i],
+                self.layer_states[i],
+                h,
+                positions,
+                cached_rows.pages,
+                cached_rows.table,
+                cached_lens,
+            )
         return _layer(
             self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens
         )
@@ -234,10 +313,11 @@ class ModelRunner:
     ) -> PrefillResult:
         """Layerwise prefill.
 
-        `load_layer(i)` returns layer i's cached KV rows `[B, c_pad, W]` (host or device array); it
-        is called only when layer i-1 has been dispatched, so it may block until that layer's KV
-        has arrived. `emit_layer(i, rows)` receives layer i's new KV rows `[B, N_pad, W]` as soon
-        as layer i is dispatched.
+        `load_layer(i)` returns layer i's cached KV: rows `[B, c_pad, W]` (host or device array)
+        or `LayerPages` (each request's cached tokens in its own pages, not padded to the
+        longest); it is called only when layer i-1 has been dispatched, so it may block until
+        that layer's KV has arrived. `emit_layer(i, rows)` receives layer i's new KV rows
+        `[B, N_pad, W]` as soon as layer i is dispatched.
         """
         cfg = self.cfg
         kv_dtype = jnp.dtype(cfg.kv_dtype)
@@ -247,6 +327,13 @@ class ModelRunner:
             if batch.c_pad == 0 or load_layer is None:
                 return empty
             rows = load_layer(i)
+            if isinstance(rows, LayerPages):
+                if rows.table.shape[0] != batch.batch_size:
+                    raise ValueError(
+                        f"layer {i}: a page table of {rows.table.shape[0]} rows for a batch of"
+                        f" {batch.batch_size}"
+                    )
+                return rows.to_device()
             self.check_layer_kv(i, rows, batch)
             return jax.device_put(rows)
 
@@ -292,6 +379,12 @@ class ModelRunner:
         return PrefillResult(last, logits), new
 
 
+# Jitted functions made per runner (decode steps, see decode.py), counted by `compile_count`.
+JITTED: weakref.WeakSet = weakref.WeakSet()
+
+
 def compile_count() -> int:
-    """Number of distinct compiled variants of the per-layer entry points so far (for benches)."""
-    return sum(f._cache_size() for f in (_embed, _layer, _layer_paged, _head, _forward_all))
+    """Number of distinct compiled variants of the model's jitted entry points so far (the
+    per-layer prefill entries, the monolithic forward and the decode functions)."""
+    fixed = (_embed, _layer, _layer_paged, _head, _forward_all)
+    return sum(f._cache_size() for f in (*fixed, *JITTED))

@@ -126,3 +126,58 @@ def test_contiguous_rows_are_pages_with_an_identity_table():
     assert kv.pages.shape == (6, 1, 16, 3) and kv.table.shape == (2, 3)
     np.testing.assert_array_equal(np.asarray(pa.gather_pages(kv.pages, kv.table)), rows)
     assert dataclasses.replace(kv, write=None).write is None
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_layerwise_prefill_over_pages_equals_padded_rows(impl):
+    """A ragged batch whose cached KV arrives per request in pages (`LayerPages`, what the PE
+    builds from hit blocks) gives the logits and new KV of the padded-rows path."""
+    from dualpath_jax.model.runner import LayerPages, ModelRunner, PrefillBatch
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.presets import TINY_QWEN2
+
+    cfg = dataclasses.replace(TINY_QWEN2, attention_impl=impl)
+    runner = ModelRunner(init_model(cfg, seed=0))
+    rs = np.random.RandomState(4)
+    prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (40, 23, 57)]
+    cached = [32, 0, 45]  # a whole number of 16-token pages, none, and a partial last page
+    _, kv = runner.prefill_monolithic(PrefillBatch.build(cfg, prompts, [0, 0, 0]))
+    kv = np.asarray(kv)  # [L, B, N_pad, W]
+    batch = PrefillBatch.build(cfg, [p[c:] for p, c in zip(prompts, cached)], cached)
+
+    def rows(i):
+        out = np.zeros((3, batch.c_pad, cfg.kv_width), np.float32)
+        for b, c in enumerate(cached):
+            out[b, :c] = kv[i, b, :c]
+        return out
+
+    def pages(i):
+        return LayerPages.from_rows(
+            [kv[i, b, :c] for b, c in enumerate(cached)], 16, cfg.kv_width, np.float32
+        )
+
+    got_new, want_new = {}, {}
+    got = runner.prefill_layerwise(batch, pages, lambda i, r: got_new.__setitem__(i, r))
+    want = runner.prefill_layerwise(batch, rows, lambda i, r: want_new.__setitem__(i, r))
+    np.testing.assert_allclose(np.asarray(got.last_logits), np.asarray(want.last_logits), atol=2e-5)
+    for i in range(cfg.num_layers):
+        np.testing.assert_allclose(np.asarray(got_new[i]), np.asarray(want_new[i]), atol=2e-5)
+    assert pages(0).pages.shape == (8, 1, 16, cfg.kv_width)  # 2 + 0 + 3 pages + null, pow2
+
+
+def test_compiled_block_padding_gives_the_same_output():
+    """The zero queries that pad a group to a power of two (what the compiled kernel runs)
+    change nothing: run padded in interpret mode by forcing the padding path's shapes."""
+    layout, hq = LAYOUTS["gqa_g3"]  # 3 queries per KV head -> padded to 16 rows
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(3, 9, 13))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention(q, pages, table, lens, new, layout, scale)
+    import unittest.mock as mock
+
+    # interpret=False picks the padding; the call itself still interprets (no GPU here).
+    real = pa.pl.pallas_call
+    with mock.patch.object(
+        pa.pl, "pallas_call", lambda *a, **k: real(*a, **{**k, "interpret": True})
+    ):
+        got = pa.paged_attention(q, pages, table, lens, new, layout, scale, interpret=False)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)

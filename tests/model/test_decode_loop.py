@@ -1,0 +1,118 @@
+"""The device-side decode loop: layers under a scan, sampling and state on the device, nothing
+compiled after `warmup()` and nothing copied host-to-device by a step that changed nothing."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dualpath_jax import model as dm
+from dualpath_jax.model.decode import Decoder, reference_generate, sample_at
+from dualpath_jax.model.paged import PagesExhausted
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch, compile_count
+from dualpath_jax.presets import TINY_DEEPSEEK
+
+
+def _prefill(runner, prompt):
+    res, kv = runner.prefill_monolithic(PrefillBatch.build(runner.cfg, [prompt], [0]))
+    return np.asarray(kv[:, 0]), np.asarray(res.last_logits)
+
+
+def test_advance_samples_as_sample_at_on_the_device(tiny_runner):
+    """Tokens drawn inside the step equal `sample_at` on the step's logits, greedy and sampled."""
+    cfg = tiny_runner.cfg
+    rs = np.random.RandomState(3)
+    prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (12, 30, 7)]
+    params = [(0, 0.0), (11, 0.9), (12345, 1.7)]
+    a, b = (Decoder(tiny_runner, slots=3, max_len=64) for _ in range(2))
+    for slot, (p, (seed, t)) in enumerate(zip(prompts, params)):
+        kv, _ = _prefill(tiny_runner, p)
+        for dec in (a, b):
+            dec.insert(slot, kv, len(p), 5, seed=seed, temperature=t)
+    for _ in range(6):
+        lengths = b.lengths.copy()
+        logits = b.step()
+        want = sample_at(logits, [s for s, _ in params], list(lengths + 1), [t for _, t in params])
+        b.set_next(want)
+        got = np.asarray(a.advance())
+        np.testing.assert_array_equal(got, want)
+
+
+def test_scan_over_two_layer_kinds_equals_the_reference():
+    """DeepSeek's dense then MoE layers are two scans; tokens equal the cache-free oracle."""
+    runner = ModelRunner(dm.init_model(TINY_DEEPSEEK, seed=0))
+    assert [(s, n) for _, s, n in runner.layer_runs] == [(0, 1), (1, 2)]
+    prompt = list(range(3, 40))
+    kv, logits = _prefill(runner, prompt)
+    dec = Decoder(runner, slots=2, max_len=64)
+    dec.insert(1, kv, len(prompt), int(logits[0].argmax()))
+    out = [int(logits[0].argmax())]
+    for _ in range(7):
+        out.append(int(np.asarray(dec.advance())[1]))
+    assert out == reference_generate(runner, prompt, 8)
+
+
+def test_nothing_compiles_after_warmup_over_a_random_trace(tiny_runner):
+    """1,000 requests of random prompt and generation lengths through 8 slots of a small page
+    pool (requests wait for pages): after `warmup()` the compile count stays flat."""
+    cfg = tiny_runner.cfg
+    dec = Decoder(tiny_runner, slots=8, max_len=128, page_size=16, num_pages=40)
+    assert dec.warmup() > 0
+    before = compile_count()
+    rs = np.random.RandomState(7)
+    todo = [(int(rs.randint(1, 100)), int(rs.randint(1, 9))) for _ in range(1000)]
+    kv = np.zeros((cfg.num_layers, 128, cfg.kv_width), np.float32)
+    left: dict[int, int] = {}
+    done = steps = 0
+    while todo or left:
+        for slot in dec.free_slots():
+            if not todo or not dec.can_insert(sum(todo[0])):
+                break
+            n, g = todo.pop(0)
+            dec.insert(slot, kv, n, int(rs.randint(cfg.vocab_size)), n + g, temperature=0.5)
+            left[slot] = g
+        tokens = np.asarray(dec.advance())
+        steps += 1
+        assert ((tokens >= 0) & (tokens < cfg.vocab_size))[list(left)].all()
+        for slot in list(left):
+            left[slot] -= 1
+            if left[slot] <= 1:
+                dec.free(slot)
+                del left[slot]
+                done += 1
+    assert done == 1000 and dec.free_pages == dec.num_pages
+    assert compile_count() == before, "a decode shape compiled after warm-up"
+
+
+def test_a_warmed_step_copies_nothing_host_to_device(tiny_runner):
+    prompt = list(range(5, 25))
+    kv, logits = _prefill(tiny_runner, prompt)
+    dec = Decoder(tiny_runner, slots=2, max_len=64)
+    dec.warmup()
+    dec.insert(0, kv, len(prompt), int(logits[0].argmax()), len(prompt) + 10)
+    out = [int(logits[0].argmax()), int(np.asarray(dec.advance())[0])]  # uploads the insert
+    with jax.transfer_guard_host_to_device("disallow"):
+        pending = [dec.advance() for _ in range(6)]  # dispatched back to back
+    out += [int(np.asarray(t)[0]) for t in pending]
+    assert out == reference_generate(tiny_runner, prompt, 8)
+    # A change does upload (and says so under the guard).
+    dec.free(0)
+    dec.insert(1, kv, len(prompt), 3)
+    with jax.transfer_guard_host_to_device("disallow"), pytest.raises(Exception, match="host"):
+        dec.advance()
+
+
+def test_a_slot_outgrowing_its_pages_takes_one_or_fails_clearly(tiny_runner):
+    cfg = tiny_runner.cfg
+    kv = np.zeros((cfg.num_layers, 16, cfg.kv_width), np.float32)
+    dec = Decoder(tiny_runner, slots=2, max_len=64, page_size=8, num_pages=3)
+    dec.insert(0, kv, 15, 1)  # 2 pages: tokens 0..15
+    dec.insert(1, kv, 7, 1)  # 1 page: tokens 0..7, none left
+    assert dec.free_pages == 0 and not dec.can_insert(1)
+    dec.advance()  # slot 0 writes token 15, slot 1 token 7: both fit
+    with pytest.raises(PagesExhausted, match="1 KV pages needed, 0 of 3 free"):
+        dec.advance()
+    dec.free(1)
+    dec.advance()  # slot 0 takes the freed page
+    assert len(dec.alloc.pages(0)) == 3
