@@ -420,7 +420,8 @@ class Decoder:
     def _grow(self) -> None:
         """Gives a page to every active slot whose next token starts a page it does not have."""
         ps = self.page_size
-        for slot in np.flatnonzero(self.active):
+        held = (self.table != 0).sum(axis=1)  # pages each slot holds (0 is the null page)
+        for slot in np.flatnonzero(self.active & (self.lengths // ps + 1 > held)):
             need = int(self.lengths[slot]) // ps + 1
             have = len(self.alloc.pages(int(slot)))
             if need > have:
