@@ -7,9 +7,10 @@ records, as `DIR/gpu_check.json` and on stdout:
 
 - `kernel`: the paged kernel against the dense oracle at bf16 for a Qwen2.5-7B-shaped decode
   batch (GQA, 7 queries per KV head) and a DeepSeek-V3-shaped MLA prefill block: max abs error.
-- `greedy`: greedy tokens of the tiny Qwen2 and DeepSeek models under every attention backend
-  and MoE implementation, against the `reference`/`ragged_dot` tokens (identical or not), and the
-  largest logit difference of a layerwise prefill over cached KV.
+- `greedy`: greedy tokens of the tiny Qwen2 and DeepSeek models (f32 KV, and fp8 KV with scales)
+  under every attention backend and MoE implementation, against the `reference`/`ragged_dot`
+  tokens (identical or not), and the largest logit difference of a layerwise prefill over
+  cached KV.
 - `memory`: `bench/accel_memory.py`'s temporary bytes per backend at the full shapes (`--quick`:
   the tiny shapes).
 - `dispatch`: `bench/decode_dispatch.py` for the 28-layer tiny model.
@@ -64,9 +65,15 @@ def _greedy_checks() -> dict:
 
     prompts = [[(7 * i + 3) % 257 for i in range(37)], [(5 * i + 1) % 257 for i in range(20)]]
     out = {}
-    for fam, cfg in (("qwen2", TINY_QWEN2), ("deepseek", TINY_DEEPSEEK)):
+    fp8 = {"kv_dtype": "float8_e4m3fn", "kv_scales": True}
+    for fam, cfg in (
+        ("qwen2", TINY_QWEN2),
+        ("deepseek", TINY_DEEPSEEK),
+        ("qwen2-fp8-scaled", dataclasses.replace(TINY_QWEN2, **fp8)),
+        ("deepseek-fp8-scaled", dataclasses.replace(TINY_DEEPSEEK, **fp8)),
+    ):
         combos = [(a, "ragged_dot") for a in ATTENTION_IMPLS]
-        if cfg.is_moe_layer(cfg.num_layers - 1):
+        if cfg.is_moe_layer(cfg.num_layers - 1) and not cfg.kv_scales:
             combos += [("reference", m) for m in MOE_IMPLS if m != "ragged_dot"]
         ref_tokens = ref_logits = None
         for attn, moe in combos:

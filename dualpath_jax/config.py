@@ -90,6 +90,10 @@ class ModelConfig:
     index_topk: int = 0
     dtype: str = "float32"
     kv_dtype: str = "float32"
+    # fp8 KV with scales: each cached row ends in one float32 scale per token per segment (GQA:
+    # each K and each V head; MLA: each 128 latent columns and the RoPE part), written when the
+    # row is made and applied by the attention kernels page by page. Needs a 1-byte kv_dtype.
+    kv_scales: bool = False
     attention_impl: str = "auto"  # "auto" | "reference" | "xla" | "pallas"
     moe_impl: str = "auto"  # "auto" | "ragged_dot" | "grouped" | "gmm"
 
@@ -99,10 +103,15 @@ class ModelConfig:
 
     @property
     def kv_width(self) -> int:
-        """Elements of cached KV per token per layer (the last axis of a layer's KV rows)."""
+        """Elements of cached KV per token per layer (the last axis of a layer's KV rows; with
+        `kv_scales`, 4 one-byte elements per scale follow the data)."""
         if self.is_mla:
-            return self.kv_lora_rank + self.qk_rope_head_dim
-        return 2 * self.num_kv_heads * self.head_dim
+            data = self.kv_lora_rank + self.qk_rope_head_dim
+            scales = -(-self.kv_lora_rank // 128) + 1
+        else:
+            data = 2 * self.num_kv_heads * self.head_dim
+            scales = 2 * self.num_kv_heads
+        return data + 4 * scales if self.kv_scales else data
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
@@ -479,6 +488,11 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     m, cl, w, hw = c.model, c.cluster, c.workload, c.hardware
     moe = m.n_routed_experts > 0
     return [
+        (
+            "model.kv_scales",
+            not m.kv_scales or m.kv_dtype in ("float8_e4m3fn", "float8_e5m2"),
+            "needs an fp8 kv_dtype (float8_e4m3fn or float8_e5m2)",
+        ),
         (
             "hardware.fp8",
             hw.fp8 is None or isinstance(hw.fp8, bool),

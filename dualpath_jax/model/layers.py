@@ -191,6 +191,14 @@ def attend_kv(
     return out, pages
 
 
+def _kv_rows(rows: Array, layout: RowLayout, kv_dtype) -> Array:
+    """A layer's new KV rows in the cache's format: cast to `kv_dtype`, or quantized with
+    per-token scales appended where the layout is scaled (`ModelConfig.kv_scales`)."""
+    if layout.scaled:
+        return pa.quantize_rows(rows, layout, kv_dtype)
+    return rows.astype(kv_dtype)
+
+
 class GQAttention(nnx.Module):
     """Qwen2 attention: GQA with QKV bias and rotate-half RoPE. KV row = K | V."""
 
@@ -204,6 +212,7 @@ class GQAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.rope_theta = cfg.rope_theta
         self.kv_dtype = _dtype(cfg.kv_dtype)
+        self.layout = RowLayout.gqa(cfg.num_kv_heads, d, cfg.kv_scales)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -215,15 +224,14 @@ class GQAttention(nnx.Module):
         cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
         q = apply_rope(q, cos, sin, interleave=False)
         k = apply_rope(k, cos, sin, interleave=False)
-        rows = jnp.concatenate([k.reshape(b, n, -1), v], axis=-1).astype(self.kv_dtype)
-        return q, rows
+        rows = jnp.concatenate([k.reshape(b, n, -1), v], axis=-1)
+        return q, _kv_rows(rows, self.layout, self.kv_dtype)
 
     def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
         """q `[B, N, Hq, D]`, the new rows `[B, N, W]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
-        layout = RowLayout.gqa(self.num_kv_heads, self.head_dim)
         out, pages = attend_kv(
-            q, new_rows, kv, layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl
+            q, new_rows, kv, self.layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl
         )
         return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
 
@@ -265,6 +273,7 @@ class MLAttention(nnx.Module):
         )
         self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
         self.kv_dtype = _dtype(cfg.kv_dtype)
+        self.layout = RowLayout.mla(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.kv_scales)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -285,15 +294,14 @@ class MLAttention(nnx.Module):
         q_lat = jnp.einsum(
             "bnhd,rhd->bnhr", q_nope, self.w_uk[...], preferred_element_type=jnp.float32
         ).astype(q_nope.dtype)
-        rows = jnp.concatenate([c, k_pe], axis=-1).astype(self.kv_dtype)
+        rows = _kv_rows(jnp.concatenate([c, k_pe], axis=-1), self.layout, self.kv_dtype)
         return jnp.concatenate([q_lat, q_pe], axis=-1), rows
 
     def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
         """Absorbed queries, the new rows `[B, N, r + dr]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
-        layout = RowLayout.mla(self.kv_lora_rank, self.rope)
         o_lat, pages = attend_kv(
-            q, new_rows, kv, layout, self.qk_head_dim**-0.5, self.kv_dtype, self.attention_impl
+            q, new_rows, kv, self.layout, self.qk_head_dim**-0.5, self.kv_dtype, self.attention_impl
         )
         out = jnp.einsum(
             "bnhr,rhd->bnhd", o_lat, self.w_uv[...], preferred_element_type=jnp.float32

@@ -38,31 +38,120 @@ Array = jax.Array
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+SCALE_TILE = 128  # MLA latent columns per fp8 scale
+
+
 @dataclasses.dataclass(frozen=True)
 class RowLayout:
-    """Where each KV head's key and value live in a KV row.
+    """Where each KV head's key and value live in a KV row, and their fp8 scales.
 
-    Key of KV head `h`: the concatenation of columns `off + h * head_stride .. + width` over
-    `key_segments` `((off, width), ...)`; value: columns `value_offset + h * head_stride ..
-    + value_width`."""
+    Key of KV head `h`: the concatenation over `key_segments` `((off, width), ...)` of columns
+    `off + h * head_stride .. + width`; value: the same over `value_segments`. Scaled rows
+    (`scale_offset >= 0`, fp8 KV with `ModelConfig.kv_scales`) end in one float32 scale per
+    token per segment, stored as its 4 bytes: segment k of head h is `data * scale[i]` with
+    `i = key_scales[k] + h * scale_stride` (values: `value_scales`), the scale's bytes at row
+    elements `scale_offset + 4 * i ..+ 4`."""
 
     num_kv_heads: int
     key_segments: tuple[tuple[int, int], ...]
-    value_offset: int
-    value_width: int
+    value_segments: tuple[tuple[int, int], ...]
     head_stride: int
+    scale_offset: int = -1
+    key_scales: tuple[int, ...] = ()
+    value_scales: tuple[int, ...] = ()
+    scale_stride: int = 0
 
     @property
     def key_width(self) -> int:
         return sum(w for _, w in self.key_segments)
 
-    @classmethod
-    def gqa(cls, num_kv_heads: int, head_dim: int) -> RowLayout:
-        return cls(num_kv_heads, ((0, head_dim),), num_kv_heads * head_dim, head_dim, head_dim)
+    @property
+    def value_width(self) -> int:
+        return sum(w for _, w in self.value_segments)
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale_offset >= 0
+
+    @property
+    def num_scales(self) -> int:
+        """Scales per token (every head's)."""
+        if not self.scaled:
+            return 0
+        idx = {i + h * self.scale_stride for h in range(self.num_kv_heads)
+               for i in (*self.key_scales, *self.value_scales)}  # fmt: skip
+        return len(idx)
+
+    def spans(self, h):
+        """`(offset, width, scale index or -1)` of every distinct segment of KV head `h` (a
+        traced head is fine: the segments are told apart at head 0)."""
+        out = {}
+        for segs, scales in ((self.key_segments, self.key_scales),
+                             (self.value_segments, self.value_scales)):  # fmt: skip
+            for k, (off, w) in enumerate(segs):
+                out.setdefault((off, w), scales[k] if self.scaled else -1)
+        return [
+            (off + h * self.head_stride, w, i + h * self.scale_stride if i >= 0 else -1)
+            for (off, w), i in out.items()
+        ]
 
     @classmethod
-    def mla(cls, kv_lora_rank: int, rope_dim: int) -> RowLayout:
-        return cls(1, ((0, kv_lora_rank), (kv_lora_rank, rope_dim)), 0, kv_lora_rank, 0)
+    def gqa(cls, num_kv_heads: int, head_dim: int, scaled: bool = False) -> RowLayout:
+        """Rows `K | V` (`[Hk, D]` each); scaled: then `2 * Hk` scales (K heads, V heads)."""
+        hk, d = num_kv_heads, head_dim
+        if not scaled:
+            return cls(hk, ((0, d),), ((hk * d, d),), d)
+        return cls(hk, ((0, d),), ((hk * d, d),), d, 2 * hk * d, (0,), (hk,), 1)
+
+    @classmethod
+    def mla(cls, kv_lora_rank: int, rope_dim: int, scaled: bool = False) -> RowLayout:
+        """Rows `c_kv | k_pe`, one KV head whose key is the row and value the latent; scaled:
+        one scale per `SCALE_TILE` latent columns and one for the RoPE part."""
+        r, dr = kv_lora_rank, rope_dim
+        if not scaled:
+            return cls(1, ((0, r), (r, dr)), ((0, r),), 0)
+        tiles = tuple((o, min(SCALE_TILE, r - o)) for o in range(0, r, SCALE_TILE))
+        n = len(tiles)
+        return cls(1, (*tiles, (r, dr)), tiles, 0, r + dr, (*range(n), n), tuple(range(n)), 0)
+
+    @property
+    def data_width(self) -> int:
+        """Row elements before the scales."""
+        ends = [o + w + (self.num_kv_heads - 1) * self.head_stride
+                for o, w in (*self.key_segments, *self.value_segments)]  # fmt: skip
+        return max(ends)
+
+    @property
+    def row_width(self) -> int:
+        return self.data_width + 4 * self.num_scales
+
+
+def quantize_rows(x: Array, layout: RowLayout, kv_dtype) -> Array:
+    """Float rows `[..., data_width]` -> scaled fp8 rows `[..., row_width]` in `kv_dtype`: each
+    segment of each head divided by its per-token scale (its max magnitude over the dtype's
+    largest finite value), the scales' bytes appended."""
+    kv_dtype = jnp.dtype(kv_dtype)
+    fmax = float(jnp.finfo(kv_dtype).max)
+    data = x.astype(jnp.float32)
+    out = jnp.zeros(data.shape, jnp.float32)
+    scales = [None] * layout.num_scales
+    for h in range(layout.num_kv_heads):
+        for off, w, i in layout.spans(h):
+            seg = data[..., off : off + w]
+            amax = jnp.max(jnp.abs(seg), axis=-1, keepdims=True)
+            sc = jnp.where(amax > 0, amax / fmax, 1.0)
+            out = out.at[..., off : off + w].set(seg / sc)
+            scales[i] = sc
+    sbytes = jax.lax.bitcast_convert_type(jnp.concatenate(scales, axis=-1), jnp.uint8)
+    sbytes = jax.lax.bitcast_convert_type(sbytes.reshape(*x.shape[:-1], -1), kv_dtype)
+    return jnp.concatenate([out.astype(kv_dtype), sbytes], axis=-1)
+
+
+def row_scales(rows: Array, layout: RowLayout) -> Array:
+    """The scales `[..., num_scales]` float32 of scaled rows (kv dtype or its bits)."""
+    raw = rows[..., layout.scale_offset : layout.scale_offset + 4 * layout.num_scales]
+    raw = _as_bits(raw).reshape(*rows.shape[:-1], layout.num_scales, 4)
+    return jax.lax.bitcast_convert_type(raw, jnp.float32)
 
 
 def _kernel(
@@ -98,19 +187,46 @@ def _kernel(
         q_parts.append(q[:, start : start + w])
         start += w
     k0 = h * layout.head_stride
-    v0 = layout.value_offset + h * layout.head_stride
+    stride = layout.scale_stride
 
-    def scores(load):  # load(off, width) -> [keys, width]
+    def segments(segs, scales):
+        if not layout.scaled:
+            return [(k0 + o, w, None) for o, w in segs]
+        return [(k0 + o, w, i + h * stride) for (o, w), i in zip(segs, scales)]
+
+    keys = segments(layout.key_segments, layout.key_scales)
+    values = segments(layout.value_segments, layout.value_scales)
+
+    def dequant(ref_load):
+        """ref_load(off, width) -> raw bits `[keys, width]`; returns load(off, w, scale index)
+        giving the segment in the compute dtype (times its per-token scale unless the index is
+        None)."""
+
+        def load(off, w, i):
+            x = jax.lax.bitcast_convert_type(ref_load(off, w), kv_dtype)
+            if i is None:
+                return x.astype(q.dtype)
+            raw = ref_load(layout.scale_offset + 4 * i, 4)
+            sc = jax.lax.bitcast_convert_type(raw, jnp.float32)  # [keys]
+            return (x.astype(jnp.float32) * sc[:, None]).astype(q.dtype)
+
+        return load
+
+    def scores(load):
         s = None
-        for (off, w), qp in zip(layout.key_segments, q_parts):
+        for (off, w, i), qp in zip(keys, q_parts):
             part = jax.lax.dot_general(
                 qp,
-                load(k0 + off, w),
+                load(off, w, i),
                 (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32,
             )
             s = part if s is None else s + part
         return s * scale
+
+    def value(load):
+        parts = [load(off, w, i) for off, w, i in values]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
     def update(carry, s, v):
         acc, m, denom = carry
@@ -132,27 +248,22 @@ def _kernel(
     def cached_page(j, carry):
         page = table_ref[b, j]
 
-        def load(off, w):
-            raw = pages_ref[page, layer, :, pl.ds(off, w)]
-            return jax.lax.bitcast_convert_type(raw, kv_dtype).astype(q.dtype)
-
+        load = dequant(lambda off, w: pages_ref[page, layer, :, pl.ds(off, w)])
         s = scores(load)
         pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(pos < cached, s, _NEG)
-        return update(carry, s, load(v0, layout.value_width))
+        return update(carry, s, value(load))
 
     carry = jax.lax.fori_loop(0, pl.cdiv(cached, page_size), cached_page, carry)
 
     q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (rows, block_q), 0) // group
 
     def new_block(j, carry):
-        def load(off, w):
-            return new_ref[pl.ds(j * block_q, block_q), pl.ds(off, w)].astype(q.dtype)
-
+        load = dequant(lambda off, w: new_ref[pl.ds(j * block_q, block_q), pl.ds(off, w)])
         s = scores(load)
         k_pos = j * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         s = jnp.where(k_pos <= q_pos, s, _NEG)
-        return update(carry, s, load(v0, layout.value_width))
+        return update(carry, s, value(load))
 
     acc, _, denom = jax.lax.fori_loop(0, qi + 1, new_block, carry)
     o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
@@ -165,9 +276,10 @@ def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, lay
     b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     page_size = out_ref.shape[2]
     cached, layer = lens_ref[b], layer_ref[0]
-    spans = [(off + h * layout.head_stride, w) for off, w in layout.key_segments]
-    if layout.head_stride:  # GQA: the value columns are apart from the key's
-        spans.append((layout.value_offset + h * layout.head_stride, layout.value_width))
+    spans = [(off, w) for off, w, _ in layout.spans(h)]
+    if layout.scaled:
+        head0 = {i for _, _, i in layout.spans(0) if i >= 0}
+        spans += [(layout.scale_offset + 4 * (i + h * layout.scale_stride), 4) for i in head0]
     end = jnp.minimum(write_ref[b] - qi * block_q, block_q)
 
     def one(j, _):
@@ -175,9 +287,7 @@ def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, lay
         pos = cached + t
         page, row = table_ref[b, pos // page_size], pos % page_size
         for off, w in spans:
-            out_ref[page, layer, row, pl.ds(off, w)] = jax.lax.bitcast_convert_type(
-                new_ref[t, pl.ds(off, w)], out_ref.dtype
-            )
+            out_ref[page, layer, row, pl.ds(off, w)] = new_ref[t, pl.ds(off, w)]
         return 0
 
     jax.lax.fori_loop(0, jnp.maximum(end, 0), one, 0)
@@ -289,7 +399,7 @@ def paged_attention(
         (write_lens if writing else jnp.zeros((b,), jnp.int32)).astype(jnp.int32),
         qh,
         bits,
-        new_rows,
+        _as_bits(new_rows.astype(kv_dtype)),
     )
     out = outs[0].reshape(b, hk, n, g, dv)[:, :, :, :g_real]
     out = out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
@@ -318,6 +428,32 @@ def write_pages(
     return pages.at[page, layer, pos % ps].set(jnp.where(keep[..., None], bits, old))
 
 
+def split_kv(rows: Array, layout: RowLayout, kv_dtype, dtype) -> tuple[Array, Array]:
+    """KV rows `[B, S, W]` (kv dtype or its bits) -> keys `[B, S, Hk, dk]` and values
+    `[B, S, Hk, dv]` in `dtype`, dequantized where the layout is scaled."""
+    x = jax.lax.bitcast_convert_type(_as_bits(rows), kv_dtype)
+    if layout.scaled:
+        sc = row_scales(rows, layout)
+        x = x.astype(jnp.float32)
+    else:
+        x = x.astype(dtype)
+
+    def head(h, segs, scales):
+        parts = []
+        for k, (off, w) in enumerate(segs):
+            o = off + h * layout.head_stride
+            part = x[..., o : o + w]
+            if layout.scaled:
+                part = (part * sc[..., scales[k] + h * layout.scale_stride, None]).astype(dtype)
+            parts.append(part)
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+    hk = layout.num_kv_heads
+    k = jnp.stack([head(h, layout.key_segments, layout.key_scales) for h in range(hk)], axis=2)
+    v = jnp.stack([head(h, layout.value_segments, layout.value_scales) for h in range(hk)], axis=2)
+    return k, v
+
+
 def gather_pages(pages: Array, page_table: Array, layer: Array | int = 0) -> Array:
     """Request rows `[B, M * page_size, W]` of one layer, in page-table order."""
     rows = pages[page_table, layer]  # [B, M, page_size, W]
@@ -343,31 +479,14 @@ def paged_attention_reference(
     from dualpath_jax.model.layers import attend, prefill_mask
 
     cached = gather_pages(pages, page_table, layer)
-    if kv_dtype is not None and cached.dtype != jnp.dtype(kv_dtype):
-        cached = jax.lax.bitcast_convert_type(cached, kv_dtype)
-    rows = jnp.concatenate([cached.astype(new_rows.dtype), new_rows], axis=1)
-    b, s, _ = rows.shape
-    hk = layout.num_kv_heads
-    rows = rows.astype(q.dtype)
-    k = jnp.concatenate(
-        [
-            jnp.stack(
-                [
-                    rows[..., off + h * layout.head_stride : off + h * layout.head_stride + w]
-                    for h in range(hk)
-                ],
-                axis=2,
-            )
-            for off, w in layout.key_segments
-        ],
-        axis=-1,
-    )
-    v = jnp.stack(
-        [
-            rows[..., layout.value_offset + h * layout.head_stride :][..., : layout.value_width]
-            for h in range(hk)
-        ],
-        axis=2,
-    )
+    kv_dtype = jnp.dtype(kv_dtype or new_rows.dtype)
+
+    def bits(x):
+        if not jnp.issubdtype(x.dtype, jnp.unsignedinteger) and x.dtype != kv_dtype:
+            x = x.astype(kv_dtype)
+        return _as_bits(x)
+
+    rows = jnp.concatenate([bits(cached), bits(new_rows)], axis=1)
+    k, v = split_kv(rows, layout, kv_dtype, q.dtype)
     mask = prefill_mask(cached_lens, None, cached.shape[1], q.shape[1])
     return attend(q, k, v, mask, scale, impl)

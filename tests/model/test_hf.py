@@ -284,7 +284,8 @@ def test_logits_match_transformers(checkpoint, name):
 
 
 @pytest.mark.parametrize(
-    "impl, moe_impl", [("reference", "ragged_dot"), ("xla", "grouped"), ("xla", "gmm")]
+    "impl, moe_impl",
+    [("reference", "ragged_dot"), ("xla", "grouped"), ("xla", "gmm"), ("pallas", "ragged_dot")],
 )
 @pytest.mark.parametrize("name", GENERATE)
 def test_greedy_tokens_match_transformers(checkpoint, name, impl, moe_impl):
