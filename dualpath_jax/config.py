@@ -39,6 +39,9 @@ class Policy(enum.StrEnum):
     ORACLE = "oracle"  # storage, H2D/D2H and PE->DE transfers bypassed
 
 
+KV_SCALE_TILE = 128  # MLA latent columns per fp8 KV scale (`ModelConfig.kv_scales`)
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of one model. Dimensions follow the Hugging Face config names.
@@ -102,12 +105,12 @@ class ModelConfig:
         return self.family == ModelFamily.DEEPSEEK
 
     @property
-    def kv_width(self) -> int:
+    def kv_width(self) -> int:  # == model.paged_attention.RowLayout.for_model(self).row_width
         """Elements of cached KV per token per layer (the last axis of a layer's KV rows; with
         `kv_scales`, 4 one-byte elements per scale follow the data)."""
         if self.is_mla:
             data = self.kv_lora_rank + self.qk_rope_head_dim
-            scales = -(-self.kv_lora_rank // 128) + 1
+            scales = -(-self.kv_lora_rank // KV_SCALE_TILE) + 1
         else:
             data = 2 * self.num_kv_heads * self.head_dim
             scales = 2 * self.num_kv_heads

@@ -27,7 +27,7 @@ from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
-from dualpath_jax.model.layout import kv_bytes_per_token
+from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.paged import budget_pages, pages_for
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
@@ -53,7 +53,7 @@ def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
     c, bt = cfg.cluster, cfg.store.block_tokens
     full = c.decode_slots * pages_for(c.decode_max_len, bt)
     pages = budget_pages(
-        kv_bytes_per_token(cfg.model) * bt,
+        BlockLayout.for_model(cfg.model, bt).nbytes,  # a page is one Full Block
         budget_bytes=c.decode_kv_bytes,
         fraction=c.decode_kv_fraction,
         default_pages=full,

@@ -265,12 +265,6 @@ class Decoder:
         return np.asarray(self._pending)
 
     @property
-    def page_nbytes(self) -> int:
-        """Bytes of one page (all layers)."""
-        cfg = self.runner.cfg
-        return cfg.num_layers * self.page_size * cfg.kv_width * self.kv_dtype.itemsize
-
-    @property
     def free_pages(self) -> int:
         return self.alloc.free_pages
 

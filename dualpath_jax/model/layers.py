@@ -212,7 +212,7 @@ class GQAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.rope_theta = cfg.rope_theta
         self.kv_dtype = _dtype(cfg.kv_dtype)
-        self.layout = RowLayout.gqa(cfg.num_kv_heads, d, cfg.kv_scales)
+        self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
@@ -273,7 +273,7 @@ class MLAttention(nnx.Module):
         )
         self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
         self.kv_dtype = _dtype(cfg.kv_dtype)
-        self.layout = RowLayout.mla(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.kv_scales)
+        self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:

@@ -33,12 +33,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dualpath_jax.config import KV_SCALE_TILE
+
 Array = jax.Array
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-SCALE_TILE = 128  # MLA latent columns per fp8 scale
+SCALE_TILE = KV_SCALE_TILE  # MLA latent columns per fp8 scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +115,13 @@ class RowLayout:
         tiles = tuple((o, min(SCALE_TILE, r - o)) for o in range(0, r, SCALE_TILE))
         n = len(tiles)
         return cls(1, (*tiles, (r, dr)), tiles, 0, r + dr, (*range(n), n), tuple(range(n)), 0)
+
+    @classmethod
+    def for_model(cls, cfg) -> RowLayout:
+        """The layout of a `ModelConfig`'s KV rows (`row_width == cfg.kv_width`)."""
+        if cfg.is_mla:
+            return cls.mla(cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.kv_scales)
+        return cls.gqa(cfg.num_kv_heads, cfg.head_dim, cfg.kv_scales)
 
     @property
     def data_width(self) -> int:

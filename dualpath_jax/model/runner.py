@@ -229,8 +229,7 @@ class ModelRunner:
         self.embed_state = nnx.state(model.embed)
         self.head_state = nnx.state(model.head)
         self.layer_states = [nnx.state(layer) for layer in model.layers]
-        self.params_version = getattr(self, "params_version", -1) + 1  # what caches key on
-        self._stacked = None
+        self._stacked = None  # stacked_params, rebuilt for the new parameters
 
     @property
     def layer_runs(self) -> tuple[tuple[nnx.GraphDef, int, int], ...]:

@@ -15,7 +15,7 @@ from dualpath_jax import model as dm
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model import paged_attention as pa
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
-from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import PRESETS, TINY_DEEPSEEK, TINY_QWEN2
 
 FP8 = jnp.float8_e4m3fn
 LAYOUTS = {
@@ -123,6 +123,13 @@ def test_scales_keep_rows_a_bare_cast_cannot_hold():
     cast = np.asarray(x.astype(FP8).astype(jnp.float32))
     assert not np.isfinite(cast[0]).all() or np.abs(cast[0] - np.asarray(x[0])).max() > 1e3
     assert np.abs(cast[1]).max() == 0  # flushed to zero
+
+
+@pytest.mark.parametrize("family", [TINY_QWEN2, TINY_DEEPSEEK], ids=["qwen2", "deepseek"])
+@pytest.mark.parametrize("scales", [False, True])
+def test_the_row_layout_is_as_wide_as_the_config_says(family, scales):
+    for cfg in (_fp8(family, scales), _fp8(PRESETS["deepseek-v3-660b"], scales)):
+        assert pa.RowLayout.for_model(cfg).row_width == cfg.kv_width
 
 
 def test_config_needs_an_fp8_kv_dtype_and_widens_the_row():
