@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 
@@ -9,6 +10,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache")
 )
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -44,3 +47,16 @@ def tiny_runner(request):
     from dualpath_jax.model.transformer import init_model
 
     return ModelRunner(init_model(FAMILIES[request.param], seed=0))
+
+
+@contextlib.contextmanager
+def bench_modules(*names: str):
+    """Imports scripts of `bench/` as modules (bench/ on sys.path only meanwhile)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield tuple(importlib.import_module(n) for n in names)
+    finally:
+        sys.path.remove(str(BENCH))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import bench_modules
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
@@ -17,11 +17,8 @@ BENCH = ROOT / "bench"
 
 @pytest.fixture(scope="module")
 def accel_memory():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("accel_memory")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("accel_memory") as (module,):
+        yield module
 
 
 def test_measure_at_tiny_shapes(accel_memory):

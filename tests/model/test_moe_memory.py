@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
@@ -10,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import bench_modules
 
 from dualpath_jax.model.moe import MOE_IMPLS
 
@@ -19,11 +19,8 @@ BENCH = ROOT / "bench"
 
 @pytest.fixture(scope="module")
 def moe_memory():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("moe_memory")
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("moe_memory") as (module,):
+        yield module
 
 
 def test_measure_at_tiny_shapes(moe_memory):

@@ -9,25 +9,19 @@ JCT and latencies scaled per policy and rate, drives every figure's code path in
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import pathlib
-import sys
 
 import pytest
+from conftest import bench_modules
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(BENCH))
-    try:
-        runs = importlib.import_module("paper_runs")
-        figures = importlib.import_module("paper_figures")
-        yield runs, figures
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_modules("paper_runs", "paper_figures") as mods:
+        yield mods
 
 
 @pytest.fixture(scope="module")
