@@ -50,8 +50,7 @@ def tiny_runner(request):
 
 
 @contextlib.contextmanager
-def bench_modules(*names: str):
-    """Imports scripts of `bench/` as modules (bench/ on sys.path only meanwhile)."""
+def _import_bench(*names: str):
     import importlib
     import sys
 
@@ -60,3 +59,11 @@ def bench_modules(*names: str):
         yield tuple(importlib.import_module(n) for n in names)
     finally:
         sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="session")
+def bench_modules():
+    """`with bench_modules("name", ...) as modules:` imports scripts of `bench/` as modules
+    (bench/ on sys.path only meanwhile). A fixture, not an import: the test directories have
+    conftest files of their own, so `from conftest import ...` finds whichever came first."""
+    return _import_bench

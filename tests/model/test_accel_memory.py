@@ -9,14 +9,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import bench_modules
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
-def accel_memory():
+def accel_memory(bench_modules):
     with bench_modules("accel_memory") as (module,):
         yield module
 

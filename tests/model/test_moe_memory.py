@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from conftest import bench_modules
 
 from dualpath_jax.model.moe import MOE_IMPLS
 
@@ -18,7 +17,7 @@ BENCH = ROOT / "bench"
 
 
 @pytest.fixture(scope="module")
-def moe_memory():
+def moe_memory(bench_modules):
     with bench_modules("moe_memory") as (module,):
         yield module
 

@@ -13,13 +13,12 @@ import json
 import pathlib
 
 import pytest
-from conftest import bench_modules
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def bench():
+def bench(bench_modules):
     with bench_modules("paper_runs", "paper_figures") as mods:
         yield mods
 
