@@ -188,7 +188,7 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
     cols = pages_for(t_max if impl == "pallas" else bucket, PAGE)
     sds = jax.ShapeDtypeStruct
     dec_args = (
-        gqa.stacked_params,
+        gqa.stacked_leaves[1],
         sds((n_pages + 1, 1, PAGE, cfg.kv_width), bits_dtype(cfg.kv_dtype)),
         sds((s, cols), jnp.int32),
         sds((s,), jnp.int32),

@@ -5,10 +5,14 @@ Run: python bench/decode_dispatch.py [--layers=28] [--steps=200] [--json]
 A `Decoder` over 8 active slots is warmed (`warmup()`), then `advance()` is called `--steps`
 times back to back; the figure is the median host time of the call, i.e. what the host spends
 to hand one step to the device (the device runs steps asynchronously; the host reads each
-step's tokens later). The step wall time (dispatch until the tokens are ready) is printed too.
+step's tokens later). The step wall time (dispatch until the tokens are ready) is printed too,
+and the dispatch split into the compiled step's launch (the jitted call alone, timed the same
+way) and the decoder's own Python (the rest: `_prepare`, bookkeeping). On XLA:CPU the launch
+competes for the host's cores with the device threads that start running the step, so there
+it grows with the step's compute.
 Side by side, in the same run: the same step with every layer in a run of its own (one scan
-per layer, the parameter pytree 28 times larger), which is what the dispatch cost of an
-unrolled layer loop grows like.
+per layer, 28 times as many parameter leaves), which is what the dispatch cost of an unrolled
+layer loop grows like.
 """
 
 from __future__ import annotations
@@ -34,21 +38,22 @@ def _per_layer(runner: ModelRunner):
     """The runner with one run per layer (so the step's pytree holds every layer separately)."""
     runs = tuple((gd, i, 1) for i, gd in enumerate(runner.layer_gds))
     stacked = tuple(jax.tree.map(lambda x: x[None], s) for s in runner.layer_states)
+    leaves, treedef = jax.tree.flatten((runner.embed_state, stacked, runner.head_state))
     fn = jax.jit(
-        functools.partial(decode._decode_step, runner.embed_gd, runs, runner.head_gd),
+        functools.partial(decode._decode_leaves, runner.embed_gd, runs, runner.head_gd, treedef),
         donate_argnums=(1,),
     )
-    return fn, (runner.embed_state, stacked, runner.head_state)
+    return fn, leaves
 
 
 def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
     cfg = dataclasses.replace(TINY_QWEN2, num_layers=layers)
     runner = ModelRunner(init_model(cfg, 0))
-    dec = Decoder(runner, slots, 512)
+    dec = Decoder(runner, slots, 4 * steps + 64)
     dec.warmup()
     kv = np.zeros((layers, 16, cfg.kv_width), np.float32)
     for s in range(slots):
-        dec.insert(s, kv, 16, 1, 16 + 2 * steps + 8)
+        dec.insert(s, kv, 16, 1, 16 + 3 * steps + 8)  # three timed loops of `steps`
     jax.block_until_ready(dec.advance())
 
     def timed(call):
@@ -63,8 +68,20 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
         return statistics.median(host) * 1e3, statistics.median(wall) * 1e3
 
     scan_ms, scan_wall = timed(dec.advance)
-    fn, params = _per_layer(runner)
     d = dec._dev  # the decoder's device state, as its own step passes it
+    step = decode._step_fn(runner)
+    leaves = runner.stacked_leaves[1]
+
+    def launch():  # the compiled step alone, called as `advance` calls it
+        logits, dec._pending, dec.pages, lengths = step(
+            leaves, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
+            d["seeds"], d["temps"],
+        )  # fmt: skip
+        d["lengths"] = lengths
+        return dec._pending
+
+    launch_ms, _ = timed(launch)
+    fn, params = _per_layer(runner)
 
     def per_layer():
         logits, dec._pending, dec.pages, lengths = fn(
@@ -80,6 +97,8 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
         "layers": layers,
         "slots": slots,
         "dispatch_ms": scan_ms,
+        "launch_ms": launch_ms,
+        "host_ms": scan_ms - launch_ms,
         "step_ms": scan_wall,
         "per_layer_dispatch_ms": layer_ms,
         "per_layer_step_ms": layer_wall,
@@ -94,6 +113,10 @@ def main(argv):
         return
     print(f"device: {jax.devices()[0]}  {r['layers']} layers, {r['slots']} slots")
     print(f"scan over layers : dispatch {r['dispatch_ms']:.3f} ms, step {r['step_ms']:.2f} ms")
+    print(
+        f"  of which the compiled step's launch {r['launch_ms']:.3f} ms,"
+        f" the decoder's own Python {r['host_ms']:.3f} ms"
+    )
     print(
         f"one run per layer: dispatch {r['per_layer_dispatch_ms']:.3f} ms,"
         f" step {r['per_layer_step_ms']:.2f} ms"

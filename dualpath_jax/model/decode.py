@@ -167,18 +167,33 @@ def _sample_rows(logits, seeds, positions, temperatures):
     return jax.vmap(one)(logits, seeds, positions, temperatures)
 
 
+# Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).
+_STEP_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _step_fn(runner: ModelRunner):
-    """The runner's jitted decode step (graph definitions bound, so a call hashes no static
-    argument); one per runner, shared by its decoders."""
-    fn = getattr(runner, "_decode_step_fn", None)
-    if fn is None:
-        fn = jax.jit(
-            functools.partial(_decode_step, runner.embed_gd, runner.layer_runs, runner.head_gd),
-            donate_argnums=(1,),
+    """The runner's jitted decode step, shared by its decoders. It takes the stacked parameters
+    as their flat leaves (`ModelRunner.stacked_leaves`), the graph definitions and the treedef
+    bound: a call then flattens a plain list in C++ and hashes no static argument, instead of
+    running the parameter containers' Python flatten on every step."""
+    treedef, _ = runner.stacked_leaves
+    entry = _STEP_FNS.get(runner)
+    if entry is not None and entry[0] is treedef:
+        return entry[1]
+    if entry is not None and entry[0] == treedef:  # new parameters of the same structure
+        fn = entry[1]  # (compares the structure once per `update_params`, not per step)
+    else:
+        step = functools.partial(
+            _decode_leaves, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef
         )
-        runner._decode_step_fn = fn
+        fn = jax.jit(step, donate_argnums=(1,))
         JITTED.add(fn)
+    _STEP_FNS[runner] = (treedef, fn)
     return fn
+
+
+def _decode_leaves(embed_gd, runs, head_gd, treedef, leaves, *args):
+    return _decode_step(embed_gd, runs, head_gd, jax.tree.unflatten(treedef, leaves), *args)
 
 
 @jax.jit
@@ -258,6 +273,8 @@ class Decoder:
         self._dev: dict[str, Array] = {}
         self._dirty = True
         self._width = -1  # table columns on the device
+        self._headroom = 0  # steps `_prepare` may take without looking at the slots
+        self._longest = 0  # the longest active slot's length, fed at the coming step
 
     @property
     def pending(self) -> np.ndarray:
@@ -443,7 +460,7 @@ class Decoder:
             self._dirty, self._width = False, width
         d = self._dev
         logits, self._pending, self.pages, d["lengths"] = _step_fn(self.runner)(
-            self.runner.stacked_params,
+            self.runner.stacked_leaves[1],
             self.pages,
             d["table"],
             d["lengths"],
@@ -456,12 +473,25 @@ class Decoder:
         return logits
 
     def _prepare(self) -> int:
+        """Checks the step and grows pages; returns the table width it passes. Between changes
+        (insert, free, page growth) a step needs no look at the slots until one of them fills
+        its last page or reaches max_len: `_headroom` counts those steps, so most steps run
+        only a few lines of Python here."""
+        if self._headroom > 0 and not self._dirty:
+            self._headroom -= 1
+            self._longest += 1
+            return self._columns(self._longest)
         if not self.active.any():
             raise ValueError("decode step with no active slot")
         need = int(self.lengths[self.active].max())
         if need + 1 > self.max_len:
             raise ValueError(f"a decode slot reached its max_len {self.max_len}")
         self._grow()
+        # Steps after this one that write into pages the slots hold and stay within max_len.
+        held = (self.table[self.active] != 0).sum(axis=1) * self.page_size
+        room = held - self.lengths[self.active] - 1
+        self._headroom = min(int(room.min()), self.max_len - need - 1)
+        self._longest = need
         return self._columns(need)
 
     def step(self) -> Array:

@@ -230,6 +230,7 @@ class ModelRunner:
         self.head_state = nnx.state(model.head)
         self.layer_states = [nnx.state(layer) for layer in model.layers]
         self._stacked = None  # stacked_params, rebuilt for the new parameters
+        self._stacked_leaves = None
 
     @property
     def layer_runs(self) -> tuple[tuple[nnx.GraphDef, int, int], ...]:
@@ -255,6 +256,15 @@ class ModelRunner:
             )
             self._stacked = (self.embed_state, stacked, self.head_state)
         return self._stacked
+
+    @property
+    def stacked_leaves(self) -> tuple[jax.tree_util.PyTreeDef, list[Array]]:
+        """`stacked_params` flattened once: (treedef, leaves). A jitted function that takes the
+        leaves dispatches without the parameter containers' Python flatten."""
+        if self._stacked_leaves is None:
+            leaves, treedef = jax.tree.flatten(self.stacked_params)
+            self._stacked_leaves = (treedef, leaves)
+        return self._stacked_leaves
 
     @property
     def num_layers(self) -> int:

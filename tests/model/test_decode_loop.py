@@ -118,3 +118,20 @@ def test_a_slot_outgrowing_its_pages_takes_one_or_fails_clearly(tiny_runner):
     dec.free(1)
     dec.advance()  # slot 0 takes the freed page
     assert len(dec.alloc.pages(0)) == 3
+
+
+def test_new_parameters_reuse_the_compiled_step_and_take_effect():
+    """`update_params` (an RL update) swaps the step's parameter leaves: nothing recompiles, and
+    the next tokens are the new model's."""
+    old, new = (dm.init_model(TINY_QWEN2, seed=s) for s in (0, 1))
+    runner = ModelRunner(old)
+    prompt = list(range(7, 30))
+    dec = Decoder(runner, slots=1, max_len=64)
+    dec.warmup()
+    runner.update_params(new)
+    kv, logits = _prefill(runner, prompt)
+    before = compile_count()
+    dec.insert(0, kv, len(prompt), int(logits[0].argmax()))
+    out = [int(logits[0].argmax())] + [int(np.asarray(dec.advance())[0]) for _ in range(5)]
+    assert compile_count() == before
+    assert out == reference_generate(ModelRunner(new), prompt, 6)
