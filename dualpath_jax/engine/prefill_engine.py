@@ -24,7 +24,7 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, regi
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
-from dualpath_jax.model.runner import LayerPages, ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
@@ -58,7 +58,9 @@ class PrefillEngine:
         attention_time: Callable[[Sequence[tuple[int, int]]], float],
         clock: Callable[[], float] = time.monotonic,
         params: ParamsSlot | None = None,
+        prefill_cost: M.PrefillCost | None = None,  # the model behind attention_time, reported
     ):
+        self.prefill_cost = prefill_cost
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.runner, self.ctx = rpc, runner, ctx
         self.params = params or ParamsSlot(runner, "", engine)
@@ -90,6 +92,7 @@ class PrefillEngine:
             self.group,
             self.ctx.channel.address,
             self.params.version,
+            self.prefill_cost,
         )
 
     def run(self) -> None:
@@ -245,16 +248,20 @@ class PrefillEngine:
             if all(r.msg.layerwise for r in reqs):
                 res = self.runner.prefill_layerwise(batch, load_layer, emit_layer)
             else:
-                # Basic: the whole hit is loaded onto the device before the forward starts (the
-                # same compiled layers run afterwards, so only the loading schedule differs).
-                loaded = (
-                    [load_layer(i).to_device() for i in range(c.model.num_layers)]
+                # Basic: the whole hit is loaded before the forward starts, into pinned host
+                # memory, and the forward is one program that copies each layer's pages to the
+                # device as the layer runs; the new rows go to the DE after it.
+                kv = (
+                    CachedPages.from_layers(
+                        [load_layer(i) for i in range(c.model.num_layers)]
+                    ).to_host()
                     if batch.c_pad
                     else None
                 )
-                res = self.runner.prefill_layerwise(
-                    batch, loaded.__getitem__ if loaded else None, emit_layer
-                )
+                res, new = self.runner.prefill_program(batch, kv)
+                new = np.asarray(new)  # one device-to-host copy of every layer's rows
+                for i in range(c.model.num_layers):
+                    emit_layer(i, new[i])
             logits = np.asarray(res.last_logits)
             pad = [0] * (logits.shape[0] - len(reqs))
             first = sample_at(  # the first generated token sits at position len(prompt)

@@ -141,6 +141,43 @@ class LayerPages:
         return LayerPages(*jax.device_put((self.pages, self.table)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CachedPages:
+    """A prefill batch's cached KV of every layer in pages, layer-major: `pages`
+    `[L, P, page_size, W]` (page 0 the null page; host, `pinned_host` or device memory) and one
+    `table` `[B, M]` for all layers. What `ModelRunner.prefill_program` takes."""
+
+    pages: np.ndarray | Array
+    table: np.ndarray | Array
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[LayerPages]) -> CachedPages:
+        """Per-layer `LayerPages` of one batch (the same table for every layer, as
+        `LayerPages.from_rows` builds it from the same row counts) stacked layer-major."""
+        table = np.asarray(layers[0].table)
+        for lp in layers[1:]:
+            if not np.array_equal(np.asarray(lp.table), table):
+                raise ValueError("cached pages of one batch need one page table for all layers")
+        pages = np.stack([np.asarray(lp.pages)[:, 0] for lp in layers])
+        return cls(pages, table)
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch_size: int, page_size: int = 16) -> CachedPages:
+        pages = np.zeros((cfg.num_layers, 1, page_size, cfg.kv_width), cfg.kv_dtype)
+        return cls(pages, np.zeros((batch_size, 1), np.int32))
+
+    def to_host(self, device: jax.Device | None = None) -> CachedPages:
+        """The pages in the device's `pinned_host` memory (page-locked host memory the device
+        copies from asynchronously), the table on the device."""
+        device = device or jax.devices()[0]
+        host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+        return CachedPages(jax.device_put(self.pages, host), jax.device_put(self.table, device))
+
+    def to_device(self, device: jax.Device | None = None) -> CachedPages:
+        device = device or jax.devices()[0]
+        return CachedPages(*jax.device_put((self.pages, self.table), device))
+
+
 @dataclasses.dataclass
 class PrefillResult:
     """last_logits `[B, V]` (each request's last new token); logits `[B, N_pad, V]` if asked."""
@@ -200,6 +237,48 @@ def _forward_all(
     emb = embed.embedding[...]
     last = h[jnp.arange(h.shape[0]), new_lens - 1]
     return head(last, emb), (head(h, emb) if all_logits else None), jnp.stack(new)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _prefill_program(
+    embed_gd,
+    runs,
+    head_gd,
+    treedef,
+    all_logits,
+    leaves,
+    tokens,
+    positions,
+    pages,
+    table,
+    cached_lens,
+    new_lens,
+):
+    """Prefill as one program: embed, each run of layers under a scan, head. `pages` holds the
+    cached KV of every layer, layer-major, `[L, P, page_size, W]` (page 0 the null page), with
+    one `table` `[B, M]` for all layers. Each iteration takes its layer's pages and moves them to
+    device memory (`jax.device_put` to `jax.memory.Space.Device`: a no-op for pages already on
+    the device; for pages in `pinned_host` memory, a host-to-device copy inside the program, which
+    XLA may overlap with the previous layer's compute and which keeps about one layer of cached
+    KV in device memory). Returns (last logits, logits or None, new rows `[L, B, N, W]`)."""
+    embed_state, stacked, head_state = jax.tree.unflatten(treedef, leaves)
+    embed = nnx.merge(embed_gd, embed_state)
+    h = embed(tokens)
+    new = []
+    for (gd, start, count), states in zip(runs, stacked):
+
+        def body(h, xs, gd=gd):
+            state, layer_pages = xs
+            kv = jax.device_put(layer_pages, jax.memory.Space.Device)[:, None]
+            return nnx.merge(gd, state)(h, positions, PagedKV(kv, table, cached_lens))
+
+        h, rows = jax.lax.scan(body, h, (states, pages[start : start + count]))
+        new.append(rows)
+    head = nnx.merge(head_gd, head_state)
+    emb = embed.embedding[...]
+    last = h[jnp.arange(h.shape[0]), new_lens - 1]
+    rows = new[0] if len(new) == 1 else jnp.concatenate(new)
+    return head(last, emb), (head(h, emb) if all_logits else None), rows
 
 
 def _stack(*xs):
@@ -359,6 +438,43 @@ class ModelRunner:
         last, logits = self.head(h, jnp.asarray(batch.new_lens), all_logits)
         return PrefillResult(last, logits)
 
+    def prefill_program(
+        self, batch: PrefillBatch, kv: CachedPages | None = None, all_logits: bool = False
+    ) -> tuple[PrefillResult, Array]:
+        """Prefill in one compiled program (`_prefill_program`) over the cached KV of every
+        layer in pages (`CachedPages`; None: nothing cached). With the pages in `pinned_host`
+        memory (`CachedPages.to_host`) each layer's pages are copied to the device inside the
+        program, while earlier layers compute; with the pages on the device it is the
+        monolithic forward over resident KV. Returns the result and the new KV rows
+        `[L, B, N_pad, W]` (on the device)."""
+        cfg = self.cfg
+        if kv is None or batch.c_pad == 0:
+            kv = CachedPages.empty(cfg, batch.batch_size)
+        want = (cfg.num_layers, cfg.kv_width)
+        got = (kv.pages.shape[0], kv.pages.shape[-1])
+        if got != want or kv.table.shape[0] != batch.batch_size:
+            raise ValueError(
+                f"cached pages {tuple(kv.pages.shape)} with a table of {kv.table.shape[0]} rows"
+                f" for {cfg.num_layers} layers of width {cfg.kv_width} and a batch of"
+                f" {batch.batch_size}"
+            )
+        treedef, leaves = self.stacked_leaves
+        last, logits, new = _prefill_program(
+            self.embed_gd,
+            self.layer_runs,
+            self.head_gd,
+            treedef,
+            all_logits,
+            leaves,
+            jnp.asarray(batch.tokens),
+            jnp.asarray(batch.positions()),
+            kv.pages,
+            jnp.asarray(kv.table),
+            jnp.asarray(batch.cached_lens),
+            jnp.asarray(batch.new_lens),
+        )
+        return PrefillResult(last, logits), new
+
     def prefill_monolithic(
         self,
         batch: PrefillBatch,
@@ -395,5 +511,5 @@ JITTED: weakref.WeakSet = weakref.WeakSet()
 def compile_count() -> int:
     """Number of distinct compiled variants of the model's jitted entry points so far (the
     per-layer prefill entries, the monolithic forward and the decode functions)."""
-    fixed = (_embed, _layer, _layer_paged, _head, _forward_all)
+    fixed = (_embed, _layer, _layer_paged, _head, _forward_all, _prefill_program)
     return sum(f._cache_size() for f in (*fixed, *JITTED))

@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dualpath_jax.model.runner import PrefillBatch, bucket_len, compile_count
+from dualpath_jax.model import runner as runner_mod
+from dualpath_jax.model.runner import (
+    CachedPages,
+    LayerPages,
+    PrefillBatch,
+    bucket_len,
+    compile_count,
+)
 
 ATOL = 2e-5
 
@@ -161,3 +168,74 @@ def test_bucket_len():
         4096,
         5120,
     ]
+
+
+def _cached_pages(cfg, refs, cached, page_size=16):
+    layers = [
+        LayerPages.from_rows(
+            [kv[i, :c] for (_, kv), c in zip(refs, cached)], page_size, cfg.kv_width, cfg.kv_dtype
+        )
+        for i in range(cfg.num_layers)
+    ]
+    return CachedPages.from_layers(layers)
+
+
+@pytest.mark.parametrize("where", ["pinned_host", "device"])
+def test_one_program_prefill_equals_monolithic(tiny_runner, where):
+    """`prefill_program` over every layer's cached pages (in pinned host memory, copied to the
+    device inside the program, or resident on the device) equals the monolithic forward over
+    the sequences, for a ragged batch with an uncached request."""
+    cfg = tiny_runner.cfg
+    rs = np.random.RandomState(5)
+    lengths = [(16, 9), (48, 22), (0, 5), (33, 1)]
+    seqs = [rs.randint(0, cfg.vocab_size, c + n).tolist() for c, n in lengths]
+    refs = [reference(tiny_runner, s) for s in seqs]
+    cached = [c for c, _ in lengths]
+    batch = PrefillBatch.build(cfg, [s[c:] for s, c in zip(seqs, cached)], cached)
+    pages = _cached_pages(cfg, refs, cached)
+    kv = pages.to_host() if where == "pinned_host" else pages.to_device()
+    assert kv.pages.sharding.memory_kind == where
+    res, new = tiny_runner.prefill_program(batch, kv, all_logits=True)
+    assert new.shape == (cfg.num_layers, batch.batch_size, batch.n_pad, cfg.kv_width)
+    for b, ((c, n), (logits, kv_ref)) in enumerate(zip(lengths, refs)):
+        np.testing.assert_allclose(np.asarray(res.logits[b, :n]), logits[c:], atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(res.last_logits[b]), logits[-1], atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(new[:, b, :n]), kv_ref[:, c:], atol=ATOL, rtol=1e-5)
+    # Nothing cached: the same program with an empty page set.
+    fresh = PrefillBatch.build(cfg, [seqs[0]], [0])
+    res0, _ = tiny_runner.prefill_program(fresh)
+    np.testing.assert_allclose(np.asarray(res0.last_logits[0]), refs[0][0][-1], atol=ATOL)
+
+
+def test_one_program_prefill_rejects_pages_of_another_shape(tiny_runner):
+    cfg = tiny_runner.cfg
+    batch = PrefillBatch.build(cfg, [[1, 2, 3]], [16])
+    pages = CachedPages(np.zeros((cfg.num_layers + 1, 2, 16, cfg.kv_width), np.float32),
+                        np.zeros((1, 1), np.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="cached pages"):
+        tiny_runner.prefill_program(batch, pages)
+
+
+def test_one_program_prefill_copies_each_layer_inside_the_program(tiny_runner):
+    """Lowered for a GPU (no GPU needed to lower): the pages argument lives in pinned host
+    memory and each scan iteration annotates its layer's pages for device placement, i.e. the
+    host-to-device copy is part of the compiled program, once per layer."""
+    cfg = tiny_runner.cfg
+    batch = PrefillBatch.build(cfg, [[1, 2, 3]], [16])
+    ref_rows = np.zeros((cfg.num_layers, 16, cfg.kv_width), np.float32)
+    kv = _cached_pages(cfg, [(None, ref_rows)], [16]).to_host()
+    treedef, leaves = tiny_runner.stacked_leaves
+    args = (
+        tiny_runner.embed_gd, tiny_runner.layer_runs, tiny_runner.head_gd, treedef, False,
+        leaves, jnp.asarray(batch.tokens), jnp.asarray(batch.positions()), kv.pages,
+        jnp.asarray(kv.table), jnp.asarray(batch.cached_lens), jnp.asarray(batch.new_lens),
+    )  # fmt: skip
+    text = runner_mod._prefill_program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert 'mhlo.memory_kind = "pinned_host"' in text
+    # One placement per run of layers (Qwen2: one scan; DeepSeek: dense, then MoE), each of one
+    # layer's pages `[P, page_size, W]` (not the run's `[n, P, page_size, W]`): each scan
+    # iteration copies its own layer.
+    placements = [line for line in text.splitlines() if "@annotate_device_placement" in line]
+    assert len(placements) == len(tiny_runner.layer_runs) == text.count("stablehlo.while")
+    _, p, ps, w = kv.pages.shape
+    assert all(f"(tensor<{p}x{ps}x{w}x" in line for line in placements), placements
