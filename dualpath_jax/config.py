@@ -195,6 +195,10 @@ class ClusterConfig:
     # Without layerwise prefill (Basic) every layer of it is resident, with it one layer at a
     # time, so the bound is `num_layers` times larger there (the first chunk always runs).
     prefill_max_kv_tokens: int = 0
+    # The PEs' prefill cost model (compute quota, beta) as `sched.cost.FittedCostModel` JSON,
+    # `{"prefill": [p0, p1, p2]}`: seconds per forward batch, per new token, per attention
+    # (query, key) pair. Empty: each PE fits its own at start (`engine.calibrate`).
+    prefill_cost_json: str = ""
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
     transfer_timeout_s: float = 60.0
     # How long a DE waits for its PE to begin prefilling a request (the PE's queue under load);
@@ -486,11 +490,31 @@ _CHOICES = {
 }
 
 
+def _cost_json_problem(text: str) -> str:
+    """Why `text` is not a `FittedCostModel` JSON (`sched.cost`; empty: it is one)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"is not JSON ({e})"
+    if not isinstance(data, dict) or "prefill" not in data:
+        return 'must be a JSON object with "prefill": [p0, p1, p2] (FittedCostModel.to_json)'
+    for part in ("prefill", "decode"):
+        v = data.get(part, [0, 0, 0])
+        numbers = isinstance(v, list) and all(
+            isinstance(x, int | float) and not isinstance(x, bool) for x in v
+        )
+        if not numbers or len(v) != 3 or not all(math.isfinite(x) and x >= 0 for x in v):
+            return f'"{part}" must be 3 finite numbers >= 0 (seconds)'
+    return ""
+
+
 def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     """(key, holds, rule) of the rules that relate fields to each other."""
     m, cl, w, hw = c.model, c.cluster, c.workload, c.hardware
     moe = m.n_routed_experts > 0
+    cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
     return [
+        ("cluster.prefill_cost_json", not cost_problem, cost_problem),
         (
             "model.kv_scales",
             not m.kv_scales or m.kv_dtype in ("float8_e4m3fn", "float8_e5m2"),

@@ -13,7 +13,9 @@ Cost model: for GPU presets, the one the config's `hardware` names (the roofline
 `hardware.gpu`, calibrated unless `hardware.calibration=none`, with `fp8`, `ep_decode_nodes` and
 `kv_format`; `configs/paper.py` sets them as the paper ran); for `gpu="cpu"` a FittedCostModel
 from --cost_json (`FittedCostModel.to_json`, or a fit written by bench/sim_validate.py, whose
-`decode_overhead_s` is used too), else the CPU engines' prefill constants with no decode cost.
+`decode_overhead_s` is used too), else the prefill model a PE would batch with (the config's
+`cluster.prefill_cost_json`, or calibrated on this host as a PE calibrates at start) with no
+decode cost.
 
 Advisor (`--advise`, `sim.advise`): sweeps P/D splits (every split of --advise_nodes nodes, default
 the config's P+D, or the --advise_pd list), --advise_alpha_s and --advise_beta_s (default: the
@@ -96,11 +98,20 @@ def main(argv):
         text = pathlib.Path(_COST.value).read_text()
         cost = FittedCostModel.from_json(text)
         overhead = float(json.loads(text).get("decode_overhead_s", 0.0))
+    elif cfg.hardware.gpu == "cpu" and cfg.cluster.prefill_cost_json:
+        cost = FittedCostModel.from_json(cfg.cluster.prefill_cost_json)
     elif cfg.hardware.gpu == "cpu":
-        from dualpath_jax.engine.process import CPU_PREFILL_COST
+        from dualpath_jax.engine.calibrate import calibrate
+        from dualpath_jax.engine.params import load_served_model
+        from dualpath_jax.model.runner import ModelRunner
 
-        logging.warning("gpu='cpu' without --cost_json: CPU prefill constants, decode steps cost 0")
-        cost = FittedCostModel(prefill=CPU_PREFILL_COST)
+        cal = calibrate(ModelRunner(load_served_model(cfg)), cfg)
+        logging.warning(
+            "gpu='cpu' without --cost_json: prefill %s, calibrated on this host; decode steps"
+            " cost 0",
+            cal.model.prefill,
+        )
+        cost = cal.model
     options = SimOptions(
         quantum_s=_QUANTUM.value, decode_overhead_s=overhead, leader_phases=_LEADERS.value
     )

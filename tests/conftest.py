@@ -10,6 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(__file__).resolve().parent.parent / ".jax_cache")
 )
+# Every compile is cached, in the cluster processes tests start too (they inherit the
+# environment; JAX's default caches only compiles over a second): each PE of every cluster
+# calibrates on the same few shapes when it starts.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 

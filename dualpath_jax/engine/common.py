@@ -37,9 +37,17 @@ log = logging.getLogger(__name__)
 
 
 def register(
-    rpc, role: str, engine: int, node: int, group: int, address: str, params_version: str = ""
+    rpc,
+    role: str,
+    engine: int,
+    node: int,
+    group: int,
+    address: str,
+    params_version: str = "",
+    prefill_cost: M.PrefillCost | None = None,
 ) -> None:
-    """Announces an engine (its KV channel address and served params version) to the router."""
+    """Announces an engine (its KV channel address, served params version and, for a PE, the
+    prefill cost model it batches with) to the router."""
     rpc.send(
         M.Register(
             role=role,
@@ -49,6 +57,7 @@ def register(
             address=address,
             pid=os.getpid(),
             params_version=params_version,
+            prefill_cost=prefill_cost,
         )
     )
 

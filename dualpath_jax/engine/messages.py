@@ -134,6 +134,17 @@ class Load(Msg):
     slots: int = 0  # DE: decode slots
 
 
+class PrefillCost(Msg):
+    """A PE's prefill cost model, `sched.cost.FittedCostModel.prefill`: `p0 + p1 * new_tokens +
+    p2 * attention_pairs` seconds per forward batch (its compute quota packs with it; the router
+    derives beta from it)."""
+
+    prefill: tuple[float, float, float]
+    calibrated: bool  # fitted by the PE at start (False: given by cluster.prefill_cost_json)
+    calibration_s: float = 0.0  # what calibrating took, compiles included
+    samples: list[tuple[int, int, float]] = []  # what it timed: (cached, new, median seconds)
+
+
 class Register(Msg):
     role: str  # "prefill" | "decode"
     engine: int
@@ -142,6 +153,7 @@ class Register(Msg):
     address: str  # KV channel address
     pid: int
     params_version: str = ""  # the version of the params the engine serves
+    prefill_cost: PrefillCost | None = None  # PEs: the cost model they batch with
 
 
 class LoadParams(Msg):
@@ -296,6 +308,7 @@ Body = (
     | UpdateParams
     | Shutdown
     | Load
+    | PrefillCost
     | Register
     | LoadParams
     | ParamsLoaded

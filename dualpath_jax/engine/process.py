@@ -24,11 +24,6 @@ from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
-# The CPU engines' prefill cost model when none is fitted: 20 ms per forward batch, 20 us per new
-# token, 5 ns per attention (query, key) pair -- about what the tiny models cost on one core.
-# It sets the PE's compute quota packing and beta.
-CPU_PREFILL_COST = (0.02, 2e-5, 5e-9)
-
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSpec:
@@ -79,23 +74,17 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.rpc import RpcServer
     from dualpath_jax.faults import load_plan, wrap_store
     from dualpath_jax.metrics.events import EventLog
-    from dualpath_jax.sched.cost import FittedCostModel, derive_alpha, derive_beta
+    from dualpath_jax.sched.cost import derive_alpha, engines_beta
     from dualpath_jax.sched.scheduler import GlobalScheduler
 
     kvb = kv_bytes_per_token(cfg.model)
     alpha = derive_alpha(cfg.scheduler, cfg.hardware, kvb)
-    beta = derive_beta(
-        cfg.scheduler,
-        FittedCostModel(prefill=CPU_PREFILL_COST),
-        ref_cached=512,
-        ref_new=32,
-        max_batch=cfg.cluster.prefill_max_batch,
-    )
     snic = cfg.hardware.snic_bytes_per_s
     sched = GlobalScheduler.from_config(
         cfg.scheduler,
         alpha=alpha,
-        beta=beta,
+        # Until a PE reports its cost model (then Router.update_beta derives beta from it).
+        beta=engines_beta(cfg.scheduler, (), max_batch=cfg.cluster.prefill_max_batch or 256),
         block_tokens=cfg.store.block_tokens,
         pe_read_rate=snic or 1.0,
         de_read_rate=snic or 1.0,
@@ -122,6 +111,7 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
 def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     import jax
 
+    from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
@@ -178,7 +168,9 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     heartbeat.start()
     try:
         if spec.role == "prefill":
-            cost = FittedCostModel(prefill=CPU_PREFILL_COST)
+            # Before registering: the router derives beta from the model the PE reports.
+            reported = prefill_cost(cfg, runner)
+            cost = FittedCostModel(prefill=reported.prefill)
             engine = PrefillEngine(
                 cfg,
                 spec.engine,
@@ -189,6 +181,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 ctx,
                 attention_time=cost.attention_time,
                 params=params,
+                prefill_cost=reported,
             )
         else:
             engine = DecodeEngine(

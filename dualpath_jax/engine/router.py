@@ -52,6 +52,7 @@ from dualpath_jax.engine.sessions import RequestState, SessionTable
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.metrics.events import EventLog
+from dualpath_jax.sched.cost import FittedCostModel, engines_beta
 from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
 
@@ -110,6 +111,8 @@ class Router:
             "refused_frames": 0,
         }
         self.stopping = False
+        # Live PEs' reported prefill cost models; beta is derived from them (update_beta).
+        self.prefill_costs: dict[int, FittedCostModel] = {}
 
     # ------------------------------------------------------------------ loop
 
@@ -304,7 +307,23 @@ class Router:
                 M.Error(ref=str(msg.engine), message=f"unknown role {msg.role!r}", kind="stop"),
             )
         self.engines.add(ident, msg)
-        self.event("register", engine=msg.engine, role=msg.role, node=msg.node, pid=msg.pid)
+        cost = msg.prefill_cost if msg.role == "prefill" else None
+        if cost is not None and not all(math.isfinite(v) and v >= 0 for v in cost.prefill):
+            log.warning("engine %d reported an unusable cost model %s", msg.engine, cost.prefill)
+            cost = None
+        self.event(
+            "register",
+            engine=msg.engine,
+            role=msg.role,
+            node=msg.node,
+            pid=msg.pid,
+            **({"prefill_cost": msgspec.structs.asdict(cost)} if cost is not None else {}),
+        )
+        if msg.role == "prefill":
+            self.prefill_costs.pop(msg.engine, None)
+            if cost is not None:
+                self.prefill_costs[msg.engine] = FittedCostModel(prefill=cost.prefill)
+            self.update_beta()
         self.send(ident, M.Ack(ref=str(msg.engine)))
         if msg.params_version != self.params.version:
             # An engine that (re)started after an update: bring it to the current params. If it
@@ -316,6 +335,24 @@ class Router:
                 self.params.version,
             )
             self.params.bring_up_to_date(ident)
+
+    def update_beta(self) -> None:
+        """Sets the scheduler's beta from the live PEs' cost models (the slowest PE's beta,
+        `sched.cost.engines_beta`); with none reported, `scheduler.beta_tokens` or infinite.
+        Runs when a PE registers or dies; until the first one registers, the scheduler keeps the
+        beta it was built with (`run_router`: the same fallback)."""
+        cl = self.cfg.cluster
+        beta = engines_beta(
+            self.cfg.scheduler, self.prefill_costs.values(), max_batch=cl.prefill_max_batch or 256
+        )
+        if beta != self.scheduler.beta:
+            self.scheduler.beta = beta
+            self.event("beta", beta=beta, engines=sorted(self.prefill_costs))
+            log.info(
+                "beta %.6g tokens (from the cost models of PEs %s)",
+                beta,
+                sorted(self.prefill_costs),
+            )
 
     # ------------------------------------------------------------------ dispatch
 
@@ -543,6 +580,8 @@ class Router:
         self.event("engine_dead", engine=e.engine, role=e.role, pid=e.pid)
         log.warning("engine %d (%s, pid %d) stopped heartbeating", e.engine, e.role, e.pid)
         self.scheduler.remove_engines([e.engine])
+        if self.prefill_costs.pop(e.engine, None) is not None:
+            self.update_beta()
         self.params.engine_gone(e.engine)
         back = self.sessions.on_engine(e.engine)
         for st in back:
@@ -561,6 +600,9 @@ class Router:
             "queued": self.scheduler.queued(),
             "in_flight": len(self.sessions.requests),
             "params_version": self.params.version,
+            "alpha": self.scheduler.alpha,
+            "beta": self.scheduler.beta,
+            "prefill_costs": {str(e): list(c.prefill) for e, c in self.prefill_costs.items()},
             "engines": self.engines.stats(),
             "read_path_counts": {p.value: self.counters[f"path_{p.value}"] for p in ReadPath},
         }

@@ -15,6 +15,7 @@ from dualpath_jax.sched.cost import (
     derive_alpha,
     derive_alpha_beta,
     derive_beta,
+    engines_beta,
 )
 from dualpath_jax.sched.inter import (
     assign_paths,
@@ -83,6 +84,7 @@ __all__ = [
     "derive_alpha",
     "derive_alpha_beta",
     "derive_beta",
+    "engines_beta",
     "make_policy",
     "pack_prefill_batch",
     "pe_fetch",

@@ -343,12 +343,14 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class FittedCostModel:
-    """Times fitted to measured samples of the local (CPU) engines.
+    """Times fitted to measured samples of an engine (a PE fits its prefill model at start:
+    `engine.calibrate`).
 
     prefill: `p0 + p1 * new_tokens + p2 * attention_pairs` per batch (pairs are causal
     query-key pairs, `summed_keys(cached, bsz)`); attention_time is the `p2` term.
     decode step: `d0 + d1 * batch + d2 * batch * context`.
-    Serializable with `to_json` / `from_json`.
+    Serializable with `to_json` / `from_json` (`{"prefill": [p0, p1, p2], "decode": [d0, d1,
+    d2]}`, seconds; `decode` may be left out: zeros).
     """
 
     prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -401,11 +403,26 @@ class FittedCostModel:
 
     @classmethod
     def from_json(cls, text: str) -> FittedCostModel:
-        data: Any = json.loads(text)
+        """Parses `to_json`'s text (other keys are ignored); ValueError unless `prefill` (and
+        `decode`, when given) are three finite, non-negative numbers."""
         try:
-            return cls(tuple(map(float, data["prefill"])), tuple(map(float, data["decode"])))  # type: ignore[arg-type]
-        except (KeyError, TypeError, ValueError) as e:
+            data: Any = json.loads(text)
+            prefill = _coefficients(data["prefill"])
+            decode = _coefficients(data.get("decode", [0.0, 0.0, 0.0]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"not a FittedCostModel: {text[:80]!r} ({e})") from None
+        return cls(prefill, decode)
+
+
+def _coefficients(values: Any) -> tuple[float, float, float]:
+    if not isinstance(values, list | tuple) or len(values) != 3:
+        raise ValueError(f"expected 3 coefficients, got {values!r}")
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"coefficients must be numbers, got {values!r}")
+    a, b, c = (float(v) for v in values)
+    if not all(math.isfinite(v) and v >= 0 for v in (a, b, c)):
+        raise ValueError(f"coefficients must be finite and >= 0, got {[a, b, c]}")
+    return a, b, c
 
 
 # --------------------------------------------------------------------------- alpha and beta
@@ -435,6 +452,29 @@ def derive_beta(
     if t <= 0:
         return math.inf
     return cfg.beta_s * n * (ref_cached + ref_new) / t
+
+
+# The reference request beta is counted in for a cluster's engines: (cached, new) tokens.
+BETA_REFERENCE = (512, 32)
+
+
+def engines_beta(
+    cfg: SchedulerConfig,
+    costs: Iterable[CostModel],
+    *,
+    max_batch: int,
+    reference: tuple[int, int] = BETA_REFERENCE,
+) -> float:
+    """beta of a cluster whose PEs have these cost models: the slowest PE's (the smallest
+    `derive_beta`), so no PE is planned past what it prefills in `beta_s`. `beta_tokens` when
+    set; with no model (no PE has reported one) infinite: no PE counts as overloaded."""
+    if cfg.beta_tokens > 0:
+        return cfg.beta_tokens
+    betas = [
+        derive_beta(cfg, c, ref_cached=reference[0], ref_new=reference[1], max_batch=max_batch)
+        for c in costs
+    ]
+    return min(betas, default=math.inf)
 
 
 def derive_alpha_beta(
