@@ -24,9 +24,16 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, regi
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
-from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import (
+    CachedPages,
+    DevicePages,
+    LayerPages,
+    ModelRunner,
+    PrefillBatch,
+)
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
+from dualpath_jax.transfer import copies
 from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -38,7 +45,7 @@ class _Req:
     load: PrefillLoad
     t_start: float
     hit: int = -1  # effective hit in blocks, once the reads are done
-    hit_rows: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # layer -> [h*bt, W]
+    hit_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # layer -> hit segments
     done_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # earlier chunks' rows
     t_read: float = 0.0
 
@@ -181,20 +188,18 @@ class PrefillEngine:
 
     # ------------------------------------------------------------------ forward
 
-    def cached_rows(self, r: _Req, layer: int, cached: int) -> np.ndarray:
-        """Layer `layer`'s KV rows of the request's first `cached` prompt tokens `[cached, W]`."""
+    def cached_rows(self, r: _Req, layer: int, cached: int) -> list:
+        """Layer `layer`'s KV of the request's first `cached` prompt tokens, as the segments
+        `LayerPages.assemble` takes: the hit's (`HitLayer.segments`: PE-read rows on the host,
+        DE-read blocks on the device), then earlier chunks' rows."""
         if layer not in r.hit_rows:
-            rows = r.load.readiness.wait(layer, self.ctx.timeout_s)
-            r.hit_rows[layer] = (
-                rows
-                if rows is not None
-                else np.zeros((0, self.cfg.model.kv_width), self.cfg.model.kv_dtype)
-            )
+            hit = r.load.readiness.wait(layer, self.ctx.timeout_s)
+            r.hit_rows[layer] = hit.segments() if hit is not None else []
             r.load.consumed()
-        parts = [r.hit_rows[layer], *(np.asarray(x) for x in r.done_rows.get(layer, []))]
-        out = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        assert out.shape[0] == cached, (out.shape, cached)
-        return out
+        parts = [*r.hit_rows[layer], *r.done_rows.get(layer, [])]
+        got = sum(x.blocks * self.bt if isinstance(x, DevicePages) else len(x) for x in parts)
+        assert got == cached, (got, cached)
+        return parts
 
     def run_batch(self) -> None:
         c = self.cfg
@@ -228,16 +233,16 @@ class PrefillEngine:
             # Each request's cached rows (its hit's layer blocks, then earlier chunks' rows) in
             # pages of block_tokens: a hit block is one page as it is, and nothing is padded to
             # the batch's longest context.
-            rows = [
-                self.cached_rows(r, i, ch.cached) if ch.cached else self._no_rows
+            segments = [
+                self.cached_rows(r, i, ch.cached) if ch.cached else [self._no_rows]
                 for r, ch in zip(reqs, chunks)
             ]
-            return LayerPages.from_rows(rows, self.bt, c.model.kv_width, c.model.kv_dtype)
+            return LayerPages.assemble(segments, self.bt, c.model.kv_width, c.model.kv_dtype)
 
         def emit_layer(i: int, rows) -> None:
             # One host copy of the layer, sliced on the host: the rows go to the host to be sent
             # anyway, and slicing the device array compiled a program per new request length.
-            rows = np.asarray(rows)
+            rows = copies.to_host(rows, "new_rows")
             for b, (r, ch) in enumerate(zip(reqs, chunks)):
                 new = rows[b, : ch.bsz]
                 if not plan.finishes(ch.request_id):

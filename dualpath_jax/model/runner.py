@@ -24,6 +24,7 @@ from flax import nnx
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model.layers import PagedKV
 from dualpath_jax.model.transformer import Transformer
+from dualpath_jax.transfer import copies
 
 Array = jax.Array
 
@@ -137,8 +138,118 @@ class LayerPages:
                 start += n
         return cls(pages, table)
 
+    @classmethod
+    def assemble(
+        cls,
+        segments: Sequence[Sequence[np.ndarray | DevicePages]],
+        page_size: int,
+        width: int,
+        dtype,
+    ) -> LayerPages:
+        """Each request's cached rows as consecutive segments (in token order, each starting on
+        a page boundary; only a request's last segment may end mid-page): host rows `[n, W]`, or
+        `DevicePages` already on the device (blocks that arrived over the compute network).
+        Host segments are packed into pages as `from_rows` packs them and copied to the device
+        in one copy; device segments are placed into the device pages by a jitted scatter, never
+        through the host. Without device segments this is `from_rows` (host pages)."""
+        if not any(isinstance(x, DevicePages) for seg in segments for x in seg):
+            return cls.from_rows(
+                [seg[0] if len(seg) == 1 else _cat(seg, width, dtype) for seg in segments],
+                page_size,
+                width,
+                dtype,
+            )
+        ends = []  # per request: [(segment, pages)]
+        host_pages = 0
+        dev_pages = 0
+        for seg in segments:
+            plan = []
+            for x in _merge_host_runs(seg, width, dtype):
+                n = x.blocks if isinstance(x, DevicePages) else -(-len(x) // page_size)
+                plan.append((x, n))
+                if isinstance(x, DevicePages):
+                    dev_pages += n
+                else:
+                    host_pages += n
+            ends.append(plan)
+        # Page ids: 0 the null page, then host pages, then device pages, then one scratch page
+        # that the padded blocks of device segments land on.
+        total = _pow2(1 + host_pages + dev_pages + 1)
+        scratch = total - 1
+        host = np.zeros((_pow2(1 + host_pages), 1, page_size, width), dtype)
+        table = np.zeros(
+            (len(segments), _pow2(max(max(sum(n for _, n in p) for p in ends), 1))), np.int32
+        )
+        scatters = []
+        next_host, next_dev = 1, 1 + host_pages
+        for b, plan in enumerate(ends):
+            col = 0
+            for x, n in plan:
+                if isinstance(x, DevicePages):
+                    ids = np.full((x.pages.shape[0],), scratch, np.int32)
+                    ids[:n] = np.arange(next_dev, next_dev + n)
+                    scatters.append((x.pages, ids))
+                    table[b, col : col + n] = ids[:n]
+                    next_dev += n
+                elif n:
+                    host[next_host : next_host + n, 0].reshape(n * page_size, width)[: len(x)] = x
+                    table[b, col : col + n] = np.arange(next_host, next_host + n)
+                    next_host += n
+                col += n
+        pages = _grow_pages(copies.to_device(host, "prefill_pages"), total)
+        for blocks, ids in scatters:
+            pages = _scatter_pages(pages, jnp.asarray(ids), blocks)
+        return cls(pages, copies.to_device(table, "prefill_table"))
+
     def to_device(self) -> LayerPages:
-        return LayerPages(*jax.device_put((self.pages, self.table)))
+        return LayerPages(
+            copies.to_device(self.pages, "prefill_pages"),
+            copies.to_device(self.table, "prefill_table"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePages:
+    """A request's cached rows already in device pages `[n, page_size, W]` (kv dtype; `n` may be
+    padded past the `blocks` that are real): what `LayerPages.assemble` places without a
+    host copy."""
+
+    pages: Array
+    blocks: int
+
+
+def _merge_host_runs(seg, width, dtype) -> list:
+    """Consecutive host segments joined (only a device segment's edges are page aligned)."""
+    out: list = []
+    run: list = []
+    for x in seg:
+        if isinstance(x, DevicePages):
+            if run:
+                out.append(_cat(run, width, dtype))
+                run = []
+            out.append(x)
+        else:
+            run.append(x)
+    if run:
+        out.append(_cat(run, width, dtype))
+    return out
+
+
+def _cat(parts, width, dtype) -> np.ndarray:
+    parts = [np.asarray(x) for x in parts]
+    return np.concatenate(parts) if parts else np.zeros((0, width), dtype)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _grow_pages(pages, total):
+    """pages `[p, 1, ps, W]` -> `[total, 1, ps, W]` (zero pages appended)."""
+    return jnp.zeros((total, *pages.shape[1:]), pages.dtype).at[: pages.shape[0]].set(pages)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_pages(pages, ids, blocks):
+    """pages `[P, 1, ps, W]` <- blocks `[n, ps, W]` at page ids `[n]`."""
+    return pages.at[ids, 0].set(blocks.astype(pages.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +269,9 @@ class CachedPages:
         for lp in layers[1:]:
             if not np.array_equal(np.asarray(lp.table), table):
                 raise ValueError("cached pages of one batch need one page table for all layers")
-        pages = np.stack([np.asarray(lp.pages)[:, 0] for lp in layers])
-        return cls(pages, table)
+        if any(isinstance(lp.pages, jax.Array) for lp in layers):  # assembled on the device
+            return cls(jnp.stack([lp.pages[:, 0] for lp in layers]), table)
+        return cls(np.stack([np.asarray(lp.pages)[:, 0] for lp in layers]), table)
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch_size: int, page_size: int = 16) -> CachedPages:
@@ -423,7 +535,7 @@ class ModelRunner:
                     )
                 return rows.to_device()
             self.check_layer_kv(i, rows, batch)
-            return jax.device_put(rows)
+            return copies.to_device(rows, "prefill_rows")
 
         positions = jnp.asarray(batch.positions())
         cached_lens = jnp.asarray(batch.cached_lens)
@@ -511,5 +623,8 @@ JITTED: weakref.WeakSet = weakref.WeakSet()
 def compile_count() -> int:
     """Number of distinct compiled variants of the model's jitted entry points so far (the
     per-layer prefill entries, the monolithic forward and the decode functions)."""
-    fixed = (_embed, _layer, _layer_paged, _head, _forward_all, _prefill_program)
+    fixed = (
+        _embed, _layer, _layer_paged, _head, _forward_all, _prefill_program, _grow_pages,
+        _scatter_pages,
+    )  # fmt: skip
     return sum(f._cache_size() for f in (*fixed, *JITTED))

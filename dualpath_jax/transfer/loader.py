@@ -9,7 +9,9 @@ PE half (`PrefillLoad`, in the prefill engine):
   2. learn how many of the DE's blocks verified (a tiny message from the DE half) and fix the
      effective hit `h` (a prefix: a corrupt or missing block ends it; the rest is recomputed).
   3. per layer, just before the layer runs: PE buffer -> device (H2D) for blocks `[0, min(p, h))`
-     and DE buffer -> PE device over the compute network for blocks `[p, h)` (HIGH class).
+     and DE buffer -> PE device over the compute network for blocks `[p, h)` (HIGH class); the
+     readiness value is a `HitLayer`: the PE-read rows on the host, the DE-read blocks as device
+     pages where the pull put them (they never go through the PE's host memory).
   4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
      PE-read hit rows (first piece) and the new tokens' rows (HIGH class).
 
@@ -28,16 +30,21 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
 from dualpath_jax.kvstore.store import BlockStore
-from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes
+from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
+from dualpath_jax.model.runner import DevicePages
+from dualpath_jax.transfer import copies
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
@@ -130,6 +137,53 @@ def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: 
     return np.concatenate([res.block(first + j)[layer] for j in range(count)], axis=0)
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _padded_blocks(n: int) -> int:
+    """Blocks a DE_LAYER offer carries for `n` verified blocks: a power of two (few shapes on
+    the PE's device; the padding is zeros)."""
+    return _pow2(n) if n else 0
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
+    """Pulled layer bytes `[n * bt, W * itemsize]` uint8 -> pages `[n, bt, W]` in the KV dtype,
+    on the device (a bitcast: no copy through the host)."""
+    dt = jnp.dtype(dtype)
+    x = data.reshape(data.shape[0] // block_tokens, block_tokens, width, dt.itemsize)
+    return jax.lax.bitcast_convert_type(x[..., 0] if dt.itemsize == 1 else x, dt)
+
+
+@dataclasses.dataclass(frozen=True)
+class HitLayer:
+    """One layer of a request's effective hit, as the PE's forward takes it: the PE-read
+    blocks' rows from the PE buffer (`host` `[p * bt, W]`, KV dtype) and the DE-read blocks as
+    they arrived over the compute network, already on the device (`device`, None if none)."""
+
+    host: np.ndarray
+    device: DevicePages | None = None
+
+    @property
+    def tokens(self) -> int:
+        dev = self.device.blocks * self.device.pages.shape[1] if self.device is not None else 0
+        return self.host.shape[0] + dev
+
+    def segments(self) -> list[np.ndarray | DevicePages]:
+        """The hit's segments in token order (for `LayerPages.assemble`)."""
+        out: list[np.ndarray | DevicePages] = [self.host] if len(self.host) else []
+        return out + ([self.device] if self.device is not None else [])
+
+    def to_numpy(self) -> np.ndarray:
+        """All rows `[tokens, W]` on the host (a device-to-host copy of the device part)."""
+        if self.device is None:
+            return self.host
+        d = self.device
+        dev = copies.to_host(d.pages, "hit_check")[: d.blocks]
+        return np.concatenate([self.host, dev.reshape(-1, dev.shape[-1])])
+
+
 class PrefillLoad:
     """The PE half of one request's load.
 
@@ -152,6 +206,7 @@ class PrefillLoad:
         self._sends: list[futures.Future[None]] = []
         self.pe_read_bytes = 0
         self.de_read_blocks = 0
+        self._no_rows = np.zeros((0, ctx.cfg.kv_width), np_dtype(ctx.cfg.kv_dtype))
 
     # 1-2: reads ------------------------------------------------------------------------------
 
@@ -203,15 +258,7 @@ class PrefillLoad:
 
     def _drop_de_layers(self) -> None:
         ctx, job = self.ctx, self.job
-        spec = [
-            (
-                (
-                    self.de_read_blocks * ctx.layout.block_tokens,
-                    ctx.layout.bytes_per_token_per_layer,
-                ),
-                np.uint8,
-            )
-        ]
+        spec = self._de_layer_spec()
         for i in range(ctx.cfg.num_layers):
             ctx.channel.pull(
                 job.de_address,
@@ -220,6 +267,11 @@ class PrefillLoad:
                 ctx.timeout_s,
                 abort=self._abort,
             )
+
+    def _de_layer_spec(self):
+        lay = self.ctx.layout
+        rows = _padded_blocks(self.de_read_blocks) * lay.block_tokens
+        return [((rows, lay.bytes_per_token_per_layer), np.uint8)]
 
     def _stream(self) -> None:
         ctx, job = self.ctx, self.job
@@ -237,43 +289,37 @@ class PrefillLoad:
                 self._consumed.acquire()
                 if self._closed:
                     return
-                parts = []
+                host = self._no_rows
                 if p_used:
-                    rows = _block_rows(self._res, 0, p_used, i, bt)
+                    host = bytes_to_kv_rows(_block_rows(self._res, 0, p_used, i, bt), ctx.cfg)
                     ctx.charge(
                         job,
                         P.h2d_path(job.pe_engine, job.pe_node),
-                        rows.nbytes,
+                        host.nbytes,
                         L.TrafficClass.HIGH,
                     )
-                    parts.append(rows)
+                device = None
                 if d_used:
+                    # The DE's blocks stay on the device they were pulled to: bitcast to KV
+                    # rows there, placed into the layer's pages by the forward's page assembly.
                     (arr,) = ctx.channel.pull(
                         job.de_address,
                         job.uuid(Part.DE_LAYER, layer=i),
-                        [
-                            (
-                                (self.de_read_blocks * bt, ctx.layout.bytes_per_token_per_layer),
-                                np.uint8,
-                            )
-                        ],
+                        self._de_layer_spec(),
                         ctx.timeout_s,
                         abort=self._abort,
                     )
-                    rows = np.asarray(arr)[: d_used * bt]
                     ctx.charge(
                         job,
                         P.engine_to_engine_path(
                             job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                         ),
-                        rows.nbytes,
+                        d_used * bt * ctx.layout.bytes_per_token_per_layer,
                         L.TrafficClass.HIGH,
                     )
-                    parts.append(rows)
-                value = np.concatenate(parts) if len(parts) > 1 else (parts[0] if parts else None)
-                self.readiness.set_ready(
-                    i, None if value is None else bytes_to_kv_rows(value, ctx.cfg)
-                )
+                    pages = _bytes_to_pages(arr, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
+                    device = DevicePages(pages, d_used)
+                self.readiness.set_ready(i, HitLayer(host, device))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the waiter
             self.readiness.set_error(e)
 
@@ -390,9 +436,14 @@ class DecodeLoad:
                 path = P.engine_to_engine_path(
                     job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                 )
+                padded = _padded_blocks(self.de_hits) * bt
                 for i in range(ctx.cfg.num_layers):
                     rows = _block_rows(res, p, self.de_hits, i, bt)
                     ctx.charge(job, path, rows.nbytes, L.TrafficClass.HIGH)
+                    if padded > len(rows):
+                        rows = np.concatenate(
+                            [rows, np.zeros((padded - len(rows), rows.shape[1]), np.uint8)]
+                        )
                     ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [rows])
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False
@@ -421,7 +472,7 @@ class DecodeLoad:
                     ctx.timeout_s,
                     abort=self._abort,
                 )
-                data = np.asarray(arr)
+                data = copies.to_host(arr, "de_buffer")  # into the DE buffer (host memory)
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)
             k += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent import futures
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,12 +14,13 @@ from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.kvstore.identity import block_keys, key_path, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import DevicePages, LayerPages, ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.copies import COPIES
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
 from dualpath_jax.transfer.traffic import TrafficManager
 
@@ -105,7 +107,8 @@ def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=F
 
         def load(i, batch=batch):
             if i not in hit_rows:
-                hit_rows[i] = pe.readiness.wait(i, 20.0)
+                hit = pe.readiness.wait(i, 20.0)
+                hit_rows[i] = hit.to_numpy() if hit is not None else None
                 pe.consumed()
             parts = [x for x in [hit_rows[i], *done_rows.get(i, [])] if x is not None]
             rows = np.zeros((1, batch.c_pad, CFG.kv_width), np.float32)
@@ -252,3 +255,63 @@ def test_emulated_rates_slow_the_store_read(prompt_and_kv, runner):
         assert cluster.traffic.bytes(snic) == 4 * per_block
     finally:
         cluster.close()
+
+
+@pytest.mark.parametrize("pe_blocks, de_blocks", [(0, 4), (1, 3)])
+def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe_blocks, de_blocks):
+    """The PE's forward over a hit read (partly) by the DE, its pages assembled as the prefill
+    engine assembles them (`HitLayer.segments` -> `LayerPages.assemble`): the logits equal the
+    recomputed prompt's, the DE-read blocks are never copied to the PE's host memory, and each
+    layer costs at most one host-to-device copy of pages."""
+    cluster, prompt, kv, keys = stored
+    job = LoadJob(
+        "r2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
+        cluster.pe.channel.address, cluster.de.channel.address,
+    )  # fmt: skip
+    de = DecodeLoad(cluster.de, job).start()
+    pe = PrefillLoad(cluster.pe, job).start()
+    h = pe.hit_blocks()
+    assert h == 4
+    pe.stream()
+    batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
+    pe.begin_chunk(h * BT, len(prompt), True)
+    COPIES.reset()
+
+    def load(i):
+        hit = pe.readiness.wait(i, 20.0)
+        pe.consumed()
+        assert hit.device is not None and hit.device.blocks == de_blocks
+        assert hit.tokens == h * BT
+        return LayerPages.assemble([hit.segments()], BT, CFG.kv_width, CFG.kv_dtype)
+
+    res = runner.prefill_layerwise(batch, load, lambda i, rows: None)
+    # (The DE half runs in this process too: its copies into the DE buffer are its own.)
+    assert COPIES.copies("d2h") == COPIES.copies("d2h", "de_buffer"), COPIES.snapshot()
+    assert COPIES.copies("h2d", "prefill_pages") == CFG.num_layers, COPIES.snapshot()
+    full, _ = runner.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
+    np.testing.assert_allclose(
+        np.asarray(res.last_logits), np.asarray(full.last_logits), atol=2e-5, rtol=1e-5
+    )
+    pe.close()
+    de.close()
+
+
+def test_assembled_pages_equal_host_packed_pages():
+    """`LayerPages.assemble` with a device segment in the middle of a request's rows (and two
+    later host segments that do not start on a page) reads back as `from_rows` of the same rows."""
+    rs = np.random.RandomState(2)
+    w = CFG.kv_width
+    a, d, c1, c2 = (rs.randn(n, w).astype(np.float32) for n in (2 * BT, 3 * BT, 5, 9))
+    other = rs.randn(BT + 3, w).astype(np.float32)
+    dev = np.zeros((4, BT, w), np.float32)  # padded to 4 pages, 3 real
+    dev[:3] = d.reshape(3, BT, w)
+    segs = [[a, DevicePages(jnp.asarray(dev), 3), c1, c2], [other]]
+    got = LayerPages.assemble(segs, BT, w, np.float32)
+    want = LayerPages.from_rows([np.concatenate([a, d, c1, c2]), other], BT, w, np.float32)
+
+    def rows(lp, b, n):
+        pages, table = np.asarray(lp.pages), np.asarray(lp.table)
+        return np.concatenate([pages[p, 0] for p in table[b] if p])[:n]
+
+    for b, n in ((0, 5 * BT + 14), (1, BT + 3)):
+        np.testing.assert_array_equal(rows(got, b, n), rows(want, b, n))
