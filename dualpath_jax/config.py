@@ -189,6 +189,11 @@ class ClusterConfig:
     # gen tokens) are free; until then it waits in the DE's queue.
     decode_kv_bytes: int = 0
     decode_kv_fraction: float = 0.0
+    # Each engine's host buffer (the PE buffer or DE buffer: KV staged in host memory) holds at
+    # least this many tokens of the served model's KV, every layer (64K: a long agentic
+    # context of any model), and at least `hardware.dram_buffer_bytes`. A request whose prompt
+    # (DE) or hit (PE) needs more than the whole buffer fails with an error naming both.
+    host_buffer_tokens: int = 65536
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
     # Context (cached + new tokens) one PE forward batch may hold on the device, 0: unbounded.

@@ -139,7 +139,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     faults = load_plan(c.fault_file)
     store = wrap_store(open_store(cfg, spec.workdir), faults, who)
     name = "PE buffer" if spec.role == "prefill" else "DE buffer"
-    buffer = HostBufferPool.for_bytes(layout, cfg.hardware.dram_buffer_bytes, name)
+    buffer = HostBufferPool.for_config(cfg, layout, name)
     bind = host_port(c.transfer_host, 0)
     channel = wrap_channel(JaxTransferChannel(bind=bind, transport_addresses=[bind]), faults, who)
     traffic = TrafficManager(cfg.hardware)

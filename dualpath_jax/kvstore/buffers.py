@@ -25,10 +25,13 @@ from dualpath_jax.model.layout import BlockLayout
 class BufferFull(RuntimeError):
     """A host buffer cannot hold the requested blocks (now, or ever when over capacity)."""
 
-    def __init__(self, name: str, requested: int, free: int, capacity: int):
+    def __init__(self, name: str, requested: int, free: int, capacity: int, setting: str = ""):
+        over = requested > capacity
         super().__init__(
             f"{name}: {requested} block(s) requested, {free} free of {capacity}"
-            + (" (more than the whole buffer)" if requested > capacity else "")
+            + (" (more than the whole buffer" if over else "")
+            + (f"; its size is set by {setting}" if over and setting else "")
+            + (")" if over else "")
         )
         self.requested = requested
         self.free = free
@@ -104,11 +107,21 @@ class HostBufferPool:
     once at construction so later use does not page-fault.
     """
 
-    def __init__(self, layout: BlockLayout, capacity_blocks: int, name: str = "host buffer"):
+    def __init__(
+        self,
+        layout: BlockLayout,
+        capacity_blocks: int,
+        name: str = "host buffer",
+        setting: str = "",
+    ):
         if capacity_blocks <= 0:
-            raise ValueError(f"{name}: capacity_blocks must be positive, got {capacity_blocks}")
+            raise ValueError(
+                f"{name}: capacity_blocks must be positive, got {capacity_blocks}"
+                + (f" (set by {setting})" if setting else "")
+            )
         self.layout = layout
         self.name = name
+        self.setting = setting  # the config setting that sizes the pool, named in errors
         self.capacity_blocks = capacity_blocks
         self.slab = np.zeros((capacity_blocks, *layout.shape), np.uint8)
         self.slab.fill(0)  # commit the pages now rather than on the first read into them
@@ -120,10 +133,31 @@ class HostBufferPool:
 
     @classmethod
     def for_bytes(
-        cls, layout: BlockLayout, capacity_bytes: float, name: str = "host buffer"
+        cls,
+        layout: BlockLayout,
+        capacity_bytes: float,
+        name: str = "host buffer",
+        setting: str = "",
     ) -> HostBufferPool:
         """A pool of as many Full Blocks as fit in `capacity_bytes` (e.g. `dram_buffer_bytes`)."""
-        return cls(layout, int(capacity_bytes // layout.nbytes), name)
+        return cls(layout, int(capacity_bytes // layout.nbytes), name, setting)
+
+    @classmethod
+    def for_config(cls, cfg, layout: BlockLayout, name: str) -> HostBufferPool:
+        """An engine's buffer: room for `cluster.host_buffer_tokens` tokens of the model, and
+        at least `hardware.dram_buffer_bytes` (an `ExperimentConfig`)."""
+        blocks = max(
+            -(-cfg.cluster.host_buffer_tokens // layout.block_tokens),
+            int(cfg.hardware.dram_buffer_bytes // layout.nbytes),
+        )
+        return cls(layout, blocks, name, "cluster.host_buffer_tokens / hardware.dram_buffer_bytes")
+
+    @classmethod
+    def for_tokens(
+        cls, layout: BlockLayout, tokens: int, name: str = "host buffer", setting: str = ""
+    ) -> HostBufferPool:
+        """A pool of the Full Blocks that hold `tokens` tokens (every layer)."""
+        return cls(layout, -(-tokens // layout.block_tokens), name, setting)
 
     @property
     def free_blocks(self) -> int:
@@ -163,7 +197,9 @@ class HostBufferPool:
                     break
                 self._cond.wait(left)
             self._refused += 1
-            raise BufferFull(self.name, n_blocks, len(self._free_slots), self.capacity_blocks)
+            raise BufferFull(
+                self.name, n_blocks, len(self._free_slots), self.capacity_blocks, self.setting
+            )
 
     def _take(self, n: int, owner: str) -> BufferReservation | None:
         if n > len(self._free_slots):

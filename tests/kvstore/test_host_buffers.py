@@ -97,3 +97,33 @@ def test_bad_requests(pool):
     with pytest.raises(ValueError):
         HostBufferPool(LAYOUT, 0)
     assert len(pool.reserve(0)) == 0
+
+
+def test_engine_buffers_hold_a_long_context_of_the_served_model():
+    """`for_config`: room for `cluster.host_buffer_tokens` tokens of the model at hand (not a
+    fixed byte count that holds ~1K tokens of a 7B model), at least `dram_buffer_bytes`; a
+    prompt larger than the whole buffer is refused with the settings named."""
+    import dataclasses
+
+    from dualpath_jax.config import ExperimentConfig
+    from dualpath_jax.presets import QWEN25_7B, TINY_QWEN2
+
+    base = ExperimentConfig()
+    for model in (QWEN25_7B, TINY_QWEN2):
+        cfg = dataclasses.replace(base, model=model)
+        layout = BlockLayout.for_model(model, cfg.store.block_tokens)
+        blocks = -(-cfg.cluster.host_buffer_tokens // layout.block_tokens)
+        want = max(blocks, int(cfg.hardware.dram_buffer_bytes // layout.nbytes))
+        assert want * layout.block_tokens >= 65536
+        if model is QWEN25_7B:  # 64K tokens of 7B KV: 3.5 GiB, far past the 64 MiB floor
+            assert want == blocks
+            continue
+        small = dataclasses.replace(
+            cfg,
+            cluster=dataclasses.replace(cfg.cluster, host_buffer_tokens=4 * layout.block_tokens),
+            hardware=dataclasses.replace(cfg.hardware, dram_buffer_bytes=layout.nbytes),
+        )
+        pool = HostBufferPool.for_config(small, layout, "DE buffer")
+        assert pool.capacity_blocks == 4
+        with pytest.raises(BufferFull, match="cluster.host_buffer_tokens"):
+            pool.reserve(5)
