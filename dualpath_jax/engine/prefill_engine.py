@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
@@ -34,7 +35,7 @@ from dualpath_jax.model.runner import (
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer import copies
-from dualpath_jax.transfer.loader import LoaderContext, PrefillLoad
+from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +228,9 @@ class PrefillEngine:
                 self.fail(ch.request_id, e)
             return
         for r, ch in zip(reqs, chunks):
-            r.load.begin_chunk(ch.cached, ch.cached + ch.bsz, plan.finishes(ch.request_id))
+            r.load.begin_chunk(
+                ch.cached, ch.cached + ch.bsz, plan.finishes(ch.request_id), batch.n_pad
+            )
 
         def load_layer(i: int) -> LayerPages:
             # Each request's cached rows (its hit's layer blocks, then earlier chunks' rows) in
@@ -240,14 +243,16 @@ class PrefillEngine:
             return LayerPages.assemble(segments, self.bt, c.model.kv_width, c.model.kv_dtype)
 
         def emit_layer(i: int, rows) -> None:
-            # One host copy of the layer, sliced on the host: the rows go to the host to be sent
-            # anyway, and slicing the device array compiled a program per new request length.
-            rows = copies.to_host(rows, "new_rows")
+            # Each request's rows go to its DE from the device, padded to the batch's length (one
+            # program per batch shape, not per request length). A request with chunks to come
+            # keeps this chunk's rows on the host for its next forward (one copy of the layer).
+            host = None
             for b, (r, ch) in enumerate(zip(reqs, chunks)):
-                new = rows[b, : ch.bsz]
                 if not plan.finishes(ch.request_id):
-                    r.done_rows.setdefault(i, []).append(new)
-                r.load.send_layer(i, new)
+                    if host is None:
+                        host = copies.to_host(rows, "chunk_rows")
+                    r.done_rows.setdefault(i, []).append(host[b, : ch.bsz])
+                r.load.send_layer(i, DeviceRows(rows, b, ch.bsz))
 
         try:
             if all(r.msg.layerwise for r in reqs):
@@ -264,9 +269,8 @@ class PrefillEngine:
                     else None
                 )
                 res, new = self.runner.prefill_program(batch, kv)
-                new = np.asarray(new)  # one device-to-host copy of every layer's rows
-                for i in range(c.model.num_layers):
-                    emit_layer(i, new[i])
+                for i, rows in enumerate(_layers(new)):
+                    emit_layer(i, rows)
             logits = np.asarray(res.last_logits)
             pad = [0] * (logits.shape[0] - len(reqs))
             first = sample_at(  # the first generated token sits at position len(prompt)
@@ -296,6 +300,12 @@ class PrefillEngine:
             )
             del self.reqs[ch.request_id]
             self.ctx.pool.submit(_finish_sends, r.load, self.ctx.timeout_s)
+
+
+@jax.jit
+def _layers(rows):
+    """`[L, B, N, W]` -> L device arrays `[B, N, W]` (one program per shape)."""
+    return tuple(rows[i] for i in range(rows.shape[0]))
 
 
 def _finish_sends(load: PrefillLoad, timeout_s: float) -> None:

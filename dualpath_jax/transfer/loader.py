@@ -157,6 +157,24 @@ def _bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
 
 
 @dataclasses.dataclass(frozen=True)
+class DeviceRows:
+    """Request `b`'s first `n` new KV rows in a forward's layer output `rows` `[B, N_pad, W]`
+    (on the device): what `PrefillLoad.send_layer` offers to the DE without a host copy."""
+
+    rows: jax.Array
+    b: int
+    n: int
+
+
+@jax.jit
+def _row_bytes(rows, b):
+    """rows `[B, N, W]` -> request b's rows as bytes `[N, W * itemsize]` uint8, on the device
+    (one compiled program per batch shape, whichever request)."""
+    x = jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+
+
+@dataclasses.dataclass(frozen=True)
 class HitLayer:
     """One layer of a request's effective hit, as the PE's forward takes it: the PE-read
     blocks' rows from the PE buffer (`host` `[p * bt, W]`, KV dtype) and the DE-read blocks as
@@ -325,9 +343,10 @@ class PrefillLoad:
 
     # 4: PE -> DE --------------------------------------------------------------------------
 
-    def begin_chunk(self, t0: int, t1: int, last: bool) -> None:
+    def begin_chunk(self, t0: int, t1: int, last: bool, n_pad: int | None = None) -> None:
         """Announces that the next forward computes prompt tokens `[t0, t1)` of this request
-        (`last`: its final chunk). Layer rows follow through `send_layer`."""
+        (`last`: its final chunk). Layer rows follow through `send_layer`: host rows
+        `[t1 - t0, W]`, or `DeviceRows` of a layer output padded to `n_pad` rows."""
         ctx, job = self.ctx, self.job
         bt = ctx.layout.block_tokens
         hit_tokens = min(job.pe_blocks, self.hit_blocks()) * bt
@@ -337,46 +356,53 @@ class PrefillLoad:
                 self._prefix = hit_tokens  # the PE-read hit rows travel with this chunk's rows
             else:  # split path: the hit rows are not contiguous with the new rows
                 self._offer_piece(0, hit_tokens, False, lambda i: None)
-        self._piece = self._offer_meta(t0 - self._prefix, t1, last)
+        n_pad = t1 - t0 if n_pad is None else n_pad
+        self._piece = self._offer_meta(t0 - self._prefix, t1, last, self._prefix, n_pad)
 
-    def send_layer(self, layer: int, rows) -> None:
-        """Layer `layer`'s KV rows `[t1 - t0, W]` (host or device array) of the current chunk,
-        copied and sent asynchronously."""
+    def send_layer(self, layer: int, rows: np.ndarray | DeviceRows) -> None:
+        """Layer `layer`'s KV rows of the current chunk, sent asynchronously: host rows
+        `[t1 - t0, W]`, or `DeviceRows` (offered from the device as they are: no host copy)."""
         piece, prefix = self._piece, self._prefix
         self._sends.append(self.ctx.pool.submit(self._send, piece, layer, rows, prefix))
 
-    def _offer_meta(self, t0: int, t1: int, last: bool) -> int:
+    def _offer_meta(self, t0: int, t1: int, last: bool, prefix: int, n_pad: int) -> int:
+        """Piece meta `[t0, t1, last, prefix, n_pad]`: the piece holds tokens `[t0, t1)`, its
+        first `prefix` rows from the PE buffer (one array), the rest as the first rows of an
+        array of `n_pad` rows."""
         k = self._chunk
         self._chunk += 1
-        self.ctx.channel.offer(
-            self.job.uuid(Part.PE_PIECE, k), [np.array([t0, t1, int(last)], np.int32)]
-        )
+        meta = np.array([t0, t1, int(last), prefix, n_pad], np.int32)
+        self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [meta])
         return k
 
     def _offer_piece(
         self, t0: int, t1: int, last: bool, rows_of: Callable[[int], np.ndarray | None]
     ) -> None:
-        k = self._offer_meta(t0, t1, last)
+        k = self._offer_meta(t0, t1, last, t1 - t0, 0)
         for i in range(self.ctx.cfg.num_layers):
             self._send(k, i, rows_of(i), t1 - t0)
 
-    def _send(self, piece: int, layer: int, rows: np.ndarray | None, prefix: int) -> None:
+    def _send(
+        self, piece: int, layer: int, rows: np.ndarray | DeviceRows | None, prefix: int
+    ) -> None:
         ctx, job = self.ctx, self.job
-        parts = []
+        bt, width = ctx.layout.block_tokens, ctx.layout.bytes_per_token_per_layer
+        arrays: list = []
+        nbytes = 0
         if prefix:
-            parts.append(
-                _block_rows(
-                    self._res, 0, prefix // ctx.layout.block_tokens, layer, ctx.layout.block_tokens
-                )
-            )
-        if rows is not None:
-            parts.append(kv_rows_to_bytes(np.asarray(rows)))
-        data = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            arrays.append(_block_rows(self._res, 0, prefix // bt, layer, bt))
+            nbytes += arrays[-1].nbytes
+        if isinstance(rows, DeviceRows):
+            arrays.append(_row_bytes(rows.rows, rows.b))
+            nbytes += rows.n * width
+        elif rows is not None:
+            arrays.append(kv_rows_to_bytes(copies.to_host(rows, "new_rows")))
+            nbytes += arrays[-1].nbytes
         path = P.engine_to_engine_path(
             job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
         )
-        ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
-        ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), [data])
+        ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
+        ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every layer sent so far has been offered; raises a send's error."""
@@ -454,25 +480,31 @@ class DecodeLoad:
             (meta,) = ctx.channel.pull(
                 job.pe_address,
                 job.uuid(Part.PE_PIECE, k),
-                [((3,), np.int32)],
+                [((5,), np.int32)],
                 ctx.start_timeout_s or ctx.timeout_s,
                 abort=self._abort,
             )
-            t0, t1, last_flag = (int(x) for x in np.asarray(meta))
+            t0, t1, last_flag, prefix, n_pad = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
-            specs = [((t1 - t0, width), np.uint8)]
+            new = t1 - t0 - prefix
+            specs = [((prefix, width), np.uint8)] if prefix else []
+            specs += [((n_pad, width), np.uint8)] if new else []
             path = P.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
             )
             for i in range(ctx.cfg.num_layers):
-                (arr,) = ctx.channel.pull(
+                arrays = ctx.channel.pull(
                     job.pe_address,
                     job.uuid(Part.PE_LAYER, k, i),
                     specs,
                     ctx.timeout_s,
                     abort=self._abort,
                 )
-                data = copies.to_host(arr, "de_buffer")  # into the DE buffer (host memory)
+                # Into the DE buffer (host memory); the new rows' padding is dropped.
+                parts = [copies.to_host(a, "de_buffer") for a in arrays]
+                if new:
+                    parts[-1] = parts[-1][:new]
+                data = np.concatenate(parts) if len(parts) > 1 else parts[0]
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)
             k += 1

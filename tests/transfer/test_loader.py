@@ -21,7 +21,13 @@ from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.copies import COPIES
-from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
+from dualpath_jax.transfer.loader import (
+    DecodeLoad,
+    DeviceRows,
+    LoaderContext,
+    LoadJob,
+    PrefillLoad,
+)
 from dualpath_jax.transfer.traffic import TrafficManager
 
 BT = 16
@@ -260,9 +266,10 @@ def test_emulated_rates_slow_the_store_read(prompt_and_kv, runner):
 @pytest.mark.parametrize("pe_blocks, de_blocks", [(0, 4), (1, 3)])
 def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe_blocks, de_blocks):
     """The PE's forward over a hit read (partly) by the DE, its pages assembled as the prefill
-    engine assembles them (`HitLayer.segments` -> `LayerPages.assemble`): the logits equal the
-    recomputed prompt's, the DE-read blocks are never copied to the PE's host memory, and each
-    layer costs at most one host-to-device copy of pages."""
+    engine assembles them (`HitLayer.segments` -> `LayerPages.assemble`) and its new rows sent
+    from the device (`DeviceRows`): the logits equal the recomputed prompt's, the DE buffer holds
+    the right prompt KV, nothing is copied to the PE's host memory (not the DE-read blocks, not
+    the new rows), and each layer costs one host-to-device copy of pages."""
     cluster, prompt, kv, keys = stored
     job = LoadJob(
         "r2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
@@ -274,7 +281,7 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     assert h == 4
     pe.stream()
     batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
-    pe.begin_chunk(h * BT, len(prompt), True)
+    pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
     COPIES.reset()
 
     def load(i):
@@ -284,7 +291,12 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
         assert hit.tokens == h * BT
         return LayerPages.assemble([hit.segments()], BT, CFG.kv_width, CFG.kv_dtype)
 
-    res = runner.prefill_layerwise(batch, load, lambda i, rows: None)
+    new = len(prompt) - h * BT  # the new rows go to the DE from the device, padded
+    res = runner.prefill_layerwise(
+        batch, load, lambda i, rows: pe.send_layer(i, DeviceRows(rows, 0, new))
+    )
+    pe.flush()
+    de.wait(20.0)
     # (The DE half runs in this process too: its copies into the DE buffer are its own.)
     assert COPIES.copies("d2h") == COPIES.copies("d2h", "de_buffer"), COPIES.snapshot()
     assert COPIES.copies("h2d", "prefill_pages") == CFG.num_layers, COPIES.snapshot()
@@ -292,6 +304,9 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     np.testing.assert_allclose(
         np.asarray(res.last_logits), np.asarray(full.last_logits), atol=2e-5, rtol=1e-5
     )
+    de_kv = de.prompt_kv()
+    assert de_kv[:, : 4 * BT].tobytes() == kv[:, : 4 * BT].tobytes()
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)
     pe.close()
     de.close()
 
