@@ -69,28 +69,22 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
 
     scan_ms, scan_wall = timed(dec.advance)
     d = dec._dev  # the decoder's device state, as its own step passes it
-    step = decode._step_fn(runner)
-    leaves = runner.stacked_leaves[1]
 
-    def launch():  # the compiled step alone, called as `advance` calls it
-        logits, dec._pending, dec.pages, lengths = step(
-            leaves, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
-            d["seeds"], d["temps"],
-        )  # fmt: skip
-        d["lengths"] = lengths
-        return dec._pending
+    def calling(fn, params):
+        """A call of a compiled step `fn` on the decoder's state, as `advance` calls its own."""
 
-    launch_ms, _ = timed(launch)
-    fn, params = _per_layer(runner)
+        def call():
+            logits, dec._pending, dec.pages, lengths = fn(
+                params, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
+                d["seeds"], d["temps"],
+            )  # fmt: skip
+            d["lengths"] = lengths
+            return dec._pending
 
-    def per_layer():
-        logits, dec._pending, dec.pages, lengths = fn(
-            params, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
-            d["seeds"], d["temps"],
-        )  # fmt: skip
-        d["lengths"] = lengths
-        return dec._pending
+        return call
 
+    launch_ms, _ = timed(calling(decode._step_fn(runner), runner.stacked_leaves[1]))
+    per_layer = calling(*_per_layer(runner))
     jax.block_until_ready(per_layer())
     layer_ms, layer_wall = timed(per_layer)
     return {
