@@ -169,7 +169,7 @@ def run_one_request(pe_blocks: int, de_blocks: int):
     seen = {}
 
     def load(i):  # layer i's hit KV, from the PE buffer and/or from the DE buffer
-        seen[i] = pe.readiness.wait(i, 20.0)  # [hit, W]
+        seen[i] = pe.readiness.wait(i, 20.0).to_numpy()  # [hit, W] (a HitLayer: host and device parts)
         pe.consumed()
         rows = np.zeros((1, b.c_pad, CFG.kv_width), np.float32)
         rows[0, :hit] = seen[i]
