@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import statistics
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from jax.sharding import SingleDeviceSharding
+from layerwise import median_seconds  # a sibling script: bench/ is on the path
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model.layout import np_dtype
@@ -68,16 +68,6 @@ PEAKS: dict[str, tuple[float, float]] = {
 }
 ROOFLINE_LAYERS = 8  # of Qwen2.5-7B's 28: the weights of 8 layers and the head fit and load fast
 REPEATS = 5
-
-
-def _median_s(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    jax.block_until_ready(fn())  # warm-up: compiles
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _kernel_checks(quick: bool) -> dict:
@@ -230,7 +220,7 @@ def _roofline(quick: bool) -> dict:
         res, new_kv = runner.prefill_program(pb, kv)
         return res.last_logits, new_kv
 
-    t_prefill = _median_s(prefill, 3)
+    t_prefill = median_seconds(prefill, 3)
 
     # No `warmup()`: it compiles every table width a slot may pass, and the timed steps pass one.
     dec = Decoder(runner, slots, context + 64)
@@ -238,7 +228,7 @@ def _roofline(quick: bool) -> dict:
     for s in range(slots):
         dec.insert(s, prompt_kv, context, 1)
     del prompt_kv
-    t_decode = _median_s(dec.advance)
+    t_decode = median_seconds(dec.advance, REPEATS)
     return {
         "device_kind": dev.device_kind,
         "model": {
@@ -279,8 +269,8 @@ def _h2d(quick: bool) -> dict:
     pinned = jax.device_put(host, SingleDeviceSharding(dev, memory_kind="pinned_host"))
     to_dev = SingleDeviceSharding(dev, memory_kind="device")
     t = {
-        "pageable": _median_s(lambda: jax.device_put(host, dev)),
-        "pinned": _median_s(lambda: jax.device_put(pinned, to_dev)),
+        "pageable": median_seconds(lambda: jax.device_put(host, dev), REPEATS),
+        "pinned": median_seconds(lambda: jax.device_put(pinned, to_dev), REPEATS),
     }
     return {
         "bytes": nbytes,
@@ -309,7 +299,7 @@ def _channel(quick: bool) -> dict:
                 return receiver.pull(sender.address, uuid, specs, timeout_s=60.0)
 
             intact = all(np.array_equal(a, b) for a, b in zip(move(), blocks))
-            seconds = _median_s(move)
+            seconds = median_seconds(move, REPEATS)
     except Exception as e:
         raise RuntimeError(
             f"two JaxTransferChannels in one process failed ({type(e).__name__}: {e});"

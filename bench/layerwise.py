@@ -70,7 +70,8 @@ class Shapes:
 TINY = Shapes(layers=3, hidden=64, heads=4, kv_heads=2, intermediate=96, cached=80, new=16)
 
 
-def _timed(fn, repeats: int) -> float:
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `fn()` (blocked until ready) over `repeats` runs after a warm-up."""
     jax.block_until_ready(fn())  # warm-up: compiles
     times = []
     for _ in range(repeats):
@@ -113,11 +114,11 @@ def measure(shapes: Shapes, repeats: int = 3) -> dict:
     dev = jax.devices()[0]
     to_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
     t = {
-        "resident": _timed(lambda: program(on_device), repeats),
-        "program": _timed(lambda: program(pinned), repeats),
-        "loop": _timed(loop, repeats),
-        "copy_pinned": _timed(lambda: jax.device_put(pinned.pages, to_dev), repeats),
-        "copy_pageable": _timed(lambda: jax.device_put(host.pages, to_dev), repeats),
+        "resident": median_seconds(lambda: program(on_device), repeats),
+        "program": median_seconds(lambda: program(pinned), repeats),
+        "loop": median_seconds(loop, repeats),
+        "copy_pinned": median_seconds(lambda: jax.device_put(pinned.pages, to_dev), repeats),
+        "copy_pageable": median_seconds(lambda: jax.device_put(host.pages, to_dev), repeats),
     }
     kv_bytes = int(host.pages.nbytes)
     return {
