@@ -194,6 +194,9 @@ class ClusterConfig:
     # context of any model), and at least `hardware.dram_buffer_bytes`. A request whose prompt
     # (DE) or hit (PE) needs more than the whole buffer fails with an error naming both.
     host_buffer_tokens: int = 65536
+    # The host buffers' memory: "pinned_host" (page-locked, through JAX's memory kinds: the
+    # device copies layers from it by DMA) or "pageable" (a numpy slab).
+    host_buffer_memory: str = "pinned_host"
     prefill_max_batch: int = 8
     prefill_max_tokens: int = 2048  # new tokens per forward batch (bounds padding and memory)
     # Context (cached + new tokens) one PE forward batch may hold on the device, 0: unbounded.
@@ -481,6 +484,7 @@ _CHOICES = {
     "model.attention_impl": ("auto", "reference", "xla", "pallas"),  # layers.ATTENTION_IMPLS
     "model.moe_impl": ("auto", "ragged_dot", "grouped", "gmm"),  # model.moe.MOE_IMPLS
     "store.kind": ("file", "memory", "spec"),
+    "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "workload.mode": ("offline", "online"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (

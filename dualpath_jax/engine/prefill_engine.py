@@ -258,16 +258,16 @@ class PrefillEngine:
             if all(r.msg.layerwise for r in reqs):
                 res = self.runner.prefill_layerwise(batch, load_layer, emit_layer)
             else:
-                # Basic: the whole hit is loaded before the forward starts, into pinned host
-                # memory, and the forward is one program that copies each layer's pages to the
-                # device as the layer runs; the new rows go to the DE after it.
-                kv = (
-                    CachedPages.from_layers(
-                        [load_layer(i) for i in range(c.model.num_layers)]
-                    ).to_host()
-                    if batch.c_pad
-                    else None
-                )
+                # Basic: the whole hit is loaded before the forward starts and the forward is
+                # one program; the new rows go to the DE after it. Hit pages assembled on the
+                # device (a pinned PE buffer copies its blocks there) stay there; host pages go
+                # to pinned host memory, and the program copies each layer's pages to the
+                # device as the layer runs.
+                kv = None
+                if batch.c_pad:
+                    kv = CachedPages.from_layers([load_layer(i) for i in range(c.model.num_layers)])
+                    if not isinstance(kv.pages, jax.Array):
+                        kv = kv.to_host()
                 res, new = self.runner.prefill_program(batch, kv)
                 for i, rows in enumerate(_layers(new)):
                     emit_layer(i, rows)

@@ -6,6 +6,13 @@ and hands out Full Block slots from a free list; each slot is addressable as its
 Blocks; buffer -> device and PE -> DE move Layer Blocks). Nothing is allocated per block after
 construction.
 
+Memory: by default the slab is the device's `pinned_host` memory (page-locked host memory that
+the device copies from by DMA, allocated through JAX's memory kinds); the pool hands out
+writable numpy views of it, so store reads land in pinned memory directly, and
+`BufferReservation.layer_pages` copies one layer of reserved blocks to device memory inside a
+compiled program (one host-to-device copy, no staging through pageable memory). `memory=
+"pageable"` keeps a plain numpy slab (a device without a `pinned_host` memory needs it).
+
 Lifecycle: `reserve` / `try_reserve` -> fill and use the views -> `release` (or leave the `with`
 block). A request the pool cannot hold now fails cleanly with `BufferFull` (back-pressure) instead
 of growing memory; `reserve(n, timeout_s=...)` waits for releases up to that long.
@@ -13,13 +20,17 @@ of growing memory; `reserve(n, timeout_s=...)` waits for releases up to that lon
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import threading
 import time
 
+import jax
 import numpy as np
 
 from dualpath_jax.model.layout import BlockLayout
+
+MEMORIES = ("pinned_host", "pageable")
 
 
 class BufferFull(RuntimeError):
@@ -83,6 +94,32 @@ class BufferReservation:
             return self._pool.slab[s[0] : s[-1] + 1, layer]
         return self._pool.slab[list(s), layer]
 
+    def layer_pages(
+        self, first: int, count: int, layer: int, pad_to: int = 0, purpose: str = "buffer_pages"
+    ) -> jax.Array:
+        """Layer `layer` of reserved blocks `[first, first + count)` in device memory, as bytes
+        `[max(count, pad_to), block_tokens, bytes]` uint8 (padding blocks repeat block `first`).
+
+        A pinned pool copies the blocks inside one compiled program (a page-sized slice of the
+        pinned slab moved to device memory per block); a pageable pool gathers them on the host
+        and copies once. Either way one host-to-device copy, counted under `purpose` (see
+        `transfer.copies`)."""
+        from dualpath_jax.transfer import copies
+
+        self._check()
+        if not 0 <= first <= first + count <= len(self.slots) or count == 0:
+            raise ValueError(
+                f"{self._pool.name}: blocks [{first}, {first + count}) of a reservation of "
+                f"{len(self.slots)}"
+            )
+        n = max(count, pad_to)
+        ids = list(self.slots[first : first + count]) + [self.slots[first]] * (n - count)
+        pool = self._pool
+        if pool.pinned is None:
+            return copies.to_device(pool.slab[ids, layer], purpose, pool.device)
+        copies.count("h2d", purpose, n * pool.layout.layer_nbytes)
+        return _slab_layer_to_device(pool.pinned, np.asarray(ids, np.int32), np.int32(layer))
+
     def release(self) -> None:
         """Returns the slots to the pool (idempotent)."""
         if not self.released:
@@ -103,8 +140,10 @@ class BufferReservation:
 class HostBufferPool:
     """A bounded pool of host memory in Full Block slots (PE buffer or DE buffer).
 
-    `slab`: `[capacity_blocks, n_layers, block_tokens, bytes_per_token_per_layer]` uint8, touched
-    once at construction so later use does not page-fault.
+    `slab`: `[capacity_blocks, n_layers, block_tokens, bytes_per_token_per_layer]` uint8, a
+    writable numpy view of `pinned` (the same bytes as a `pinned_host` jax array on `device`) when
+    `memory="pinned_host"`, else a plain numpy array; committed at construction so later use does
+    not page-fault.
     """
 
     def __init__(
@@ -113,7 +152,11 @@ class HostBufferPool:
         capacity_blocks: int,
         name: str = "host buffer",
         setting: str = "",
+        memory: str = "pinned_host",
+        device: jax.Device | None = None,
     ):
+        if memory not in MEMORIES:
+            raise ValueError(f"{name}: memory must be one of {MEMORIES}, got {memory!r}")
         if capacity_blocks <= 0:
             raise ValueError(
                 f"{name}: capacity_blocks must be positive, got {capacity_blocks}"
@@ -123,8 +166,15 @@ class HostBufferPool:
         self.name = name
         self.setting = setting  # the config setting that sizes the pool, named in errors
         self.capacity_blocks = capacity_blocks
-        self.slab = np.zeros((capacity_blocks, *layout.shape), np.uint8)
-        self.slab.fill(0)  # commit the pages now rather than on the first read into them
+        self.memory = memory
+        self.device = device or jax.devices()[0]
+        shape = (capacity_blocks, *layout.shape)
+        self.pinned: jax.Array | None = None
+        if memory == "pinned_host":
+            self.pinned, self.slab = _pinned_slab(shape, self.device, name)
+        else:
+            self.slab = np.zeros(shape, np.uint8)
+            self.slab.fill(0)  # commit the pages now rather than on the first read into them
         self._free_slots = list(range(capacity_blocks - 1, -1, -1))  # pop() gives low slots first
         self._cond = threading.Condition()
         self._reservations = 0
@@ -138,26 +188,37 @@ class HostBufferPool:
         capacity_bytes: float,
         name: str = "host buffer",
         setting: str = "",
+        **kw,
     ) -> HostBufferPool:
         """A pool of as many Full Blocks as fit in `capacity_bytes` (e.g. `dram_buffer_bytes`)."""
-        return cls(layout, int(capacity_bytes // layout.nbytes), name, setting)
+        return cls(layout, int(capacity_bytes // layout.nbytes), name, setting, **kw)
 
     @classmethod
-    def for_config(cls, cfg, layout: BlockLayout, name: str) -> HostBufferPool:
+    def for_config(
+        cls, cfg, layout: BlockLayout, name: str, device: jax.Device | None = None
+    ) -> HostBufferPool:
         """An engine's buffer: room for `cluster.host_buffer_tokens` tokens of the model, and
-        at least `hardware.dram_buffer_bytes` (an `ExperimentConfig`)."""
+        at least `hardware.dram_buffer_bytes` (an `ExperimentConfig`), in the memory
+        `cluster.host_buffer_memory` names."""
         blocks = max(
             -(-cfg.cluster.host_buffer_tokens // layout.block_tokens),
             int(cfg.hardware.dram_buffer_bytes // layout.nbytes),
         )
-        return cls(layout, blocks, name, "cluster.host_buffer_tokens / hardware.dram_buffer_bytes")
+        return cls(
+            layout,
+            blocks,
+            name,
+            "cluster.host_buffer_tokens / hardware.dram_buffer_bytes",
+            memory=cfg.cluster.host_buffer_memory,
+            device=device,
+        )
 
     @classmethod
     def for_tokens(
-        cls, layout: BlockLayout, tokens: int, name: str = "host buffer", setting: str = ""
+        cls, layout: BlockLayout, tokens: int, name: str = "host buffer", setting: str = "", **kw
     ) -> HostBufferPool:
         """A pool of the Full Blocks that hold `tokens` tokens (every layer)."""
-        return cls(layout, -(-tokens // layout.block_tokens), name, setting)
+        return cls(layout, -(-tokens // layout.block_tokens), name, setting, **kw)
 
     @property
     def free_blocks(self) -> int:
@@ -223,3 +284,38 @@ class HostBufferPool:
                 self._refused,
                 self._peak,
             )
+
+
+def _pinned_slab(shape: tuple[int, ...], device: jax.Device, name: str):
+    """A zeroed uint8 array of `shape` in `device`'s `pinned_host` memory and a writable numpy
+    view of its bytes (the pool writes store reads into the view; programs read the array)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(
+            f"{name}: {device} has no pinned_host memory (it has {sorted(kinds)}); "
+            "set cluster.host_buffer_memory='pageable'"
+        )
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+    # np.zeros maps the zero page lazily: the source of this copy costs no resident memory.
+    arr = jax.device_put(np.zeros(shape, np.uint8), sharding)
+    arr.block_until_ready()
+    nbytes = int(np.prod(shape))
+    raw = (ctypes.c_uint8 * nbytes).from_address(arr.unsafe_buffer_pointer())
+    raw.owner = arr  # a view outliving the pool keeps the memory alive
+    view = np.frombuffer(raw, np.uint8).reshape(shape)
+    return arr, view
+
+
+@jax.jit
+def _slab_layer_to_device(slab, ids, layer):
+    """slab `[C, L, bt, B]` in pinned host memory -> `[n, bt, B]` in device memory: block
+    `ids[j]`'s layer `layer`, one page-sized host slice moved to the device per step (the
+    dynamic-slice-then-move pattern XLA turns into DMA from pinned memory)."""
+    _, _, bt, width = slab.shape
+
+    def one(_, i):
+        page = jax.lax.dynamic_slice(slab, (i, layer, 0, 0), (1, 1, bt, width))
+        return None, jax.device_put(page[0, 0], jax.memory.Space.Device)
+
+    _, pages = jax.lax.scan(one, None, ids)
+    return pages

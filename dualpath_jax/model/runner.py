@@ -196,7 +196,10 @@ class LayerPages:
                     table[b, col : col + n] = np.arange(next_host, next_host + n)
                     next_host += n
                 col += n
-        pages = _grow_pages(copies.to_device(host, "prefill_pages"), total)
+        if host_pages:
+            pages = _grow_pages(copies.to_device(host, "prefill_pages"), total)
+        else:  # every segment already on the device: no host pages to copy
+            pages = _zero_pages(total, page_size, width, jnp.dtype(dtype).name)
         for blocks, ids in scatters:
             pages = _scatter_pages(pages, jnp.asarray(ids), blocks)
         return cls(pages, copies.to_device(table, "prefill_table"))
@@ -244,6 +247,12 @@ def _cat(parts, width, dtype) -> np.ndarray:
 def _grow_pages(pages, total):
     """pages `[p, 1, ps, W]` -> `[total, 1, ps, W]` (zero pages appended)."""
     return jnp.zeros((total, *pages.shape[1:]), pages.dtype).at[: pages.shape[0]].set(pages)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _zero_pages(total, page_size, width, dtype):
+    """`[total, 1, page_size, W]` zero pages made on the device."""
+    return jnp.zeros((total, 1, page_size, width), dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

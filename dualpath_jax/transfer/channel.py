@@ -43,6 +43,8 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from dualpath_jax.transfer import copies
+
 ArrayLike = jax.Array | np.ndarray
 Spec = tuple[tuple[int, ...], Any]  # (shape, dtype)
 
@@ -462,6 +464,8 @@ class JaxTransferChannel(KVChannel):
     def _to_device(self, a: ArrayLike) -> jax.Array:
         if isinstance(a, jax.Array) and a.sharding == self._sharding:
             return a
+        if not isinstance(a, jax.Array):
+            copies.count("h2d", "channel_offer", np.asarray(a).nbytes)
         return jax.device_put(a, self._sharding)
 
     def _prune_offers(self, now: float) -> None:
@@ -640,7 +644,7 @@ class InProcessChannel(KVChannel):
     def offer(self, uuid: int, arrays: Sequence[ArrayLike]) -> None:
         self._check_open()
         self._check_offer_args(uuid, arrays)
-        on_device = [jax.device_put(a, self._device) for a in arrays]
+        on_device = [copies.to_device(a, "channel_offer", self._device) for a in arrays]
         ttl = math.inf if self._offer_ttl_s is None else self._offer_ttl_s
         self._fabric.put(self._address, uuid, on_device, self._fabric.clock() + ttl)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))

@@ -59,6 +59,12 @@ class CopyCounter:
 COPIES = CopyCounter()
 
 
+def count(direction: str, purpose: str, nbytes: int) -> None:
+    """Counts a copy made inside a compiled program (e.g. a pinned host buffer's pages moved to
+    device memory): `direction` "h2d" or "d2h"."""
+    COPIES.add(direction, purpose, nbytes)
+
+
 def to_device(x: Any, purpose: str, device: Any = None) -> Any:
     """`jax.device_put(x, device)`, counted as a host-to-device copy of `purpose` (arrays
     already on a device are passed through uncounted)."""

@@ -137,6 +137,20 @@ def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: 
     return np.concatenate([res.block(first + j)[layer] for j in range(count)], axis=0)
 
 
+def _buffer_blocks(
+    res: BufferReservation, first: int, count: int, layer: int, bt: int, purpose: str, pad_to=0
+):
+    """Layer `layer` of reserved blocks `[first, first + count)` as `[max(count, pad_to), bt,
+    bytes]` uint8, what a channel offers: device memory from a pinned buffer (one in-program
+    copy), else host bytes (zero padding)."""
+    if res._pool.pinned is not None:
+        return res.layer_pages(first, count, layer, pad_to=pad_to, purpose=purpose)
+    rows = _block_rows(res, first, count, layer, bt).reshape(count, bt, -1)
+    if pad_to > count:
+        rows = np.concatenate([rows, np.zeros((pad_to - count, *rows.shape[1:]), np.uint8)])
+    return rows
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -149,10 +163,10 @@ def _padded_blocks(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
-    """Pulled layer bytes `[n * bt, W * itemsize]` uint8 -> pages `[n, bt, W]` in the KV dtype,
+    """Layer bytes `[n, bt, W * itemsize]` (or `[n * bt, ...]`) uint8 -> pages `[n, bt, W]` in the KV dtype,
     on the device (a bitcast: no copy through the host)."""
     dt = jnp.dtype(dtype)
-    x = data.reshape(data.shape[0] // block_tokens, block_tokens, width, dt.itemsize)
+    x = data.reshape(-1, block_tokens, width, dt.itemsize)
     return jax.lax.bitcast_convert_type(x[..., 0] if dt.itemsize == 1 else x, dt)
 
 
@@ -182,24 +196,29 @@ class HitLayer:
 
     host: np.ndarray
     device: DevicePages | None = None
+    # The PE-read blocks already in device memory (a pinned PE buffer copies them there inside
+    # a compiled program); `host` is then empty.
+    pe_device: DevicePages | None = None
 
     @property
     def tokens(self) -> int:
-        dev = self.device.blocks * self.device.pages.shape[1] if self.device is not None else 0
+        parts = (self.pe_device, self.device)
+        dev = sum(d.blocks * d.pages.shape[1] for d in parts if d is not None)
         return self.host.shape[0] + dev
 
     def segments(self) -> list[np.ndarray | DevicePages]:
         """The hit's segments in token order (for `LayerPages.assemble`)."""
         out: list[np.ndarray | DevicePages] = [self.host] if len(self.host) else []
-        return out + ([self.device] if self.device is not None else [])
+        return out + [d for d in (self.pe_device, self.device) if d is not None]
 
     def to_numpy(self) -> np.ndarray:
-        """All rows `[tokens, W]` on the host (a device-to-host copy of the device part)."""
-        if self.device is None:
-            return self.host
-        d = self.device
-        dev = copies.to_host(d.pages, "hit_check")[: d.blocks]
-        return np.concatenate([self.host, dev.reshape(-1, dev.shape[-1])])
+        """All rows `[tokens, W]` on the host (a device-to-host copy of the device parts)."""
+        parts = [self.host]
+        for d in (self.pe_device, self.device):
+            if d is not None:
+                dev = copies.to_host(d.pages, "hit_check")[: d.blocks]
+                parts.append(dev.reshape(-1, dev.shape[-1]))
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 class PrefillLoad:
@@ -288,8 +307,8 @@ class PrefillLoad:
 
     def _de_layer_spec(self):
         lay = self.ctx.layout
-        rows = _padded_blocks(self.de_read_blocks) * lay.block_tokens
-        return [((rows, lay.bytes_per_token_per_layer), np.uint8)]
+        blocks = _padded_blocks(self.de_read_blocks)
+        return [((blocks, lay.block_tokens, lay.bytes_per_token_per_layer), np.uint8)]
 
     def _stream(self) -> None:
         ctx, job = self.ctx, self.job
@@ -307,13 +326,23 @@ class PrefillLoad:
                 self._consumed.acquire()
                 if self._closed:
                     return
-                host = self._no_rows
+                host, pe_device = self._no_rows, None
                 if p_used:
-                    host = bytes_to_kv_rows(_block_rows(self._res, 0, p_used, i, bt), ctx.cfg)
+                    if ctx.buffer.pinned is not None:
+                        # Pinned PE buffer: one in-program copy of the layer's blocks to the
+                        # device, padded to a power of two (few compiled shapes).
+                        data = self._res.layer_pages(
+                            0, p_used, i, pad_to=_pow2(p_used), purpose="pe_buffer_pages"
+                        )
+                        pages = _bytes_to_pages(data, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
+                        pe_device = DevicePages(pages, p_used)
+                    else:
+                        rows = _block_rows(self._res, 0, p_used, i, bt)
+                        host = bytes_to_kv_rows(rows, ctx.cfg)
                     ctx.charge(
                         job,
                         P.h2d_path(job.pe_engine, job.pe_node),
-                        host.nbytes,
+                        p_used * bt * ctx.layout.bytes_per_token_per_layer,
                         L.TrafficClass.HIGH,
                     )
                 device = None
@@ -337,7 +366,7 @@ class PrefillLoad:
                     )
                     pages = _bytes_to_pages(arr, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                     device = DevicePages(pages, d_used)
-                self.readiness.set_ready(i, HitLayer(host, device))
+                self.readiness.set_ready(i, HitLayer(host, device, pe_device))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the waiter
             self.readiness.set_error(e)
 
@@ -390,8 +419,8 @@ class PrefillLoad:
         arrays: list = []
         nbytes = 0
         if prefix:
-            arrays.append(_block_rows(self._res, 0, prefix // bt, layer, bt))
-            nbytes += arrays[-1].nbytes
+            arrays.append(self._buffer_layer(prefix // bt, layer))
+            nbytes += prefix * width
         if isinstance(rows, DeviceRows):
             arrays.append(_row_bytes(rows.rows, rows.b))
             nbytes += rows.n * width
@@ -403,6 +432,13 @@ class PrefillLoad:
         )
         ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
         ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
+
+    def _buffer_layer(self, blocks: int, layer: int):
+        """Layer `layer` of the first `blocks` reserved blocks as `[blocks, bt, bytes]`: device
+        memory from a pinned buffer, else a numpy view or copy."""
+        return _buffer_blocks(
+            self._res, 0, blocks, layer, self.ctx.layout.block_tokens, "pe_prefix_send"
+        )
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every layer sent so far has been offered; raises a send's error."""
@@ -462,15 +498,12 @@ class DecodeLoad:
                 path = P.engine_to_engine_path(
                     job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                 )
-                padded = _padded_blocks(self.de_hits) * bt
+                padded = _padded_blocks(self.de_hits)
+                nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
                 for i in range(ctx.cfg.num_layers):
-                    rows = _block_rows(res, p, self.de_hits, i, bt)
-                    ctx.charge(job, path, rows.nbytes, L.TrafficClass.HIGH)
-                    if padded > len(rows):
-                        rows = np.concatenate(
-                            [rows, np.zeros((padded - len(rows), rows.shape[1]), np.uint8)]
-                        )
-                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [rows])
+                    blocks = _buffer_blocks(res, p, self.de_hits, i, bt, "de_offer", padded)
+                    ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
+                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [blocks])
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer
@@ -487,7 +520,7 @@ class DecodeLoad:
             t0, t1, last_flag, prefix, n_pad = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
             new = t1 - t0 - prefix
-            specs = [((prefix, width), np.uint8)] if prefix else []
+            specs = [((prefix // bt, bt, width), np.uint8)] if prefix else []
             specs += [((n_pad, width), np.uint8)] if new else []
             path = P.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
@@ -502,6 +535,8 @@ class DecodeLoad:
                 )
                 # Into the DE buffer (host memory); the new rows' padding is dropped.
                 parts = [copies.to_host(a, "de_buffer") for a in arrays]
+                if prefix:
+                    parts[0] = parts[0].reshape(prefix, width)
                 if new:
                     parts[-1] = parts[-1][:new]
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]

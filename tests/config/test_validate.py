@@ -109,6 +109,11 @@ def test_table_names_real_fields():
         ("workload.aps", -math.inf, "workload.aps: must be finite, got -inf"),
         ("store.kind", "s3", "store.kind: must be one of ['file', 'memory', 'spec'], got 's3'"),
         ("workload.mode", "batch", "workload.mode: must be one of ['offline', 'online']"),
+        (
+            "cluster.host_buffer_memory",
+            "hbm",
+            "cluster.host_buffer_memory: must be one of ['pinned_host', 'pageable']",
+        ),
     ],
 )
 def test_bad_value_names_its_key(key, value, message):

@@ -127,3 +127,60 @@ def test_engine_buffers_hold_a_long_context_of_the_served_model():
         assert pool.capacity_blocks == 4
         with pytest.raises(BufferFull, match="cluster.host_buffer_tokens"):
             pool.reserve(5)
+
+
+def test_the_default_slab_is_pinned_host_memory_viewed_in_place():
+    """The default pool's slab is a `pinned_host` jax array; the numpy view the store reads
+    into writes those very bytes (no staging copy)."""
+    pool = HostBufferPool(LAYOUT, 5, "PE buffer")
+    assert pool.memory == "pinned_host" and pool.pinned.sharding.memory_kind == "pinned_host"
+    assert pool.pinned.shape == pool.slab.shape and pool.slab.flags.writeable
+    with pool.reserve(2) as res:
+        res.block(1)[2, 3] = np.arange(12, dtype=np.uint8)
+        assert np.asarray(pool.pinned)[res.slots[1], 2, 3].tolist() == list(range(12))
+    paged = HostBufferPool(LAYOUT, 5, "DE buffer", memory="pageable")
+    assert paged.pinned is None and paged.memory == "pageable"
+    with pytest.raises(ValueError, match="memory must be one of"):
+        HostBufferPool(LAYOUT, 5, memory="hbm")
+
+
+@pytest.mark.parametrize("memory", ["pinned_host", "pageable"])
+def test_layer_pages_copy_one_layer_of_the_blocks_to_the_device(memory):
+    """`layer_pages`: layer `l` of blocks `[first, first + count)` on the device, padded with
+    copies of the first block, counted as one host-to-device copy of the pages' bytes."""
+    from dualpath_jax.transfer.copies import COPIES
+
+    pool = HostBufferPool(LAYOUT, 6, memory=memory)
+    pool.reserve(1)  # the next reservation's slots do not start at 0
+    res = pool.reserve(4)
+    rs = np.random.RandomState(0)
+    for i in range(4):
+        res.block(i)[:] = rs.randint(0, 256, LAYOUT.shape, dtype=np.uint8)
+    COPIES.reset()
+    got = res.layer_pages(1, 2, 2, pad_to=4, purpose="test")
+    assert got.shape == (4, 4, 12) and got.sharding.memory_kind == "device"
+    want = [res.block(1)[2], res.block(2)[2], res.block(1)[2], res.block(1)[2]]
+    np.testing.assert_array_equal(np.asarray(got), np.stack(want))
+    assert COPIES.copies("h2d", "test") == 1
+    assert COPIES.nbytes("h2d", "test") == 4 * LAYOUT.layer_nbytes
+    with pytest.raises(ValueError, match=r"blocks \[3, 5\) of a reservation of 4"):
+        res.layer_pages(3, 2, 0)
+
+
+def test_the_pinned_layer_copy_lowers_to_page_moves_from_pinned_host_memory():
+    """Lowered for a GPU, the copy takes the slab in `pinned_host` memory and moves one page per
+    step to device memory (a loop of slice + device placement, not a host-side gather)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dualpath_jax.kvstore import buffers
+
+    pool = HostBufferPool(LAYOUT, 5)
+    ids = jnp.zeros((2,), jnp.int32)
+    lowered = buffers._slab_layer_to_device.trace(pool.pinned, ids, jnp.int32(1))
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert 'mhlo.memory_kind = "pinned_host"' in text
+    placements = [line for line in text.splitlines() if "@annotate_device_placement" in line]
+    assert len(placements) == 1 and "(tensor<4x12xui8>" in placements[0], placements
+    assert text.count("stablehlo.while") == 1 and "stablehlo.gather" not in text
+    assert jax.devices()[0].platform == "cpu"  # and it runs here too (the test above)

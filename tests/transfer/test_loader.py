@@ -51,7 +51,7 @@ class Cluster:
     """A PE and a DE half in one process: one store, two buffers, two channels, one
     TrafficManager (each half charges only its own links)."""
 
-    def __init__(self, hw: HardwareConfig, store_root=None):
+    def __init__(self, hw: HardwareConfig, store_root=None, memory="pinned_host"):
         self.store = open_block_store(StoreConfig(kind="memory", block_tokens=BT), CFG)
         layout = BlockLayout.for_model(CFG, BT)
         self.fabric = InProcessFabric()
@@ -63,7 +63,7 @@ class Cluster:
                 CFG,
                 layout,
                 self.store,
-                HostBufferPool(layout, 64, name),
+                HostBufferPool(layout, 64, name, memory=memory),
                 InProcessChannel(self.fabric, name),
                 self.traffic,
                 self.pool,
@@ -139,10 +139,12 @@ def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=F
     return h, hit_rows, kv
 
 
-@pytest.fixture()
-def stored(prompt_and_kv):
+@pytest.fixture(params=["pinned_host", "pageable"])
+def stored(prompt_and_kv, request):
+    """Both halves with the request's first 4 blocks in the store; the host buffers in pinned
+    host memory (the default) or pageable numpy."""
     prompt, kv = prompt_and_kv
-    cluster = Cluster(HardwareConfig())
+    cluster = Cluster(HardwareConfig(), memory=request.param)
     keys = block_keys(prompt, BT, model_fingerprint(CFG))  # 4 full blocks
     blocks = kv_to_full_blocks(kv[:, : 4 * BT], BT)
     cluster.store.write_full(keys, blocks).result(10)
@@ -279,16 +281,20 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     pe = PrefillLoad(cluster.pe, job).start()
     h = pe.hit_blocks()
     assert h == 4
+    COPIES.reset()
     pe.stream()
     batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
     pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
-    COPIES.reset()
+
+    pinned = cluster.pe.buffer.pinned is not None
 
     def load(i):
         hit = pe.readiness.wait(i, 20.0)
         pe.consumed()
         assert hit.device is not None and hit.device.blocks == de_blocks
         assert hit.tokens == h * BT
+        # A pinned PE buffer's blocks reach the device inside a program; pageable: host rows.
+        assert (hit.pe_device is not None) == (pinned and pe_blocks > 0)
         return LayerPages.assemble([hit.segments()], BT, CFG.kv_width, CFG.kv_dtype)
 
     new = len(prompt) - h * BT  # the new rows go to the DE from the device, padded
@@ -299,7 +305,10 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     de.wait(20.0)
     # (The DE half runs in this process too: its copies into the DE buffer are its own.)
     assert COPIES.copies("d2h") == COPIES.copies("d2h", "de_buffer"), COPIES.snapshot()
-    assert COPIES.copies("h2d", "prefill_pages") == CFG.num_layers, COPIES.snapshot()
+    # One host-to-device copy of pages per layer for the PE-read blocks (in a program out of the
+    # pinned buffer, or the assembled host pages out of a pageable one); none without them.
+    page_copies = COPIES.copies("h2d", "prefill_pages") + COPIES.copies("h2d", "pe_buffer_pages")
+    assert page_copies == (CFG.num_layers if pe_blocks else 0), COPIES.snapshot()
     full, _ = runner.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
     np.testing.assert_allclose(
         np.asarray(res.last_logits), np.asarray(full.last_logits), atol=2e-5, rtol=1e-5
