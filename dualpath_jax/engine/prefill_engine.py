@@ -28,13 +28,13 @@ from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import (
     CachedPages,
     DevicePages,
+    DeviceRowRun,
     LayerPages,
     ModelRunner,
     PrefillBatch,
 )
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
-from dualpath_jax.transfer import copies
 from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class PrefillEngine:
             r.hit_rows[layer] = hit.segments() if hit is not None else []
             r.load.consumed()
         parts = [*r.hit_rows[layer], *r.done_rows.get(layer, [])]
-        got = sum(x.blocks * self.bt if isinstance(x, DevicePages) else len(x) for x in parts)
+        got = sum(_tokens(x, self.bt) for x in parts)
         assert got == cached, (got, cached)
         return parts
 
@@ -245,13 +245,10 @@ class PrefillEngine:
         def emit_layer(i: int, rows) -> None:
             # Each request's rows go to its DE from the device, padded to the batch's length (one
             # program per batch shape, not per request length). A request with chunks to come
-            # keeps this chunk's rows on the host for its next forward (one copy of the layer).
-            host = None
+            # keeps this chunk's rows on the device for its next forward.
             for b, (r, ch) in enumerate(zip(reqs, chunks)):
                 if not plan.finishes(ch.request_id):
-                    if host is None:
-                        host = copies.to_host(rows, "chunk_rows")
-                    r.done_rows.setdefault(i, []).append(host[b, : ch.bsz])
+                    r.done_rows.setdefault(i, []).append(DeviceRowRun(rows, b, ch.bsz))
                 r.load.send_layer(i, DeviceRows(rows, b, ch.bsz))
 
         try:
@@ -300,6 +297,13 @@ class PrefillEngine:
             )
             del self.reqs[ch.request_id]
             self.ctx.pool.submit(_finish_sends, r.load, self.ctx.timeout_s)
+
+
+def _tokens(x, page_size: int) -> int:
+    """Cached tokens a segment of `LayerPages.assemble` holds."""
+    if isinstance(x, DevicePages):
+        return x.blocks * page_size
+    return x.n if isinstance(x, DeviceRowRun) else len(x)
 
 
 @jax.jit

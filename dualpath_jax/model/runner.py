@@ -141,67 +141,93 @@ class LayerPages:
     @classmethod
     def assemble(
         cls,
-        segments: Sequence[Sequence[np.ndarray | DevicePages]],
+        segments: Sequence[Sequence[np.ndarray | DevicePages | DeviceRowRun]],
         page_size: int,
         width: int,
         dtype,
     ) -> LayerPages:
-        """Each request's cached rows as consecutive segments (in token order, each starting on
-        a page boundary; only a request's last segment may end mid-page): host rows `[n, W]`, or
-        `DevicePages` already on the device (blocks that arrived over the compute network).
-        Host segments are packed into pages as `from_rows` packs them and copied to the device
-        in one copy; device segments are placed into the device pages by a jitted scatter, never
-        through the host. Without device segments this is `from_rows` (host pages)."""
-        if not any(isinstance(x, DevicePages) for seg in segments for x in seg):
+        """Each request's cached rows as consecutive segments in token order: host rows `[n, W]`;
+        `DevicePages` already on the device (blocks that arrived over the compute network or
+        came out of a pinned buffer; each starts on a page boundary); `DeviceRowRun`, rows an
+        earlier forward left on the device (an earlier chunk of the request; any alignment).
+
+        Host rows are packed into pages as `from_rows` packs them and copied to the device in
+        one copy (none when there are no host rows); device pages are placed by a jitted
+        scatter of whole pages and device rows by one of rows, never through the host. Without
+        device segments this is `from_rows` (host pages)."""
+        if not any(isinstance(x, DevicePages | DeviceRowRun) for seg in segments for x in seg):
             return cls.from_rows(
                 [seg[0] if len(seg) == 1 else _cat(seg, width, dtype) for seg in segments],
                 page_size,
                 width,
                 dtype,
             )
-        ends = []  # per request: [(segment, pages)]
-        host_pages = 0
-        dev_pages = 0
-        for seg in segments:
-            plan = []
-            for x in _merge_host_runs(seg, width, dtype):
-                n = x.blocks if isinstance(x, DevicePages) else -(-len(x) // page_size)
-                plan.append((x, n))
+        # Page ids: 0 the null page, then "row pages" (every page not a DevicePages block: host
+        # rows are packed into them on the host, device rows scattered into them), then the
+        # DevicePages blocks, then one scratch page that padding lands on.
+        plans = [_merge_host_runs(seg, width, dtype) for seg in segments]
+        counts = []  # per request: (row pages, device pages, pages in all)
+        for plan in plans:
+            t = row = dev = 0
+            for x in plan:
                 if isinstance(x, DevicePages):
-                    dev_pages += n
+                    if t % page_size:
+                        raise ValueError("a DevicePages segment must start on a page boundary")
+                    dev += x.blocks
+                    t += x.blocks * page_size
                 else:
-                    host_pages += n
-            ends.append(plan)
-        # Page ids: 0 the null page, then host pages, then device pages, then one scratch page
-        # that the padded blocks of device segments land on.
-        total = _pow2(1 + host_pages + dev_pages + 1)
+                    n = x.n if isinstance(x, DeviceRowRun) else len(x)
+                    # pages this run starts (its first page may be shared with the run before)
+                    row += -(-(t + n) // page_size) - -(-t // page_size)
+                    t += n
+            counts.append((row, dev, -(-t // page_size)))
+        row_pages = sum(c[0] for c in counts)
+        dev_pages = sum(c[1] for c in counts)
+        total = _pow2(1 + row_pages + dev_pages + 1)
         scratch = total - 1
-        host = np.zeros((_pow2(1 + host_pages), 1, page_size, width), dtype)
-        table = np.zeros(
-            (len(segments), _pow2(max(max(sum(n for _, n in p) for p in ends), 1))), np.int32
-        )
-        scatters = []
-        next_host, next_dev = 1, 1 + host_pages
-        for b, plan in enumerate(ends):
-            col = 0
-            for x, n in plan:
+        host = np.zeros((_pow2(1 + row_pages), 1, page_size, width), dtype)
+        table = np.zeros((len(segments), _pow2(max(max(c[2] for c in counts), 1))), np.int32)
+        page_scatters, row_scatters = [], []
+        any_host = False
+        next_row, next_dev = 1, 1 + row_pages
+        for b, plan in enumerate(plans):
+            t = 0
+            for x in plan:
                 if isinstance(x, DevicePages):
                     ids = np.full((x.pages.shape[0],), scratch, np.int32)
-                    ids[:n] = np.arange(next_dev, next_dev + n)
-                    scatters.append((x.pages, ids))
-                    table[b, col : col + n] = ids[:n]
-                    next_dev += n
-                elif n:
-                    host[next_host : next_host + n, 0].reshape(n * page_size, width)[: len(x)] = x
-                    table[b, col : col + n] = np.arange(next_host, next_host + n)
-                    next_host += n
-                col += n
-        if host_pages:
+                    ids[: x.blocks] = np.arange(next_dev, next_dev + x.blocks)
+                    page_scatters.append((x.pages, ids))
+                    table[b, t // page_size : t // page_size + x.blocks] = ids[: x.blocks]
+                    next_dev += x.blocks
+                    t += x.blocks * page_size
+                    continue
+                n = x.n if isinstance(x, DeviceRowRun) else len(x)
+                if not n:
+                    continue
+                for col in range(t // page_size, -(-(t + n) // page_size)):
+                    if not table[b, col]:  # a page this run starts
+                        table[b, col] = next_row
+                        next_row += 1
+                pos = np.arange(t, t + n)
+                pids, offs = table[b, pos // page_size], pos % page_size
+                if isinstance(x, DeviceRowRun):
+                    n_pad = x.rows.shape[1]
+                    ids = np.full((n_pad,), scratch, np.int32)
+                    at = np.zeros((n_pad,), np.int32)
+                    ids[:n], at[:n] = pids, offs
+                    row_scatters.append((x, ids, at))
+                else:
+                    host[pids, 0, offs] = x
+                    any_host = True
+                t += n
+        if any_host:
             pages = _grow_pages(copies.to_device(host, "prefill_pages"), total)
         else:  # every segment already on the device: no host pages to copy
             pages = _zero_pages(total, page_size, width, jnp.dtype(dtype).name)
-        for blocks, ids in scatters:
+        for blocks, ids in page_scatters:
             pages = _scatter_pages(pages, jnp.asarray(ids), blocks)
+        for run, ids, at in row_scatters:
+            pages = _scatter_rows(pages, jnp.asarray(ids), jnp.asarray(at), run.rows, run.b)
         return cls(pages, copies.to_device(table, "prefill_table"))
 
     def to_device(self) -> LayerPages:
@@ -221,12 +247,22 @@ class DevicePages:
     blocks: int
 
 
+@dataclasses.dataclass(frozen=True)
+class DeviceRowRun:
+    """Request `b`'s first `n` rows of a forward's layer output `rows` `[B, N_pad, W]` on the
+    device: an earlier chunk's KV kept there for the request's next forward."""
+
+    rows: Array
+    b: int
+    n: int
+
+
 def _merge_host_runs(seg, width, dtype) -> list:
-    """Consecutive host segments joined (only a device segment's edges are page aligned)."""
+    """Consecutive host segments joined (device segments stay as they are)."""
     out: list = []
     run: list = []
     for x in seg:
-        if isinstance(x, DevicePages):
+        if isinstance(x, DevicePages | DeviceRowRun):
             if run:
                 out.append(_cat(run, width, dtype))
                 run = []
@@ -247,6 +283,14 @@ def _cat(parts, width, dtype) -> np.ndarray:
 def _grow_pages(pages, total):
     """pages `[p, 1, ps, W]` -> `[total, 1, ps, W]` (zero pages appended)."""
     return jnp.zeros((total, *pages.shape[1:]), pages.dtype).at[: pages.shape[0]].set(pages)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_rows(pages, ids, at, rows, b):
+    """pages `[P, 1, ps, W]` <- request b's rows of `rows` `[B, N, W]`, row j at page `ids[j]`,
+    offset `at[j]` (padding rows go to the scratch page)."""
+    x = jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
+    return pages.at[ids, 0, at].set(x.astype(pages.dtype))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

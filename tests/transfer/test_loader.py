@@ -339,3 +339,43 @@ def test_assembled_pages_equal_host_packed_pages():
 
     for b, n in ((0, 5 * BT + 14), (1, BT + 3)):
         np.testing.assert_array_equal(rows(got, b, n), rows(want, b, n))
+
+
+def test_assembled_pages_take_earlier_chunks_rows_from_the_device():
+    """Earlier chunks' rows kept on the device (`DeviceRowRun`, a forward's layer output
+    `[B, N_pad, W]`) at any alignment, after host rows and device pages and between host rows,
+    read back as `from_rows` of the same rows; with no host rows nothing is copied to the
+    device but the page table."""
+    from dualpath_jax.model.runner import DeviceRowRun
+    from dualpath_jax.transfer.copies import COPIES
+
+    rs = np.random.RandomState(3)
+    w = CFG.kv_width
+    a, c1, c2, h2 = (rs.randn(n, w).astype(np.float32) for n in (BT + 5, 7, 2 * BT + 1, 4))
+    d = rs.randn(2 * BT, w).astype(np.float32)
+    out = rs.randn(2, 40, w).astype(np.float32)  # a batch's layer output: 2 requests, 40 rows
+    out_dev = jnp.asarray(out)
+    dev = DevicePages(jnp.asarray(d.reshape(2, BT, w)), 2)
+    segs = [
+        [a, DeviceRowRun(out_dev, 1, 11), h2, DeviceRowRun(out_dev, 0, 30)],
+        [dev, DeviceRowRun(out_dev, 0, 7), c1],
+        [c2],
+    ]
+    got = LayerPages.assemble(segs, BT, w, np.float32)
+    want_rows = [
+        np.concatenate([a, out[1, :11], h2, out[0, :30]]),
+        np.concatenate([d, out[0, :7], c1]),
+        c2,
+    ]
+    want = LayerPages.from_rows(want_rows, BT, w, np.float32)
+
+    def rows(lp, b, n):
+        pages, table = np.asarray(lp.pages), np.asarray(lp.table)
+        return np.concatenate([pages[p, 0] for p in table[b] if p])[:n]
+
+    for b, r in enumerate(want_rows):
+        np.testing.assert_array_equal(rows(got, b, len(r)), rows(want, b, len(r)))
+    COPIES.reset()
+    only_device = LayerPages.assemble([[dev, DeviceRowRun(out_dev, 1, 9)]], BT, w, np.float32)
+    np.testing.assert_array_equal(rows(only_device, 0, 2 * BT + 9), np.concatenate([d, out[1, :9]]))
+    assert COPIES.copies("h2d") == COPIES.copies("h2d", "prefill_table") == 1
