@@ -21,7 +21,9 @@ from dualpath_jax import cluster, model, rollout, sim
 from dualpath_jax._compiled import MODULES, _Finder, active
 import dualpath_jax.sim.cluster, dualpath_jax.sched.scheduler
 print(json.dumps({
-    "native_modules": [m for m in sys.modules if "_native" in m],
+    # the project's compiled modules (other packages, e.g. filelock 4, have `_native` ones too)
+    "native_modules": [m for m in sys.modules
+                       if m.startswith("dualpath_jax") and "_native" in m],
     "finders": [type(f).__name__ for f in sys.meta_path if isinstance(f, _Finder)],
     "active": active(),
     "compiled_files": [m for m in MODULES if m in sys.modules
