@@ -27,11 +27,11 @@ from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import (
     CachedPages,
-    DevicePages,
     DeviceRowRun,
     LayerPages,
     ModelRunner,
     PrefillBatch,
+    segment_tokens,
 )
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
@@ -198,7 +198,7 @@ class PrefillEngine:
             r.hit_rows[layer] = hit.segments() if hit is not None else []
             r.load.consumed()
         parts = [*r.hit_rows[layer], *r.done_rows.get(layer, [])]
-        got = sum(_tokens(x, self.bt) for x in parts)
+        got = sum(segment_tokens(x, self.bt) for x in parts)
         assert got == cached, (got, cached)
         return parts
 
@@ -297,13 +297,6 @@ class PrefillEngine:
             )
             del self.reqs[ch.request_id]
             self.ctx.pool.submit(_finish_sends, r.load, self.ctx.timeout_s)
-
-
-def _tokens(x, page_size: int) -> int:
-    """Cached tokens a segment of `LayerPages.assemble` holds."""
-    if isinstance(x, DevicePages):
-        return x.blocks * page_size
-    return x.n if isinstance(x, DeviceRowRun) else len(x)
 
 
 @jax.jit

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from dualpath_jax.model.layout import BlockLayout
+from dualpath_jax.transfer import copies
 
 MEMORIES = ("pinned_host", "pageable")
 
@@ -104,8 +105,6 @@ class BufferReservation:
         pinned slab moved to device memory per block); a pageable pool gathers them on the host
         and copies once. Either way one host-to-device copy, counted under `purpose` (see
         `transfer.copies`)."""
-        from dualpath_jax.transfer import copies
-
         self._check()
         if not 0 <= first <= first + count <= len(self.slots) or count == 0:
             raise ValueError(

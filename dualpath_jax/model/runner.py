@@ -176,7 +176,7 @@ class LayerPages:
                     dev += x.blocks
                     t += x.blocks * page_size
                 else:
-                    n = x.n if isinstance(x, DeviceRowRun) else len(x)
+                    n = segment_tokens(x, page_size)
                     # pages this run starts (its first page may be shared with the run before)
                     row += -(-(t + n) // page_size) - -(-t // page_size)
                     t += n
@@ -201,7 +201,7 @@ class LayerPages:
                     next_dev += x.blocks
                     t += x.blocks * page_size
                     continue
-                n = x.n if isinstance(x, DeviceRowRun) else len(x)
+                n = segment_tokens(x, page_size)
                 if not n:
                     continue
                 for col in range(t // page_size, -(-(t + n) // page_size)):
@@ -255,6 +255,13 @@ class DeviceRowRun:
     rows: Array
     b: int
     n: int
+
+
+def segment_tokens(x: np.ndarray | DevicePages | DeviceRowRun, page_size: int) -> int:
+    """Cached tokens one segment of `LayerPages.assemble` holds."""
+    if isinstance(x, DevicePages):
+        return x.blocks * page_size
+    return x.n if isinstance(x, DeviceRowRun) else len(x)
 
 
 def _merge_host_runs(seg, width, dtype) -> list:

@@ -464,9 +464,7 @@ class JaxTransferChannel(KVChannel):
     def _to_device(self, a: ArrayLike) -> jax.Array:
         if isinstance(a, jax.Array) and a.sharding == self._sharding:
             return a
-        if not isinstance(a, jax.Array):
-            copies.count("h2d", "channel_offer", np.asarray(a).nbytes)
-        return jax.device_put(a, self._sharding)
+        return copies.to_device(a, "channel_offer", self._sharding)
 
     def _prune_offers(self, now: float) -> None:
         for u in [u for u, t in self._offers.items() if t <= now]:

@@ -137,20 +137,6 @@ def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: 
     return np.concatenate([res.block(first + j)[layer] for j in range(count)], axis=0)
 
 
-def _buffer_blocks(
-    res: BufferReservation, first: int, count: int, layer: int, bt: int, purpose: str, pad_to=0
-):
-    """Layer `layer` of reserved blocks `[first, first + count)` as `[max(count, pad_to), bt,
-    bytes]` uint8, what a channel offers: device memory from a pinned buffer (one in-program
-    copy), else host bytes (zero padding)."""
-    if res._pool.pinned is not None:
-        return res.layer_pages(first, count, layer, pad_to=pad_to, purpose=purpose)
-    rows = _block_rows(res, first, count, layer, bt).reshape(count, bt, -1)
-    if pad_to > count:
-        rows = np.concatenate([rows, np.zeros((pad_to - count, *rows.shape[1:]), np.uint8)])
-    return rows
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -163,8 +149,8 @@ def _padded_blocks(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def _bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
-    """Layer bytes `[n, bt, W * itemsize]` (or `[n * bt, ...]`) uint8 -> pages `[n, bt, W]` in the KV dtype,
-    on the device (a bitcast: no copy through the host)."""
+    """Layer bytes `[n, bt, W * itemsize]` (or `[n * bt, ...]`) uint8 -> pages `[n, bt, W]` in
+    the KV dtype, on the device (a bitcast: no copy through the host)."""
     dt = jnp.dtype(dtype)
     x = data.reshape(-1, block_tokens, width, dt.itemsize)
     return jax.lax.bitcast_convert_type(x[..., 0] if dt.itemsize == 1 else x, dt)
@@ -419,7 +405,7 @@ class PrefillLoad:
         arrays: list = []
         nbytes = 0
         if prefix:
-            arrays.append(self._buffer_layer(prefix // bt, layer))
+            arrays.append(self._res.layer_pages(0, prefix // bt, layer, purpose="pe_prefix_send"))
             nbytes += prefix * width
         if isinstance(rows, DeviceRows):
             arrays.append(_row_bytes(rows.rows, rows.b))
@@ -432,13 +418,6 @@ class PrefillLoad:
         )
         ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
         ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
-
-    def _buffer_layer(self, blocks: int, layer: int):
-        """Layer `layer` of the first `blocks` reserved blocks as `[blocks, bt, bytes]`: device
-        memory from a pinned buffer, else a numpy view or copy."""
-        return _buffer_blocks(
-            self._res, 0, blocks, layer, self.ctx.layout.block_tokens, "pe_prefix_send"
-        )
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every layer sent so far has been offered; raises a send's error."""
@@ -501,7 +480,7 @@ class DecodeLoad:
                 padded = _padded_blocks(self.de_hits)
                 nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
                 for i in range(ctx.cfg.num_layers):
-                    blocks = _buffer_blocks(res, p, self.de_hits, i, bt, "de_offer", padded)
+                    blocks = res.layer_pages(p, self.de_hits, i, padded, purpose="de_offer")
                     ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
                     ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [blocks])
         # Receive the PE's pieces into the DE buffer.
