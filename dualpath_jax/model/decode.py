@@ -28,6 +28,7 @@ from dualpath_jax.model.runner import (
     ModelRunner,
     PrefillBatch,
     bucket_len,
+    runs_on_mesh,
     validate_context,
     validate_tokens,
 )
@@ -260,9 +261,9 @@ class Decoder:
         self.num_pages = num_pages if num_pages is not None else slots * self.max_pages
         self.alloc = PageAllocator(self.num_pages)
         self.kv_dtype = jnp.dtype(cfg.kv_dtype)
-        self.pages = jnp.zeros(
-            (self.num_pages + 1, cfg.num_layers, page_size, cfg.kv_width), bits_dtype(cfg.kv_dtype)
-        )
+        shape = (self.num_pages + 1, cfg.num_layers, page_size, cfg.kv_width)
+        # On a mesh the pool is split by KV head (`sharding.kv_pages_sharding`) from the start.
+        self.pages = jnp.zeros(shape, bits_dtype(cfg.kv_dtype), device=runner.pages_sharding(shape))
         self.table = np.zeros((slots, self.max_pages), np.int32)
         self.lengths = np.zeros((slots,), np.int32)
         self.active = np.zeros((slots,), bool)
@@ -275,6 +276,11 @@ class Decoder:
         self._width = -1  # table columns on the device
         self._headroom = 0  # steps `_prepare` may take without looking at the slots
         self._longest = 0  # the longest active slot's length, fed at the coming step
+
+    @property
+    def mesh(self):
+        """The runner's mesh (None: one device); the decoder's programs run under it."""
+        return self.runner.mesh
 
     @property
     def pending(self) -> np.ndarray:
@@ -356,6 +362,7 @@ class Decoder:
             )
         validate_tokens(self.runner.cfg, np.array([next_token]), "next token")
 
+    @runs_on_mesh
     def _insert(self, slot, blocks, length, next_token, reserve_tokens, seed, temperature):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
         if temperature < 0 or not 0 <= seed < 2**32:
@@ -412,6 +419,7 @@ class Decoder:
             raise ValueError(f"block {end - 1} of slot {slot} is not full")
         return self._read(self.table[slot, first:end]).view(np.uint8)
 
+    @runs_on_mesh
     def _read(self, ids: np.ndarray) -> np.ndarray:
         """Pages `ids` `[n, L, ps, W]` (bits) to the host, read in bucketed counts."""
         where = np.zeros((self._write_bucket(len(ids)),), np.int32)
@@ -423,6 +431,7 @@ class Decoder:
         sample the logits of `step` themselves."""
         self._set_pending(self.active, np.asarray(tokens, np.int32))
 
+    @runs_on_mesh
     def _set_pending(self, mask: np.ndarray, tokens: np.ndarray) -> None:
         self._pending = _merge(
             self._pending, jnp.asarray(mask), jnp.asarray(tokens.astype(np.int32))
@@ -448,6 +457,7 @@ class Decoder:
         bucket = min(bucket_len(need + 1, self.min_bucket), self.max_len)
         return pages_for(bucket, self.page_size)
 
+    @runs_on_mesh
     def _run(self, width: int):
         if self._dirty or width != self._width:
             self._dev = {
@@ -506,6 +516,7 @@ class Decoder:
         self._run(self._prepare())
         return self._pending
 
+    @runs_on_mesh
     def warmup(self) -> int:
         """Compiles every shape this decoder runs (each table width a step may pass, each page
         count `insert` writes) by running them on idle slots, which changes nothing. Returns the

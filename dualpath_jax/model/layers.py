@@ -2,7 +2,7 @@
 
 Attention takes the layer's cached KV *rows* (`[B, C, W]`, see `layout.py`) explicitly and returns
 the new tokens' KV rows, so a layer can run with KV that arrived from the host just before it.
-GQA rows are `K | V` (`[Hkv, D]` each); MLA rows are `c_kv | k_pe` (the normalized latent and the
+GQA rows are head-major `[Hkv, K | V]`; MLA rows are `c_kv | k_pe` (the normalized latent and the
 RoPE'd shared key), attended in the absorbed form: MLA is then multi-query attention with one KV
 head whose key is the whole row and whose value is the latent.
 """
@@ -10,14 +10,17 @@ head whose key is the whole row and whose value is the latent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import paged_attention as pa
+from dualpath_jax.model import sharding
 from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
 from dualpath_jax.model.paged_attention import RowLayout
 
@@ -186,6 +189,7 @@ def attend_kv(
     # Write first, then read the written pages (the rows past `lens` are masked anyway): the
     # pool then has one reader-writer chain, which XLA updates in place inside a layer scan.
     pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
+    pages = sharding.constrain_kv(pages, layout)  # the pool stays split by KV head
     args = (q, pages, *args[2:])
     out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
     return out, pages
@@ -200,7 +204,7 @@ def _kv_rows(rows: Array, layout: RowLayout, kv_dtype) -> Array:
 
 
 class GQAttention(nnx.Module):
-    """Qwen2 attention: GQA with QKV bias and rotate-half RoPE. KV row = K | V."""
+    """Qwen2 attention: GQA with QKV bias and rotate-half RoPE. KV row = `[Hkv, K | V]`."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg.dtype)
@@ -220,12 +224,13 @@ class GQAttention(nnx.Module):
         b, n, _ = x.shape
         q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x)
+        v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
         cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
         q = apply_rope(q, cos, sin, interleave=False)
         k = apply_rope(k, cos, sin, interleave=False)
-        rows = jnp.concatenate([k.reshape(b, n, -1), v], axis=-1)
-        return q, _kv_rows(rows, self.layout, self.kv_dtype)
+        rows = jnp.concatenate([k, v], axis=-1).reshape(b, n, -1)  # head-major: [Hkv, K | V]
+        rows = _kv_rows(rows, self.layout, self.kv_dtype)
+        return q, sharding.constrain_kv(rows, self.layout, "batch")
 
     def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
         """q `[B, N, Hq, D]`, the new rows `[B, N, W]`, the cached KV -> (output
@@ -363,21 +368,48 @@ class MoE(nnx.Module):
         shape = x.shape
         xt = x.reshape(-1, shape[-1])  # [T, hidden]
         w, ids = self.route(xt)
-        t, k = ids.shape
-        n_exp = self.w_gate.shape[0]
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token_of = order // k
-        xs = xt[token_of]  # [T*k, hidden], sorted by expert
-        sizes = jnp.bincount(flat, length=n_exp).astype(jnp.int32)
-        ys = expert_ffn(
-            xs, sizes, self.w_gate[...], self.w_up[...], self.w_down[...], self.moe_impl
-        )
-        ys = ys.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-        out = jnp.zeros((t, shape[-1]), jnp.float32).at[token_of].add(ys).astype(x.dtype)
+        weights = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        ep = sharding.axis_size("expert")
+        if ep > 1 and self.w_gate.shape[0] % ep == 0:
+            # Expert parallelism: each shard of the `expert` axis holds E / ep experts and runs
+            # them over the rows routed to them (every shard sees every token), then the
+            # shards' outputs are summed. Other mesh axes stay automatic.
+            run = jax.shard_map(
+                functools.partial(self._experts, ep=ep),
+                in_specs=(P(), P(), P(), P("expert"), P("expert"), P("expert")),
+                out_specs=P(),
+                axis_names={"expert"},
+                check_vma=False,
+            )
+            out = run(xt, w, ids, *weights)
+        else:
+            out = self._experts(xt, w, ids, *weights, ep=1)
+        out = out.astype(x.dtype)
         if self.shared is not None:
             out = out + self.shared(xt)
         return out.reshape(shape)
+
+    def _experts(self, xt, w, ids, w_gate, w_up, w_down, *, ep: int) -> Array:
+        """The routed experts `w_*` `[E_local, ...]` (with `ep > 1`: shard
+        `axis_index("expert")` of the experts) over the tokens xt `[T, hidden]` routed to them
+        (ids, weights `[T, k]`) -> float32 `[T, hidden]`, summed over the expert shards. Rows
+        routed to other shards' experts sort after the local groups, where `expert_ffn`
+        leaves zeros."""
+        t, k = ids.shape
+        n_local = w_gate.shape[0]
+        first = jax.lax.axis_index("expert") * n_local if ep > 1 else 0
+        local = ids.reshape(-1) - first
+        mine = (local >= 0) & (local < n_local)
+        key = jnp.where(mine, local, n_local)
+        order = jnp.argsort(key, stable=True)
+        token_of = order // k
+        xs = xt[token_of]  # [T*k, hidden], sorted by expert
+        sizes = jnp.bincount(key, length=n_local + 1)[:n_local].astype(jnp.int32)
+        ys = expert_ffn(xs, sizes, w_gate, w_up, w_down, self.moe_impl)
+        gate = jnp.where(mine, w.reshape(-1), 0.0)[order]
+        ys = ys.astype(jnp.float32) * gate[:, None]
+        out = jnp.zeros((t, xt.shape[-1]), jnp.float32).at[token_of].add(ys)
+        return jax.lax.psum(out, "expert") if ep > 1 else out
 
 
 class DecoderLayer(nnx.Module):
@@ -407,8 +439,9 @@ class DecoderLayer(nnx.Module):
     def run(self, h: Array, positions: Array, kv: PagedKV) -> tuple[Array, Array, Array | None]:
         """The layer over paged KV -> (h, new KV rows, the pages with the new rows written when
         `kv.write` is set, else None)."""
+        h = sharding.constrain(h, "batch")  # replicated over tensor between layers
         q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)
         out, pages = self.self_attn.attend(q, new_rows, kv)
         h = h + out
         h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, new_rows, pages
+        return sharding.constrain(h, "batch"), new_rows, pages

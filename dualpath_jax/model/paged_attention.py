@@ -9,8 +9,9 @@ layer's output of `project`), so the cached part never has to be contiguous and 
 needs no page write before attention. Query token `j` of a request sees every cached token and
 new tokens `0..j` (causal).
 
-Where K and V sit inside a row is a `RowLayout`: GQA rows are `K | V` (`[Hk, D]` each), so KV head
-`h`'s key is columns `h*D .. h*D+D` and its value `Hk*D + h*D ..`; MLA rows (absorbed form) are
+Where K and V sit inside a row is a `RowLayout`: GQA rows are head-major, `[Hk, K | V]`, so KV head
+`h`'s key is columns `2h*D .. 2h*D+D` and its value the `D` after it (a slice of a row holds
+whole heads: pages shard over KV heads); MLA rows (absorbed form) are
 `c_kv | k_pe` with one KV head whose key is the whole row and whose value is the latent. Keys
 may be split into segments (MLA: 512 + 64) so every slice the kernel loads is a power of two wide.
 
@@ -99,11 +100,26 @@ class RowLayout:
 
     @classmethod
     def gqa(cls, num_kv_heads: int, head_dim: int, scaled: bool = False) -> RowLayout:
-        """Rows `K | V` (`[Hk, D]` each); scaled: then `2 * Hk` scales (K heads, V heads)."""
+        """Head-major rows `[Hk, K | V]` (head h's key then its value, `D` each), so a
+        contiguous slice of the row holds whole KV heads: KV pages shard over the tensor axis
+        by slicing rows (`sharding.py`). Scaled: then `2 * Hk` scales (head h's key scale at
+        `2h`, its value scale at `2h + 1`)."""
         hk, d = num_kv_heads, head_dim
         if not scaled:
-            return cls(hk, ((0, d),), ((hk * d, d),), d)
-        return cls(hk, ((0, d),), ((hk * d, d),), d, 2 * hk * d, (0,), (hk,), 1)
+            return cls(hk, ((0, d),), ((d, d),), 2 * d)
+        return cls(hk, ((0, d),), ((d, d),), 2 * d, 2 * hk * d, (0,), (1,), 2)
+
+    @property
+    def head_major(self) -> bool:
+        """Unscaled rows `[Hk, K | V]` with one key and one value segment per head: keys and
+        values are a reshape of the rows (`split_kv`'s fast path, sharding-friendly)."""
+        d = self.head_stride // 2
+        return (
+            not self.scaled
+            and self.key_segments == ((0, d),)
+            and self.value_segments == ((d, d),)
+            and d > 0
+        )
 
     @classmethod
     def mla(cls, kv_lora_rank: int, rope_dim: int, scaled: bool = False) -> RowLayout:
@@ -441,6 +457,10 @@ def split_kv(rows: Array, layout: RowLayout, kv_dtype, dtype) -> tuple[Array, Ar
     """KV rows `[B, S, W]` (kv dtype or its bits) -> keys `[B, S, Hk, dk]` and values
     `[B, S, Hk, dv]` in `dtype`, dequantized where the layout is scaled."""
     x = jax.lax.bitcast_convert_type(_as_bits(rows), kv_dtype)
+    if layout.head_major and x.ndim == 3:  # a reshape: keeps KV heads sharded with the rows
+        x = x.astype(dtype).reshape(*x.shape[:-1], layout.num_kv_heads, layout.head_stride)
+        d = layout.head_stride // 2
+        return x[..., :d], x[..., d:]
     if layout.scaled:
         sc = row_scales(rows, layout)
         x = x.astype(jnp.float32)

@@ -11,6 +11,7 @@ only when layer i runs and layer i's new KV is handed out right after it runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -20,10 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from dualpath_jax.config import ModelConfig
+from dualpath_jax.model import sharding
 from dualpath_jax.model.layers import PagedKV
-from dualpath_jax.model.transformer import Transformer
+from dualpath_jax.model.transformer import Transformer, shard_model
 from dualpath_jax.transfer import copies
 
 Array = jax.Array
@@ -338,16 +342,30 @@ class CachedPages:
         pages = np.zeros((cfg.num_layers, 1, page_size, cfg.kv_width), cfg.kv_dtype)
         return cls(pages, np.zeros((batch_size, 1), np.int32))
 
-    def to_host(self, device: jax.Device | None = None) -> CachedPages:
-        """The pages in the device's `pinned_host` memory (page-locked host memory the device
-        copies from asynchronously), the table on the device."""
-        device = device or jax.devices()[0]
-        host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
-        return CachedPages(jax.device_put(self.pages, host), jax.device_put(self.table, device))
+    def to_host(self, where: jax.Device | jax.sharding.Sharding | None = None) -> CachedPages:
+        """The pages in `pinned_host` memory (page-locked host memory the device copies from
+        asynchronously) of a device, or of every device of a sharding (a sharded runner's
+        `ModelRunner.pages_sharding`, each device's host memory holding its shard), the table
+        on the device(s)."""
+        pages_at, table_at = _placements(where, "pinned_host")
+        return CachedPages(
+            jax.device_put(self.pages, pages_at), jax.device_put(self.table, table_at)
+        )
 
-    def to_device(self, device: jax.Device | None = None) -> CachedPages:
-        device = device or jax.devices()[0]
-        return CachedPages(*jax.device_put((self.pages, self.table), device))
+    def to_device(self, where: jax.Device | jax.sharding.Sharding | None = None) -> CachedPages:
+        pages_at, table_at = _placements(where, "device")
+        return CachedPages(
+            jax.device_put(self.pages, pages_at), jax.device_put(self.table, table_at)
+        )
+
+
+def _placements(where, memory_kind: str):
+    """(pages sharding in `memory_kind`, table sharding) for `CachedPages.to_host/to_device`."""
+    if where is None or isinstance(where, jax.Device):
+        device = where or jax.devices()[0]
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind), device
+    replicated = jax.sharding.NamedSharding(where.mesh, P())
+    return where.with_memory_kind(memory_kind), replicated
 
 
 @dataclasses.dataclass
@@ -453,6 +471,27 @@ def _prefill_program(
     return head(last, emb), (head(h, emb) if all_logits else None), rows
 
 
+def runs_on_mesh(method):
+    """Runs a `ModelRunner` method under the runner's mesh (`ModelRunner.on_mesh`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self.mesh is None:
+            return method(self, *args, **kwargs)
+        with jax.set_mesh(self.mesh):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
+def _stacked_sharding(x, layer_leaf):
+    """A stacked run's leaf placed with its layers' spec under the leading layer axis."""
+    s = getattr(layer_leaf, "sharding", None)
+    if not isinstance(s, jax.sharding.NamedSharding):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(s.mesh, P(None, *s.spec)))
+
+
 def _stack(*xs):
     """Stacks arrays on a new leading axis (abstract ones too: `nnx.eval_shape` models)."""
     if isinstance(xs[0], jax.ShapeDtypeStruct):
@@ -466,9 +505,15 @@ class ModelRunner:
     `update_params(model)` swaps in new parameters (RL updates) without recompiling.
     """
 
-    def __init__(self, model: Transformer, min_bucket: int = 16):
+    def __init__(self, model: Transformer, min_bucket: int = 16, *, mesh: Mesh | None = None):
         self.cfg: ModelConfig = model.cfg
         self.min_bucket = min_bucket
+        # The mesh the parameters live on (given, or found on them; None: one device). Every
+        # entry point traces under it (`jax.set_mesh`), so the model's `sharding.constrain`
+        # calls pin activations and the KV to their shardings.
+        self.mesh = sharding.check_mesh(mesh) if mesh is not None else None
+        if self.mesh is None:
+            self.mesh = sharding.model_mesh(nnx.state(model))
         self.embed_gd, _ = nnx.split(model.embed)
         self.head_gd, _ = nnx.split(model.head)
         self.layer_gds = tuple(nnx.split(layer)[0] for layer in model.layers)
@@ -477,6 +522,8 @@ class ModelRunner:
     def update_params(self, model: Transformer) -> None:
         if model.cfg != self.cfg:
             raise ValueError("update_params: the new model has a different config")
+        if self.mesh is not None:
+            model = shard_model(model, self.mesh)
         self.embed_state = nnx.state(model.embed)
         self.head_state = nnx.state(model.head)
         self.layer_states = [nnx.state(layer) for layer in model.layers]
@@ -505,6 +552,11 @@ class ModelRunner:
                 jax.tree.map(_stack, *self.layer_states[start : start + n])
                 for _, start, n in self.layer_runs
             )
+            if self.mesh is not None:  # each layer's split, under the new leading axis
+                stacked = tuple(
+                    jax.tree.map(_stacked_sharding, run, self.layer_states[start])
+                    for run, (_, start, _) in zip(stacked, self.layer_runs)
+                )
             self._stacked = (self.embed_state, stacked, self.head_state)
         return self._stacked
 
@@ -516,6 +568,18 @@ class ModelRunner:
             leaves, treedef = jax.tree.flatten(self.stacked_params)
             self._stacked_leaves = (treedef, leaves)
         return self._stacked_leaves
+
+    def on_mesh(self) -> contextlib.AbstractContextManager:
+        """The context every entry point runs under: the runner's mesh set (`jax.set_mesh`),
+        or nothing on one device."""
+        return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def pages_sharding(self, shape: Sequence[int]) -> jax.sharding.NamedSharding | None:
+        """Where KV pages `[..., W]` of a sharded runner live (`sharding.kv_pages_sharding`);
+        None on one device."""
+        if self.mesh is None:
+            return None
+        return sharding.kv_pages_sharding(self.cfg, self.mesh, shape)
 
     @property
     def num_layers(self) -> int:
@@ -531,10 +595,12 @@ class ModelRunner:
 
     # Per-layer entry points ------------------------------------------------------------------
 
+    @runs_on_mesh
     def embed(self, tokens: Array) -> Array:
         """tokens `[B, N]` -> hidden `[B, N, hidden]`."""
         return _embed(self.embed_gd, self.embed_state, tokens)
 
+    @runs_on_mesh
     def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
         """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`) -> (h,
         new rows `[B, N, W]`)."""
@@ -552,6 +618,7 @@ class ModelRunner:
             self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens
         )
 
+    @runs_on_mesh
     def head(self, h: Array, new_lens: Array, all_logits: bool = False):
         return _head(self.head_gd, self.head_state, self.embedding, h, new_lens, all_logits)
 
@@ -564,6 +631,7 @@ class ModelRunner:
                 f"layer {i}: cached KV rows have shape {tuple(rows.shape)}, expected {want}"
             )
 
+    @runs_on_mesh
     def prefill_layerwise(
         self,
         batch: PrefillBatch,
@@ -610,6 +678,7 @@ class ModelRunner:
         last, logits = self.head(h, jnp.asarray(batch.new_lens), all_logits)
         return PrefillResult(last, logits)
 
+    @runs_on_mesh
     def prefill_program(
         self, batch: PrefillBatch, kv: CachedPages | None = None, all_logits: bool = False
     ) -> tuple[PrefillResult, Array]:
@@ -647,6 +716,7 @@ class ModelRunner:
         )
         return PrefillResult(last, logits), new
 
+    @runs_on_mesh
     def prefill_monolithic(
         self,
         batch: PrefillBatch,

@@ -9,8 +9,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from dualpath_jax.config import ModelConfig
+from dualpath_jax.model import sharding
 from dualpath_jax.model.layers import DecoderLayer, Linear, RMSNorm
 
 Array = jax.Array
@@ -82,6 +84,33 @@ class Transformer(nnx.Module):
         return self.head(h, self.embed.embedding[...]), jnp.stack(new)
 
 
-def init_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A randomly initialised model (the tiny presets in tests and demos)."""
-    return Transformer(cfg, rngs=nnx.Rngs(seed))
+def init_model(cfg: ModelConfig, seed: int = 0, *, mesh: Mesh | None = None) -> Transformer:
+    """A randomly initialised model (the tiny presets in tests and demos). With `mesh`, every
+    parameter is created already split over the mesh (`sharding.param_shardings`): the
+    initialiser runs as one compiled program whose outputs are the shards, so no device ever
+    holds the whole model. The values equal the unsharded model's of the same seed."""
+    if mesh is None:
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+    mesh = sharding.check_mesh(mesh)
+    gd, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
+    shardings = sharding.param_shardings(nnx.to_pure_dict(state), mesh, cfg)
+
+    def make():
+        return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
+
+    with jax.set_mesh(mesh):
+        pure = jax.jit(make, out_shardings=shardings)()
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(gd, state)
+
+
+def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
+    """`model` with its parameters placed on `mesh` by the partition rules (a new module; the
+    arrays already where they belong are not copied)."""
+    mesh = sharding.check_mesh(mesh)
+    gd, state = nnx.split(model)
+    pure = nnx.to_pure_dict(state)
+    nnx.replace_by_pure_dict(
+        state, jax.device_put(pure, sharding.param_shardings(pure, mesh, model.cfg))
+    )
+    return nnx.merge(gd, state)

@@ -1,0 +1,202 @@
+"""Sharded models on eight CPU devices: run by `test_sharding.py` in a process of its own with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8` (the flag must be set before JAX starts,
+and the rest of the suite runs on one device). Not collected by a plain `pytest tests`.
+
+Each case builds a model on a mesh and checks it against the same model on one device: greedy
+tokens identical, every parameter and KV page where the partition rules put it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from dualpath_jax import model as dm
+from dualpath_jax.model import sharding
+from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")
+
+# Tiny models whose heads, KV heads, vocabulary and MLP divide by 8, so every rule shards.
+QWEN = dataclasses.replace(
+    dm.get_preset("tiny-qwen2"),
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+    vocab_size=256,
+    intermediate_size=128,
+)
+DEEPSEEK = dataclasses.replace(
+    dm.get_preset("tiny-deepseek"),
+    num_heads=8,
+    num_kv_heads=8,
+    vocab_size=256,
+    intermediate_size=128,
+)
+MODELS = {"qwen2": QWEN, "deepseek": DEEPSEEK}
+MESHES = {"1x8": "data=1,tensor=8", "2x4": "data=2,tensor=4", "ep": "data=2,expert=4"}
+PROMPTS = [[5, 17, 42, 9, 250, 3, 77, 120, 8, 61, 33], [9, 8, 7, 6]]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per model: the one-device model and its greedy tokens."""
+    out = {}
+    for name, cfg in MODELS.items():
+        net = dm.init_model(cfg, seed=0)
+        out[name] = (net, dm.generate(net, PROMPTS, 10))
+    return out
+
+
+def _sharded(name: str, mesh_name: str):
+    return dm.init_model(MODELS[name], seed=0, mesh=sharding.make_mesh(MESHES[mesh_name]))
+
+
+def _specs(net) -> dict[str, P]:
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(net)))
+    return {sharding._path(k): leaf.sharding.spec for k, leaf in flat}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_sharded_greedy_tokens_equal_one_device(reference, name, mesh_name):
+    net = _sharded(name, mesh_name)
+    assert dm.generate(net, PROMPTS, 10) == reference[name][1]
+
+
+EXPECTED_TP = {  # tensor = 4 or 8: Megatron column / row splits, the vocabulary split
+    "embed/embedding": P("tensor"),
+    "head/lm_head/kernel": P(None, "tensor"),
+    "head/norm/weight": P(),
+    "layers/0/input_layernorm/weight": P(),
+    "layers/0/mlp/gate_proj/kernel": P(None, "tensor"),
+    "layers/0/mlp/up_proj/kernel": P(None, "tensor"),
+    "layers/0/mlp/down_proj/kernel": P("tensor"),
+}
+EXPECTED_QWEN = {
+    "layers/1/self_attn/q_proj/kernel": P(None, "tensor"),
+    "layers/1/self_attn/q_proj/bias": P("tensor"),
+    "layers/1/self_attn/k_proj/kernel": P(None, "tensor"),
+    "layers/1/self_attn/v_proj/bias": P("tensor"),
+    "layers/1/self_attn/o_proj/kernel": P("tensor"),
+}
+EXPECTED_DEEPSEEK = {
+    "layers/1/self_attn/q_a_proj/kernel": P(),
+    "layers/1/self_attn/q_b_proj/kernel": P(None, "tensor"),
+    "layers/1/self_attn/kv_a_proj_with_mqa/kernel": P(),
+    "layers/1/self_attn/w_uk": P(None, "tensor"),
+    "layers/1/self_attn/w_uv": P(None, "tensor"),
+    "layers/1/self_attn/o_proj/kernel": P("tensor"),
+    "layers/1/mlp/router": P(),
+    "layers/1/mlp/w_gate": P(None, None, "tensor"),
+    "layers/1/mlp/w_down": P(None, "tensor"),
+    "layers/1/mlp/shared/gate_proj/kernel": P(None, "tensor"),
+}
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_parameter_has_its_expected_sharding(name, mesh_name):
+    net = _sharded(name, mesh_name)
+    got = _specs(net)
+    want = {**EXPECTED_TP, **(EXPECTED_QWEN if name == "qwen2" else EXPECTED_DEEPSEEK)}
+    assert {k: got[k] for k in want} == want
+    # and every other parameter as the rules say (the norms replicated)
+    assert got == sharding.param_specs(nnx.to_pure_dict(nnx.state(net)), net_mesh(net))
+    assert all(v == P() for k, v in got.items() if k.endswith("norm/weight"))
+
+
+def net_mesh(net):
+    return sharding.model_mesh(nnx.state(net))
+
+
+def test_experts_split_over_the_expert_axis():
+    net = _sharded("deepseek", "ep")
+    got = _specs(net)
+    assert got["layers/1/mlp/w_gate"] == P("expert")
+    assert got["layers/1/mlp/w_down"] == P("expert")
+    assert got["layers/1/self_attn/q_b_proj/kernel"] == P()  # no tensor axis: replicated
+    # each device holds 2 of the 8 experts
+    shard = net.layers[1].mlp.w_gate[...].addressable_shards[0]
+    assert shard.data.shape[0] == DEEPSEEK.n_routed_experts // 4
+
+
+def test_expert_parallel_layer_runs_under_shard_map_with_one_all_reduce():
+    mesh = sharding.make_mesh(MESHES["ep"])
+    moe = _sharded("deepseek", "ep").layers[1].mlp
+    x = jax.random.normal(jax.random.key(1), (2, 5, DEEPSEEK.hidden_size))
+    ref = dm.init_model(DEEPSEEK, seed=0).layers[1].mlp(x)
+    with jax.set_mesh(mesh):
+        fn = jax.jit(lambda x: moe(x))
+        got = fn(x)
+        hlo = fn.lower(x).compile().as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    assert "all-gather" not in hlo  # the experts' weights never move
+    assert hlo.count("all-reduce") >= 1
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kv_pages_and_rows_have_their_sharding(name):
+    """GQA: the decode pool and the new KV rows split by KV head over `tensor` (rows over
+    `data` by request); MLA's latent replicated."""
+    cfg = MODELS[name]
+    net = _sharded(name, "2x4")
+    runner = ModelRunner(net)
+    batch = PrefillBatch.build(cfg, PROMPTS, [0, 0])
+    _, kv = runner.prefill_monolithic(batch)
+    dec = Decoder(runner, 2, 64, page_size=16)
+    width = "tensor" if name == "qwen2" else None
+    assert kv.sharding.spec == (P(None, "data", None, "tensor") if width else P(None, "data"))
+    assert dec.pages.sharding.spec == (P(None, None, None, "tensor") if width else P())
+    kv = np.asarray(kv)
+    for b, p in enumerate(PROMPTS):
+        dec.insert(b, kv[:, b], len(p), 1)
+    for _ in range(3):
+        dec.step()
+    assert dec.pages.sharding.spec == (P(None, None, None, "tensor") if width else P())
+    if width:  # a device holds 8 / 4 = 2 KV heads of the row: 2 x (K | V) x head_dim
+        assert dec.pages.addressable_shards[0].data.shape[-1] == 2 * 2 * cfg.head_dim
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_layerwise_and_program_prefill_on_a_mesh_equal_one_device(reference, name):
+    """Prefill over cached KV: the per-layer loop with pages and the one-program forward with
+    pinned-host pages on a 2x4 mesh give the one-device logits."""
+    cfg = MODELS[name]
+    base = ModelRunner(reference[name][0])
+    runner = ModelRunner(_sharded(name, "2x4"))
+    ctx = [list(range(3, 3 + 40)), list(range(100, 100 + 23))]
+    first = PrefillBatch.build(cfg, ctx, [0, 0])
+    _, kv = base.prefill_monolithic(first)
+    kv = np.asarray(kv)
+    tail = PrefillBatch.build(cfg, [[7, 8, 9], [1, 2]], [40, 23])
+    layers = [
+        LayerPages.from_rows(
+            [kv[i, b, : len(c)] for b, c in enumerate(ctx)], 16, cfg.kv_width, kv.dtype
+        )
+        for i in range(cfg.num_layers)
+    ]
+    want = np.asarray(base.prefill_layerwise(tail, lambda i: layers[i]).last_logits)
+    got = np.asarray(runner.prefill_layerwise(tail, lambda i: layers[i]).last_logits)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    pages = CachedPages.from_layers(layers)
+    at = runner.pages_sharding(pages.pages.shape)
+    res, _ = runner.prefill_program(tail, pages.to_host(at))
+    np.testing.assert_allclose(np.asarray(res.last_logits), want, rtol=2e-5, atol=2e-5)
+    assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
+
+
+def test_explicit_mesh_from_jax_make_mesh_is_accepted():
+    """`jax.make_mesh` gives Explicit axes; the model takes its devices and names as Auto."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    net = dm.init_model(QWEN, seed=0, mesh=mesh)
+    assert net.embed.embedding[...].sharding.mesh.axis_types == (jax.sharding.AxisType.Auto,) * 2
+    assert dm.generate(net, PROMPTS[0], 4) == dm.generate(
+        dm.init_model(QWEN, seed=0), PROMPTS[0], 4
+    )
