@@ -1,9 +1,10 @@
 """Checkpoints: orbax save/restore of parameters, and Hugging Face directory import.
 
-`from_pretrained(dir)` reads a Hugging Face format directory (`config.json` + `*.safetensors`) of
-the Qwen2 or DeepSeek-V3 architecture into our `Transformer`, building the model abstractly
-first so that no random weights are materialised. Block-wise FP8 weights (`weight_scale_inv`, as
-DeepSeek ships them) are dequantized to the model dtype.
+`from_pretrained(dir, mesh=...)` reads a Hugging Face format directory (`config.json` +
+`*.safetensors`) into our `Transformer`, building the model abstractly first so that no random
+weights are materialised, and streaming each parameter from the memory-mapped files onto the
+device(s) shard by shard (`streaming.py`). Block-wise FP8 weights (`weight_scale_inv`, as
+DeepSeek ships them) travel as FP8 and are dequantized to the model dtype on the device.
 """
 
 from __future__ import annotations
@@ -18,16 +19,12 @@ import numpy as np
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig, ModelFamily, from_json, to_json
-from dualpath_jax.model.layout import np_dtype
+from dualpath_jax.model import sharding
+from dualpath_jax.model.streaming import CheckpointError, Tensors, place, stack
 from dualpath_jax.model.transformer import Transformer
 
 _SUPPORTED = {"Qwen2ForCausalLM": ModelFamily.QWEN2, "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK}
 _CONFIG_NAME = "dualpath_model.json"
-_FP8_DTYPES = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is missing, incomplete or of an unsupported architecture."""
 
 
 # --------------------------------------------------------------------------- orbax
@@ -126,62 +123,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     )
 
 
-class _Tensors:
-    """Lazy access to the tensors of all `*.safetensors` files of a directory (numpy)."""
-
-    def __init__(self, directory: pathlib.Path, fp8_block: tuple[int, int] = (128, 128)):
-        from safetensors import safe_open
-
-        files = sorted(directory.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{directory}: no *.safetensors files")
-        self._handles = [safe_open(str(f), "np") for f in files]
-        self._where = {k: h for h in self._handles for k in h.keys()}  # noqa: SIM118
-        self._file = {k: f for f, h in zip(files, self._handles) for k in h.keys()}  # noqa: SIM118
-        self._fp8_block = fp8_block
-
-    def has(self, name: str) -> bool:
-        return name in self._where
-
-    def _read(self, name: str) -> np.ndarray:
-        dt = self._where[name].get_slice(name).get_dtype()
-        if dt in _FP8_DTYPES:  # safetensors' numpy reader knows no float8 dtype
-            return _read_raw(self._file[name], name, np_dtype(_FP8_DTYPES[dt]))
-        return self._where[name].get_tensor(name)
-
-    def get(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """The tensor `name` (block-wise FP8 dequantized to float32), checked against `shape`."""
-        if name not in self._where:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}")
-        w = self._read(name)
-        scale_name = name + "_scale_inv"
-        if scale_name in self._where:  # block-wise FP8 -> float32
-            s = self._read(scale_name).astype(np.float32)
-            bo, bi = self._fp8_block
-            want = (-(-w.shape[0] // bo), -(-w.shape[1] // bi)) if w.ndim == 2 else None
-            if s.shape != want:
-                raise CheckpointError(
-                    f"tensor {scale_name!r}: shape {s.shape}, expected {want} for a weight of shape"
-                    f" {w.shape} in {bo}x{bi} blocks"
-                )
-            full = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[: w.shape[0], : w.shape[1]]
-            w = w.astype(np.float32) * full
-        if shape is not None and tuple(w.shape) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r}: shape {w.shape}, model expects {tuple(shape)}")
-        return w
-
-
-def _read_raw(path: pathlib.Path, name: str, dtype: np.dtype) -> np.ndarray:
-    """Reads one tensor's bytes from a safetensors file (8-byte header size, JSON header, data)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        info = json.loads(f.read(n))[name]
-        start, end = info["data_offsets"]
-        f.seek(8 + n + start)
-        return np.frombuffer(f.read(end - start), dtype).reshape(info["shape"])
-
-
-def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
+def _hf_layer(cfg: ModelConfig, t: Tensors, i: int) -> dict[str, Any]:
     """Our parameter dict of layer i from HF tensors (torch Linear weights are `[out, in]`)."""
     p = f"model.layers.{i}."
     lin = lambda name: t.get(p + name + ".weight").T  # noqa: E731
@@ -208,9 +150,11 @@ def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
             attn["q_b_proj"] = {"kernel": lin("self_attn.q_b_proj")}
         else:
             attn["q_proj"] = {"kernel": lin("self_attn.q_proj")}
-        kvb = t.get(  # [H * (dn + dv), r]
-            p + "self_attn.kv_b_proj.weight",
-            (cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+        kvb = np.asarray(  # [H * (dn + dv), r] (FP8 dequantized: it is split per head)
+            t.get(
+                p + "self_attn.kv_b_proj.weight",
+                (cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+            )
         )
         kvb = kvb.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         attn["w_uk"] = kvb[:, : cfg.qk_nope_head_dim].transpose(2, 0, 1)
@@ -238,7 +182,7 @@ def _hf_layer(cfg: ModelConfig, t: _Tensors, i: int) -> dict[str, Any]:
                 ("w_up", "up_proj"),
                 ("w_down", "down_proj"),
             ):
-                mlp[ours] = np.stack(
+                mlp[ours] = stack(
                     [
                         t.get(p + f"mlp.experts.{j}.{theirs}.weight", shapes[theirs]).T
                         for j in range(e)
@@ -259,12 +203,17 @@ def from_pretrained(
     directory: str | pathlib.Path,
     dtype: str | None = None,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     attention_impl: str = "auto",
     moe_impl: str = "auto",
 ) -> Transformer:
-    """Loads a Hugging Face format directory of Qwen2 or DeepSeek-V3 architecture.
-    `attention_impl`: the attention backend (`ModelConfig.attention_impl`); `moe_impl`: the
-    routed experts' implementation (`ModelConfig.moe_impl`)."""
+    """Loads a Hugging Face format directory (`config.json` + `*.safetensors`) of a supported
+    architecture, streaming: the files are memory-mapped and each parameter is placed shard by
+    shard (`streaming.place`), so host memory holds about one tensor at a time, never the
+    model; block-wise FP8 weights travel as FP8 and are dequantized on the device. With `mesh`
+    every parameter lands split over it by the partition rules (`sharding.param_shardings`).
+    `dtype`: the parameter dtype (default: the checkpoint's); `attention_impl` /
+    `moe_impl`: the backends (`ModelConfig.attention_impl`, `ModelConfig.moe_impl`)."""
     directory = pathlib.Path(directory)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory}: no config.json")
@@ -273,37 +222,54 @@ def from_pretrained(
         config_from_hf(hf, dtype), attention_impl=attention_impl, moe_impl=moe_impl
     )
     block = (hf.get("quantization_config") or {}).get("weight_block_size") or (128, 128)
-    t = _Tensors(directory, tuple(block))
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    gd, state = nnx.split(abstract)
+    gd, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     shapes = nnx.to_pure_dict(state)
-    pure: dict[str, Any] = {
-        "embed": {"embedding": t.get("model.embed_tokens.weight")},
-        "head": {"norm": {"weight": t.get("model.norm.weight")}},
-        "layers": {i: _hf_layer(cfg, t, i) for i in range(cfg.num_layers)},
-    }
-    if not cfg.tie_embeddings:
-        pure["head"]["lm_head"] = {"kernel": t.get("lm_head.weight").T}
-    pure = _cast_like(pure, shapes, "")
+    if mesh is not None:
+        shardings = sharding.param_shardings(shapes, mesh, cfg)
+    else:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, shapes)
+    with Tensors(directory, tuple(block)) as t:
+
+        def load(key, values):
+            return _place_like(values, shapes[key], shardings[key], f"/{key}", t)
+
+        head = {"norm": {"weight": t.get("model.norm.weight")}}
+        if not cfg.tie_embeddings:
+            head["lm_head"] = {"kernel": t.get("lm_head.weight").T}
+        pure: dict[str, Any] = {
+            "embed": load("embed", {"embedding": t.get("model.embed_tokens.weight")}),
+            "head": load("head", head),
+            "layers": {},
+        }
+        for i in range(cfg.num_layers):  # one layer's views at a time
+            layer = _hf_layer(cfg, t, i)
+            pure["layers"][i] = _place_like(
+                layer, shapes["layers"][i], shardings["layers"][i], f"/layers/{i}", t
+            )
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(gd, state)
 
 
-def _cast_like(values: Any, shapes: Any, path: str) -> Any:
-    """Checks every tensor against the model's expected shape and casts it to its dtype."""
+def _place_like(values: Any, shapes: Any, shardings: Any, path: str, t: Tensors) -> Any:
+    """Checks every tensor against the model's expected shape and places it on the device(s)
+    in the parameter dtype (`streaming.place`), releasing the file pages after each."""
     if isinstance(shapes, dict):
         if not isinstance(values, dict) or set(values) != set(shapes):
             missing = set(shapes) - set(values if isinstance(values, dict) else {})
             raise CheckpointError(
                 f"parameters at {path or '/'} do not match the model: missing {missing}"
             )
-        return {k: _cast_like(values[k], shapes[k], f"{path}/{k}") for k in shapes}
-    arr = np.asarray(values)
-    if tuple(arr.shape) != tuple(shapes.shape):
+        return {
+            k: _place_like(values[k], shapes[k], shardings[k], f"{path}/{k}", t) for k in shapes
+        }
+    if tuple(values.shape) != tuple(shapes.shape):
         raise CheckpointError(
-            f"tensor {path}: shape {arr.shape}, model expects {tuple(shapes.shape)}"
+            f"tensor {path}: shape {tuple(values.shape)}, model expects {tuple(shapes.shape)}"
         )
-    return jax.numpy.asarray(arr.astype(np_dtype(str(shapes.dtype))))
+    out = place(values, shardings, shapes.dtype)
+    t.release()
+    return out
 
 
 # --------------------------------------------------------------------------- served parameters

@@ -200,3 +200,52 @@ def test_explicit_mesh_from_jax_make_mesh_is_accepted():
     assert dm.generate(net, PROMPTS[0], 4) == dm.generate(
         dm.init_model(QWEN, seed=0), PROMPTS[0], 4
     )
+
+
+# --------------------------------------------------------------------------- from_pretrained
+
+HF_FAMILIES = {  # transformers architecture, its config overrides: heads that split 8 ways
+    "qwen2": ("Qwen2ForCausalLM", "QWEN2", dict(num_attention_heads=8, num_key_value_heads=8)),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DEEPSEEK",
+        dict(num_attention_heads=8, num_key_value_heads=8),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """`hf_checkpoint(name)`: (directory, transformers' greedy tokens), written once."""
+    pytest.importorskip("transformers")
+    import test_hf
+    import torch
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cls_name, base, overrides = HF_FAMILIES[name]
+            kwargs = {**getattr(test_hf, base), "vocab_size": 256, **overrides}
+            ckpt = test_hf._write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed=0)
+            with torch.no_grad():
+                out = ckpt.hf.generate(
+                    torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8, min_new_tokens=0
+                )
+            cache[name] = (ckpt.path, out[0, len(PROMPTS[0]) :].tolist())
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
+@pytest.mark.parametrize("name", sorted(HF_FAMILIES))
+def test_from_pretrained_on_a_mesh_gives_transformers_tokens(hf_checkpoint, name, mesh_name):
+    path, theirs = hf_checkpoint(name)
+    mesh = sharding.make_mesh(MESHES[mesh_name])
+    net = dm.from_pretrained(path, mesh=mesh)
+    specs = _specs(net)
+    assert specs == sharding.param_specs(nnx.to_pure_dict(nnx.state(net)), mesh, net.cfg)
+    assert specs["layers/1/self_attn/o_proj/kernel"] == P("tensor")
+    assert dm.generate(net, PROMPTS[0], 8) == theirs
+    assert dm.generate(dm.from_pretrained(path), PROMPTS[0], 8) == theirs
