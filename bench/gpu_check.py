@@ -20,6 +20,9 @@ records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
   median of a few timed runs after a compiling one, against the model's FLOPs and bytes moved
   (`step_cost`): achieved FLOP/s and bytes/s and their fraction of the device's peak (`PEAKS`,
   by `device_kind`; null for a device not in it, e.g. a CPU). `--quick`: a tiny model.
+- `sharded`: a Qwen2.5-7B-shaped model of all its layers (random bf16 weights) made on a mesh
+  of every local device by `init_model(mesh=)` (`tensor` = the device count), then the same
+  prefill and decode as `roofline`, with the parameter bytes per device (`--quick`: tiny).
 - `layerwise`: `bench/layerwise.py`'s figures (program / resident and loop / resident, the
   overlap fractions) at its default shapes (`--quick`: its tiny shapes).
 - `h2d`: host-to-device bandwidth of a 256 MiB buffer (`--quick`: 4 MiB) from pageable numpy
@@ -192,9 +195,7 @@ def _rates(seconds: float, flops: float, nbytes: float, peaks) -> dict:
 
 
 def _roofline(quick: bool) -> dict:
-    from dualpath_jax.model.decode import Decoder
-    from dualpath_jax.model.layers import resolve_attention_impl
-    from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+    from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
     from dualpath_jax.presets import QWEN25_7B, TINY_QWEN2
 
@@ -204,7 +205,18 @@ def _roofline(quick: bool) -> dict:
     else:
         cfg = dataclasses.replace(QWEN25_7B, num_layers=ROOFLINE_LAYERS)
         (batch, new, cached), (slots, context) = (1, 2048, 8192), (32, 4096)
-    runner = ModelRunner(init_model(cfg, 0))
+    return _prefill_decode(ModelRunner(init_model(cfg, 0)), (batch, new, cached), (slots, context))
+
+
+def _prefill_decode(runner, prefill_shape, decode_shape) -> dict:
+    """Times a prefill over cached pages in device memory and a decode step of `runner`'s
+    model (median of a few runs after a compiling one) against its FLOPs and bytes."""
+    from dualpath_jax.model.decode import Decoder
+    from dualpath_jax.model.layers import resolve_attention_impl
+    from dualpath_jax.model.runner import CachedPages, LayerPages, PrefillBatch
+
+    cfg = runner.cfg
+    (batch, new, cached), (slots, context) = prefill_shape, decode_shape
     dev = jax.devices()[0]
     peaks = PEAKS.get(dev.device_kind)
     rng = np.random.default_rng(0)
@@ -213,7 +225,8 @@ def _roofline(quick: bool) -> dict:
     pb = PrefillBatch.build(cfg, prompts, [cached] * batch)
     rows = rng.standard_normal((batch, cached, cfg.kv_width), np.float32).astype(cfg.kv_dtype)
     layer = LayerPages.from_rows(list(rows), 64, cfg.kv_width, cfg.kv_dtype)
-    kv = CachedPages.from_layers([layer] * cfg.num_layers).to_device()
+    kv = CachedPages.from_layers([layer] * cfg.num_layers)
+    kv = kv.to_device(runner.pages_sharding(kv.pages.shape))
     del rows, layer
 
     def prefill():
@@ -251,6 +264,48 @@ def _roofline(quick: bool) -> dict:
             **_rates(t_decode, *step_cost(cfg, slots, 1, context), peaks),
         },
     }
+
+
+def _sharded(quick: bool) -> dict:
+    """A real-size model (Qwen2.5-7B shape, all 28 layers, random bf16 weights) created on a
+    mesh of every local device (`tensor` = the device count) by `init_model(mesh=)`, then
+    `_prefill_decode` as `roofline` runs it, with the parameter bytes each device holds.
+    `--quick`: a tiny model whose heads divide by 8."""
+    from dualpath_jax.model import sharding
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.presets import QWEN25_7B, TINY_QWEN2
+
+    n = jax.device_count()
+    mesh = sharding.make_mesh({"tensor": n})
+    if quick:
+        cfg = dataclasses.replace(
+            TINY_QWEN2, num_heads=8, num_kv_heads=8, head_dim=8, vocab_size=256, num_layers=2
+        )
+        shapes = (1, 16, 64), (2, 64)
+    else:
+        cfg = QWEN25_7B
+        shapes = (1, 2048, 8192), (32, 4096)
+    t0 = time.perf_counter()
+    net = init_model(cfg, 0, mesh=mesh)
+    from flax import nnx
+
+    leaves = jax.block_until_ready(jax.tree.leaves(nnx.state(net)))
+    init_s = time.perf_counter() - t0
+    per_device: dict[str, int] = {}
+    for leaf in leaves:
+        for shard in leaf.addressable_shards:
+            per_device[str(shard.device)] = per_device.get(str(shard.device), 0) + shard.data.nbytes
+    out = _prefill_decode(ModelRunner(net), *shapes)
+    out.update(
+        mesh=sharding.describe(mesh),
+        devices=n,
+        layers=cfg.num_layers,
+        init_seconds=init_s,
+        param_bytes=sum(int(x.nbytes) for x in leaves),
+        max_param_bytes_per_device=max(per_device.values()),
+    )
+    return out
 
 
 # --- the KV data path ----------------------------------------------------------------------
@@ -320,6 +375,7 @@ CHECKS: dict[str, Callable[[bool], dict]] = {
     "memory": _memory,
     "dispatch": _dispatch,
     "roofline": _roofline,
+    "sharded": _sharded,
     "layerwise": _layerwise,
     "h2d": _h2d,
     "channel": _channel,
@@ -399,6 +455,13 @@ def _figures(name: str, r: dict) -> list[str]:
             f" ({_pct(p['bytes_fraction'])} of peak)"
             for phase, p in ((k, r[k]) for k in ("prefill", "decode"))
         ]
+    if name == "sharded":
+        head = (
+            f"{r['layers']} layers on {r['mesh']}: params {_g(r['param_bytes'] / 2**30)} GiB"
+            f" ({_g(r['max_param_bytes_per_device'] / 2**30)} GiB per device), made in"
+            f" {r['init_seconds']:.1f} s"
+        )
+        return [head, *_figures("roofline", r)]
     if name == "layerwise":
         return [
             f"program/resident {r['program_vs_resident']:.3f}, overlap {r['program_overlap']:.2f}",

@@ -13,7 +13,7 @@ from dualpath_jax.presets import TINY_QWEN2
 
 # `memory` and `dispatch` call bench/accel_memory.py and bench/decode_dispatch.py, whose own
 # tests (tests/model/) run those measurements at tiny sizes; here they would only add minutes.
-ON_CPU = ("kernel", "greedy", "roofline", "layerwise", "h2d", "channel")
+ON_CPU = ("kernel", "greedy", "roofline", "sharded", "layerwise", "h2d", "channel")
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,8 @@ def gpu_check(bench_modules):
 
 def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     assert list(gpu_check.CHECKS) == [
-        "kernel", "greedy", "memory", "dispatch", "roofline", "layerwise", "h2d", "channel",
+        "kernel", "greedy", "memory", "dispatch", "roofline", "sharded", "layerwise", "h2d",
+        "channel",
     ]  # fmt: skip
     result = gpu_check.run(tmp_path, quick=True, names=ON_CPU)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -51,6 +52,11 @@ def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
         assert p["flops_fraction"] is None and p["bytes_fraction"] is None
     d, quick_model = roof["decode"], dataclasses.replace(TINY_QWEN2, num_layers=2)
     assert d["flops"] == gpu_check.step_cost(quick_model, d["slots"], 1, d["context"])[0]
+
+    sh = saved["sharded"]  # one CPU device here: a mesh of one
+    assert sh["mesh"] == "tensor=1" and sh["devices"] == 1
+    assert sh["max_param_bytes_per_device"] == sh["param_bytes"] > 0
+    assert sh["prefill"]["seconds"] > 0 and sh["decode"]["seconds"] > 0
 
     lw = saved["layerwise"]
     assert lw["program_vs_resident"] > 0 and lw["loop_vs_resident"] > 0
