@@ -26,12 +26,14 @@ from dualpath_jax.model.checkpoint import (
 from dualpath_jax.model.layers import Buffer
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN2, TINY_QWEN3_MOE
 
 PROMPTS = [[3, 141, 59, 26, 5, 35, 89, 79, 32], [256, 0, 17]]
 CONFIGS = {
     "qwen2": TINY_QWEN2,
     "deepseek": TINY_DEEPSEEK,
+    "deepseek_v2": TINY_DEEPSEEK_V2,
+    "qwen3_moe": TINY_QWEN3_MOE,
     "qwen2_bf16_tied": dataclasses.replace(
         TINY_QWEN2, num_layers=2, dtype="bfloat16", kv_dtype="bfloat16", tie_embeddings=True
     ),
@@ -81,10 +83,10 @@ def test_round_trip_is_bitwise(saved):
         a, b = np.asarray(want[k]), np.asarray(got[k])
         assert a.dtype == b.dtype and a.shape == b.shape, k
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(k))
-    # Variable kinds survive too (the router's bias stays a non-trainable Buffer).
+    # Variable kinds survive too (the V3 router's correction bias stays a non-trainable Buffer).
     kinds = lambda m: {p: type(v) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
     assert kinds(restored) == kinds(model)
-    assert (Buffer in kinds(model).values()) == model.cfg.is_mla
+    assert (Buffer in kinds(model).values()) == (model.cfg.family.value == "deepseek")
 
 
 def test_round_trip_logits_identical(saved):
