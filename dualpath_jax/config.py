@@ -176,7 +176,7 @@ class HardwareConfig:
     `sim.simulate(cfg)` uses it when given none) is the roofline of `gpu` with `calibration`
     (`"hopper"`: fitted to DeepSeek's published H800 serving, `presets.hopper_calibration`;
     `"none"`: the bare roofline at the GPU's kernel efficiency), FP8 weights and GEMMs when `fp8`
-    (None: for DeepSeek-family models, whose checkpoints are FP8), routed experts spread over the
+    (None: for DeepSeek-V3-family models, whose checkpoints are FP8), routed experts spread over the
     GPUs of `ep_decode_nodes` decode nodes (0: all of them; a dense model has none to spread)
     and KV of `kv_format` (`model.layout.kv_bytes_per_token`: "" = `model.kv_dtype`,
     `"fp8_flashmla"` = DeepSeek's FP8 FlashMLA layout, or a dtype name), which also sizes the
@@ -196,7 +196,7 @@ class HardwareConfig:
     low_weight: float = 1.0
     emulated: bool = False
     calibration: str = "hopper"  # "hopper" | "none"
-    fp8: bool | None = None  # None: FP8 for DeepSeek-family models
+    fp8: bool | None = None  # None: FP8 for DeepSeek-V3-family models
     ep_decode_nodes: int = 0  # decode nodes per expert-parallel group, 0: all
     kv_format: str = ""  # "": model.kv_dtype; "fp8_flashmla"; a dtype name
 
@@ -585,7 +585,7 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         (
             "hardware.fp8",
             hw.fp8 is None or isinstance(hw.fp8, bool),
-            "must be true, false or null (FP8 for DeepSeek-family models)",
+            "must be true, false or null (FP8 for DeepSeek-V3-family models)",
         ),
         (
             "hardware.ep_decode_nodes",

@@ -2,8 +2,9 @@
 
 `from_pretrained(dir)` reads a Hugging Face format directory (`config.json` + `*.safetensors`) of
 a supported architecture (`SUPPORTED`: Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2 and V3) into our
-`Transformer`, building the model abstractly first so that no random weights are materialised. Block-wise FP8 weights (`weight_scale_inv`, as
-DeepSeek ships them) are dequantized to the model dtype.
+`Transformer`, building the model abstractly first so that no random weights are materialised.
+Block-wise FP8 weights (`weight_scale_inv`, as DeepSeek ships them) are dequantized to the model
+dtype.
 """
 
 from __future__ import annotations
@@ -178,17 +179,17 @@ def _deepseek_from_hf(hf: dict[str, Any], family: ModelFamily) -> dict[str, Any]
     if hf.get("moe_layer_freq", 1) != 1:
         raise CheckpointError(f"DeepSeek moe_layer_freq={hf['moe_layer_freq']} is not supported")
     if family == ModelFamily.DEEPSEEK_V2:
-        routing = dict(
-            moe_scoring="softmax",
-            topk_method=hf.get("topk_method") or "greedy",
-            # transformers' DeepseekV2 never normalizes the chosen weights; the published V2
-            # configs say false, which is what the original code then does too.
-            norm_topk_prob=False,
-        )
+        # transformers' DeepseekV2 never normalizes the chosen weights, DeepSeek's own code does
+        # when norm_topk_prob is set; the published V2 configs leave it false, where both agree.
         if hf.get("norm_topk_prob"):
             raise CheckpointError(
                 "DeepSeek-V2 norm_topk_prob=True is not supported (transformers ignores it)"
             )
+        routing = dict(
+            moe_scoring="softmax",
+            topk_method=hf.get("topk_method") or "greedy",
+            norm_topk_prob=False,
+        )
         scoring = hf.get("scoring_func", "softmax")
     else:
         routing = dict(

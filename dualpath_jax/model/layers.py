@@ -117,16 +117,15 @@ class Rope:
         dimensions that turn more than `beta_fast` times in `original_max_len` positions, divides
         those turning fewer than `beta_slow` times by `factor`, and blends linearly between."""
         d = self.dim
-        original = 1.0 / (self.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+        wavelengths = self.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # / 2 pi
+        original = 1.0 / wavelengths
         if not self.yarn:
             return original
-        interpolated = 1.0 / (
-            self.factor * self.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-        )
+        interpolated = 1.0 / (self.factor * wavelengths)
 
         def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
-            turns = self.original_max_len / (rotations * 2 * math.pi)
-            return d * math.log(turns) / (2 * math.log(self.theta))
+            wavelength = self.original_max_len / (rotations * 2 * math.pi)
+            return d * math.log(wavelength) / (2 * math.log(self.theta))
 
         low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
         if self.truncate:
