@@ -24,8 +24,16 @@ class ConfigError(ValueError):
 
 
 class ModelFamily(enum.StrEnum):
+    """The architecture a model follows (`ModelConfig.is_mla` is the DeepSeek families')."""
+
     QWEN2 = "qwen2"  # dense GQA decoder (Qwen2 / Qwen2.5)
+    QWEN3 = "qwen3"  # dense GQA decoder with per-head q/k RMSNorm (Qwen3)
+    QWEN3_MOE = "qwen3_moe"  # Qwen3 attention + softmax-routed MoE (Qwen3-MoE)
+    DEEPSEEK_V2 = "deepseek_v2"  # MLA attention + softmax-routed MoE (DeepSeek-V2, V2-Lite)
     DEEPSEEK = "deepseek"  # MLA attention + MoE (DeepSeek-V3 family)
+
+
+_MLA_FAMILIES = (ModelFamily.DEEPSEEK, ModelFamily.DEEPSEEK_V2)
 
 
 class Policy(enum.StrEnum):
@@ -46,8 +54,9 @@ KV_SCALE_TILE = 128  # MLA latent columns per fp8 KV scale (`ModelConfig.kv_scal
 class ModelConfig:
     """Architecture of one model. Dimensions follow the Hugging Face config names.
 
-    Qwen2 uses `num_kv_heads`/`head_dim`; DeepSeek uses the MLA fields (`kv_lora_rank`,
-    `qk_rope_head_dim`, ...) and the MoE fields. `dtype` is the parameter/compute dtype and
+    The Qwen families use `num_kv_heads`/`head_dim` (Qwen3 adds `qk_norm`); the DeepSeek
+    families use the MLA fields (`kv_lora_rank`, `qk_rope_head_dim`, ...). Qwen3-MoE and the
+    DeepSeek families use the MoE fields. `dtype` is the parameter/compute dtype and
     `kv_dtype` the dtype of cached KV (what a Layer Block holds). `attention_impl` picks the
     attention backend (`model.layers.ATTENTION_IMPLS`): `reference` (dense scores under a
     boolean mask, the oracle), `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where
@@ -70,19 +79,49 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_embeddings: bool = False
     qkv_bias: bool = True
-    # MLA (DeepSeek family).
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3), GQA only
+    # RoPE scaling (Hugging Face `rope_parameters`): "default" (none) or "yarn". Yarn blends the
+    # inverse frequencies divided by `rope_factor` with the original ones over the band between
+    # `rope_beta_fast` and `rope_beta_slow` rotations in `rope_original_max_len` positions
+    # (band edges rounded outwards when `rope_truncate`), and scales cos/sin by
+    # `rope_attention_factor` (0: derived from `rope_factor`, `rope_mscale`, `rope_mscale_all_dim`
+    # as transformers does). MLA also scales its softmax by mscale(rope_factor,
+    # rope_mscale_all_dim)^2 when `rope_mscale_all_dim` is set. `model.layers.Rope` computes it.
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_original_max_len: int = 0
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 0.0
+    rope_mscale_all_dim: float = 0.0
+    rope_attention_factor: float = 0.0
+    rope_truncate: bool = True
+    # MLA (DeepSeek families).
     q_lora_rank: int = 0  # 0: queries are not low-rank compressed
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = True
-    # MoE (DeepSeek family).
+    # MoE (DeepSeek and Qwen3-MoE families). Layer i has routed experts when
+    # i >= first_k_dense_replace, (i + 1) % moe_layer_step == 0 and i is not in dense_layers
+    # (`is_moe_layer`); the other layers have a dense MLP of `intermediate_size`.
     n_routed_experts: int = 0
     num_experts_per_tok: int = 0
     n_shared_experts: int = 0
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
+    moe_layer_step: int = 1  # Qwen3-MoE's decoder_sparse_step
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers
+    # Routing: expert scores are the sigmoid or the softmax of the router logits (`moe_scoring`);
+    # the top `num_experts_per_tok` are chosen over all experts (`topk_method` "greedy"), or
+    # within the `topk_group` best of `n_group` expert groups, groups ranked by their best score
+    # ("group_limited_greedy", DeepSeek-V2) or, with the score-correction bias added to the
+    # scores for the choice only, by the sum of their best two ("noaux_tc", DeepSeek-V3). The
+    # chosen scores, normalized to sum 1 if `norm_topk_prob`, times `routed_scaling_factor`,
+    # weight the experts' outputs.
+    moe_scoring: str = "sigmoid"  # "sigmoid" | "softmax"
+    topk_method: str = "noaux_tc"  # "greedy" | "group_limited_greedy" | "noaux_tc"
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
@@ -102,7 +141,7 @@ class ModelConfig:
 
     @property
     def is_mla(self) -> bool:
-        return self.family == ModelFamily.DEEPSEEK
+        return self.family in _MLA_FAMILIES
 
     @property
     def kv_width(self) -> int:  # == model.paged_attention.RowLayout.for_model(self).row_width
@@ -117,7 +156,13 @@ class ModelConfig:
         return data + 4 * scales if self.kv_scales else data
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+        """Whether layer `layer` has routed experts (else a dense MLP)."""
+        return (
+            self.n_routed_experts > 0
+            and layer >= self.first_k_dense_replace
+            and (layer + 1) % self.moe_layer_step == 0
+            and layer not in self.dense_layers
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +176,7 @@ class HardwareConfig:
     `sim.simulate(cfg)` uses it when given none) is the roofline of `gpu` with `calibration`
     (`"hopper"`: fitted to DeepSeek's published H800 serving, `presets.hopper_calibration`;
     `"none"`: the bare roofline at the GPU's kernel efficiency), FP8 weights and GEMMs when `fp8`
-    (None: for DeepSeek-family models, whose checkpoints are FP8), routed experts spread over the
+    (None: for DeepSeek-V3-family models, whose checkpoints are FP8), routed experts spread over the
     GPUs of `ep_decode_nodes` decode nodes (0: all of them; a dense model has none to spread)
     and KV of `kv_format` (`model.layout.kv_bytes_per_token`: "" = `model.kv_dtype`,
     `"fp8_flashmla"` = DeepSeek's FP8 FlashMLA layout, or a dtype name), which also sizes the
@@ -151,7 +196,7 @@ class HardwareConfig:
     low_weight: float = 1.0
     emulated: bool = False
     calibration: str = "hopper"  # "hopper" | "none"
-    fp8: bool | None = None  # None: FP8 for DeepSeek-family models
+    fp8: bool | None = None  # None: FP8 for DeepSeek-V3-family models
     ep_decode_nodes: int = 0  # decode nodes per expert-parallel group, 0: all
     kv_format: str = ""  # "": model.kv_dtype; "fp8_flashmla"; a dtype name
 
@@ -456,6 +501,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         lambda v: v >= 1,
         "model.vocab_size model.hidden_size model.num_layers model.num_heads model.num_kv_heads"
         " model.head_dim model.intermediate_size model.max_seq_len model.n_group model.topk_group"
+        " model.moe_layer_step"
         " hardware.engines_per_node"
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
         " cluster.decode_slots cluster.decode_max_len cluster.max_attempts"
@@ -483,6 +529,9 @@ _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 _CHOICES = {
     "model.attention_impl": ("auto", "reference", "xla", "pallas"),  # layers.ATTENTION_IMPLS
     "model.moe_impl": ("auto", "ragged_dot", "grouped", "gmm"),  # model.moe.MOE_IMPLS
+    "model.rope_type": ("default", "yarn"),
+    "model.moe_scoring": ("sigmoid", "softmax"),
+    "model.topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
     "store.kind": ("file", "memory", "spec"),
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "workload.mode": ("offline", "online"),
@@ -521,6 +570,10 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     """(key, holds, rule) of the rules that relate fields to each other."""
     m, cl, w, hw = c.model, c.cluster, c.workload, c.hardware
     moe = m.n_routed_experts > 0
+    yarn = m.rope_type == "yarn"
+    grouped = moe and m.topk_method != "greedy" and m.n_routed_experts % m.n_group == 0
+    group_experts = m.topk_group * (m.n_routed_experts // m.n_group)
+    dense = m.dense_layers
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
     return [
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
@@ -532,7 +585,7 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         (
             "hardware.fp8",
             hw.fp8 is None or isinstance(hw.fp8, bool),
-            "must be true, false or null (FP8 for DeepSeek-family models)",
+            "must be true, false or null (FP8 for DeepSeek-V3-family models)",
         ),
         (
             "hardware.ep_decode_nodes",
@@ -579,6 +632,26 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             f"must be a multiple of model.n_group ({m.n_group})",
         ),
         ("model.topk_group", m.topk_group <= m.n_group, f"must be <= model.n_group ({m.n_group})"),
+        (
+            "model.num_experts_per_tok",
+            not grouped or m.num_experts_per_tok <= group_experts,
+            f"must be <= the experts in model.topk_group groups ({group_experts}) with"
+            f" topk_method {m.topk_method!r}",
+        ),
+        (
+            "model.dense_layers",
+            isinstance(dense, tuple)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in dense)
+            and all(0 <= i < m.num_layers for i in dense),
+            f"must be a tuple of layer indices in [0, model.num_layers ({m.num_layers}))",
+        ),
+        ("model.qk_norm", not (m.qk_norm and m.is_mla), "applies to GQA attention only"),
+        ("model.rope_factor", not yarn or m.rope_factor >= 1, "must be >= 1 with yarn RoPE"),
+        (
+            "model.rope_original_max_len",
+            not yarn or m.rope_original_max_len >= 1,
+            "must be >= 1 with yarn RoPE",
+        ),
     ]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 
@@ -39,18 +40,43 @@ def pytest_configure(config):
 
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
-from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2  # noqa: E402
+from dualpath_jax.presets import (  # noqa: E402
+    TINY_DEEPSEEK,
+    TINY_DEEPSEEK_V2,
+    TINY_QWEN2,
+    TINY_QWEN3,
+    TINY_QWEN3_MOE,
+)
 
 FAMILIES = {"qwen2": TINY_QWEN2, "deepseek": TINY_DEEPSEEK}
+# Every family's tiny model. The equivalence tests (layerwise == monolithic, decode == reference)
+# run over all of them (`family_runner`); the rest over the GQA and the MLA/MoE one above.
+ALL_FAMILIES = {
+    **FAMILIES,
+    "qwen3": TINY_QWEN3,
+    "qwen3_moe": TINY_QWEN3_MOE,
+    "deepseek_v2": TINY_DEEPSEEK_V2,
+}
+
+
+@functools.cache
+def _tiny_runner(family: str):
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+
+    return ModelRunner(init_model(ALL_FAMILIES[family], seed=0))
 
 
 @pytest.fixture(scope="session", params=sorted(FAMILIES))
 def tiny_runner(request):
-    """A ModelRunner over a randomly initialised tiny model of each family."""
-    from dualpath_jax.model.runner import ModelRunner
-    from dualpath_jax.model.transformer import init_model
+    """A ModelRunner over a randomly initialised tiny model of Qwen2 and of DeepSeek-V3."""
+    return _tiny_runner(request.param)
 
-    return ModelRunner(init_model(FAMILIES[request.param], seed=0))
+
+@pytest.fixture(scope="session", params=sorted(ALL_FAMILIES))
+def family_runner(request):
+    """A ModelRunner over a randomly initialised tiny model of each family."""
+    return _tiny_runner(request.param)
 
 
 @contextlib.contextmanager

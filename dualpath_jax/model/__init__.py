@@ -1,4 +1,5 @@
-"""The model: Qwen2 and DeepSeek-V3 family transformers in flax.nnx, checkpoints, generation.
+"""The model: Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2 and V3 transformers in flax.nnx, checkpoints,
+generation.
 
     from dualpath_jax import model as dm
 

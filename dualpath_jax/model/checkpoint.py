@@ -1,10 +1,11 @@
 """Checkpoints: orbax save/restore of parameters, and Hugging Face directory import.
 
 `from_pretrained(dir, mesh=...)` reads a Hugging Face format directory (`config.json` +
-`*.safetensors`) into our `Transformer`, building the model abstractly first so that no random
-weights are materialised, and streaming each parameter from the memory-mapped files onto the
-device(s) shard by shard (`streaming.py`). Block-wise FP8 weights (`weight_scale_inv`, as
-DeepSeek ships them) travel as FP8 and are dequantized to the model dtype on the device.
+`*.safetensors`) of a supported architecture (`SUPPORTED`: Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V2
+and V3) into our `Transformer`, building the model abstractly first so that no random weights
+are materialised, and streaming each parameter from the memory-mapped files onto the device(s)
+shard by shard (`streaming.py`). Block-wise FP8 weights (`weight_scale_inv`, as DeepSeek ships
+them) travel as FP8 and are dequantized to the model dtype on the device.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ from dualpath_jax.model import sharding
 from dualpath_jax.model.streaming import CheckpointError, Tensors, place, stack
 from dualpath_jax.model.transformer import Transformer
 
-_SUPPORTED = {"Qwen2ForCausalLM": ModelFamily.QWEN2, "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK}
+# Hugging Face architectures `from_pretrained` reads, and the families they map to.
+SUPPORTED = {
+    "Qwen2ForCausalLM": ModelFamily.QWEN2,
+    "Qwen3ForCausalLM": ModelFamily.QWEN3,
+    "Qwen3MoeForCausalLM": ModelFamily.QWEN3_MOE,
+    "DeepseekV2ForCausalLM": ModelFamily.DEEPSEEK_V2,
+    "DeepseekV3ForCausalLM": ModelFamily.DEEPSEEK,
+}
 _CONFIG_NAME = "dualpath_model.json"
 
 
@@ -62,20 +70,19 @@ def restore_params(directory: str | pathlib.Path, cfg: ModelConfig | None = None
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
-    """Maps a Hugging Face `config.json` dict of a supported architecture to a ModelConfig."""
+    """Maps a Hugging Face `config.json` dict of a supported architecture to a ModelConfig.
+    Raises CheckpointError for other architectures and for features the models lack (sliding
+    windows, attention or MLP biases where the family has none, RoPE scaling other than yarn)."""
     archs = hf.get("architectures") or []
-    family = next((_SUPPORTED[a] for a in archs if a in _SUPPORTED), None)
+    family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
     if family is None:
         raise CheckpointError(
-            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(_SUPPORTED)}"
+            f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED)}"
         )
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"RoPE scaling {rope_type!r} is not supported (only default RoPE)")
-    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if hf.get("use_sliding_window"):
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
         raise CheckpointError("sliding-window attention is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"activation {hf['hidden_act']!r} is not supported (only silu)")
     dt = dtype or {"bfloat16": "bfloat16", "float16": "float16"}.get(
         str(hf.get("dtype", hf.get("torch_dtype", "float32"))), "float32"
     )
@@ -89,20 +96,116 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         intermediate_size=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 4096),
-        rope_theta=theta,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dtype=dt,
         kv_dtype=dt,
+        **_rope_from_hf(hf),
     )
     if family == ModelFamily.QWEN2:
+        return ModelConfig(**common, head_dim=_head_dim(hf))
+    if family in (ModelFamily.QWEN3, ModelFamily.QWEN3_MOE):
+        if hf.get("attention_bias"):
+            raise CheckpointError("Qwen3 attention_bias=True is not supported")
+        qwen3 = dict(common, head_dim=_head_dim(hf), qkv_bias=False, qk_norm=True)
+        if family == ModelFamily.QWEN3:
+            return ModelConfig(**qwen3)
         return ModelConfig(
-            **common, head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+            **qwen3,
+            # Qwen's config.json files say num_experts, transformers 5 writes num_local_experts.
+            n_routed_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            moe_layer_step=hf.get("decoder_sparse_step", 1),
+            dense_layers=tuple(hf.get("mlp_only_layers") or ()),
+            moe_scoring="softmax",
+            topk_method="greedy",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         )
+    return ModelConfig(**common, **_deepseek_from_hf(hf, family))
+
+
+def _head_dim(hf: dict[str, Any]) -> int:
+    return hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig.rope_*` fields of a Hugging Face config (`rope_parameters`, or the older
+    `rope_scaling` with a top-level `rope_theta`), defaults filled in as transformers does."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise CheckpointError("RoPE parameters per layer type are not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise CheckpointError(f"partial rotary embeddings ({partial}) are not supported")
+    if rope_type == "default":
+        return dict(rope_theta=theta)
+    if rope_type != "yarn":
+        raise CheckpointError(
+            f"RoPE scaling {rope_type!r} is not supported (supported: default, yarn)"
+        )
+    # transformers takes a top-level original_max_position_embeddings over the RoPE dict's.
+    original = (
+        hf.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or hf.get("max_position_embeddings", 4096)
+    )
+    factor = rope.get("factor") or hf.get("max_position_embeddings", 4096) / original
+    return dict(
+        rope_theta=theta,
+        rope_type="yarn",
+        rope_factor=float(factor),
+        rope_original_max_len=int(original),
+        rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+        rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+        rope_mscale=float(rope.get("mscale") or 0.0),
+        rope_mscale_all_dim=float(rope.get("mscale_all_dim") or 0.0),
+        rope_attention_factor=float(rope.get("attention_factor") or 0.0),
+        rope_truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def _deepseek_from_hf(hf: dict[str, Any], family: ModelFamily) -> dict[str, Any]:
+    """The MLA and MoE fields of a DeepSeek-V2 or V3 config."""
     if hf.get("attention_bias"):
         raise CheckpointError("DeepSeek attention_bias=True is not supported")
-    return ModelConfig(
-        **common,
+    if hf.get("mlp_bias"):
+        raise CheckpointError("DeepSeek mlp_bias=True is not supported")
+    if hf.get("moe_layer_freq", 1) != 1:
+        raise CheckpointError(f"DeepSeek moe_layer_freq={hf['moe_layer_freq']} is not supported")
+    if family == ModelFamily.DEEPSEEK_V2:
+        # transformers' DeepseekV2 never normalizes the chosen weights, DeepSeek's own code does
+        # when norm_topk_prob is set; the published V2 configs leave it false, where both agree.
+        if hf.get("norm_topk_prob"):
+            raise CheckpointError(
+                "DeepSeek-V2 norm_topk_prob=True is not supported (transformers ignores it)"
+            )
+        routing = dict(
+            moe_scoring="softmax",
+            topk_method=hf.get("topk_method") or "greedy",
+            norm_topk_prob=False,
+        )
+        scoring = hf.get("scoring_func", "softmax")
+    else:
+        routing = dict(
+            moe_scoring="sigmoid",
+            topk_method=hf.get("topk_method") or "noaux_tc",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        )
+        scoring = hf.get("scoring_func", "sigmoid")
+    if scoring != routing["moe_scoring"]:
+        raise CheckpointError(f"{family.value} scoring_func {scoring!r} is not supported")
+    allowed = (
+        ("greedy", "group_limited_greedy") if family == ModelFamily.DEEPSEEK_V2 else ("noaux_tc",)
+    )
+    if routing["topk_method"] not in allowed:
+        raise CheckpointError(
+            f"{family.value} topk_method {routing['topk_method']!r} is not supported"
+            f" (supported: {', '.join(allowed)})"
+        )
+    return dict(
         head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
         qkv_bias=False,
         q_lora_rank=hf.get("q_lora_rank") or 0,
@@ -110,16 +213,17 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         qk_nope_head_dim=hf["qk_nope_head_dim"],
         qk_rope_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=hf["v_head_dim"],
-        rope_interleave=bool(hf.get("rope_interleave", True)),
+        # DeepSeek-V2 always rotates interleaved pairs (transformers' V2 has no such option).
+        rope_interleave=family == ModelFamily.DEEPSEEK_V2 or bool(hf.get("rope_interleave", True)),
         n_routed_experts=hf["n_routed_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
         n_shared_experts=hf.get("n_shared_experts") or 0,
         moe_intermediate_size=hf["moe_intermediate_size"],
-        first_k_dense_replace=hf.get("first_k_dense_replace", 0),
+        first_k_dense_replace=hf.get("first_k_dense_replace") or 0,
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         n_group=hf.get("n_group") or 1,
         topk_group=hf.get("topk_group") or 1,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        **routing,
     )
 
 
@@ -131,13 +235,16 @@ def _hf_layer(cfg: ModelConfig, t: Tensors, i: int) -> dict[str, Any]:
         "input_layernorm": {"weight": t.get(p + "input_layernorm.weight")},
         "post_attention_layernorm": {"weight": t.get(p + "post_attention_layernorm.weight")},
     }
-    if cfg.family == ModelFamily.QWEN2:
+    if not cfg.is_mla:
         attn = {
             n: {"kernel": lin(f"self_attn.{n}")} for n in ("q_proj", "k_proj", "v_proj", "o_proj")
         }
         if cfg.qkv_bias:
             for n in ("q_proj", "k_proj", "v_proj"):
                 attn[n]["bias"] = t.get(p + f"self_attn.{n}.bias")
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                attn[n] = {"weight": t.get(p + f"self_attn.{n}.weight", (cfg.head_dim,))}
     else:
         attn = {
             "kv_a_proj_with_mqa": {"kernel": lin("self_attn.kv_a_proj_with_mqa")},
@@ -161,14 +268,13 @@ def _hf_layer(cfg: ModelConfig, t: Tensors, i: int) -> dict[str, Any]:
         attn["w_uv"] = kvb[:, cfg.qk_nope_head_dim :].transpose(2, 0, 1)
     out["self_attn"] = attn
     if cfg.is_moe_layer(i):
-        mlp: dict[str, Any] = {
-            "router": t.get(p + "mlp.gate.weight").astype(np.float32),
-            "e_score_correction_bias": (
+        mlp: dict[str, Any] = {"router": t.get(p + "mlp.gate.weight").astype(np.float32)}
+        if cfg.topk_method == "noaux_tc":
+            mlp["e_score_correction_bias"] = (
                 t.get(p + "mlp.gate.e_score_correction_bias").astype(np.float32)
                 if t.has(p + "mlp.gate.e_score_correction_bias")
                 else np.zeros(cfg.n_routed_experts, np.float32)
-            ),
-        }
+            )
         e, h, mi = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if t.has(p + "mlp.experts.gate_up_proj"):  # fused layout [E, 2I, H], [E, H, I]
             gu = t.get(p + "mlp.experts.gate_up_proj", (e, 2 * mi, h))
@@ -208,12 +314,13 @@ def from_pretrained(
     moe_impl: str = "auto",
 ) -> Transformer:
     """Loads a Hugging Face format directory (`config.json` + `*.safetensors`) of a supported
-    architecture, streaming: the files are memory-mapped and each parameter is placed shard by
-    shard (`streaming.place`), so host memory holds about one tensor at a time, never the
-    model; block-wise FP8 weights travel as FP8 and are dequantized on the device. With `mesh`
-    every parameter lands split over it by the partition rules (`sharding.param_shardings`).
-    `dtype`: the parameter dtype (default: the checkpoint's); `attention_impl` /
-    `moe_impl`: the backends (`ModelConfig.attention_impl`, `ModelConfig.moe_impl`)."""
+    architecture (`SUPPORTED`), streaming: the files are memory-mapped and each parameter is
+    placed shard by shard (`streaming.place`), so host memory holds about one tensor at a time,
+    never the model; block-wise FP8 weights travel as FP8 and are dequantized on the device.
+    With `mesh` every parameter lands split over it by the partition rules
+    (`sharding.param_shardings`). `dtype`: the parameter dtype (default: the checkpoint's);
+    `attention_impl` / `moe_impl`: the backends (`ModelConfig.attention_impl`,
+    `ModelConfig.moe_impl`)."""
     directory = pathlib.Path(directory)
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory}: no config.json")

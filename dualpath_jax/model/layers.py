@@ -1,4 +1,4 @@
-"""Building blocks of both model families: norms, RoPE, attention, dense MLP and MoE.
+"""Building blocks of the model families: norms, RoPE, attention, dense MLP and MoE.
 
 Attention takes the layer's cached KV *rows* (`[B, C, W]`, see `layout.py`) explicitly and returns
 the new tokens' KV rows, so a layer can run with KV that arrived from the host just before it.
@@ -67,11 +67,86 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
 
 
-def rope_angles(positions: Array, dim: int, theta: float) -> tuple[Array, Array]:
-    """cos/sin of RoPE angles: positions `[B, T]` -> two `[B, T, dim // 2]` float32 arrays."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    ang = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(ang), jnp.sin(ang)
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """Yarn's magnitude correction for a context `factor` times the original: 1 + 0.1 mscale
+    ln(factor), 1 for factor <= 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """RoPE over `dim` features per head (`ModelConfig.rope_*`): default or yarn inverse
+    frequencies, cos/sin scaled by `attention_factor`."""
+
+    dim: int
+    theta: float
+    yarn: bool = False
+    factor: float = 1.0
+    original_max_len: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, dim: int) -> Rope:
+        if cfg.rope_type == "default":
+            return cls(dim, cfg.rope_theta)
+        if cfg.rope_type != "yarn":
+            raise ValueError(f"rope_type must be 'default' or 'yarn', got {cfg.rope_type!r}")
+        factor = cfg.rope_factor
+        if cfg.rope_attention_factor:
+            attention_factor = cfg.rope_attention_factor
+        elif cfg.rope_mscale and cfg.rope_mscale_all_dim:
+            attention_factor = yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(
+                factor, cfg.rope_mscale_all_dim
+            )
+        else:
+            attention_factor = yarn_mscale(factor)
+        return cls(
+            dim,
+            cfg.rope_theta,
+            True,
+            factor,
+            cfg.rope_original_max_len,
+            cfg.rope_beta_fast or 32.0,  # 0 (absent): transformers' defaults
+            cfg.rope_beta_slow or 1.0,
+            cfg.rope_truncate,
+            attention_factor,
+        )
+
+    def inv_freq(self) -> Array:
+        """Inverse frequencies `[dim // 2]` float32. Yarn keeps the original frequencies of the
+        dimensions that turn more than `beta_fast` times in `original_max_len` positions, divides
+        those turning fewer than `beta_slow` times by `factor`, and blends linearly between."""
+        d = self.dim
+        wavelengths = self.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # / 2 pi
+        original = 1.0 / wavelengths
+        if not self.yarn:
+            return original
+        interpolated = 1.0 / (self.factor * wavelengths)
+
+        def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
+            wavelength = self.original_max_len / (rotations * 2 * math.pi)
+            return d * math.log(wavelength) / (2 * math.log(self.theta))
+
+        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # a band of width 0 would divide by 0
+        ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+        keep = 1 - ramp  # the weight of the original frequency
+        return interpolated * (1 - keep) + original * keep
+
+    def angles(self, positions: Array) -> tuple[Array, Array]:
+        """cos/sin of the angles: positions `[B, T]` -> two `[B, T, dim // 2]` float32 arrays."""
+        ang = positions.astype(jnp.float32)[..., None] * self.inv_freq()
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
 
 
 def apply_rope(x: Array, cos: Array, sin: Array, interleave: bool) -> Array:
@@ -204,7 +279,8 @@ def _kv_rows(rows: Array, layout: RowLayout, kv_dtype) -> Array:
 
 
 class GQAttention(nnx.Module):
-    """Qwen2 attention: GQA with QKV bias and rotate-half RoPE. KV row = `[Hkv, K | V]`."""
+    """Qwen attention: GQA with rotate-half RoPE, QKV bias (Qwen2) or RMSNorm over each query
+    and key head before RoPE (`qk_norm`, Qwen3). KV row = `[Hkv, K | V]` (head-major)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg.dtype)
@@ -213,8 +289,13 @@ class GQAttention(nnx.Module):
         self.k_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
         self.v_proj = Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias, dtype=dt, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, h, bias=False, dtype=dt, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dt)
+        else:
+            self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.rope_theta = cfg.rope_theta
+        self.rope = Rope.for_model(cfg, d)
         self.kv_dtype = _dtype(cfg.kv_dtype)
         self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
@@ -225,7 +306,9 @@ class GQAttention(nnx.Module):
         q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
-        cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = self.rope.angles(positions)
         q = apply_rope(q, cos, sin, interleave=False)
         k = apply_rope(k, cos, sin, interleave=False)
         rows = jnp.concatenate([k, v], axis=-1).reshape(b, n, -1)  # head-major: [Hkv, K | V]
@@ -271,12 +354,12 @@ class MLAttention(nnx.Module):
         )
         self.o_proj = Linear(nh * cfg.v_head_dim, h, bias=False, dtype=dt, rngs=rngs)
         self.num_heads = nh
-        self.kv_lora_rank, self.nope, self.rope = (
-            cfg.kv_lora_rank,
-            cfg.qk_nope_head_dim,
-            cfg.qk_rope_head_dim,
-        )
-        self.rope_theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
+        self.kv_lora_rank, self.nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        self.rope, self.interleave = Rope.for_model(cfg, cfg.qk_rope_head_dim), cfg.rope_interleave
+        self.scale = self.qk_head_dim**-0.5
+        if cfg.rope_type == "yarn" and cfg.rope_mscale_all_dim:
+            # DeepSeek's yarn also sharpens the softmax: by mscale(factor, mscale_all_dim)^2.
+            self.scale *= yarn_mscale(cfg.rope_factor, cfg.rope_mscale_all_dim) ** 2
         self.kv_dtype = _dtype(cfg.kv_dtype)
         self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
@@ -293,7 +376,7 @@ class MLAttention(nnx.Module):
         ckv = self.kv_a_proj_with_mqa(x)
         c, k_pe = ckv[..., : self.kv_lora_rank], ckv[..., self.kv_lora_rank :]
         c = self.kv_a_layernorm(c)
-        cos, sin = rope_angles(positions, self.rope, self.rope_theta)
+        cos, sin = self.rope.angles(positions)
         q_pe = apply_rope(q_pe, cos, sin, self.interleave)
         k_pe = apply_rope(k_pe[:, :, None, :], cos, sin, self.interleave)[:, :, 0, :]
         q_lat = jnp.einsum(
@@ -306,7 +389,7 @@ class MLAttention(nnx.Module):
         """Absorbed queries, the new rows `[B, N, r + dr]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
         o_lat, pages = attend_kv(
-            q, new_rows, kv, self.layout, self.qk_head_dim**-0.5, self.kv_dtype, self.attention_impl
+            q, new_rows, kv, self.layout, self.scale, self.kv_dtype, self.attention_impl
         )
         out = jnp.einsum(
             "bnhr,rhd->bnhd", o_lat, self.w_uv[...], preferred_element_type=jnp.float32
@@ -327,15 +410,19 @@ class MLP(nnx.Module):
 
 
 class MoE(nnx.Module):
-    """DeepSeek-V3 MoE: sigmoid router with score-correction bias and group-limited top-k,
-    routed SwiGLU experts (grouped matmul over tokens sorted by expert, `moe.expert_ffn` with
-    `cfg.moe_impl`) plus shared experts."""
+    """Routed SwiGLU experts (grouped matmul over tokens sorted by expert, `moe.expert_ffn` with
+    `cfg.moe_impl`) plus shared experts. The router scores experts by sigmoid or softmax and
+    picks them greedily or within the best expert groups (`ModelConfig.topk_method`): DeepSeek-V3
+    (sigmoid, score-correction bias, groups ranked by their best two), DeepSeek-V2 (softmax,
+    groups ranked by their best) and Qwen3-MoE (softmax, greedy, no shared experts)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         dt = _dtype(cfg.dtype)
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.router = nnx.Param(_init(rngs, (e, h), jnp.float32, h))
-        self.e_score_correction_bias = Buffer(jnp.zeros((e,), jnp.float32))
+        self.e_score_correction_bias = (
+            Buffer(jnp.zeros((e,), jnp.float32)) if cfg.topk_method == "noaux_tc" else None
+        )
         self.w_gate = nnx.Param(_init(rngs, (e, h, i), dt, h))
         self.w_up = nnx.Param(_init(rngs, (e, h, i), dt, h))
         self.w_down = nnx.Param(_init(rngs, (e, i, h), dt, i))
@@ -345,24 +432,41 @@ class MoE(nnx.Module):
             cfg.n_group,
             cfg.topk_group,
         )
+        self.scoring, self.topk_method = cfg.moe_scoring, cfg.topk_method
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.moe_impl = resolve_moe_impl(cfg.moe_impl)
 
     def route(self, x: Array) -> tuple[Array, Array]:
         """x `[T, hidden]` -> (weights `[T, k]` float32, expert ids `[T, k]`)."""
-        scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), self.router[...].T))
-        choice = scores + self.e_score_correction_bias[...]
-        t, e = choice.shape
-        grouped = choice.reshape(t, self.n_group, e // self.n_group)
-        group_scores = jax.lax.top_k(grouped, min(2, e // self.n_group))[0].sum(-1)
-        _, top_groups = jax.lax.top_k(group_scores, self.topk_group)
-        keep = jnp.zeros((t, self.n_group), bool).at[jnp.arange(t)[:, None], top_groups].set(True)
-        choice = jnp.where(jnp.repeat(keep, e // self.n_group, axis=1), choice, -jnp.inf)
+        logits = jnp.dot(x.astype(jnp.float32), self.router[...].T)
+        if self.scoring == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias[...]
+        if self.topk_method != "greedy":
+            choice = self._best_groups_only(choice)
         _, ids = jax.lax.top_k(choice, self.top_k)
         w = jnp.take_along_axis(scores, ids, axis=1)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdims=True) + 1e-20)
         return w * self.scaling, ids
+
+    def _best_groups_only(self, choice: Array) -> Array:
+        """`choice` `[T, E]` with the experts outside each token's `topk_group` best groups at
+        -inf. A group's score is its best expert's ("group_limited_greedy") or the sum of its
+        best two ("noaux_tc")."""
+        t, e = choice.shape
+        grouped = choice.reshape(t, self.n_group, e // self.n_group)
+        if self.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, min(2, e // self.n_group))[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, top_groups = jax.lax.top_k(group_scores, self.topk_group)
+        keep = jnp.zeros((t, self.n_group), bool).at[jnp.arange(t)[:, None], top_groups].set(True)
+        return jnp.where(jnp.repeat(keep, e // self.n_group, axis=1), choice, -jnp.inf)
 
     def __call__(self, x: Array) -> Array:
         shape = x.shape

@@ -1,4 +1,5 @@
-"""The decoder-only Transformer (Qwen2 and DeepSeek families) and its monolithic forward.
+"""The decoder-only Transformer (every family: Qwen2/3 GQA, DeepSeek MLA, MoE) and its monolithic
+forward.
 
 `Transformer.__call__` is the monolithic reference: every layer in one pass over whole sequences.
 Serving code runs the same modules one layer at a time through `ModelRunner` (runner.py).

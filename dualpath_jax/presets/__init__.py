@@ -1,6 +1,7 @@
 """Presets: models, GPUs and nodes, the roofline's calibration, and the paper's testbeds.
 
-- `presets.models`: model presets (`TINY_QWEN2`, `TINY_DEEPSEEK`, the full-size specs,
+- `presets.models`: model presets (a tiny model per family: `TINY_QWEN2`, `TINY_QWEN3`,
+  `TINY_QWEN3_MOE`, `TINY_DEEPSEEK`, `TINY_DEEPSEEK_V2`; the full-size specs;
   `get_preset(name)`) and sizing-only ones (`sizing_cost(name)`).
 - `presets.hardware`: the paper's node (`HOPPER_NODE`) and the emulated CPU nodes and
   experiments (`cpu_emulated`, `emulated_cpu_experiment`).
@@ -34,7 +35,10 @@ _EXPORTS = {
             "QWEN3_235B_A22B",
             "SIZING_MODELS",
             "TINY_DEEPSEEK",
+            "TINY_DEEPSEEK_V2",
             "TINY_QWEN2",
+            "TINY_QWEN3",
+            "TINY_QWEN3_MOE",
             "get_preset",
             "sizing_cost",
         ),

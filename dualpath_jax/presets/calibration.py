@@ -19,7 +19,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 
-from dualpath_jax.config import ExperimentConfig, HardwareConfig, ModelConfig
+from dualpath_jax.config import ExperimentConfig, HardwareConfig, ModelConfig, ModelFamily
 from dualpath_jax.presets.gpus import get_gpu
 from dualpath_jax.presets.models import get_preset
 from dualpath_jax.sched.cost import CostModel, FittedCostModel, ModelCost, RooflineCostModel
@@ -158,15 +158,15 @@ def make_cost_model(
 
     Arguments left at None come from `hw`: `calibration` from `hw.calibration` (`"hopper"`:
     `hopper_calibration()`, fitted to DeepSeek's published H800 serving; `"none"`: the bare
-    roofline), `fp8` (FP8 weights and GEMMs) from `hw.fp8`, else DeepSeek-family models (whose
-    checkpoints are FP8), `kv_format` from `hw.kv_format` (empty: the model's `kv_dtype`).
+    roofline), `fp8` (FP8 weights and GEMMs) from `hw.fp8`, else DeepSeek-V3-family models
+    (whose checkpoints are FP8; DeepSeek-V2's are BF16), `kv_format` from `hw.kv_format` (empty: the model's `kv_dtype`).
     `expert_parallel`: the GPUs routed experts are spread over."""
     if hw.gpu == "cpu":
         if fitted is None:
             raise ValueError("hardware gpu='cpu' needs a FittedCostModel (profile the engines)")
         return fitted
     if fp8 is None:
-        fp8 = model.is_mla if hw.fp8 is None else hw.fp8
+        fp8 = model.family == ModelFamily.DEEPSEEK if hw.fp8 is None else hw.fp8
     roof = RooflineCostModel(
         ModelCost.from_model(model, kv_format or hw.kv_format or None),
         get_gpu(hw.gpu),

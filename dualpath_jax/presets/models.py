@@ -1,5 +1,8 @@
 """Model presets: CPU-sized tiny models for tests and demos, full-size specs for sizing.
 
+Tiny models, one per family: `tiny-qwen2`, `tiny-qwen3`, `tiny-qwen3-moe`, `tiny-deepseek`
+(DeepSeek-V3) and `tiny-deepseek-v2`.
+
 The full-size specs (`qwen2.5-32b`, `deepseek-v3-660b`, `deepseek-v3.2-660b`, `ds-27b`) feed the
 cost models, the analysis tools and the simulator; they are never instantiated as arrays.
 `get_preset(name)` looks them up (also `dualpath_jax.model.get_preset`).
@@ -62,6 +65,56 @@ TINY_DEEPSEEK = ModelConfig(
     routed_scaling_factor=2.5,
     n_group=2,
     topk_group=1,
+)
+
+TINY_QWEN3 = ModelConfig(
+    name="tiny-qwen3",
+    family=ModelFamily.QWEN3,
+    vocab_size=257,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=24,  # explicit, not hidden / heads, as in Qwen3
+    intermediate_size=96,
+    max_seq_len=8192,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    qkv_bias=False,
+    qk_norm=True,
+)
+
+# Qwen3-MoE: softmax routing over all experts; layer 1 is dense (mlp_only_layers).
+TINY_QWEN3_MOE = dataclasses.replace(
+    TINY_QWEN3,
+    name="tiny-qwen3-moe",
+    family=ModelFamily.QWEN3_MOE,
+    num_layers=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    dense_layers=(1,),
+    moe_scoring="softmax",
+    topk_method="greedy",
+    norm_topk_prob=True,
+)
+
+# DeepSeek-V2-Lite-shaped: no query LoRA, softmax routing limited to the best expert group,
+# and yarn RoPE (factor 4 over 2,048 positions, with V2's mscale 0.707).
+TINY_DEEPSEEK_V2 = dataclasses.replace(
+    TINY_DEEPSEEK,
+    name="tiny-deepseek-v2",
+    family=ModelFamily.DEEPSEEK_V2,
+    q_lora_rank=0,
+    routed_scaling_factor=2.0,
+    moe_scoring="softmax",
+    topk_method="group_limited_greedy",
+    norm_topk_prob=False,
+    rope_type="yarn",
+    rope_factor=4.0,
+    rope_original_max_len=2048,
+    rope_mscale=0.707,
+    rope_mscale_all_dim=0.707,
 )
 
 QWEN25_32B = ModelConfig(
@@ -165,6 +218,9 @@ PRESETS: dict[str, ModelConfig] = {
     for c in (
         TINY_QWEN2,
         TINY_DEEPSEEK,
+        TINY_QWEN3,
+        TINY_QWEN3_MOE,
+        TINY_DEEPSEEK_V2,
         QWEN25_7B,
         QWEN25_32B,
         DEEPSEEK_V3_660B,

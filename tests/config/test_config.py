@@ -79,6 +79,9 @@ def test_every_config_file_builds(path):
 
 def test_config_arg_and_errors():
     assert load_config(f"{CONFIG_DIR}/tiny.py:deepseek").model.name == "tiny-deepseek"
+    for arg in ("qwen3", "qwen3_moe", "deepseek_v2"):
+        cfg = load_config(f"{CONFIG_DIR}/tiny.py:{arg}")
+        assert cfg.model.family.value == arg and C.validate(cfg) is cfg
     with pytest.raises(ValueError, match="ARG must be one of"):
         load_config(f"{CONFIG_DIR}/tiny.py:gpt")
     with pytest.raises(C.ConfigError, match="does not exist"):

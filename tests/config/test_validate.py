@@ -209,10 +209,36 @@ def test_relations(overrides, message):
             "model.n_routed_experts: must be a multiple of model.n_group",
         ),
         ("model.topk_group", 3, "model.topk_group: must be <= model.n_group (2), got 3"),
+        # top_k 2 from topk_group 1 of 2 groups of 4 experts: at most 4.
+        ("model.num_experts_per_tok", 5, "model.num_experts_per_tok: must be <= the experts in"),
+        ("model.dense_layers", (0, 3), "model.dense_layers: must be a tuple of layer indices"),
+        ("model.dense_layers", [1], "model.dense_layers: must be a tuple of layer indices"),
+        ("model.qk_norm", True, "model.qk_norm: applies to GQA attention only"),
+        ("model.moe_layer_step", 0, "model.moe_layer_step: must be >= 1, got 0"),
+        ("model.moe_scoring", "relu", "model.moe_scoring: must be one of ['sigmoid', 'softmax']"),
+        ("model.topk_method", "top2", "model.topk_method: must be one of ['greedy',"),
+        ("model.rope_type", "llama3", "model.rope_type: must be one of ['default', 'yarn']"),
     ],
 )
 def test_model_relations(key, value, message):
     rejects(with_value(key, value, C.ExperimentConfig(model=TINY_DEEPSEEK)), message)
+
+
+def test_yarn_needs_its_original_length_and_a_factor():
+    yarn = dataclasses.replace(TINY_DEEPSEEK, rope_type="yarn", rope_factor=4.0)
+    rejects(
+        C.ExperimentConfig(model=yarn),
+        "model.rope_original_max_len: must be >= 1 with yarn RoPE, got 0",
+    )
+    yarn = dataclasses.replace(yarn, rope_original_max_len=1024, rope_factor=0.5)
+    rejects(C.ExperimentConfig(model=yarn), "model.rope_factor: must be >= 1 with yarn RoPE")
+
+
+def test_model_presets_round_trip_through_json_and_overrides():
+    for model in PRESETS.values():
+        assert C.from_json(C.ModelConfig, C.to_json(model)) == model
+    cfg = C.apply_overrides(C.ExperimentConfig(), ["model.dense_layers=[0, 2]"])
+    assert cfg.model.dense_layers == (0, 2) and C.validate(cfg) is cfg
 
 
 # --------------------------------------------------------------------------- where it is called

@@ -1,7 +1,7 @@
 """Attention backends (`ModelConfig.attention_impl`): `xla` (jax.nn.dot_product_attention) and
 `pallas` (the paged kernel, interpret mode on CPU) give the reference path's logits within float
 tolerance and the same greedy tokens, through the monolithic forward, layerwise prefill over
-cached KV and batched paged decode, for GQA and MLA."""
+cached KV and batched paged decode, for GQA (Qwen2, Qwen3) and MLA (default and yarn RoPE)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,15 @@ from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.kvstore import model_fingerprint
 from dualpath_jax.model.layers import ATTENTION_IMPLS, resolve_attention_impl
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
-from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN2, TINY_QWEN3
 
-FAMILIES = {"qwen2": TINY_QWEN2, "deepseek": TINY_DEEPSEEK}
+# GQA with QKV bias and with q/k norms; MLA with default RoPE and with yarn (its softmax scale).
+FAMILIES = {
+    "qwen2": TINY_QWEN2,
+    "qwen3": TINY_QWEN3,
+    "deepseek": TINY_DEEPSEEK,
+    "deepseek_v2": TINY_DEEPSEEK_V2,
+}
 PROMPTS = [[(7 * i + 3) % 257 for i in range(37)], [(5 * i + 1) % 257 for i in range(20)]]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import jax
@@ -25,12 +26,14 @@ from dualpath_jax.model.checkpoint import (
 from dualpath_jax.model.layers import Buffer
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN2, TINY_QWEN3_MOE
 
 PROMPTS = [[3, 141, 59, 26, 5, 35, 89, 79, 32], [256, 0, 17]]
 CONFIGS = {
     "qwen2": TINY_QWEN2,
     "deepseek": TINY_DEEPSEEK,
+    "deepseek_v2": TINY_DEEPSEEK_V2,
+    "qwen3_moe": TINY_QWEN3_MOE,
     "qwen2_bf16_tied": dataclasses.replace(
         TINY_QWEN2, num_layers=2, dtype="bfloat16", kv_dtype="bfloat16", tie_embeddings=True
     ),
@@ -80,10 +83,10 @@ def test_round_trip_is_bitwise(saved):
         a, b = np.asarray(want[k]), np.asarray(got[k])
         assert a.dtype == b.dtype and a.shape == b.shape, k
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=str(k))
-    # Variable kinds survive too (the router's bias stays a non-trainable Buffer).
+    # Variable kinds survive too (the V3 router's correction bias stays a non-trainable Buffer).
     kinds = lambda m: {p: type(v) for p, v in nnx.to_flat_state(nnx.state(m))}  # noqa: E731
     assert kinds(restored) == kinds(model)
-    assert (Buffer in kinds(model).values()) == model.cfg.is_mla
+    assert (Buffer in kinds(model).values()) == (model.cfg.family.value == "deepseek")
 
 
 def test_round_trip_logits_identical(saved):
@@ -197,7 +200,29 @@ def test_supported_configs_map():
     assert config_from_hf(HF_DEEPSEEK | {"q_lora_rank": None}).q_lora_rank == 0
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV2ForCausalLM"])
+def test_qwen3_moe_layer_pattern_maps():
+    """Qwen3-MoE's own config.json files say `num_experts`; layer i is sparse when
+    (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers."""
+    hf = HF_QWEN2 | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "num_hidden_layers": 8,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [5],
+    }
+    cfg = config_from_hf(hf)
+    assert (cfg.family.value, cfg.n_routed_experts, cfg.qk_norm, cfg.qkv_bias) == (
+        "qwen3_moe",
+        8,
+        True,
+        False,
+    )
+    assert [i for i in range(8) if cfg.is_moe_layer(i)] == [1, 3, 7]
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MixtralForCausalLM"])
 def test_unsupported_architecture(tmp_path, arch):
     path = write_config(tmp_path, HF_QWEN2 | {"architectures": [arch]})
     with pytest.raises(CheckpointError, match=arch):
@@ -224,19 +249,81 @@ def test_directory_without_config(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "config",
+    "config, expect",
     [
-        HF_DEEPSEEK | {"rope_scaling": YARN_SCALING},
-        # ... and transformers 5 writes this.
-        HF_DEEPSEEK
-        | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
-        HF_QWEN2 | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+        (
+            HF_DEEPSEEK | {"rope_scaling": YARN_SCALING},
+            dict(rope_factor=40.0, rope_original_max_len=4096, rope_mscale_all_dim=1.0),
+        ),
+        # ... and transformers 5 writes this (original_max_position_embeddings defaults to
+        # max_position_embeddings, as transformers fills it in).
+        (
+            HF_DEEPSEEK
+            | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0}},
+            dict(rope_factor=40.0, rope_original_max_len=512, rope_mscale_all_dim=0.0),
+        ),
+        (
+            HF_QWEN2 | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+            dict(rope_factor=4.0, rope_theta=5e5, rope_beta_fast=32.0, rope_beta_slow=1.0),
+        ),
+        # A top-level original_max_position_embeddings wins over the RoPE dict's, as there.
+        (
+            HF_QWEN2
+            | {
+                "original_max_position_embeddings": 128,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+            dict(rope_original_max_len=128, rope_theta=10000.0),
+        ),
     ],
-    ids=["deepseek-rope_scaling", "deepseek-rope_parameters", "qwen2-rope_parameters"],
+    ids=["deepseek-rope_scaling", "deepseek-rope_parameters", "qwen2", "qwen2-top-level-original"],
 )
-def test_yarn_rope_scaling(tmp_path, config):
-    with pytest.raises(CheckpointError, match="yarn"):
-        from_pretrained(write_config(tmp_path, config))
+def test_yarn_rope_scaling_maps(config, expect):
+    cfg = config_from_hf(config)
+    assert cfg.rope_type == "yarn"
+    assert {k: getattr(cfg, k) for k in expect} == expect
+
+
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "llama3", "longrope"])
+def test_unsupported_rope_scaling(tmp_path, rope_type):
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 4.0}
+    with pytest.raises(CheckpointError, match=f"RoPE scaling '{rope_type}' is not supported"):
+        from_pretrained(write_config(tmp_path, HF_QWEN2 | {"rope_parameters": rope}))
+
+
+HF_QWEN3 = HF_QWEN2 | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+HF_DEEPSEEK_V2 = HF_DEEPSEEK | {"architectures": ["DeepseekV2ForCausalLM"], "n_group": 1}
+
+
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        (HF_QWEN3 | {"attention_bias": True}, "Qwen3 attention_bias=True"),
+        (HF_QWEN2 | {"hidden_act": "gelu"}, "activation 'gelu'"),
+        (HF_QWEN3 | {"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
+        (
+            HF_QWEN2 | {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial rotary",
+        ),
+        (
+            HF_QWEN2 | {"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+            "per layer type",
+        ),
+        (HF_DEEPSEEK_V2 | {"norm_topk_prob": True}, "norm_topk_prob=True"),
+        (HF_DEEPSEEK_V2 | {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+        (HF_DEEPSEEK | {"topk_method": "greedy"}, "topk_method 'greedy'"),
+        (HF_DEEPSEEK | {"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+        (HF_DEEPSEEK_V2 | {"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        (HF_DEEPSEEK_V2 | {"mlp_bias": True}, "mlp_bias=True"),
+    ],
+)
+def test_unsupported_features(config, match):
+    with pytest.raises(CheckpointError, match=re.escape(match)):
+        config_from_hf(config)
 
 
 def test_sliding_window(tmp_path):

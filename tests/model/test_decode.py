@@ -10,31 +10,31 @@ from dualpath_jax.model.decode import Decoder, SamplingParams, generate, referen
 from dualpath_jax.model.runner import PrefillBatch
 
 
-def test_generate_equals_reference(tiny_runner):
-    cfg = tiny_runner.cfg
+def test_generate_equals_reference(family_runner):
+    cfg = family_runner.cfg
     rs = np.random.RandomState(0)
     prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (3, 29, 70)]
-    got = generate(tiny_runner, prompts, 10)
-    assert got == [reference_generate(tiny_runner, p, 10) for p in prompts]
+    got = generate(family_runner, prompts, 10)
+    assert got == [reference_generate(family_runner, p, 10) for p in prompts]
 
 
-def test_decode_after_layerwise_prefill(tiny_runner):
+def test_decode_after_layerwise_prefill(family_runner):
     """Cached prefix KV from the 'store' + layerwise prefill of the new tokens + decode."""
-    cfg = tiny_runner.cfg
+    cfg = family_runner.cfg
     rs = np.random.RandomState(1)
     prompt = rs.randint(0, cfg.vocab_size, 80).tolist()
     g = 12
-    want = reference_generate(tiny_runner, prompt, g)
+    want = reference_generate(family_runner, prompt, g)
     # Stored KV of the first 64 tokens (one full block), as a previous turn would have left it.
-    _, prefix_kv = tiny_runner.prefill_monolithic(PrefillBatch.build(cfg, [prompt[:64]], [0]))
+    _, prefix_kv = family_runner.prefill_monolithic(PrefillBatch.build(cfg, [prompt[:64]], [0]))
     prefix_kv = np.asarray(prefix_kv[:, 0, :64])
     batch = PrefillBatch.build(cfg, [prompt[64:]], [64])
     new = {}
-    res = tiny_runner.prefill_layerwise(
+    res = family_runner.prefill_layerwise(
         batch, lambda i: prefix_kv[i][None], lambda i, r: new.__setitem__(i, np.asarray(r[0, :16]))
     )
     kv = np.concatenate([prefix_kv, np.stack([new[i] for i in range(cfg.num_layers)])], axis=1)
-    dec = Decoder(tiny_runner, slots=2, max_len=256)
+    dec = Decoder(family_runner, slots=2, max_len=256)
     first = int(np.asarray(sample(res.last_logits))[0])
     dec.insert(1, kv, len(prompt), first)
     out = [first]
@@ -45,17 +45,17 @@ def test_decode_after_layerwise_prefill(tiny_runner):
     assert out == want
 
 
-def test_continuous_batching_with_slot_reuse(tiny_runner):
+def test_continuous_batching_with_slot_reuse(family_runner):
     """Slots joining and leaving mid-run do not disturb each other."""
-    cfg = tiny_runner.cfg
+    cfg = family_runner.cfg
     rs = np.random.RandomState(2)
     prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (10, 40, 25)]
     g = [8, 5, 6]
-    want = [reference_generate(tiny_runner, p, n) for p, n in zip(prompts, g)]
-    dec = Decoder(tiny_runner, slots=2, max_len=128)
+    want = [reference_generate(family_runner, p, n) for p, n in zip(prompts, g)]
+    dec = Decoder(family_runner, slots=2, max_len=128)
 
     def admit(idx, slot):
-        res, kv = tiny_runner.prefill_monolithic(PrefillBatch.build(cfg, [prompts[idx]], [0]))
+        res, kv = family_runner.prefill_monolithic(PrefillBatch.build(cfg, [prompts[idx]], [0]))
         first = int(np.asarray(sample(res.last_logits))[0])
         dec.insert(slot, np.asarray(kv[:, 0]), len(prompts[idx]), first)
         return [first]

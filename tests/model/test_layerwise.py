@@ -50,11 +50,11 @@ def host_kv(batch, refs, cached):
         [(0, 5), (1, 9), (64, 3), (100, 20), (17, 33)],  # ragged batch
     ],
 )
-def test_layerwise_equals_monolithic(tiny_runner, lengths):
-    cfg = tiny_runner.cfg
+def test_layerwise_equals_monolithic(family_runner, lengths):
+    cfg = family_runner.cfg
     rs = np.random.RandomState(len(lengths))
     seqs = [rs.randint(0, cfg.vocab_size, c + n).tolist() for c, n in lengths]
-    refs = [reference(tiny_runner, s) for s in seqs]
+    refs = [reference(family_runner, s) for s in seqs]
     cached = [c for c, _ in lengths]
     batch = PrefillBatch.build(cfg, [s[c:] for s, c in zip(seqs, cached)], cached)
     emitted = {}
@@ -64,7 +64,7 @@ def test_layerwise_equals_monolithic(tiny_runner, lengths):
         loaded.append(i)
         return host_kv(batch, refs, cached)(i)
 
-    res = tiny_runner.prefill_layerwise(
+    res = family_runner.prefill_layerwise(
         batch, load, lambda i, rows: emitted.__setitem__(i, np.asarray(rows)), all_logits=True
     )
     assert sorted(emitted) == list(range(cfg.num_layers))
@@ -76,30 +76,30 @@ def test_layerwise_equals_monolithic(tiny_runner, lengths):
             np.testing.assert_allclose(emitted[i][b, :n], kv[i, c:], atol=ATOL, rtol=1e-5)
 
 
-def test_monolithic_with_cache_equals_layerwise(tiny_runner):
-    cfg = tiny_runner.cfg
+def test_monolithic_with_cache_equals_layerwise(family_runner):
+    cfg = family_runner.cfg
     rs = np.random.RandomState(1)
     seqs = [rs.randint(0, cfg.vocab_size, 70).tolist(), rs.randint(0, cfg.vocab_size, 40).tolist()]
-    refs = [reference(tiny_runner, s) for s in seqs]
+    refs = [reference(family_runner, s) for s in seqs]
     cached = [64, 30]
     batch = PrefillBatch.build(cfg, [s[c:] for s, c in zip(seqs, cached)], cached)
     load = host_kv(batch, refs, cached)
     all_kv = np.stack([load(i) for i in range(cfg.num_layers)])
-    mono, new = tiny_runner.prefill_monolithic(batch, all_kv, all_logits=True)
+    mono, new = family_runner.prefill_monolithic(batch, all_kv, all_logits=True)
     emitted = {}
-    lw = tiny_runner.prefill_layerwise(batch, load, lambda i, r: emitted.__setitem__(i, r), True)
+    lw = family_runner.prefill_layerwise(batch, load, lambda i, r: emitted.__setitem__(i, r), True)
     np.testing.assert_allclose(np.asarray(mono.last_logits), np.asarray(lw.last_logits), atol=ATOL)
     for i in range(cfg.num_layers):
         np.testing.assert_allclose(np.asarray(new[i]), np.asarray(emitted[i]), atol=ATOL)
 
 
 @pytest.mark.parametrize("chunks", [[10, 14], [1, 1, 22], [8, 8, 8]])
-def test_chunked_equals_unchunked(tiny_runner, chunks):
-    cfg = tiny_runner.cfg
+def test_chunked_equals_unchunked(family_runner, chunks):
+    cfg = family_runner.cfg
     rs = np.random.RandomState(2)
     cached, n = 40, sum(chunks)
     seq = rs.randint(0, cfg.vocab_size, cached + n).tolist()
-    logits_ref, kv_ref = reference(tiny_runner, seq)
+    logits_ref, kv_ref = reference(family_runner, seq)
     kv = kv_ref[:, :cached]  # grows by each chunk's new KV
     start = cached
     for size in chunks:
@@ -111,7 +111,7 @@ def test_chunked_equals_unchunked(tiny_runner, chunks):
             rows[0, : kv.shape[1]] = kv[i]
             return rows
 
-        res = tiny_runner.prefill_layerwise(batch, load, emitted.__setitem__)
+        res = family_runner.prefill_layerwise(batch, load, emitted.__setitem__)
         new = np.stack([np.asarray(emitted[i][0, :size]) for i in range(cfg.num_layers)])
         kv = np.concatenate([kv, new], axis=1)
         start += size
@@ -181,21 +181,21 @@ def _cached_pages(cfg, refs, cached, page_size=16):
 
 
 @pytest.mark.parametrize("where", ["pinned_host", "device"])
-def test_one_program_prefill_equals_monolithic(tiny_runner, where):
+def test_one_program_prefill_equals_monolithic(family_runner, where):
     """`prefill_program` over every layer's cached pages (in pinned host memory, copied to the
     device inside the program, or resident on the device) equals the monolithic forward over
     the sequences, for a ragged batch with an uncached request."""
-    cfg = tiny_runner.cfg
+    cfg = family_runner.cfg
     rs = np.random.RandomState(5)
     lengths = [(16, 9), (48, 22), (0, 5), (33, 1)]
     seqs = [rs.randint(0, cfg.vocab_size, c + n).tolist() for c, n in lengths]
-    refs = [reference(tiny_runner, s) for s in seqs]
+    refs = [reference(family_runner, s) for s in seqs]
     cached = [c for c, _ in lengths]
     batch = PrefillBatch.build(cfg, [s[c:] for s, c in zip(seqs, cached)], cached)
     pages = _cached_pages(cfg, refs, cached)
     kv = pages.to_host() if where == "pinned_host" else pages.to_device()
     assert kv.pages.sharding.memory_kind == where
-    res, new = tiny_runner.prefill_program(batch, kv, all_logits=True)
+    res, new = family_runner.prefill_program(batch, kv, all_logits=True)
     assert new.shape == (cfg.num_layers, batch.batch_size, batch.n_pad, cfg.kv_width)
     for b, ((c, n), (logits, kv_ref)) in enumerate(zip(lengths, refs)):
         np.testing.assert_allclose(np.asarray(res.logits[b, :n]), logits[c:], atol=ATOL, rtol=1e-5)
@@ -203,7 +203,7 @@ def test_one_program_prefill_equals_monolithic(tiny_runner, where):
         np.testing.assert_allclose(np.asarray(new[:, b, :n]), kv_ref[:, c:], atol=ATOL, rtol=1e-5)
     # Nothing cached: the same program with an empty page set.
     fresh = PrefillBatch.build(cfg, [seqs[0]], [0])
-    res0, _ = tiny_runner.prefill_program(fresh)
+    res0, _ = family_runner.prefill_program(fresh)
     np.testing.assert_allclose(np.asarray(res0.last_logits[0]), refs[0][0][-1], atol=ATOL)
 
 

@@ -18,7 +18,7 @@ from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.kvstore import model_fingerprint
 from dualpath_jax.model import moe
 from dualpath_jax.model.runner import ModelRunner
-from dualpath_jax.presets import TINY_DEEPSEEK
+from dualpath_jax.presets import TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN3_MOE
 
 PROMPTS = [[(7 * i + 3) % 257 for i in range(37)], [(5 * i + 1) % 257 for i in range(20)]]
 
@@ -95,12 +95,15 @@ def test_tile_rows_follow_the_mean_group():
     assert moe.tile_rows(0, 8) == 8
 
 
-def test_greedy_tokens_are_identical_under_every_moe_impl():
+@pytest.mark.parametrize(
+    "cfg", [TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN3_MOE], ids=lambda c: c.name
+)
+def test_greedy_tokens_are_identical_under_every_moe_impl(cfg):
     models = {
-        impl: dm.init_model(dataclasses.replace(TINY_DEEPSEEK, moe_impl=impl), 0)
-        for impl in moe.MOE_IMPLS
+        impl: dm.init_model(dataclasses.replace(cfg, moe_impl=impl), 0) for impl in moe.MOE_IMPLS
     }
-    assert [m.layers[1].mlp.moe_impl for m in models.values()] == list(moe.MOE_IMPLS)
+    assert cfg.is_moe_layer(2)
+    assert [m.layers[2].mlp.moe_impl for m in models.values()] == list(moe.MOE_IMPLS)
     tokens = {impl: dm.generate(ModelRunner(m), PROMPTS, 8) for impl, m in models.items()}
     assert tokens["grouped"] == tokens["ragged_dot"]
     assert tokens["gmm"] == tokens["ragged_dot"]
