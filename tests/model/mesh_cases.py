@@ -204,30 +204,34 @@ def test_explicit_mesh_from_jax_make_mesh_is_accepted():
 
 # --------------------------------------------------------------------------- from_pretrained
 
-HF_FAMILIES = {  # transformers architecture, its config overrides: heads that split 8 ways
-    "qwen2": ("Qwen2ForCausalLM", "QWEN2", dict(num_attention_heads=8, num_key_value_heads=8)),
-    "deepseek_v3": (
-        "DeepseekV3ForCausalLM",
-        "DEEPSEEK",
-        dict(num_attention_heads=8, num_key_value_heads=8),
-    ),
+# transformers architecture, (test module, its config dict), overrides: heads that split 8 ways
+HF_FAMILIES = {
+    "qwen2": ("Qwen2ForCausalLM", ("test_hf", "QWEN2"), {}),
+    "qwen3": ("Qwen3ForCausalLM", ("test_hf_families", "QWEN3"), {}),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", ("test_hf_families", "QWEN3_MOE"), {}),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", ("test_hf_families", "DEEPSEEK_V2"), {}),
+    "deepseek_v3_yarn": ("DeepseekV3ForCausalLM", ("test_hf_families", "DEEPSEEK_V3"), {}),
 }
+HEADS = dict(num_attention_heads=8, num_key_value_heads=8, vocab_size=256)
+MOE = ("qwen3_moe", "deepseek_v2", "deepseek_v3_yarn")
 
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     """`hf_checkpoint(name)`: (directory, transformers' greedy tokens), written once."""
     pytest.importorskip("transformers")
-    import test_hf
+    import importlib
+
     import torch
 
     cache = {}
 
     def get(name):
         if name not in cache:
-            cls_name, base, overrides = HF_FAMILIES[name]
-            kwargs = {**getattr(test_hf, base), "vocab_size": 256, **overrides}
-            ckpt = test_hf._write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed=0)
+            cls_name, (module, base), overrides = HF_FAMILIES[name]
+            tests = importlib.import_module(module)
+            kwargs = {**getattr(tests, base), **HEADS, **overrides}
+            ckpt = tests._write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed=0)
             with torch.no_grad():
                 out = ckpt.hf.generate(
                     torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8, min_new_tokens=0
@@ -238,14 +242,29 @@ def hf_checkpoint(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("mesh_name", ["1x8", "2x4"])
-@pytest.mark.parametrize("name", sorted(HF_FAMILIES))
+HF_CASES = [(n, m) for n in sorted(HF_FAMILIES) for m in ("1x8", "2x4")]
+HF_CASES += [(n, "ep") for n in MOE]
+
+
+@pytest.mark.parametrize("name, mesh_name", HF_CASES)
 def test_from_pretrained_on_a_mesh_gives_transformers_tokens(hf_checkpoint, name, mesh_name):
+    """Every family read straight onto a 1x8, 2x4 (and for MoE models an expert-parallel)
+    mesh: each parameter where the rules put it, the greedy tokens transformers gives."""
     path, theirs = hf_checkpoint(name)
     mesh = sharding.make_mesh(MESHES[mesh_name])
     net = dm.from_pretrained(path, mesh=mesh)
     specs = _specs(net)
     assert specs == sharding.param_specs(nnx.to_pure_dict(nnx.state(net)), mesh, net.cfg)
-    assert specs["layers/1/self_attn/o_proj/kernel"] == P("tensor")
+    if mesh_name == "ep":
+        moe_layer = next(k for k in specs if k.endswith("mlp/w_gate"))
+        assert specs[moe_layer] == P("expert")
+    else:
+        assert specs["layers/1/self_attn/o_proj/kernel"] == P("tensor")
+        assert specs["embed/embedding"] == P("tensor")
     assert dm.generate(net, PROMPTS[0], 8) == theirs
+
+
+@pytest.mark.parametrize("name", sorted(HF_FAMILIES))
+def test_from_pretrained_on_one_device_gives_transformers_tokens(hf_checkpoint, name):
+    path, theirs = hf_checkpoint(name)
     assert dm.generate(dm.from_pretrained(path), PROMPTS[0], 8) == theirs
