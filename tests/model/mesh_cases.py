@@ -223,6 +223,7 @@ def hf_checkpoint(tmp_path_factory):
     import importlib
 
     import torch
+    from hf_reference import write_hf
 
     cache = {}
 
@@ -231,7 +232,7 @@ def hf_checkpoint(tmp_path_factory):
             cls_name, (module, base), overrides = HF_FAMILIES[name]
             tests = importlib.import_module(module)
             kwargs = {**getattr(tests, base), **HEADS, **overrides}
-            ckpt = tests._write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed=0)
+            ckpt = write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed=0)
             with torch.no_grad():
                 out = ckpt.hf.generate(
                     torch.tensor([PROMPTS[0]]), do_sample=False, max_new_tokens=8, min_new_tokens=0

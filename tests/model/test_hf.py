@@ -10,7 +10,6 @@ rewrite the safetensors with numpy: the fused expert layout and block-wise FP8 w
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import pathlib
 import re
@@ -25,21 +24,28 @@ transformers = pytest.importorskip("transformers")
 import ml_dtypes  # noqa: E402
 import safetensors.torch  # noqa: E402
 from flax import nnx  # noqa: E402
+from hf_reference import (  # noqa: E402
+    NEW_TOKENS,
+    NO_SPECIAL_TOKENS,
+    PROMPT,
+    RTOL,
+    Checkpoint,
+    hf_logits,
+    our_logits,
+    rel_err,
+    write_hf,
+)
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from dualpath_jax.config import ModelFamily  # noqa: E402
 from dualpath_jax.model.checkpoint import CheckpointError, from_pretrained  # noqa: E402
 from dualpath_jax.model.decode import generate  # noqa: E402
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch  # noqa: E402
+from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-RTOL = 1e-4  # max |ours - hf| / max |hf| over all prompt positions
-PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46, 26, 43]
-NEW_TOKENS = 10
 FP8_BLOCK = 128
 
-_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 QWEN2 = dict(
     vocab_size=257,
     hidden_size=64,
@@ -51,7 +57,7 @@ QWEN2 = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
     tie_word_embeddings=False,
-    **_NO_SPECIAL_TOKENS,
+    **NO_SPECIAL_TOKENS,
 )
 DEEPSEEK = dict(
     vocab_size=257,
@@ -76,46 +82,8 @@ DEEPSEEK = dict(
     max_position_embeddings=512,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    **_NO_SPECIAL_TOKENS,
+    **NO_SPECIAL_TOKENS,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """A Hugging Face directory and the torch model whose forward is the reference for it."""
-
-    path: pathlib.Path
-    hf: torch.nn.Module
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights with std fan_in**-0.5, norms 1 +- 0.1, random router score-correction biases."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:  # torch weights are [..., out, in]
-                p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
-
-def _write_hf(path: pathlib.Path, cls_name: str, kwargs: dict, seed: int) -> Checkpoint:
-    arch = getattr(transformers, cls_name)
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
-    torch.manual_seed(seed)
-    model = arch(config_cls(**kwargs, attn_implementation="eager")).eval()
-    _randomize(model, seed)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    model.save_pretrained(path)
-    return Checkpoint(path, model)
 
 
 def _rewrite(base: Checkpoint, path: pathlib.Path, edit) -> pathlib.Path:
@@ -207,16 +175,16 @@ def _is_projection(name: str) -> bool:
 
 
 _BUILDERS = {
-    "qwen2": lambda d, get: _write_hf(d, "Qwen2ForCausalLM", QWEN2, 0),
-    "qwen2_tied": lambda d, get: _write_hf(
+    "qwen2": lambda d, get: write_hf(d, "Qwen2ForCausalLM", QWEN2, 0),
+    "qwen2_tied": lambda d, get: write_hf(
         d, "Qwen2ForCausalLM", {**QWEN2, "num_hidden_layers": 2, "tie_word_embeddings": True}, 1
     ),
     # intermediate 288 = 2 * 128 + 32: FP8 blocks are partial along both axes of the MLP weights.
-    "qwen2_wide": lambda d, get: _write_hf(
+    "qwen2_wide": lambda d, get: write_hf(
         d, "Qwen2ForCausalLM", {**QWEN2, "num_hidden_layers": 2, "intermediate_size": 288}, 2
     ),
-    "deepseek": lambda d, get: _write_hf(d, "DeepseekV3ForCausalLM", DEEPSEEK, 3),
-    "deepseek_no_q_lora": lambda d, get: _write_hf(
+    "deepseek": lambda d, get: write_hf(d, "DeepseekV3ForCausalLM", DEEPSEEK, 3),
+    "deepseek_no_q_lora": lambda d, get: write_hf(
         d, "DeepseekV3ForCausalLM", {**DEEPSEEK, "q_lora_rank": None}, 4
     ),
     "deepseek_fused": lambda d, get: Checkpoint(
@@ -238,22 +206,6 @@ def checkpoint(tmp_path_factory):
         return cache[name]
 
     return get
-
-
-def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float().numpy()
-
-
-def our_logits(runner: ModelRunner, tokens: list[int]) -> np.ndarray:
-    result, _ = runner.prefill_monolithic(
-        PrefillBatch.build(runner.cfg, [tokens], [0]), all_logits=True
-    )
-    return np.asarray(result.logits[0, : len(tokens)])
-
-
-def rel_err(ours: np.ndarray, theirs: np.ndarray) -> float:
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 def pure_params(model) -> dict:

@@ -11,9 +11,7 @@ frequencies and the softmax scale are checked.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import pathlib
 
 import numpy as np
 import pytest
@@ -21,19 +19,27 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_reference import (  # noqa: E402
+    NEW_TOKENS,
+    NO_SPECIAL_TOKENS,
+    PROMPT,
+    RTOL,
+    Checkpoint,
+    hf_logits,
+    our_logits,
+    rel_err,
+    write_hf,
+)
+
 from dualpath_jax.config import ExperimentConfig, ModelFamily, validate  # noqa: E402
 from dualpath_jax.model.checkpoint import config_from_hf, from_pretrained  # noqa: E402
 from dualpath_jax.model.decode import generate  # noqa: E402
 from dualpath_jax.model.layers import MoE  # noqa: E402
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch  # noqa: E402
+from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
-RTOL = 1e-4  # max |ours - hf| / max |hf| over all prompt positions
-PROMPT = [3, 141, 59, 26, 5, 35, 89, 79, 32, 38, 46, 26, 43]
-NEW_TOKENS = 10
 
-_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 QWEN3 = dict(
     vocab_size=257,
     hidden_size=64,
@@ -46,7 +52,7 @@ QWEN3 = dict(
     rms_norm_eps=1e-6,
     rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     tie_word_embeddings=False,
-    **_NO_SPECIAL_TOKENS,
+    **NO_SPECIAL_TOKENS,
 )
 QWEN3_MOE = dict(
     QWEN3,
@@ -82,7 +88,7 @@ DEEPSEEK_V2 = dict(
     max_position_embeddings=8192,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
-    **_NO_SPECIAL_TOKENS,
+    **NO_SPECIAL_TOKENS,
 )
 # DeepSeek-V2's own yarn values (mscale == mscale_all_dim: cos/sin unscaled, softmax sharpened).
 V2_YARN = {
@@ -133,40 +139,6 @@ QWEN3_YARN = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    path: pathlib.Path
-    hf: torch.nn.Module
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights with std fan_in**-0.5, norms 1 +- 0.1, random router score-correction biases."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(torch.randn(p.shape, generator=g))
-            else:  # torch weights are [..., out, in]
-                p.copy_(p.shape[-1] ** -0.5 * torch.randn(p.shape, generator=g))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-
-
-def _write_hf(path: pathlib.Path, cls_name: str, kwargs: dict, seed: int) -> Checkpoint:
-    arch = getattr(transformers, cls_name)
-    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
-    torch.manual_seed(seed)
-    model = arch(config_cls(**kwargs, attn_implementation="eager")).eval()
-    _randomize(model, seed)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    model.save_pretrained(path)
-    return Checkpoint(path, model)
-
-
 _BUILDERS = {
     "qwen3": ("Qwen3ForCausalLM", QWEN3, 10),
     "qwen3_yarn": ("Qwen3ForCausalLM", dict(QWEN3, rope_parameters=QWEN3_YARN), 11),
@@ -195,26 +167,10 @@ def checkpoint(tmp_path_factory):
     def get(name: str) -> Checkpoint:
         if name not in cache:
             cls_name, kwargs, seed = _BUILDERS[name]
-            cache[name] = _write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed)
+            cache[name] = write_hf(tmp_path_factory.mktemp(name), cls_name, kwargs, seed)
         return cache[name]
 
     return get
-
-
-def hf_logits(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].float().numpy()
-
-
-def our_logits(runner: ModelRunner, tokens: list[int]) -> np.ndarray:
-    result, _ = runner.prefill_monolithic(
-        PrefillBatch.build(runner.cfg, [tokens], [0]), all_logits=True
-    )
-    return np.asarray(result.logits[0, : len(tokens)])
-
-
-def rel_err(ours: np.ndarray, theirs: np.ndarray) -> float:
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
 
 
 @pytest.mark.parametrize("name", sorted(_BUILDERS))
