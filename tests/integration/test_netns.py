@@ -64,9 +64,8 @@ HOSTS = ("router", "pe", "de")
 @dataclasses.dataclass(frozen=True)
 class Net:
     """Three namespaces on one bridge: `ns[host]` and `ip[host]` for host in HOSTS; `client_ip`
-    is the root namespace's address on the bridge."""
+    is the root namespace's address on the bridge (the client's)."""
 
-    bridge: str
     ns: dict[str, str]
     ip: dict[str, str]
     client_ip: str
@@ -138,7 +137,7 @@ def net() -> Iterator[Net]:
             _ip("-n", ns[h], "addr", "add", f"{ip[h]}/{subnet.prefixlen}", "dev", inner)
             _ip("-n", ns[h], "link", "set", inner, "up")
             _ip("-n", ns[h], "link", "set", "lo", "up")
-        built = Net(bridge, ns, ip, addrs[0])
+        built = Net(ns, ip, addrs[0])
         blocked = _unreachable(built)
         if blocked:
             pytest.skip(blocked)
