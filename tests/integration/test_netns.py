@@ -7,7 +7,8 @@ written under `ip netns exec`, with the test's addresses, secrets file (0600), s
 directory and workdirs in place of the page's: the router binds its control socket to its host's
 address (so it needs the secrets file), each engine binds its KV transfer server to its own
 host's address, all three share one file block store by path. Then the page's client example
-runs as written, with the client secret only.
+runs as written, with the client secret only. The test runs twice: on the page's IPv4 layout,
+and on IPv6 (ULA) addresses in their place (`tcp://[v6]:port` in URLs).
 
 Checked: the greedy tokens equal the reference model's; KV moves between the engines' hosts on
 the DE read path (the DE reads hit blocks from the store and sends them to the PE) as well as the
@@ -43,6 +44,7 @@ import pytest
 from dualpath_jax.cluster import Client, link_totals, read_link_reports, write_credentials
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.rpc import bracketed, host_port
 from dualpath_jax.model.decode import reference_rounds
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.model.runner import ModelRunner
@@ -85,30 +87,35 @@ def _why_not_netns() -> str:
     return ""
 
 
-def _free_subnet(salt: int) -> ipaddress.IPv4Network:
-    """A /24 of 10.213.0.0/16 that overlaps no address or route on this machine, tried from a
-    pid-derived start so that concurrent runs pick different ones."""
+def _free_subnet(family: str, salt: int) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """A private subnet that overlaps no address or route on this machine: a /24 of
+    10.213.0.0/16, or a /64 of fd00:213::/48; tried from a pid-derived start so that
+    concurrent runs pick different ones."""
+    v = "-4" if family == "ipv4" else "-6"
     used = []
-    for out in (_ip("-4", "-o", "addr").stdout, _ip("-4", "route").stdout):
+    for out in (_ip(v, "-o", "addr").stdout, _ip(v, "route").stdout):
         for word in out.split():
             with contextlib.suppress(ValueError):
                 used.append(ipaddress.ip_network(word, strict=False))
     for k in range(256):
-        net = ipaddress.ip_network(f"10.213.{(salt + k) % 256}.0/24")
+        n = (salt + k) % 256
+        net = ipaddress.ip_network(f"10.213.{n}.0/24" if v == "-4" else f"fd00:213:0:{n:x}::/64")
         if not any(net.overlaps(u) for u in used if u.prefixlen > 0):
             return net
-    raise RuntimeError("no free /24 in 10.213.0.0/16")
+    raise RuntimeError(f"no free {family} subnet")
 
 
-@pytest.fixture(scope="module")
-def net() -> Iterator[Net]:
+@pytest.fixture(scope="module", params=["ipv4", "ipv6"])
+def net(request) -> Iterator[Net]:
+    """The three hosts' namespaces on one bridge, IPv4 (the page's example) or IPv6 (ULA)."""
     why = _why_not_netns()
     if why:
         pytest.skip(why)
     pid = os.getpid()
     tag = f"dp{pid}"  # interface names have at most 15 characters
-    subnet = _free_subnet(pid)
-    addrs = [str(a) for a in subnet.hosts()]
+    subnet = _free_subnet(request.param, pid)
+    # IPv6: no duplicate address detection, which would keep the addresses unusable a while
+    opts = ["nodad"] if subnet.version == 6 else []
     bridge, ns = f"{tag}br", {h: f"{tag}-{h}" for h in HOSTS}
     veths = {h: (f"{tag}h{i}", f"{tag}n{i}") for i, h in enumerate(HOSTS)}
     made_ns: list[str] = []
@@ -121,7 +128,7 @@ def net() -> Iterator[Net]:
         made_ns.append(ns["router"])
         _ip("link", "add", bridge, "type", "bridge")
         made_links.append(bridge)
-        _ip("addr", "add", f"{addrs[0]}/{subnet.prefixlen}", "dev", bridge)
+        _ip("addr", "add", f"{subnet[1]}/{subnet.prefixlen}", "dev", bridge, *opts)
         _ip("link", "set", bridge, "up")
         ip = {}
         for i, h in enumerate(HOSTS):
@@ -133,11 +140,11 @@ def net() -> Iterator[Net]:
             made_links.insert(0, outer)  # deleting one end deletes the pair
             _ip("link", "set", inner, "netns", ns[h])
             _ip("link", "set", outer, "master", bridge, "up")
-            ip[h] = addrs[i + 1]
-            _ip("-n", ns[h], "addr", "add", f"{ip[h]}/{subnet.prefixlen}", "dev", inner)
+            ip[h] = str(subnet[i + 2])
+            _ip("-n", ns[h], "addr", "add", f"{ip[h]}/{subnet.prefixlen}", "dev", inner, *opts)
             _ip("-n", ns[h], "link", "set", inner, "up")
             _ip("-n", ns[h], "link", "set", "lo", "up")
-        built = Net(ns, ip, addrs[0])
+        built = Net(ns, ip, str(subnet[1]))
         blocked = _unreachable(built)
         if blocked:
             pytest.skip(blocked)
@@ -148,7 +155,8 @@ def net() -> Iterator[Net]:
 
 
 _LISTEN = (
-    "import socket, sys; s = socket.create_server((sys.argv[1], 0)); "
+    "import socket, sys; s = socket.create_server((sys.argv[1], 0), "
+    "family=socket.AF_INET6 if ':' in sys.argv[1] else socket.AF_INET); "
     "print(s.getsockname()[1], flush=True); [s.accept()[0].close() for _ in range(3)]"
 )
 _CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 10)"
@@ -241,7 +249,7 @@ class Hosts:
         self.secrets = tmp / "secrets.json"
         self.creds = write_credentials(self.secrets)  # mode 0600, as on every real host
         self.store = tmp / "store"  # one directory every host sees by path (NFS on real hosts)
-        self.address = f"tcp://{net.ip['router']}:{ROUTER_PORT}"
+        self.address = f"tcp://{host_port(net.ip['router'], ROUTER_PORT)}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = os.pathsep.join(
@@ -251,7 +259,8 @@ class Hosts:
     def here(self, text: str) -> str:
         """`text` of the page with this test's addresses and paths."""
         for host, ip in DOC_IP.items():
-            text = text.replace(ip, self.net.ip[host])
+            here = self.net.ip[host]
+            text = text.replace(f"//{ip}:", f"//{bracketed(here)}:").replace(ip, here)
         text = text.replace(DOC_SECRETS, str(self.secrets)).replace(DOC_STORE, str(self.store))
         return text.replace(DOC_WORKDIR, str(self.tmp))
 
@@ -427,8 +436,8 @@ def test_the_pages_three_hosts_in_network_namespaces(hosts, net):
     ]
     # each engine's transfer server listens on its own host's address
     engines = {e["role"]: e for e in stats["engines"].values()}
-    assert engines["prefill"]["address"].startswith(f"{net.ip['pe']}:"), engines
-    assert engines["decode"]["address"].startswith(f"{net.ip['de']}:"), engines
+    assert engines["prefill"]["address"].startswith(bracketed(net.ip["pe"]) + ":"), engines
+    assert engines["decode"]["address"].startswith(bracketed(net.ip["de"]) + ":"), engines
     assert [r.read_path for r in results[0]] == ["none", "none"]
     assert [sorted(r.read_path for r in rr) for rr in results[1:]] == [["de", "pe"]] * 2
     later = [r for rr in results[1:] for r in rr]
