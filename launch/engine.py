@@ -1,12 +1,15 @@
 """One process of a multi-host cluster: the router, a prefill engine or a decode engine.
 
-Examples (same config everywhere; non-loopback hosts need --set cluster.secrets_file=PATH, a
-0600 file from `python -m dualpath_jax.engine.credentials PATH` copied to every host):
-  python launch/engine.py --role=router --config=configs/cpu_1p1d.py --workdir=/shared/run \
-      --set cluster.host=10.0.0.1 --set cluster.router_port=5555 --set cluster.secrets_file=/etc/dualpath/secrets.json
-  python launch/engine.py --role=prefill --engine_id=0 --node=0 --router=tcp://10.0.0.1:5555 ...
-  python launch/engine.py --role=decode --engine_id=1 --node=1 --router=tcp://10.0.0.1:5555 ...
-The block store must be shared by every process (e.g. --set store.kind=spec with a gcs/s3 spec).
+The example of docs/multihost.md (same config everywhere; a non-loopback router needs
+--set cluster.secrets_file=PATH, a 0600 file from `python -m dualpath_jax.engine.credentials PATH`
+copied to every host; the block store is one directory every host sees, or a gcs/s3 spec):
+  python launch/engine.py --role=router --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/router \
+      --set cluster.host=10.213.0.2 --set cluster.router_port=5555 \
+      --set cluster.secrets_file=/etc/dualpath/secrets.json --set store.root=/shared/dualpath/kv
+  python launch/engine.py --role=prefill --engine_id=0 --node=0 --group=0 --router=tcp://10.213.0.2:5555 \
+      --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/pe --set cluster.transfer_host=10.213.0.3 ...
+  python launch/engine.py --role=decode --engine_id=1 --node=1 --group=0 --router=tcp://10.213.0.2:5555 \
+      --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/de --set cluster.transfer_host=10.213.0.4 ...
 """
 
 from __future__ import annotations

@@ -74,9 +74,14 @@ def check_transfer_bind(host: str, untrusted_network_ok: bool) -> None:
     )
 
 
+def bracketed(host: str) -> str:
+    """`host`, an IPv6 literal in brackets (as `host:port` and URLs need it)."""
+    return f"[{host}]" if ":" in host else host
+
+
 def host_port(host: str, port: int) -> str:
     """`host:port`, bracketing IPv6 literals."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"{bracketed(host)}:{port}"
 
 
 class Incoming(NamedTuple):
@@ -103,11 +108,12 @@ class RpcServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.setsockopt(zmq.IPV6, 1)  # else ZeroMQ refuses IPv6 endpoints
         if port:
-            self.sock.bind(f"tcp://{host}:{port}")
+            self.sock.bind(f"tcp://{host_port(host, port)}")
         else:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+            port = self.sock.bind_to_random_port(f"tcp://{bracketed(host)}")
+        self.address = f"tcp://{host_port(host, port)}"
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.rejected = 0
@@ -156,6 +162,7 @@ class RpcClient:
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.IPV6, 1)  # to reach tcp://[v6]:port too
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.connect(address)

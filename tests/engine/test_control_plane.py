@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import socket
 import typing
 
 import msgspec
@@ -276,6 +277,39 @@ def test_client_server_call(server):
         assert client.recv(WAIT_MS) == M.Ack(ref="s1")
     finally:
         client.close()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.parametrize("port", [0, "free"])
+def test_an_ipv6_address_is_bracketed_in_urls_and_serves(port):
+    """`cluster.host` may be an IPv6 literal (a ULA address on the cluster's network): the
+    server binds `tcp://[v6]:port`, says so in its address, and clients connect to that."""
+    if port == "free":
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    server = RpcServer("::1", port, tokens={"engine": "e" * 16, "client": "c" * 16})
+    client = RpcClient(server.address, "c" * 16)
+    try:
+        assert server.address.startswith("tcp://[::1]:")
+        assert port == 0 or server.address == f"tcp://[::1]:{port}"
+        client.send(M.GetStats())
+        ident, msg, role = server.recv(WAIT_MS)
+        assert (msg, role) == (M.GetStats(), M.CLIENT)
+        server.send(ident, M.Stats(json="{}"))
+        assert client.recv(WAIT_MS) == M.Stats(json="{}")
+    finally:
+        client.close()
+        server.close()
 
 
 def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):

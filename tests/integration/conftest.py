@@ -2,7 +2,8 @@
 
 Every cluster is started through the `start_cluster` fixture, which records its processes (a
 final session check asserts that none of them survived) and its workdir: a failing test reports
-the tail of each of its processes' logs (`workdir/logs/*.log`).
+the tail of each of its processes' logs (`workdir/logs/*.log`). Tests that start processes
+themselves register their workdir with `report_logs`.
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def start_cluster():
     """`with start_cluster(cfg, workdir) as cluster:` starts a LocalCluster; on exit it checks
     that every process it started has ended, with status 0 unless the test killed it."""
     return _running_cluster
+
+
+@pytest.fixture
+def report_logs():
+    """`report_logs(workdir)`: a failing test also reports the tails of `workdir/logs/*.log`
+    (for tests that start their processes themselves)."""
+    return lambda workdir: _STOPPED_IN_TEST.append(pathlib.Path(workdir))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -373,3 +374,29 @@ def test_packed_transfer_round_trip_in_process():
         (packed,) = de.pull(pe.address, u, [spec], timeout_s=5)
         got = unpack_layer_blocks(packed, len(blocks))
         assert [np.asarray(g).tobytes() for g in got] == [b.tobytes() for b in blocks]
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_jax_channels_on_an_ipv6_address():
+    """`cluster.transfer_host` may be an IPv6 literal: the server listens on `[v6]:port`, says so
+    in its address, and pulls from that address arrive."""
+    sender = JaxTransferChannel(bind="[::1]:0", transport_addresses=["[::1]:0"])
+    receiver = JaxTransferChannel(bind="[::1]:0", transport_addresses=["[::1]:0"])
+    try:
+        assert sender.address.startswith("[::1]:")
+        items = [(16, (3, 5), "float32"), (17, (7,), "uint8")]
+        u = fresh_uuid()
+        sender.offer(u, [make_array(*item) for item in items])
+        assert_same(receiver.pull(sender.address, u, specs_of(items), 10), items)
+    finally:
+        receiver.close()
+        sender.close()
