@@ -99,6 +99,7 @@ class DecodeEngine:
             self.group,
             self.ctx.channel.address,
             self.params.version,
+            runner=self.dec.runner,
         )
 
     def run(self) -> None:
