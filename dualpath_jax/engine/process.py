@@ -166,6 +166,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         timeout_s=cfg.cluster.transfer_timeout_s,
         start_timeout_s=cfg.cluster.prefill_start_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
+        mesh=runner.mesh,
     )
     rpc = RpcClient(spec.router_address, creds.engine)
     heartbeat = HeartbeatThread(
