@@ -28,7 +28,7 @@ from absl import app, flags
 # Nothing imported before `main` may start JAX: the engine's device variables come first.
 from dualpath_jax.config import apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env
+from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env, router_env
 from dualpath_jax.logs import install_rate_limit
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
@@ -60,6 +60,7 @@ def main(argv):
     wd.mkdir(parents=True, exist_ok=True)
     if _ROLE.value == "router":
         (wd / "config.json").write_text(to_json(cfg, indent=1))
+        os.environ.update(router_env(cfg.cluster))  # no device of the engines
     elif not _ROUTER.value:
         raise app.UsageError("engines need --router=tcp://HOST:PORT")
     else:

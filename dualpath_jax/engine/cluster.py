@@ -72,6 +72,7 @@ class LocalCluster:
             if host_devices is not None
             else devices.host_devices(c.platform, base)
         )
+        self.router_env = {**base, **devices.router_env(c)}
         self.engine_envs = [
             {**base, **devices.engine_env(c, k, host, base)}
             for k in range(len(devices.engine_roles(c)))
@@ -97,7 +98,7 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
-        env = self.env if spec.role == "router" else self.engine_envs[spec.engine]
+        env = self.router_env if spec.role == "router" else self.engine_envs[spec.engine]
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child

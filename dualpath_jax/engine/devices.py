@@ -19,7 +19,8 @@ the same settings (`device_env`). `cluster.platform` says how (nothing here prob
   engine per host, or one-device engines that may share a device).
 
 With `cluster.device_memory_fraction` > 0, `XLA_PYTHON_CLIENT_MEM_FRACTION` too (what a GPU
-process preallocates; other platforms ignore it).
+process preallocates; other platforms ignore it). The router, which computes on no device, gets
+`JAX_PLATFORMS=cpu` wherever the platform is set (`router_env`).
 
     >>> from dualpath_jax.config import ClusterConfig
     >>> c = ClusterConfig(platform="gpu", prefill_mesh="tensor=2", decode_mesh="")
@@ -141,6 +142,13 @@ def device_env(
     if cluster.device_memory_fraction > 0:
         out["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{cluster.device_memory_fraction:g}"
     return out
+
+
+def router_env(cluster: ClusterConfig) -> dict[str, str]:
+    """The variables to set for the router process: it computes on no device, so where engines
+    own the devices (`cluster.platform` set) it keeps JAX, should anything start it, on the
+    CPU and off the engines' GPUs and chips."""
+    return {"JAX_PLATFORMS": "cpu"} if cluster.platform else {}
 
 
 def engine_env(

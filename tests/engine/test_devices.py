@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
@@ -115,3 +117,10 @@ def test_local_cluster_checks_devices_before_starting_anything(tmp_path):
     )
     assert [e["CUDA_VISIBLE_DEVICES"] for e in lc.engine_envs] == ["0,1", "2,3"]
     assert all(e["PATH"] == "/bin" for e in lc.engine_envs)
+    # the router keeps off the engines' devices
+    assert lc.router_env == {"PATH": "/bin", "JAX_PLATFORMS": "cpu"}
+    assert D.router_env(cluster()) == {}
+
+
+def test_module_examples():
+    assert doctest.testmod(D).failed == 0

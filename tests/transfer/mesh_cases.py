@@ -2,8 +2,8 @@
 devices: run by `test_mesh_loader.py` with `XLA_FLAGS=--xla_force_host_platform_device_count=4`
 (the flag must be set before JAX starts). Not collected by a plain `pytest tests`.
 
-The PE half's runner is split over all 4 devices (`tensor=4`, one KV head each); the DE half
-runs on one. Both talk over real `JaxTransferChannel`s on loopback.
+The PE half's runner is split over the 4 devices (`tensor=4`: one KV head each, or
+`data=2,tensor=2`); the DE half runs on one. Both talk over real `JaxTransferChannel`s on loopback.
 """
 
 from __future__ import annotations
@@ -42,17 +42,25 @@ BT = 16
 CFG = dataclasses.replace(TINY_QWEN2, num_heads=8, num_kv_heads=4, head_dim=8)
 
 
-@pytest.fixture(scope="module")
-def runners():
-    """(one-device runner, runner on a tensor=4 mesh) of the same parameters."""
-    mesh = sharding.make_mesh("tensor=4")
-    return ModelRunner(init_model(CFG, seed=0)), ModelRunner(init_model(CFG, seed=0, mesh=mesh))
+MESHES = {"tensor=4": 4, "data=2,tensor=2": 2}  # mesh -> devices a KV row is split over
 
 
 @pytest.fixture(scope="module")
-def prompt_and_kv(runners):
+def base():
+    return ModelRunner(init_model(CFG, seed=0))
+
+
+@pytest.fixture(scope="module", params=sorted(MESHES))
+def runners(base, request):
+    """(one-device runner, runner on the mesh) of the same parameters, and the mesh's split."""
+    mesh = sharding.make_mesh(request.param)
+    return base, ModelRunner(init_model(CFG, seed=0, mesh=mesh)), MESHES[request.param]
+
+
+@pytest.fixture(scope="module")
+def prompt_and_kv(base):
     prompt = np.random.RandomState(0).randint(0, CFG.vocab_size, 70).tolist()
-    _, kv = runners[0].prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
+    _, kv = base.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
     return prompt, np.asarray(kv[:, 0, :70])
 
 
@@ -100,7 +108,7 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
     transfer device are placed there too), its logits equal one device's, and each layer's new
     rows reach the DE buffer as one piece per device, offered from the device that computed
     them; the DE buffer holds the prompt's exact hit KV and the computed tail."""
-    base, runner = runners
+    base, runner, split = runners
     prompt, kv = prompt_and_kv
     halves = Halves(runner.mesh)
     try:
@@ -146,11 +154,14 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
         de_kv = de.prompt_kv()
         assert de_kv[:, : 4 * BT].tobytes() == kv[:, : 4 * BT].tobytes()
         np.testing.assert_allclose(de_kv, kv, atol=2e-5)
-        # the new rows of each layer: 4 pieces (one KV head each), one from each device
-        chunk = 1 if 0 < pe_blocks < h else 0  # split: the PE-read hit went as piece 0
+        # the new rows of each layer: a piece per split (its KV heads), each from its device
+        chunk = 1 if 0 < pe_blocks < h else 0  # split path: the PE-read hit went as piece 0
         for i in range(CFG.num_layers):
-            pieces = halves.offered[job.uuid(Part.PE_LAYER, chunk, i)][-4:]
-            assert sorted(d.id for (d,) in pieces) == [0, 1, 2, 3], pieces
+            offered = halves.offered[job.uuid(Part.PE_LAYER, chunk, i)]
+            pieces = offered[-split:]
+            assert len(offered) == split + (pe_blocks == 4), offered  # (+ the PE-read hit)
+            assert all(len(d) == 1 for d in pieces), pieces
+            assert len({d for (d,) in pieces}) == split, pieces
         pe.close()
         de.close()
     finally:
