@@ -226,10 +226,10 @@ class ClusterConfig:
     # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.
     prefill_mesh: str = ""
     decode_mesh: str = ""
-    # Which devices `LocalCluster` gives its engines: "" leaves each engine every device the host
-    # shows (as they are: one-device meshes only); "cpu", "gpu" or "tpu" gives each engine its
-    # own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU, that
-    # many host devices in each engine process).
+    # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
+    # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
+    # that many host devices in each engine process); "" leaves every engine each device the host
+    # shows (so `LocalCluster`, whose engines share a host, allows one-device meshes only).
     platform: str = ""
     # The fraction of each device's memory an engine process may preallocate (GPU:
     # XLA_PYTHON_CLIENT_MEM_FRACTION); 0: JAX's default.

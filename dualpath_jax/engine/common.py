@@ -67,13 +67,15 @@ def register(
 
 
 def runner_devices(runner) -> tuple[list[str], str]:
-    """The devices a `ModelRunner` runs on (its mesh's, in mesh order, or the one device its
-    parameters live on) and its mesh in `cluster.prefill_mesh` form ("" for one device)."""
+    """The devices a `ModelRunner` runs on (its mesh's, in mesh order; without one, the
+    process's default device) and its mesh in `cluster.prefill_mesh` form ("" for one device)."""
+    import jax
+
     from dualpath_jax.model import sharding
 
     if runner.mesh is not None:
         return [str(d) for d in runner.mesh.devices.flat], sharding.describe(runner.mesh)
-    return [str(d) for d in runner.embedding.devices()], ""
+    return [str(jax.local_devices()[0])], ""
 
 
 def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:

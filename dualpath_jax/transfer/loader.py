@@ -568,7 +568,8 @@ class DecodeLoad:
                     parts[0] = parts[0].reshape(prefix, width)
                 if new:  # the column splits side by side, the padding dropped
                     cols = parts[len(parts) - splits :]
-                    parts[len(parts) - splits :] = [np.concatenate(cols, axis=1)[:new]]
+                    joined = cols[0] if splits == 1 else np.concatenate(cols, axis=1)
+                    parts[len(parts) - splits :] = [joined[:new]]
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)

@@ -124,3 +124,12 @@ def test_local_cluster_checks_devices_before_starting_anything(tmp_path):
 
 def test_module_examples():
     assert doctest.testmod(D).failed == 0
+
+
+def test_a_one_device_engine_reports_its_device():
+    from dualpath_jax.engine.common import runner_devices
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.presets import TINY_QWEN2
+
+    assert runner_devices(ModelRunner(init_model(TINY_QWEN2))) == (["cpu:0"], "")
