@@ -267,6 +267,18 @@ class ClusterConfig:
     params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
     # Testing only: a JSON fault plan (dualpath_jax.faults) the engines' store and channel obey.
     fault_file: str = ""
+    # Each engine's devices (docs/multihost.md). An engine runs the model on a mesh of its role's
+    # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.
+    prefill_mesh: str = ""
+    decode_mesh: str = ""
+    # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
+    # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
+    # that many host devices in each engine process); "" leaves every engine each device the host
+    # shows (so `LocalCluster`, whose engines share a host, allows one-device meshes only).
+    platform: str = ""
+    # The fraction of each device's memory an engine process may preallocate (GPU:
+    # XLA_PYTHON_CLIENT_MEM_FRACTION); 0: JAX's default.
+    device_memory_fraction: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,6 +502,50 @@ def _set_path(obj: Any, parts: list[str], text: str, full: str) -> Any:
     return dataclasses.replace(obj, **{head: value})
 
 
+# --------------------------------------------------------------------------- mesh specs
+
+MESH_AXES = ("data", "tensor", "expert")  # the mesh axes the partition rules know (model.sharding)
+ROLES = ("prefill", "decode")  # engine roles; `cluster.<role>_mesh` is each one's mesh
+
+
+def parse_mesh(spec: str | typing.Mapping[str, int]) -> dict[str, int]:
+    """A mesh shape from `"data=2,tensor=4"` (a config string; "" = one device) or a mapping,
+    checked: known axis names, sizes >= 1, each axis once. Axes keep `MESH_AXES` order."""
+    if isinstance(spec, typing.Mapping):
+        items = list(spec.items())
+    else:
+        items = []
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            name, sep, size = part.partition("=")
+            if not sep or not size.strip().isdigit():
+                raise ValueError(f"mesh {spec!r}: expected 'axis=size,...' (axes {MESH_AXES})")
+            items.append((name.strip(), int(size)))
+    names = [n for n, _ in items]
+    for name, size in items:
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh axis {name!r} is not one of {MESH_AXES}")
+        if int(size) < 1:
+            raise ValueError(f"mesh axis {name!r} has size {size}; sizes must be >= 1")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh {spec!r} names an axis twice")
+    shape = dict(items)
+    return {a: int(shape[a]) for a in MESH_AXES if a in shape}
+
+
+def mesh_size(spec: str | typing.Mapping[str, int]) -> int:
+    """Devices a mesh spec spans (1 for "")."""
+    return math.prod(parse_mesh(spec).values()) if spec else 1
+
+
+def _mesh_problem(spec: str) -> str:
+    """Why `spec` is not a mesh spec ("" if it is one)."""
+    try:
+        parse_mesh(spec)
+    except ValueError as e:
+        return f"{e} (a mesh is written 'data=2,tensor=4'; empty: one device)"
+    return ""
+
+
 # --------------------------------------------------------------------------- validation
 
 # Bounds of the numeric fields: (rule, test, keys). A numeric field not named here must be >= 0
@@ -519,7 +575,11 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
     ),
     ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
-    ("must lie in [0, 1]", lambda v: 0 <= v <= 1, "cluster.decode_kv_fraction"),
+    (
+        "must lie in [0, 1]",
+        lambda v: 0 <= v <= 1,
+        "cluster.decode_kv_fraction cluster.device_memory_fraction",
+    ),
     ("must lie in [0, 2**63)", lambda v: 0 <= v < 2**63, "seed workload.seed"),
 )
 _BOUND_OF = {key: (rule, ok) for rule, ok, keys in _BOUNDS for key in keys.split()}
@@ -534,6 +594,7 @@ _CHOICES = {
     "model.topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
     "store.kind": ("file", "memory", "spec"),
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
+    "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (
@@ -575,8 +636,10 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     group_experts = m.topk_group * (m.n_routed_experts // m.n_group)
     dense = m.dense_layers
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
+    mesh_problems = {role: _mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
     return [
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
+        *((f"cluster.{r}_mesh", not why, why) for r, why in mesh_problems.items()),
         (
             "model.kv_scales",
             not m.kv_scales or m.kv_dtype in ("float8_e4m3fn", "float8_e5m2"),

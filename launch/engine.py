@@ -10,18 +10,28 @@ copied to every host; the block store is one directory every host sees, or a gcs
       --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/pe --set cluster.transfer_host=10.213.0.3 ...
   python launch/engine.py --role=decode --engine_id=1 --node=1 --group=0 --router=tcp://10.213.0.2:5555 \
       --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/de --set cluster.transfer_host=10.213.0.4 ...
+
+Devices: an engine runs on a mesh of `cluster.prefill_mesh` / `cluster.decode_mesh`. With
+`--set cluster.platform=cpu` it gets that many CPU host devices; with `gpu` or `tpu`, `--devices`
+names its GPUs or TPU chips (e.g. --devices=2,3), else it takes the first ones it sees. The
+variables are set here, before JAX starts in this process (`dualpath_jax.engine.devices`):
+  python launch/engine.py --role=prefill --engine_id=0 --node=0 --router=tcp://127.0.0.1:5555 \
+      --set cluster.platform=gpu --set cluster.prefill_mesh=tensor=2 --devices=0,1 ...
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import sys
 
 from absl import app, flags
 
+# Nothing imported before `main` may start JAX: the engine's device variables come first.
 from dualpath_jax.config import apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine.process import ProcessSpec, run_process
+from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env, router_env
 from dualpath_jax.logs import install_rate_limit
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
@@ -36,6 +46,12 @@ _ENGINE = flags.DEFINE_integer(
 )
 _NODE = flags.DEFINE_integer("node", 0, "Node id, unique across the cluster.")
 _GROUP = flags.DEFINE_integer("group", 0, "Engine group (its leader fetches for the group).")
+_DEVICES = flags.DEFINE_list(
+    "devices",
+    [],
+    "Engines with cluster.platform gpu or tpu: the GPU / TPU chip ids this engine uses, as many"
+    " as its role's mesh spans (empty: those the environment shows).",
+)
 flags.mark_flags_as_required(["role", "workdir"])
 
 
@@ -47,8 +63,25 @@ def main(argv):
     wd.mkdir(parents=True, exist_ok=True)
     if _ROLE.value == "router":
         (wd / "config.json").write_text(to_json(cfg, indent=1))
+        os.environ.update(router_env(cfg.cluster))  # no device of the engines
     elif not _ROUTER.value:
         raise app.UsageError("engines need --router=tcp://HOST:PORT")
+    else:
+        if _DEVICES.value and cfg.cluster.platform not in ("gpu", "tpu"):
+            raise app.UsageError("--devices names GPUs or TPU chips: set cluster.platform")
+        if "jax" in sys.modules:
+            raise RuntimeError("JAX was imported before the engine's device variables were set")
+        env = device_env(
+            cfg.cluster,
+            _ROLE.value,
+            _DEVICES.value or None,
+            os.environ,
+            port=TPU_PORT_BASE + _ENGINE.value,
+        )
+        os.environ.update(env)  # read by JAX when it starts, in run_process
+        logging.info("%s engine %d device variables: %s", _ROLE.value, _ENGINE.value, env)
+    from dualpath_jax.engine.process import ProcessSpec, run_process
+
     spec = ProcessSpec(
         _ROLE.value,
         str(wd),

@@ -10,6 +10,10 @@ does on request), and on exit (also on Ctrl-C or a failing test) asks the router
 and then ends every process it started, by PID. One engine per node: each engine process is a
 node with its own storage NIC.
 
+Devices: each engine process starts with the environment `engine.devices.engine_env` gives it
+(`cluster.platform`: its own GPUs, TPU chips or CPU host devices, as many as its role's mesh
+spans; `cluster.device_memory_fraction`), on top of `env` (default: this process's environment).
+
 Secrets: without `cluster.secrets_file` the cluster writes fresh engine and client secrets to
 `workdir/secrets.json` (mode 0600) for its processes to read; `client()` holds the client
 secret only, so a client can neither register an engine nor stop the router.
@@ -24,8 +28,10 @@ import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 
 from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.engine import devices
 from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.params import check_params_config
@@ -43,9 +49,13 @@ class LocalCluster:
         workdir: str | os.PathLike,
         *,
         python: str = sys.executable,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         start_timeout_s: float = 180.0,
+        host_devices: Sequence[str] | None = None,
     ):
+        """`env`: the processes' environment (None: this process's). `host_devices`: the ids of
+        the host's GPUs or TPU chips the engines may use (`cluster.platform` gpu or tpu; None:
+        those `env` makes visible)."""
         if cfg.hardware.engines_per_node != 1:
             raise ValueError("LocalCluster runs one engine per node (hardware.engines_per_node=1)")
         check_params_config(cfg.cluster)
@@ -54,6 +64,19 @@ class LocalCluster:
         self.python = python
         self.env = env
         self.start_timeout_s = start_timeout_s
+        # Each engine's environment, by engine id (checked now: too few devices fail here).
+        base = dict(os.environ if env is None else env)  # the process boundary: engines inherit
+        c = cfg.cluster
+        host = (
+            tuple(host_devices)
+            if host_devices is not None
+            else devices.host_devices(c.platform, base)
+        )
+        self.router_env = {**base, **devices.router_env(c)}
+        self.engine_envs = [
+            {**base, **devices.engine_env(c, k, host, base)}
+            for k in range(len(devices.engine_roles(c)))
+        ]
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.engine_ids: dict[str, int] = {}
@@ -75,6 +98,7 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
+        env = self.router_env if spec.role == "router" else self.engine_envs[spec.engine]
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -89,7 +113,7 @@ class LocalCluster:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=self.env,
+            env=env,
             start_new_session=True,  # Ctrl-C in the parent reaches only the parent; we stop them
         )
         log.close()

@@ -45,9 +45,11 @@ def register(
     address: str,
     params_version: str = "",
     prefill_cost: M.PrefillCost | None = None,
+    runner=None,
 ) -> None:
-    """Announces an engine (its KV channel address, served params version and, for a PE, the
-    prefill cost model it batches with) to the router."""
+    """Announces an engine (its KV channel address, served params version, the devices and mesh
+    its `runner` runs on and, for a PE, the prefill cost model it batches with) to the router."""
+    devices, mesh = runner_devices(runner) if runner is not None else ([], "")
     rpc.send(
         M.Register(
             role=role,
@@ -58,8 +60,22 @@ def register(
             pid=os.getpid(),
             params_version=params_version,
             prefill_cost=prefill_cost,
+            devices=devices,
+            mesh=mesh,
         )
     )
+
+
+def runner_devices(runner) -> tuple[list[str], str]:
+    """The devices a `ModelRunner` runs on (its mesh's, in mesh order; without one, the
+    process's default device) and its mesh in `cluster.prefill_mesh` form ("" for one device)."""
+    import jax
+
+    from dualpath_jax.model import sharding
+
+    if runner.mesh is not None:
+        return [str(d) for d in runner.mesh.devices.flat], sharding.describe(runner.mesh)
+    return [str(jax.local_devices()[0])], ""
 
 
 def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:

@@ -49,14 +49,21 @@ class _Req:
 def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
     """The DE's decoder: `cluster.decode_slots` slots of up to `cluster.decode_max_len` tokens
     over a KV page pool of `store.block_tokens`-token pages (a page is one Full Block) sized by
-    `cluster.decode_kv_bytes` / `decode_kv_fraction` (default: every slot full)."""
+    `cluster.decode_kv_bytes` (the pool's bytes on all the engine's devices) /
+    `decode_kv_fraction` (of each device's memory) (default: every slot full)."""
     c, bt = cfg.cluster, cfg.store.block_tokens
     full = c.decode_slots * pages_for(c.decode_max_len, bt)
+    # On a mesh each page is split by KV head: a device holds its share of every page.
+    page = (1, cfg.model.num_layers, bt, cfg.model.kv_width)
+    at = runner.pages_sharding(page)
+    shards = page[-1] // at.shard_shape(page)[-1] if at is not None else 1
     pages = budget_pages(
         BlockLayout.for_model(cfg.model, bt).nbytes,  # a page is one Full Block
         budget_bytes=c.decode_kv_bytes,
         fraction=c.decode_kv_fraction,
         default_pages=full,
+        device=runner.mesh.devices.flat[0] if runner.mesh is not None else None,
+        shards=shards,
     )
     return Decoder(
         runner, c.decode_slots, c.decode_max_len, page_size=bt, num_pages=min(pages, full)
@@ -99,6 +106,7 @@ class DecodeEngine:
             self.group,
             self.ctx.channel.address,
             self.params.version,
+            runner=self.dec.runner,
         )
 
     def run(self) -> None:

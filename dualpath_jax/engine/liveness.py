@@ -37,6 +37,8 @@ class EngineInfo:
     hbm_tokens: int = 0  # DE: KV capacity in tokens
     slots: int = 0
     links: dict = dataclasses.field(default_factory=dict)
+    devices: tuple[str, ...] = ()  # the devices it runs the model on, as it registered them
+    mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
 
 
 class EngineRegistry:
@@ -103,7 +105,16 @@ class EngineRegistry:
     def add(self, ident: bytes, msg: M.Register) -> EngineInfo:
         """Registers (or re-registers) an engine; it is live at once."""
         e = EngineInfo(
-            msg.role, msg.engine, msg.node, msg.group, msg.address, ident, msg.pid, self.clock()
+            msg.role,
+            msg.engine,
+            msg.node,
+            msg.group,
+            msg.address,
+            ident,
+            msg.pid,
+            self.clock(),
+            devices=tuple(msg.devices),
+            mesh=msg.mesh,
         )
         self._engines[msg.engine] = e
         return e
@@ -154,6 +165,8 @@ class EngineRegistry:
                 "node": e.node,
                 "pid": e.pid,
                 "address": e.address,
+                "devices": list(e.devices),
+                "mesh": e.mesh,
                 "links": e.links,
             }
             for e in self._engines.values()

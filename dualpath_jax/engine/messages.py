@@ -154,6 +154,8 @@ class Register(Msg):
     pid: int
     params_version: str = ""  # the version of the params the engine serves
     prefill_cost: PrefillCost | None = None  # PEs: the cost model they batch with
+    devices: list[str] = []  # the devices the engine runs the model on (its mesh's, in order)
+    mesh: str = ""  # its mesh, "data=2,tensor=2" (`cluster.prefill_mesh` form); "": one device
 
 
 class LoadParams(Msg):

@@ -71,15 +71,18 @@ def check_params_config(cluster: ClusterConfig) -> None:
         )
 
 
-def load_served_model(cfg: ExperimentConfig):
-    """The model an engine starts with: `cluster.params_path` (checked) or `init_model`."""
+def load_served_model(cfg: ExperimentConfig, mesh=None):
+    """The model an engine starts with: `cluster.params_path` (checked) or `init_model`, on the
+    engine's `mesh` (None: one device): `init_model` makes each shard in place, a checkpoint's
+    parameters are placed by the partition rules (`transformer.shard_model`)."""
     from dualpath_jax.model.checkpoint import load_params
-    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.model.transformer import init_model, shard_model
 
     if cfg.cluster.params_path:
         check_params_config(cfg.cluster)
-        return load_params(cfg.cluster.params_path, cfg.model)
-    return init_model(cfg.model, seed=cfg.seed)
+        model = load_params(cfg.cluster.params_path, cfg.model)
+        return model if mesh is None else shard_model(model, mesh)
+    return init_model(cfg.model, seed=cfg.seed, mesh=mesh)
 
 
 class ParamsSlot:

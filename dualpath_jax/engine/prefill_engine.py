@@ -101,6 +101,7 @@ class PrefillEngine:
             self.ctx.channel.address,
             self.params.version,
             self.prefill_cost,
+            runner=self.runner,
         )
 
     def run(self) -> None:
@@ -240,7 +241,13 @@ class PrefillEngine:
                 self.cached_rows(r, i, ch.cached) if ch.cached else [self._no_rows]
                 for r, ch in zip(reqs, chunks)
             ]
-            return LayerPages.assemble(segments, self.bt, c.model.kv_width, c.model.kv_dtype)
+            return LayerPages.assemble(
+                segments,
+                self.bt,
+                c.model.kv_width,
+                c.model.kv_dtype,
+                placement=self.runner.pages_sharding,  # on a mesh: split by KV head
+            )
 
         def emit_layer(i: int, rows) -> None:
             # Each request's rows go to its DE from the device, padded to the batch's length (one
@@ -264,7 +271,7 @@ class PrefillEngine:
                 if batch.c_pad:
                     kv = CachedPages.from_layers([load_layer(i) for i in range(c.model.num_layers)])
                     if not isinstance(kv.pages, jax.Array):
-                        kv = kv.to_host()
+                        kv = kv.to_host(self.runner.pages_sharding(kv.pages.shape))
                 res, new = self.runner.prefill_program(batch, kv)
                 for i, rows in enumerate(_layers(new)):
                     emit_layer(i, rows)

@@ -18,6 +18,7 @@ from concurrent import futures
 
 from dualpath_jax.config import ExperimentConfig, StoreConfig
 from dualpath_jax.engine.credentials import credentials_for
+from dualpath_jax.engine.devices import role_mesh
 from dualpath_jax.engine.rpc import check_transfer_bind, host_port
 from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
@@ -119,19 +120,29 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.rpc import RpcClient
     from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
+    from dualpath_jax.model import sharding
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.sched.cost import FittedCostModel
     from dualpath_jax.transfer.channel import JaxTransferChannel
     from dualpath_jax.transfer.loader import LoaderContext
     from dualpath_jax.transfer.traffic import TrafficManager
 
-    log.info(
-        "%s engine %d on node %d, devices %s", spec.role, spec.engine, spec.node, jax.devices()
-    )
     c = cfg.cluster
+    # The engine's mesh over the devices its process was given (`engine.devices`).
+    visible = jax.local_devices()
+    mesh = sharding.make_mesh(role_mesh(c, spec.role), visible)
+    log.info(
+        "%s engine %d on node %d: mesh %r over %s (%d device(s) visible)",
+        spec.role,
+        spec.engine,
+        spec.node,
+        sharding.describe(mesh),
+        list(mesh.devices.flat) if mesh is not None else visible[:1],
+        len(visible),
+    )
     creds = credentials_for(c.secrets_file)
     check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
-    runner = ModelRunner(load_served_model(cfg))
+    runner = ModelRunner(load_served_model(cfg, mesh))
     params = ParamsSlot(runner, initial_params_version(c), spec.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     prefix = "pe" if spec.role == "prefill" else "de"
@@ -155,6 +166,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         timeout_s=cfg.cluster.transfer_timeout_s,
         start_timeout_s=cfg.cluster.prefill_start_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
+        mesh=runner.mesh,
     )
     rpc = RpcClient(spec.router_address, creds.engine)
     heartbeat = HeartbeatThread(

@@ -317,6 +317,8 @@ class Router:
             role=msg.role,
             node=msg.node,
             pid=msg.pid,
+            devices=list(msg.devices),
+            mesh=msg.mesh,
             **({"prefill_cost": msgspec.structs.asdict(cost)} if cost is not None else {}),
         )
         if msg.role == "prefill":

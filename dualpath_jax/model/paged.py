@@ -74,10 +74,13 @@ def budget_pages(
     fraction: float = 0.0,
     default_pages: int = 0,
     device: jax.Device | None = None,
+    shards: int = 1,
 ) -> int:
     """The number of pages a KV budget buys: `budget_bytes` if given, else `fraction` of the
     device's memory (`memory_stats()["bytes_limit"]`; an error where the platform reports no
-    limit, e.g. CPU), else `default_pages`."""
+    limit, e.g. CPU), else `default_pages`. `shards`: the devices each page is split over (a
+    pool split by KV head over a mesh): a fraction of each one's memory holds that many times
+    the pages; `budget_bytes` counts the pool's bytes on all of them."""
     if budget_bytes < 0 or not 0.0 <= fraction <= 1.0:
         raise ValueError(f"bad KV budget: {budget_bytes} bytes, fraction {fraction}")
     if budget_bytes:
@@ -91,7 +94,7 @@ def budget_pages(
                 f"a KV budget as a fraction of device memory needs the device's memory size, and"
                 f" {device} reports none: give the budget in bytes"
             )
-        n = int(limit * fraction) // page_bytes
+        n = int(limit * fraction) * shards // page_bytes
     else:
         n = default_pages
     if n < 1:

@@ -149,6 +149,7 @@ class LayerPages:
         page_size: int,
         width: int,
         dtype,
+        placement: Callable[[Sequence[int]], jax.sharding.Sharding | None] | None = None,
     ) -> LayerPages:
         """Each request's cached rows as consecutive segments in token order: host rows `[n, W]`;
         `DevicePages` already on the device (blocks that arrived over the compute network or
@@ -158,7 +159,13 @@ class LayerPages:
         Host rows are packed into pages as `from_rows` packs them and copied to the device in
         one copy (none when there are no host rows); device pages are placed by a jitted
         scatter of whole pages and device rows by one of rows, never through the host. Without
-        device segments this is `from_rows` (host pages)."""
+        device segments this is `from_rows` (host pages).
+
+        `placement(shape)`: where KV pages of `shape` live for the forward (a sharded runner's
+        `ModelRunner.pages_sharding`: split by KV head over its mesh; None: one device). The
+        pages are built there: host pages are copied to it shard by shard, and `DevicePages`
+        that arrived on another device (the engine's transfer device, its pinned buffer's) are
+        moved to it before they are placed."""
         if not any(isinstance(x, DevicePages | DeviceRowRun) for seg in segments for x in seg):
             return cls.from_rows(
                 [seg[0] if len(seg) == 1 else _cat(seg, width, dtype) for seg in segments],
@@ -224,11 +231,21 @@ class LayerPages:
                     host[pids, 0, offs] = x
                     any_host = True
                 t += n
+        place = placement or (lambda shape: None)
         if any_host:
-            pages = _grow_pages(copies.to_device(host, "prefill_pages"), total)
+            pages = copies.to_device(host, "prefill_pages", place(host.shape))
+            pages = _grow_pages(pages, total)
         else:  # every segment already on the device: no host pages to copy
-            pages = _zero_pages(total, page_size, width, jnp.dtype(dtype).name)
+            name = jnp.dtype(dtype).name
+            at = place((total, 1, page_size, width))
+            if at is None:
+                pages = _zero_pages(total, page_size, width, name)
+            else:
+                pages = jnp.zeros((total, 1, page_size, width), name, device=at)
         for blocks, ids in page_scatters:
+            at = place(blocks.shape)
+            if at is not None and blocks.sharding != at:
+                blocks = jax.device_put(blocks, at)  # device to device: onto the forward's mesh
             pages = _scatter_pages(pages, jnp.asarray(ids), blocks)
         for run, ids, at in row_scatters:
             pages = _scatter_rows(pages, jnp.asarray(ids), jnp.asarray(at), run.rows, run.b)

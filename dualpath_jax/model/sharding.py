@@ -40,9 +40,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dualpath_jax.config import ModelConfig
-
-MESH_AXES = ("data", "tensor", "expert")
+# Mesh specs are config strings (`cluster.prefill_mesh`), parsed without JAX by the config.
+from dualpath_jax.config import MESH_AXES, ModelConfig, mesh_size, parse_mesh  # noqa: F401
 
 # logical axis -> mesh axis
 RULES: dict[str, str] = {
@@ -53,35 +52,6 @@ RULES: dict[str, str] = {
     "mlp": "tensor",
     "experts": "expert",
 }
-
-
-def parse_mesh(spec: str | Mapping[str, int]) -> dict[str, int]:
-    """A mesh shape from `"data=2,tensor=4"` (a config string; "" = one device) or a mapping,
-    checked: known axis names, sizes >= 1, each axis once. Axes keep `MESH_AXES` order."""
-    if isinstance(spec, Mapping):
-        items = list(spec.items())
-    else:
-        items = []
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            name, sep, size = part.partition("=")
-            if not sep or not size.strip().isdigit():
-                raise ValueError(f"mesh {spec!r}: expected 'axis=size,...' (axes {MESH_AXES})")
-            items.append((name.strip(), int(size)))
-    names = [n for n, _ in items]
-    for name, size in items:
-        if name not in MESH_AXES:
-            raise ValueError(f"mesh axis {name!r} is not one of {MESH_AXES}")
-        if int(size) < 1:
-            raise ValueError(f"mesh axis {name!r} has size {size}; sizes must be >= 1")
-    if len(set(names)) != len(names):
-        raise ValueError(f"mesh {spec!r} names an axis twice")
-    shape = dict(items)
-    return {a: int(shape[a]) for a in MESH_AXES if a in shape}
-
-
-def mesh_size(spec: str | Mapping[str, int]) -> int:
-    """Devices a mesh spec spans (1 for "")."""
-    return math.prod(parse_mesh(spec).values()) if spec else 1
 
 
 def make_mesh(

@@ -230,8 +230,9 @@ class KVChannel(abc.ABC):
         """Make `arrays` pullable once under `uuid`; returns at once.
 
         numpy arrays are copied to the device first; jax arrays are referenced (do not donate or
-        delete them until the transfer is done). Raises ValueError for an empty list, a bad uuid,
-        or a uuid this channel still has outstanding.
+        delete them until the transfer is done): `JaxTransferChannel` serves an array on one
+        local device from that device, and gathers one split over several onto its own. Raises
+        ValueError for an empty list, a bad uuid, or a uuid this channel still has outstanding.
         """
 
     @abc.abstractmethod
@@ -462,7 +463,10 @@ class JaxTransferChannel(KVChannel):
     # -- internals
 
     def _to_device(self, a: ArrayLike) -> jax.Array:
-        if isinstance(a, jax.Array) and a.sharding == self._sharding:
+        # An array on one device of this process is served from there (the transfer server
+        # reaches every local device: the column pieces of a mesh's rows go out from the
+        # devices that hold them); one split over several devices is gathered onto ours.
+        if isinstance(a, jax.Array) and len(a.sharding.device_set) == 1:
             return a
         return copies.to_device(a, "channel_offer", self._sharding)
 

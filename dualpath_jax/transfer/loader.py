@@ -13,7 +13,10 @@ PE half (`PrefillLoad`, in the prefill engine):
      readiness value is a `HitLayer`: the PE-read rows on the host, the DE-read blocks as device
      pages where the pull put them (they never go through the PE's host memory).
   4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
-     PE-read hit rows (first piece) and the new tokens' rows (HIGH class).
+     PE-read hit rows (first piece) and the new tokens' rows (HIGH class). On a mesh whose
+     devices split the KV heads (`LoaderContext.mesh`), the new rows go as one array per split,
+     each offered from the device that computed those heads (no gather onto one device); the
+     chunk's meta says how many.
 
 DE half (`DecodeLoad`, in the decode engine):
   1. reserve the DE buffer for the whole prompt; store -> DE buffer: blocks `[p, p + d)`.
@@ -38,10 +41,13 @@ from concurrent import futures
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
 from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
 from dualpath_jax.model.runner import DevicePages
 from dualpath_jax.transfer import copies
@@ -114,6 +120,9 @@ class LoaderContext:
     # How long a DE waits for its PE to begin a chunk of the request (the PE's own queue);
     # `timeout_s` bounds each transfer once it has begun. 0: `timeout_s`.
     start_timeout_s: float = 0.0
+    # The engine's mesh (None: one device). A PE on a mesh that splits the KV heads sends each
+    # layer's new rows as one piece per split (`row_split`).
+    mesh: Mesh | None = None
 
     def charge(
         self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass
@@ -128,6 +137,23 @@ class LoaderContext:
 
     def rows_nbytes(self, tokens: int) -> int:
         return tokens * self.layout.bytes_per_token_per_layer
+
+    @functools.cached_property
+    def row_split(self) -> NamedSharding | None:
+        """How a request's new KV rows as bytes `[N, bytes]` split into pieces to send: by
+        columns, as the engine's KV rows split their width (whole KV heads per device) over the
+        mesh; None when they do not split (one device, MLA, scaled rows, too few heads)."""
+        if self.mesh is None:
+            return None
+        spec = sharding.kv_rows_sharding(self.cfg, self.mesh, (1, 1, self.cfg.kv_width)).spec
+        axis = spec[2] if len(spec) > 2 else None
+        return NamedSharding(self.mesh, PS(None, axis)) if axis else None
+
+    @property
+    def row_pieces(self) -> int:
+        """Pieces a layer's new rows travel in (1 without a split)."""
+        split = self.row_split
+        return 1 if split is None else split.mesh.shape[split.spec[1]]
 
 
 def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: int) -> np.ndarray:
@@ -166,12 +192,30 @@ class DeviceRows:
     n: int
 
 
+def _row_bytes_of(rows, b):
+    x = jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+
+
 @jax.jit
 def _row_bytes(rows, b):
     """rows `[B, N, W]` -> request b's rows as bytes `[N, W * itemsize]` uint8, on the device
     (one compiled program per batch shape, whichever request)."""
-    x = jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
-    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(x.shape[0], -1)
+    return _row_bytes_of(rows, b)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _row_bytes_split(rows, b, split):
+    """`_row_bytes` laid out as `split` says (its columns over the mesh: whole KV heads)."""
+    return jax.lax.with_sharding_constraint(_row_bytes_of(rows, b), split)
+
+
+def _column_pieces(x: jax.Array) -> list[jax.Array]:
+    """The column pieces of `x` (split by columns over a mesh), in column order: one
+    single-device array per split, each where it was computed (a replica's; no copy)."""
+    shards = [s for s in x.addressable_shards if s.replica_id == 0]
+    shards.sort(key=lambda s: s.index[1].start or 0)
+    return [s.data for s in shards]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,12 +425,13 @@ class PrefillLoad:
         self._sends.append(self.ctx.pool.submit(self._send, piece, layer, rows, prefix))
 
     def _offer_meta(self, t0: int, t1: int, last: bool, prefix: int, n_pad: int) -> int:
-        """Piece meta `[t0, t1, last, prefix, n_pad]`: the piece holds tokens `[t0, t1)`, its
-        first `prefix` rows from the PE buffer (one array), the rest as the first rows of an
-        array of `n_pad` rows."""
+        """Piece meta `[t0, t1, last, prefix, n_pad, splits]`: the piece holds tokens
+        `[t0, t1)`, its first `prefix` rows from the PE buffer (one array), the rest as the first
+        rows of `n_pad` rows, sent as `splits` arrays of equal column ranges (KV heads)."""
         k = self._chunk
         self._chunk += 1
-        meta = np.array([t0, t1, int(last), prefix, n_pad], np.int32)
+        splits = self.ctx.row_pieces
+        meta = np.array([t0, t1, int(last), prefix, n_pad, splits], np.int32)
         self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [meta])
         return k
 
@@ -407,12 +452,17 @@ class PrefillLoad:
         if prefix:
             arrays.append(self._res.layer_pages(0, prefix // bt, layer, purpose="pe_prefix_send"))
             nbytes += prefix * width
+        split = ctx.row_split
         if isinstance(rows, DeviceRows):
-            arrays.append(_row_bytes(rows.rows, rows.b))
+            if split is None:
+                arrays.append(_row_bytes(rows.rows, rows.b))
+            else:  # each split from the device that holds it
+                arrays += _column_pieces(_row_bytes_split(rows.rows, rows.b, split))
             nbytes += rows.n * width
         elif rows is not None:
-            arrays.append(kv_rows_to_bytes(copies.to_host(rows, "new_rows")))
-            nbytes += arrays[-1].nbytes
+            data = kv_rows_to_bytes(copies.to_host(rows, "new_rows"))
+            arrays += np.split(data, ctx.row_pieces, axis=1)
+            nbytes += data.nbytes
         path = P.engine_to_engine_path(
             job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
         )
@@ -492,15 +542,15 @@ class DecodeLoad:
             (meta,) = ctx.channel.pull(
                 job.pe_address,
                 job.uuid(Part.PE_PIECE, k),
-                [((5,), np.int32)],
+                [((6,), np.int32)],
                 ctx.start_timeout_s or ctx.timeout_s,
                 abort=self._abort,
             )
-            t0, t1, last_flag, prefix, n_pad = (int(x) for x in np.asarray(meta))
+            t0, t1, last_flag, prefix, n_pad, splits = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
             new = t1 - t0 - prefix
             specs = [((prefix // bt, bt, width), np.uint8)] if prefix else []
-            specs += [((n_pad, width), np.uint8)] if new else []
+            specs += [((n_pad, width // splits), np.uint8)] * splits if new else []
             path = P.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
             )
@@ -516,8 +566,10 @@ class DecodeLoad:
                 parts = [copies.to_host(a, "de_buffer") for a in arrays]
                 if prefix:
                     parts[0] = parts[0].reshape(prefix, width)
-                if new:
-                    parts[-1] = parts[-1][:new]
+                if new:  # the column splits side by side, the padding dropped
+                    cols = parts[len(parts) - splits :]
+                    joined = cols[0] if splits == 1 else np.concatenate(cols, axis=1)
+                    parts[len(parts) - splits :] = [joined[:new]]
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]
                 ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)

@@ -114,6 +114,25 @@ def test_table_names_real_fields():
             "hbm",
             "cluster.host_buffer_memory: must be one of ['pinned_host', 'pageable']",
         ),
+        ("cluster.platform", "cuda", "cluster.platform: must be one of ['', 'cpu', 'gpu', 'tpu']"),
+        (
+            "cluster.device_memory_fraction",
+            1.5,
+            "cluster.device_memory_fraction: must lie in [0, 1], got 1.5",
+        ),
+        (
+            "cluster.prefill_mesh",
+            "model=4",
+            "cluster.prefill_mesh: mesh axis 'model' is not one of ('data', 'tensor', 'expert')"
+            " (a mesh is written 'data=2,tensor=4'; empty: one device), got 'model=4'",
+        ),
+        ("cluster.decode_mesh", "tensor", "cluster.decode_mesh: mesh 'tensor': expected 'axis="),
+        ("cluster.decode_mesh", "tensor=0", "cluster.decode_mesh: mesh axis 'tensor' has size 0"),
+        (
+            "cluster.prefill_mesh",
+            "data=2,data=2",
+            "cluster.prefill_mesh: mesh 'data=2,data=2' names",
+        ),
     ],
 )
 def test_bad_value_names_its_key(key, value, message):
@@ -162,6 +181,28 @@ def test_zero_means_unbounded_where_documented():
 )
 def test_wrong_type_names_its_key(key, value, message):
     rejects(with_value(key, value), message)
+
+
+def test_mesh_settings_pass_and_round_trip():
+    cfg = C.apply_overrides(
+        C.ExperimentConfig(),
+        [
+            "cluster.prefill_mesh=data=2,tensor=2",
+            "cluster.decode_mesh=tensor=2",
+            "cluster.platform=cpu",
+            "cluster.device_memory_fraction=0.45",
+        ],
+    )
+    C.validate(cfg)
+    c = cfg.cluster
+    assert (c.prefill_mesh, c.decode_mesh, c.platform, c.device_memory_fraction) == (
+        "data=2,tensor=2",
+        "tensor=2",
+        "cpu",
+        0.45,
+    )
+    assert C.from_json(C.ExperimentConfig, C.to_json(cfg)) == cfg
+    assert C.mesh_size(c.prefill_mesh) == 4 and C.mesh_size("") == 1
 
 
 def test_int_passes_for_a_float_field():

@@ -113,6 +113,15 @@ def test_budget_pages():
         budget_pages(100, budget_bytes=99)
     with pytest.raises(ValueError, match="bad KV budget"):
         budget_pages(100, fraction=1.5)
+
+    class Device:  # a device that reports its memory (CPU devices report none)
+        def memory_stats(self):
+            return {"bytes_limit": 10_000}
+
+    assert budget_pages(100, fraction=0.5, device=Device()) == 50
+    # a pool split over 4 devices by KV head: each holds a quarter of every page
+    assert budget_pages(100, fraction=0.5, device=Device(), shards=4) == 200
+    assert budget_pages(100, budget_bytes=1000, shards=4) == 10  # bytes of the whole pool
     if not (jax.devices()[0].memory_stats() or {}).get("bytes_limit"):
         with pytest.raises(ValueError, match="give the budget in bytes"):
             budget_pages(100, fraction=0.5)

@@ -1,0 +1,116 @@
+"""Engines that own their devices and run the model sharded over a mesh.
+
+A LocalCluster with `cluster.platform="cpu"`: the prefill engine's process gets 4 CPU devices
+(`cluster.prefill_mesh="data=1,tensor=4"`), the decode engine's 2 (`decode_mesh="tensor=2"`),
+each its own JAX runtime. They exchange KV over the transfer channel and the store, and the
+tokens equal the one-device reference model's under every loading policy. The commands of
+docs/multihost.md ("One host, several engines on disjoint devices") run this cluster.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dualpath_jax.config import (
+    ClusterConfig,
+    ExperimentConfig,
+    Policy,
+    SchedulerConfig,
+    StoreConfig,
+)
+from dualpath_jax.model.decode import reference_rounds
+from dualpath_jax.model.runner import ModelRunner
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.rollout import Session
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+# The tiny Qwen2 with 8 query and 4 KV heads, so both meshes split the heads (and the KV) evenly.
+MODEL = dataclasses.replace(TINY_QWEN2, num_heads=8, num_kv_heads=4, head_dim=8)
+PE_MESH, DE_MESH = "data=1,tensor=4", "tensor=2"
+BLOCK_TOKENS = 16
+RESULT_TIMEOUT_S = 300.0
+
+
+def mesh_config(policy: str, **cluster: object) -> ExperimentConfig:
+    return ExperimentConfig(
+        model=MODEL,
+        cluster=ClusterConfig(
+            decode_max_len=256,
+            platform="cpu",
+            prefill_mesh=PE_MESH,
+            decode_mesh=DE_MESH,
+            **cluster,
+        ),
+        store=StoreConfig(block_tokens=BLOCK_TOKENS),
+        scheduler=SchedulerConfig(policy=Policy(policy)),
+    )
+
+
+def _trajectories() -> list[tuple[str, list[tuple[list[int], int]]]]:
+    """Two trajectories of two rounds; every append is at least a block, so round 1 hits."""
+    rs = np.random.RandomState(7)
+    out = []
+    for k in range(2):
+        rounds = [
+            (rs.randint(0, MODEL.vocab_size, 40 + 3 * k).tolist(), 4),
+            (rs.randint(0, MODEL.vocab_size, 20 + k).tolist(), 3),
+        ]
+        out.append((f"mesh{k}", rounds))
+    return out
+
+
+TRAJECTORIES = _trajectories()
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[list[int]]]:
+    """Each trajectory's reference tokens from the one-device model (the engines' seed 0)."""
+    runner = ModelRunner(init_model(MODEL, seed=0))
+    return [reference_rounds(runner, rounds) for _, rounds in TRAJECTORIES]
+
+
+@pytest.mark.parametrize("policy", [p.value for p in Policy])
+def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_cluster, expected):
+    # Split and round-robin DualPath prefill in chunks of at most 16 new tokens: earlier chunks'
+    # KV stays on the PE's mesh for the next chunk.
+    extra = {"prefill_max_tokens": 16} if policy in ("split", "dualpath_rr") else {}
+    with start_cluster(mesh_config(policy, **extra), tmp_path) as cluster:
+        assert "--xla_force_host_platform_device_count=4" in cluster.engine_envs[0]["XLA_FLAGS"]
+        assert "--xla_force_host_platform_device_count=2" in cluster.engine_envs[1]["XLA_FLAGS"]
+        client = cluster.client()
+        engines = client.stats()["engines"]
+        sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
+        results = [[] for _ in TRAJECTORIES]
+        for i in range(2):
+            futs = [s.step_async(*TRAJECTORIES[k][1][i]) for k, s in enumerate(sessions)]
+            for k, f in enumerate(futs):
+                results[k].append(f.result(RESULT_TIMEOUT_S))
+        for s in sessions:
+            s.close()
+        counters = client.stats()["counters"]
+
+    # each engine runs on its own devices, as many as its role's mesh spans
+    pe, de = engines[str(cluster.engine_ids["pe0"])], engines[str(cluster.engine_ids["de1"])]
+    assert (pe["role"], pe["mesh"], len(pe["devices"])) == ("prefill", PE_MESH, 4), pe
+    assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", DE_MESH, 2), de
+    assert pe["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], pe  # each process's own
+    assert de["devices"] == ["cpu:0", "cpu:1"], de
+
+    assert [[list(r.tokens) for r in rr] for rr in results] == expected
+    later = [rr[1] for rr in results]
+    assert all(r.cached_tokens >= BLOCK_TOKENS for r in later), [r.cached_tokens for r in later]
+    assert all(r.recomputed_blocks == 0 for rr in results for r in rr)
+    assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    paths = collections.Counter(r.read_path for r in later)
+    if policy in ("basic", "layerwise"):
+        assert paths == {"pe": len(later)}, paths
+    elif policy == "oracle":
+        assert paths == {"none": len(later)}, paths
+    elif policy == "split":
+        assert paths["split"] > 0, paths

@@ -1,0 +1,168 @@
+"""The loader between a prefill engine on a mesh and a decode engine, in a process with 4 CPU
+devices: run by `test_mesh_loader.py` with `XLA_FLAGS=--xla_force_host_platform_device_count=4`
+(the flag must be set before JAX starts). Not collected by a plain `pytest tests`.
+
+The PE half's runner is split over the 4 devices (`tensor=4`: one KV head each, or
+`data=2,tensor=2`); the DE half runs on one. Both talk over real `JaxTransferChannel`s on loopback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent import futures
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dualpath_jax.config import HardwareConfig, StoreConfig
+from dualpath_jax.kvstore.buffers import HostBufferPool
+from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
+from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model import sharding
+from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
+from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.transfer.channel import JaxTransferChannel
+from dualpath_jax.transfer.loader import (
+    DecodeLoad,
+    DeviceRows,
+    LoaderContext,
+    LoadJob,
+    Part,
+    PrefillLoad,
+)
+from dualpath_jax.transfer.traffic import TrafficManager
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (CPU) devices")
+
+BT = 16
+CFG = dataclasses.replace(TINY_QWEN2, num_heads=8, num_kv_heads=4, head_dim=8)
+
+
+MESHES = {"tensor=4": 4, "data=2,tensor=2": 2}  # mesh -> devices a KV row is split over
+
+
+@pytest.fixture(scope="module")
+def base():
+    return ModelRunner(init_model(CFG, seed=0))
+
+
+@pytest.fixture(scope="module", params=sorted(MESHES))
+def runners(base, request):
+    """(one-device runner, runner on the mesh) of the same parameters, and the mesh's split."""
+    mesh = sharding.make_mesh(request.param)
+    return base, ModelRunner(init_model(CFG, seed=0, mesh=mesh)), MESHES[request.param]
+
+
+@pytest.fixture(scope="module")
+def prompt_and_kv(base):
+    prompt = np.random.RandomState(0).randint(0, CFG.vocab_size, 70).tolist()
+    _, kv = base.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
+    return prompt, np.asarray(kv[:, 0, :70])
+
+
+class Halves:
+    """A PE half on the mesh and a DE half on one device, one store, real transfer channels;
+    `offered[uuid]` records the devices of every array the PE offered."""
+
+    def __init__(self, mesh):
+        self.store = open_block_store(StoreConfig(kind="memory", block_tokens=BT), CFG)
+        layout = BlockLayout.for_model(CFG, BT)
+        self.pool = futures.ThreadPoolExecutor(16)
+        self.traffic = TrafficManager(HardwareConfig())
+        self.offered: dict[int, list] = {}
+
+        def ctx(name, mesh):
+            channel = JaxTransferChannel()
+            return LoaderContext(
+                CFG, layout, self.store, HostBufferPool(layout, 64, name), channel,
+                self.traffic, self.pool, 20.0, mesh=mesh,
+            )  # fmt: skip
+
+        self.pe, self.de = ctx("PE buffer", mesh), ctx("DE buffer", None)
+        offer = self.pe.channel.offer
+
+        def spy(uuid, arrays):
+            self.offered[uuid] = [
+                tuple(a.devices()) if isinstance(a, jax.Array) else "host" for a in arrays
+            ]
+            offer(uuid, arrays)
+
+        self.pe.channel.offer = spy
+
+    def close(self):
+        for c in (self.pe, self.de):
+            c.channel.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.traffic.close()
+        self.store.close()
+
+
+@pytest.mark.parametrize("pe_blocks, de_blocks", [(4, 0), (0, 4), (1, 3)])
+@pytest.mark.parametrize("program", [False, True], ids=["layerwise", "basic"])
+def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_blocks, program):
+    """The PE's hit pages are built split by KV head on its mesh (DE-read blocks pulled onto its
+    transfer device are placed there too), its logits equal one device's, and each layer's new
+    rows reach the DE buffer as one piece per device, offered from the device that computed
+    them; the DE buffer holds the prompt's exact hit KV and the computed tail."""
+    base, runner, split = runners
+    prompt, kv = prompt_and_kv
+    halves = Halves(runner.mesh)
+    try:
+        keys = block_keys(prompt, BT, model_fingerprint(CFG))
+        halves.store.write_full(keys, kv_to_full_blocks(kv[:, : 4 * BT], BT)).result(10)
+        job = LoadJob(
+            "m1", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
+            halves.pe.channel.address, halves.de.channel.address,
+        )  # fmt: skip
+        de = DecodeLoad(halves.de, job).start()
+        pe = PrefillLoad(halves.pe, job).start()
+        h = pe.hit_blocks()
+        assert h == 4
+        pe.stream()
+        batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
+        pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
+
+        def load(i):
+            hit = pe.readiness.wait(i, 20.0)
+            pe.consumed()
+            pages = LayerPages.assemble(
+                [hit.segments()], BT, CFG.kv_width, CFG.kv_dtype, runner.pages_sharding
+            )
+            assert pages.pages.sharding.spec == P(None, None, None, "tensor")
+            return pages
+
+        new = len(prompt) - h * BT
+        if program:  # Basic: every layer's pages first, one program
+            kv_pages = CachedPages.from_layers([load(i) for i in range(CFG.num_layers)])
+            res, rows = runner.prefill_program(batch, kv_pages)
+            for i in range(CFG.num_layers):
+                pe.send_layer(i, DeviceRows(rows[i], 0, new))
+        else:
+            res = runner.prefill_layerwise(
+                batch, load, lambda i, rows: pe.send_layer(i, DeviceRows(rows, 0, new))
+            )
+        pe.flush()
+        de.wait(20.0)
+        full, _ = base.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
+        np.testing.assert_allclose(
+            np.asarray(res.last_logits), np.asarray(full.last_logits), atol=2e-5, rtol=1e-5
+        )
+        de_kv = de.prompt_kv()
+        assert de_kv[:, : 4 * BT].tobytes() == kv[:, : 4 * BT].tobytes()
+        np.testing.assert_allclose(de_kv, kv, atol=2e-5)
+        # the new rows of each layer: a piece per split (its KV heads), each from its device
+        chunk = 1 if 0 < pe_blocks < h else 0  # split path: the PE-read hit went as piece 0
+        for i in range(CFG.num_layers):
+            offered = halves.offered[job.uuid(Part.PE_LAYER, chunk, i)]
+            pieces = offered[-split:]
+            assert len(offered) == split + (pe_blocks == 4), offered  # (+ the PE-read hit)
+            assert all(len(d) == 1 for d in pieces), pieces
+            assert len({d for (d,) in pieces}) == split, pieces
+        pe.close()
+        de.close()
+    finally:
+        halves.close()
