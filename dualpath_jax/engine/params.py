@@ -73,15 +73,14 @@ def check_params_config(cluster: ClusterConfig) -> None:
 
 def load_served_model(cfg: ExperimentConfig, mesh=None):
     """The model an engine starts with: `cluster.params_path` (checked) or `init_model`, on the
-    engine's `mesh` (None: one device): `init_model` makes each shard in place, a checkpoint's
-    parameters are placed by the partition rules (`transformer.shard_model`)."""
+    engine's `mesh` (None: one device): `init_model` makes each shard in place, `load_params`
+    reads or restores each shard of a checkpoint in place."""
     from dualpath_jax.model.checkpoint import load_params
-    from dualpath_jax.model.transformer import init_model, shard_model
+    from dualpath_jax.model.transformer import init_model
 
     if cfg.cluster.params_path:
         check_params_config(cfg.cluster)
-        model = load_params(cfg.cluster.params_path, cfg.model)
-        return model if mesh is None else shard_model(model, mesh)
+        return load_params(cfg.cluster.params_path, cfg.model, mesh=mesh)
     return init_model(cfg.model, seed=cfg.seed, mesh=mesh)
 
 

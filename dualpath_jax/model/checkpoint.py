@@ -22,7 +22,7 @@ from flax import nnx
 from dualpath_jax.config import ModelConfig, ModelFamily, from_json, to_json
 from dualpath_jax.model import sharding
 from dualpath_jax.model.streaming import CheckpointError, Tensors, place, stack
-from dualpath_jax.model.transformer import Transformer
+from dualpath_jax.model.transformer import Transformer, shard_model
 
 # Hugging Face architectures `from_pretrained` reads, and the families they map to.
 SUPPORTED = {
@@ -455,8 +455,12 @@ def check_params_tree(expected: dict, got: dict, where: str = "") -> None:
         raise CheckpointError(f"{where}parameters do not match the model: " + " | ".join(problems))
 
 
-def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
-    """Loads served parameters for a model of config `cfg`, checking them first.
+def load_params(
+    directory: str | pathlib.Path, cfg: ModelConfig, *, mesh: jax.sharding.Mesh | None = None
+) -> Transformer:
+    """Loads served parameters for a model of config `cfg`, checking them first; with `mesh`,
+    each parameter lands split over it by the partition rules (a Hugging Face directory streams
+    shard by shard, an orbax checkpoint in the pure-dict layout restores each shard in place).
 
     `directory` is an orbax checkpoint written by `save_params_tree` or `save_params` (a
     `params/` subdirectory, either tree layout) or a Hugging Face directory (`config.json` +
@@ -473,7 +477,7 @@ def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
         )
     if not (directory / "params").is_dir():
         if (directory / "config.json").is_file():
-            model = from_pretrained(directory, cfg.dtype)
+            model = from_pretrained(directory, cfg.dtype, mesh=mesh)
             if model.cfg != cfg:
                 raise CheckpointError(
                     f"{directory}: the Hugging Face config does not match the served model config"
@@ -505,10 +509,16 @@ def load_params(directory: str | pathlib.Path, cfg: ModelConfig) -> Transformer:
         tree = getattr(meta, "item_metadata", meta)
         state_layout = any(p.endswith("/value") for p in _flat_spec(tree, False))
         check_params_tree(_flat_spec(pure, False), _flat_spec(tree, state_layout), f"{directory}: ")
-        if state_layout:
-            restored = ckptr.restore(directory / "params", state)
-            return nnx.merge(gd, restored)
-        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure)
+        if state_layout:  # `save_params`' layout: restored whole, then placed
+            model = nnx.merge(gd, ckptr.restore(directory / "params", state))
+            return model if mesh is None else shard_model(model, mesh)
+        if mesh is not None:
+            where = sharding.param_shardings(pure, mesh, cfg)
+            target = jax.tree.map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, where
+            )
+        else:
+            target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), pure)
         restored = ckptr.restore(directory / "params", target)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(gd, state)

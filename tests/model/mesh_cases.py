@@ -269,3 +269,18 @@ def test_from_pretrained_on_a_mesh_gives_transformers_tokens(hf_checkpoint, name
 def test_from_pretrained_on_one_device_gives_transformers_tokens(hf_checkpoint, name):
     path, theirs = hf_checkpoint(name)
     assert dm.generate(dm.from_pretrained(path), PROMPTS[0], 8) == theirs
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_load_params_restores_each_shard_on_the_mesh(reference, name, tmp_path):
+    """An orbax checkpoint of served params restored straight onto a 2x4 mesh."""
+    from dualpath_jax.model.checkpoint import load_params, save_params_tree
+
+    net, tokens = reference[name]
+    save_params_tree(net, tmp_path / "ckpt")
+    mesh = sharding.make_mesh(MESHES["2x4"])
+    got = load_params(tmp_path / "ckpt", MODELS[name], mesh=mesh)
+    specs = _specs(got)
+    assert specs == sharding.param_specs(nnx.to_pure_dict(nnx.state(got)), mesh, MODELS[name])
+    assert specs["layers/1/self_attn/o_proj/kernel"] == P("tensor")
+    assert dm.generate(got, PROMPTS, 10) == tokens
