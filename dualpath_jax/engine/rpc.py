@@ -59,7 +59,10 @@ def check_transfer_bind(host: str, untrusted_network_ok: bool) -> None:
             host,
         )
         return
-    what = "a wildcard" if ip is not None and ip.is_unspecified else "a non-private"
+    if ip is None:
+        what = "a host name, not an IP"  # its address is unknown here, so it cannot be checked
+    else:
+        what = "a wildcard" if ip.is_unspecified else "a non-private"
     if not untrusted_network_ok:
         raise ConfigError(
             f"cluster.transfer_host={host!r} is {what} address, but the KV transfer server is "

@@ -510,3 +510,18 @@ def test_router_over_the_wire(rig, monkeypatch):
         )
     finally:
         client.close()
+
+
+def test_transfer_bind_is_loopback_or_private_unless_asked_for():
+    from dualpath_jax.engine.rpc import check_transfer_bind
+
+    for ok in ("127.0.0.1", "::1", "10.213.0.3", "fd00:213::3"):
+        check_transfer_bind(ok, False)
+    for bad, says in [
+        ("0.0.0.0", "a wildcard address"),
+        ("8.8.8.8", "a non-private address"),
+        ("pe-0.cluster.example", "a host name, not an IP address"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            check_transfer_bind(bad, False)
+        check_transfer_bind(bad, True)  # asked for: a warning, no error
