@@ -63,7 +63,8 @@ def _specs(net) -> dict[str, P]:
     return {sharding._path(k): leaf.sharding.spec for k, leaf in flat}
 
 
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+# 1x8 and 2x4 tokens of every family are also checked against transformers below.
+@pytest.mark.parametrize("mesh_name", ["2x4", "ep"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_sharded_greedy_tokens_equal_one_device(reference, name, mesh_name):
     net = _sharded(name, mesh_name)
