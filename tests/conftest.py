@@ -97,3 +97,31 @@ def bench_modules():
     (bench/ on sys.path only meanwhile). A fixture, not an import: the test directories have
     conftest files of their own, so `from conftest import ...` finds whichever came first."""
     return _import_bench
+
+
+def _run_on_cpu_devices(cases: pathlib.Path, devices: int) -> None:
+    """Runs the test file `cases` in a pytest process of its own with `devices` CPU devices (the
+    XLA flag must be set before JAX starts; the rest of the suite runs on one device) and
+    asserts that every case ran and passed, with the subprocess's output on failure."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=pathlib.Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+
+
+@pytest.fixture(scope="session")
+def run_on_cpu_devices():
+    """`run_on_cpu_devices(cases_path, devices)`: a test file of cases that need several
+    devices (`mesh_cases.py` files, not collected by a plain run) in a process that has them.
+    A fixture, not an import, for the reason `bench_modules` gives."""
+    return _run_on_cpu_devices

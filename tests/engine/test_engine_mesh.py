@@ -3,10 +3,7 @@ the suite runs on one)."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -14,23 +11,5 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 @pytest.mark.slow
-def test_engine_model_on_a_mesh():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(HERE / "mesh_cases.py"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=HERE.parent.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+def test_engine_model_on_a_mesh(run_on_cpu_devices):
+    run_on_cpu_devices(HERE / "mesh_cases.py", 4)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import pytest
@@ -73,25 +70,8 @@ def test_kv_rows_shard_by_head_only_for_head_major_gqa():
 
 
 @pytest.mark.slow
-def test_sharded_models_on_eight_cpu_devices():
-    """`mesh_cases.py` in a process with 8 CPU devices: tokens on 1x8, 2x4 and expert-parallel
-    meshes equal one device's, every parameter and KV page where the rules put it."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(HERE / "mesh_cases.py"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        cwd=HERE.parent.parent,
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout
+def test_sharded_models_on_eight_cpu_devices(run_on_cpu_devices):
+    """`mesh_cases.py` in a process with 8 CPU devices: tokens on 2x4 and expert-parallel meshes
+    equal one device's, every family read from transformers' checkpoints onto 1x8 and 2x4 meshes
+    gives transformers' tokens, every parameter and KV page is where the rules put it."""
+    run_on_cpu_devices(HERE / "mesh_cases.py", 8)
