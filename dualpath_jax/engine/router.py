@@ -169,6 +169,8 @@ class Router:
                 self.send(ident, M.Ack(ref=s))
             case M.CancelRound():
                 self.on_cancel(ident, msg)
+            case M.FinishRound():
+                self.on_finish(ident, msg)
             case M.Ping():
                 self.send(ident, M.Ack(ref="ping"))
             case M.CloseSession():
@@ -191,10 +193,8 @@ class Router:
                 self.on_prefill_done(msg)
             case M.ReadsDone():
                 self.on_reads_done(msg)
-            case M.TokensOut(request=r):
-                st = self.sessions.requests.get(r)
-                if st is not None and math.isnan(st.t_second) and len(msg.tokens) >= 2:
-                    st.t_second = self.clock()
+            case M.TokensOut():
+                self.on_tokens(msg)
             case M.DecodeDone():
                 self.on_decode_done(msg)
             case M.Failed():
@@ -273,7 +273,13 @@ class Router:
             "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
         )
 
-    def finish(self, st: RequestState, tokens: list[int], persist_error: str = "") -> None:
+    def finish(
+        self,
+        st: RequestState,
+        tokens: list[int],
+        persist_error: str = "",
+        finish_reason: str = "length",
+    ) -> None:
         now = self.clock()
         self.sessions.complete(st, tokens)
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
@@ -281,7 +287,7 @@ class Router:
         self.store.claim(
             st.session, block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
         )
-        res = st.result(tokens, now, self.bt, persist_error)
+        res = st.result(tokens, now, self.bt, persist_error, finish_reason)
         if persist_error:
             self.counters["persist_errors"] += 1
             log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
@@ -438,6 +444,8 @@ class Router:
                 attempt=st.attempts,
                 temperature=st.temperature,
                 seed=st.seed,
+                stop_tokens=st.stop_tokens,
+                stream=st.stream,
             )
             self.event(
                 "assign",
@@ -450,6 +458,8 @@ class Router:
             )
             st.job = job
             self.send(de.ident, M.Work(jobs=[job]))  # the PE's part waits for DeReady
+            if st.finish_requested:
+                self.send(de.ident, M.Finish(request=st.id))
 
     def on_de_ready(self, msg: M.DeReady) -> None:
         """The DE half of a job runs: now the PE may start (it never waits on a DE that is not
@@ -486,13 +496,25 @@ class Router:
                 de.ident,
                 M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks),
             )
+        if st.stream:
+            self.send(st.client, M.Partial(request=st.id, start=0, tokens=[msg.first_token]))
+
+    def on_tokens(self, msg: M.TokensOut) -> None:
+        """A DE's new tokens: the second one times TTST; a streamed round's go to its client."""
+        st = self.sessions.requests.get(msg.request)
+        if st is None:
+            return
+        if math.isnan(st.t_second) and msg.start + len(msg.tokens) >= 2:
+            st.t_second = self.clock()
+        if st.stream:
+            self.send(st.client, M.Partial(request=st.id, start=msg.start, tokens=msg.tokens))
 
     def on_decode_done(self, msg: M.DecodeDone) -> None:
         st = self.sessions.requests.get(msg.request)
         if st is None or st.de != msg.engine:
             return
         self.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
-        self.finish(st, list(msg.tokens), msg.persist_error)
+        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
 
     # ------------------------------------------------------------------ failures
 
@@ -542,6 +564,18 @@ class Router:
         self.event("cancel", request=st.id)
         self.cancel_on_engines(st)
         self.end(st, "cancelled by the client", "cancelled")
+
+    def on_finish(self, ident: bytes, msg: M.FinishRound) -> None:
+        """Completes a round now with the tokens it has; a round not yet at a DE finishes as
+        soon as its first token is there (the request is remembered for every attempt)."""
+        st = self.sessions.requests.get(msg.request)
+        if st is None or st.client != ident or st.finish_requested:
+            return
+        st.finish_requested = True
+        self.event("finish_early", request=st.id)
+        de = self.engines.live_one(st.de) if st.de >= 0 else None
+        if de is not None:
+            self.send(de.ident, M.Finish(request=st.id))
 
     def requeue(self, states: list[RequestState]) -> None:
         """Puts requests back at the head of the queue as if never assigned; one that has used up
