@@ -134,6 +134,7 @@ class DecodeEngine:
             read_q=traffic.read_q(f"node{self.node}") if traffic is not None else 0,
             hbm_capacity_tokens=self.dec.num_pages * self.dec.page_size,
             slots=c.decode_slots,
+            batch=len(self.slot_req),
         )
         links = json.dumps(traffic.snapshot()) if traffic is not None else ""
         self.rpc.send(M.Fetch(engine=self.engine, load=load, links=links))

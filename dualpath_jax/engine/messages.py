@@ -162,6 +162,7 @@ class Load(Msg):
     read_q: int = 0
     hbm_capacity_tokens: int = 0  # DE: KV tokens its decode slots hold in all
     slots: int = 0  # DE: decode slots
+    batch: int = 0  # requests in its latest forward (PE: prefill batch; DE: decoding slots)
 
 
 class PrefillCost(Msg):

@@ -52,6 +52,7 @@ from dualpath_jax.engine.sessions import RequestState, SessionTable
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.metrics.events import EventLog
+from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.sched.cost import FittedCostModel, engines_beta
 from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
@@ -80,6 +81,7 @@ class Router:
         self.events = events
         self.clock = clock
         self.bt = cfg.store.block_tokens
+        self.block_bytes = BlockLayout.for_model(cfg.model, self.bt).nbytes
         self.engines = EngineRegistry(cfg.cluster, clock)
         self.sessions = SessionTable(
             cfg.model.vocab_size, min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
@@ -109,6 +111,9 @@ class Router:
             "overloaded": 0,
             "persist_errors": 0,
             "refused_frames": 0,
+            "finished_early": 0,
+            "read_blocks_pe": 0,  # hit blocks assigned to be read on each path
+            "read_blocks_de": 0,
         }
         self.stopping = False
         # Live PEs' reported prefill cost models; beta is derived from them (update_beta).
@@ -422,6 +427,9 @@ class Router:
             st = self.sessions.requests[a.request.id]
             st.assign(a, self.clock(), self.bt)
             self.counters[f"path_{a.path.value}"] += 1
+            if self.scheduler.policy.reads:
+                self.counters["read_blocks_pe"] += a.pe_read_blocks
+                self.counters["read_blocks_de"] += a.de_read_blocks
             pe, de = self.engines[a.pe], self.engines[a.de]
             n = len(st.keys)
             oracle = not self.scheduler.policy.reads
@@ -572,6 +580,7 @@ class Router:
         if st is None or st.client != ident or st.finish_requested:
             return
         st.finish_requested = True
+        self.counters["finished_early"] += 1
         self.event("finish_early", request=st.id)
         de = self.engines.live_one(st.de) if st.de >= 0 else None
         if de is not None:
@@ -631,10 +640,31 @@ class Router:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict:
+        """Counters, queues and each live engine's load, as JSON-ready data (`GetStats`; the HTTP
+        server exports them to Prometheus, serving/metrics.py)."""
+        live = self.engines.live()
+        loads = {}
+        for e in live:
+            ld = self.engine_load(e)
+            loads[str(e.engine)] = {
+                "role": e.role,
+                "node": e.node,
+                "requests": ld.seq_e,
+                "tokens": ld.tok_e,
+                "batch": e.batch,
+                "free_hbm_tokens": ld.free_hbm_tokens if e.role == "decode" else 0,
+            }
         return {
             "counters": dict(self.counters),
             "queued": self.scheduler.queued(),
             "in_flight": len(self.sessions.requests),
+            "sessions": len(self.sessions.sessions),
+            "block_tokens": self.bt,
+            "block_bytes": self.block_bytes,
+            "read_queue_tokens": {
+                str(n): self.node_read_q(n) for n in sorted({e.node for e in live})
+            },
+            "loads": loads,
             "params_version": self.params.version,
             "alpha": self.scheduler.alpha,
             "beta": self.scheduler.beta,
