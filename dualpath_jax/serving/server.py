@@ -136,6 +136,8 @@ class _Round:
         it is not over within `timeout_s`."""
         assert self.fut is not None
         done = asyncio.wrap_future(self.fut)
+        # A round whose handler was cancelled (the client left) still ends; nobody awaits it.
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
         deadline = time.monotonic() + timeout_s
         while True:
             get = asyncio.ensure_future(self.queue.get())
