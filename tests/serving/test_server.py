@@ -1,0 +1,234 @@
+"""The HTTP server's own logic against a fake router client (no engines, no JAX): error
+statuses and Retry-After, stop strings finishing the round, session rewinds, text streaming
+over split UTF-8 and stop strings, and the tokenizers."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("aiohttp")
+from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
+
+from dualpath_jax.engine import messages as M  # noqa: E402
+from dualpath_jax.engine.client import RolloutError, RoundFuture  # noqa: E402
+from dualpath_jax.serving.server import ApiServer, ServerConfig  # noqa: E402
+from dualpath_jax.serving.text import TextStream  # noqa: E402
+from dualpath_jax.serving.tokenizer import (  # noqa: E402
+    ByteTokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
+
+MODEL = "fake"
+
+
+class FakeClient:
+    """A router client whose rounds generate b"abcdef..." one token per 10 ms, streamed from a
+    thread; `fail` makes every round fail with that RolloutError kind."""
+
+    def __init__(self, fail: str = ""):
+        self.fail = fail
+        self.submits: list[dict] = []
+        self.finished: list[str] = []
+        self.cancelled: list[str] = []
+        self.contexts: dict[str, list[int]] = {}
+
+    def open_session(self, session, resume=False):
+        self.contexts.setdefault(session, [])
+
+    def close_session(self, session, release=False):
+        self.contexts.pop(session, None)
+
+    def stats(self, timeout_s=30.0):
+        return {"counters": {}, "queued": {}, "in_flight": 0}
+
+    def finish(self, request):
+        self.finished.append(request)
+
+    def cancel(self, request):
+        self.cancelled.append(request)
+
+    def submit(self, session, append, gen, *, temperature, seed, keep, stop_tokens, on_tokens):
+        rid = f"r{len(self.submits)}"
+        self.submits.append(dict(session=session, append=list(append), gen=gen, keep=keep))
+        fut = RoundFuture()
+        fut.request = rid
+        if self.fail:
+            fut.set_exception(RolloutError(f"refused ({self.fail})", self.fail))
+            return fut
+        ctx = self.contexts[session]
+        prompt = (ctx if keep < 0 else ctx[:keep]) + list(append)
+
+        def run():
+            out = []
+            for i in range(gen):
+                out.append(ord("a") + i % 26)
+                if on_tokens is not None:
+                    on_tokens(i, [out[-1]])
+                time.sleep(0.01)
+                if rid in self.cancelled:
+                    fut.set_exception(RolloutError("cancelled", "cancelled"))
+                    return
+                if rid in self.finished:
+                    break
+            self.contexts[session] = prompt + out
+            fut.set_result(
+                M.Result(
+                    request=rid,
+                    tokens=out,
+                    ttft_s=0.01,
+                    ttst_s=0.01,
+                    tpot_s=0.01,
+                    jct_s=0.1,
+                    queue_s=0.0,
+                    cached_tokens=16 * (len(prompt) // 16),
+                    prompt_tokens=len(prompt),
+                    read_path="de",
+                    recomputed_blocks=0,
+                    finish_reason="finished" if rid in self.finished else "length",
+                )
+            )
+
+        threading.Thread(target=run, daemon=True).start()
+        return fut
+
+
+def _post(client: FakeClient, *requests: tuple[str, dict, dict], api_key: str = ""):
+    """Runs the requests in order against an ApiServer on `client`; returns (status, headers,
+    body) of each."""
+
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257, api_key=api_key)
+        server = ApiServer(client, ByteTokenizer(), cfg)
+        out = []
+        async with TestClient(TestServer(server.app())) as tc:
+            for path, body, headers in requests:
+                r = await tc.post(path, json=body, headers=headers)
+                out.append((r.status, dict(r.headers), await r.json()))
+        return out
+
+    return asyncio.run(go())
+
+
+def _completion(**kw) -> tuple[str, dict, dict]:
+    headers = kw.pop("headers", {})
+    return "/v1/completions", {"model": MODEL, "temperature": 0, **kw}, headers
+
+
+@pytest.mark.parametrize(
+    "kind, status, retry",
+    [
+        ("overloaded", 429, True),
+        ("connection", 503, True),
+        ("engine", 503, True),
+        ("store", 500, False),
+    ],
+)
+def test_cluster_errors_map_to_statuses(kind, status, retry):
+    [(got, headers, body)] = _post(FakeClient(fail=kind), _completion(prompt="hi", max_tokens=3))
+    assert got == status
+    assert ("Retry-After" in headers) == retry
+    assert "refused" in body["error"]["message"]
+
+
+def test_a_missing_or_wrong_key_is_401_before_anything_runs():
+    client = FakeClient()
+    out = _post(
+        client,
+        _completion(prompt="hi", headers={"Authorization": "Bearer nope"}),
+        _completion(prompt="hi"),
+        api_key="k",
+    )
+    assert [s for s, _, _ in out] == [401, 401]
+    assert out[0][2]["error"]["type"] == "authentication_error"
+    assert client.submits == []
+
+
+def test_a_stop_string_ends_the_text_and_finishes_the_round():
+    client = FakeClient()
+    [(status, _, body)] = _post(client, _completion(prompt="hi", max_tokens=40, stop=["de"]))
+    assert status == 200
+    assert body["choices"][0]["text"] == "abc"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert client.finished == ["r0"]  # completed early (keeps its KV), not cancelled
+    assert client.cancelled == []
+
+
+def test_a_session_sends_only_the_new_tokens_and_rewinds_on_edited_history():
+    client = FakeClient()
+    h = {"X-Session-Id": "agent"}
+    p1 = list(range(40))
+    p2 = p1 + [ord("a"), ord("b"), ord("c")] + [7] * 10
+    p3 = p1[:30] + [9] * 5
+    _post(
+        client,
+        _completion(prompt=p1, max_tokens=3, headers=h),
+        _completion(prompt=p2, max_tokens=3, headers=h),
+        _completion(prompt=p3, max_tokens=3, headers=h),
+        _completion(prompt=p1, max_tokens=2),  # no session: a fresh one, the whole prompt
+    )
+    s = client.submits
+    assert (s[0]["keep"], s[0]["append"]) == (0, p1)
+    assert (s[1]["keep"], s[1]["append"]) == (43, [7] * 10)
+    assert (s[2]["keep"], s[2]["append"]) == (30, [9] * 5)
+    assert s[0]["session"] == s[1]["session"] == s[2]["session"] == "http:agent"
+    assert s[3]["session"].startswith("http-") and s[3]["append"] == p1
+    assert s[3]["session"] not in client.contexts  # the one-off session was closed
+
+
+def test_text_stream_holds_back_split_utf8_and_stop_prefixes():
+    tok = ByteTokenizer()
+    ts = TextStream(tok, stops=["STOP"], eos_ids=tok.eos_ids)
+    snow = "☃".encode()  # three bytes
+    assert ts.add([ord("x"), snow[0]]) == "x"
+    assert ts.add([snow[1]]) == ""
+    assert ts.add([snow[2], ord("S"), ord("T")]) == "☃"  # "ST" may begin STOP
+    assert ts.add([ord("A")]) == "STA"
+    assert ts.add([ord("S"), ord("T"), ord("O"), ord("P"), ord("z")]) == ""
+    assert ts.stopped and ts.text == "x☃STA" and ts.close() == ""
+    ts = TextStream(tok, eos_ids=tok.eos_ids)
+    assert ts.add([ord("o"), ord("k"), tok.END]) == "ok" and ts.close() == ""
+
+
+def test_byte_tokenizer_and_loading_rules(tmp_path):
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+    ids = tok.chat([{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert tok.decode(ids) == "<|user|>\nhi<|assistant|>\n" and ids.count(tok.END) == 1
+    with pytest.raises(TokenizerError, match="not supported"):
+        tok.chat([{"role": "user", "content": [{"type": "image_url"}]}])
+    assert isinstance(load_tokenizer(None, 257), ByteTokenizer)
+    with pytest.raises(TokenizerError, match="cannot use the byte tokenizer"):
+        load_tokenizer(tmp_path, 1000)
+
+
+def test_a_checkpoint_tokenizer_with_its_chat_template(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {
+        w: i for i, w in enumerate(["<unk>", "<|im_end|>", "hello", "world", "user", "assistant"])
+    }
+    raw = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        chat_template=(
+            "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}assistant{% endif %}"
+        ),
+    )
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    fast.save_pretrained(tmp_path)
+    tok = load_tokenizer(tmp_path, 6)
+    assert tok.eos_ids == [1]
+    assert tok.encode("hello world") == [2, 3]
+    assert tok.decode([2, 3, 1]) == "hello world"
+    assert tok.chat([{"role": "user", "content": "hello"}]) == [4, 2, 1, 5]
