@@ -268,6 +268,7 @@ class Client:
         *,
         temperature: float = 0.0,
         seed: int = 0,
+        top_p: float = 1.0,
         keep: int = -1,
         stop_tokens: Sequence[int] = (),
         on_tokens: Callable[[int, list[int]], None] | None = None,
@@ -276,6 +277,7 @@ class Client:
         must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
         before anything is sent.
 
+        `top_p < 1` samples from the nucleus of that mass (with temperature > 0).
         `keep >= 0` builds on the first `keep` tokens of the session's context only (-1: all of
         it). The round ends after any of `stop_tokens`. `on_tokens(start, tokens)` streams the
         generated tokens from position `start` as they come (on the client's thread: keep it
@@ -288,6 +290,8 @@ class Client:
                 raise RolloutError(
                     f"temperature must be a number, got {temperature!r}", "bad_request"
                 )
+            if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
+                raise RolloutError(f"top_p must be a number, got {top_p!r}", "bad_request")
             sub = M.Submit(
                 request=rid,
                 session=str(session),
@@ -295,6 +299,7 @@ class Client:
                 gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
                 temperature=float(temperature),
                 seed=_check_int(seed, "seed", 0, 2**32),
+                top_p=float(top_p),
                 keep=_check_int(keep, "keep", -1, TOKEN_LIMIT),
                 stop_tokens=check_tokens(stop_tokens, "stop token"),
                 stream=on_tokens is not None,

@@ -261,6 +261,7 @@ class DecodeEngine:
                 reserve,
                 seed=r.msg.seed,
                 temperature=r.msg.temperature,
+                top_p=r.msg.top_p,
             )
             r.load.close()
             self.slot_req[r.slot] = rid

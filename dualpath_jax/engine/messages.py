@@ -52,6 +52,7 @@ class Submit(Msg):
     gen: int
     temperature: float = 0.0
     seed: int = 0  # uint32
+    top_p: float = 1.0  # nucleus sampling (with temperature > 0): see model.decode.sample_at
     # How much of the session's context the round builds on: -1 all of it; k keeps the first k
     # tokens (a client that rewrote later history, e.g. an edited chat). The prompt is
     # context[:k] + append; stored KV of the kept prefix is found by its block keys as usual.
@@ -250,6 +251,7 @@ class LoadJobMsg(Msg):
     attempt: int = 0
     temperature: float = 0.0  # see Submit
     seed: int = 0
+    top_p: float = 1.0
     stop_tokens: list[int] = []  # see Submit
     stream: bool = False  # the DE reports every new token (TokensOut)
 

@@ -288,6 +288,7 @@ class PrefillEngine:
                 [r.msg.seed for r in reqs] + pad,
                 [len(r.msg.prompt) for r in reqs] + pad,
                 [r.msg.temperature for r in reqs] + pad,
+                [r.msg.top_p for r in reqs] + [1.0] * len(pad),
             )
         except Exception as e:  # noqa: BLE001
             for ch in chunks:

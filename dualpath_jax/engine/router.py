@@ -452,6 +452,7 @@ class Router:
                 attempt=st.attempts,
                 temperature=st.temperature,
                 seed=st.seed,
+                top_p=st.top_p,
                 stop_tokens=st.stop_tokens,
                 stream=st.stream,
             )

@@ -51,6 +51,7 @@ class RequestState:
     de_reads_done: bool = False
     temperature: float = 0.0
     seed: int = 0
+    top_p: float = 1.0
     stop_tokens: list[int] = dataclasses.field(default_factory=list)
     stream: bool = False  # its client gets `Partial` tokens as they come
     finish_requested: bool = False  # FinishRound: each attempt's DE is told to finish now
@@ -156,6 +157,8 @@ class SessionTable:
             return "a round must append at least one token"
         if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
             return f"temperature must be a finite number >= 0, got {msg.temperature}"
+        if not (math.isfinite(msg.top_p) and 0 < msg.top_p <= 1):
+            return f"top_p must lie in (0, 1], got {msg.top_p}"
         if not 0 <= msg.seed < 2**32:
             return f"seed must lie in [0, 2**32), got {msg.seed}"
         bad = next((t for t in msg.append if not 0 <= t < self.vocab_size), None)
@@ -200,6 +203,7 @@ class SessionTable:
             now,
             temperature=msg.temperature,
             seed=msg.seed,
+            top_p=msg.top_p,
             stop_tokens=list(msg.stop_tokens),
             stream=msg.stream,
         )

@@ -77,8 +77,10 @@ def sample(logits: Array, params: SamplingParams = GREEDY, key: Array | None = N
 
 
 @jax.jit
-def _sample_at(logits: Array, seeds: Array, positions: Array, temperatures: Array) -> Array:
-    return _sample_rows(logits, seeds, positions, temperatures)
+def _sample_at(
+    logits: Array, seeds: Array, positions: Array, temperatures: Array, top_ps: Array
+) -> Array:
+    return _sample_rows(logits, seeds, positions, temperatures, top_ps)
 
 
 @jax.jit
@@ -101,6 +103,7 @@ def sample_at(
     seeds: Sequence[int],
     positions: Sequence[int],
     temperatures: Sequence[float],
+    top_ps: Sequence[float] | None = None,
 ) -> np.ndarray:
     """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
 
@@ -108,7 +111,9 @@ def sample_at(
     `fold_in(key(seeds[b]), positions[b])`, where `positions[b]` is the absolute position of the
     token being drawn. The same (seed, position, logits) gives the same token wherever it is
     computed (prefill or decode engine, in any batch, after any retry), which keeps sampled
-    rollouts reproducible. All-greedy batches take `greedy_tokens`.
+    rollouts reproducible. `top_ps[b] < 1` draws from the smallest set of most likely tokens
+    whose probability reaches it (nucleus sampling; default 1: all). All-greedy batches take
+    `greedy_tokens`.
     """
     temps = np.asarray(temperatures, np.float32)
     if not (temps > 0).any():
@@ -118,17 +123,18 @@ def sample_at(
         jnp.asarray(np.asarray(seeds, np.uint32)),
         jnp.asarray(np.asarray(positions, np.int32)),
         jnp.asarray(temps),
+        jnp.asarray(np.ones_like(temps) if top_ps is None else np.asarray(top_ps, np.float32)),
     )
     return np.asarray(out)
 
 
 def _decode_step(
-    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps
+    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps, top_ps
 ):
     """One token for every slot over paged KV, everything on the device.
 
     pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
-    the active mask, sampling seeds and temperatures `[S]`. The layers of each run (`runs`:
+    the active mask, sampling seeds, temperatures and top-p `[S]`. The layers of each run (`runs`:
     `ModelRunner.layer_runs`, with `params` from `ModelRunner.stacked_params`) go under one
     `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
     over the slot's cached pages and the token's own row, and writes that row into the slot's
@@ -153,19 +159,36 @@ def _decode_step(
         (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
     lengths = lengths + write
-    tokens = _sample_rows(logits, seeds, lengths, temps)  # drawn at position `lengths`
+    tokens = _sample_rows(logits, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
     return logits, jnp.where(active, tokens, pending), pages, lengths
 
 
-def _sample_rows(logits, seeds, positions, temperatures):
-    """`sample_at` in a traced program: greedy rows where the temperature is 0."""
+def _nucleus(scaled: Array, top_ps: Array) -> Array:
+    """Logits `[B, V]` with every token outside each row's top-p nucleus at -inf: the smallest
+    set of most likely tokens whose probability reaches `top_ps[b]` (rows at 1 are unchanged)."""
+    ordered = -jnp.sort(-scaled, axis=-1)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each
+    last = jnp.sum(before < top_ps[:, None], axis=-1) - 1
+    cutoff = jnp.take_along_axis(ordered, last[:, None], axis=-1)
+    keep = (scaled >= cutoff) | (top_ps[:, None] >= 1.0)
+    return jnp.where(keep, scaled, -jnp.inf)
 
-    def one(row, seed, pos, t):
+
+def _sample_rows(logits, seeds, positions, temperatures, top_ps):
+    """`sample_at` in a traced program: greedy rows where the temperature is 0. The nucleus
+    sort runs only when some row has top-p below 1."""
+    scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
+    scaled = jax.lax.cond(
+        jnp.any((top_ps < 1.0) & (temperatures > 0)), _nucleus, lambda s, p: s, scaled, top_ps
+    )
+
+    def one(row, seed, pos):
         key = jax.random.fold_in(jax.random.key(seed), pos)
-        drawn = jax.random.categorical(key, row / jnp.where(t > 0, t, 1.0))
-        return jnp.where(t > 0, drawn, jnp.argmax(row)).astype(jnp.int32)
+        return jax.random.categorical(key, row)
 
-    return jax.vmap(one)(logits, seeds, positions, temperatures)
+    drawn = jax.vmap(one)(scaled, seeds, positions)
+    return jnp.where(temperatures > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
 # Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).
@@ -269,6 +292,7 @@ class Decoder:
         self.active = np.zeros((slots,), bool)
         self.seeds = np.zeros((slots,), np.uint32)
         self.temperatures = np.zeros((slots,), np.float32)
+        self.top_ps = np.ones((slots,), np.float32)
         self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
         self._pending = jnp.zeros((slots,), jnp.int32)  # device-side: the tokens fed next
         self._dev: dict[str, Array] = {}
@@ -311,11 +335,12 @@ class Decoder:
         *,
         seed: int = 0,
         temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> None:
         """Loads a prompt's KV rows `[L, >= length, W]` into `slot`'s pages; `next_token` is fed
         next. Pages for `max(reserve_tokens, length + 1)` tokens are taken now (`PagesExhausted`
-        if the pool has too few free). `seed`/`temperature` are the slot's sampling parameters
-        for `advance` (temperature 0: greedy)."""
+        if the pool has too few free). `seed`/`temperature`/`top_p` are the slot's sampling
+        parameters for `advance` (temperature 0: greedy)."""
         cfg = self.runner.cfg
         self._check_insert(slot, length, next_token)
         if prompt_kv.shape[0] != cfg.num_layers or prompt_kv.shape[2] != cfg.kv_width:
@@ -326,7 +351,7 @@ class Decoder:
         rows = np.zeros((cfg.num_layers, n * self.page_size, cfg.kv_width), self.kv_np)
         rows[:, :length] = np.asarray(prompt_kv[:, :length])
         blocks = rows.reshape(cfg.num_layers, n, self.page_size, cfg.kv_width).transpose(1, 0, 2, 3)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p)
 
     def insert_blocks(
         self,
@@ -338,6 +363,7 @@ class Decoder:
         *,
         seed: int = 0,
         temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> None:
         """`insert` from the prompt's KV as Full Blocks `[n, L, page_size, bytes]` uint8 (the
         store's and the DE buffer's layout, whose block size is the page size): each block
@@ -351,7 +377,7 @@ class Decoder:
             )
         self._check_insert(slot, length, next_token)
         blocks = blocks[:n].view(self.kv_np)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p)
 
     def _check_insert(self, slot: int, length: int, next_token: int) -> None:
         if self.active[slot]:
@@ -363,10 +389,14 @@ class Decoder:
         validate_tokens(self.runner.cfg, np.array([next_token]), "next token")
 
     @runs_on_mesh
-    def _insert(self, slot, blocks, length, next_token, reserve_tokens, seed, temperature):
+    def _insert(
+        self, slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p=1.0
+    ):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
-        if temperature < 0 or not 0 <= seed < 2**32:
-            raise ValueError(f"bad sampling parameters: seed {seed}, temperature {temperature}")
+        if temperature < 0 or not 0 <= seed < 2**32 or not 0 < top_p <= 1:
+            raise ValueError(
+                f"bad sampling parameters: seed {seed}, temperature {temperature}, top_p {top_p}"
+            )
         ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
         self.table[slot] = 0
         self.table[slot, : len(ids)] = ids
@@ -383,6 +413,7 @@ class Decoder:
         self.lengths[slot] = length
         self.active[slot] = True
         self.seeds[slot], self.temperatures[slot] = seed, temperature
+        self.top_ps[slot] = top_p
         self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
         self._dirty = True
 
@@ -466,6 +497,7 @@ class Decoder:
                 "active": jnp.asarray(self.active),
                 "seeds": jnp.asarray(self.seeds),
                 "temps": jnp.asarray(self.temperatures),
+                "top_ps": jnp.asarray(self.top_ps),
             }
             self._dirty, self._width = False, width
         d = self._dev
@@ -478,6 +510,7 @@ class Decoder:
             d["active"],
             d["seeds"],
             d["temps"],
+            d["top_ps"],
         )
         self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
         return logits

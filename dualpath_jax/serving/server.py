@@ -442,6 +442,7 @@ class ApiServer:
             p.max_tokens,
             temperature=p.temperature,
             seed=p.seed,
+            top_p=p.top_p,
             keep=keep,
             stop_tokens=[] if p.ignore_eos else self.tok.eos_ids,
             on_tokens=rnd.on_tokens if live else None,

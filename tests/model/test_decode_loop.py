@@ -24,19 +24,46 @@ def test_advance_samples_as_sample_at_on_the_device(tiny_runner):
     cfg = tiny_runner.cfg
     rs = np.random.RandomState(3)
     prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (12, 30, 7)]
-    params = [(0, 0.0), (11, 0.9), (12345, 1.7)]
+    params = [(0, 0.0, 1.0), (11, 0.9, 1.0), (12345, 1.7, 0.3)]
+    seeds, temps, top_ps = (list(x) for x in zip(*params))
     a, b = (Decoder(tiny_runner, slots=3, max_len=64) for _ in range(2))
-    for slot, (p, (seed, t)) in enumerate(zip(prompts, params)):
+    for slot, (p, (seed, t, top_p)) in enumerate(zip(prompts, params)):
         kv, _ = _prefill(tiny_runner, p)
         for dec in (a, b):
-            dec.insert(slot, kv, len(p), 5, seed=seed, temperature=t)
+            dec.insert(slot, kv, len(p), 5, seed=seed, temperature=t, top_p=top_p)
     for _ in range(6):
         lengths = b.lengths.copy()
         logits = b.step()
-        want = sample_at(logits, [s for s, _ in params], list(lengths + 1), [t for _, t in params])
+        want = sample_at(logits, seeds, list(lengths + 1), temps, top_ps)
         b.set_next(want)
         got = np.asarray(a.advance())
         np.testing.assert_array_equal(got, want)
+
+
+def test_sample_at_top_p_draws_from_the_nucleus_only():
+    """Per-row top-p: a row draws only tokens of its nucleus (the most likely tokens whose mass
+    reaches top_p); a row at top-p 1 draws as it does without top-p, whatever its neighbours."""
+    rs = np.random.RandomState(0)
+    logits = rs.randn(4, 50).astype(np.float32) * 3
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-probs, axis=-1)
+    top_ps = [0.5, 1.0, 1e-6, 0.9]
+    nucleus = []
+    for b, p in enumerate(top_ps):
+        mass = np.cumsum(probs[b, order[b]])
+        nucleus.append(set(order[b, : int(np.searchsorted(mass, p)) + 1].tolist()))
+    drawn = [set() for _ in top_ps]
+    for pos in range(200):
+        got = sample_at(logits, [7, 7, 7, 7], [pos] * 4, [1.0] * 4, top_ps)
+        alone = sample_at(logits[1:2], [7], [pos], [1.0])
+        assert got[1] == alone[0]
+        for b, t in enumerate(got):
+            drawn[b].add(int(t))
+    for b in (0, 2, 3):
+        assert drawn[b] <= nucleus[b], b
+    assert drawn[2] == {int(order[2, 0])}
+    assert len(drawn[1]) > len(drawn[0])
 
 
 def test_scan_over_two_layer_kinds_equals_the_reference():

@@ -52,7 +52,9 @@ class FakeClient:
     def cancel(self, request):
         self.cancelled.append(request)
 
-    def submit(self, session, append, gen, *, temperature, seed, keep, stop_tokens, on_tokens):
+    def submit(
+        self, session, append, gen, *, temperature, seed, top_p, keep, stop_tokens, on_tokens
+    ):
         rid = f"r{len(self.submits)}"
         self.submits.append(dict(session=session, append=list(append), gen=gen, keep=keep))
         fut = RoundFuture()
