@@ -74,13 +74,21 @@ class Session:
         self.results: list[M.Result] = []
 
     def step_async(
-        self, append: Sequence[int], gen: int, *, temperature: float = 0.0, key: Any = None
+        self,
+        append: Sequence[int],
+        gen: int,
+        *,
+        temperature: float = 0.0,
+        key: Any = None,
+        top_p: float = 1.0,
     ) -> futures.Future[M.Result]:
-        """Submits one round; sampling with `temperature > 0` needs an explicit JAX `key`."""
+        """Submits one round; sampling with `temperature > 0` needs an explicit JAX `key`
+        (`top_p < 1`: from the nucleus of that probability mass)."""
         if temperature > 0 and key is None:
             raise ValueError("sampling with temperature > 0 needs a PRNG key")
         seed = key_to_seed(key) if key is not None else 0
-        fut = self.backend.submit(self.id, append, gen, temperature=temperature, seed=seed)
+        kw = {"top_p": top_p} if top_p != 1.0 else {}
+        fut = self.backend.submit(self.id, append, gen, temperature=temperature, seed=seed, **kw)
         fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
         return fut
 
@@ -92,11 +100,12 @@ class Session:
         *,
         temperature: float = 0.0,
         key: Any = None,
+        top_p: float = 1.0,
     ) -> list[int]:
         """Appends `append`, generates exactly `gen` tokens and returns them. A round that takes
         longer than `timeout_s` is cancelled (the session can step again) and raises
         TimeoutError."""
-        fut = self.step_async(append, gen, temperature=temperature, key=key)
+        fut = self.step_async(append, gen, temperature=temperature, key=key, top_p=top_p)
         try:
             return list(fut.result(timeout_s).tokens)
         except futures.TimeoutError:
@@ -127,13 +136,15 @@ def run_trajectories(
     timeout_s: float | None = None,
     temperature: float = 0.0,
     key: Any = None,
+    top_p: float = 1.0,
     release: bool = False,
 ) -> list[TrajectoryOutput]:
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
 
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
-    With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`.
+    With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
+    (and `top_p`, see `Session.step_async`).
     `release=True` closes each finished session and releases its stored blocks. Returns one
     output per trajectory, in input order; a failed round ends its trajectory with `error` set.
     """
@@ -186,7 +197,7 @@ def run_trajectories(
             advance(k, session, i + 1)
 
         session.step_async(
-            append, gen, temperature=temperature, key=round_key(k, i)
+            append, gen, temperature=temperature, key=round_key(k, i), top_p=top_p
         ).add_done_callback(on_done)
 
     if not trajs:
@@ -300,11 +311,14 @@ class InProcessEngine:
         *,
         temperature: float = 0.0,
         seed: int = 0,
+        top_p: float = 1.0,
     ) -> futures.Future[M.Result]:
         fut: futures.Future[M.Result] = futures.Future()
         try:
             if not temperature >= 0:
                 raise RolloutError(f"temperature must be >= 0, got {temperature}", "bad_request")
+            if not 0 < top_p <= 1:
+                raise RolloutError(f"top_p must lie in (0, 1], got {top_p}", "bad_request")
             tokens = check_tokens(append)
             bad = next((t for t in tokens if t >= self.cfg.vocab_size), None)
             if bad is not None:
@@ -317,6 +331,7 @@ class InProcessEngine:
                 _check_int(gen, "gen", 1, TOKEN_LIMIT),
                 float(temperature),
                 _check_int(seed, "seed", 0, 2**32),
+                float(top_p),
             )
             fut.set_result(res)
         except RolloutError as e:
@@ -326,7 +341,13 @@ class InProcessEngine:
         return fut
 
     def _round(
-        self, session: str, append: list[int], gen: int, temperature: float, seed: int
+        self,
+        session: str,
+        append: list[int],
+        gen: int,
+        temperature: float,
+        seed: int,
+        top_p: float = 1.0,
     ) -> M.Result:
         import time
 
@@ -360,13 +381,14 @@ class InProcessEngine:
         prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
         if cached:
             prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
-        tok = int(sample_at(res.last_logits, [seed], [len(prompt)], [temperature])[0])
+        tok = int(sample_at(res.last_logits, [seed], [len(prompt)], [temperature], [top_p])[0])
         t_first = time.monotonic()
         dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
         dec.insert(0, prompt_kv, len(prompt), tok)
         out, t_second = [tok], t_first
         for k in range(gen - 1):
-            tok = int(sample_at(dec.step()[:1], [seed], [len(prompt) + len(out)], [temperature])[0])
+            pos = len(prompt) + len(out)
+            tok = int(sample_at(dec.step()[:1], [seed], [pos], [temperature], [top_p])[0])
             out.append(tok)
             dec.set_next(np.array([tok]))
             if k == 0:

@@ -150,6 +150,7 @@ def test_the_wire_format_is_plain_msgpack_data():
             "gen": 3,
             "temperature": 0.0,
             "seed": 0,
+            "top_p": 1.0,
             "keep": -1,
             "stop_tokens": [],
             "stream": False,

@@ -238,6 +238,11 @@ def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
         ({"temperature": math.inf}, "temperature must be a finite number >= 0, got inf"),
         ({"seed": 2**32}, "seed must lie in [0, 2**32), got 4294967296"),
         ({"seed": -1}, "seed must lie in [0, 2**32), got -1"),
+        ({"top_p": 0.0}, "top_p must lie in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must lie in (0, 1], got 1.5"),
+        ({"top_p": math.nan}, "top_p must lie in (0, 1], got nan"),
+        ({"stop_tokens": [300]}, "stop token 300 is out of range [0, 257)"),
+        ({"keep": 5}, "keep=5 is outside the session's context of 0 tokens (-1: all)"),
     ],
 )
 def test_bad_sampling_fields_are_refused(rig, kw, problem):
@@ -246,10 +251,17 @@ def test_bad_sampling_fields_are_refused(rig, kw, problem):
 
 
 def test_sampling_fields_reach_the_job(rig):
-    rig.submit("r1", "a", [1, 2], temperature=0.8, seed=77)
+    rig.submit("r1", "a", [1, 2], temperature=0.8, seed=77, top_p=0.5, stop_tokens=[3], stream=True)
     rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     (_, work), *_ = _only(rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe"), M.Work)
-    assert (work.jobs[0].temperature, work.jobs[0].seed) == (0.8, 77)
+    job = work.jobs[0]
+    assert (job.temperature, job.seed, job.top_p, job.stop_tokens, job.stream) == (
+        0.8,
+        77,
+        0.5,
+        [3],
+        True,
+    )
 
 
 # ----------------------------------------------------------------------------- release

@@ -89,6 +89,13 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
         )
         step(None, append, 6, temperature=1.0, key=key)
         assert ctx[-6:] == local
+        # and with top-p: the PE's first token and the DE's nucleus draw as in-process
+        append = rand(5)
+        local = Session(InProcessEngine(b, max_len=512)).step(
+            ctx + append, 6, temperature=1.5, key=key, top_p=0.6
+        )
+        step(None, append, 6, temperature=1.5, key=key, top_p=0.6)
+        assert ctx[-6:] == local
 
         # An update waits for the round in flight (it finishes on B), the next round runs on A.
         t = Session(client, "t")
