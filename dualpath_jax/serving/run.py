@@ -22,14 +22,20 @@ log = logging.getLogger(__name__)
 
 
 def serving_config(cfg: ExperimentConfig, checkpoint: str | None) -> ExperimentConfig:
-    """`cfg` serving `checkpoint` (a Hugging Face directory): its model config and weights."""
+    """`cfg` serving `checkpoint` (a Hugging Face directory): its model config and weights, and
+    decode slots no longer than its context."""
     if not checkpoint:
         return cfg
     from dualpath_jax.model.checkpoint import config_from_hf
 
     path = pathlib.Path(checkpoint).absolute()
     model = config_from_hf(json.loads((path / "config.json").read_text()))
-    cluster = dataclasses.replace(cfg.cluster, params_path=str(path))
+    # A decode slot holds at most the model's context.
+    cluster = dataclasses.replace(
+        cfg.cluster,
+        params_path=str(path),
+        decode_max_len=min(cfg.cluster.decode_max_len, model.max_seq_len),
+    )
     return dataclasses.replace(cfg, model=model, cluster=cluster)
 
 
