@@ -293,6 +293,11 @@ class SchedulerConfig:
     compute_quota_ms: float = 300.0
     z_factor: float = 1.05
     max_queue: int = 100_000
+    # Load or recompute a request's hit KV: "never" (always load it, the paper), "auto" (per
+    # request, recompute the whole hit when the PE's cost model says that finishes before the
+    # reads: the chosen node's read queue plus the hit's bytes at the storage NIC's rate), or
+    # "always" (recompute every hit: the baseline without a KV store).
+    recompute: str = "never"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -596,6 +601,7 @@ _CHOICES = {
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
+    "scheduler.recompute": ("never", "auto", "always"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (
         "",

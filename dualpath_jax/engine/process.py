@@ -90,6 +90,7 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         pe_read_rate=snic or 1.0,
         de_read_rate=snic or 1.0,
         de_max_seqs=cfg.cluster.decode_slots + cfg.cluster.decode_queue,
+        read_tokens_per_s=snic / kvb if snic else 0.0,
     )
     creds = credentials_for(cfg.cluster.secrets_file)
     server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, creds.tokens)

@@ -114,6 +114,8 @@ class Router:
             "finished_early": 0,
             "read_blocks_pe": 0,  # hit blocks assigned to be read on each path
             "read_blocks_de": 0,
+            "recompute_hits": 0,  # rounds whose hit was recomputed, not read (load or recompute)
+            "recompute_hit_blocks": 0,
         }
         self.stopping = False
         # Live PEs' reported prefill cost models; beta is derived from them (update_beta).
@@ -358,6 +360,11 @@ class Router:
         beta = engines_beta(
             self.cfg.scheduler, self.prefill_costs.values(), max_batch=cl.prefill_max_batch or 256
         )
+        if self.prefill_costs:  # load or recompute: by the slowest PE's cost model
+            slowest = tuple(
+                max(c.prefill[i] for c in self.prefill_costs.values()) for i in range(3)
+            )
+            self.scheduler.set_prefill_cost(slowest)
         if beta != self.scheduler.beta:
             self.scheduler.beta = beta
             self.event("beta", beta=beta, engines=sorted(self.prefill_costs))
@@ -427,6 +434,9 @@ class Router:
             st = self.sessions.requests[a.request.id]
             st.assign(a, self.clock(), self.bt)
             self.counters[f"path_{a.path.value}"] += 1
+            if a.recompute_blocks:
+                self.counters["recompute_hits"] += 1
+                self.counters["recompute_hit_blocks"] += a.recompute_blocks
             if self.scheduler.policy.reads:
                 self.counters["read_blocks_pe"] += a.pe_read_blocks
                 self.counters["read_blocks_de"] += a.de_read_blocks
@@ -435,7 +445,7 @@ class Router:
             oracle = not self.scheduler.policy.reads
             job = M.LoadJobMsg(
                 request=st.id,
-                keys=st.keys,
+                keys=[] if a.recompute_blocks else st.keys,  # recomputed: the PE computes all
                 pe_blocks=n if oracle else a.pe_read_blocks,
                 de_blocks=0 if oracle else a.de_read_blocks,
                 prompt=st.prompt,

@@ -13,7 +13,8 @@
   the group's total free HBM; `Z = z_factor * (sum_{r in R} len_r + sum_e tok_e) / |E|`; the head
   goes to the DE (among those with room for it) with `tok_e + len_r <= Z` and minimum `seq_e`,
   else to the one with minimum `tok_e`; the fetch stops when no DE has room for the head.
-- `choose_read_path` / `split_blocks` / `assign_paths`: the read side of each (PE, DE) pair.
+- `choose_read_path` / `split_blocks` / `assign_paths`: the read side of each (PE, DE) pair,
+  and whether to read the hit at all (`RecomputeRule`: load or recompute, per request).
 - `rr_*`: the round-robin baseline (engine choice in turn, skipping engines that cannot admit).
 
 Ties break towards the engine (or group) listed first, so every function is deterministic.
@@ -21,10 +22,52 @@ Ties break towards the engine (or group) listed first, so every function is dete
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
+from dualpath_jax.sched.cost import summed_keys
 from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, ReadPath, Request
+
+RECOMPUTE_MODES = ("never", "auto", "always")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeRule:
+    """Load a request's hit KV, or recompute it (`scheduler.recompute`).
+
+    `mode`: "never" (always load), "always" (recompute every hit), or "auto": recompute when
+    `prefill(0, hit + new)` finishes before `read + prefill(hit, new)`, where `read` is the
+    reading node's queue ahead plus the hit, in tokens, over `read_tokens_per_s` (a node's
+    storage NIC; a split read takes its slower side) and `prefill_s(cached, new)` is the PE's
+    cost model (`fitted_prefill` of a `FittedCostModel`'s coefficients; the simulator passes its
+    own). The whole hit is recomputed or none of it: for a trailing part the trade is concave
+    (an end is best), and a leading part would need the PE to join computed and loaded KV.
+    Without a read rate or a cost model "auto" loads.
+    """
+
+    mode: str = "never"
+    read_tokens_per_s: float = 0.0
+    prefill_s: Callable[[int, int], float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {self.mode!r}")
+
+    def recompute(self, hit: int, new: int, read_tokens: int) -> bool:
+        """Whether to recompute `hit` tokens rather than read them (`read_tokens`: the reading
+        node's queue ahead plus this hit; the slower side's for a split read)."""
+        if self.mode != "auto":
+            return self.mode == "always"
+        if self.read_tokens_per_s <= 0 or self.prefill_s is None:
+            return False
+        load = read_tokens / self.read_tokens_per_s + self.prefill_s(hit, new)
+        return self.prefill_s(0, hit + new) < load
+
+
+def fitted_prefill(p0: float, p1: float, p2: float) -> Callable[[int, int], float]:
+    """`prefill_s(cached, new)` of a fitted cost model: `p0 + p1 * new + p2 * pairs`."""
+    return lambda cached, new: p0 + p1 * new + p2 * summed_keys(cached, new)
 
 
 def _updated(loads: Sequence[EngineLoad], seq: list[int], tok: list[int], hbm: list[int] | None):
@@ -313,8 +356,11 @@ def assign_paths(
     pe_read_rate: float = 1.0,
     de_read_rate: float = 1.0,
     turns: Mapping[int, int] | None = None,
+    recompute: RecomputeRule | None = None,
 ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
-    """Chooses the read side of each `(request, PE, DE)` in order.
+    """Chooses the read side of each `(request, PE, DE)` in order, then whether reading the hit
+    beats recomputing it (`recompute`; a recomputed hit reads nothing: `ReadPath.NONE` with
+    `recompute_blocks` set).
 
     `mode`: "shorter" (the paper), "pe" (always the PE side), "alternate" (round robin, one turn
     per DE so the sides do not move in lockstep with a round-robin DE choice: a request with hits
@@ -356,6 +402,11 @@ def assign_paths(
             )
         path = ReadPath.PE if db == 0 else ReadPath.DE if pb == 0 else ReadPath.SPLIT
         pt, dt = _split_tokens(r, pb, block_tokens)
+        if recompute is not None:
+            ahead = max(qp + pt if pb else 0, qd + dt if db else 0)
+            if recompute.recompute(r.cached_tokens, r.new_tokens, ahead):
+                out.append(Assignment(r, pe, de, ReadPath.NONE, recompute_blocks=n))
+                continue
         q[pn] = qp + pt
         q[dn] = q.get(dn, 0) + dt
         out.append(Assignment(r, pe, de, path, pb, db))

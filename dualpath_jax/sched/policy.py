@@ -139,6 +139,7 @@ class InterEnginePolicy:
         pe_read_rate: float = 1.0,
         de_read_rate: float = 1.0,
         turns: Mapping[int, int] | None = None,
+        recompute: inter.RecomputeRule | None = None,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,
@@ -150,6 +151,7 @@ class InterEnginePolicy:
             pe_read_rate=pe_read_rate,
             de_read_rate=de_read_rate,
             turns=turns,
+            recompute=recompute if self.reads else None,
         )
 
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import collections
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dualpath_jax._compiled import mypyc_attr
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
-from dualpath_jax.sched.inter import GroupTotals
+from dualpath_jax.sched.inter import GroupTotals, RecomputeRule, fitted_prefill
 from dualpath_jax.sched.policy import InterEnginePolicy, make_policy
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
 
@@ -53,6 +53,7 @@ class GlobalScheduler:
         de_read_rate: float = 1.0,
         max_queue: int = 100_000,
         de_max_seqs: int = 0,
+        recompute: RecomputeRule | None = None,
     ) -> None:
         self.policy = policy if isinstance(policy, InterEnginePolicy) else make_policy(policy)
         self.alpha = alpha
@@ -63,6 +64,9 @@ class GlobalScheduler:
         self.de_read_rate = de_read_rate
         self.max_queue = max_queue
         self.de_max_seqs = de_max_seqs  # > 0: no DE holds more requests (see inter.de_fetch)
+        # Load or recompute each hit (None: always load). The router replaces it as PEs report
+        # their cost models (`set_prefill_cost`).
+        self.recompute = recompute
         self._de_global: collections.deque[Request] = collections.deque()
         self._de_private: dict[int, collections.deque[Request]] = {}
         self._n_private = 0  # requests in all private queues (len() stays O(1) at 1,000 groups)
@@ -78,9 +82,20 @@ class GlobalScheduler:
 
     @classmethod
     def from_config(
-        cls, cfg: SchedulerConfig, *, alpha: float, beta: float, block_tokens: int = 64, **kw
+        cls,
+        cfg: SchedulerConfig,
+        *,
+        alpha: float,
+        beta: float,
+        block_tokens: int = 64,
+        read_tokens_per_s: float = 0.0,
+        prefill_s: Callable[[int, int], float] | None = None,
+        **kw,
     ) -> GlobalScheduler:
-        """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`)."""
+        """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`);
+        `read_tokens_per_s` (a node's storage NIC in hit tokens per second) and `prefill_s`
+        (the PEs' prefill time of `(cached, new)` tokens) feed `scheduler.recompute`."""
+        rule = RecomputeRule(cfg.recompute, read_tokens_per_s, prefill_s)
         return cls(
             cfg.policy,
             alpha=alpha,
@@ -88,8 +103,17 @@ class GlobalScheduler:
             z_factor=cfg.z_factor,
             block_tokens=block_tokens,
             max_queue=cfg.max_queue,
+            recompute=None if cfg.recompute == "never" else rule,
             **kw,
         )
+
+    def set_prefill_cost(self, prefill: tuple[float, float, float]) -> None:
+        """The PEs' fitted prefill cost model changed (a PE registered or died): recompute
+        decisions use `p0, p1, p2` from now on."""
+        if self.recompute is not None:
+            self.recompute = RecomputeRule(
+                self.recompute.mode, self.recompute.read_tokens_per_s, fitted_prefill(*prefill)
+            )
 
     # ------------------------------------------------------------------ queues
 
@@ -340,6 +364,7 @@ class GlobalScheduler:
             pe_read_rate=self.pe_read_rate,
             de_read_rate=self.de_read_rate,
             turns=self._path_turns,
+            recompute=self.recompute,
         )
         for a in out:  # round robin keeps one PE/DE turn per DE
             if a.pe_read_blocks + a.de_read_blocks > 0:

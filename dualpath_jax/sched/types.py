@@ -165,8 +165,10 @@ class Assignment:
     """The scheduler's decision for one request: its PE, its DE and how its hit KV is read.
 
     `pe_read_blocks` + `de_read_blocks` == the request's cached blocks, except for the Oracle
-    policy (both 0, nothing is read). The PE reads its blocks first in prefix order: blocks
-    `[0, pe_read_blocks)` via the PE node, `[pe_read_blocks, total)` via the DE node.
+    policy (both 0, nothing is read) and a recomputed hit (`recompute_blocks`, the cached blocks:
+    nothing is read and the PE computes the whole prompt). The PE reads its blocks first in
+    prefix order: blocks `[0, pe_read_blocks)` via the PE node, `[pe_read_blocks, total)` via
+    the DE node.
     """
 
     request: Request
@@ -175,6 +177,7 @@ class Assignment:
     path: ReadPath
     pe_read_blocks: int = 0
     de_read_blocks: int = 0
+    recompute_blocks: int = 0
 
     def __init__(
         self,
@@ -184,6 +187,7 @@ class Assignment:
         path: ReadPath,
         pe_read_blocks: int = 0,
         de_read_blocks: int = 0,
+        recompute_blocks: int = 0,
     ) -> None:
         object.__setattr__(self, "request", request)
         object.__setattr__(self, "pe", pe)
@@ -191,6 +195,7 @@ class Assignment:
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "pe_read_blocks", pe_read_blocks)
         object.__setattr__(self, "de_read_blocks", de_read_blocks)
+        object.__setattr__(self, "recompute_blocks", recompute_blocks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)

@@ -126,6 +126,8 @@ class SimCluster:
                 block_tokens=self.bt,
                 pe_read_rate=rate,
                 de_read_rate=rate,
+                read_tokens_per_s=rate / self.kvb,
+                prefill_s=lambda cached, new: cost.prefill_time([(cached, new)]),
             )
         else:
             self.scheduler = scheduler
@@ -226,7 +228,10 @@ class SimCluster:
         hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = _PATH_VALUE[a.path] if hit else "none"
-        st.nbytes = P.step_bytes(path, hit * self.kvb, r.new_tokens * self.kvb, de_hit * self.kvb)
+        if a.recompute_blocks:  # the PE computes the whole prompt; nothing is read
+            st.cached = 0
+        computed = r.prompt_tokens - st.cached
+        st.nbytes = P.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)
         if links is None:
@@ -294,7 +299,7 @@ class SimCluster:
         r = st.request
         pe = st.pe
         assert pe is not None
-        pe.queue.add(PendingPrefill(r.id, r.cached_tokens, r.new_tokens))
+        pe.queue.add(PendingPrefill(r.id, st.cached, r.prompt_tokens - st.cached))
         if not pe.busy:
             self._run_batch(pe)
 
@@ -328,7 +333,8 @@ class SimCluster:
                     loads.append((self._links(st, _DE_LOAD), nb[_DE_LOAD], _DE_LOAD))
             total = nb[_SEND]
             if total > 0:  # this chunk's layer blocks (the PE-side hit with the first)
-                first = total - st.request.new_tokens * self.kvb if not st.sent else 0
+                computed = st.request.prompt_tokens - st.cached
+                first = total - computed * self.kvb if not st.sent else 0
                 n = total - st.sent if plan.finishes(c.request_id) else first + c.bsz * self.kvb
                 if n > 0:
                     st.sent += n
@@ -453,8 +459,9 @@ class SimCluster:
                 tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0,
                 jct_s=now - st.t_submit,
                 queue_s=st.t_assign - st.t_submit,
-                cached_tokens=r.cached_tokens,
+                cached_tokens=st.cached,
                 prompt_tokens=r.prompt_tokens,
+                recomputed_blocks=st.assignment.recompute_blocks,
                 read_path=_PATH_VALUE[st.assignment.path if self.policy.reads else ReadPath.NONE],
                 submit_s=st.t_submit,
                 read_s=st.t_read,

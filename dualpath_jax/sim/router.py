@@ -123,6 +123,9 @@ class SimRouter:
         pe.tok += a.request.tokens
         self._touch_pe(pe)
         self.counters[_PATH_COUNTER[a.path]] += 1
+        if a.recompute_blocks:  # load or recompute chose to recompute the hit
+            self.counters["recompute_hits"] += 1
+            self.counters["recompute_hit_blocks"] += a.recompute_blocks
         de_node = self.engines[a.de].node
         # Both read queues grow before either node is touched (a touch may schedule a fetch).
         if pe_read:

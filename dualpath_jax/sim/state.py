@@ -149,6 +149,7 @@ class RoundState:
     de_buf: int = 0
     read_pe: int = 0  # hit tokens still queued to be read on the PE's node
     read_de: int = 0  # ... on the DE's node
+    cached: int = 0  # prompt tokens the PE does not compute (0 once its hit is recomputed)
 
     def __init__(
         self,
@@ -172,6 +173,7 @@ class RoundState:
         self.generated = 0
         self.pe_buf = self.de_buf = 0
         self.read_pe = self.read_de = 0
+        self.cached = request.cached_tokens
 
 
 class HostBuffer:

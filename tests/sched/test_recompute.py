@@ -1,0 +1,81 @@
+"""Load or recompute (`scheduler.recompute`): the per-request rule, its place in the read-path
+choice, and the simulator running the same decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath_jax import load_config, sim
+from dualpath_jax.config import ConfigError, apply_overrides, validate
+from dualpath_jax.sched.inter import RecomputeRule, assign_paths, fitted_prefill
+from dualpath_jax.sched.types import ReadPath, Request
+
+BT = 16
+# A CPU-like PE: 2 ms per batch, 1 us per token, 100 ns per attention pair.
+COST = fitted_prefill(2e-3, 1e-6, 1e-7)
+
+
+def test_the_rule_compares_reading_with_recomputing():
+    assert not RecomputeRule("never", 1.0, COST).recompute(4096, 16, 4096)
+    assert RecomputeRule("always").recompute(16, 16, 0)
+    auto = RecomputeRule("auto", read_tokens_per_s=10_000, prefill_s=COST)
+    # 1,024 hit tokens: reading takes 0.10 s, recomputing them 0.05 s
+    assert auto.recompute(1024, 64, 1024)
+    # the same hit at a fast NIC: reading takes 1 ms
+    assert not RecomputeRule("auto", 1e6, COST).recompute(1024, 64, 1024)
+    # a long hit's attention makes recomputing it dearer than a slow read
+    assert not auto.recompute(8192, 64, 8192)
+    # a queue ahead on the reading node tips it back to recomputing
+    assert auto.recompute(8192, 64, 8192 + 40_000)
+    # without a cost model or a read rate, auto loads
+    assert not RecomputeRule("auto", 10_000, None).recompute(1024, 64, 1024)
+    assert not RecomputeRule("auto", 0.0, COST).recompute(1024, 64, 1024)
+    with pytest.raises(ValueError, match="recompute mode"):
+        RecomputeRule("sometimes")
+
+
+def test_a_recomputed_hit_reads_nothing_and_leaves_the_read_queue():
+    short = Request("a", "t", 1, 1024 + 64, 1024, 8)
+    long = Request("b", "t", 1, 8192 + 64, 8192, 8)
+    rule = RecomputeRule("auto", 10_000, COST)
+    out, q = assign_paths(
+        [(short, 0, 1), (long, 0, 1)],
+        {0: 0},
+        {1: 1},
+        {0: 0, 1: 0},
+        mode="shorter",
+        block_tokens=BT,
+        recompute=rule,
+    )
+    a, b = out
+    assert (a.path, a.pe_read_blocks, a.de_read_blocks, a.recompute_blocks) == (
+        ReadPath.NONE,
+        0,
+        0,
+        1024 // BT,
+    )
+    assert b.recompute_blocks == 0 and b.pe_read_blocks + b.de_read_blocks == 8192 // BT
+    assert sum(q.values()) == 8192  # only the loaded hit joins a read queue
+
+
+def test_bad_modes_are_refused_by_the_config():
+    cfg = load_config("configs/paper.py:ds660b_2p4d")
+    with pytest.raises(ConfigError, match="scheduler.recompute"):
+        validate(apply_overrides(cfg, ["scheduler.recompute=maybe"]))
+
+
+def test_the_simulator_recomputes_when_storage_is_slow_and_loads_when_fast():
+    base = apply_overrides(load_config("configs/paper.py:ds660b_2p4d"), ["workload.agents=24"])
+    jct = {}
+    for snic in (5e10, 2e8):
+        for mode in ("never", "auto", "always"):
+            cfg = apply_overrides(
+                base, [f"hardware.snic_bytes_per_s={snic}", f"scheduler.recompute={mode}"]
+            )
+            s = sim.simulate(cfg).summary
+            jct[snic, mode] = s["jct_s"], s["recomputed_blocks"], s["cached_tokens"]
+    assert jct[5e10, "auto"] == jct[5e10, "never"]  # fast storage: auto loads every hit
+    assert jct[5e10, "always"][2] == 0 and jct[5e10, "always"][1] > 0
+    slow_auto = jct[2e8, "auto"]
+    assert slow_auto[1] > 0 and slow_auto[2] > 0  # some hits recomputed, some loaded
+    assert slow_auto[0] < jct[2e8, "never"][0] and slow_auto[0] < jct[2e8, "always"][0]
