@@ -143,6 +143,7 @@ class Router:
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the router
                     log.exception("handling %s failed", type(msg).__name__)
                     self.send(ident, M.Error(ref=getattr(msg, "request", ""), message=str(e)))
+                self.publish_kv_events()  # also what a failed handler's store calls reported
             now = self.clock()
             if now - last_tick >= 0.1:
                 self.check_liveness(now)

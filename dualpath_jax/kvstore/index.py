@@ -7,7 +7,7 @@ it when this process sees them (a lookup or read hit). All methods are atomic (o
 Lifecycle of a key: admitted (bytes reserved before the write) -> touched by lookups and reads
 (LRU) -> evicted (capacity), deleted, or released with its last owner. A pinned key is never
 evicted, and a delete or release of a pinned key is deferred to its last unpin ("doomed"), which
-remembers why it was doomed (the reasons of `kvstore.events.REMOVAL_REASONS`).
+remembers why it was doomed (`dualpath_jax.kv_events.REMOVAL_REASONS`).
 """
 
 from __future__ import annotations
