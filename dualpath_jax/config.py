@@ -220,6 +220,10 @@ class ClusterConfig:
     # names the cluster's own network; a public or wildcard one needs the next flag.
     transfer_host: str = "127.0.0.1"
     transfer_untrusted_network_ok: bool = False
+    # Where the router publishes KV events (blocks stored / removed, docs/kv_events.md) on a
+    # ZeroMQ PUB socket, `tcp://127.0.0.1:5557` (port 0: a free one, shown in the router's
+    # stats); "": off. A non-loopback host needs secrets_file, as the control plane does.
+    kv_events_address: str = ""
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     # Rounds fail with kind `engine` once no live engine of a role has been seen for this long.
@@ -551,6 +555,35 @@ def _mesh_problem(spec: str) -> str:
     return ""
 
 
+# --------------------------------------------------------------------------- addresses
+
+
+def parse_endpoint(address: str) -> tuple[str, int]:
+    """`(host, port)` of a `tcp://HOST:PORT` ZeroMQ endpoint (an IPv6 host in brackets; port 0:
+    any free port); raises ValueError for anything else."""
+    scheme, sep, rest = address.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        host = ""  # an IPv6 literal without brackets
+    if scheme != "tcp" or not sep or not colon or not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not a tcp://HOST:PORT address (IPv6: tcp://[::1]:PORT)")
+    if int(port) > 65535:
+        raise ValueError(f"{address!r}: port {port} is not in [0, 65535]")
+    return host, int(port)
+
+
+def _endpoint_problem(address: str) -> str:
+    """Why `address` is neither "" nor a `tcp://HOST:PORT` endpoint ("" if it is one)."""
+    try:
+        if address:
+            parse_endpoint(address)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 # --------------------------------------------------------------------------- validation
 
 # Bounds of the numeric fields: (rule, test, keys). A numeric field not named here must be >= 0
@@ -643,7 +676,9 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     dense = m.dense_layers
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
     mesh_problems = {role: _mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
+    events_problem = _endpoint_problem(cl.kv_events_address)
     return [
+        ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
         *((f"cluster.{r}_mesh", not why, why) for r, why in mesh_problems.items()),
         (

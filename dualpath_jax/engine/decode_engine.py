@@ -85,7 +85,10 @@ class DecodeEngine:
         ctx: LoaderContext,
         clock: Callable[[], float] = time.monotonic,
         params: ParamsSlot | None = None,
+        outbox: queue.Queue[M.Msg] | None = None,
     ):
+        """`outbox`: messages other threads send through the engine's socket (its store's
+        `KVEvents`, a worker's `DecodeDone`), in the order they were put."""
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.dec, self.ctx, self.clock = rpc, decoder, ctx, clock
         self.params = params or ParamsSlot(decoder.runner, "", engine)
@@ -93,7 +96,7 @@ class DecodeEngine:
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[str] = []  # jobs whose DE buffer could not be reserved yet
         self.slot_req: dict[int, str] = {}
-        self.outbox: queue.Queue[M.Msg] = queue.Queue()  # messages from worker threads
+        self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
         self.stopped = False
         self.last_fetch = -1e9
         self.inflight = None  # (tokens, {slot: request}) of the step dispatched last

@@ -16,6 +16,8 @@ import hmac
 
 import msgspec
 
+from dualpath_jax.kv_events import KVEvent
+
 SCHEMA_VERSION = 1
 MAX_FRAME_BYTES = 64 * 2**20
 
@@ -314,6 +316,16 @@ class DecodeDone(Msg):
     finish_reason: str = "length"  # see Result.finish_reason
 
 
+class KVEvents(Msg):
+    """Engine -> router: what the engine's block store reported (kv_events.py), in its
+    order, for the router to publish (`cluster.kv_events_address`). Sent on the engine's control
+    socket ahead of any message it sends later, so a round's `BlockStored` comes before its
+    `DecodeDone`."""
+
+    engine: int
+    events: list[KVEvent]
+
+
 class Failed(Msg):
     """An engine could not finish its part of a request. `kind`: transfer (a peer vanished or
     timed out: the router retries, up to `cluster.max_attempts`), store or engine (reported to
@@ -371,6 +383,7 @@ Body = (
     | FirstToken
     | TokensOut
     | DecodeDone
+    | KVEvents
     | Failed
     | Cancel
     | Finish
@@ -389,6 +402,7 @@ ENGINE_ONLY: frozenset[type] = frozenset(
         ReadsDone,
         TokensOut,
         DecodeDone,
+        KVEvents,
         Failed,
         ParamsLoaded,
         Shutdown,

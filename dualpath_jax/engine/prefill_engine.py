@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import queue
 import time
 from collections.abc import Callable, Sequence
 
@@ -67,8 +68,10 @@ class PrefillEngine:
         clock: Callable[[], float] = time.monotonic,
         params: ParamsSlot | None = None,
         prefill_cost: M.PrefillCost | None = None,  # the model behind attention_time, reported
+        outbox: queue.Queue[M.Msg] | None = None,  # messages of other threads (store KVEvents)
     ):
         self.prefill_cost = prefill_cost
+        self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.runner, self.ctx = rpc, runner, ctx
         self.params = params or ParamsSlot(runner, "", engine)
@@ -109,6 +112,8 @@ class PrefillEngine:
         self.register()
         while not self.stopped:
             pump(self.rpc, self.handle, 0 if len(self.queue) else 5)
+            while not self.outbox.empty():
+                self.rpc.send(self.outbox.get_nowait())
             self.poll_reads()
             now = self.clock()
             if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:

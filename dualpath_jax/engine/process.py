@@ -8,18 +8,22 @@ once it is listening, which is how a local launcher finds it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import pathlib
+import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 
 from dualpath_jax.config import ExperimentConfig, StoreConfig
 from dualpath_jax.engine.credentials import credentials_for
 from dualpath_jax.engine.devices import role_mesh
 from dualpath_jax.engine.rpc import check_transfer_bind, host_port
+from dualpath_jax.kv_events import KVEvent
 from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
 
@@ -45,8 +49,12 @@ def store_config(cfg: ExperimentConfig, workdir: str) -> StoreConfig:
     return dataclasses.replace(cfg.store, root=root)
 
 
-def open_store(cfg: ExperimentConfig, workdir: str) -> TensorStoreBlockStore:
-    return open_block_store(store_config(cfg, workdir), cfg.model)
+def open_store(
+    cfg: ExperimentConfig,
+    workdir: str,
+    on_events: Callable[[list[KVEvent]], None] | None = None,
+) -> TensorStoreBlockStore:
+    return open_block_store(store_config(cfg, workdir), cfg.model, on_events=on_events)
 
 
 def _install_sigterm(stop: threading.Event) -> None:
@@ -71,6 +79,7 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    from dualpath_jax.engine.kv_publisher import KVEventPublisher
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
     from dualpath_jax.faults import load_plan, wrap_store
@@ -94,9 +103,16 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     )
     creds = credentials_for(cfg.cluster.secrets_file)
     server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, creds.tokens)
-    store = wrap_store(open_store(cfg, spec.workdir), load_plan(cfg.cluster.fault_file), "router")
+    publisher = None
+    if cfg.cluster.kv_events_address:
+        publisher = KVEventPublisher(cfg.cluster.kv_events_address, creds.tokens)
+        log.info("publishing KV events on %s", publisher.address)
+    on_events = None if publisher is None else functools.partial(publisher.post, "router")
+    store = wrap_store(
+        open_store(cfg, spec.workdir, on_events), load_plan(cfg.cluster.fault_file), "router"
+    )
     events = EventLog(pathlib.Path(spec.workdir) / "events.jsonl")
-    router = Router(cfg, server, store, sched, events)
+    router = Router(cfg, server, store, sched, events, kv_events=publisher)
     if spec.address_file:
         tmp = spec.address_file + ".tmp"
         pathlib.Path(tmp).write_text(server.address)
@@ -107,12 +123,15 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     finally:
         events.close()
         store.close()
+        if publisher is not None:
+            publisher.close()
         server.close()
 
 
 def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     import jax
 
+    from dualpath_jax.engine import messages as M
     from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
@@ -149,7 +168,15 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     prefix = "pe" if spec.role == "prefill" else "de"
     who = f"{prefix}{spec.engine}"
     faults = load_plan(c.fault_file)
-    store = wrap_store(open_store(cfg, spec.workdir), faults, who)
+    # Messages from the engine's other threads; the store's KV events go there too, so they
+    # reach the router ahead of whatever the engine reports after the store acted.
+    outbox: queue.Queue[M.Msg] = queue.Queue()
+
+    def forward_events(evs: list[KVEvent]) -> None:
+        outbox.put(M.KVEvents(engine=spec.engine, events=evs))
+
+    on_events = forward_events if c.kv_events_address else None
+    store = wrap_store(open_store(cfg, spec.workdir, on_events), faults, who)
     name = "PE buffer" if spec.role == "prefill" else "DE buffer"
     buffer = HostBufferPool.for_config(cfg, layout, name)
     bind = host_port(c.transfer_host, 0)
@@ -195,6 +222,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 attention_time=cost.attention_time,
                 params=params,
                 prefill_cost=reported,
+                outbox=outbox,
             )
         else:
             engine = DecodeEngine(
@@ -206,6 +234,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 make_decoder(cfg, runner),
                 ctx,
                 params=params,
+                outbox=outbox,
             )
         engine.run()
     finally:

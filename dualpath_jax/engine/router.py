@@ -28,6 +28,11 @@ store, so the retry is a normal, possibly shorter, hit). With no live engine of 
 its slots plus `cluster.decode_queue` requests; beyond that rounds queue, up to
 `scheduler.max_queue`, and the rest are refused as `overloaded`.
 
+KV events (docs/kv_events.md): with a `KVEventPublisher`, what every store of the cluster did
+(the engines' `KVEvents`, the router's own store) is published on one PUB socket as soon as the
+router handles it: a round's `BlockStored` before its `Result`, a release's `BlockRemoved`
+before its `Ack`.
+
 Roles: frames carry the engine or the client secret (engine/credentials.py); engine messages
 (`messages.ENGINE_ONLY`) from a client are refused, and so is a message that names an engine
 from a connection other than the one that registered it.
@@ -45,6 +50,7 @@ import msgspec
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.kv_publisher import KVEventPublisher
 from dualpath_jax.engine.liveness import ROLES, EngineInfo, EngineRegistry
 from dualpath_jax.engine.params_update import ParamsCoordinator
 from dualpath_jax.engine.rpc import RpcServer
@@ -63,7 +69,9 @@ FAILURE_KINDS = ("transfer", "store", "engine")
 
 
 class Router:
-    """Serves clients and engines on one `RpcServer`. Clocks are injected (`clock`)."""
+    """Serves clients and engines on one `RpcServer`. Clocks are injected (`clock`).
+    `kv_events` publishes the cluster's KV events (None: they are not published); the router's
+    own store posts to it as `router`."""
 
     def __init__(
         self,
@@ -73,12 +81,14 @@ class Router:
         scheduler: GlobalScheduler,
         events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_events: KVEventPublisher | None = None,
     ):
         self.cfg = cfg
         self.server = server
         self.store = store
         self.scheduler = scheduler
         self.events = events
+        self.kv_events = kv_events
         self.clock = clock
         self.bt = cfg.store.block_tokens
         self.block_bytes = BlockLayout.for_model(cfg.model, self.bt).nbytes
@@ -135,6 +145,7 @@ class Router:
                 except Exception as e:  # noqa: BLE001 - one bad message must not stop the router
                     log.exception("handling %s failed", type(msg).__name__)
                     self.send(ident, M.Error(ref=getattr(msg, "request", ""), message=str(e)))
+                self.publish_kv_events()  # also what a failed handler's store calls reported
             now = self.clock()
             if now - last_tick >= 0.1:
                 self.check_liveness(now)
@@ -206,6 +217,8 @@ class Router:
                 self.on_decode_done(msg)
             case M.Failed():
                 self.on_failed(msg)
+            case M.KVEvents():
+                self.on_kv_events(msg)
             case M.GetStats():
                 self.send(ident, M.Stats(json=json.dumps(self.stats())))
             case M.Shutdown():
@@ -214,6 +227,7 @@ class Router:
             case _:
                 self.send(ident, M.Error(ref="", message=f"unexpected {type(msg).__name__}"))
         self.params.advance(len(self.sessions.requests))
+        self.publish_kv_events()  # e.g. a lookup that found a corrupt block removed it
 
     # ------------------------------------------------------------------ clients
 
@@ -239,6 +253,7 @@ class Router:
                     ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store"
                 )
             self.event("release", session=msg.session, blocks=n)
+            self.publish_kv_events()
         self.send(ident, M.Ack(ref=msg.session))
 
     def on_submit(self, ident: bytes, msg: M.Submit) -> None:
@@ -535,6 +550,18 @@ class Router:
         self.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
         self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
 
+    def on_kv_events(self, msg: M.KVEvents) -> None:
+        """An engine's store events: published at once, named after the engine."""
+        e = self.engines.get(msg.engine)
+        if self.kv_events is None or e is None:
+            return
+        self.kv_events.post(f"{'pe' if e.role == 'prefill' else 'de'}{e.engine}", msg.events)
+        self.publish_kv_events()
+
+    def publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
     # ------------------------------------------------------------------ failures
 
     def on_failed(self, msg: M.Failed) -> None:
@@ -682,4 +709,9 @@ class Router:
             "prefill_costs": {str(e): list(c.prefill) for e, c in self.prefill_costs.items()},
             "engines": self.engines.stats(),
             "read_path_counts": {p.value: self.counters[f"path_{p.value}"] for p in ReadPath},
+            "kv_events": (
+                {"address": self.kv_events.address, "batches": self.kv_events.seq}
+                if self.kv_events is not None
+                else {}
+            ),
         }

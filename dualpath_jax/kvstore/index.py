@@ -6,7 +6,8 @@ it when this process sees them (a lookup or read hit). All methods are atomic (o
 
 Lifecycle of a key: admitted (bytes reserved before the write) -> touched by lookups and reads
 (LRU) -> evicted (capacity), deleted, or released with its last owner. A pinned key is never
-evicted, and a delete or release of a pinned key is deferred to its last unpin ("doomed").
+evicted, and a delete or release of a pinned key is deferred to its last unpin ("doomed"), which
+remembers why it was doomed (`dualpath_jax.kv_events.REMOVAL_REASONS`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class BlockIndex:
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # oldest first
         self._used = 0
         self._pins: collections.Counter[str] = collections.Counter()
-        self._doomed: set[str] = set()
+        self._doomed: dict[str, str] = {}  # pinned key -> why it goes at its last unpin
         self._owners: dict[str, set[str]] = {}
         self._owned: dict[str, set[str]] = {}
 
@@ -131,6 +132,10 @@ class BlockIndex:
 
     def unpin(self, keys: Iterable[str]) -> list[str]:
         """Drops one pin per key; returns doomed keys whose last pin went (delete them now)."""
+        return [key for key, _ in self.unpin_doomed(keys)]
+
+    def unpin_doomed(self, keys: Iterable[str]) -> list[tuple[str, str]]:
+        """`unpin`, each returned key with the reason it was doomed for (`doom`'s `reason`)."""
         ready = []
         with self._lock:
             for key in keys:
@@ -140,18 +145,19 @@ class BlockIndex:
                 if self._pins[key] == 0:
                     del self._pins[key]
                     if key in self._doomed:
-                        self._doomed.discard(key)
+                        reason = self._doomed.pop(key)
                         self._drop(key)
-                        ready.append(key)
+                        ready.append((key, reason))
         return ready
 
-    def doom(self, keys: Iterable[str]) -> list[str]:
-        """Schedules deletion: returns the unpinned keys (delete now); pinned ones wait."""
+    def doom(self, keys: Iterable[str], reason: str = "deleted") -> list[str]:
+        """Schedules deletion: returns the unpinned keys (delete now); pinned ones wait, with
+        `reason`, for their last unpin."""
         ready = []
         with self._lock:
             for key in dict.fromkeys(keys):
                 if self._pins[key] > 0:
-                    self._doomed.add(key)
+                    self._doomed.setdefault(key, reason)
                 else:
                     self._drop(key)
                     ready.append(key)
@@ -179,7 +185,7 @@ class BlockIndex:
                 if not owners:
                     del self._owners[key]
                     orphans.append(key)
-        return self.doom(orphans)
+        return self.doom(orphans, "released")
 
     def _drop(self, key: str) -> None:
         nbytes = self._lru.pop(key, None)

@@ -15,6 +15,11 @@ Failure semantics (the caller recomputes whatever is not a hit):
 - writes are conditional on the key being absent and atomic (the file driver writes a temporary
   file, fsyncs it if `StoreConfig.fsync`, and renames it), so a reader never sees half a block and
   two processes writing one key leave one valid block.
+
+KV events (dualpath_jax/kv_events.py): with `on_events`, the store reports the blocks each write
+created (`BlockStored`) and each block it deleted (`BlockRemoved`: evicted, deleted, released,
+corrupt), after the I/O finished and before the operation's future resolves, one call at a time
+in the order this process finished them. Nothing is reported for a block whose I/O failed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import logging
 import os
 import tempfile
 import threading
@@ -33,6 +39,7 @@ import numpy as np
 import tensorstore as ts
 
 from dualpath_jax.config import ConfigError, ModelConfig, StoreConfig
+from dualpath_jax.kv_events import BlockRemoved, BlockStored, KVEvent
 from dualpath_jax.kvstore.api import (
     BlockReadResult,
     BlockStore,
@@ -54,6 +61,8 @@ from dualpath_jax.kvstore.filereader import read_block_file
 from dualpath_jax.kvstore.identity import check_key, key_from_path, key_path, model_fingerprint
 from dualpath_jax.kvstore.index import BlockIndex
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
+
+log = logging.getLogger(__name__)
 
 # tensorstore's encoding of "no value": a write with this `if_equal` only creates a missing key.
 _IF_ABSENT = b"\x02"
@@ -136,11 +145,21 @@ class TensorStoreBlockStore(BlockStore):
     Block sizes come from `fmt`; capacity (`StoreConfig.capacity_bytes`) is enforced on this
     process's view, evicting least recently used unpinned blocks; keys found at open (`list`) join
     that view as the oldest.
+
+    `on_events(events)` (optional) receives this store's KV events (module docstring); it runs on
+    the store's threads, one call at a time, and must neither block for long nor call the store.
     """
 
-    def __init__(self, cfg: StoreConfig, fmt: BlockFormat):
+    def __init__(
+        self,
+        cfg: StoreConfig,
+        fmt: BlockFormat,
+        on_events: Callable[[list[KVEvent]], None] | None = None,
+    ):
         self.cfg = cfg
         self.fmt = fmt
+        self._on_events = on_events
+        self._event_lock = threading.Lock()
         self._window = max(1, cfg.io_concurrency)
         spec = kvstore_spec(cfg)
         if cfg.kind == "file":
@@ -174,6 +193,18 @@ class TensorStoreBlockStore(BlockStore):
     def _count(self, **deltas: int) -> None:
         with self._count_lock:
             self._counts.update(deltas)
+
+    def _emit(self, *events: KVEvent) -> None:
+        """Hands events with keys to `on_events`, one call at a time (so they arrive in the order
+        this process got here); a failing callback is logged, never the operation's error."""
+        events = tuple(e for e in events if e.keys)
+        if self._on_events is None or not events:
+            return
+        with self._event_lock:
+            try:
+                self._on_events(list(events))
+            except Exception:  # noqa: BLE001 - the store's I/O succeeded either way
+                log.exception("the KV event callback failed")
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> futures.Future[Any]:
         if self._closed:
@@ -237,9 +268,13 @@ class TensorStoreBlockStore(BlockStore):
             # Only the bad generation goes: a concurrent rewrite of the key survives. Waiting
             # makes the removal visible to this caller's next lookup.
             try:
-                self._wait(self._kv.write(key_path(key), None, if_equal=generation), f"block {key}")
+                res = self._wait(
+                    self._kv.write(key_path(key), None, if_equal=generation), f"block {key}"
+                )
             except Exception:  # the block is still reported as a miss; the next read retries
-                pass
+                res = None
+            if res is not None and res.generation:  # empty: another generation is there now
+                self._emit(BlockRemoved(keys=(key,), reason="corrupt"))
         return f"corrupt: {err}"
 
     @staticmethod
@@ -428,14 +463,15 @@ class TensorStoreBlockStore(BlockStore):
     def _write(self, keys: list[str], blocks: Any) -> WriteReport:
         _, evicted = self.index.admit(keys, self.fmt.encoded_bytes)
         if evicted:
-            self._delete_now(evicted)
+            self._delete_now(evicted, "evicted")
             self._count(evictions=len(evicted))
         # Keys indexed before are written too (conditionally, so a stored one stays untouched):
         # this process's index may be stale when another process deleted them.
         block_of = {k: blocks[i] for i, k in enumerate(keys) if k in self.index}
         todo_keys = list(block_of)
         rejected = len(dict.fromkeys(keys)) - len(todo_keys)
-        written = existed = 0
+        existed = 0
+        stored: list[str] = []  # written now, in write order
         failed: list[str] = []
         errors: list[str] = []
 
@@ -444,12 +480,12 @@ class TensorStoreBlockStore(BlockStore):
             return self._kv.write(key_path(key), data, if_equal=_IF_ABSENT)
 
         def handle(i: int, key: str, res: Any) -> bool:
-            nonlocal written, existed
+            nonlocal existed
             if isinstance(res, Exception):
                 failed.append(key)
                 errors.append(f"block {key}: {res}")
             elif res.generation:
-                written += 1
+                stored.append(key)
             else:
                 existed += 1
             return True
@@ -458,8 +494,11 @@ class TensorStoreBlockStore(BlockStore):
             self._windowed(todo_keys, issue, handle)
         except StoreError:
             self.index.remove(todo_keys)
+            self._emit(self._stored(stored))
             raise
         self.index.remove(failed)
+        self._emit(self._stored(stored))
+        written = len(stored)
         self._count(
             writes=written,
             write_bytes=written * self.fmt.encoded_bytes,
@@ -470,37 +509,60 @@ class TensorStoreBlockStore(BlockStore):
             raise StoreError(f"{len(errors)} block write(s) failed; first: {errors[0]}")
         return WriteReport(written, len(keys) - written - rejected, rejected)
 
+    def _stored(self, keys: list[str]) -> BlockStored:
+        return BlockStored(
+            keys=tuple(keys),
+            block_tokens=self.fmt.layout.block_tokens,
+            block_bytes=self.fmt.encoded_bytes,
+        )
+
     # ------------------------------------------------------------------ deletion, pins, owners
 
-    def _delete_now(self, keys: list[str]) -> int:
+    def _delete_now(self, keys: list[str], reason: str) -> int:
+        """Deletes `keys` (already dropped from the index) and reports them removed for
+        `reason`."""
         errors: list[str] = []
+        removed: list[str] = []
 
         def handle(i: int, key: str, res: Any) -> bool:
             if isinstance(res, Exception):
                 errors.append(f"block {key}: {res}")
+            else:
+                removed.append(key)
             return True
 
-        self._windowed(keys, lambda i, k: self._kv.write(key_path(k), None), handle)
+        try:
+            self._windowed(keys, lambda i, k: self._kv.write(key_path(k), None), handle)
+        finally:
+            self._emit(BlockRemoved(keys=tuple(removed), reason=reason))
         self._count(deletes=len(keys) - len(errors))
         if errors:
             raise StoreError(f"{len(errors)} block delete(s) failed; first: {errors[0]}")
         return len(keys)
 
+    def _delete_doomed(self, doomed: list[tuple[str, str]]) -> int:
+        """Deletes keys whose last pin went, grouped by the reason they were doomed for."""
+        by_reason: dict[str, list[str]] = {}
+        for key, reason in doomed:
+            by_reason.setdefault(reason, []).append(key)
+        return sum(self._delete_now(keys, reason) for reason, keys in by_reason.items())
+
     def delete(self, keys: Sequence[str]) -> futures.Future[int]:
         keys = [check_key(k) for k in keys]
-        return self._submit(self._delete_now, self.index.doom(keys))
+        return self._submit(self._delete_now, self.index.doom(keys, "deleted"), "deleted")
 
     def pin(self, keys: Sequence[str]) -> None:
         self.index.pin([check_key(k) for k in keys])
 
     def unpin(self, keys: Sequence[str]) -> futures.Future[int]:
-        return self._submit(self._delete_now, self.index.unpin([check_key(k) for k in keys]))
+        doomed = self.index.unpin_doomed([check_key(k) for k in keys])
+        return self._submit(self._delete_doomed, doomed)
 
     def claim(self, owner: str, keys: Sequence[str]) -> None:
         self.index.claim(owner, [check_key(k) for k in keys])
 
     def release(self, owner: str) -> futures.Future[int]:
-        return self._submit(self._delete_now, self.index.release(owner))
+        return self._submit(self._delete_now, self.index.release(owner), "released")
 
     # ------------------------------------------------------------------ stats, lifecycle
 
@@ -528,10 +590,12 @@ def open_block_store(
     model: ModelConfig,
     params_version: str = "",
     kv_format: str | None = None,
+    on_events: Callable[[list[KVEvent]], None] | None = None,
 ) -> TensorStoreBlockStore:
-    """Opens the block store of `model` (layout, KV dtype tag and fingerprint derived from it)."""
+    """Opens the block store of `model` (layout, KV dtype tag and fingerprint derived from it);
+    `on_events` receives its KV events (`TensorStoreBlockStore`)."""
     layout = BlockLayout(
         model.num_layers, cfg.block_tokens, kv_bytes_per_token_per_layer(model, kv_format)
     )
     fmt = BlockFormat(layout, kv_format or model.kv_dtype, model_fingerprint(model, params_version))
-    return TensorStoreBlockStore(cfg, fmt)
+    return TensorStoreBlockStore(cfg, fmt, on_events)

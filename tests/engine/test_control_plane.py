@@ -18,6 +18,7 @@ from dualpath_jax.engine import messages as M
 from dualpath_jax.engine import rpc
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcClient, RpcServer, check_bind
+from dualpath_jax.kv_events import BlockRemoved, BlockStored
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
@@ -112,6 +113,13 @@ SAMPLES: list[M.Msg] = [
     M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
     M.DecodeDone(
         request="r1", engine=1, tokens=[9], persisted_blocks=0, persist_error="OSError: ENOSPC"
+    ),
+    M.KVEvents(
+        engine=1,
+        events=[
+            BlockRemoved(keys=("a" * 32,), reason="evicted"),
+            BlockStored(keys=("b" * 32, "c" * 32), block_tokens=16, block_bytes=4096),
+        ],
     ),
     M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
     M.Cancel(request="r1"),

@@ -45,11 +45,12 @@ def store_config(kind: str, tmp_path, **kw) -> StoreConfig:
 
 @pytest.fixture(params=["file", "memory", "spec"])
 def make_store(request, tmp_path, fmt):
-    """Factory `make_store(**StoreConfig overrides)` for the parametrized backend; closes all."""
+    """Factory `make_store(on_events=None, **StoreConfig overrides)` for the parametrized
+    backend; closes all."""
     stores = []
 
-    def make(**kw) -> TensorStoreBlockStore:
-        st = TensorStoreBlockStore(store_config(request.param, tmp_path, **kw), fmt)
+    def make(on_events=None, **kw) -> TensorStoreBlockStore:
+        st = TensorStoreBlockStore(store_config(request.param, tmp_path, **kw), fmt, on_events)
         stores.append(st)
         return st
 

@@ -57,6 +57,17 @@ def test_doom_waits_for_the_last_pin():
     assert idx.blocks == 0 and idx.used_bytes == 0
 
 
+def test_a_deferred_deletion_keeps_the_reason_it_was_doomed_for():
+    idx = BlockIndex()
+    idx.touch([k(0), k(1), k(2)], 5)
+    idx.pin([k(0), k(1), k(2)])
+    idx.claim("t1", [k(1)])
+    assert idx.doom([k(0)]) == [] and idx.release("t1") == []
+    assert idx.doom([k(1)], "corrupt") == []  # doomed already: the first reason stands
+    assert idx.unpin_doomed([k(2), k(1), k(0)]) == [(k(1), "released"), (k(0), "deleted")]
+    assert idx.blocks == 1
+
+
 def test_release_keeps_keys_another_owner_claims():
     idx = BlockIndex()
     idx.touch([k(i) for i in range(4)], 1)

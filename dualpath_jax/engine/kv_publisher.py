@@ -1,0 +1,102 @@
+"""The router's KV event stream: one ZeroMQ PUB socket (`cluster.kv_events_address`).
+
+Every store of the cluster reports what it did (dualpath_jax/kv_events.py): the router's own store
+calls `post` from its I/O threads, engines' reports arrive as `KVEvents` messages. The router's
+loop, which owns the socket, publishes them with `flush`, each posted list as one `EventBatch`
+numbered from 0 in the order posted, so a subscriber sees one totally ordered stream and can
+detect the batches it lost (docs/kv_events.md).
+
+Binding: loopback unless the cluster has its secrets (`cluster.secrets_file`), as the control
+plane. The stream itself is neither authenticated nor encrypted (a subscriber reads block keys,
+never tokens or KV, and cannot send anything but subscriptions): off loopback, keep it on the
+cluster's own network.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import zmq
+
+from dualpath_jax.config import ConfigError, parse_endpoint
+from dualpath_jax.engine.rpc import bracketed, host_port, is_loopback
+from dualpath_jax.kv_events import EVENTS_VERSION, TOPIC, EventBatch, KVEvent, encode_batch
+
+log = logging.getLogger(__name__)
+
+SEND_HWM = 100_000  # batches queued per subscriber before ZeroMQ drops that subscriber's next ones
+LINGER_MS = 1_000  # at close, how long batches still queued may take to leave
+
+
+def check_events_bind(host: str, tokens: Mapping[str, str] | None) -> None:
+    """A KV event stream off loopback needs the cluster's secrets, as the control plane does."""
+    if is_loopback(host):
+        return
+    if not tokens:
+        raise ConfigError(
+            f"publishing KV events on {host!r} (not loopback) needs cluster.secrets_file"
+        )
+    log.warning(
+        "KV events are published on %s: the stream is unauthenticated and unencrypted (block "
+        "keys only); keep that network closed to anything but this cluster",
+        host,
+    )
+
+
+class KVEventPublisher:
+    """The PUB socket. `post` may be called from any thread; `flush` and `close` only from the
+    thread that owns the socket (the router's loop). `address` is where it listens (a port 0
+    resolved); `seq` is the number of the next batch."""
+
+    def __init__(
+        self,
+        address: str,
+        tokens: Mapping[str, str] | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        context: zmq.Context | None = None,
+    ):
+        try:
+            host, port = parse_endpoint(address)
+        except ValueError as e:
+            raise ConfigError(f"cluster.kv_events_address: {e}") from None
+        check_events_bind(host, tokens)
+        self.wall_clock = wall_clock
+        self.sock = (context or zmq.Context.instance()).socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.IPV6, 1)
+        if port:
+            self.sock.bind(f"tcp://{host_port(host, port)}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{bracketed(host)}")
+        self.address = f"tcp://{host_port(host, port)}"
+        self.seq = 0
+        self._posted: queue.SimpleQueue[tuple[str, tuple[KVEvent, ...]]] = queue.SimpleQueue()
+
+    def post(self, source: str, events: Sequence[KVEvent]) -> None:
+        """Queues what `source` (`router`, `pe0`, `de1`, ...) reported, for the next `flush`."""
+        if events:
+            self._posted.put((source, tuple(events)))
+
+    def flush(self) -> int:
+        """Publishes everything posted so far, in order; returns the number of batches."""
+        n = 0
+        while True:
+            try:
+                source, events = self._posted.get_nowait()
+            except queue.Empty:
+                return n
+            batch = EventBatch(
+                v=EVENTS_VERSION, seq=self.seq, ts=self.wall_clock(), source=source, events=events
+            )
+            # A PUB socket never blocks: a subscriber `SEND_HWM` batches behind loses the next.
+            self.sock.send_multipart([TOPIC, encode_batch(batch)])
+            self.seq += 1
+            n += 1
+
+    def close(self) -> None:
+        self.flush()
+        self.sock.close()
