@@ -314,7 +314,11 @@ class WorkloadConfig:
     """Which trajectories to run and when they arrive."""
 
     preset: str = "64k"  # synthetic preset (Table 2), unless `trace` is set
-    trace: str = ""  # JSONL path
+    trace: str = ""  # trace file path (format: trace_format)
+    trace_format: str = "jsonl"  # jsonl | mooncake | conversation (docs/traces.md)
+    trace_block_tokens: int = 512  # tokens per hash id in a Mooncake trace (before length_scale)
+    trace_sessions: bool = True  # Mooncake: group continuing requests into trajectories
+    trace_bytes_per_token: float = 4.0  # conversation files: UTF-8 bytes per token
     trajectories: int = 8
     agents: int = 8
     mode: str = "offline"  # offline | online
@@ -562,7 +566,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
         " cluster.decode_slots cluster.decode_max_len cluster.max_attempts"
         " scheduler.max_queue store.block_tokens store.io_concurrency"
-        " workload.trajectories",
+        " workload.trajectories workload.trace_block_tokens",
     ),
     (
         "must be > 0",
@@ -572,7 +576,8 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.fetch_interval_s cluster.transfer_timeout_s cluster.params_load_timeout_s"
         " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
-        " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
+        " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s"
+        " workload.trace_bytes_per_token",
     ),
     ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
     (
@@ -596,6 +601,7 @@ _CHOICES = {
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
+    "workload.trace_format": ("jsonl", "mooncake", "conversation"),  # workload.formats.FORMATS
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (
         "",
@@ -636,6 +642,7 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     group_experts = m.topk_group * (m.n_routed_experts // m.n_group)
     dense = m.dense_layers
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
+    timed_trace = bool(w.trace) and w.trace_format == "mooncake"
     mesh_problems = {role: _mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
     return [
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
@@ -665,7 +672,16 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             cl.heartbeat_timeout_s > cl.heartbeat_s,
             f"must be > cluster.heartbeat_s ({cl.heartbeat_s})",
         ),
-        ("workload.aps", w.mode != "online" or w.aps > 0, "must be > 0 in online mode"),
+        (
+            "workload.aps",
+            w.mode != "online" or w.aps > 0 or timed_trace,
+            "must be > 0 in online mode (unless a Mooncake trace gives the arrival times)",
+        ),
+        (
+            "workload.trace_format",
+            w.trace_format == "jsonl" or bool(w.trace),
+            "needs a trace file (workload.trace)",
+        ),
         (
             "workload.agents",
             w.agents >= 1 or (w.mode == "online" and w.duration_s > 0),
