@@ -674,8 +674,8 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ),
         (
             "workload.aps",
-            w.mode != "online" or w.aps > 0 or timed_trace,
-            "must be > 0 in online mode (unless a Mooncake trace gives the arrival times)",
+            w.mode != "online" or w.aps > 0 or timed_trace,  # a Mooncake trace has its times
+            "must be > 0 in online mode",
         ),
         (
             "workload.trace_format",
