@@ -41,6 +41,10 @@ class Round:
     gen: int
     pieces: tuple[tuple[int, int], ...] = ()
 
+    def __repr__(self) -> str:  # pieces only when there are some
+        pieces = f", pieces={self.pieces!r}" if self.pieces else ""
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces})"
+
     def __post_init__(self) -> None:
         if self.pieces and sum(n for _, n in self.pieces) != self.append_len:
             raise ValueError(
