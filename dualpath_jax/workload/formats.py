@@ -101,9 +101,8 @@ def parse_mooncake_request(
         raise TraceError(f"line {lineno}: expected an object, got {type(obj).__name__}")
     missing = [k for k in _MOONCAKE_KEYS if k not in obj]
     if missing:
-        raise TraceError(
-            f"line {lineno}: missing key(s) {missing}; a Mooncake request has {list(_MOONCAKE_KEYS)}"
-        )
+        keys = list(_MOONCAKE_KEYS)
+        raise TraceError(f"line {lineno}: missing key(s) {missing}; a Mooncake request has {keys}")
     ts = float(_number(obj, "timestamp", lineno, integer=False, minimum=0))
     n_in = int(_number(obj, "input_length", lineno, integer=True, minimum=1))
     n_out = int(_number(obj, "output_length", lineno, integer=True, minimum=0))
