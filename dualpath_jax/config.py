@@ -601,7 +601,6 @@ _CHOICES = {
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
-    "workload.trace_format": ("jsonl", "mooncake", "conversation"),  # workload.formats.FORMATS
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (
         "",
@@ -612,6 +611,7 @@ _CHOICES = {
         "float8_e4m3fn",
         "float8_e5m2",
     ),
+    "workload.trace_format": ("jsonl", "mooncake", "conversation"),  # workload.formats.FORMATS
 }
 
 
@@ -642,7 +642,6 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     group_experts = m.topk_group * (m.n_routed_experts // m.n_group)
     dense = m.dense_layers
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
-    timed_trace = bool(w.trace) and w.trace_format == "mooncake"
     mesh_problems = {role: _mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
     return [
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
@@ -674,7 +673,8 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ),
         (
             "workload.aps",
-            w.mode != "online" or w.aps > 0 or timed_trace,  # a Mooncake trace has its times
+            # a Mooncake trace brings its own arrival times
+            w.mode != "online" or w.aps > 0 or (bool(w.trace) and w.trace_format == "mooncake"),
             "must be > 0 in online mode",
         ),
         (
