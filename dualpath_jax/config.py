@@ -323,7 +323,11 @@ class WorkloadConfig:
     """Which trajectories to run and when they arrive."""
 
     preset: str = "64k"  # synthetic preset (Table 2), unless `trace` is set
-    trace: str = ""  # JSONL path
+    trace: str = ""  # trace file path (format: trace_format)
+    trace_format: str = "jsonl"  # jsonl | mooncake | conversation (docs/traces.md)
+    trace_block_tokens: int = 512  # tokens per hash id in a Mooncake trace (before length_scale)
+    trace_sessions: bool = True  # Mooncake: group continuing requests into trajectories
+    trace_bytes_per_token: float = 4.0  # conversation files: UTF-8 bytes per token
     trajectories: int = 8
     agents: int = 8
     mode: str = "offline"  # offline | online
@@ -600,7 +604,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
         " cluster.decode_slots cluster.decode_max_len cluster.max_attempts"
         " scheduler.max_queue store.block_tokens store.io_concurrency"
-        " workload.trajectories",
+        " workload.trajectories workload.trace_block_tokens",
     ),
     (
         "must be > 0",
@@ -610,7 +614,8 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.fetch_interval_s cluster.transfer_timeout_s cluster.params_load_timeout_s"
         " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
-        " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s",
+        " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s"
+        " workload.trace_bytes_per_token",
     ),
     ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
     (
@@ -645,6 +650,7 @@ _CHOICES = {
         "float8_e4m3fn",
         "float8_e5m2",
     ),
+    "workload.trace_format": ("jsonl", "mooncake", "conversation"),  # workload.formats.FORMATS
 }
 
 
@@ -706,7 +712,17 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             cl.heartbeat_timeout_s > cl.heartbeat_s,
             f"must be > cluster.heartbeat_s ({cl.heartbeat_s})",
         ),
-        ("workload.aps", w.mode != "online" or w.aps > 0, "must be > 0 in online mode"),
+        (
+            "workload.aps",
+            # a Mooncake trace brings its own arrival times
+            w.mode != "online" or w.aps > 0 or (bool(w.trace) and w.trace_format == "mooncake"),
+            "must be > 0 in online mode",
+        ),
+        (
+            "workload.trace_format",
+            w.trace_format == "jsonl" or bool(w.trace),
+            "needs a trace file (workload.trace)",
+        ),
         (
             "workload.agents",
             w.agents >= 1 or (w.mode == "online" and w.duration_s > 0),

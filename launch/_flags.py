@@ -27,7 +27,14 @@ AGENTS = flags.DEFINE_integer(
 MAX_TURNS = flags.DEFINE_integer(
     "max_turns", None, "Rounds kept per trajectory (overrides workload.max_turns; 0: every round)."
 )
-TRACE = flags.DEFINE_string("trace", None, "Trace JSONL (overrides the synthetic preset).")
+TRACE = flags.DEFINE_string("trace", None, "Trace file (overrides the synthetic preset).")
+TRACE_FORMAT = flags.DEFINE_enum(
+    "trace_format",
+    None,
+    ["jsonl", "mooncake", "conversation"],
+    "Format of --trace (overrides workload.trace_format): this project's JSONL, a Mooncake"
+    " request trace, or a ShareGPT/OpenAI conversation file (docs/traces.md).",
+)
 
 
 def apply_flags(cfg: ExperimentConfig, mode: str, **workload: object) -> ExperimentConfig:
@@ -40,6 +47,7 @@ def apply_flags(cfg: ExperimentConfig, mode: str, **workload: object) -> Experim
         agents=AGENTS.value,
         max_turns=MAX_TURNS.value,
         trace=TRACE.value,
+        trace_format=TRACE_FORMAT.value,
         **workload,
     )
 

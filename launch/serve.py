@@ -22,8 +22,9 @@ _DURATION = flags.DEFINE_float(
 def main(argv):
     del argv
     cfg = _flags.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
-    if cfg.workload.aps <= 0:
-        raise app.UsageError("online runs need --aps > 0 (or workload.aps in the config)")
+    w = cfg.workload
+    if w.aps <= 0 and not (w.trace and w.trace_format == "mooncake"):
+        raise app.UsageError("online runs need --aps > 0 (or workload.aps, or a Mooncake trace)")
     wd = _flags.prepare_workdir(cfg)
     launcher.print_summary(run_local(cfg, wd))
 

@@ -4,7 +4,9 @@ Example:
   python launch/simulate.py --config=configs/paper.py:ds660b_2p4d --policy=dualpath --agents=2048 --workdir=/tmp/dp_paper
   python launch/simulate.py --config=configs/cpu_1p1d.py --policy=dualpath --agents=16 --workdir=/tmp/dp_sim
   python launch/simulate.py --config=configs/cpu_1p2d.py --policy=basic --aps=0.5 --workdir=/tmp/dp_sim_on
-Same flags as launch/rollout.py (offline) and launch/serve.py (--aps: online). Writes config.json,
+  python launch/simulate.py --config=configs/cpu_1p2d.py --trace=/tmp/mooncake.jsonl --trace_format=mooncake --aps=0 --workdir=/tmp/dp_sim_mc
+Same flags as launch/rollout.py (offline) and launch/serve.py (--aps: online; a Mooncake trace
+with --aps=0 arrives at its own timestamps, docs/traces.md). Writes config.json,
 summary.json (the launchers' keys plus `simulated` and `sim`), links/node<N>.json (per-link byte
 series) and outputs.jsonl holding generated lengths only (`{"id", "rounds": [gen, ...],
 "lengths_only": true}`): the simulator has no token ids.

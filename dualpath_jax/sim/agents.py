@@ -1,8 +1,11 @@
 """Agents replaying their trajectories on a simulated cluster (appendix A.3).
 
 Round i+1 of an agent is submitted when its round i is done, with prompt `A_1 G_1 ... A_{i+1}`.
-The hit of a round is what the DE persisted for the previous round (`round_hit`). Part of the
-compiled core (`dualpath_jax.native`): one submission per round of every agent.
+The hit of a round is what the DE persisted for the previous round (`round_hit`); a first round
+given as content pieces (`Round.pieces`: Mooncake and conversation traces) hits the longest
+prefix it shares with the first rounds finished so far, as the content-addressed store finds it
+(`workload.sharing`). Part of the compiled core (`dualpath_jax.native`): one submission per round
+of every agent.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from dualpath_jax.sched.types import Request
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import RoundState
+from dualpath_jax.workload.sharing import PrefixIndex, prefix_hit
 from dualpath_jax.workload.trace import Trajectory, TurnSpec
 
 
@@ -69,7 +73,11 @@ class AgentReplay:
         self.ids: list[str] = []
         self.prompts: list[list[int]] = []
         self.gens: list[list[int]] = []
+        # Each agent's first-round pieces (empty: private tokens) and those finished so far.
+        self.pieces: list[tuple[tuple[int, int], ...]] = []
+        self.shared = PrefixIndex()
         for t in trajectories:
+            self.pieces.append(t.rounds[0].pieces if t.rounds else ())
             prompts: list[int] = []
             gens: list[int] = []
             context = 0
@@ -86,13 +94,20 @@ class AgentReplay:
     def submit(self, agent: int, turn: int) -> None:
         prompts, gens = self.prompts[agent], self.gens[agent]
         prompt = prompts[turn]
-        hit = _hit(prompts[turn - 1], gens[turn - 1], prompt, self.bt) if turn else 0
+        if turn:
+            hit = _hit(prompts[turn - 1], gens[turn - 1], prompt, self.bt)
+        elif self.pieces[agent]:
+            hit = prefix_hit(self.shared.longest(self.pieces[agent]), prompt, self.bt)
+        else:
+            hit = 0
         traj = f"{self.ids[agent]}/a{agent}"
         req = Request(f"{traj}/r{turn}", traj, turn, prompt, hit, gens[turn])
         self.cluster.submit_round(req, agent, self._done)
 
     def _done(self, st: RoundState) -> None:
         agent, turn = st.agent, st.request.turn + 1
+        if turn == 1 and self.pieces[agent]:
+            self.shared.add(self.pieces[agent])
         if turn < len(self.prompts[agent]):
             self.submit(agent, turn)
         else:

@@ -7,9 +7,11 @@ Agents replay their trajectories per appendix A.3 (`sim.agents`): round i+1 is
 submitted when round i is done, with prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what
 the DE persisted for the previous round (every Full Block of its prompt + generated tokens but
 the last, whose KV is never computed), less one block when it would cover the whole prompt
-(the router's rule: at least one new token makes logits). Offline: every agent starts at t = 0,
-JCT = time until the last round finishes; online: agents arrive at `workload.arrivals.schedule`
-times (Poisson at `workload.aps`). Times are virtual seconds.
+(the router's rule: at least one new token makes logits); a first round given as content pieces
+(Mooncake and conversation traces) hits the prefix it shares with first rounds already finished
+(`workload.sharing`). Offline: every agent starts at t = 0, JCT = time until the last round
+finishes; online: agents arrive at `workload.arrivals.plan_agents` times (Poisson at
+`workload.aps`, or a Mooncake trace's timestamps). Times are virtual seconds.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.metrics.summary import summarize
 from dualpath_jax.presets.calibration import config_cost_model
@@ -33,8 +33,7 @@ from dualpath_jax.sched.cost import CostModel
 from dualpath_jax.sim.agents import reference_request, schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import SimOptions
-from dualpath_jax.workload.arrivals import agent_trajectories, schedule
-from dualpath_jax.workload.synthetic import from_config
+from dualpath_jax.workload.arrivals import plan_agents
 from dualpath_jax.workload.trace import Trajectory
 
 
@@ -51,11 +50,7 @@ class SimRun:
 
 def build_agents(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
     """Every agent's trajectory (lengths only, never materialized) and its start time (s)."""
-    w = cfg.workload
-    rng = np.random.default_rng(w.seed)
-    base = from_config(w)
-    arrivals = [a.time_s for a in schedule(w, rng)]
-    return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
+    return plan_agents(cfg)
 
 
 def default_cost(cfg: ExperimentConfig, kv_format: str | None = None) -> CostModel:

@@ -1,19 +1,38 @@
-"""Workloads: the trace JSONL format and replay rule, synthetic Table 2 traces, arrivals."""
+"""Workloads: the trace formats (this project's JSONL, Mooncake request traces, conversation files)
+and the replay rule, shared prefixes and their hits, synthetic Table 2 traces, arrivals."""
 
 from dualpath_jax.workload.arrivals import (
     Arrival,
     agent_trajectories,
     offline_arrivals,
+    plan_agents,
     poisson_arrivals,
     schedule,
+    trace_arrivals,
 )
-from dualpath_jax.workload.synthetic import PRESETS, SyntheticPreset, Table2Row, generate
+from dualpath_jax.workload.formats import (
+    FORMATS,
+    load_conversations,
+    load_mooncake,
+    parse_conversations,
+    parse_mooncake,
+    read_trace,
+)
+from dualpath_jax.workload.sharing import PrefixIndex, common_prefix, prefix_hit, replay_hits
+from dualpath_jax.workload.synthetic import (
+    PRESETS,
+    SyntheticPreset,
+    Table2Row,
+    generate,
+    load_workload,
+)
 from dualpath_jax.workload.trace import (
     Round,
     TraceError,
     TraceStats,
     Trajectory,
     TurnSpec,
+    content_tokens,
     dump_trace,
     expand,
     load_trace,
@@ -27,8 +46,10 @@ from dualpath_jax.workload.trace import (
 )
 
 __all__ = [
+    "FORMATS",
     "PRESETS",
     "Arrival",
+    "PrefixIndex",
     "Round",
     "SyntheticPreset",
     "Table2Row",
@@ -37,17 +58,29 @@ __all__ = [
     "Trajectory",
     "TurnSpec",
     "agent_trajectories",
+    "common_prefix",
+    "content_tokens",
     "dump_trace",
     "expand",
     "generate",
+    "load_conversations",
+    "load_mooncake",
     "load_trace",
+    "load_workload",
     "materialize",
     "offline_arrivals",
+    "parse_conversations",
+    "parse_mooncake",
     "parse_trace",
     "parse_trajectory",
+    "plan_agents",
     "poisson_arrivals",
+    "prefix_hit",
     "prompt_tokens",
+    "read_trace",
+    "replay_hits",
     "schedule",
+    "trace_arrivals",
     "trace_stats",
     "truncate",
     "turn_specs",

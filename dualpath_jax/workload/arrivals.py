@@ -2,7 +2,8 @@
 
 Pure generators over an injected `numpy.random.Generator`; times are seconds from the start of
 the run, so a real clock (router) and a simulated clock (simulator) consume the same schedule.
-Each arrival starts one agent, which replays one trajectory round by round.
+Each arrival starts one agent, which replays one trajectory round by round. A trace with
+arrival times (Mooncake) keeps them online: `trace_arrivals`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig, WorkloadConfig
-from dualpath_jax.workload.synthetic import from_config
+from dualpath_jax.workload.synthetic import load_workload
 from dualpath_jax.workload.trace import Trajectory, expand, materialize
 
 
@@ -82,15 +83,40 @@ def schedule(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[Arrival]
     raise ValueError(f"workload.mode must be 'offline' or 'online', got {cfg.mode!r}")
 
 
-def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
-    """The materialized trajectory of every agent and its start time (seconds)."""
+def trace_arrivals(start_s: Sequence[float], cfg: WorkloadConfig) -> list[float]:
+    """Online arrivals of a trace with start times (seconds from its first request, ascending):
+    as recorded, or with `aps > 0` on a clock scaled so the whole trace arrives at `aps` agents
+    per second on average; then those before `duration_s` (if set), else the first `agents`."""
+    times = [t - start_s[0] for t in start_s] if start_s else []
+    if cfg.aps > 0 and len(times) > 1 and times[-1] > 0:
+        k = (len(times) - 1) / times[-1] / cfg.aps
+        times = [t * k for t in times]
+    if cfg.duration_s:
+        return [t for t in times if t <= cfg.duration_s]
+    return times[: cfg.agents]
+
+
+def plan_agents(
+    cfg: ExperimentConfig, *, vocab_size: int | None = None
+) -> tuple[list[Trajectory], list[float]]:
+    """Every agent's trajectory (not materialized) and its start time in seconds: a timed trace
+    online arrives at its own times (`trace_arrivals`); otherwise agents arrive by `schedule` and
+    replay the workload's trajectories, expanded to one per agent (`agent_trajectories`)."""
     w = cfg.workload
     rng = np.random.default_rng(w.seed)
-    base = from_config(w, vocab_size=cfg.model.vocab_size)
+    base, start_s = load_workload(w, vocab_size=vocab_size)
+    if start_s is not None and w.mode == "online":
+        arrivals = trace_arrivals(start_s, w)
+        return base[: len(arrivals)], arrivals
     arrivals = [a.time_s for a in schedule(w, rng)]
-    trajs = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
-    trajs = [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs]
-    return trajs, arrivals
+    return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
+
+
+def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
+    """The materialized trajectory of every agent and its start time (seconds)."""
+    trajs, arrivals = plan_agents(cfg, vocab_size=cfg.model.vocab_size)
+    w = cfg.workload
+    return [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs], arrivals
 
 
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple[list[int], int]]]]:

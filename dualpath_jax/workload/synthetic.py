@@ -24,7 +24,8 @@ import statistics
 import numpy as np
 
 from dualpath_jax.config import WorkloadConfig
-from dualpath_jax.workload.trace import Round, Trajectory, load_trace, truncate
+from dualpath_jax.workload.formats import read_trace
+from dualpath_jax.workload.trace import Round, Trajectory, truncate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,12 +180,21 @@ def generate(
 
 
 def from_config(cfg: WorkloadConfig, *, vocab_size: int | None = None) -> list[Trajectory]:
-    """The trajectories a `WorkloadConfig` asks for: the JSONL file `trace` if set (validated,
-    token ids checked against `vocab_size`, truncated at `max_len` if set), else `trajectories`
-    synthetic ones of `preset` with the three scales and `max_len`; then at most `max_turns`
-    rounds each (if set)."""
+    """The trajectories a `WorkloadConfig` asks for (`load_workload` without the start times)."""
+    return load_workload(cfg, vocab_size=vocab_size)[0]
+
+
+def load_workload(
+    cfg: WorkloadConfig, *, vocab_size: int | None = None
+) -> tuple[list[Trajectory], list[float] | None]:
+    """The trajectories a `WorkloadConfig` asks for, and their start times in seconds when the
+    trace has them (a Mooncake trace; else None): the file `trace` in `trace_format` if set
+    (validated, JSONL token ids checked against `vocab_size`, truncated at `max_len` if set),
+    else `trajectories` synthetic ones of `preset` with the three scales and `max_len`; then at
+    most `max_turns` rounds each (if set)."""
+    times = None
     if cfg.trace:
-        trajs = load_trace(cfg.trace, vocab_size=vocab_size)
+        trajs, times = read_trace(cfg, vocab_size=vocab_size)
         if cfg.max_len:
             trajs = [truncate(t, cfg.max_len) if t.total_len > cfg.max_len else t for t in trajs]
     else:
@@ -199,4 +209,4 @@ def from_config(cfg: WorkloadConfig, *, vocab_size: int | None = None) -> list[T
         )
     if cfg.max_turns:
         trajs = [Trajectory(t.id, t.rounds[: cfg.max_turns]) for t in trajs]
-    return trajs
+    return trajs, times

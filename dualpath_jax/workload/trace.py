@@ -2,7 +2,9 @@
 
 Trace JSONL (docs/traces.md), one trajectory per line:
 `{"id": str, "rounds": [{"append": int | [int, ...], "gen": int}, ...]}`. An int append means
-that many seeded random token ids (`materialize`); a list gives the ids themselves.
+that many seeded random token ids (`materialize`); a list gives the ids themselves. Other trace
+formats (Mooncake, conversations) are read by `workload.formats`; their appends are content
+pieces (`Round.pieces`), so equal content gives equal tokens in every trajectory.
 
 Replay (appendix A.3): round i+1 of a trajectory sends the prompt `A_1 G_1 ... A_i G_i A_{i+1}`
 and generates exactly `g_{i+1}` tokens `G_{i+1}`. Everything before `A_{i+1}` was computed in
@@ -28,10 +30,26 @@ class TraceError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Round:
-    """`append`: the appended token count or the ids themselves; `gen`: tokens to generate."""
+    """`append`: the appended token count or the ids themselves; `gen`: tokens to generate.
+
+    `pieces`: what the append holds, as `(content id, tokens)` pairs summing to its length (empty:
+    private random tokens). A piece stands for the first `tokens` ids of its content's seeded
+    token stream (`content_tokens`), so equal content ids give equal tokens in every trajectory
+    and a shorter piece of a content is a prefix of a longer one (`workload.sharing`)."""
 
     append: int | tuple[int, ...]
     gen: int
+    pieces: tuple[tuple[int, int], ...] = ()
+
+    def __repr__(self) -> str:  # pieces only when there are some
+        pieces = f", pieces={self.pieces!r}" if self.pieces else ""
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces})"
+
+    def __post_init__(self) -> None:
+        if self.pieces and sum(n for _, n in self.pieces) != self.append_len:
+            raise ValueError(
+                f"pieces hold {sum(n for _, n in self.pieces)} tokens, the append {self.append_len}"
+            )
 
     @property
     def append_len(self) -> int:
@@ -170,12 +188,28 @@ def random_tokens(n: int, vocab_size: int, seed: int, *key: object) -> tuple[int
     return tuple(int(x) for x in rng.integers(0, vocab_size, size=n))
 
 
+def content_tokens(content: int, n: int, vocab_size: int, seed: int) -> tuple[int, ...]:
+    """The first `n` ids of content `content`'s token stream (a pure function of `seed` and
+    `content`; `content_tokens(c, n)` is a prefix of `content_tokens(c, m)` for `n <= m`)."""
+    return random_tokens(n, vocab_size, seed, "content", content)
+
+
+def _append_tokens(t: Trajectory, i: int, r: Round, vocab_size: int, seed: int) -> tuple[int, ...]:
+    if not r.pieces:
+        return random_tokens(r.append_len, vocab_size, seed, t.id, i)
+    out: list[int] = []
+    for content, n in r.pieces:
+        out.extend(content_tokens(content, n, vocab_size, seed))
+    return tuple(out)
+
+
 def materialize(t: Trajectory, vocab_size: int, seed: int = 0) -> Trajectory:
-    """Replaces every int append by that many random ids (seeded by seed, id and round)."""
+    """Replaces every int append by token ids: its pieces' content tokens if it has pieces, else
+    that many random ids (seeded by seed, id and round)."""
     rounds = tuple(
         r
         if not isinstance(r.append, int)
-        else Round(random_tokens(r.append, vocab_size, seed, t.id, i), r.gen)
+        else Round(_append_tokens(t, i, r, vocab_size, seed), r.gen, r.pieces)
         for i, r in enumerate(t.rounds)
     )
     return Trajectory(t.id, rounds)
@@ -232,8 +266,19 @@ def truncate(t: Trajectory, max_len: int) -> Trajectory:
         gen = min(first.gen, max_len // 2)
         n = max_len - gen
         app = n if isinstance(first.append, int) else first.append[:n]
-        kept.append(Round(app, gen))
+        kept.append(Round(app, gen, cut_pieces(first.pieces, n)))
     return Trajectory(t.id, tuple(kept))
+
+
+def cut_pieces(pieces: Sequence[tuple[int, int]], n: int) -> tuple[tuple[int, int], ...]:
+    """The pieces of the first `n` tokens of `pieces` (the last one shortened if needed)."""
+    out = []
+    for content, k in pieces:
+        if n <= 0:
+            break
+        out.append((content, min(k, n)))
+        n -= k
+    return tuple(out)
 
 
 def expand(
