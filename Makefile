@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(TEST_STAMP): pyproject.toml $(STAMP)
-	$(PY) -m pip install -q -e '.[test,hf]'
+	$(PY) -m pip install -q -e '.[test,hf,serve]'
 	touch $@
 
 demo: $(STAMP)

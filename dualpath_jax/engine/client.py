@@ -16,7 +16,7 @@ import pathlib
 import queue
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
@@ -133,6 +133,8 @@ class Client:
         self._rpc = RpcClient(address, token)
         self._out: queue.Queue[tuple[bytes, str, futures.Future | None, bool]] = queue.Queue()
         self._pending: dict[str, tuple[futures.Future, float]] = {}
+        # Streamed rounds' token callbacks, by request id (set before the Submit is queued).
+        self._streams: dict[str, Callable[[int, list[int]], None]] = {}
         self._stats: list[tuple[futures.Future, float]] = []
         self._closed = threading.Event()
         self._ids = itertools.count()
@@ -169,6 +171,14 @@ class Client:
                 self._expire(time.monotonic(), heard)
                 continue
             heard = time.monotonic()
+            if isinstance(reply, M.Partial):
+                on_tokens = self._streams.get(reply.request)
+                if on_tokens is not None:
+                    try:
+                        on_tokens(reply.start, list(reply.tokens))
+                    except Exception:  # noqa: BLE001 - a caller's callback must not stop the loop
+                        log.exception("the token callback of %s failed", reply.request)
+                continue
             if isinstance(reply, M.Stats):
                 if self._stats:
                     self._stats.pop(0)[0].set_result(reply)
@@ -179,6 +189,7 @@ class Client:
                 )
                 continue
             ref = getattr(reply, "request", None) or getattr(reply, "ref", "")
+            self._streams.pop(ref, None)
             item = self._pending.pop(ref, None)
             if item is not None:
                 item[0].set_result(reply)
@@ -200,6 +211,7 @@ class Client:
             self._stats.pop(0)[0].set_exception(err)
 
     def _fail_all(self, err: RolloutError) -> None:
+        self._streams.clear()
         pending, self._pending = self._pending, {}
         for fut, _ in pending.values():
             fut.set_exception(err)
@@ -217,6 +229,13 @@ class Client:
         fut = fut if fut is not None else futures.Future()
         self._out.put((frame, ref, fut, isinstance(msg, M.GetStats)))
         return fut
+
+    def finish(self, request: str) -> None:
+        """Ends a round now with the tokens generated so far (e.g. a stop string matched): it
+        completes (its future gets a `Result` with `finish_reason="finished"`), so its tokens
+        extend the session and its KV blocks are persisted. A finished round is not affected."""
+        frame = M.encode(M.FinishRound(request=request), self._token)
+        self._out.put((frame, "", None, False))
 
     def cancel(self, request: str) -> None:
         """Abandons a round: its future fails with kind `cancelled` and its session is free for
@@ -249,10 +268,18 @@ class Client:
         *,
         temperature: float = 0.0,
         seed: int = 0,
+        keep: int = -1,
+        stop_tokens: Sequence[int] = (),
+        on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> futures.Future[M.Result]:
         """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
         must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
-        before anything is sent."""
+        before anything is sent.
+
+        `keep >= 0` builds on the first `keep` tokens of the session's context only (-1: all of
+        it). The round ends after any of `stop_tokens`. `on_tokens(start, tokens)` streams the
+        generated tokens from position `start` as they come (on the client's thread: keep it
+        short); a retried round streams positions again, with the same tokens."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out: RoundFuture = RoundFuture()
         out.request = rid
@@ -268,9 +295,15 @@ class Client:
                 gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
                 temperature=float(temperature),
                 seed=_check_int(seed, "seed", 0, 2**32),
+                keep=_check_int(keep, "keep", -1, TOKEN_LIMIT),
+                stop_tokens=check_tokens(stop_tokens, "stop token"),
+                stream=on_tokens is not None,
             )
+            if on_tokens is not None:
+                self._streams[rid] = on_tokens
             raw = self._call(sub, rid)
         except RolloutError as e:
+            self._streams.pop(rid, None)
             out.set_exception(e)
             return out
 

@@ -44,6 +44,7 @@ class _Req:
     hit: int = 0
     slot: int = -1
     tokens: list[int] = dataclasses.field(default_factory=list)
+    finish: bool = False  # the router asked to complete it with the tokens it has (Finish)
 
 
 def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
@@ -133,6 +134,7 @@ class DecodeEngine:
             read_q=traffic.read_q(f"node{self.node}") if traffic is not None else 0,
             hbm_capacity_tokens=self.dec.num_pages * self.dec.page_size,
             slots=c.decode_slots,
+            batch=len(self.slot_req),
         )
         links = json.dumps(traffic.snapshot()) if traffic is not None else ""
         self.rpc.send(M.Fetch(engine=self.engine, load=load, links=links))
@@ -154,6 +156,12 @@ class DecodeEngine:
                     self.reqs[r].first, self.reqs[r].hit = t, h
             case M.Cancel(request=r):
                 self.drop(r)
+            case M.Finish(request=rid):
+                r = self.reqs.get(rid)
+                if r is not None:
+                    r.finish = True
+                    if r.slot >= 0:
+                        self.complete(r, "finished")
             case M.LoadParams() | M.CommitParams():
                 self.params.handle(msg, self.rpc.send)
             case _:
@@ -257,8 +265,18 @@ class DecodeEngine:
             r.load.close()
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
-            if r.msg.gen == 1:
-                self.complete(r)
+            reason = self.finish_reason(r)
+            if reason:
+                self.complete(r, reason)
+
+    @staticmethod
+    def finish_reason(r: _Req) -> str:
+        """Why the request is done after its latest token ("" while it goes on)."""
+        if r.tokens[-1] in r.msg.stop_tokens:
+            return "stop"
+        if len(r.tokens) >= r.msg.gen:
+            return "length"
+        return "finished" if r.finish else ""
 
     def step(self) -> None:
         """Dispatches the next decode step, then takes the tokens of the step before it: the
@@ -285,12 +303,14 @@ class DecodeEngine:
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
                 continue  # finished (or dropped) since that step was dispatched
             r.tokens.append(int(nxt[slot]))
-            if len(r.tokens) == 2:
-                self.rpc.send(M.TokensOut(request=r.msg.request, tokens=r.tokens[:2]))
-            if len(r.tokens) >= r.msg.gen:
-                self.complete(r)
+            n = len(r.tokens)
+            if r.msg.stream or n == 2:  # the router times the second token; streams get all
+                self.rpc.send(M.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1))
+            reason = self.finish_reason(r)
+            if reason:
+                self.complete(r, reason)
 
-    def complete(self, r: _Req) -> None:
+    def complete(self, r: _Req, reason: str = "length") -> None:
         """Persists the request's new Full Blocks, then reports its tokens (from a worker, so the
         next round of the trajectory finds them in the store)."""
         rid = r.msg.request
@@ -304,9 +324,11 @@ class DecodeEngine:
         self.dec.free(slot)
         del self.slot_req[slot]
         del self.reqs[rid]
-        self.ctx.pool.submit(self._persist, r, fed, start, n_full, blocks)
+        self.ctx.pool.submit(self._persist, r, fed, start, n_full, blocks, reason)
 
-    def _persist(self, r: _Req, fed: list[int], start: int, n_full: int, blocks) -> None:
+    def _persist(
+        self, r: _Req, fed: list[int], start: int, n_full: int, blocks, reason: str
+    ) -> None:
         """Writes the new Full Blocks, then reports the tokens. A store that fails (full,
         read-only, I/O errors) does not cost the round its tokens: they are reported with the
         store's error text, and the next round recomputes the blocks that are missing."""
@@ -335,5 +357,6 @@ class DecodeEngine:
                 tokens=r.tokens,
                 persisted_blocks=persisted,
                 persist_error=error,
+                finish_reason=reason,
             )
         )

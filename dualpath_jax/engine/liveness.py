@@ -36,6 +36,7 @@ class EngineInfo:
     alive: bool = True
     hbm_tokens: int = 0  # DE: KV capacity in tokens
     slots: int = 0
+    batch: int = 0  # requests in its latest forward, as it reported
     links: dict = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()  # the devices it runs the model on, as it registered them
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
@@ -123,6 +124,7 @@ class EngineRegistry:
         """Takes the capacity an engine reports with each `Fetch` (and its links, if any)."""
         e.hbm_tokens = load.hbm_capacity_tokens
         e.slots = load.slots
+        e.batch = load.batch
         if links:
             e.links = json.loads(links)
 

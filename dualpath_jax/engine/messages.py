@@ -52,6 +52,33 @@ class Submit(Msg):
     gen: int
     temperature: float = 0.0
     seed: int = 0  # uint32
+    # How much of the session's context the round builds on: -1 all of it; k keeps the first k
+    # tokens (a client that rewrote later history, e.g. an edited chat). The prompt is
+    # context[:k] + append; stored KV of the kept prefix is found by its block keys as usual.
+    keep: int = -1
+    # The round ends early, as if it had generated `gen` tokens, right after any of these tokens
+    # (an end-of-sequence id), which is the last of its tokens.
+    stop_tokens: list[int] = []
+    # Send the tokens as they are generated (`Partial`), before the `Result`.
+    stream: bool = False
+
+
+class FinishRound(Msg):
+    """Client -> router: end a round now with the tokens generated so far (e.g. a stop string
+    matched); unlike `CancelRound` the round completes: its tokens extend the session and its
+    blocks are persisted. Its `Result` carries `finish_reason="finished"`."""
+
+    request: str
+
+
+class Partial(Msg):
+    """Router -> client: tokens of a streamed round, from position `start` of its generated
+    tokens. A retried round streams again from 0 with the same tokens (they depend only on
+    params, context and seed), so a client keeps the first copy of each position."""
+
+    request: str
+    start: int
+    tokens: list[int]
 
 
 class CancelRound(Msg):
@@ -79,6 +106,9 @@ class Result(Msg):
     prompt_tokens: int
     read_path: str
     recomputed_blocks: int
+    # "length" (all `gen` tokens), "stop" (a stop token, the last token) or "finished"
+    # (`FinishRound`).
+    finish_reason: str = "length"
     # Non-empty when the DE could not persist the round's new blocks (e.g. the store is full):
     # the tokens are right; the next round recomputes what was not stored.
     persist_error: str = ""
@@ -132,6 +162,7 @@ class Load(Msg):
     read_q: int = 0
     hbm_capacity_tokens: int = 0  # DE: KV tokens its decode slots hold in all
     slots: int = 0  # DE: decode slots
+    batch: int = 0  # requests in its latest forward (PE: prefill batch; DE: decoding slots)
 
 
 class PrefillCost(Msg):
@@ -219,6 +250,8 @@ class LoadJobMsg(Msg):
     attempt: int = 0
     temperature: float = 0.0  # see Submit
     seed: int = 0
+    stop_tokens: list[int] = []  # see Submit
+    stream: bool = False  # the DE reports every new token (TokensOut)
 
 
 class Work(Msg):
@@ -262,10 +295,12 @@ class FirstToken(Msg):
 
 
 class TokensOut(Msg):
-    """DE -> router: tokens generated so far for a request (streamed)."""
+    """DE -> router: generated tokens of a request from position `start` (its first two for
+    every request; each new one for a streamed request)."""
 
     request: str
     tokens: list[int]
+    start: int = 0
 
 
 class DecodeDone(Msg):
@@ -274,6 +309,7 @@ class DecodeDone(Msg):
     tokens: list[int]
     persisted_blocks: int
     persist_error: str = ""  # see Result.persist_error
+    finish_reason: str = "length"  # see Result.finish_reason
 
 
 class Failed(Msg):
@@ -292,6 +328,12 @@ class Cancel(Msg):
     request: str
 
 
+class Finish(Msg):
+    """Router -> DE: complete `request` now with the tokens it has (see `FinishRound`)."""
+
+    request: str
+
+
 class Stop(Msg):
     pass
 
@@ -301,6 +343,8 @@ Body = (
     | CloseSession
     | Submit
     | CancelRound
+    | FinishRound
+    | Partial
     | Ping
     | Result
     | Ack
@@ -327,6 +371,7 @@ Body = (
     | DecodeDone
     | Failed
     | Cancel
+    | Finish
     | Stop
 )
 

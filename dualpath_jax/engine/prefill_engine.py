@@ -76,6 +76,7 @@ class PrefillEngine:
         self.clock = clock
         self.bt = cfg.store.block_tokens
         self.reqs: dict[str, _Req] = {}
+        self.last_batch = 0  # requests in the latest forward (reported with each Fetch)
         self.reading: list[str] = []
         self.queue = PrefillQueue()
         self.stopped = False
@@ -121,7 +122,11 @@ class PrefillEngine:
         read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
         links = traffic.snapshot() if traffic is not None else {}
         self.rpc.send(
-            M.Fetch(engine=self.engine, load=M.Load(read_q=read_q), links=json.dumps(links))
+            M.Fetch(
+                engine=self.engine,
+                load=M.Load(read_q=read_q, batch=self.last_batch),
+                links=json.dumps(links),
+            )
         )
 
     def handle(self, msg: M.Msg) -> None:
@@ -216,6 +221,7 @@ class PrefillEngine:
         if not chunks:
             return
         reqs = [self.reqs[ch.request_id] for ch in chunks]
+        self.last_batch = len(reqs)
         t0 = self.clock()
         try:
             batch = PrefillBatch.build(

@@ -52,6 +52,7 @@ from dualpath_jax.engine.sessions import RequestState, SessionTable
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.metrics.events import EventLog
+from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.sched.cost import FittedCostModel, engines_beta
 from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
@@ -80,6 +81,7 @@ class Router:
         self.events = events
         self.clock = clock
         self.bt = cfg.store.block_tokens
+        self.block_bytes = BlockLayout.for_model(cfg.model, self.bt).nbytes
         self.engines = EngineRegistry(cfg.cluster, clock)
         self.sessions = SessionTable(
             cfg.model.vocab_size, min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
@@ -109,6 +111,9 @@ class Router:
             "overloaded": 0,
             "persist_errors": 0,
             "refused_frames": 0,
+            "finished_early": 0,
+            "read_blocks_pe": 0,  # hit blocks assigned to be read on each path
+            "read_blocks_de": 0,
         }
         self.stopping = False
         # Live PEs' reported prefill cost models; beta is derived from them (update_beta).
@@ -169,6 +174,8 @@ class Router:
                 self.send(ident, M.Ack(ref=s))
             case M.CancelRound():
                 self.on_cancel(ident, msg)
+            case M.FinishRound():
+                self.on_finish(ident, msg)
             case M.Ping():
                 self.send(ident, M.Ack(ref="ping"))
             case M.CloseSession():
@@ -191,10 +198,8 @@ class Router:
                 self.on_prefill_done(msg)
             case M.ReadsDone():
                 self.on_reads_done(msg)
-            case M.TokensOut(request=r):
-                st = self.sessions.requests.get(r)
-                if st is not None and math.isnan(st.t_second) and len(msg.tokens) >= 2:
-                    st.t_second = self.clock()
+            case M.TokensOut():
+                self.on_tokens(msg)
             case M.DecodeDone():
                 self.on_decode_done(msg)
             case M.Failed():
@@ -273,7 +278,13 @@ class Router:
             "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
         )
 
-    def finish(self, st: RequestState, tokens: list[int], persist_error: str = "") -> None:
+    def finish(
+        self,
+        st: RequestState,
+        tokens: list[int],
+        persist_error: str = "",
+        finish_reason: str = "length",
+    ) -> None:
         now = self.clock()
         self.sessions.complete(st, tokens)
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
@@ -281,7 +292,7 @@ class Router:
         self.store.claim(
             st.session, block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
         )
-        res = st.result(tokens, now, self.bt, persist_error)
+        res = st.result(tokens, now, self.bt, persist_error, finish_reason)
         if persist_error:
             self.counters["persist_errors"] += 1
             log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
@@ -416,6 +427,9 @@ class Router:
             st = self.sessions.requests[a.request.id]
             st.assign(a, self.clock(), self.bt)
             self.counters[f"path_{a.path.value}"] += 1
+            if self.scheduler.policy.reads:
+                self.counters["read_blocks_pe"] += a.pe_read_blocks
+                self.counters["read_blocks_de"] += a.de_read_blocks
             pe, de = self.engines[a.pe], self.engines[a.de]
             n = len(st.keys)
             oracle = not self.scheduler.policy.reads
@@ -438,6 +452,8 @@ class Router:
                 attempt=st.attempts,
                 temperature=st.temperature,
                 seed=st.seed,
+                stop_tokens=st.stop_tokens,
+                stream=st.stream,
             )
             self.event(
                 "assign",
@@ -450,6 +466,8 @@ class Router:
             )
             st.job = job
             self.send(de.ident, M.Work(jobs=[job]))  # the PE's part waits for DeReady
+            if st.finish_requested:
+                self.send(de.ident, M.Finish(request=st.id))
 
     def on_de_ready(self, msg: M.DeReady) -> None:
         """The DE half of a job runs: now the PE may start (it never waits on a DE that is not
@@ -486,13 +504,25 @@ class Router:
                 de.ident,
                 M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks),
             )
+        if st.stream:
+            self.send(st.client, M.Partial(request=st.id, start=0, tokens=[msg.first_token]))
+
+    def on_tokens(self, msg: M.TokensOut) -> None:
+        """A DE's new tokens: the second one times TTST; a streamed round's go to its client."""
+        st = self.sessions.requests.get(msg.request)
+        if st is None:
+            return
+        if math.isnan(st.t_second) and msg.start + len(msg.tokens) >= 2:
+            st.t_second = self.clock()
+        if st.stream:
+            self.send(st.client, M.Partial(request=st.id, start=msg.start, tokens=msg.tokens))
 
     def on_decode_done(self, msg: M.DecodeDone) -> None:
         st = self.sessions.requests.get(msg.request)
         if st is None or st.de != msg.engine:
             return
         self.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
-        self.finish(st, list(msg.tokens), msg.persist_error)
+        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
 
     # ------------------------------------------------------------------ failures
 
@@ -542,6 +572,19 @@ class Router:
         self.event("cancel", request=st.id)
         self.cancel_on_engines(st)
         self.end(st, "cancelled by the client", "cancelled")
+
+    def on_finish(self, ident: bytes, msg: M.FinishRound) -> None:
+        """Completes a round now with the tokens it has; a round not yet at a DE finishes as
+        soon as its first token is there (the request is remembered for every attempt)."""
+        st = self.sessions.requests.get(msg.request)
+        if st is None or st.client != ident or st.finish_requested:
+            return
+        st.finish_requested = True
+        self.counters["finished_early"] += 1
+        self.event("finish_early", request=st.id)
+        de = self.engines.live_one(st.de) if st.de >= 0 else None
+        if de is not None:
+            self.send(de.ident, M.Finish(request=st.id))
 
     def requeue(self, states: list[RequestState]) -> None:
         """Puts requests back at the head of the queue as if never assigned; one that has used up
@@ -597,10 +640,31 @@ class Router:
     # ------------------------------------------------------------------ metrics
 
     def stats(self) -> dict:
+        """Counters, queues and each live engine's load, as JSON-ready data (`GetStats`; the HTTP
+        server exports them to Prometheus, serving/metrics.py)."""
+        live = self.engines.live()
+        loads = {}
+        for e in live:
+            ld = self.engine_load(e)
+            loads[str(e.engine)] = {
+                "role": e.role,
+                "node": e.node,
+                "requests": ld.seq_e,
+                "tokens": ld.tok_e,
+                "batch": e.batch,
+                "free_hbm_tokens": ld.free_hbm_tokens if e.role == "decode" else 0,
+            }
         return {
             "counters": dict(self.counters),
             "queued": self.scheduler.queued(),
             "in_flight": len(self.sessions.requests),
+            "sessions": len(self.sessions.sessions),
+            "block_tokens": self.bt,
+            "block_bytes": self.block_bytes,
+            "read_queue_tokens": {
+                str(n): self.node_read_q(n) for n in sorted({e.node for e in live})
+            },
+            "loads": loads,
             "params_version": self.params.version,
             "alpha": self.scheduler.alpha,
             "beta": self.scheduler.beta,

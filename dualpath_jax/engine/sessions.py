@@ -51,6 +51,9 @@ class RequestState:
     de_reads_done: bool = False
     temperature: float = 0.0
     seed: int = 0
+    stop_tokens: list[int] = dataclasses.field(default_factory=list)
+    stream: bool = False  # its client gets `Partial` tokens as they come
+    finish_requested: bool = False  # FinishRound: each attempt's DE is told to finish now
     job: M.LoadJobMsg | None = (
         None  # the current attempt's job, sent to the PE once the DE is ready
     )
@@ -74,7 +77,12 @@ class RequestState:
         self.job = None
 
     def result(
-        self, tokens: list[int], now: float, block_tokens: int, persist_error: str = ""
+        self,
+        tokens: list[int],
+        now: float,
+        block_tokens: int,
+        persist_error: str = "",
+        finish_reason: str = "length",
     ) -> M.Result:
         """The client's answer: the round's tokens and its timings."""
         g = len(tokens)
@@ -91,6 +99,7 @@ class RequestState:
             prompt_tokens=len(self.prompt),
             read_path=self.path,
             recomputed_blocks=self.recomputed_blocks,
+            finish_reason=finish_reason,
             persist_error=persist_error,
         )
 
@@ -152,14 +161,22 @@ class SessionTable:
         bad = next((t for t in msg.append if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"token id {bad} is out of range [0, {self.vocab_size})"
+        bad = next((t for t in msg.stop_tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return f"stop token {bad} is out of range [0, {self.vocab_size})"
+        have = len(self.sessions[msg.session].context)
+        if not -1 <= msg.keep <= have:
+            return f"keep={msg.keep} is outside the session's context of {have} tokens (-1: all)"
         n = len(self.prompt(msg))
         if n + msg.gen > self.max_len:
             return f"context of {n} + {msg.gen} tokens exceeds the limit of {self.max_len}"
         return ""
 
     def prompt(self, msg: M.Submit) -> list[int]:
-        """The round's prompt: its session's context, then the tokens it appends."""
-        return self.sessions[msg.session].context + list(msg.append)
+        """The round's prompt: its session's context (its first `keep` tokens if `keep >= 0`),
+        then the tokens it appends."""
+        context = self.sessions[msg.session].context
+        return (context if msg.keep < 0 else context[: msg.keep]) + list(msg.append)
 
     def start_round(
         self,
@@ -183,6 +200,8 @@ class SessionTable:
             now,
             temperature=msg.temperature,
             seed=msg.seed,
+            stop_tokens=list(msg.stop_tokens),
+            stream=msg.stream,
         )
         self.requests[msg.request] = st
         return st

@@ -40,6 +40,11 @@ SAMPLES: list[M.Msg] = [
     M.DeReady(request="r1", engine=1, attempt=2),
     M.CloseSession(session="s1", release=True),
     M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4, temperature=0.7, seed=2**32 - 1),
+    M.Submit(
+        request="r2", session="s1", append=[4], gen=8, keep=2, stop_tokens=[0, 7], stream=True
+    ),
+    M.FinishRound(request="r1"),
+    M.Partial(request="r1", start=1, tokens=[6, 7]),
     M.Result(
         request="r1",
         tokens=[5, 6],
@@ -103,12 +108,14 @@ SAMPLES: list[M.Msg] = [
     M.ReadsDone(request="r1", engine=0, attempt=1),
     M.FirstToken(request="r1", token=9, hit_blocks=2),
     M.TokensOut(request="r1", tokens=[9, 10]),
+    M.TokensOut(request="r1", tokens=[11], start=2),
     M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
     M.DecodeDone(
         request="r1", engine=1, tokens=[9], persisted_blocks=0, persist_error="OSError: ENOSPC"
     ),
     M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
     M.Cancel(request="r1"),
+    M.Finish(request="r1"),
     M.Stop(),
 ]
 
@@ -143,6 +150,9 @@ def test_the_wire_format_is_plain_msgpack_data():
             "gen": 3,
             "temperature": 0.0,
             "seed": 0,
+            "keep": -1,
+            "stop_tokens": [],
+            "stream": False,
         },
     }
 

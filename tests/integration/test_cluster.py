@@ -351,6 +351,57 @@ def test_bad_requests_get_clear_errors_while_other_sessions_continue(
     assert after["errors"] - before["errors"] == len(cases)
 
 
+# ----------------------------------------------------------------------------- streaming, stops
+
+STREAM = make_trajectories("stream", n=1, rounds=2, seed=6, gen=(12, 13))[0]
+
+
+def test_streaming_stop_tokens_finish_and_keep(dualpath_cluster, reference_tokens):
+    """Streamed tokens equal the result's; a stop token ends a round right after it; `keep`
+    rewinds a session to an earlier context (the round then equals the reference's); `finish`
+    completes a streamed round early with a prefix of the reference tokens."""
+    client = dualpath_cluster.client()
+    want = reference_tokens(STREAM)
+    (a0, g0), (a1, g1) = STREAM[1]
+    client.open_session("stream")
+    streamed: dict[int, int] = {}
+
+    def on_tokens(start: int, tokens: list[int]) -> None:
+        for i, t in enumerate(tokens):
+            streamed.setdefault(start + i, t)
+
+    res = client.submit("stream", a0, g0, on_tokens=on_tokens).result(RESULT_TIMEOUT_S)
+    assert res.tokens == want[0] and res.finish_reason == "length"
+    assert [streamed[i] for i in sorted(streamed)] == want[0]
+
+    stop = want[1][3]
+    k = want[1].index(stop)
+    res = client.submit("stream", a1, g1, stop_tokens=[stop]).result(RESULT_TIMEOUT_S)
+    assert res.tokens == want[1][: k + 1] and res.finish_reason == "stop"
+
+    # rewind to the context after round 0 and run round 1 again, in full
+    keep = len(a0) + len(want[0])
+    res = client.submit("stream", a1, g1, keep=keep).result(RESULT_TIMEOUT_S)
+    assert res.tokens == want[1] and res.cached_tokens > 0
+    bad = client.submit("stream", a1, g1, keep=10**6)
+    with pytest.raises(RolloutError, match="keep=1000000 is outside") as err:
+        bad.result(RESULT_TIMEOUT_S)
+    assert err.value.kind == "bad_request"
+
+    long = ("finish", [(a0, 200)])
+    full = reference_tokens(long)[0]
+    client.open_session("finish")
+    first = threading.Event()
+    fut = client.submit(
+        "finish", a0, 200, on_tokens=lambda start, toks: start + len(toks) >= 2 and first.set()
+    )
+    assert first.wait(RESULT_TIMEOUT_S)
+    client.finish(fut.request)
+    res = fut.result(RESULT_TIMEOUT_S)
+    assert res.finish_reason == "finished"
+    assert 2 <= len(res.tokens) < 200 and res.tokens == full[: len(res.tokens)]
+
+
 # ----------------------------------------------------------------------------- KV page budget
 
 BUDGET = make_trajectories("budget", n=4, rounds=2, seed=5)

@@ -1,0 +1,91 @@
+"""The OpenAI request bodies the server takes (msgspec structs), and its error responses.
+
+Only what the server implements is accepted: `n=1`, no logprobs, no echo, no tools. Unknown
+fields are ignored, as OpenAI clients send many. Two extensions, as vLLM names them:
+`ignore_eos` (generate exactly `max_tokens` tokens) and `return_token_ids` (each choice carries
+`token_ids`, the generated ids, and the response `prompt_token_ids`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+    `retry_after` (seconds) adds a `Retry-After` header (429 and 503)."""
+
+    TYPES = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+        503: "service_unavailable",
+    }
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.param, self.code, self.retry_after = param, code, retry_after
+
+    def body(self) -> dict[str, Any]:
+        kind = self.TYPES.get(self.status, "server_error")
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str
+    temperature: float | None = None  # OpenAI's default: 1
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    logprobs: Any = None
+    # extensions
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_Common, kw_only=True):
+    # A string, or token ids (a list of ints); OpenAI's batches of prompts are refused.
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    echo: bool = False
+
+
+class ChatRequest(_Common, kw_only=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: Any = None
+
+
+def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
+    """A request body as `kind`; malformed JSON or a field of the wrong type is a 400 naming it."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        param = text.rsplit("$.", 1)[-1].split("[")[0].rstrip("`") if "$." in text else None
+        raise ApiError(400, f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None

@@ -1,0 +1,93 @@
+"""Running the HTTP server: on a LocalCluster it starts, or on a router that runs already.
+
+`serving_config(cfg, checkpoint)` points a config at a Hugging Face checkpoint (its model and
+its weights); `serve(cfg, workdir, ...)` blocks until SIGTERM or SIGINT, then stops the server
+and the cluster it started. Once serving it writes `workdir/api_server.json` (`url`, `pid`,
+`model`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import signal
+
+from dualpath_jax.config import ExperimentConfig
+
+log = logging.getLogger(__name__)
+
+
+def serving_config(cfg: ExperimentConfig, checkpoint: str | None) -> ExperimentConfig:
+    """`cfg` serving `checkpoint` (a Hugging Face directory): its model config and weights."""
+    if not checkpoint:
+        return cfg
+    from dualpath_jax.model.checkpoint import config_from_hf
+
+    path = pathlib.Path(checkpoint).absolute()
+    model = config_from_hf(json.loads((path / "config.json").read_text()))
+    cluster = dataclasses.replace(cfg.cluster, params_path=str(path))
+    return dataclasses.replace(cfg, model=model, cluster=cluster)
+
+
+def serve(
+    cfg: ExperimentConfig,
+    workdir: str | os.PathLike,
+    *,
+    checkpoint: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str = "",
+    model_name: str = "",
+    router: str = "",
+    secrets_file: str = "",
+) -> None:
+    """Serves the OpenAI API for `cfg` until SIGTERM/SIGINT. `router` (with `secrets_file`)
+    attaches to a running router instead of starting a LocalCluster in `workdir`."""
+    from dualpath_jax.engine.client import Client
+    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.engine.credentials import read_credentials
+    from dualpath_jax.serving.server import ApiServer, ServerConfig
+    from dualpath_jax.serving.tokenizer import load_tokenizer
+
+    workdir = pathlib.Path(workdir)
+    tokenizer = load_tokenizer(checkpoint, cfg.model.vocab_size)
+    name = model_name or (pathlib.Path(checkpoint).name if checkpoint else cfg.model.name)
+    server_cfg = ServerConfig(
+        model=name,
+        max_context=min(cfg.model.max_seq_len, cfg.cluster.decode_max_len),
+        vocab_size=cfg.model.vocab_size,
+        api_key=api_key,
+    )
+    if router:
+        creds = read_credentials(secrets_file) if secrets_file else None
+        client = Client(router, creds.client if creds else "")
+        _run(ApiServer(client, tokenizer, server_cfg), host, port, workdir, name)
+        client.close()
+        return
+    with LocalCluster(cfg, workdir) as cluster:
+        client = cluster.client()
+        _run(ApiServer(client, tokenizer, server_cfg), host, port, workdir, name)
+        client.close()
+
+
+def _run(server, host: str, port: int, workdir: pathlib.Path, name: str) -> None:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        bound = await server.start(host, port)
+        shown = f"[{host}]" if ":" in host else host
+        url = f"http://{shown}:{bound}"
+        info = {"url": url, "pid": os.getpid(), "model": name}
+        (workdir / "api_server.json").write_text(json.dumps(info))
+        log.info("serving %s on %s", name, url)
+        print(f"serving {name} on {url}", flush=True)
+        await stop.wait()
+        await server.stop()
+
+    asyncio.run(main())

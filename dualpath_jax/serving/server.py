@@ -1,0 +1,610 @@
+"""The OpenAI-compatible HTTP server over a router (`launch/api_server.py` starts it).
+
+    server = ApiServer(client, tokenizer, ServerConfig(model="tiny-qwen2", max_context=2048))
+    port = await server.start("127.0.0.1", 8000)
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`), `GET
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests run as rounds of router
+sessions:
+
+- A request with a session id (the `X-Session-Id` header, else the body's `user`) runs in that
+  agent's session: the server keeps the session's context (prompt and generated ids), sends the
+  router only what the new prompt adds, and rewinds (`Submit.keep`) to the longest common prefix
+  when the client rewrote history. The earlier turns' KV is found in the store by block key and
+  read over the path the scheduler picks. One round per session runs at a time; others wait.
+- A request without one runs in a fresh session that is closed afterwards; the store's
+  hash-chain lookup still finds blocks of any prompt prefix stored before.
+
+`usage.prompt_tokens_details.cached_tokens` is the prompt tokens whose KV was loaded from the
+store rather than recomputed; the `X-DualPath-Read-Path` header (and the `dualpath` field of a
+response or of a stream's last chunks) says which read path served it, with the router's timings.
+A client that disconnects cancels its round, which frees its engines' slots.
+
+aiohttp serves (one well-kept dependency for the server and the benchmark client, with
+server-sent events and handler cancellation on disconnect); docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent import futures
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine.client import Client, RolloutError
+from dualpath_jax.serving.metrics import ServerMetrics
+from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from dualpath_jax.serving.text import TextStream
+from dualpath_jax.serving.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+SESSION_HEADER = "X-Session-Id"
+READ_PATH_HEADER = "X-DualPath-Read-Path"
+MAX_SESSION_ID = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """`model`: the name `/v1/models` lists and requests must name. `max_context`: prompt plus
+    generated tokens of a round (the router's limit). `vocab_size`: token-id prompts must lie
+    below it. `api_key`: required as `Authorization: Bearer KEY` on /v1 ("" : none).
+    `session_idle_s`: an agent session unused this long is closed (its blocks stay stored).
+    `round_timeout_s`: a round that takes longer fails with 503. `retry_after_s`: the
+    `Retry-After` of 429 and 503 answers."""
+
+    model: str
+    max_context: int
+    vocab_size: int
+    api_key: str = ""
+    default_max_tokens: int = 256
+    session_idle_s: float = 1800.0
+    round_timeout_s: float = 600.0
+    retry_after_s: float = 1.0
+
+
+@dataclasses.dataclass
+class _Params:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stops: list[str]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    token_ids: bool
+
+
+@dataclasses.dataclass
+class _AgentSession:
+    """The server's copy of one router session: its context as the router has it."""
+
+    router_id: str
+    context: list[int] = dataclasses.field(default_factory=list)
+    opened: bool = False
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    last_used: float = 0.0
+
+
+def _bearer(request: web.Request) -> str:
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class _Round:
+    """One submitted round: its streamed token deltas (`deltas()`), then its `Result`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+        self.fut: futures.Future | None = None
+        self.have = 0  # generated tokens passed on so far
+
+    def on_tokens(self, start: int, tokens: list[int]) -> None:  # the client's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens))
+
+    def _new(self, start: int, tokens: list[int]) -> list[int]:
+        """The tokens past what was passed on (a retried round streams positions again)."""
+        if start + len(tokens) <= self.have or start > self.have:
+            return []
+        out = tokens[self.have - start :]
+        self.have += len(out)
+        return out
+
+    async def deltas(self, timeout_s: float) -> AsyncIterator[list[int]]:
+        """New generated tokens as they come, until the round is over; raises TimeoutError if
+        it is not over within `timeout_s`."""
+        assert self.fut is not None
+        done = asyncio.wrap_future(self.fut)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            get = asyncio.ensure_future(self.queue.get())
+            left = deadline - time.monotonic()
+            await asyncio.wait({get, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                if not done.done():
+                    raise TimeoutError
+                break
+            new = self._new(*get.result())
+            if new:
+                yield new
+        while not self.queue.empty():
+            new = self._new(*self.queue.get_nowait())
+            if new:
+                yield new
+        if not done.exception():
+            rest = self._new(0, list(done.result().tokens))
+            if rest:
+                yield rest
+
+    async def result(self) -> M.Result:
+        assert self.fut is not None
+        return await asyncio.wrap_future(self.fut)
+
+
+class ApiServer:
+    """The HTTP front of a router; `client` is its `Client` (the client secret)."""
+
+    def __init__(
+        self,
+        client: Client,
+        tokenizer: Tokenizer,
+        cfg: ServerConfig,
+        *,
+        registry: CollectorRegistry | None = None,
+        ready: Any = None,
+    ):
+        self.client, self.tok, self.cfg = client, tokenizer, cfg
+        self.registry = registry or CollectorRegistry()
+        self.metrics = ServerMetrics(self.registry, stats=lambda: client.stats(timeout_s=5.0))
+        self.sessions: dict[str, _AgentSession] = {}
+        self.ready = ready or (lambda: True)
+        self.runner: web.AppRunner | None = None
+        self._reaper: asyncio.Task | None = None
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.scrape)
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Starts serving; returns the bound port."""
+        # handler_cancellation: a client that disconnects cancels its handler (and its round).
+        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, host, port)
+        await site.start()
+        self._reaper = asyncio.ensure_future(self._reap_idle())
+        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+    async def _reap_idle(self) -> None:
+        """Closes agent sessions idle for `session_idle_s` (their stored blocks stay)."""
+        while True:
+            await asyncio.sleep(max(1.0, self.cfg.session_idle_s / 10))
+            now = time.monotonic()
+            for sid, s in list(self.sessions.items()):
+                if now - s.last_used > self.cfg.session_idle_s and not s.lock.locked():
+                    del self.sessions[sid]
+                    if s.opened:
+                        await self._call(self.client.close_session, s.router_id)
+
+    @staticmethod
+    async def _call(fn, *args, **kw):
+        return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
+
+    # ------------------------------------------------------------------ plumbing
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        endpoint = request.path
+        t0 = time.monotonic()
+        self.metrics.running.inc()
+        try:
+            if endpoint.startswith("/v1/") and self.cfg.api_key:
+                if not hmac.compare_digest(_bearer(request).encode(), self.cfg.api_key.encode()):
+                    raise ApiError(401, "invalid API key", code="invalid_api_key")
+            resp = await handler(request)
+        except ApiError as e:
+            resp = self._error(e)
+        except web.HTTPException as e:  # aiohttp's own (404 route, 405 method)
+            resp = self._error(ApiError(e.status, e.reason or str(e)))
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(endpoint, "disconnected").inc()
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug answers 500, the server keeps serving
+            log.exception("%s failed", endpoint)
+            resp = self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+        finally:
+            self.metrics.running.dec()
+        self.metrics.requests.labels(endpoint, str(resp.status)).inc()
+        if endpoint.startswith("/v1/"):
+            self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
+        return resp
+
+    def _error(self, e: ApiError) -> web.Response:
+        headers = {}
+        if e.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(e.retry_after)))
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    def _rollout_error(self, e: RolloutError) -> ApiError:
+        retry = self.cfg.retry_after_s
+        match e.kind:
+            case "bad_request":
+                return ApiError(400, str(e))
+            case "overloaded":
+                return ApiError(429, str(e), code="overloaded", retry_after=retry)
+            case "connection" | "engine" | "busy" | "stop":
+                return ApiError(503, str(e), code=e.kind, retry_after=retry)
+            case _:
+                return ApiError(500, f"{e.kind}: {e}", code=e.kind)
+
+    # ------------------------------------------------------------------ small endpoints
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.ready():
+            return web.json_response({"status": "starting"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.cfg.model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dualpath_jax",
+            "max_model_len": self.cfg.max_context,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def scrape(self, request: web.Request) -> web.Response:
+        body = await self._call(generate_latest, self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------------ generation endpoints
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(await request.read(), CompletionRequest)
+        self._check_common(req)
+        if req.echo:
+            raise ApiError(400, "echo is not supported", param="echo")
+        prompt = self._completion_prompt(req.prompt)
+        params = self._params(req, req.max_tokens, len(prompt))
+        return await self._respond(request, req, prompt, params, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse(await request.read(), ChatRequest)
+        self._check_common(req)
+        if req.tools:
+            raise ApiError(400, "tools are not supported", param="tools")
+        if not req.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        try:
+            prompt = self.tok.chat(req.messages)
+        except TokenizerError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        limit = req.max_completion_tokens
+        limit = req.max_tokens if limit is None else limit
+        params = self._params(req, limit, len(prompt))
+        return await self._respond(request, req, prompt, params, chat=True)
+
+    def _check_common(self, req: Any) -> None:
+        if req.model != self.cfg.model:
+            raise ApiError(
+                400,
+                f"the model {req.model!r} is not served here (this server serves"
+                f" {self.cfg.model!r})",
+                param="model",
+                code="model_not_found",
+            )
+        if req.n != 1:
+            raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n")
+        if req.logprobs not in (None, False):
+            raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+    def _completion_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tok.encode(prompt)
+        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
+            if bad is not None:
+                raise ApiError(
+                    400,
+                    f"token id {bad} is out of range [0, {self.cfg.vocab_size})",
+                    param="prompt",
+                )
+        elif prompt and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            return self._completion_prompt(prompt[0])  # a batch of one prompt
+        else:
+            raise ApiError(
+                400, "prompt must be a string or a non-empty list of token ids", param="prompt"
+            )
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return ids
+
+    def _params(self, req: Any, max_tokens: int | None, prompt_len: int) -> _Params:
+        room = self.cfg.max_context - prompt_len
+        if room < 1:
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_len} tokens; this model's context is"
+                f" {self.cfg.max_context} tokens",
+                param="prompt" if isinstance(req, CompletionRequest) else "messages",
+                code="context_length_exceeded",
+            )
+        n = self.cfg.default_max_tokens if max_tokens is None else max_tokens
+        n = min(n, room) if max_tokens is None else n
+        if n < 1:
+            raise ApiError(400, f"max_tokens must be >= 1, got {n}", param="max_tokens")
+        if prompt_len + n > self.cfg.max_context:
+            raise ApiError(
+                400,
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({n}) exceeds this model's"
+                f" context of {self.cfg.max_context} tokens",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        t = 1.0 if req.temperature is None else req.temperature
+        if not 0 <= t <= 2:
+            raise ApiError(400, f"temperature must lie in [0, 2], got {t}", param="temperature")
+        p = 1.0 if req.top_p is None else req.top_p
+        if not 0 < p <= 1:
+            raise ApiError(400, f"top_p must lie in (0, 1], got {p}", param="top_p")
+        seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+        if not 0 <= seed < 2**32:
+            raise ApiError(400, f"seed must lie in [0, 2**32), got {seed}", param="seed")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > 4:
+            raise ApiError(400, "at most 4 stop sequences", param="stop")
+        return _Params(
+            max_tokens=n,
+            temperature=float(t),
+            top_p=float(p),
+            seed=seed,
+            stops=stops,
+            ignore_eos=req.ignore_eos,
+            stream=req.stream,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            token_ids=req.return_token_ids,
+        )
+
+    def _session_id(self, request: web.Request, req: Any) -> str | None:
+        sid = request.headers.get(SESSION_HEADER) or req.user
+        if sid is None or sid == "":
+            return None
+        if len(sid) > MAX_SESSION_ID or not sid.isprintable():
+            raise ApiError(
+                400, f"a session id is at most {MAX_SESSION_ID} printable characters", param="user"
+            )
+        return sid
+
+    # ------------------------------------------------------------------ rounds
+
+    async def _submit(
+        self, rnd: _Round, sid: str | None, prompt: list[int], p: _Params, live: bool
+    ) -> tuple[_AgentSession | None, str]:
+        """Opens (or continues) the round's router session and submits; returns the agent
+        session (None: a one-off session, closed after the round) and the router session id."""
+        if sid is None:
+            rid = f"http-{uuid.uuid4().hex}"
+            await self._call(self.client.open_session, rid)
+            agent, keep, append = None, -1, prompt
+        else:
+            agent = self.sessions[sid]
+            rid = agent.router_id
+            if not agent.opened:
+                await self._call(self.client.open_session, rid, resume=True)
+                agent.opened, agent.context = True, []
+            # Always an explicit keep: a copy that is out of step with the router (e.g. a
+            # restarted server attached to a running router) then fails loudly, never appends.
+            keep = min(_common_prefix(agent.context, prompt), len(prompt) - 1)
+            append = prompt[keep:]
+        rnd.fut = self.client.submit(
+            rid,
+            append,
+            p.max_tokens,
+            temperature=p.temperature,
+            seed=p.seed,
+            keep=keep,
+            stop_tokens=[] if p.ignore_eos else self.tok.eos_ids,
+            on_tokens=rnd.on_tokens if live else None,
+        )
+        return agent, rid
+
+    async def _respond(
+        self, request: web.Request, req: Any, prompt: list[int], p: _Params, chat: bool
+    ) -> web.StreamResponse:
+        sid = self._session_id(request, req)
+        if sid is not None:
+            if sid not in self.sessions:
+                self.sessions[sid] = _AgentSession(f"http:{sid}")
+            agent = self.sessions[sid]
+            agent.last_used = time.monotonic()
+            async with agent.lock:
+                try:
+                    return await self._round(request, sid, prompt, p, chat)
+                finally:
+                    agent.last_used = time.monotonic()
+        return await self._round(request, None, prompt, p, chat)
+
+    async def _round(
+        self, request: web.Request, sid: str | None, prompt: list[int], p: _Params, chat: bool
+    ) -> web.StreamResponse:
+        rnd = _Round(asyncio.get_running_loop())
+        live = p.stream or bool(p.stops)
+        try:
+            agent, rid = await self._submit(rnd, sid, prompt, p, live)
+        except RolloutError as e:
+            raise self._rollout_error(e) from None
+        text = TextStream(self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids)
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        resp: web.StreamResponse | None = None
+        try:
+            if p.stream:
+                resp = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
+                await resp.prepare(request)
+                if chat:
+                    first = self._chunk(ident, chat, {"role": "assistant", "content": ""})
+                    await self._event(resp, first)
+            finishing = False
+            async for new in rnd.deltas(self.cfg.round_timeout_s):
+                delta = text.add(new)
+                if text.stopped and not finishing and rnd.fut is not None:
+                    finishing = True  # the round completes now and keeps its KV
+                    self.client.finish(rnd.fut.request)
+                if resp is not None and (delta or p.token_ids):
+                    chunk = self._chunk(ident, chat, delta, new if p.token_ids else None)
+                    await self._event(resp, chunk)
+            try:
+                res = await rnd.result()
+            except RolloutError as e:
+                raise self._rollout_error(e) from None
+            if agent is not None:
+                agent.context = prompt + list(res.tokens)
+            self.metrics.observe(res)
+            rest = text.close()
+            finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
+            usage = self._usage(res)
+            extra = self._extension(res, sid)
+            if resp is not None:
+                last = self._chunk(ident, chat, rest, None, finish)
+                last["dualpath"] = extra
+                await self._event(resp, last)
+                if p.include_usage:
+                    tail = {**self._chunk(ident, chat, None), "choices": []}
+                    await self._event(resp, {**tail, "usage": usage, "dualpath": extra})
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text.text}
+            else:
+                choice["text"] = text.text
+            if p.token_ids:
+                choice["token_ids"] = list(res.tokens)
+            body = {
+                "id": ident,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.cfg.model,
+                "choices": [choice],
+                "usage": usage,
+                "dualpath": extra,
+            }
+            if p.token_ids:
+                body["prompt_token_ids"] = prompt
+            return web.json_response(
+                body,
+                headers={READ_PATH_HEADER: res.read_path or "none"},
+            )
+        except TimeoutError:
+            self.client.cancel(rnd.fut.request)
+            e = ApiError(503, "the round timed out", retry_after=self.cfg.retry_after_s)
+            if resp is None:
+                raise e from None
+            await self._event(resp, e.body())
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            if rnd.fut is not None and not rnd.fut.done():
+                self.client.cancel(rnd.fut.request)  # frees its slot; the session stays as it was
+            raise
+        except ApiError as e:
+            if resp is None:
+                raise
+            await self._event(resp, e.body())  # the stream has begun: the error is its last event
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        finally:
+            if sid is None:
+                try:
+                    await self._call(self.client.close_session, rid)
+                except RolloutError as e:
+                    log.warning("closing session %s failed: %s", rid, e)
+
+    def _chunk(
+        self,
+        ident: str,
+        chat: bool,
+        delta: Any,
+        token_ids: list[int] | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        if chat:
+            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+            choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        return {
+            "id": ident,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.cfg.model,
+            "choices": [choice],
+        }
+
+    @staticmethod
+    async def _event(resp: web.StreamResponse, data: dict) -> None:
+        await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+    @staticmethod
+    def _usage(res: M.Result) -> dict[str, Any]:
+        n = len(res.tokens)
+        return {
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": res.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+        }
+
+    @staticmethod
+    def _extension(res: M.Result, sid: str | None) -> dict[str, Any]:
+        return {
+            "read_path": res.read_path or "none",
+            "session": sid,
+            "ttft_s": res.ttft_s,
+            "tpot_s": res.tpot_s,
+            "jct_s": res.jct_s,
+            "queue_s": res.queue_s,
+            "recomputed_blocks": res.recomputed_blocks,
+        }

@@ -1,0 +1,75 @@
+"""Incremental detokenization with stop strings, shared by the completion and chat endpoints."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dualpath_jax.serving.tokenizer import Tokenizer
+
+
+class TextStream:
+    """Turns a round's generated ids into text as they arrive.
+
+    `add(ids)` returns the text that is now final: it holds back an incomplete UTF-8 sequence
+    (a trailing U+FFFD) and a tail that could still become a stop string. When a stop string
+    appears, the text ends before it and `stopped` is set; later ids are ignored. `close()`
+    returns what was held back (none of it once stopped). End-of-turn ids (`eos_ids`) never show
+    as text.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, stops: Sequence[str] = (), eos_ids: Sequence[int] = ()
+    ):
+        self.tok = tokenizer
+        self.stops = [s for s in stops if s]
+        self.eos = set(eos_ids)
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already returned
+        self.text = ""  # the text so far (cut at a stop string once one matched)
+        self.stopped = False
+
+    def add(self, ids: Sequence[int]) -> str:
+        if self.stopped:
+            return ""
+        self.ids += [i for i in ids if i not in self.eos]
+        text = self.tok.decode(self.ids)
+        cut = self._first_stop(text)
+        if cut >= 0:
+            self.stopped = True
+            self.text = text[:cut]
+            return self._release(cut)
+        self.text = text
+        safe = len(text.rstrip("\ufffd"))
+        safe -= self._stop_prefix(text[:safe])
+        return self._release(safe)
+
+    def close(self) -> str:
+        """The rest of the text (held-back characters) once no more ids come."""
+        return "" if self.stopped else self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent : upto]
+        self.sent = upto
+        return out
+
+    def _first_stop(self, text: str) -> int:
+        """Where the earliest stop string starts in `text` (-1: none). Only the part after what
+        was released can hold a new match."""
+        found = -1
+        for s in self.stops:
+            i = text.find(s, max(0, self.sent - len(s) + 1))
+            if i >= 0 and (found < 0 or i < found):
+                found = i
+        return found
+
+    def _stop_prefix(self, text: str) -> int:
+        """The length of the longest tail of `text` that begins some stop string."""
+        best = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:k]):
+                    best = k
+                    break
+        return best

@@ -1,0 +1,53 @@
+"""An OpenAI-compatible HTTP server over a local disaggregated cluster (or a running router).
+
+Example:
+  python launch/api_server.py --config=configs/cpu_1p2d.py --workdir=/tmp/dp_api --port=8000
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "tiny-qwen2", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
+`--checkpoint=DIR` serves a Hugging Face checkpoint with its tokenizer; without it the config's
+model serves (the tiny presets read text as bytes). Stops on SIGTERM or Ctrl-C, and stops the
+cluster it started. docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import _flags  # this directory's shared flags
+from absl import app, flags
+
+from dualpath_jax.engine.rpc import is_loopback
+from dualpath_jax.serving.run import serve, serving_config
+
+_CHECKPOINT = flags.DEFINE_string(
+    "checkpoint", None, "A Hugging Face checkpoint directory to serve (model, weights, tokenizer)."
+)
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on (loopback by default).")
+_PORT = flags.DEFINE_integer("port", 8000, "Port (0: any free port; see api_server.json).")
+_API_KEY = flags.DEFINE_string("api_key", "", "Require `Authorization: Bearer KEY` on /v1.")
+_NAME = flags.DEFINE_string("served_model_name", "", "The model name (default: config's).")
+_ROUTER = flags.DEFINE_string(
+    "router", "", "Attach to a running router at this address instead of starting a cluster."
+)
+_SECRETS = flags.DEFINE_string("secrets_file", "", "The cluster's secrets (with --router).")
+
+
+def main(argv):
+    del argv
+    if not is_loopback(_HOST.value) and not _API_KEY.value:
+        raise app.UsageError(f"serving on {_HOST.value!r} (not loopback) needs --api_key")
+    cfg = serving_config(_flags.build_config("offline"), _CHECKPOINT.value)
+    wd = _flags.prepare_workdir(cfg)
+    serve(
+        cfg,
+        wd,
+        checkpoint=_CHECKPOINT.value,
+        host=_HOST.value,
+        port=_PORT.value,
+        api_key=_API_KEY.value,
+        model_name=_NAME.value,
+        router=_ROUTER.value,
+        secrets_file=_SECRETS.value,
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
