@@ -53,7 +53,7 @@ import sys
 import time
 import urllib.parse
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -642,6 +642,35 @@ async def measure(
     return result
 
 
+def running_server(url: str, fallback_model: str) -> tuple[str, str]:
+    """`(url, model)` of a server started elsewhere (its first `/v1/models` entry)."""
+    url = url.rstrip("/")
+    try:
+        return url, asyncio.run(models(url, _API_KEY.value))[0]
+    except Exception as e:  # noqa: BLE001 - /v1/models is optional here
+        print(f"GET /v1/models failed ({e!r}); model {fallback_model!r}", flush=True)
+        return url, fallback_model
+
+
+@contextlib.contextmanager
+def started_server(label: str, wd: pathlib.Path, deadline: float) -> Iterator[tuple[str, str]]:
+    """`(url, model)` of a `launch/api_server.py --policy=label` run in `wd`, stopped on exit."""
+    server = ApiServer(server_command(label, wd), wd)
+    try:
+        t = time.monotonic()
+        info = asyncio.run(server.wait_ready(deadline - time.monotonic()))
+        print(f"{label}: server ready in {time.monotonic() - t:.1f} s", flush=True)
+        if info.get("pid") != server.proc.pid:
+            print(f"{label}: api_server.json names pid {info.get('pid')}, not {server.proc.pid}")
+        yield info["url"], info["model"]
+    except BaseException:
+        print(f"{label}: server log tail:\n{server.log_tail()}", flush=True)
+        raise
+    finally:
+        rc = server.stop()
+        print(f"{label}: server stopped (exit status {rc})", flush=True)
+
+
 def main(argv: Sequence[str]) -> None:
     del argv
     deadline = time.monotonic() + _TIMEOUT.value
@@ -676,57 +705,21 @@ def main(argv: Sequence[str]) -> None:
             print(f"{label}: skipped, --timeout_s={_TIMEOUT.value:g} has passed", flush=True)
             continue
         wd = root / label
-        if not _URL.value:
+        if _URL.value:
+            target: Any = contextlib.nullcontext(running_server(_URL.value, cfg.model.name))
+            prefix = f"{uuid.uuid4().hex[:8]}-"
+        else:
             # A fresh store: a server restarted in a workdir finds the blocks the last run stored
             # (first rounds would hit the cache).
             shutil.rmtree(wd, ignore_errors=True)
+            target, prefix = started_server(label, wd, deadline), ""
         wd.mkdir(parents=True, exist_ok=True)
-        if _URL.value:
-            url = _URL.value.rstrip("/")
-            try:
-                model = asyncio.run(models(url, _API_KEY.value))[0]
-            except Exception as e:  # noqa: BLE001 - /v1/models is optional here
-                print(f"GET /v1/models failed ({e!r}); model {cfg.model.name!r}", flush=True)
-                model = cfg.model.name
+        with target as (url, model):
             result = asyncio.run(
                 measure(
-                    label,
-                    url,
-                    model,
-                    trajs,
-                    arrivals,
-                    wd,
-                    cfg.model.vocab_size,
-                    deadline,
-                    session_prefix=f"{uuid.uuid4().hex[:8]}-",
+                    label, url, model, trajs, arrivals, wd, cfg.model.vocab_size, deadline, prefix
                 )
             )
-        else:
-            server = ApiServer(server_command(label, wd), wd)
-            try:
-                t = time.monotonic()
-                info = asyncio.run(server.wait_ready(deadline - time.monotonic()))
-                print(f"{label}: server ready in {time.monotonic() - t:.1f} s", flush=True)
-                if info.get("pid") != server.proc.pid:
-                    print(f"{label}: api_server.json pid {info.get('pid')} != {server.proc.pid}")
-                result = asyncio.run(
-                    measure(
-                        label,
-                        info["url"],
-                        info["model"],
-                        trajs,
-                        arrivals,
-                        wd,
-                        cfg.model.vocab_size,
-                        deadline,
-                    )
-                )
-            except Exception:
-                print(f"{label}: server log tail:\n{server.log_tail()}", flush=True)
-                raise
-            finally:
-                rc = server.stop()
-                print(f"{label}: server stopped (exit status {rc})", flush=True)
         summaries[label] = summarize(result, cfg.workload.ttft_slo_s, cfg.workload.tpot_slo_s)
         outputs[label] = result.outputs
     report: dict[str, Any] = {
