@@ -28,6 +28,15 @@ _ROUTER = flags.DEFINE_string(
     "router", "", "Attach to a running router at this address instead of starting a cluster."
 )
 _SECRETS = flags.DEFINE_string("secrets_file", "", "The cluster's secrets (with --router).")
+_MAX_TOKENS = flags.DEFINE_integer(
+    "default_max_tokens", 256, "Chat requests without max_tokens generate at most this many."
+)
+_ROUND_TIMEOUT = flags.DEFINE_float(
+    "round_timeout_s", 600.0, "A round taking longer fails with 503 (and is cancelled)."
+)
+_SESSION_IDLE = flags.DEFINE_float(
+    "session_idle_s", 1800.0, "Agent sessions unused this long are closed (blocks stay stored)."
+)
 
 
 def main(argv):
@@ -46,6 +55,9 @@ def main(argv):
         model_name=_NAME.value,
         router=_ROUTER.value,
         secrets_file=_SECRETS.value,
+        default_max_tokens=_MAX_TOKENS.value,
+        round_timeout_s=_ROUND_TIMEOUT.value,
+        session_idle_s=_SESSION_IDLE.value,
     )
 
 

@@ -50,9 +50,11 @@ def serve(
     model_name: str = "",
     router: str = "",
     secrets_file: str = "",
+    **server: float | int,
 ) -> None:
     """Serves the OpenAI API for `cfg` until SIGTERM/SIGINT. `router` (with `secrets_file`)
-    attaches to a running router instead of starting a LocalCluster in `workdir`."""
+    attaches to a running router instead of starting a LocalCluster in `workdir`. `server`:
+    more `ServerConfig` fields (`round_timeout_s`, `session_idle_s`, `default_max_tokens`)."""
     from dualpath_jax.engine.client import Client
     from dualpath_jax.engine.cluster import LocalCluster
     from dualpath_jax.engine.credentials import read_credentials
@@ -67,6 +69,7 @@ def serve(
         max_context=min(cfg.model.max_seq_len, cfg.cluster.decode_max_len),
         vocab_size=cfg.model.vocab_size,
         api_key=api_key,
+        **server,
     )
     if router:
         creds = read_credentials(secrets_file) if secrets_file else None

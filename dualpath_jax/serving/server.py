@@ -234,7 +234,9 @@ class ApiServer:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         endpoint = request.path
         t0 = time.monotonic()
-        self.metrics.running.inc()
+        api = endpoint.startswith("/v1/")
+        if api:  # a scrape or a health check is not a request being served
+            self.metrics.running.inc()
         try:
             if endpoint.startswith("/v1/") and self.cfg.api_key:
                 if not hmac.compare_digest(_bearer(request).encode(), self.cfg.api_key.encode()):
@@ -251,7 +253,8 @@ class ApiServer:
             log.exception("%s failed", endpoint)
             resp = self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
         finally:
-            self.metrics.running.dec()
+            if api:
+                self.metrics.running.dec()
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         if endpoint.startswith("/v1/"):
             self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
