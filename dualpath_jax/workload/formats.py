@@ -40,7 +40,7 @@ import os
 from collections.abc import Iterable, Sequence
 
 from dualpath_jax.config import WorkloadConfig
-from dualpath_jax.workload.trace import Round, TraceError, Trajectory, load_trace
+from dualpath_jax.workload.trace import Round, TraceError, Trajectory, json_object, load_trace
 
 FORMATS = ("jsonl", "mooncake", "conversation")
 ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bing", "bard", "model"})
@@ -93,12 +93,7 @@ def parse_mooncake_request(
     line. Keys other than the four of the format are ignored."""
     if trace_block_tokens < 1 or length_scale <= 0:
         raise ValueError("trace_block_tokens must be >= 1 and length_scale > 0")
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise TraceError(f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(f"line {lineno}: expected an object, got {type(obj).__name__}")
+    obj = json_object(line, lineno)
     missing = [k for k in _MOONCAKE_KEYS if k not in obj]
     if missing:
         keys = list(_MOONCAKE_KEYS)

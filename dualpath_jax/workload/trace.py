@@ -93,17 +93,23 @@ def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
     return value
 
 
-def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = None) -> Trajectory:
-    """One JSONL line -> `Trajectory`, or `TraceError` naming the line and the problem.
-
-    `vocab_size`: when given, explicit token ids must lie in `[0, vocab_size)`.
-    """
+def json_object(line: str, lineno: int) -> dict:
+    """One JSONL line as a JSON object, or `TraceError` naming the line."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         raise TraceError(f"line {lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(obj, dict):
         raise TraceError(f"line {lineno}: expected an object, got {type(obj).__name__}")
+    return obj
+
+
+def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = None) -> Trajectory:
+    """One JSONL line -> `Trajectory`, or `TraceError` naming the line and the problem.
+
+    `vocab_size`: when given, explicit token ids must lie in `[0, vocab_size)`.
+    """
+    obj = json_object(line, lineno)
     unknown = sorted(set(obj) - {"id", "rounds"})
     if unknown:
         raise TraceError(f"line {lineno}: unknown key(s) {unknown}; expected 'id' and 'rounds'")

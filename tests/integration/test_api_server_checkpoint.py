@@ -23,24 +23,13 @@ pytest.importorskip("aiohttp")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "model"))
-from hf_reference import NO_SPECIAL_TOKENS, write_hf  # noqa: E402
+from hf_reference import write_hf  # noqa: E402
+from test_hf import QWEN2 as HF_QWEN2  # noqa: E402
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.hf]
 
 VOCAB = 257
-QWEN2 = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-    tie_word_embeddings=False,
-    **NO_SPECIAL_TOKENS,
-)
+QWEN2 = {**HF_QWEN2, "num_hidden_layers": 2}
 TEMPLATE = (
     "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
