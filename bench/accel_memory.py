@@ -195,7 +195,8 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
         sds((s,), jnp.int32),
         sds((s,), jnp.bool_),
         sds((s,), jnp.uint32),
-        sds((s,), jnp.float32),
+        sds((s,), jnp.float32),  # temperatures
+        sds((s,), jnp.float32),  # top-p
     )
     return {
         "prefill_7b": prefill([shapes.prefill]),

@@ -68,25 +68,48 @@ DEFAULT_APS = 1.0  # saturates both policies on the CPU configs (module docstrin
 RETRY_STATUSES = (429, 503)
 STOP_GRACE_S = 30.0
 
-_CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file.")
-_SET = flags.DEFINE_multi_string(
-    "set", [], "Override `section.key=value` (repeatable; passed to the server too)."
-)
-_POLICIES = flags.DEFINE_list("policies", ["basic", "dualpath"], "Policies, one server each.")
-_APS = flags.DEFINE_float(
-    "aps", None, f"Agent arrivals per second (default: workload.aps, or {DEFAULT_APS} if 0)."
-)
-_AGENTS = flags.DEFINE_integer("agents", None, "Agents (overrides workload.agents).")
-_DURATION = flags.DEFINE_float(
-    "duration_s", None, "Arrivals stop after this many seconds (overrides workload.duration_s)."
-)
-_WORKDIR = flags.DEFINE_string("workdir", "bench_out/serve_multiturn", "Output directory.")
-_URL = flags.DEFINE_string("url", None, "Use this running server (loopback) instead of starting.")
-_API_KEY = flags.DEFINE_string("api_key", None, "Bearer key (also given to started servers).")
-_TIMEOUT = flags.DEFINE_float("timeout_s", 1200.0, "Bound on the whole run (s), servers included.")
-_WARMUP = flags.DEFINE_integer("warmup", 2, "Unmeasured two-round warmup sessions per server.")
-_RETRIES = flags.DEFINE_integer("max_retries", 3, "Retries of a round refused with 429/503.")
-_PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
+def _define_flags() -> None:
+    """The command line's flags, defined when the script runs (not when a test imports it: other
+    bench scripts define some of the same names)."""
+    global \
+        _CONFIG, \
+        _SET, \
+        _POLICIES, \
+        _APS, \
+        _AGENTS, \
+        _DURATION, \
+        _WORKDIR, \
+        _URL, \
+        _API_KEY, \
+        _TIMEOUT, \
+        _WARMUP, \
+        _RETRIES, \
+        _PROGRESS
+    _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p2d.py", "Experiment file.")
+    _SET = flags.DEFINE_multi_string(
+        "set", [], "Override `section.key=value` (repeatable; passed to the server too)."
+    )
+    _POLICIES = flags.DEFINE_list("policies", ["basic", "dualpath"], "Policies, one server each.")
+    _APS = flags.DEFINE_float(
+        "aps", None, f"Agent arrivals per second (default: workload.aps, or {DEFAULT_APS} if 0)."
+    )
+    _AGENTS = flags.DEFINE_integer("agents", None, "Agents (overrides workload.agents).")
+    _DURATION = flags.DEFINE_float(
+        "duration_s", None, "Arrivals stop after this many seconds (overrides workload.duration_s)."
+    )
+    _WORKDIR = flags.DEFINE_string("workdir", "bench_out/serve_multiturn", "Output directory.")
+    _URL = flags.DEFINE_string(
+        "url", None, "Use this running server (loopback) instead of starting."
+    )
+    _API_KEY = flags.DEFINE_string("api_key", None, "Bearer key (also given to started servers).")
+    _TIMEOUT = flags.DEFINE_float(
+        "timeout_s", 1200.0, "Bound on the whole run (s), servers included."
+    )
+    _WARMUP = flags.DEFINE_integer("warmup", 2, "Unmeasured two-round warmup sessions per server.")
+    _RETRIES = flags.DEFINE_integer("max_retries", 3, "Retries of a round refused with 429/503.")
+    _PROGRESS = flags.DEFINE_bool("progress", True, "Show a progress bar.")
+
 
 Trajectory = tuple[str, list[tuple[list[int], int]]]
 
@@ -745,4 +768,5 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)

@@ -88,9 +88,11 @@ class GlobalScheduler:
         alpha: float,
         beta: float,
         block_tokens: int = 64,
+        pe_read_rate: float = 1.0,
+        de_read_rate: float = 1.0,
+        de_max_seqs: int = 0,
         read_tokens_per_s: float = 0.0,
         prefill_s: Callable[[int, int], float] | None = None,
-        **kw,
     ) -> GlobalScheduler:
         """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`);
         `read_tokens_per_s` (a node's storage NIC in hit tokens per second) and `prefill_s`
@@ -103,8 +105,10 @@ class GlobalScheduler:
             z_factor=cfg.z_factor,
             block_tokens=block_tokens,
             max_queue=cfg.max_queue,
+            pe_read_rate=pe_read_rate,
+            de_read_rate=de_read_rate,
+            de_max_seqs=de_max_seqs,
             recompute=None if cfg.recompute == "never" else rule,
-            **kw,
         )
 
     def set_prefill_cost(self, prefill: tuple[float, float, float]) -> None:
