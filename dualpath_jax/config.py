@@ -313,7 +313,11 @@ class StoreConfig:
     spec_json: str = ""
     block_tokens: int = 64
     fsync: bool = False
-    capacity_bytes: int = 0  # 0: unlimited
+    capacity_bytes: int = 0  # 0: unlimited (each process enforces it on its own view)
+    # Which blocks go first when capacity_bytes is reached: "lru", or "retention" (a session's
+    # blocks stay while its round runs and for its TTL after, by priority; docs/kv_events.md).
+    eviction: str = "retention"
+    retention_ttl_s: float = 60.0  # a session's default TTL after each round (a tool call's gap)
     io_concurrency: int = 16  # concurrent block I/Os per store (file driver limit, read window)
     timeout_s: float = 60.0  # a single block I/O taking longer fails with StoreError
 
@@ -338,6 +342,10 @@ class WorkloadConfig:
     length_scale: float = 1.0  # scales every length of a preset (CPU-sized replays)
     max_len: int = 0  # 0: the preset's MaxLen
     max_turns: int = 0  # 0: every round; else trajectories keep their first max_turns rounds
+    # Tool calls between rounds: a mean gap in seconds (0: none) given to every round after the
+    # first that its trace does not time; log-normal with this shape (workload.arrivals.tool_gaps).
+    tool_gap_s: float = 0.0
+    tool_gap_sigma: float = 1.0
     seed: int = 0
     ttft_slo_s: float = 4.0
     tpot_slo_s: float = 0.05
@@ -636,6 +644,7 @@ _CHOICES = {
     "model.moe_scoring": ("sigmoid", "softmax"),
     "model.topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
     "store.kind": ("file", "memory", "spec"),
+    "store.eviction": ("lru", "retention"),  # kvstore.index.POLICIES
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),

@@ -65,12 +65,23 @@ class Session:
     """One trajectory: each `step` appends tokens and generates exactly `gen` tokens.
 
     A `session_id` that is already open is an error unless `resume=True`, which continues that
-    session's context."""
+    session's context. `priority` and `ttl_s` set the retention of its stored KV under capacity
+    pressure (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after
+    each (-1: `store.retention_ttl_s`), lower priorities evicted first."""
 
-    def __init__(self, backend: Backend, session_id: str | None = None, *, resume: bool = False):
+    def __init__(
+        self,
+        backend: Backend,
+        session_id: str | None = None,
+        *,
+        resume: bool = False,
+        priority: int = 0,
+        ttl_s: float = -1.0,
+    ):
         self.backend = backend
         self.id = session_id or uuid.uuid4().hex
-        backend.open_session(self.id, resume=resume)
+        retention = {"priority": priority, "ttl_s": ttl_s} if (priority, ttl_s) != (0, -1) else {}
+        backend.open_session(self.id, resume=resume, **retention)
         self.results: list[M.Result] = []
 
     def step_async(
@@ -128,7 +139,7 @@ class TrajectoryOutput:
 
 def run_trajectories(
     backend: Backend,
-    trajectories: Iterable[tuple[str, Sequence[tuple[Sequence[int], int]]]],
+    trajectories: Iterable[tuple[str, Sequence[tuple]]],
     *,
     max_concurrent: int = 0,
     arrivals: Sequence[float] | None = None,
@@ -138,15 +149,21 @@ def run_trajectories(
     key: Any = None,
     top_p: float = 1.0,
     release: bool = False,
+    priority: int | Sequence[int] = 0,
+    ttl_s: float = -1.0,
 ) -> list[TrajectoryOutput]:
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
+    A round `(append tokens, gen, gap_s)` is submitted `gap_s` seconds after the previous one
+    finished (a tool call).
 
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
     With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
-    (and `top_p`, see `Session.step_async`).
-    `release=True` closes each finished session and releases its stored blocks. Returns one
-    output per trajectory, in input order; a failed round ends its trajectory with `error` set.
+    (and `top_p`, see `Session.step_async`). `priority` (one for all, or one per trajectory)
+    and `ttl_s` set each session's KV retention (`Session`).
+    Each trajectory's session is closed when it ends (its stored blocks are the first to go
+    under capacity pressure); `release=True` also deletes them. Returns one output per
+    trajectory, in input order; a failed round ends its trajectory with `error` set.
     """
     if temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
@@ -156,6 +173,9 @@ def run_trajectories(
     outputs = [TrajectoryOutput(tid, [], []) for tid, _ in trajs]
     if arrivals is not None and len(arrivals) != len(trajs):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajs)} trajectories")
+    priorities = [priority] * len(trajs) if isinstance(priority, int) else list(priority)
+    if len(priorities) != len(trajs):
+        raise ValueError(f"{len(priorities)} priorities for {len(trajs)} trajectories")
     total = sum(len(r) for _, r in trajs)
     bar = tqdm(total=total, desc="rounds", disable=not progress, unit="round")
     lock = threading.Lock()
@@ -163,8 +183,19 @@ def run_trajectories(
     done_all = threading.Event()
     remaining = [len(trajs)]
     sessions: dict[int, Session] = {}
+    # Closing blocks on the router's answer: never on the client's thread (the callbacks').
+    closer = futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-close")
+    timers: list[threading.Timer] = []
 
-    def finish_one() -> None:
+    def close(k: int) -> None:
+        try:
+            sessions[k].close(release=release)
+        except Exception as e:  # noqa: BLE001 - reported on the trajectory, others go on
+            outputs[k].error = outputs[k].error or f"closing the session failed: {e}"
+
+    def finish_one(k: int) -> None:
+        if k in sessions:
+            closer.submit(close, k)
         limit.release()
         with lock:
             remaining[0] -= 1
@@ -179,16 +210,25 @@ def run_trajectories(
     def advance(k: int, session: Session, i: int) -> None:
         rounds = trajs[k][1]
         if i == len(rounds):
-            finish_one()
+            finish_one(k)
             return
-        append, gen = rounds[i]
+        append, gen, *gap = rounds[i]
+        if i and gap and gap[0] > 0 and not done_all.is_set():  # the tool call runs first
+            timer = threading.Timer(gap[0], step, (k, session, i, append, gen))
+            timer.daemon = True
+            with lock:
+                timers.append(timer)
+            timer.start()
+        else:
+            step(k, session, i, append, gen)
 
+    def step(k: int, session: Session, i: int, append: Sequence[int], gen: int) -> None:
         def on_done(f: futures.Future) -> None:
             try:
                 res = f.result()
             except Exception as e:  # noqa: BLE001
                 outputs[k].error = str(e)
-                finish_one()
+                finish_one(k)
                 return
             outputs[k].rounds.append(list(res.tokens))
             outputs[k].results.append(res)
@@ -196,9 +236,15 @@ def run_trajectories(
                 bar.update(1)
             advance(k, session, i + 1)
 
-        session.step_async(
-            append, gen, temperature=temperature, key=round_key(k, i), top_p=top_p
-        ).add_done_callback(on_done)
+        try:
+            fut = session.step_async(
+                append, gen, temperature=temperature, key=round_key(k, i), top_p=top_p
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. bad input in a later round
+            outputs[k].error = str(e)
+            finish_one(k)
+            return
+        fut.add_done_callback(on_done)
 
     if not trajs:
         return outputs
@@ -212,23 +258,21 @@ def run_trajectories(
                 time.sleep(wait)
         limit.acquire()
         try:
-            sessions[k] = Session(backend, tid)
+            sessions[k] = Session(backend, tid, priority=priorities[k], ttl_s=ttl_s)
             advance(k, sessions[k], 0)
         except Exception as e:  # noqa: BLE001
             outputs[k].error = str(e)
-            finish_one()
+            finish_one(k)
     finished = done_all.wait(timeout_s)
     bar.close()
+    with lock:
+        for timer in timers:
+            timer.cancel()
     if not finished:
         for o, (_, rounds) in zip(outputs, trajs):
             if not o.error and len(o.rounds) < len(rounds):
                 o.error = f"timed out after {timeout_s} s with {len(o.rounds)} of {len(rounds)} rounds done"
-    if release:
-        for k, session in sessions.items():
-            try:
-                session.close(release=True)
-            except Exception as e:  # noqa: BLE001 - reported on the trajectory, others go on
-                outputs[k].error = outputs[k].error or f"closing the session failed: {e}"
+    closer.shutdown(wait=finished)
     return outputs
 
 
@@ -290,7 +334,11 @@ class InProcessEngine:
             for sid, (context, _) in self._sessions.items():
                 self._sessions[sid] = (context, None)
 
-    def open_session(self, session: str, resume: bool = False) -> None:
+    def open_session(
+        self, session: str, resume: bool = False, *, priority: int = 0, ttl_s: float = -1.0
+    ) -> None:
+        """Opens a session (`priority` and `ttl_s` are accepted for the `Backend` interface; the
+        in-process engine keeps every session's KV until it is closed)."""
         with self._lock:
             if session in self._sessions and not resume:
                 raise RolloutError(

@@ -69,7 +69,9 @@ def _check_int(value: Any, name: str, low: int, high: int) -> int:
 
 
 class Backend(Protocol):
-    def open_session(self, session: str, resume: bool = False) -> None: ...
+    def open_session(
+        self, session: str, resume: bool = False, *, priority: int = 0, ttl_s: float = -1.0
+    ) -> None: ...
     def submit(
         self,
         session: str,
@@ -250,9 +252,26 @@ class Client:
             raise RolloutError(reply.message, reply.kind)
         return reply
 
-    def open_session(self, session: str, resume: bool = False, timeout_s: float = 30.0) -> None:
-        """Opens a session; an existing one is an error unless `resume=True` (continue it)."""
-        msg = M.OpenSession(session=session, resume=bool(resume))
+    def open_session(
+        self,
+        session: str,
+        resume: bool = False,
+        timeout_s: float = 30.0,
+        *,
+        priority: int = 0,
+        ttl_s: float = -1.0,
+    ) -> None:
+        """Opens a session; an existing one is an error unless `resume=True` (continue it).
+
+        `priority` and `ttl_s` set the retention of its stored blocks under capacity pressure
+        (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after each
+        (-1: `store.retention_ttl_s`), lower priorities evicted first."""
+        msg = M.OpenSession(
+            session=session,
+            resume=bool(resume),
+            priority=_check_int(priority, "priority", -(2**31), 2**31),
+            ttl_s=float(ttl_s),
+        )
         self._check(self._call(msg, session).result(timeout_s))
 
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
@@ -273,6 +292,8 @@ class Client:
         keep: int = -1,
         stop_tokens: Sequence[int] = (),
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        priority: int | None = None,
+        ttl_s: float | None = None,
     ) -> futures.Future[M.Result]:
         """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
         must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
@@ -282,7 +303,8 @@ class Client:
         `keep >= 0` builds on the first `keep` tokens of the session's context only (-1: all of
         it). The round ends after any of `stop_tokens`. `on_tokens(start, tokens)` streams the
         generated tokens from position `start` as they come (on the client's thread: keep it
-        short); a retried round streams positions again, with the same tokens."""
+        short); a retried round streams positions again, with the same tokens. `priority` and
+        `ttl_s` change the session's retention (`open_session`) from this round on."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out: RoundFuture = RoundFuture()
         out.request = rid
@@ -304,6 +326,10 @@ class Client:
                 keep=_check_int(keep, "keep", -1, TOKEN_LIMIT),
                 stop_tokens=check_tokens(stop_tokens, "stop token"),
                 stream=on_tokens is not None,
+                priority=None
+                if priority is None
+                else _check_int(priority, "priority", -(2**31), 2**31),
+                ttl_s=None if ttl_s is None else float(ttl_s),
             )
             if on_tokens is not None:
                 self._streams[rid] = on_tokens

@@ -165,6 +165,8 @@ class DecodeEngine:
                     r.finish = True
                     if r.slot >= 0:
                         self.complete(r, "finished")
+            case M.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
+                self.ctx.store.retain(session, state, priority, ttl)
             case M.LoadParams() | M.CommitParams():
                 self.params.handle(msg, self.rpc.send)
             case _:
@@ -340,16 +342,21 @@ class DecodeEngine:
         job = job_from_msg(r.msg)
         persisted, error = 0, ""
         try:
+            fp = model_fingerprint(self.cfg.model, r.msg.params_version)
+            chain = block_keys(fed[: n_full * self.bt], self.bt, fp)
+            if r.msg.session:  # session retention holds the whole chain, hit included
+                self.ctx.store.claim(r.msg.session, chain[:start])
             if blocks is not None:
-                fp = model_fingerprint(self.cfg.model, r.msg.params_version)
-                keys = block_keys(fed[: n_full * self.bt], self.bt, fp)[start:]
+                keys = chain[start:]
                 self.ctx.charge(
                     job,
                     P.persist_path(job.de_engine, job.de_node),
                     blocks.nbytes,
                     L.TrafficClass.LOW,
                 )
-                self.ctx.store.write_full(keys, blocks).result(self.ctx.timeout_s)
+                self.ctx.store.write_full(keys, blocks, owner=r.msg.session or None).result(
+                    self.ctx.timeout_s
+                )
                 persisted = n_full - start
         except Exception as e:  # noqa: BLE001 - any store failure; the tokens stand
             error = f"{type(e).__name__}: {e}"

@@ -30,10 +30,16 @@ class Msg(msgspec.Struct, tag=True, kw_only=True):
 
 
 class OpenSession(Msg):
-    """Opens a session; one that exists already is an error unless `resume` (continue it)."""
+    """Opens a session; one that exists already is an error unless `resume` (continue it).
+
+    `priority` and `ttl_s` set the retention of its stored blocks (`store.eviction="retention"`,
+    docs/kv_events.md): kept while a round runs and for `ttl_s` seconds after each (-1:
+    `store.retention_ttl_s`), lower priorities evicted first. A resume with them changes them."""
 
     session: str
     resume: bool = False
+    priority: int = 0
+    ttl_s: float = -1.0
 
 
 class CloseSession(Msg):
@@ -64,6 +70,9 @@ class Submit(Msg):
     stop_tokens: list[int] = []
     # Send the tokens as they are generated (`Partial`), before the `Result`.
     stream: bool = False
+    # Change the session's retention (see OpenSession) from this round on; None keeps it.
+    priority: int | None = None
+    ttl_s: float | None = None
 
 
 class FinishRound(Msg):
@@ -256,6 +265,7 @@ class LoadJobMsg(Msg):
     top_p: float = 1.0
     stop_tokens: list[int] = []  # see Submit
     stream: bool = False  # the DE reports every new token (TokensOut)
+    session: str = ""  # the DE's store claims the round's blocks for it (retention)
 
 
 class Work(Msg):
@@ -352,6 +362,16 @@ class Stop(Msg):
     pass
 
 
+class Retain(Msg):
+    """Router -> DE: the retention of session `session`'s blocks in the engine's store index
+    (`kvstore.index.BlockIndex.retain`): `state` is active, idle (for `ttl_s`) or ended."""
+
+    session: str
+    state: str
+    priority: int = 0
+    ttl_s: float = 0.0
+
+
 Body = (
     OpenSession
     | CloseSession
@@ -388,6 +408,7 @@ Body = (
     | Cancel
     | Finish
     | Stop
+    | Retain
 )
 
 

@@ -54,7 +54,7 @@ from dualpath_jax.engine.kv_publisher import KVEventPublisher
 from dualpath_jax.engine.liveness import ROLES, EngineInfo, EngineRegistry
 from dualpath_jax.engine.params_update import ParamsCoordinator
 from dualpath_jax.engine.rpc import RpcServer
-from dualpath_jax.engine.sessions import RequestState, SessionTable
+from dualpath_jax.engine.sessions import RequestState, SessionTable, retention_problem
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.metrics.events import EventLog
@@ -180,7 +180,10 @@ class Router:
             return self.refuse(ident, msg, why)
         match msg:
             case M.OpenSession(session=s, resume=resume):
-                if not self.sessions.open(s, resume):
+                problem = retention_problem(msg.priority, msg.ttl_s)
+                if problem:
+                    return self.fail(ident, s, problem)
+                if not self.sessions.open(s, resume, msg.priority, msg.ttl_s):
                     return self.fail(
                         ident, s, f"session {s!r} exists; pass resume=True to continue it"
                     )
@@ -244,6 +247,7 @@ class Router:
                 msg.session,
                 f"session {s.id!r} has a round running; close it when it is done",
             )
+        self.retain(msg.session, "ended")
         self.sessions.close(msg.session)
         if msg.release:
             try:
@@ -265,7 +269,7 @@ class Router:
         missing = self.engines.missing_role()
         if missing:
             return self.fail(ident, msg.request, missing, kind="engine")
-        problem = self.sessions.round_problem(msg)
+        problem = self.sessions.round_problem(msg) or retention_problem(msg.priority, msg.ttl_s)
         if problem:
             return self.fail(ident, msg.request, problem)
         prompt = self.sessions.prompt(msg)
@@ -291,6 +295,7 @@ class Router:
             self.counters["overloaded"] += 1
             return self.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
         self.sessions.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
+        self.retain(msg.session, "active")
         self.event(
             "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
         )
@@ -304,6 +309,7 @@ class Router:
     ) -> None:
         now = self.clock()
         self.sessions.complete(st, tokens)
+        self.retain(st.session, "idle")
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
         # with release=True can delete them.
         self.store.claim(
@@ -319,6 +325,16 @@ class Router:
             "done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"}
         )
         self.send(st.client, res)
+
+    def retain(self, session: str, state: str, ident: bytes | None = None) -> None:
+        """Session retention (docs/kv_events.md): the router's store and every live DE's (or
+        only engine `ident`'s) learn that `session` is now active, idle or ended."""
+        msg = self.sessions.retain(session, state, self.cfg.store.retention_ttl_s)
+        if ident is None:
+            self.store.retain(msg.session, msg.state, msg.priority, msg.ttl_s)
+        for e in self.engines.live("decode"):
+            if ident in (None, e.ident):
+                self.send(e.ident, msg)
 
     # ------------------------------------------------------------------ engines
 
@@ -355,6 +371,9 @@ class Router:
                 self.prefill_costs[msg.engine] = FittedCostModel(prefill=cost.prefill)
             self.update_beta()
         self.send(ident, M.Ack(ref=str(msg.engine)))
+        if msg.role == "decode":  # a (re)started DE learns which sessions to retain
+            for s in list(self.sessions.sessions.values()):
+                self.retain(s.id, "active" if s.busy else "idle", ident)
         if msg.params_version != self.params.version:
             # An engine that (re)started after an update: bring it to the current params. If it
             # cannot load them, its jobs fail with a clear version mismatch.
@@ -480,6 +499,7 @@ class Router:
                 top_p=st.top_p,
                 stop_tokens=st.stop_tokens,
                 stream=st.stream,
+                session=st.session,
             )
             self.event(
                 "assign",
@@ -597,6 +617,7 @@ class Router:
         client gets `Error(kind)`."""
         self.scheduler.withdraw([st.id])
         self.sessions.drop(st)
+        self.retain(st.session, "idle")
         self.fail(st.client, st.id, message, kind=kind)
 
     def on_cancel(self, ident: bytes, msg: M.CancelRound) -> None:

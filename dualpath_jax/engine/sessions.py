@@ -23,6 +23,17 @@ class SessionState:
     id: str
     context: list[int] = dataclasses.field(default_factory=list)  # A_1 G_1 ... (appendix A.3)
     busy: bool = False
+    priority: int = 0  # retention of its stored blocks (M.OpenSession)
+    ttl_s: float = -1.0  # -1: store.retention_ttl_s
+
+
+def retention_problem(priority: int | None, ttl_s: float | None) -> str:
+    """Why a session's retention settings are unusable ("" if they are fine; None: unchanged)."""
+    if priority is not None and not -(2**31) <= priority < 2**31:
+        return f"retention priority must fit in 32 bits, got {priority}"
+    if ttl_s is not None and not (ttl_s == -1 or 0 <= ttl_s <= 1e9):
+        return f"retention ttl_s must be -1 (the default) or lie in [0, 1e9] seconds, got {ttl_s}"
+    return ""
 
 
 @dataclasses.dataclass
@@ -126,12 +137,23 @@ class SessionTable:
 
     # ------------------------------------------------------------------ sessions
 
-    def open(self, session: str, resume: bool) -> bool:
-        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`."""
+    def open(self, session: str, resume: bool, priority: int = 0, ttl_s: float = -1.0) -> bool:
+        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`.
+        Either way the session's retention becomes `priority` and `ttl_s`."""
         if session in self.sessions and not resume:
             return False
-        self.sessions.setdefault(session, SessionState(session))
+        s = self.sessions.setdefault(session, SessionState(session))
+        s.priority, s.ttl_s = priority, ttl_s
         return True
+
+    def retain(self, session: str, state: str, default_ttl_s: float) -> M.Retain:
+        """The `Retain` that tells the DEs' stores `session` is now `state` (active, idle,
+        ended), with its priority and TTL (`default_ttl_s` unless the session set one)."""
+        s = self.sessions.get(session)
+        if s is None or state == "ended":
+            return M.Retain(session=session, state="ended")
+        ttl = default_ttl_s if s.ttl_s < 0 else s.ttl_s
+        return M.Retain(session=session, state=state, priority=s.priority, ttl_s=ttl)
 
     def close(self, session: str) -> None:
         del self.sessions[session]
@@ -190,8 +212,14 @@ class SessionTable:
         keys: list[str],
         now: float,
     ) -> RequestState:
-        """Records a queued round (`keys`: its hit's block keys); its session is busy."""
-        self.sessions[msg.session].busy = True
+        """Records a queued round (`keys`: its hit's block keys); its session is busy and takes
+        the round's retention settings, if any."""
+        s = self.sessions[msg.session]
+        s.busy = True
+        if msg.priority is not None:
+            s.priority = msg.priority
+        if msg.ttl_s is not None:
+            s.ttl_s = msg.ttl_s
         st = RequestState(
             msg.request,
             msg.session,

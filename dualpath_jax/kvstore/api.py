@@ -74,6 +74,7 @@ class StoreStats:
     evictions: int
     misses: int
     checksum_failures: int
+    retained: int = 0  # stored blocks some retained session holds (index.py)
 
 
 class BlockStore(abc.ABC):
@@ -132,6 +133,11 @@ class BlockStore(abc.ABC):
     @abc.abstractmethod
     def release(self, owner: str) -> futures.Future[int]:
         """Ends trajectory `owner`: deletes the blocks no other live trajectory claims."""
+
+    @abc.abstractmethod
+    def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
+        """Session retention of trajectory `owner`'s claimed blocks (`index.BlockIndex.retain`):
+        `"active"` while a round runs, `"idle"` for `ttl_s` seconds after it, `"ended"`."""
 
     @abc.abstractmethod
     def stats(self) -> StoreStats: ...

@@ -1,4 +1,4 @@
-"""In-process bookkeeping of a block store: sizes, LRU order, pins and trajectory owners.
+"""In-process bookkeeping of a block store: sizes, eviction order, pins, owners and retention.
 
 `BlockIndex` holds no I/O; the store asks it which keys to admit, evict or delete and performs
 the deletions. It is this process's view: blocks written by another process on a shared root join
@@ -8,32 +8,79 @@ Lifecycle of a key: admitted (bytes reserved before the write) -> touched by loo
 (LRU) -> evicted (capacity), deleted, or released with its last owner. A pinned key is never
 evicted, and a delete or release of a pinned key is deferred to its last unpin ("doomed"), which
 remembers why it was doomed (`dualpath_jax.kv_events.REMOVAL_REASONS`).
+
+Session retention (`policy="retention"`, docs/kv_events.md "Session retention"): an owner (a
+trajectory, i.e. a router session) is *retained* while one of its rounds runs (`retain(owner,
+"active")`) and for `ttl_s` after it (`"idle"`, the gap of a tool call); `"ended"` ends that at
+once. The keys any retained owner claims are evicted only when no other unpinned key is left, and
+then lowest `priority` first, an idle owner's before an active one's, least recently used first.
+The other keys are evicted least recently used first, except that the keys of an owner whose
+retention just ended or expired go to the head of that queue: an ended trajectory's blocks leave
+before those of a trajectory still in its tool call. With `policy="lru"` `retain` does nothing.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import heapq
+import math
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+POLICIES = ("lru", "retention")
+RETAIN_STATES = ("active", "idle", "ended")
+
+
+@dataclasses.dataclass
+class Retention:
+    """An owner's retention: `priority` (higher stays longer), a round running (`active`), or
+    retained until `until` (the clock's seconds) after its last round."""
+
+    priority: int = 0
+    active: bool = False
+    until: float = -math.inf
+
+    def retained(self, now: float) -> bool:
+        return self.active or now < self.until
 
 
 class BlockIndex:
-    """LRU index of stored Full Blocks with pin counts and per-trajectory ownership.
+    """Index of stored Full Blocks: eviction order, pin counts, per-trajectory ownership and
+    session retention (module docstring).
 
-    `capacity_bytes == 0` means unlimited. Sizes are encoded block sizes in bytes.
+    `capacity_bytes == 0` means unlimited. Sizes are encoded block sizes in bytes. `clock` gives
+    the seconds retention TTLs count in (the simulator passes its own).
     """
 
-    def __init__(self, capacity_bytes: int = 0):
+    def __init__(
+        self,
+        capacity_bytes: int = 0,
+        policy: str = "lru",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if policy not in POLICIES:
+            raise ValueError(f"eviction policy must be one of {POLICIES}, got {policy!r}")
         self.capacity_bytes = capacity_bytes
+        self.policy = policy
+        self.clock = clock
         self._lock = threading.Lock()
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # oldest first
         self._used = 0
         self._pins: collections.Counter[str] = collections.Counter()
         self._doomed: dict[str, str] = {}  # pinned key -> why it goes at its last unpin
         self._owners: dict[str, set[str]] = {}
-        self._owned: dict[str, set[str]] = {}
+        self._owned: dict[str, dict[str, None]] = {}  # owner -> its keys in claim order
+        # Retention: unheld keys in eviction order (first out first), how many retained owners
+        # hold each held key, each owner's retention, and the TTLs to expire (until, owner).
+        self._free: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._held: collections.Counter[str] = collections.Counter()
+        self._retention: dict[str, Retention] = {}
+        self._retained: set[str] = set()
+        self._expiry: list[tuple[float, str]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -56,6 +103,18 @@ class BlockIndex:
         with self._lock:
             return sum(1 for c in self._pins.values() if c > 0)
 
+    @property
+    def retained_count(self) -> int:
+        """Stored keys that some retained owner holds (as of the last expiry check)."""
+        with self._lock:
+            self._expire(self.clock())
+            return sum(1 for k in self._held if k in self._lru)
+
+    def retained(self, owner: str) -> bool:
+        with self._lock:
+            self._expire(self.clock())
+            return owner in self._retained
+
     def owned_by(self, owner: str) -> set[str]:
         with self._lock:
             return set(self._owned.get(owner, ()))
@@ -64,6 +123,23 @@ class BlockIndex:
         """Keys from least to most recently used."""
         with self._lock:
             return list(self._lru)
+
+    def eviction_order(self) -> list[str]:
+        """Unpinned keys in the order `admit` would evict them now."""
+        with self._lock:
+            self._expire(self.clock())
+            free = [k for k in self._free if self._pins[k] == 0]
+            return free + list(self._ranked_held())
+
+    def prefix(self, keys: Iterable[str]) -> int:
+        """How many leading `keys` are indexed (no touch)."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self._lru:
+                    break
+                n += 1
+        return n
 
     # ------------------------------------------------------------------ updates
 
@@ -77,22 +153,26 @@ class BlockIndex:
             for key in reversed(list(keys)):
                 if key in self._lru:
                     self._lru.move_to_end(key)
+                    if key in self._free:
+                        self._free.move_to_end(key)
                 else:
-                    self._lru[key] = nbytes
-                    self._used += nbytes
+                    self._add(key, nbytes)
 
     def admit(self, keys: list[str], nbytes: int) -> tuple[list[str], list[str]]:
-        """Reserves room for new blocks `keys` (chain order), evicting unpinned LRU blocks.
+        """Reserves room for new blocks `keys` (chain order), evicting unpinned blocks in
+        eviction order (module docstring).
 
         Returns `(admitted, evicted)`: `admitted` is the longest prefix of the keys not yet
         indexed that fits (the caller writes them, and calls `remove` for any write that
         fails); `evicted` are keys already dropped from the index that the caller must delete.
         """
         with self._lock:
+            self._expire(self.clock())
             new = [k for k in dict.fromkeys(keys) if k not in self._lru]
             admitted: list[str] = []
             evicted: list[str] = []
-            victims = (k for k in list(self._lru) if self._pins[k] == 0)
+            admitted_set: set[str] = set()  # never a victim of its own batch
+            victims = self._victims(admitted_set)
             # Blocks found on a shared root (`touch`) may have pushed usage over the limit.
             while self.capacity_bytes and self._used > self.capacity_bytes:
                 victim = next(victims, None)
@@ -110,13 +190,14 @@ class BlockIndex:
                         evicted.append(victim)
                     if self._used + nbytes > self.capacity_bytes:
                         break
-                self._lru[key] = nbytes
-                self._used += nbytes
+                self._add(key, nbytes)
                 admitted.append(key)
-            # `victims` is lazy over a snapshot; a just-admitted key is never in it. Like `touch`,
-            # the chain's prefix ends most recently used.
+                admitted_set.add(key)
+            # Like `touch`, the chain's prefix ends most recently used.
             for key in reversed(admitted):
                 self._lru.move_to_end(key)
+                if key in self._free:
+                    self._free.move_to_end(key)
             return admitted, evicted
 
     def remove(self, keys: Iterable[str]) -> None:
@@ -166,16 +247,23 @@ class BlockIndex:
     def claim(self, owner: str, keys: Iterable[str]) -> None:
         """Records that trajectory `owner` uses `keys` (it wrote them or reads them)."""
         with self._lock:
-            mine = self._owned.setdefault(owner, set())
+            mine = self._owned.setdefault(owner, {})
+            held = owner in self._retained
             for key in keys:
-                mine.add(key)
+                if key in mine:
+                    continue
+                mine[key] = None
                 self._owners.setdefault(key, set()).add(owner)
+                if held:
+                    self._hold(key)
 
     def release(self, owner: str) -> list[str]:
         """Ends trajectory `owner`: keys no other owner claims are doomed. Returns keys to delete
         now (pinned ones are deleted at their last unpin)."""
         with self._lock:
-            keys = self._owned.pop(owner, set())
+            self._set_retained(owner, False)
+            self._retention.pop(owner, None)
+            keys = self._owned.pop(owner, {})
             orphans = []
             for key in keys:
                 owners = self._owners.get(key)
@@ -187,9 +275,103 @@ class BlockIndex:
                     orphans.append(key)
         return self.doom(orphans, "released")
 
+    def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
+        """Sets trajectory `owner`'s retention: `"active"` (a round runs), `"idle"` (its round
+        ended: retained for `ttl_s` more seconds) or `"ended"` (not retained any more). A no-op
+        under `policy="lru"`."""
+        if state not in RETAIN_STATES:
+            raise ValueError(f"retention state must be one of {RETAIN_STATES}, got {state!r}")
+        if not ttl_s >= 0:
+            raise ValueError(f"retention ttl_s must be >= 0, got {ttl_s}")
+        if self.policy != "retention":
+            return
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            if state == "ended":
+                self._retention.pop(owner, None)
+                self._set_retained(owner, False)
+                return
+            r = self._retention.setdefault(owner, Retention())
+            r.priority = priority
+            r.active = state == "active"
+            if state == "idle":
+                r.until = now + ttl_s
+                if ttl_s > 0:
+                    heapq.heappush(self._expiry, (r.until, owner))
+            self._set_retained(owner, r.retained(now))
+
+    # ------------------------------------------------------------------ internals
+
+    def _add(self, key: str, nbytes: int) -> None:
+        self._lru[key] = nbytes
+        self._used += nbytes
+        if not self._held[key]:
+            self._free[key] = None
+
+    def _hold(self, key: str) -> None:
+        self._held[key] += 1
+        self._free.pop(key, None)
+
+    def _set_retained(self, owner: str, retained: bool) -> None:
+        if retained == (owner in self._retained):
+            return
+        keys = self._owned.get(owner, ())
+        if retained:
+            self._retained.add(owner)
+            for key in keys:
+                self._hold(key)
+            return
+        self._retained.discard(owner)
+        for key in keys:  # claim order, a chain's prefix first: its tail ends up first out
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
+                if key in self._lru:  # first out of the unheld keys
+                    self._free[key] = None
+                    self._free.move_to_end(key, last=False)
+
+    def _expire(self, now: float) -> None:
+        while self._expiry and self._expiry[0][0] <= now:
+            until, owner = heapq.heappop(self._expiry)
+            r = self._retention.get(owner)
+            if r is not None and not r.retained(now):
+                del self._retention[owner]
+                self._set_retained(owner, False)
+
+    def _victims(self, exclude: set[str]) -> Iterator[str]:
+        """Unpinned keys not in `exclude` in eviction order, each looked up when asked for (so
+        that keys dropped or added meanwhile are seen): the unheld ones, then the held ones ranked
+        once."""
+        while True:
+            victim = next(
+                (k for k in self._free if self._pins[k] == 0 and k not in exclude), None
+            )
+            if victim is None:
+                break
+            yield victim
+        for key in self._ranked_held():
+            if key in self._lru and self._held[key] and self._pins[key] == 0 and key not in exclude:
+                yield key
+
+    def _ranked_held(self) -> list[str]:
+        """Stored unpinned held keys, lowest priority first, an idle owner's before an active
+        one's, least recently used first."""
+        rank: dict[str, tuple[int, bool]] = {}
+        for owner in self._retained:
+            r = self._retention[owner]
+            mine = (r.priority, r.active)
+            for key in self._owned.get(owner, ()):
+                if key in self._lru and self._pins[key] == 0:
+                    rank[key] = max(rank.get(key, mine), mine)
+        position = {k: i for i, k in enumerate(self._lru) if k in rank}
+        return sorted(rank, key=lambda k: (*rank[k], position[k]))
+
     def _drop(self, key: str) -> None:
         nbytes = self._lru.pop(key, None)
         if nbytes is not None:
             self._used -= nbytes
+        self._free.pop(key, None)
+        self._held.pop(key, None)
         for owner in self._owners.pop(key, ()):
-            self._owned.get(owner, set()).discard(key)
+            self._owned.get(owner, {}).pop(key, None)

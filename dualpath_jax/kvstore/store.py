@@ -168,7 +168,7 @@ class TensorStoreBlockStore(BlockStore):
             self._kv = ts.KvStore.open(spec).result(timeout=cfg.timeout_s)
         except Exception as e:  # tensorstore reports bad specs and I/O failures as ValueError
             raise StoreUnavailable(f"cannot open block store {cfg.kind}: {e}") from None
-        self.index = BlockIndex(cfg.capacity_bytes)
+        self.index = BlockIndex(cfg.capacity_bytes, cfg.eviction)
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
         if cfg.kind != "memory":
@@ -564,6 +564,9 @@ class TensorStoreBlockStore(BlockStore):
     def release(self, owner: str) -> futures.Future[int]:
         return self._submit(self._delete_now, self.index.release(owner), "released")
 
+    def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
+        self.index.retain(owner, state, priority, ttl_s)
+
     # ------------------------------------------------------------------ stats, lifecycle
 
     def stats(self) -> StoreStats:
@@ -575,6 +578,7 @@ class TensorStoreBlockStore(BlockStore):
             "bytes": self.index.used_bytes,
             "capacity_bytes": self.index.capacity_bytes,
             "pinned": self.index.pinned_count,
+            "retained": self.index.retained_count,
         }
         return StoreStats(**{f: base.get(f, c.get(f, 0)) for f in fields})
 

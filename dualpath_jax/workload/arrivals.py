@@ -3,7 +3,8 @@
 Pure generators over an injected `numpy.random.Generator`; times are seconds from the start of
 the run, so a real clock (router) and a simulated clock (simulator) consume the same schedule.
 Each arrival starts one agent, which replays one trajectory round by round. A trace with
-arrival times (Mooncake) keeps them online: `trace_arrivals`.
+arrival times (Mooncake) keeps them online: `trace_arrivals`. Between its rounds an agent waits
+its rounds' `gap_s` (tool calls): from the trace, or drawn by `tool_gaps`.
 """
 
 from __future__ import annotations
@@ -107,9 +108,29 @@ def plan_agents(
     base, start_s = load_workload(w, vocab_size=vocab_size)
     if start_s is not None and w.mode == "online":
         arrivals = trace_arrivals(start_s, w)
-        return base[: len(arrivals)], arrivals
+        return tool_gaps(base[: len(arrivals)], w), arrivals
     arrivals = [a.time_s for a in schedule(w, rng)]
-    return agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), arrivals
+    agents = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
+    return tool_gaps(agents, w), arrivals
+
+
+def tool_gaps(trajs: Sequence[Trajectory], cfg: WorkloadConfig) -> list[Trajectory]:
+    """Gives every round after the first that has no `gap_s` a tool call of `tool_gap_s` seconds
+    on average: log-normal with shape `tool_gap_sigma` (0: always the mean), seeded by `seed`.
+    Unchanged when `tool_gap_s` is 0."""
+    if cfg.tool_gap_s <= 0:
+        return list(trajs)
+    rng = np.random.default_rng((cfg.seed, 0x6A9))
+    sigma = cfg.tool_gap_sigma
+    out = []
+    for t in trajs:
+        draws = rng.lognormal(-sigma * sigma / 2, sigma, len(t.rounds)) * cfg.tool_gap_s
+        rounds = tuple(
+            r if i == 0 or r.gap_s else dataclasses.replace(r, gap_s=float(g))
+            for i, (r, g) in enumerate(zip(t.rounds, draws))
+        )
+        out.append(Trajectory(t.id, rounds))
+    return out
 
 
 def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
@@ -119,7 +140,10 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
     return [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs], arrivals
 
 
-def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple[list[int], int]]]]:
+def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
     """Materialized trajectories as `rollout.run_trajectories` takes them:
-    `(id, [(append token ids, gen), ...])`."""
-    return [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
+    `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`."""
+    return [
+        (t.id, [(list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ())) for r in t.rounds])
+        for t in trajs
+    ]

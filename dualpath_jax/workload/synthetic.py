@@ -144,7 +144,9 @@ def scale_trajectory(
     for r in t.rounds:
         if not isinstance(r.append, int):
             raise ValueError(f"trajectory {t.id!r}: cannot scale explicit token ids")
-        rounds.append(Round(max(1, round(r.append * a_s)), max(1, round(r.gen * g_s))))
+        rounds.append(
+            Round(max(1, round(r.append * a_s)), max(1, round(r.gen * g_s)), gap_s=r.gap_s)
+        )
     return Trajectory(t.id, tuple(rounds))
 
 

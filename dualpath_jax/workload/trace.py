@@ -1,8 +1,9 @@
 """Agent traces: the JSONL format, validation, the appendix A.3 replay rule, expansion, stats.
 
 Trace JSONL (docs/traces.md), one trajectory per line:
-`{"id": str, "rounds": [{"append": int | [int, ...], "gen": int}, ...]}`. An int append means
-that many seeded random token ids (`materialize`); a list gives the ids themselves. Other trace
+`{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float}, ...]}`
+(`gap_s` optional: the tool call's seconds before the round). An int append means that many
+seeded random token ids (`materialize`); a list gives the ids themselves. Other trace
 formats (Mooncake, conversations) are read by `workload.formats`; their appends are content
 pieces (`Round.pieces`), so equal content gives equal tokens in every trajectory.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Sequence
 
@@ -35,17 +37,24 @@ class Round:
     `pieces`: what the append holds, as `(content id, tokens)` pairs summing to its length (empty:
     private random tokens). A piece stands for the first `tokens` ids of its content's seeded
     token stream (`content_tokens`), so equal content ids give equal tokens in every trajectory
-    and a shorter piece of a content is a prefix of a longer one (`workload.sharing`)."""
+    and a shorter piece of a content is a prefix of a longer one (`workload.sharing`).
+
+    `gap_s`: seconds the agent spends between the end of the previous round and the submission of
+    this one (a tool call; 0 for a first round)."""
 
     append: int | tuple[int, ...]
     gen: int
     pieces: tuple[tuple[int, int], ...] = ()
+    gap_s: float = 0.0
 
-    def __repr__(self) -> str:  # pieces only when there are some
+    def __repr__(self) -> str:  # pieces and gap only when there are some
         pieces = f", pieces={self.pieces!r}" if self.pieces else ""
-        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces})"
+        gap = f", gap_s={self.gap_s!r}" if self.gap_s else ""
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap})"
 
     def __post_init__(self) -> None:
+        if not (self.gap_s >= 0 and math.isfinite(self.gap_s)):
+            raise ValueError(f"gap_s must be a finite number >= 0, got {self.gap_s}")
         if self.pieces and sum(n for _, n in self.pieces) != self.append_len:
             raise ValueError(
                 f"pieces hold {sum(n for _, n in self.pieces)} tokens, the append {self.append_len}"
@@ -85,6 +94,9 @@ class TurnSpec:
 # --------------------------------------------------------------------------- parsing
 
 
+_ROUND_KEYS = frozenset({"append", "gen", "gap_s"})
+
+
 def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TraceError(f"line {lineno}: {what} must be an int, got {value!r}")
@@ -122,9 +134,19 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
     out = []
     for i, rd in enumerate(rounds):
         where = f"round {i} of {tid!r}"
-        if not isinstance(rd, dict) or set(rd) != {"append", "gen"}:
-            raise TraceError(f"line {lineno}: {where} must be an object with 'append' and 'gen'")
+        if not isinstance(rd, dict) or not {"append", "gen"} <= set(rd) <= _ROUND_KEYS:
+            raise TraceError(
+                f"line {lineno}: {where} must be an object with 'append' and 'gen'"
+                " (and optionally 'gap_s')"
+            )
         gen = _check_int(rd["gen"], f"{where}: 'gen'", lineno, 1)
+        gap = rd.get("gap_s", 0.0)
+        if (
+            isinstance(gap, bool)
+            or not isinstance(gap, (int, float))
+            or not (gap >= 0 and math.isfinite(gap))
+        ):
+            raise TraceError(f"line {lineno}: {where}: 'gap_s' must be a number >= 0, got {gap!r}")
         app = rd["append"]
         if isinstance(app, list):
             if not app:
@@ -135,9 +157,9 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
                     raise TraceError(
                         f"line {lineno}: {where}: token id {t} >= vocab size {vocab_size}"
                     )
-            out.append(Round(tuple(app), gen))
+            out.append(Round(tuple(app), gen, gap_s=float(gap)))
         else:
-            out.append(Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen))
+            out.append(Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen, gap_s=float(gap)))
     return Trajectory(tid, tuple(out))
 
 
@@ -168,7 +190,11 @@ def load_trace(path: str | os.PathLike[str], *, vocab_size: int | None = None) -
 
 def trajectory_to_json(t: Trajectory) -> str:
     rounds = [
-        {"append": r.append if isinstance(r.append, int) else list(r.append), "gen": r.gen}
+        {
+            "append": r.append if isinstance(r.append, int) else list(r.append),
+            "gen": r.gen,
+            **({"gap_s": r.gap_s} if r.gap_s else {}),
+        }
         for r in t.rounds
     ]
     return json.dumps({"id": t.id, "rounds": rounds}, separators=(",", ":"))
@@ -215,7 +241,7 @@ def materialize(t: Trajectory, vocab_size: int, seed: int = 0) -> Trajectory:
     rounds = tuple(
         r
         if not isinstance(r.append, int)
-        else Round(_append_tokens(t, i, r, vocab_size, seed), r.gen, r.pieces)
+        else dataclasses.replace(r, append=_append_tokens(t, i, r, vocab_size, seed))
         for i, r in enumerate(t.rounds)
     )
     return Trajectory(t.id, rounds)
@@ -272,7 +298,7 @@ def truncate(t: Trajectory, max_len: int) -> Trajectory:
         gen = min(first.gen, max_len // 2)
         n = max_len - gen
         app = n if isinstance(first.append, int) else first.append[:n]
-        kept.append(Round(app, gen, cut_pieces(first.pieces, n)))
+        kept.append(Round(app, gen, cut_pieces(first.pieces, n), first.gap_s))
     return Trajectory(t.id, tuple(kept))
 
 

@@ -36,6 +36,7 @@ _JOB = M.LoadJobMsg(
 SAMPLES: list[M.Msg] = [
     M.OpenSession(session="s1"),
     M.OpenSession(session="s1", resume=True),
+    M.OpenSession(session="s2", priority=-3, ttl_s=12.5),
     M.CancelRound(request="r1"),
     M.Ping(),
     M.DeReady(request="r1", engine=1, attempt=2),
@@ -125,6 +126,7 @@ SAMPLES: list[M.Msg] = [
     M.Cancel(request="r1"),
     M.Finish(request="r1"),
     M.Stop(),
+    M.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
 ]
 
 
@@ -162,6 +164,8 @@ def test_the_wire_format_is_plain_msgpack_data():
             "keep": -1,
             "stop_tokens": [],
             "stream": False,
+            "priority": None,
+            "ttl_s": None,
         },
     }
 

@@ -38,12 +38,14 @@ class Rig:
     clock: Clock
 
     def handle(self, msg: M.Msg, ident: bytes = CLIENT, role: str = M.ENGINE) -> list[M.Msg]:
+        """What the router sent in answer, session retention (`Retain`, tests/engine/
+        test_router_retention.py) left out."""
         self.sent.clear()
         self.router.handle(ident, msg, role)
-        return [m for _, m in self.sent]
+        return [m for _, m in self.sent if not isinstance(m, M.Retain)]
 
     def to(self, ident: bytes) -> list[M.Msg]:
-        return [m for i, m in self.sent if i == ident]
+        return [m for i, m in self.sent if i == ident and not isinstance(m, M.Retain)]
 
     def submit(self, session: str, request: str, gen: int = 3) -> None:
         assert self.handle(M.OpenSession(session=session), role=M.CLIENT) == [M.Ack(ref=session)]
