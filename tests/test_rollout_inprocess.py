@@ -52,3 +52,18 @@ def test_bad_requests_get_errors_and_the_session_survives(engine):
     assert len(s.step([1, 2, 3], 2)) == 2  # still serving
     with pytest.raises(RolloutError, match="unknown session"):
         engine.submit("nope", [1], 1).result()
+
+
+def test_tool_gaps_and_retention_keep_the_tokens_and_close_the_sessions(engine):
+    rs = np.random.RandomState(1)
+    trajs = [
+        (f"g{k}", [(rs.randint(0, 257, a).tolist(), g, gap) for a, g, gap in
+                   ((20, 3, 0.0), (7, 2, 0.05), (5, 2, 0.0))])
+        for k in range(2)
+    ]  # fmt: skip
+    outs = run_trajectories(engine, trajs, progress=False, priority=[2, -1], ttl_s=5.0)
+    for (tid, rounds), o in zip(trajs, outs):
+        assert o.id == tid and o.error == ""
+        assert o.rounds == reference_rounds(engine.runner, [(a, g) for a, g, _ in rounds])
+        # closed when it ended: the id opens afresh, without resume
+        Session(engine, tid).close()

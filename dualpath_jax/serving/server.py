@@ -12,6 +12,8 @@ sessions:
   router only what the new prompt adds, and rewinds (`Submit.keep`) to the longest common prefix
   when the client rewrote history. The earlier turns' KV is found in the store by block key and
   read over the path the scheduler picks. One round per session runs at a time; others wait.
+  `X-Session-Priority` (an int) and `X-Session-TTL` (seconds) set the KV retention of the
+  request's session from this round on (`Client.submit`'s `priority` and `ttl_s`).
 - A request without one runs in a fresh session that is closed afterwards; the store's
   hash-chain lookup still finds blocks of any prompt prefix stored before.
 
@@ -31,6 +33,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import os
 import time
 import uuid
@@ -51,8 +54,11 @@ from dualpath_jax.serving.tokenizer import Tokenizer, TokenizerError
 log = logging.getLogger(__name__)
 
 SESSION_HEADER = "X-Session-Id"
+PRIORITY_HEADER = "X-Session-Priority"
+TTL_HEADER = "X-Session-TTL"
 READ_PATH_HEADER = "X-DualPath-Read-Path"
 MAX_SESSION_ID = 256
+MAX_TTL_S = 1e9  # the router's bound (engine.sessions.retention_problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,13 +424,53 @@ class ApiServer:
             )
         return sid
 
+    @staticmethod
+    def _retention(request: web.Request) -> dict[str, Any]:
+        """The `priority` and `ttl_s` for `Client.submit` from the `X-Session-Priority` and
+        `X-Session-TTL` headers, only those present; a bad value is a 400 naming its header."""
+        out: dict[str, Any] = {}
+        raw = request.headers.get(PRIORITY_HEADER)
+        if raw is not None:
+            try:
+                priority = int(raw.strip())
+            except ValueError:
+                priority = None
+            if priority is None or not -(2**31) <= priority < 2**31:
+                raise ApiError(
+                    400,
+                    f"{PRIORITY_HEADER} must be an integer in [-2**31, 2**31), got {raw!r}",
+                    param=PRIORITY_HEADER,
+                )
+            out["priority"] = priority
+        raw = request.headers.get(TTL_HEADER)
+        if raw is not None:
+            try:
+                ttl = float(raw.strip())
+            except ValueError:
+                ttl = math.nan
+            if not 0 <= ttl <= MAX_TTL_S:  # NaN fails too
+                raise ApiError(
+                    400,
+                    f"{TTL_HEADER} must be a number of seconds in [0, {MAX_TTL_S:g}], got {raw!r}",
+                    param=TTL_HEADER,
+                )
+            out["ttl_s"] = ttl
+        return out
+
     # ------------------------------------------------------------------ rounds
 
     async def _submit(
-        self, rnd: _Round, sid: str | None, prompt: list[int], p: _Params, live: bool
+        self,
+        rnd: _Round,
+        sid: str | None,
+        prompt: list[int],
+        p: _Params,
+        live: bool,
+        retention: dict[str, Any],
     ) -> tuple[_AgentSession | None, str]:
-        """Opens (or continues) the round's router session and submits; returns the agent
-        session (None: a one-off session, closed after the round) and the router session id."""
+        """Opens (or continues) the round's router session and submits (with `retention`, the
+        `_retention` keywords); returns the agent session (None: a one-off session, closed after
+        the round) and the router session id."""
         if sid is None:
             rid = f"http-{uuid.uuid4().hex}"
             await self._call(self.client.open_session, rid)
@@ -449,6 +495,7 @@ class ApiServer:
             keep=keep,
             stop_tokens=[] if p.ignore_eos else self.tok.eos_ids,
             on_tokens=rnd.on_tokens if live else None,
+            **retention,
         )
         return agent, rid
 
@@ -456,6 +503,7 @@ class ApiServer:
         self, request: web.Request, req: Any, prompt: list[int], p: _Params, chat: bool
     ) -> web.StreamResponse:
         sid = self._session_id(request, req)
+        retention = self._retention(request)
         if sid is not None:
             if sid not in self.sessions:
                 self.sessions[sid] = _AgentSession(f"http:{sid}")
@@ -463,18 +511,24 @@ class ApiServer:
             agent.last_used = time.monotonic()
             async with agent.lock:
                 try:
-                    return await self._round(request, sid, prompt, p, chat)
+                    return await self._round(request, sid, prompt, p, chat, retention)
                 finally:
                     agent.last_used = time.monotonic()
-        return await self._round(request, None, prompt, p, chat)
+        return await self._round(request, None, prompt, p, chat, retention)
 
     async def _round(
-        self, request: web.Request, sid: str | None, prompt: list[int], p: _Params, chat: bool
+        self,
+        request: web.Request,
+        sid: str | None,
+        prompt: list[int],
+        p: _Params,
+        chat: bool,
+        retention: dict[str, Any],
     ) -> web.StreamResponse:
         rnd = _Round(asyncio.get_running_loop())
         live = p.stream or bool(p.stops)
         try:
-            agent, rid = await self._submit(rnd, sid, prompt, p, live)
+            agent, rid = await self._submit(rnd, sid, prompt, p, live, retention)
         except RolloutError as e:
             raise self._rollout_error(e) from None
         text = TextStream(self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids)

@@ -1,6 +1,6 @@
 """The HTTP server's own logic against a fake router client (no engines, no JAX): error
-statuses and Retry-After, stop strings finishing the round, session rewinds, text streaming
-over split UTF-8 and stop strings, and the tokenizers."""
+statuses and Retry-After, stop strings finishing the round, session rewinds, the session
+retention headers, text streaming over split UTF-8 and stop strings, and the tokenizers."""
 
 from __future__ import annotations
 
@@ -53,10 +53,23 @@ class FakeClient:
         self.cancelled.append(request)
 
     def submit(
-        self, session, append, gen, *, temperature, seed, top_p, keep, stop_tokens, on_tokens
+        self,
+        session,
+        append,
+        gen,
+        *,
+        temperature,
+        seed,
+        top_p,
+        keep,
+        stop_tokens,
+        on_tokens,
+        **retention,
     ):
         rid = f"r{len(self.submits)}"
-        self.submits.append(dict(session=session, append=list(append), gen=gen, keep=keep))
+        self.submits.append(
+            dict(session=session, append=list(append), gen=gen, keep=keep, retention=retention)
+        )
         fut = RoundFuture()
         fut.request = rid
         if self.fail:
@@ -180,6 +193,55 @@ def test_a_session_sends_only_the_new_tokens_and_rewinds_on_edited_history():
     assert s[0]["session"] == s[1]["session"] == s[2]["session"] == "http:agent"
     assert s[3]["session"].startswith("http-") and s[3]["append"] == p1
     assert s[3]["session"] not in client.contexts  # the one-off session was closed
+
+
+def test_retention_headers_reach_the_round():
+    client = FakeClient()
+    agent = {"X-Session-Id": "agent"}
+    out = _post(
+        client,
+        _completion(prompt="hi", max_tokens=2, headers=agent),  # none: nothing is passed
+        _completion(
+            prompt="hi",
+            max_tokens=2,
+            headers={**agent, "X-Session-Priority": "-3", "X-Session-TTL": "2.5"},
+        ),
+        _completion(prompt="hi", max_tokens=2, headers={"X-Session-TTL": "0"}),  # one-off
+        _completion(prompt="hi", max_tokens=2, headers={"X-Session-Priority": "7"}),
+    )
+    assert [s for s, _, _ in out] == [200] * 4
+    assert [s["retention"] for s in client.submits] == [
+        {},
+        {"priority": -3, "ttl_s": 2.5},
+        {"ttl_s": 0.0},
+        {"priority": 7},
+    ]
+    assert client.submits[1]["session"] == "http:agent"
+
+
+@pytest.mark.parametrize(
+    "header, value",
+    [
+        ("X-Session-Priority", "high"),
+        ("X-Session-Priority", "1.5"),
+        ("X-Session-Priority", str(2**40)),
+        ("X-Session-TTL", "-5"),
+        ("X-Session-TTL", "1e12"),
+        ("X-Session-TTL", "nan"),
+        ("X-Session-TTL", "inf"),
+        ("X-Session-TTL", "soon"),
+    ],
+)
+def test_a_bad_retention_header_is_400_naming_it(header, value):
+    client = FakeClient()
+    [(status, _, body)] = _post(
+        client, _completion(prompt="hi", max_tokens=2, headers={"X-Session-Id": "a", header: value})
+    )
+    assert status == 400
+    err = body["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == header
+    assert header in err["message"] and repr(value) in err["message"]
+    assert client.submits == [] and client.contexts == {}  # refused before any session opened
 
 
 def test_text_stream_holds_back_split_utf8_and_stop_prefixes():

@@ -1,0 +1,245 @@
+"""Session retention as the router drives it, in-process with the fake clock and engines of
+test_router_faults: every live decode engine (and the router's own store) learns that a session
+is active when its round starts, idle for its TTL when the round ends (finished or failed) and
+ended when it closes; a decode engine that registers learns every open session's state; the
+retention of `OpenSession` and `Submit` is checked, and a bad one is refused without harm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+# The rig of the router's fault tests (pytest puts this directory on sys.path).
+from test_router_faults import CLIENT, DE, DE_ID, PE, PE_ID, Rig, make_rig
+
+from dualpath_jax.engine import messages as M
+
+DEFAULT_TTL = 60.0  # StoreConfig.retention_ttl_s
+LONG = 1e6  # a TTL no test outlasts: "retained" below never depends on how fast it runs
+
+
+@pytest.fixture()
+def rig():
+    r = make_rig(max_attempts=2)
+    yield r
+    r.router.server.close()
+    r.router.store.close()
+
+
+def retains(rig: Rig, ident: bytes = DE_ID) -> list[M.Retain]:
+    """The Retain messages the last handled message made the router send to `ident`."""
+    return [m for i, m in rig.sent if i == ident and isinstance(m, M.Retain)]
+
+
+def open_session(rig: Rig, session: str, **retention) -> None:
+    assert rig.handle(M.OpenSession(session=session, **retention), role=M.CLIENT) == [
+        M.Ack(ref=session)
+    ]
+
+
+def submit(rig: Rig, session: str, request: str, **retention) -> None:
+    msg = M.Submit(request=request, session=session, append=[1, 2, 3], gen=3, **retention)
+    assert rig.handle(msg, role=M.CLIENT) == []
+
+
+def complete(rig: Rig, request: str) -> M.LoadJobMsg:
+    """Runs the queued round `request` to its Result, as its engines would; returns its job.
+    `rig.sent` then holds what the DecodeDone made the router send."""
+    (job,) = rig.assign()
+    assert job.request == request
+    rig.handle(M.DeReady(request=request, engine=DE, attempt=job.attempt), DE_ID)
+    rig.handle(M.PrefillDone(request=request, engine=PE, first_token=5, hit_blocks=0,
+                             recomputed_blocks=0, read_s=0, prefill_s=0), PE_ID)  # fmt: skip
+    rig.handle(M.DecodeDone(request=request, engine=DE, tokens=[5, 6, 7], persisted_blocks=0),
+               DE_ID)  # fmt: skip
+    (res,) = rig.to(CLIENT)
+    assert isinstance(res, M.Result) and res.request == request
+    return job
+
+
+def test_opening_a_session_tells_no_engine(rig):
+    open_session(rig, "s", priority=4, ttl_s=LONG)
+    assert [m for _, m in rig.sent if isinstance(m, M.Retain)] == []
+    assert not rig.router.store.index.retained("s")
+
+
+def test_a_submitted_round_makes_its_session_active_on_the_decode_engine(rig):
+    open_session(rig, "s", priority=5, ttl_s=7.5)
+    submit(rig, "s", "r1")
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=5, ttl_s=7.5)]
+    assert retains(rig, PE_ID) == []  # prefill engines keep no session's KV
+    assert rig.router.store.index.retained("s")
+
+
+def test_a_session_without_a_ttl_gets_the_store_default(rig):
+    assert rig.router.cfg.store.retention_ttl_s == DEFAULT_TTL
+    open_session(rig, "s")
+    submit(rig, "s", "r1")
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)]
+
+
+def test_a_finished_round_leaves_its_session_idle_for_its_ttl(rig):
+    open_session(rig, "s", priority=2, ttl_s=LONG)
+    submit(rig, "s", "r1")
+    job = complete(rig, "r1")
+    assert job.session == "s"  # the DE claims the round's chain for the session
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=2, ttl_s=LONG)]
+    assert rig.router.store.index.retained("s")  # within its TTL
+
+
+def test_a_zero_ttl_ends_the_retention_with_the_round(rig):
+    open_session(rig, "s", ttl_s=0.0)
+    submit(rig, "s", "r1")
+    assert rig.router.store.index.retained("s")  # while the round runs
+    complete(rig, "r1")
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=0, ttl_s=0.0)]
+    assert not rig.router.store.index.retained("s")
+
+
+@pytest.mark.parametrize("how", ["failed", "cancelled"])
+def test_a_round_that_ends_unfinished_leaves_its_session_idle(rig, how):
+    open_session(rig, "s", priority=-1, ttl_s=LONG)
+    submit(rig, "s", "r1")
+    (job,) = rig.assign()
+    if how == "failed":
+        rig.handle(M.Failed(request="r1", engine=DE, message="OSError: disk", kind="store",
+                            attempt=job.attempt), DE_ID)  # fmt: skip
+    else:
+        rig.handle(M.CancelRound(request="r1"), role=M.CLIENT)
+    (err,) = [m for m in rig.to(CLIENT) if isinstance(m, M.Error)]
+    assert err.ref == "r1"
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=-1, ttl_s=LONG)]
+    assert rig.router.store.index.retained("s")
+
+
+def test_a_round_given_up_after_its_attempts_leaves_its_session_idle(rig):
+    open_session(rig, "s", ttl_s=LONG)
+    submit(rig, "s", "r1")
+    for attempt in (1, 2):  # max_attempts=2
+        rig.assign()
+        rig.handle(M.Failed(request="r1", engine=PE, message="TransferTimeout", kind="transfer",
+                            attempt=attempt), PE_ID)  # fmt: skip
+        if attempt == 1:
+            assert retains(rig) == []  # a retry: the round still runs
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=0, ttl_s=LONG)]
+
+
+def test_closing_a_session_ends_its_retention(rig):
+    open_session(rig, "s", priority=9, ttl_s=LONG)
+    submit(rig, "s", "r1")
+    complete(rig, "r1")
+    assert rig.handle(M.CloseSession(session="s"), role=M.CLIENT) == [M.Ack(ref="s")]
+    assert retains(rig) == [M.Retain(session="s", state="ended")]
+    assert not rig.router.store.index.retained("s")
+    # an unknown session: an error, and nothing sent to the engines
+    (err,) = rig.handle(M.CloseSession(session="s"), role=M.CLIENT)
+    assert err.ref == "s" and "unknown session" in err.message
+    assert retains(rig) == []
+
+
+def test_a_released_session_is_ended_before_its_blocks_go(rig):
+    open_session(rig, "s", ttl_s=LONG)
+    submit(rig, "s", "r1")
+    complete(rig, "r1")
+    assert rig.handle(M.CloseSession(session="s", release=True), role=M.CLIENT) == [M.Ack(ref="s")]
+    assert retains(rig) == [M.Retain(session="s", state="ended")]
+    assert not rig.router.store.index.retained("s")
+
+
+def test_every_live_decode_engine_hears_it(rig):
+    de2 = b"de2"
+    rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
+                          pid=102), de2)  # fmt: skip
+    open_session(rig, "s", priority=1, ttl_s=3.0)
+    submit(rig, "s", "r1")
+    want = M.Retain(session="s", state="active", priority=1, ttl_s=3.0)
+    assert retains(rig) == [want] and retains(rig, de2) == [want]
+
+
+def test_a_decode_engine_that_registers_learns_every_open_session(rig):
+    open_session(rig, "idle", priority=3, ttl_s=LONG)
+    open_session(rig, "busy", priority=-2)
+    submit(rig, "busy", "r1")
+    open_session(rig, "closed")
+    rig.handle(M.CloseSession(session="closed"), role=M.CLIENT)
+    de2 = b"de2"
+    rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
+                          pid=102), de2)  # fmt: skip
+    assert sorted(retains(rig, de2), key=lambda m: m.session) == [
+        M.Retain(session="busy", state="active", priority=-2, ttl_s=DEFAULT_TTL),
+        M.Retain(session="idle", state="idle", priority=3, ttl_s=LONG),
+    ]
+    assert retains(rig) == []  # the engines that knew already are not told again
+    # a prefill engine that registers learns nothing
+    rig.handle(M.Register(role="prefill", engine=3, node=3, group=0, address="inproc://3",
+                          pid=103), b"pe3")  # fmt: skip
+    assert [m for _, m in rig.sent if isinstance(m, M.Retain)] == []
+
+
+def test_a_submit_with_retention_changes_the_sessions(rig):
+    open_session(rig, "s", ttl_s=LONG)
+    submit(rig, "s", "r1", priority=6, ttl_s=2.0)
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
+    complete(rig, "r1")
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=6, ttl_s=2.0)]
+    # later rounds without any keep it; one with only a priority keeps the TTL
+    submit(rig, "s", "r2")
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
+    complete(rig, "r2")
+    submit(rig, "s", "r3", priority=0)
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=2.0)]
+    # -1 goes back to the store's default TTL
+    complete(rig, "r3")
+    submit(rig, "s", "r4", ttl_s=-1.0)
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)]
+
+
+def test_a_resume_changes_the_sessions_retention_from_its_next_round(rig):
+    open_session(rig, "s", priority=1, ttl_s=LONG)
+    open_session(rig, "s", resume=True, priority=8, ttl_s=5.0)
+    assert retains(rig) == []
+    submit(rig, "s", "r1")
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=8, ttl_s=5.0)]
+
+
+@pytest.mark.parametrize(
+    "retention, named",
+    [
+        ({"ttl_s": -5.0}, "ttl_s"),
+        ({"ttl_s": 1e12}, "ttl_s"),
+        ({"ttl_s": math.nan}, "ttl_s"),
+        ({"ttl_s": math.inf}, "ttl_s"),
+        ({"priority": 2**40}, "priority"),
+        ({"priority": -(2**31) - 1}, "priority"),
+    ],
+    ids=repr,
+)
+def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, named):
+    (err,) = rig.handle(M.OpenSession(session="s", **retention), role=M.CLIENT)
+    assert err.kind == "bad_request" and err.ref == "s"
+    assert f"retention {named}" in err.message and str(next(iter(retention.values()))) in (
+        err.message
+    )
+    assert "s" not in rig.router.sessions.sessions and retains(rig) == []
+    # the same in a Submit: refused, the session free and its retention unchanged
+    open_session(rig, "s", priority=1, ttl_s=LONG)
+    (err,) = rig.handle(
+        M.Submit(request="r1", session="s", append=[1], gen=1, **retention), role=M.CLIENT
+    )
+    assert err.kind == "bad_request" and err.ref == "r1" and f"retention {named}" in err.message
+    s = rig.router.sessions["s"]
+    assert not s.busy and (s.priority, s.ttl_s) == (1, LONG) and retains(rig) == []
+    # a good round after it runs
+    submit(rig, "s", "r2")
+    assert retains(rig) == [M.Retain(session="s", state="active", priority=1, ttl_s=LONG)]
+    complete(rig, "r2")
+
+
+def test_the_edges_of_the_ranges_are_accepted(rig):
+    for k, (priority, ttl_s) in enumerate([(2**31 - 1, 0.0), (-(2**31), 1e9), (0, -1.0)]):
+        open_session(rig, f"s{k}", priority=priority, ttl_s=ttl_s)
+        assert (rig.router.sessions[f"s{k}"].priority, rig.router.sessions[f"s{k}"].ttl_s) == (
+            priority,
+            ttl_s,
+        )
