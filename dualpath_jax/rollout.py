@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import pathlib
 import threading
 import uuid
@@ -173,7 +174,10 @@ def run_trajectories(
     outputs = [TrajectoryOutput(tid, [], []) for tid, _ in trajs]
     if arrivals is not None and len(arrivals) != len(trajs):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajs)} trajectories")
-    priorities = [priority] * len(trajs) if isinstance(priority, int) else list(priority)
+    if isinstance(priority, numbers.Integral):
+        priorities = [int(priority)] * len(trajs)
+    else:
+        priorities = [int(p) for p in priority]
     if len(priorities) != len(trajs):
         raise ValueError(f"{len(priorities)} priorities for {len(trajs)} trajectories")
     total = sum(len(r) for _, r in trajs)
@@ -181,6 +185,7 @@ def run_trajectories(
     lock = threading.Lock()
     limit = threading.Semaphore(max_concurrent or max(1, len(trajs)))
     done_all = threading.Event()
+    stopped = threading.Event()  # timed out: no new round starts, late rounds are dropped
     remaining = [len(trajs)]
     sessions: dict[int, Session] = {}
     # Closing blocks on the router's answer: never on the client's thread (the callbacks').
@@ -195,6 +200,8 @@ def run_trajectories(
 
     def finish_one(k: int) -> None:
         if k in sessions:
+            if stopped.is_set():
+                return  # timed out: the call closed every session already
             closer.submit(close, k)
         limit.release()
         with lock:
@@ -213,7 +220,9 @@ def run_trajectories(
             finish_one(k)
             return
         append, gen, *gap = rounds[i]
-        if i and gap and gap[0] > 0 and not done_all.is_set():  # the tool call runs first
+        if stopped.is_set():
+            return
+        if i and gap and gap[0] > 0:  # the tool call runs first
             timer = threading.Timer(gap[0], step, (k, session, i, append, gen))
             timer.daemon = True
             with lock:
@@ -224,6 +233,8 @@ def run_trajectories(
 
     def step(k: int, session: Session, i: int, append: Sequence[int], gen: int) -> None:
         def on_done(f: futures.Future) -> None:
+            if stopped.is_set():  # after the timeout: the call has returned its outputs
+                return
             try:
                 res = f.result()
             except Exception as e:  # noqa: BLE001
@@ -264,6 +275,8 @@ def run_trajectories(
             outputs[k].error = str(e)
             finish_one(k)
     finished = done_all.wait(timeout_s)
+    with lock:
+        stopped.set()
     bar.close()
     with lock:
         for timer in timers:
@@ -272,7 +285,11 @@ def run_trajectories(
         for o, (_, rounds) in zip(outputs, trajs):
             if not o.error and len(o.rounds) < len(rounds):
                 o.error = f"timed out after {timeout_s} s with {len(o.rounds)} of {len(rounds)} rounds done"
-    closer.shutdown(wait=finished)
+    if not finished:  # the unfinished trajectories' sessions end here (their rounds are dropped)
+        for k, (o, (_, rounds)) in enumerate(zip(outputs, trajs)):
+            if k in sessions and len(o.rounds) < len(rounds) and o.error.startswith("timed out"):
+                closer.submit(close, k)
+    closer.shutdown(wait=True)
     return outputs
 
 

@@ -187,6 +187,8 @@ class Router:
                     return self.fail(
                         ident, s, f"session {s!r} exists; pass resume=True to continue it"
                     )
+                if resume:  # its blocks' retention takes the session's new settings
+                    self.retain(s, "current")
                 self.send(ident, M.Ack(ref=s))
             case M.CancelRound():
                 self.on_cancel(ident, msg)
@@ -311,10 +313,11 @@ class Router:
         self.sessions.complete(st, tokens)
         self.retain(st.session, "idle")
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
-        # with release=True can delete them.
-        self.store.claim(
-            st.session, block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
-        )
+        # with release=True can delete them (a session closed meanwhile claims nothing).
+        if st.session in self.sessions.sessions:
+            self.store.claim(
+                st.session, block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
+            )
         res = st.result(tokens, now, self.bt, persist_error, finish_reason)
         if persist_error:
             self.counters["persist_errors"] += 1
@@ -328,8 +331,11 @@ class Router:
 
     def retain(self, session: str, state: str, ident: bytes | None = None) -> None:
         """Session retention (docs/kv_events.md): the router's store and every live DE's (or
-        only engine `ident`'s) learn that `session` is now active, idle or ended."""
-        msg = self.sessions.retain(session, state, self.cfg.store.retention_ttl_s)
+        only engine `ident`'s) learn that `session` is now active, idle or ended (`state`, or
+        "current": where it stands, `SessionTable.retain`)."""
+        msg = self.sessions.retain(session, state, self.cfg.store.retention_ttl_s, self.clock())
+        if msg is None:
+            return
         if ident is None:
             self.store.retain(msg.session, msg.state, msg.priority, msg.ttl_s)
         for e in self.engines.live("decode"):
@@ -373,7 +379,7 @@ class Router:
         self.send(ident, M.Ack(ref=str(msg.engine)))
         if msg.role == "decode":  # a (re)started DE learns which sessions to retain
             for s in list(self.sessions.sessions.values()):
-                self.retain(s.id, "active" if s.busy else "idle", ident)
+                self.retain(s.id, "current", ident)
         if msg.params_version != self.params.version:
             # An engine that (re)started after an update: bring it to the current params. If it
             # cannot load them, its jobs fail with a clear version mismatch.

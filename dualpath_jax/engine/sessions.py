@@ -25,6 +25,7 @@ class SessionState:
     busy: bool = False
     priority: int = 0  # retention of its stored blocks (M.OpenSession)
     ttl_s: float = -1.0  # -1: store.retention_ttl_s
+    retained_until: float = -math.inf  # when its last round's retention ends (router clock)
 
 
 def retention_problem(priority: int | None, ttl_s: float | None) -> str:
@@ -146,13 +147,34 @@ class SessionTable:
         s.priority, s.ttl_s = priority, ttl_s
         return True
 
-    def retain(self, session: str, state: str, default_ttl_s: float) -> M.Retain:
+    def retain(
+        self, session: str, state: str, default_ttl_s: float, now: float
+    ) -> M.Retain | None:
         """The `Retain` that tells the DEs' stores `session` is now `state` (active, idle,
-        ended), with its priority and TTL (`default_ttl_s` unless the session set one)."""
+        ended), with its priority and TTL (`default_ttl_s` unless the session set one); None
+        when there is nothing to tell (a session closed meanwhile). `state="current"` restates
+        where the session stands (for a DE that registers, or new settings): active while a
+        round runs, idle for what is left of its TTL, nothing once that is over."""
         s = self.sessions.get(session)
-        if s is None or state == "ended":
+        if state == "ended":
             return M.Retain(session=session, state="ended")
+        if s is None:
+            return None
+        if state == "current":
+            if s.busy:
+                state = "active"
+            elif s.retained_until > now:
+                return M.Retain(
+                    session=session,
+                    state="idle",
+                    priority=s.priority,
+                    ttl_s=s.retained_until - now,
+                )
+            else:
+                return None
         ttl = default_ttl_s if s.ttl_s < 0 else s.ttl_s
+        if state == "idle":
+            s.retained_until = now + ttl
         return M.Retain(session=session, state=state, priority=s.priority, ttl_s=ttl)
 
     def close(self, session: str) -> None:

@@ -13,10 +13,12 @@ Session retention (`policy="retention"`, docs/kv_events.md "Session retention"):
 trajectory, i.e. a router session) is *retained* while one of its rounds runs (`retain(owner,
 "active")`) and for `ttl_s` after it (`"idle"`, the gap of a tool call); `"ended"` ends that at
 once. The keys any retained owner claims are evicted only when no other unpinned key is left, and
-then lowest `priority` first, an idle owner's before an active one's, least recently used first.
-The other keys are evicted least recently used first, except that the keys of an owner whose
-retention just ended or expired go to the head of that queue: an ended trajectory's blocks leave
-before those of a trajectory still in its tool call. With `policy="lru"` `retain` does nothing.
+then owner by owner: lowest `priority` first, an idle owner's before an active one's, the owner
+least recently active first, each owner's chain from its tail.
+All other keys (no owner retained: ended, expired, never told) go before them, least recently
+used first. So an ended trajectory's blocks, or those of one whose tool call outlasted its TTL,
+leave before those of a trajectory still in its tool call, however recently they were used. With
+`policy="lru"` `retain` does nothing.
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ class Retention:
     priority: int = 0
     active: bool = False
     until: float = -math.inf
+    stamp: int = 0  # when it was last told anything (a counter of `retain` calls)
 
     def retained(self, now: float) -> bool:
         return self.active or now < self.until
+
+    @property
+    def rank(self) -> tuple[int, bool, int]:
+        """Eviction order among retained owners: lowest first."""
+        return (self.priority, self.active, self.stamp)
 
 
 class BlockIndex:
@@ -74,13 +82,17 @@ class BlockIndex:
         self._doomed: dict[str, str] = {}  # pinned key -> why it goes at its last unpin
         self._owners: dict[str, set[str]] = {}
         self._owned: dict[str, dict[str, None]] = {}  # owner -> its keys in claim order
-        # Retention: unheld keys in eviction order (first out first), how many retained owners
-        # hold each held key, each owner's retention, and the TTLs to expire (until, owner).
-        self._free: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Retention: each key's last use (a counter), a heap of (last use, key) over the unheld
+        # keys (entries whose key was used again, held or dropped since are skipped), how many
+        # retained owners hold each held key, each owner's retention, and the TTLs to expire.
+        self._tick = 0
+        self._used_at: dict[str, int] = {}
+        self._heap: list[tuple[int, str]] = []
         self._held: collections.Counter[str] = collections.Counter()
         self._retention: dict[str, Retention] = {}
         self._retained: set[str] = set()
         self._expiry: list[tuple[float, str]] = []
+        self._stamp = 0
 
     # ------------------------------------------------------------------ queries
 
@@ -128,8 +140,11 @@ class BlockIndex:
         """Unpinned keys in the order `admit` would evict them now."""
         with self._lock:
             self._expire(self.clock())
-            free = [k for k in self._free if self._pins[k] == 0]
-            return free + list(self._ranked_held())
+            free = sorted(
+                (k for k in self._lru if not self._held[k] and self._pins[k] == 0),
+                key=self._used_at.__getitem__,
+            )
+            return free + list(dict.fromkeys(self._held_victims(set())))
 
     def prefix(self, keys: Iterable[str]) -> int:
         """How many leading `keys` are indexed (no touch)."""
@@ -153,8 +168,7 @@ class BlockIndex:
             for key in reversed(list(keys)):
                 if key in self._lru:
                     self._lru.move_to_end(key)
-                    if key in self._free:
-                        self._free.move_to_end(key)
+                    self._use(key)
                 else:
                     self._add(key, nbytes)
 
@@ -196,8 +210,7 @@ class BlockIndex:
             # Like `touch`, the chain's prefix ends most recently used.
             for key in reversed(admitted):
                 self._lru.move_to_end(key)
-                if key in self._free:
-                    self._free.move_to_end(key)
+                self._use(key)
             return admitted, evicted
 
     def remove(self, keys: Iterable[str]) -> None:
@@ -293,6 +306,8 @@ class BlockIndex:
                 self._set_retained(owner, False)
                 return
             r = self._retention.setdefault(owner, Retention())
+            self._stamp += 1
+            r.stamp = self._stamp
             r.priority = priority
             r.active = state == "active"
             if state == "idle":
@@ -306,12 +321,20 @@ class BlockIndex:
     def _add(self, key: str, nbytes: int) -> None:
         self._lru[key] = nbytes
         self._used += nbytes
+        self._use(key)
+
+    def _use(self, key: str) -> None:
+        """`key` was just used: it is the last of the unheld keys to go."""
+        self._tick += 1
+        self._used_at[key] = self._tick
         if not self._held[key]:
-            self._free[key] = None
+            heapq.heappush(self._heap, (self._tick, key))
+            if len(self._heap) > 4 * len(self._lru) + 64:  # mostly stale entries: rebuild
+                self._heap = [(t, k) for k, t in self._used_at.items() if not self._held[k]]
+                heapq.heapify(self._heap)
 
     def _hold(self, key: str) -> None:
         self._held[key] += 1
-        self._free.pop(key, None)
 
     def _set_retained(self, owner: str, retained: bool) -> None:
         if retained == (owner in self._retained):
@@ -323,13 +346,12 @@ class BlockIndex:
                 self._hold(key)
             return
         self._retained.discard(owner)
-        for key in keys:  # claim order, a chain's prefix first: its tail ends up first out
+        for key in keys:
             self._held[key] -= 1
             if self._held[key] <= 0:
                 del self._held[key]
-                if key in self._lru:  # first out of the unheld keys
-                    self._free[key] = None
-                    self._free.move_to_end(key, last=False)
+                if key in self._lru:  # back among the unheld keys, where its last use puts it
+                    heapq.heappush(self._heap, (self._used_at[key], key))
 
     def _expire(self, now: float) -> None:
         while self._expiry and self._expiry[0][0] <= now:
@@ -341,37 +363,47 @@ class BlockIndex:
 
     def _victims(self, exclude: set[str]) -> Iterator[str]:
         """Unpinned keys not in `exclude` in eviction order, each looked up when asked for (so
-        that keys dropped or added meanwhile are seen): the unheld ones, then the held ones ranked
-        once."""
-        while True:
-            victim = next(
-                (k for k in self._free if self._pins[k] == 0 and k not in exclude), None
-            )
-            if victim is None:
-                break
-            yield victim
-        for key in self._ranked_held():
-            if key in self._lru and self._held[key] and self._pins[key] == 0 and key not in exclude:
-                yield key
+        that keys dropped or added meanwhile are seen): the unheld ones, least recently used
+        first, then the held ones (`_held_victims`)."""
+        aside: list[tuple[int, str]] = []  # pinned or excluded: back on the heap afterwards
+        try:
+            while self._heap:
+                tick, key = self._heap[0]
+                if self._used_at.get(key) != tick or self._held[key] or key not in self._lru:
+                    heapq.heappop(self._heap)  # stale
+                elif self._pins[key] or key in exclude:
+                    aside.append(heapq.heappop(self._heap))
+                else:
+                    yield key  # the caller drops it before asking for the next
+        finally:
+            for entry in aside:
+                heapq.heappush(self._heap, entry)
+        yield from self._held_victims(exclude)
 
-    def _ranked_held(self) -> list[str]:
-        """Stored unpinned held keys, lowest priority first, an idle owner's before an active
-        one's, least recently used first."""
-        rank: dict[str, tuple[int, bool]] = {}
-        for owner in self._retained:
-            r = self._retention[owner]
-            mine = (r.priority, r.active)
-            for key in self._owned.get(owner, ()):
-                if key in self._lru and self._pins[key] == 0:
-                    rank[key] = max(rank.get(key, mine), mine)
-        position = {k: i for i, k in enumerate(self._lru) if k in rank}
-        return sorted(rank, key=lambda k: (*rank[k], position[k]))
+    def _held_victims(self, exclude: set[str]) -> Iterator[str]:
+        """Stored unpinned held keys not in `exclude`, owner by owner: lowest priority first, an
+        idle owner's before an active one's, the owner least recently active first; each owner's
+        keys from the tail of its chain (latest claimed first). Keys only that owner holds come
+        first; keys other retained owners hold too, only once no such key is left."""
+        owners = sorted(self._retained, key=lambda o: self._retention[o].rank)
+        for shared in (False, True):
+            for owner in owners:
+                for key in reversed(list(self._owned.get(owner, ()))):
+                    held = self._held[key]
+                    if (
+                        held
+                        and (shared or held == 1)
+                        and key in self._lru
+                        and self._pins[key] == 0
+                        and key not in exclude
+                    ):
+                        yield key
 
     def _drop(self, key: str) -> None:
         nbytes = self._lru.pop(key, None)
         if nbytes is not None:
             self._used -= nbytes
-        self._free.pop(key, None)
+        self._used_at.pop(key, None)
         self._held.pop(key, None)
         for owner in self._owners.pop(key, ()):
             self._owned.get(owner, {}).pop(key, None)

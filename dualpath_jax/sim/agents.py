@@ -1,10 +1,11 @@
 """Agents replaying their trajectories on a simulated cluster (appendix A.3).
 
-Round i+1 of an agent is submitted when its round i is done, with prompt `A_1 G_1 ... A_{i+1}`.
-The hit of a round is what the DE persisted for the previous round (`round_hit`); a first round
-given as content pieces (`Round.pieces`: Mooncake and conversation traces) hits the longest
-prefix it shares with the first rounds finished so far, as the content-addressed store finds it
-(`workload.sharing`). Part of the compiled core (`dualpath_jax.native`): one submission per round
+Round i+1 of an agent is submitted when its round i is done and its tool call (`Round.gap_s`)
+is over, with prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what the DE persisted for the
+previous round (`round_hit`); a first round given as content pieces (`Round.pieces`: Mooncake
+and conversation traces) hits the longest prefix it shares with the first rounds finished so
+far, as the content-addressed store finds it (`workload.sharing`). With a store capacity, the
+part of that hit still stored (`sim.kvcache`). Part of the compiled core (`dualpath_jax.native`): one submission per round
 of every agent.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from dualpath_jax.sched.types import Request
 from dualpath_jax.sim.cluster import SimCluster
+from dualpath_jax.sim.kvcache import SimBlockStore
 from dualpath_jax.sim.state import RoundState
 from dualpath_jax.workload.sharing import PrefixIndex, prefix_hit
 from dualpath_jax.workload.trace import Trajectory, TurnSpec
@@ -73,6 +75,7 @@ class AgentReplay:
         self.ids: list[str] = []
         self.prompts: list[list[int]] = []
         self.gens: list[list[int]] = []
+        self.gaps: list[list[float]] = []
         # Each agent's first-round pieces (empty: private tokens) and those finished so far.
         self.pieces: list[tuple[tuple[int, int], ...]] = []
         self.shared = PrefixIndex()
@@ -80,16 +83,32 @@ class AgentReplay:
             self.pieces.append(t.rounds[0].pieces if t.rounds else ())
             prompts: list[int] = []
             gens: list[int] = []
+            gaps: list[float] = []
             context = 0
             for r in t.rounds:
                 append = r.append_len
                 prompts.append(context + append)
                 gens.append(r.gen)
+                gaps.append(float(r.gap_s))
                 context += append + r.gen
             self.ids.append(t.id)
             self.prompts.append(prompts)
             self.gens.append(gens)
+            self.gaps.append(gaps)
         self.done_at: list[float] = [math.nan] * len(self.ids)
+        self.store: SimBlockStore | None = None
+        st = cluster.cfg.store
+        if st.capacity_bytes > 0:
+            loop = cluster.loop
+            self.store = SimBlockStore(
+                st.capacity_bytes,
+                cluster.kvb * self.bt,
+                self.bt,
+                st.eviction,
+                st.retention_ttl_s,
+                lambda: loop.now,
+                cluster.counters,
+            )
 
     def submit(self, agent: int, turn: int) -> None:
         prompts, gens = self.prompts[agent], self.gens[agent]
@@ -101,6 +120,8 @@ class AgentReplay:
         else:
             hit = 0
         traj = f"{self.ids[agent]}/a{agent}"
+        if self.store is not None:
+            hit = self.store.begin(agent, traj, self.pieces[agent], hit)
         req = Request(f"{traj}/r{turn}", traj, turn, prompt, hit, gens[turn])
         self.cluster.submit_round(req, agent, self._done)
 
@@ -108,7 +129,14 @@ class AgentReplay:
         agent, turn = st.agent, st.request.turn + 1
         if turn == 1 and self.pieces[agent]:
             self.shared.add(self.pieces[agent])
-        if turn < len(self.prompts[agent]):
-            self.submit(agent, turn)
-        else:
+        last = turn == len(self.prompts[agent])
+        if self.store is not None:
+            r = st.request
+            n_full = (r.prompt_tokens + r.gen_tokens - 1) // self.bt
+            self.store.end(agent, r.trajectory, self.pieces[agent], n_full, last)
+        if last:
             self.done_at[agent] = self.cluster.loop.now
+        elif self.gaps[agent][turn] > 0:  # the agent's tool call runs first
+            self.cluster.loop.after(self.gaps[agent][turn], self.submit, agent, turn)
+        else:
+            self.submit(agent, turn)

@@ -157,18 +157,26 @@ def test_every_live_decode_engine_hears_it(rig):
     assert retains(rig) == [want] and retains(rig, de2) == [want]
 
 
-def test_a_decode_engine_that_registers_learns_every_open_session(rig):
-    open_session(rig, "idle", priority=3, ttl_s=LONG)
+def test_a_decode_engine_that_registers_learns_every_retained_session(rig):
+    open_session(rig, "idle", priority=3, ttl_s=100.0)
+    submit(rig, "idle", "r0")
+    complete(rig, "r0")
+    open_session(rig, "expired", ttl_s=1.0)
+    submit(rig, "expired", "r2")
+    complete(rig, "r2")
+    open_session(rig, "never")  # no round yet: nothing of it is retained
     open_session(rig, "busy", priority=-2)
     submit(rig, "busy", "r1")
     open_session(rig, "closed")
     rig.handle(M.CloseSession(session="closed"), role=M.CLIENT)
+    rig.clock.t += 40.0
     de2 = b"de2"
     rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
                           pid=102), de2)  # fmt: skip
+    # an idle session for what is left of its TTL, never a fresh one
     assert sorted(retains(rig, de2), key=lambda m: m.session) == [
         M.Retain(session="busy", state="active", priority=-2, ttl_s=DEFAULT_TTL),
-        M.Retain(session="idle", state="idle", priority=3, ttl_s=LONG),
+        M.Retain(session="idle", state="idle", priority=3, ttl_s=pytest.approx(60.0)),
     ]
     assert retains(rig) == []  # the engines that knew already are not told again
     # a prefill engine that registers learns nothing
@@ -198,9 +206,19 @@ def test_a_submit_with_retention_changes_the_sessions(rig):
 def test_a_resume_changes_the_sessions_retention_from_its_next_round(rig):
     open_session(rig, "s", priority=1, ttl_s=LONG)
     open_session(rig, "s", resume=True, priority=8, ttl_s=5.0)
-    assert retains(rig) == []
+    assert retains(rig) == []  # nothing stored of it is retained yet
     submit(rig, "s", "r1")
     assert retains(rig) == [M.Retain(session="s", state="active", priority=8, ttl_s=5.0)]
+
+
+def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig):
+    open_session(rig, "s", priority=1, ttl_s=50.0)
+    submit(rig, "s", "r1")
+    complete(rig, "r1")
+    rig.clock.t += 10.0
+    open_session(rig, "s", resume=True, priority=8, ttl_s=5.0)
+    # the new TTL counts from the next round; the one running out keeps its end
+    assert retains(rig) == [M.Retain(session="s", state="idle", priority=8, ttl_s=40.0)]
 
 
 @pytest.mark.parametrize(

@@ -55,16 +55,19 @@ def test_an_idle_session_within_its_ttl_outlives_newer_unretained_blocks():
     assert write(idx, "d", [k(6)]) == [k(1)]
 
 
-def test_ended_and_expired_sessions_go_before_older_unretained_blocks():
+def test_once_retention_ends_or_expires_blocks_go_least_recently_used_first():
     idx, clock = index(6)
     write(idx, "old", [k(0), k(1)])
     idx.retain("a", "active")
     write(idx, "a", [k(2), k(3)])
     idx.retain("b", "idle", ttl_s=5)
     write(idx, "b", [k(4), k(5)])
+    assert idx.eviction_order() == [k(1), k(0), k(5), k(4), k(3), k(2)]
     idx.retain("a", "ended")
-    clock.now = 6  # b expired after a ended: it heads the queue
-    assert idx.eviction_order() == [k(5), k(4), k(3), k(2), k(1), k(0)]
+    clock.now = 6  # b expired too: every block by its last use, each chain's tail first
+    assert idx.eviction_order() == [k(1), k(0), k(3), k(2), k(5), k(4)]
+    idx.touch([k(2), k(3)], 10)  # a later lookup of a's blocks (a shared prefix, say)
+    assert idx.eviction_order() == [k(1), k(0), k(5), k(4), k(3), k(2)]
 
 
 def test_with_only_retained_blocks_left_lowest_priority_then_idle_then_lru_go_first():
@@ -106,7 +109,7 @@ def test_a_new_round_renews_retention_and_claims_hold_later_writes():
     write(idx, "x", [k(2), k(3)])
     assert write(idx, "y", [k(4), k(5)]) == [k(3), k(2)]
     clock.now = 61
-    assert idx.eviction_order()[:2] == [k(1), k(0)]
+    assert idx.eviction_order()[:2] == [k(0), k(1)]  # by last use: k(0) since t=0
 
 
 def test_release_ends_retention_and_pins_still_win():
