@@ -163,8 +163,10 @@ def run_trajectories(
     (and `top_p`, see `Session.step_async`). `priority` (one for all, or one per trajectory)
     and `ttl_s` set each session's KV retention (`Session`).
     Each trajectory's session is closed when it ends (its stored blocks are the first to go
-    under capacity pressure); `release=True` also deletes them. Returns one output per
-    trajectory, in input order; a failed round ends its trajectory with `error` set.
+    under capacity pressure). With `release=True` the sessions are closed together at the end
+    instead, deleting their stored blocks (until then later trajectories can hit prefixes they
+    share with earlier ones). Returns one output per trajectory, in input order; a failed round
+    ends its trajectory with `error` set.
     """
     if temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
@@ -201,8 +203,9 @@ def run_trajectories(
     def finish_one(k: int) -> None:
         if k in sessions:
             if stopped.is_set():
-                return  # timed out: the call closed every session already
-            closer.submit(close, k)
+                return  # timed out: the call closes every session
+            if not release:
+                closer.submit(close, k)
         limit.release()
         with lock:
             remaining[0] -= 1
@@ -285,11 +288,13 @@ def run_trajectories(
         for o, (_, rounds) in zip(outputs, trajs):
             if not o.error and len(o.rounds) < len(rounds):
                 o.error = f"timed out after {timeout_s} s with {len(o.rounds)} of {len(rounds)} rounds done"
-    if not finished:  # the unfinished trajectories' sessions end here (their rounds are dropped)
-        for k, (o, (_, rounds)) in enumerate(zip(outputs, trajs)):
-            if k in sessions and len(o.rounds) < len(rounds) and o.error.startswith("timed out"):
-                closer.submit(close, k)
     closer.shutdown(wait=True)
+    # Sessions still open: all of them with `release` (the blocks go now), else the unfinished
+    # trajectories' after a timeout (their late rounds are dropped).
+    for k, (o, (_, rounds)) in enumerate(zip(outputs, trajs)):
+        timed_out = len(o.rounds) < len(rounds) and o.error.startswith("timed out")
+        if k in sessions and (release or timed_out):
+            close(k)
     return outputs
 
 
