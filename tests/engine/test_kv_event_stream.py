@@ -176,9 +176,10 @@ class Rig:
     first: int = 0  # the seq of the first batch after the probes
 
     def handle(self, msg: M.Msg, ident: bytes = b"c1", role: str = M.ENGINE) -> list[M.Msg]:
+        """What the router sent, session retention (`Retain`) left out."""
         self.sent.clear()
         self.router.handle(ident, msg, role)
-        return [m for _, m in self.sent]
+        return [m for _, m in self.sent if not isinstance(m, M.Retain)]
 
     def batches(self) -> list[EventBatch]:
         out = []

@@ -39,10 +39,11 @@ class Rig:
     sent: list[tuple[bytes, M.Msg]]
 
     def handle(self, msg: M.Msg, ident: bytes = b"client") -> list[tuple[bytes, M.Msg]]:
-        """Handles one message; returns (recipient, message) of everything the router sent."""
+        """Handles one message; returns (recipient, message) of everything the router sent but
+        session retention (`Retain`, tests/engine/test_router_retention.py)."""
         self.sent.clear()
         self.router.handle(ident, msg)
-        return list(self.sent)
+        return [(i, m) for i, m in self.sent if not isinstance(m, M.Retain)]
 
     def submit(self, rid: str, session: str, append: list[int], gen: int = 2, **kw) -> list:
         return self.handle(M.Submit(request=rid, session=session, append=append, gen=gen, **kw))
