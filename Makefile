@@ -37,6 +37,7 @@ bench: $(TEST_STAMP)
 	$(PY) bench/online_capacity.py --config=configs/cpu_1p2d.py --set workload.duration_s=150 --aps=0.04,0.08,0.16,0.32 --bisect=2 --workdir=bench_out/capacity
 	$(PY) bench/serve_multiturn.py --workdir=bench_out/serve_multiturn
 	$(PY) bench/load_or_recompute.py --workdir=bench_out/load_or_recompute
+	$(PY) bench/session_retention.py --workdir=bench_out/session_retention
 	$(PY) bench/sim_validate.py --workdir=bench_out/sim_validate
 	$(PY) bench/event_loop.py
 	$(PY) bench/sim_speed.py --agents=2048

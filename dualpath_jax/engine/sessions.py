@@ -147,9 +147,7 @@ class SessionTable:
         s.priority, s.ttl_s = priority, ttl_s
         return True
 
-    def retain(
-        self, session: str, state: str, default_ttl_s: float, now: float
-    ) -> M.Retain | None:
+    def retain(self, session: str, state: str, default_ttl_s: float, now: float) -> M.Retain | None:
         """The `Retain` that tells the DEs' stores `session` is now `state` (active, idle,
         ended), with its priority and TTL (`default_ttl_s` unless the session set one); None
         when there is nothing to tell (a session closed meanwhile). `state="current"` restates

@@ -159,7 +159,9 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
                     )
             out.append(Round(tuple(app), gen, gap_s=float(gap)))
         else:
-            out.append(Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen, gap_s=float(gap)))
+            out.append(
+                Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen, gap_s=float(gap))
+            )
     return Trajectory(tid, tuple(out))
 
 

@@ -22,7 +22,9 @@ from dualpath_jax.workload.trace import (
 
 
 def test_a_trace_round_carries_its_gap_through_parse_dump_materialize_and_truncate():
-    line = '{"id": "a", "rounds": [{"append": 5, "gen": 2}, {"append": 3, "gen": 1, "gap_s": 12.5}]}'
+    line = (
+        '{"id": "a", "rounds": [{"append": 5, "gen": 2}, {"append": 3, "gen": 1, "gap_s": 12.5}]}'
+    )
     t = parse_trajectory(line)
     assert [r.gap_s for r in t.rounds] == [0.0, 12.5]
     assert parse_trajectory(trajectory_to_json(t)) == t
@@ -34,9 +36,9 @@ def test_a_trace_round_carries_its_gap_through_parse_dump_materialize_and_trunca
     assert len(as_rounds([m])[0][1][0]) == 2  # no gap: the (ids, gen) pair as before
 
 
-@pytest.mark.parametrize("gap", ['-1', '"soon"', "true", "1e999"])
+@pytest.mark.parametrize("gap", ["-1", '"soon"', "true", "1e999"])
 def test_a_bad_gap_is_refused_naming_the_round(gap):
-    line = '{"id": "a", "rounds": [{"append": 5, "gen": 2, "gap_s": %s}]}' % gap
+    line = f'{{"id": "a", "rounds": [{{"append": 5, "gen": 2, "gap_s": {gap}}}]}}'
     with pytest.raises(TraceError, match="round 0 of 'a': 'gap_s' must be a number >= 0"):
         parse_trajectory(line)
 
