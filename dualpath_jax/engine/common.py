@@ -30,6 +30,7 @@ def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
         de_address=m.de_address,
         oracle=m.oracle,
         attempt=m.attempt,
+        pe_pieces=m.pe_pieces,
     )
 
 
@@ -46,9 +47,11 @@ def register(
     params_version: str = "",
     prefill_cost: M.PrefillCost | None = None,
     runner=None,
+    kv_pieces: int = 1,
 ) -> None:
     """Announces an engine (its KV channel address, served params version, the devices and mesh
-    its `runner` runs on and, for a PE, the prefill cost model it batches with) to the router."""
+    its `runner` runs on and, for a PE, the prefill cost model it batches with and the column
+    pieces its KV rows split into) to the router."""
     devices, mesh = runner_devices(runner) if runner is not None else ([], "")
     rpc.send(
         M.Register(
@@ -62,6 +65,7 @@ def register(
             prefill_cost=prefill_cost,
             devices=devices,
             mesh=mesh,
+            kv_pieces=kv_pieces,
         )
     )
 

@@ -40,6 +40,7 @@ class EngineInfo:
     links: dict = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()  # the devices it runs the model on, as it registered them
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
+    kv_pieces: int = 1  # a PE: the column pieces of its KV rows (M.Register)
 
 
 class EngineRegistry:
@@ -116,6 +117,7 @@ class EngineRegistry:
             self.clock(),
             devices=tuple(msg.devices),
             mesh=msg.mesh,
+            kv_pieces=max(1, msg.kv_pieces),
         )
         self._engines[msg.engine] = e
         return e
@@ -169,6 +171,7 @@ class EngineRegistry:
                 "address": e.address,
                 "devices": list(e.devices),
                 "mesh": e.mesh,
+                "kv_pieces": e.kv_pieces,
                 "links": e.links,
             }
             for e in self._engines.values()

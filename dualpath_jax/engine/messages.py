@@ -199,6 +199,7 @@ class Register(Msg):
     prefill_cost: PrefillCost | None = None  # PEs: the cost model they batch with
     devices: list[str] = []  # the devices the engine runs the model on (its mesh's, in order)
     mesh: str = ""  # its mesh, "data=2,tensor=2" (`cluster.prefill_mesh` form); "": one device
+    kv_pieces: int = 1  # a PE: the column pieces its KV rows split into (whole KV heads each)
 
 
 class LoadParams(Msg):
@@ -266,6 +267,7 @@ class LoadJobMsg(Msg):
     stop_tokens: list[int] = []  # see Submit
     stream: bool = False  # the DE reports every new token (TokensOut)
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
+    pe_pieces: int = 1  # the DE offers each hit layer in the PE's column pieces (Register)
 
 
 class Work(Msg):

@@ -106,6 +106,7 @@ class PrefillEngine:
             self.params.version,
             self.prefill_cost,
             runner=self.runner,
+            kv_pieces=self.ctx.row_pieces,
         )
 
     def run(self) -> None:

@@ -506,6 +506,7 @@ class Router:
                 stop_tokens=st.stop_tokens,
                 stream=st.stream,
                 session=st.session,
+                pe_pieces=pe.kv_pieces,
             )
             self.event(
                 "assign",

@@ -95,6 +95,22 @@ def make_uuid(request_id: str, layer: int, part: int = 0, *, epoch: int = 0) -> 
     return value or 1
 
 
+def spec_devices(specs: Sequence[Any], default: jax.Device) -> list[jax.Device]:
+    """Where each pulled array lands: a spec's one-device `sharding` (a `ShapeDtypeStruct` made
+    with one), else `default`. A sharding over several devices is a ValueError."""
+    out = []
+    for s in specs:
+        sharding = getattr(s, "sharding", None)
+        if sharding is None:
+            out.append(default)
+            continue
+        devices = sharding.device_set
+        if len(devices) != 1:
+            raise ValueError(f"pull: a spec's sharding must be one device, got {sharding}")
+        out.append(next(iter(devices)))
+    return out
+
+
 def normalize_specs(specs: Sequence[Any]) -> list[tuple[tuple[int, ...], np.dtype]]:
     """`(shape, dtype)` pairs (or anything with `.shape` and `.dtype`) -> canonical tuples."""
     out = []
@@ -247,7 +263,9 @@ class KVChannel(abc.ABC):
     ) -> list[jax.Array]:
         """Fetch the arrays `peer` offered under `uuid`, as device arrays of this engine.
 
-        specs: one `(shape, dtype)` (or ShapeDtypeStruct) per offered array, in offer order.
+        specs: one `(shape, dtype)` (or ShapeDtypeStruct) per offered array, in offer order. A
+        ShapeDtypeStruct with a one-device sharding lands on that local device (the column
+        pieces of a layer go straight to the devices of a mesh); others on the channel's.
         Raises TransferTimeout when nothing arrived within `timeout_s` and TransferError when the
         peer is gone or the transfer failed; the channel stays usable after either. Setting
         `abort` ends the wait early with TransferCancelled (a cancelled load frees its thread).
@@ -413,7 +431,11 @@ class JaxTransferChannel(KVChannel):
         if not norm:
             raise ValueError("pull: no specs")
         deadline = self._clock() + timeout_s
-        structs = [jax.ShapeDtypeStruct(s, d, sharding=self._sharding) for s, d in norm]
+        devices = spec_devices(specs, self._device)
+        structs = [
+            jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
+            for (s, d), dev in zip(norm, devices)
+        ]
         try:
             conn = self._connection(peer)
             out = list(conn.pull(uuid, structs))
@@ -664,6 +686,7 @@ class InProcessChannel(KVChannel):
         norm = normalize_specs(specs)
         if not norm:
             raise ValueError("pull: no specs")
+        devices = spec_devices(specs, self._device)
         if not self._fabric.is_alive(self._address):
             raise TransferError(f"channel {self._address} was killed")
         try:
@@ -681,7 +704,7 @@ class InProcessChannel(KVChannel):
         if got != norm:
             self._counters.add(errors=1)
             raise TransferError(f"pull {uuid} from {peer}: offered {got}, specs {norm}")
-        out = [jax.device_put(a, self._device) for a in arrays]
+        out = [jax.device_put(a, dev) for a, dev in zip(arrays, devices)]
         self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
         return out
 

@@ -11,7 +11,9 @@ PE half (`PrefillLoad`, in the prefill engine):
   3. per layer, just before the layer runs: PE buffer -> device (H2D) for blocks `[0, min(p, h))`
      and DE buffer -> PE device over the compute network for blocks `[p, h)` (HIGH class); the
      readiness value is a `HitLayer`: the PE-read rows on the host, the DE-read blocks as device
-     pages where the pull put them (they never go through the PE's host memory).
+     pages where the pull put them (they never go through the PE's host memory). On a PE whose
+     mesh splits the KV heads the DE offers each layer in the PE's column pieces
+     (`LoadJob.pe_pieces`), and each is pulled straight to a device that holds those heads.
   4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
      PE-read hit rows (first piece) and the new tokens' rows (HIGH class). On a mesh whose
      devices split the KV heads (`LoaderContext.mesh`), the new rows go as one array per split,
@@ -41,7 +43,7 @@ from concurrent import futures
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ModelConfig
@@ -89,6 +91,7 @@ class LoadJob:
     de_address: str
     oracle: bool = False
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
+    pe_pieces: int = 1  # column pieces of the PE's KV rows: the DE offers its hit layers in them
 
     def __post_init__(self) -> None:
         if (
@@ -154,6 +157,54 @@ class LoaderContext:
         """Pieces a layer's new rows travel in (1 without a split)."""
         split = self.row_split
         return 1 if split is None else split.mesh.shape[split.spec[1]]
+
+    @functools.cached_property
+    def page_split(self) -> NamedSharding | None:
+        """How a layer's hit pages as bytes `[blocks, bt, bytes]` split over the mesh: by
+        columns, like the rows (`row_split`)."""
+        split = self.row_split
+        return None if split is None else NamedSharding(split.mesh, PS(None, None, split.spec[1]))
+
+    def page_piece_specs(self, blocks: int) -> list[jax.ShapeDtypeStruct]:
+        """One spec per column piece of a hit layer of `blocks` blocks, each on the first device
+        that holds those columns: the DE's pieces land where the PE computes with them."""
+        split, n = self.page_split, self.row_pieces
+        lay = self.layout
+        shape = (blocks, lay.block_tokens, lay.bytes_per_token_per_layer)
+        width = shape[2] // n
+        where: dict[int, jax.Device] = {}
+        for dev, idx in split.devices_indices_map(shape).items():
+            where.setdefault((idx[2].start or 0) // width, dev)
+        return [
+            jax.ShapeDtypeStruct(
+                (blocks, lay.block_tokens, width), np.uint8, sharding=SingleDeviceSharding(where[j])
+            )
+            for j in range(n)
+        ]
+
+    def join_pieces(self, pieces: Sequence[jax.Array]) -> jax.Array:
+        """The column pieces of a hit layer (`page_piece_specs`) as one array split over the
+        mesh (`page_split`); devices that replicate a piece get a device-to-device copy."""
+        split = self.page_split
+        blocks, bt, width = pieces[0].shape
+        shape = (blocks, bt, width * len(pieces))
+        arrays = []
+        for dev, idx in split.addressable_devices_indices_map(shape).items():
+            piece = pieces[(idx[2].start or 0) // width]
+            arrays.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
+        return jax.make_array_from_single_device_arrays(shape, split, arrays)
+
+
+def column_pieces(blocks: jax.Array, n: int) -> list[jax.Array]:
+    """`[blocks, bt, bytes]` as `n` arrays of `bytes / n` columns each (whole KV heads: the
+    rows are head-major), on the device of `blocks`."""
+    width = blocks.shape[-1]
+    if n <= 1:
+        return [blocks]
+    if width % n:
+        raise ValueError(f"{width} bytes a row do not split into {n} equal pieces")
+    w = width // n
+    return [blocks[..., j * w : (j + 1) * w] for j in range(n)]
 
 
 def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: int) -> np.ndarray:
@@ -336,9 +387,23 @@ class PrefillLoad:
             )
 
     def _de_layer_spec(self):
-        lay = self.ctx.layout
+        """What the DE offers a layer of its hit as: one array, or the PE's column pieces."""
+        ctx, lay = self.ctx, self.ctx.layout
         blocks = _padded_blocks(self.de_read_blocks)
+        if self._de_pieces > 1:
+            return ctx.page_piece_specs(blocks)
         return [((blocks, lay.block_tokens, lay.bytes_per_token_per_layer), np.uint8)]
+
+    @property
+    def _de_pieces(self) -> int:
+        """Column pieces of the DE's offers: the PE's own split when the job names it."""
+        n = self.job.pe_pieces
+        if n > 1 and n != self.ctx.row_pieces:
+            raise ValueError(
+                f"request {self.job.request_id}: the DE offers {n} pieces, this PE splits its KV"
+                f" rows into {self.ctx.row_pieces}"
+            )
+        return n
 
     def _stream(self) -> None:
         ctx, job = self.ctx, self.job
@@ -379,13 +444,15 @@ class PrefillLoad:
                 if d_used:
                     # The DE's blocks stay on the device they were pulled to: bitcast to KV
                     # rows there, placed into the layer's pages by the forward's page assembly.
-                    (arr,) = ctx.channel.pull(
+                    got = ctx.channel.pull(
                         job.de_address,
                         job.uuid(Part.DE_LAYER, layer=i),
                         self._de_layer_spec(),
                         ctx.timeout_s,
                         abort=self._abort,
                     )
+                    # One piece per column split, each on a device that computes with it.
+                    arr = ctx.join_pieces(got) if len(got) > 1 else got[0]
                     ctx.charge(
                         job,
                         P.engine_to_engine_path(
@@ -532,7 +599,8 @@ class DecodeLoad:
                 for i in range(ctx.cfg.num_layers):
                     blocks = res.layer_pages(p, self.de_hits, i, padded, purpose="de_offer")
                     ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
-                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), [blocks])
+                    pieces = column_pieces(blocks, job.pe_pieces)
+                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer

@@ -98,6 +98,8 @@ def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_
     # each engine runs on its own devices, as many as its role's mesh spans
     pe, de = engines[str(cluster.engine_ids["pe0"])], engines[str(cluster.engine_ids["de1"])]
     assert (pe["role"], pe["mesh"], len(pe["devices"])) == ("prefill", PE_MESH, 4), pe
+    # the PE splits its KV rows by head over its 4 devices: its DEs offer their hits in 4 pieces
+    assert pe["kv_pieces"] == 4
     assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", DE_MESH, 2), de
     assert pe["devices"] == ["cpu:0", "cpu:1", "cpu:2", "cpu:3"], pe  # each process's own
     assert de["devices"] == ["cpu:0", "cpu:1"], de

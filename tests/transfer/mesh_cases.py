@@ -69,6 +69,7 @@ class Halves:
     `offered[uuid]` records the devices of every array the PE offered."""
 
     def __init__(self, mesh):
+        self.pulled: dict[int, list] = {}  # uuid -> the devices the PE's pulled arrays are on
         self.store = open_block_store(StoreConfig(kind="memory", block_tokens=BT), CFG)
         layout = BlockLayout.for_model(CFG, BT)
         self.pool = futures.ThreadPoolExecutor(16)
@@ -92,6 +93,14 @@ class Halves:
             offer(uuid, arrays)
 
         self.pe.channel.offer = spy
+        pull = self.pe.channel.pull
+
+        def spy_pull(peer, uuid, specs, timeout_s, **kw):
+            out = pull(peer, uuid, specs, timeout_s, **kw)
+            self.pulled[uuid] = [tuple(a.devices()) for a in out]
+            return out
+
+        self.pe.channel.pull = spy_pull
 
     def close(self):
         for c in (self.pe, self.de):
@@ -117,6 +126,7 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
         job = LoadJob(
             "m1", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
             halves.pe.channel.address, halves.de.channel.address,
+            pe_pieces=halves.pe.row_pieces,  # as the router sends it (the PE's Register)
         )  # fmt: skip
         de = DecodeLoad(halves.de, job).start()
         pe = PrefillLoad(halves.pe, job).start()
@@ -162,6 +172,11 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
             assert len(offered) == split + (pe_blocks == 4), offered  # (+ the PE-read hit)
             assert all(len(d) == 1 for d in pieces), pieces
             assert len({d for (d,) in pieces}) == split, pieces
+        # the DE-read hit of each layer: a piece per split, each pulled onto a device of its heads
+        for i in range(CFG.num_layers if h > pe_blocks else 0):
+            pulled = halves.pulled[job.uuid(Part.DE_LAYER, layer=i)]
+            assert len(pulled) == split and all(len(d) == 1 for d in pulled), pulled
+            assert len({d for (d,) in pulled}) == split, pulled
         pe.close()
         de.close()
     finally:
