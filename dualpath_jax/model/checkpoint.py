@@ -375,7 +375,7 @@ def _place_like(values: Any, shapes: Any, shardings: Any, path: str, t: Tensors)
             f"tensor {path}: shape {tuple(values.shape)}, model expects {tuple(shapes.shape)}"
         )
     out = place(values, shardings, shapes.dtype)
-    t.release()
+    t.release(values)
     return out
 
 

@@ -66,7 +66,8 @@ class Tensors:
     """The tensors of every `*.safetensors` file of `directory`, as views of read-only maps.
 
     `get(name, shape)` returns a numpy view (or an `Fp8` when a `name + "_scale_inv"` grid of
-    block-wise FP8 scales exists); `release()` drops the pages read so far from this process;
+    block-wise FP8 scales exists); `release(value)` drops the pages of what `value` views (every
+    mapped page with no argument) from this process;
     `close()` unmaps the files (use as a context manager)."""
 
     def __init__(self, directory: str | pathlib.Path, fp8_block: Sequence[int] = (128, 128)):
@@ -76,6 +77,7 @@ class Tensors:
             raise CheckpointError(f"{directory}: no *.safetensors files")
         self._maps: list[mmap.mmap] = []
         self._entries: dict[str, _Entry] = {}
+        self._spans: list[tuple[int, int]] = []  # each map's (address, size)
         self._fp8_block = tuple(int(b) for b in fp8_block)
         for i, path in enumerate(files):
             with open(path, "rb") as f:
@@ -85,6 +87,9 @@ class Tensors:
                     raise CheckpointError(f"{path.name}: not a safetensors file (header size {n})")
                 header = json.loads(f.read(n))
                 self._maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                base = np.frombuffer(self._maps[-1], np.uint8)
+                self._spans.append((base.__array_interface__["data"][0], base.nbytes))
+                del base
             for name, info in header.items():
                 if name == "__metadata__":
                     continue
@@ -140,11 +145,26 @@ class Tensors:
             raise CheckpointError(f"tensor {name!r}: shape {w.shape}, model expects {tuple(shape)}")
         return w
 
-    def release(self) -> None:
-        """Drops the mapped pages this process has read (they are clean file pages: a later
-        read faults them in again), so resident memory does not grow with what was loaded."""
-        for m in self._maps:
-            m.madvise(mmap.MADV_DONTNEED)
+    def release(self, value: Any = None) -> None:
+        """Drops mapped pages from this process (they are clean file pages: a later read faults
+        them in again), so resident memory does not grow with what was loaded: the pages of the
+        tensors `value` views (a view, `Stacked` or `Fp8`, as `place` takes), one call per
+        tensor's page-aligned byte range; every mapped page when `value` is None."""
+        if value is None:
+            for m in self._maps:
+                m.madvise(mmap.MADV_DONTNEED)
+            return
+        for a in _viewed_arrays(value):
+            while isinstance(a.base, np.ndarray):  # the tensor's whole view, not a slice of it
+                a = a.base
+            ptr = a.__array_interface__["data"][0]
+            for m, (base, size) in zip(self._maps, self._spans):
+                if base <= ptr < base + size:
+                    start = ptr - base
+                    start -= start % mmap.PAGESIZE
+                    end = min(size, ptr - base + a.nbytes)
+                    m.madvise(mmap.MADV_DONTNEED, start, end - start)
+                    break
 
     def close(self) -> None:
         for m in self._maps:
@@ -153,6 +173,17 @@ class Tensors:
             except BufferError:  # a view is still alive; the map goes with it
                 pass
         self._maps = []
+
+
+def _viewed_arrays(value: Any) -> list[np.ndarray]:
+    """The numpy arrays inside `value` (a view, `Stacked` or `Fp8`, nested)."""
+    if isinstance(value, np.ndarray):
+        return [value]
+    if isinstance(value, Stacked):
+        return [a for p in value.parts for a in _viewed_arrays(p)]
+    if isinstance(value, Fp8):
+        return [*_viewed_arrays(value.data), *_viewed_arrays(value.scale)]
+    return []
 
 
 @dataclasses.dataclass(frozen=True)
