@@ -30,6 +30,23 @@ def pytest_addoption(parser):
     )
 
 
+@functools.cache
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("ipv6") and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+
+
 def pytest_configure(config):
     where = config.getoption("--native-dir")
     if where:  # before any test module imports the scheduler or the simulator

@@ -302,16 +302,7 @@ def test_client_server_call(server):
         client.close()
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.ipv6
 @pytest.mark.parametrize("port", [0, "free"])
 def test_an_ipv6_address_is_bracketed_in_urls_and_serves(port):
     """`cluster.host` may be an IPv6 literal (a ULA address on the cluster's network): the

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 import time
@@ -376,16 +375,7 @@ def test_packed_transfer_round_trip_in_process():
         assert [np.asarray(g).tobytes() for g in got] == [b.tobytes() for b in blocks]
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.ipv6
 def test_jax_channels_on_an_ipv6_address():
     """`cluster.transfer_host` may be an IPv6 literal: the server listens on `[v6]:port`, says so
     in its address, and pulls from that address arrive."""
