@@ -231,3 +231,34 @@ def test_a_failed_close_is_reported_on_its_trajectory():
     outs = run_trajectories(CloseFails(), [("t", [([1], 1)])], progress=False)
     assert outs[0].rounds == [[1]]
     assert outs[0].error == "closing the session failed: unknown session 't'"
+
+
+class Stalling(Recorder):
+    """Rounds of `stall` sessions never finish on their own: the test completes them later."""
+
+    def __init__(self, stall: tuple[str, ...]):
+        super().__init__()
+        self.stall = stall
+        self.pending: list[futures.Future] = []
+
+    def submit(self, session, append, gen, **kw):
+        if session not in self.stall:
+            return super().submit(session, append, gen, **kw)
+        self._note("submit", session, list(append))
+        fut: futures.Future[M.Result] = futures.Future()
+        self.pending.append((fut, session, [append[-1]] * gen))
+        return fut
+
+
+def test_after_the_timeout_no_round_starts_and_the_unfinished_sessions_close():
+    backend = Stalling(stall=("slow",))
+    trajs = [("slow", [([1], 1), ([2], 1)]), ("fast", [([3], 1), ([4], 1)])]
+    outs = run_trajectories(backend, trajs, progress=False, timeout_s=0.2)
+    assert outs[1].error == "" and outs[1].rounds == [[3], [4]]
+    assert outs[0].error.startswith("timed out") and outs[0].rounds == []
+    assert backend.calls("slow") == [("open", {}), ("submit", [1]), ("close", False)]
+    # The stalled round completes after the call returned: nothing more is sent or recorded.
+    ((fut, session, tokens),) = backend.pending
+    fut.set_result(result(session, tokens))
+    assert backend.calls("slow") == [("open", {}), ("submit", [1]), ("close", False)]
+    assert outs[0].rounds == []
