@@ -207,6 +207,7 @@ class BlockIndex:
                 self._add(key, nbytes)
                 admitted.append(key)
                 admitted_set.add(key)
+            victims.close()  # puts the keys it set aside back, under the lock
             # Like `touch`, the chain's prefix ends most recently used.
             for key in reversed(admitted):
                 self._lru.move_to_end(key)

@@ -137,3 +137,15 @@ def test_bad_retention_is_refused(args, match):
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="eviction policy"):
         BlockIndex(0, "fifo")
+
+
+def test_a_pinned_block_keeps_its_place_in_the_eviction_order():
+    idx, _ = index(3, "lru")
+    write(idx, "x", [k(0)])
+    write(idx, "y", [k(1)])
+    write(idx, "z", [k(2)])
+    idx.pin([k(0)])
+    assert write(idx, "w", [k(3)]) == [k(1)]  # the oldest is pinned: the next goes
+    idx.unpin([k(0)])
+    assert idx.eviction_order() == [k(0), k(2), k(3)]
+    assert write(idx, "v", [k(4)]) == [k(0)]
