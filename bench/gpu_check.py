@@ -213,7 +213,8 @@ def _prefill_decode(runner, prefill_shape, decode_shape) -> dict:
     model (median of a few runs after a compiling one) against its FLOPs and bytes."""
     from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.layers import resolve_attention_impl
-    from dualpath_jax.model.runner import CachedPages, LayerPages, PrefillBatch
+    from dualpath_jax.model.pages import CachedPages, LayerPages
+    from dualpath_jax.model.runner import PrefillBatch
 
     cfg = runner.cfg
     (batch, new, cached), (slots, context) = prefill_shape, decode_shape

@@ -34,7 +34,8 @@ import numpy as np
 from absl import app, flags
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+from dualpath_jax.model.pages import CachedPages, LayerPages
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 

@@ -26,14 +26,8 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, regi
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.model.decode import sample_at
-from dualpath_jax.model.runner import (
-    CachedPages,
-    DeviceRowRun,
-    LayerPages,
-    ModelRunner,
-    PrefillBatch,
-    segment_tokens,
-)
+from dualpath_jax.model.pages import CachedPages, DeviceRowRun, LayerPages, segment_tokens
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad

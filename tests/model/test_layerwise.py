@@ -7,13 +7,8 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model import runner as runner_mod
-from dualpath_jax.model.runner import (
-    CachedPages,
-    LayerPages,
-    PrefillBatch,
-    bucket_len,
-    compile_count,
-)
+from dualpath_jax.model.pages import CachedPages, LayerPages
+from dualpath_jax.model.runner import PrefillBatch, bucket_len, compile_count
 
 ATOL = 2e-5
 

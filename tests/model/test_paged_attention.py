@@ -141,7 +141,8 @@ def test_contiguous_rows_are_pages_with_an_identity_table():
 def test_layerwise_prefill_over_pages_equals_padded_rows(impl):
     """A ragged batch whose cached KV arrives per request in pages (`LayerPages`, what the PE
     builds from hit blocks) gives the logits and new KV of the padded-rows path."""
-    from dualpath_jax.model.runner import LayerPages, ModelRunner, PrefillBatch
+    from dualpath_jax.model.pages import LayerPages
+    from dualpath_jax.model.runner import ModelRunner, PrefillBatch
     from dualpath_jax.model.transformer import init_model
     from dualpath_jax.presets import TINY_QWEN2
 

@@ -22,7 +22,8 @@ from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.runner import CachedPages, LayerPages, ModelRunner, PrefillBatch
+from dualpath_jax.model.pages import CachedPages, LayerPages
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer.channel import JaxTransferChannel
