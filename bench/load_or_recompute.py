@@ -5,11 +5,12 @@ Run:
   python bench/load_or_recompute.py --local --workdir=/tmp/dp_lor   # real engines, cpu_1p2d
 For each storage speed (`--snics`: storage-NIC bytes per second per node; "config" is the
 config's own) it runs the same trajectories under the three modes and prints JCT, TTFT p50, the
-share of hit tokens recomputed and the hit tokens loaded. With `auto`, the scheduler recomputes
-a request's whole hit when the PE's cost model says that finishes before the reads (the reading
-node's queue ahead plus the hit at the NIC's rate). The claim: where storage is slow relative to
-compute, auto beats both always-load and always-recompute on JCT; where it is fast, auto loads
-(equals always-load).
+hit blocks recomputed, the rounds that recomputed a leading part of their hit and read the rest,
+and the hit tokens loaded. With `auto`, the scheduler recomputes the leading part of a request's
+hit (none, some or all of it) that the PE's cost model says finishes first against the reads
+(the reading node's queue ahead plus the blocks read at the NIC's rate). The claim: where
+storage is slow relative to compute, auto beats both always-load and always-recompute on JCT;
+where it is fast, auto loads (equals always-load).
 
 The simulator rows take seconds; `--local` replays on a local cluster (one fresh cluster per
 run, after one unmeasured warm-up run of the first storage speed).
@@ -54,6 +55,8 @@ def _row(summary: dict) -> dict:
         "ttft_p50_s": summary.get("ttft_s", {}).get("p50", float("nan")),
         "cached_tokens": cached,
         "recomputed_blocks": recomputed,
+        # rounds that recomputed a leading part of their hit and read the rest
+        "lead_rounds": summary.get("router", {}).get("recompute_lead_hits", 0),
         "prompt_tokens": prompt,
         "errors": summary.get("errors", 0),
     }
@@ -98,14 +101,17 @@ def main(argv):
             print(json.dumps(row), flush=True)
     (wd / "load_or_recompute.json").write_text(json.dumps({"config": name, "rows": rows}, indent=1))
     print(f"\n{name}, {agents} agents, {'local cluster' if local else 'simulator'}")
-    head = f"{'SNIC B/s':>10} {'mode':>7} {'JCT s':>9} {'TTFT p50':>9} {'recomputed':>11} {'loaded tok':>11}"
+    head = (
+        f"{'SNIC B/s':>10} {'mode':>7} {'JCT s':>9} {'TTFT p50':>9} {'recomputed':>11}"
+        f" {'lead rnds':>9} {'loaded tok':>11}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         share = r["recomputed_blocks"]
         print(
             f"{r['snic_bytes_per_s']:>10.3g} {r['mode']:>7} {r['jct_s']:>9.1f}"
-            f" {r['ttft_p50_s']:>9.3f} {share:>11} {r['cached_tokens']:>11}"
+            f" {r['ttft_p50_s']:>9.3f} {share:>11} {r['lead_rounds']:>9} {r['cached_tokens']:>11}"
         )
     for snic in sorted({r["snic_bytes_per_s"] for r in rows}):
         by = {r["mode"]: r["jct_s"] for r in rows if r["snic_bytes_per_s"] == snic}

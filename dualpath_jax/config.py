@@ -298,10 +298,14 @@ class SchedulerConfig:
     z_factor: float = 1.05
     max_queue: int = 100_000
     # Load or recompute a request's hit KV: "never" (always load it, the paper), "auto" (per
-    # request, recompute the whole hit when the PE's cost model says that finishes before the
-    # reads: the chosen node's read queue plus the hit's bytes at the storage NIC's rate), or
-    # "always" (recompute every hit: the baseline without a KV store).
+    # request, recompute the leading part of the hit, all of it or none, that the PE's cost
+    # model says finishes first against the reads: the chosen node's read queue plus the blocks
+    # read at the storage NIC's rate), or "always" (recompute every hit: the baseline without
+    # a KV store).
     recompute: str = "never"
+    # At most this many leading hit blocks are recomputed per request (0: no limit); the rest
+    # is read. With "always": recompute exactly the first min(hit, this) blocks.
+    recompute_max_blocks: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

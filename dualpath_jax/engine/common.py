@@ -31,6 +31,7 @@ def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
         oracle=m.oracle,
         attempt=m.attempt,
         pe_pieces=m.pe_pieces,
+        lead=m.lead_blocks,
     )
 
 

@@ -268,6 +268,9 @@ class LoadJobMsg(Msg):
     stream: bool = False  # the DE reports every new token (TokensOut)
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
     pe_pieces: int = 1  # the DE offers each hit layer in the PE's column pieces (Register)
+    # Leading hit blocks the PE recomputes instead of reading (load or recompute); the reads
+    # (`pe_blocks`, `de_blocks`) start after them.
+    lead_blocks: int = 0
 
 
 class Work(Msg):
@@ -287,10 +290,11 @@ class PrefillDone(Msg):
     request: str
     engine: int
     first_token: int
-    hit_blocks: int
+    hit_blocks: int  # hit blocks loaded (after the lead)
     recomputed_blocks: int
     read_s: float
     prefill_s: float
+    lead_blocks: int = 0  # leading hit blocks recomputed by choice (before the loaded ones)
 
 
 class ReadsDone(Msg):
@@ -303,7 +307,9 @@ class ReadsDone(Msg):
 
 
 class FirstToken(Msg):
-    """Router -> DE: the PE's first generated token of a request."""
+    """Router -> DE: the PE's first generated token of a request; `hit_blocks`: the prompt's
+    leading blocks already in the store (loaded or recomputed by choice), which the DE does not
+    persist again."""
 
     request: str
     token: int

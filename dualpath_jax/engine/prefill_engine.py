@@ -40,8 +40,10 @@ class _Req:
     msg: M.LoadJobMsg
     load: PrefillLoad
     t_start: float
-    hit: int = -1  # effective hit in blocks, once the reads are done
+    hit: int = -1  # effective hit in blocks loaded (after the lead), once the reads are done
+    lead: int = 0  # leading prompt tokens recomputed before the loaded hit (0: none)
     hit_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # layer -> hit segments
+    lead_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # the lead's rows
     done_rows: dict[int, list] = dataclasses.field(default_factory=dict)  # earlier chunks' rows
     t_read: float = 0.0
 
@@ -189,21 +191,33 @@ class PrefillEngine:
                 self.fail(rid, e)
                 continue
             r.t_read = self.clock() - r.t_start
-            cached = r.hit * self.bt
             r.load.stream()
-            self.queue.add(PendingPrefill(rid, cached, len(r.msg.prompt) - cached))
+            n = len(r.msg.prompt)
+            if r.hit and r.msg.lead_blocks:
+                # A recomputed lead: its tokens first, then the new tokens after the whole hit
+                # (the loaded blocks join the two).
+                r.lead = r.msg.lead_blocks * self.bt
+                cached = r.lead + r.hit * self.bt
+                self.queue.add(PendingPrefill(rid, 0, r.lead, cached, n - cached))
+            else:  # nothing loaded after a lead computes the whole prompt
+                cached = r.hit * self.bt
+                self.queue.add(PendingPrefill(rid, cached, n - cached))
 
     # ------------------------------------------------------------------ forward
 
     def cached_rows(self, r: _Req, layer: int, cached: int) -> list:
         """Layer `layer`'s KV of the request's first `cached` prompt tokens, as the segments
-        `LayerPages.assemble` takes: the hit's (`HitLayer.segments`: PE-read rows on the host,
-        DE-read blocks on the device), then earlier chunks' rows."""
-        if layer not in r.hit_rows:
-            hit = r.load.readiness.wait(layer, self.ctx.timeout_s)
-            r.hit_rows[layer] = hit.segments() if hit is not None else []
-            r.load.consumed()
-        parts = [*r.hit_rows[layer], *r.done_rows.get(layer, [])]
+        `LayerPages.assemble` takes: a recomputed lead's rows (kept on the device), the hit's
+        (`HitLayer.segments`: PE-read rows on the host, DE-read blocks on the device), then
+        earlier chunks' rows. A chunk of the lead itself takes only the lead's earlier rows."""
+        if cached <= r.lead:
+            parts = r.lead_rows.get(layer, [])
+        else:
+            if layer not in r.hit_rows:
+                hit = r.load.readiness.wait(layer, self.ctx.timeout_s)
+                r.hit_rows[layer] = hit.segments() if hit is not None else []
+                r.load.consumed()
+            parts = [*r.lead_rows.get(layer, []), *r.hit_rows[layer], *r.done_rows.get(layer, [])]
         got = sum(segment_tokens(x, self.bt) for x in parts)
         assert got == cached, (got, cached)
         return parts
@@ -261,7 +275,8 @@ class PrefillEngine:
             # keeps this chunk's rows on the device for its next forward.
             for b, (r, ch) in enumerate(zip(reqs, chunks)):
                 if not plan.finishes(ch.request_id):
-                    r.done_rows.setdefault(i, []).append(DeviceRowRun(rows, b, ch.bsz))
+                    kept = r.lead_rows if ch.cached < r.lead else r.done_rows
+                    kept.setdefault(i, []).append(DeviceRowRun(rows, b, ch.bsz))
                 r.load.send_layer(i, DeviceRows(rows, b, ch.bsz))
 
         try:
@@ -304,9 +319,10 @@ class PrefillEngine:
                     engine=self.engine,
                     first_token=int(first[b]),
                     hit_blocks=r.hit,
-                    recomputed_blocks=len(r.msg.keys) - r.hit,
+                    recomputed_blocks=len(r.msg.keys) - r.msg.lead_blocks - r.hit,
                     read_s=r.t_read,
                     prefill_s=dt,
+                    lead_blocks=r.msg.lead_blocks,
                 )
             )
             del self.reqs[ch.request_id]

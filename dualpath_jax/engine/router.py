@@ -124,7 +124,10 @@ class Router:
             "finished_early": 0,
             "read_blocks_pe": 0,  # hit blocks assigned to be read on each path
             "read_blocks_de": 0,
-            "recompute_hits": 0,  # rounds whose hit was recomputed, not read (load or recompute)
+            # rounds whose hit was recomputed, all or a leading part, not read (load or
+            # recompute); of those, rounds that read the rest of it
+            "recompute_hits": 0,
+            "recompute_lead_hits": 0,
             "recompute_hit_blocks": 0,
         }
         self.stopping = False
@@ -476,6 +479,7 @@ class Router:
             self.counters[f"path_{a.path.value}"] += 1
             if a.recompute_blocks:
                 self.counters["recompute_hits"] += 1
+                self.counters["recompute_lead_hits"] += a.path is not ReadPath.NONE
                 self.counters["recompute_hit_blocks"] += a.recompute_blocks
             if self.scheduler.policy.reads:
                 self.counters["read_blocks_pe"] += a.pe_read_blocks
@@ -485,7 +489,7 @@ class Router:
             oracle = not self.scheduler.policy.reads
             job = M.LoadJobMsg(
                 request=st.id,
-                keys=[] if a.recompute_blocks else st.keys,  # recomputed: the PE computes all
+                keys=st.keys,
                 pe_blocks=n if oracle else a.pe_read_blocks,
                 de_blocks=0 if oracle else a.de_read_blocks,
                 prompt=st.prompt,
@@ -507,6 +511,7 @@ class Router:
                 stream=st.stream,
                 session=st.session,
                 pe_pieces=pe.kv_pieces,
+                lead_blocks=0 if oracle else a.recompute_blocks,  # the PE computes these first
             )
             self.event(
                 "assign",
@@ -540,7 +545,7 @@ class Router:
         st.t_first = self.clock()
         st.first_token = msg.first_token
         st.hit_blocks = msg.hit_blocks
-        st.recomputed_blocks += msg.recomputed_blocks
+        st.recomputed_blocks += msg.recomputed_blocks + msg.lead_blocks  # unreadable or chosen
         self.counters["recomputed_blocks"] += msg.recomputed_blocks
         self.counters["hit_blocks"] += msg.hit_blocks
         self.event(
@@ -555,7 +560,12 @@ class Router:
         if de is not None:
             self.send(
                 de.ident,
-                M.FirstToken(request=st.id, token=msg.first_token, hit_blocks=msg.hit_blocks),
+                # the prompt's blocks the store holds (the DE persists those after them)
+                M.FirstToken(
+                    request=st.id,
+                    token=msg.first_token,
+                    hit_blocks=msg.lead_blocks + msg.hit_blocks,
+                ),
             )
         if st.stream:
             self.send(st.client, M.Partial(request=st.id, start=0, tokens=[msg.first_token]))

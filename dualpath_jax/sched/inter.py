@@ -23,6 +23,7 @@ Ties break towards the engine (or group) listed first, so every function is dete
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -34,35 +35,83 @@ RECOMPUTE_MODES = ("never", "auto", "always")
 
 @dataclasses.dataclass(frozen=True)
 class RecomputeRule:
-    """Load a request's hit KV, or recompute it (`scheduler.recompute`).
+    """Load a request's hit KV, or recompute all or a leading part of it (`scheduler.recompute`).
 
-    `mode`: "never" (always load), "always" (recompute every hit), or "auto": recompute when
-    `prefill(0, hit + new)` finishes before `read + prefill(hit, new)`, where `read` is the
-    reading node's queue ahead plus the hit, in tokens, over `read_tokens_per_s` (a node's
-    storage NIC; a split read takes its slower side) and `prefill_s(cached, new)` is the PE's
-    cost model (`fitted_prefill` of a `FittedCostModel`'s coefficients; the simulator passes its
-    own). The whole hit is recomputed or none of it: for a trailing part the trade is concave
-    (an end is best), and a leading part would need the PE to join computed and loaded KV.
-    Without a read rate or a cost model "auto" loads.
+    `mode`: "never" (always load), "always" (recompute every hit), or "auto": of the choices
+    "recompute the first `k` hit blocks, read the other `n - k`" (`k` in `[0, n]`), the one that
+    finishes first. Reading takes the reading node's queue ahead plus the blocks read, in tokens,
+    over `read_tokens_per_s` (a node's storage NIC; a split read takes its slower side).
+    Computing takes `prefill_s(hit, new)` after the reads, plus `prefill_s(0, lead)` for a lead
+    (the PE computes it as a forward of its own before the new tokens, the loaded middle joining
+    the two); `k == n` is one `prefill_s(0, hit + new)` and reads nothing, so it skips the queue
+    too. `prefill_s(cached, new)` is the PE's cost model (`fitted_prefill` of a
+    `FittedCostModel`'s coefficients; the simulator passes its own).
+
+    A leading part, not a trailing one: recomputing block `j` costs its tokens' attention over
+    the `j` blocks before it, which grows with `j`, while reading any block costs the same, so
+    for `0 < k < n` the trade is convex in `k` and the early blocks are the cheap ones to
+    recompute. `max_blocks` caps the lead ("always" recomputes exactly that many, or the whole
+    hit when it is shorter). Without a read rate or a cost model "auto" loads.
     """
 
     mode: str = "never"
     read_tokens_per_s: float = 0.0
     prefill_s: Callable[[int, int], float] | None = None
+    max_blocks: int = 0  # at most this many leading blocks are recomputed (0: no limit)
 
     def __post_init__(self) -> None:
         if self.mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {self.mode!r}")
+        if self.max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, got {self.max_blocks}")
 
     def recompute(self, hit: int, new: int, read_tokens: int) -> bool:
-        """Whether to recompute `hit` tokens rather than read them (`read_tokens`: the reading
-        node's queue ahead plus this hit; the slower side's for a split read)."""
+        """Whether recomputing all `hit` tokens beats reading all of them (`read_tokens`: the
+        reading node's queue ahead plus this hit; the slower side's for a split read)."""
         if self.mode != "auto":
             return self.mode == "always"
         if self.read_tokens_per_s <= 0 or self.prefill_s is None:
             return False
         load = read_tokens / self.read_tokens_per_s + self.prefill_s(hit, new)
         return self.prefill_s(0, hit + new) < load
+
+    def lead_blocks(
+        self,
+        hit: int,
+        new: int,
+        blocks: int,
+        block_tokens: int,
+        read_tokens: Callable[[int], float],
+    ) -> int:
+        """How many leading blocks of a hit of `blocks` blocks (`hit` tokens) to recompute: 0
+        loads it all, `blocks` recomputes it all. `read_tokens(m)`: what reading the hit's last
+        `m` blocks waits for, in tokens (the reading node's queue ahead plus those blocks; the
+        slower side's for a split read)."""
+        cap = min(blocks, self.max_blocks) if self.max_blocks else blocks
+        if self.mode != "auto" or cap <= 0:
+            return max(cap, 0) if self.mode == "always" else 0
+        cost, rate = self.prefill_s, self.read_tokens_per_s
+        if rate <= 0 or cost is None:
+            return 0
+        after = cost(hit, new)
+
+        def total(k: int) -> float:
+            lead = cost(0, min(hit, k * block_tokens)) if k else 0.0
+            return read_tokens(blocks - k) / rate + lead + after
+
+        # The best lead in [1, min(cap, blocks - 1)]: the first whose next block does not gain
+        # (`total` is convex there).
+        lo, hi = 1, min(cap, blocks - 1)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if total(mid + 1) < total(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        best, t = 0, total(0)
+        if hi >= 1 and total(lo) < t:
+            best, t = lo, total(lo)
+        return blocks if cap == blocks and cost(0, hit + new) < t else best
 
 
 def fitted_prefill(p0: float, p1: float, p2: float) -> Callable[[int, int], float]:
@@ -340,9 +389,44 @@ def split_blocks(
     return pe_blocks, n_blocks - pe_blocks
 
 
-def _split_tokens(r: Request, pe_blocks: int, block_tokens: int) -> tuple[int, int]:
-    pe_tok = min(r.cached_tokens, pe_blocks * block_tokens)
-    return pe_tok, r.cached_tokens - pe_tok
+def _split_tokens(r: Request, pe_blocks: int, block_tokens: int, lead: int = 0) -> tuple[int, int]:
+    """The hit tokens each side reads: the PE side the first `pe_blocks` after `lead`
+    recomputed blocks, the DE side the rest."""
+    read = r.cached_tokens - lead * block_tokens
+    pe_tok = min(read, pe_blocks * block_tokens)
+    return pe_tok, read - pe_tok
+
+
+def _split(n, qp, qd, block_tokens, pe_read_rate, de_read_rate) -> tuple[int, int]:
+    return split_blocks(
+        n, qp, qd, block_tokens=block_tokens, pe_read_rate=pe_read_rate, de_read_rate=de_read_rate
+    )
+
+
+def _read_tokens(
+    r: Request,
+    n: int,
+    side: str,
+    qp: int,
+    qd: int,
+    block_tokens: int,
+    pe_read_rate: float,
+    de_read_rate: float,
+    m: int,
+) -> float:
+    """What reading the last `m` of a request's `n` hit blocks waits for, in tokens: the reading
+    node's queue ahead plus the blocks (a split read: its slower side, split as `split_blocks`
+    would)."""
+    if m <= 0:
+        return 0.0
+    tok = r.cached_tokens - (n - m) * block_tokens
+    if side == "pe":
+        return qp + tok
+    if side == "de":
+        return qd + tok
+    pb, db = _split(m, qp, qd, block_tokens, pe_read_rate, de_read_rate)
+    pt = min(tok, pb * block_tokens)
+    return max(qp + pt if pb else 0, qd + tok - pt if db else 0)
 
 
 def assign_paths(
@@ -358,9 +442,10 @@ def assign_paths(
     turns: Mapping[int, int] | None = None,
     recompute: RecomputeRule | None = None,
 ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
-    """Chooses the read side of each `(request, PE, DE)` in order, then whether reading the hit
-    beats recomputing it (`recompute`; a recomputed hit reads nothing: `ReadPath.NONE` with
-    `recompute_blocks` set).
+    """Chooses the read side of each `(request, PE, DE)` in order, then how much of the hit to
+    recompute rather than read (`recompute`: `recompute_blocks` leading blocks are computed and
+    the rest is read on the side chosen, re-split for "split"; a wholly recomputed hit reads
+    nothing: `ReadPath.NONE`).
 
     `mode`: "shorter" (the paper), "pe" (always the PE side), "alternate" (round robin, one turn
     per DE so the sides do not move in lockstep with a round-robin DE choice: a request with hits
@@ -400,16 +485,25 @@ def assign_paths(
                 pe_read_rate=pe_read_rate,
                 de_read_rate=de_read_rate,
             )
-        path = ReadPath.PE if db == 0 else ReadPath.DE if pb == 0 else ReadPath.SPLIT
-        pt, dt = _split_tokens(r, pb, block_tokens)
+        k = 0
         if recompute is not None:
-            ahead = max(qp + pt if pb else 0, qd + dt if db else 0)
-            if recompute.recompute(r.cached_tokens, r.new_tokens, ahead):
+            side = "split" if mode == "split" else "pe" if db == 0 else "de"
+            read = functools.partial(
+                _read_tokens, r, n, side, qp, qd, block_tokens, pe_read_rate, de_read_rate
+            )
+            k = recompute.lead_blocks(r.cached_tokens, r.new_tokens, n, block_tokens, read)
+            if k >= n:  # recompute it all: nothing is read
                 out.append(Assignment(r, pe, de, ReadPath.NONE, recompute_blocks=n))
                 continue
+            if k and mode == "split":
+                pb, db = _split(n - k, qp, qd, block_tokens, pe_read_rate, de_read_rate)
+            elif k:
+                pb, db = (n - k, 0) if db == 0 else (0, n - k)
+        path = ReadPath.PE if db == 0 else ReadPath.DE if pb == 0 else ReadPath.SPLIT
+        pt, dt = _split_tokens(r, pb, block_tokens, k)
         q[pn] = qp + pt
         q[dn] = q.get(dn, 0) + dt
-        out.append(Assignment(r, pe, de, path, pb, db))
+        out.append(Assignment(r, pe, de, path, pb, db, recompute_blocks=k))
     return tuple(out), q
 
 

@@ -41,18 +41,41 @@ class AttentionTerms(Protocol):
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
 class PendingPrefill:
-    """What is left to prefill of one request on a PE: `new` tokens after `cached` ones."""
+    """What is left to prefill of one request on a PE: `new` tokens after `cached` ones.
+
+    `then_cached` / `then_new` (0: none): a second range the request computes once this one is
+    done, `then_new` tokens after `then_cached` (a request that recomputes the leading part of
+    its hit computes `[0, lead)` first, then its new tokens after the whole hit, the loaded
+    middle joining the two). The second range goes to the head of the queue when the first
+    finishes; it is never in the same batch."""
 
     request_id: str
     cached: int
     new: int
+    then_cached: int
+    then_new: int
 
-    def __init__(self, request_id: str, cached: int, new: int) -> None:
+    def __init__(
+        self, request_id: str, cached: int, new: int, then_cached: int = 0, then_new: int = 0
+    ) -> None:
         object.__setattr__(self, "request_id", request_id)
         object.__setattr__(self, "cached", cached)
         object.__setattr__(self, "new", new)
+        object.__setattr__(self, "then_cached", then_cached)
+        object.__setattr__(self, "then_new", then_new)
         if self.cached < 0 or self.new < 1:
             raise ValueError(f"{self.request_id}: need cached >= 0 and new >= 1, got {self}")
+        if then_new < 0 or (then_new and then_cached < cached + new):
+            raise ValueError(
+                f"{self.request_id}: a second range must start at or after the first one's end,"
+                f" got {self}"
+            )
+
+    def then(self) -> PendingPrefill | None:
+        """The second range, once this one is computed (None: the request is done)."""
+        if not self.then_new:
+            return None
+        return PendingPrefill(self.request_id, self.then_cached, self.then_new)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)
@@ -73,12 +96,15 @@ class PrefillChunk:
 class BatchPlan:
     """One forward batch. `taken`: queue items finished by it (all chunks, except a cut last one);
     `rest`: the cut request's remainder, to be put at the head of the queue; `predicted_s`: the
-    attention-layer time of the batch under the cost model."""
+    attention-layer time of the batch under the cost model; `then`: the second ranges of taken
+    items that have one (`PendingPrefill.then`), in batch order, to go to the head of the queue
+    (before `rest`)."""
 
     chunks: tuple[PrefillChunk, ...]
     taken: int
     rest: PendingPrefill | None
     predicted_s: float
+    then: tuple[PendingPrefill, ...]
 
     def __init__(
         self,
@@ -86,11 +112,13 @@ class BatchPlan:
         taken: int,
         rest: PendingPrefill | None,
         predicted_s: float,
+        then: tuple[PendingPrefill, ...] = (),
     ) -> None:
         object.__setattr__(self, "chunks", chunks)
         object.__setattr__(self, "taken", taken)
         object.__setattr__(self, "rest", rest)
         object.__setattr__(self, "predicted_s", predicted_s)
+        object.__setattr__(self, "then", then)
 
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
@@ -98,7 +126,9 @@ class BatchPlan:
 
     def finishes(self, request_id: str) -> bool:
         """Whether this batch computes the request's last prompt token."""
-        return self.rest is None or self.rest.request_id != request_id
+        if self.rest is not None and self.rest.request_id == request_id:
+            return False
+        return not any(x.request_id == request_id for x in self.then)
 
 
 class _Packer:
@@ -171,6 +201,7 @@ def pack_prefill_batch(
     p = _Packer(attention_time, quota_s, max_tokens, max_kv_tokens, terms)
     chunks = p.chunks
     rest: PendingPrefill | None = None
+    then: list[PendingPrefill] = []
     taken = 0
     for item in queue:
         if max_requests and len(chunks) >= max_requests:
@@ -203,16 +234,21 @@ def pack_prefill_batch(
                 bsz = 1  # a lone request still makes progress
         p.add(item.request_id, item.cached, bsz)
         if bsz < item.new:
-            rest = PendingPrefill(item.request_id, item.cached + bsz, item.new - bsz)
+            rest = PendingPrefill(
+                item.request_id, item.cached + bsz, item.new - bsz, item.then_cached, item.then_new
+            )
             break
         taken += 1
+        nxt = item.then()
+        if nxt is not None:
+            then.append(nxt)
     if not p.pairs:
         predicted = 0.0
     elif terms is not None:
         predicted = terms.attention_time_of(p.acc)
     else:
         predicted = attention_time(p.pairs)
-    return BatchPlan(tuple(chunks), taken, rest, predicted)
+    return BatchPlan(tuple(chunks), taken, rest, predicted, tuple(then))
 
 
 def _largest_fitting(hi: int, time_of: Callable[[int], float], quota_s: float) -> int:
@@ -299,6 +335,8 @@ class PrefillQueue:
         if plan.rest is not None:
             self._q.popleft()
             self._q.appendleft(plan.rest)
+        for item in reversed(plan.then):
+            self._q.appendleft(item)
         return plan
 
 

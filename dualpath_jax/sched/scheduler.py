@@ -25,6 +25,7 @@ again) changes nothing.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -97,7 +98,7 @@ class GlobalScheduler:
         """`alpha`/`beta` already resolved (see `sched.cost.derive_alpha_beta`);
         `read_tokens_per_s` (a node's storage NIC in hit tokens per second) and `prefill_s`
         (the PEs' prefill time of `(cached, new)` tokens) feed `scheduler.recompute`."""
-        rule = RecomputeRule(cfg.recompute, read_tokens_per_s, prefill_s)
+        rule = RecomputeRule(cfg.recompute, read_tokens_per_s, prefill_s, cfg.recompute_max_blocks)
         return cls(
             cfg.policy,
             alpha=alpha,
@@ -115,9 +116,7 @@ class GlobalScheduler:
         """The PEs' fitted prefill cost model changed (a PE registered or died): recompute
         decisions use `p0, p1, p2` from now on."""
         if self.recompute is not None:
-            self.recompute = RecomputeRule(
-                self.recompute.mode, self.recompute.read_tokens_per_s, fitted_prefill(*prefill)
-            )
+            self.recompute = dataclasses.replace(self.recompute, prefill_s=fitted_prefill(*prefill))
 
     # ------------------------------------------------------------------ queues
 

@@ -164,11 +164,12 @@ class ClusterView:
 class Assignment:
     """The scheduler's decision for one request: its PE, its DE and how its hit KV is read.
 
-    `pe_read_blocks` + `de_read_blocks` == the request's cached blocks, except for the Oracle
-    policy (both 0, nothing is read) and a recomputed hit (`recompute_blocks`, the cached blocks:
-    nothing is read and the PE computes the whole prompt). The PE reads its blocks first in
-    prefix order: blocks `[0, pe_read_blocks)` via the PE node, `[pe_read_blocks, total)` via
-    the DE node.
+    The hit's first `recompute_blocks` blocks are recomputed by the PE (load or recompute; all of
+    them for a wholly recomputed hit, whose path is NONE and which reads nothing); the rest are
+    read: `recompute_blocks + pe_read_blocks + de_read_blocks` == the request's cached blocks,
+    except for the Oracle policy (nothing is read or recomputed). The PE reads its blocks first
+    in prefix order: after the recomputed lead, `pe_read_blocks` via the PE node, then
+    `de_read_blocks` via the DE node.
     """
 
     request: Request

@@ -225,12 +225,15 @@ class SimCluster:
             return
         st.read_pe, st.read_de = a.pe_read_blocks * self.bt, a.de_read_blocks * self.bt
         self.router.assigned(a, pe, st.read_pe, st.read_de)
-        hit = min(r.cached_tokens, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
+        lead = min(r.cached_tokens, a.recompute_blocks * self.bt)
+        hit = min(r.cached_tokens - lead, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
         de_hit = min(hit, a.de_read_blocks * self.bt)
         path = _PATH_VALUE[a.path] if hit else "none"
-        if a.recompute_blocks:  # the PE computes the whole prompt; nothing is read
+        if a.recompute_blocks and not hit:  # the PE computes the whole prompt; nothing is read
             st.cached = 0
-        computed = r.prompt_tokens - st.cached
+        elif a.recompute_blocks:  # it computes the lead first, then the new tokens after the hit
+            st.lead = lead
+        computed = r.prompt_tokens - st.cached + st.lead
         st.nbytes = P.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)
@@ -299,7 +302,11 @@ class SimCluster:
         r = st.request
         pe = st.pe
         assert pe is not None
-        pe.queue.add(PendingPrefill(r.id, st.cached, r.prompt_tokens - st.cached))
+        new = r.prompt_tokens - st.cached
+        if st.lead:
+            pe.queue.add(PendingPrefill(r.id, 0, st.lead, st.cached, new))
+        else:
+            pe.queue.add(PendingPrefill(r.id, st.cached, new))
         if not pe.busy:
             self._run_batch(pe)
 
@@ -333,7 +340,7 @@ class SimCluster:
                     loads.append((self._links(st, _DE_LOAD), nb[_DE_LOAD], _DE_LOAD))
             total = nb[_SEND]
             if total > 0:  # this chunk's layer blocks (the PE-side hit with the first)
-                computed = st.request.prompt_tokens - st.cached
+                computed = st.request.prompt_tokens - st.cached + st.lead
                 first = total - computed * self.kvb if not st.sent else 0
                 n = total - st.sent if plan.finishes(c.request_id) else first + c.bsz * self.kvb
                 if n > 0:
@@ -459,7 +466,7 @@ class SimCluster:
                 tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0,
                 jct_s=now - st.t_submit,
                 queue_s=st.t_assign - st.t_submit,
-                cached_tokens=st.cached,
+                cached_tokens=st.cached - st.lead,
                 prompt_tokens=r.prompt_tokens,
                 recomputed_blocks=st.assignment.recompute_blocks,
                 read_path=_PATH_VALUE[st.assignment.path if self.policy.reads else ReadPath.NONE],

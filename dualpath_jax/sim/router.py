@@ -123,8 +123,10 @@ class SimRouter:
         pe.tok += a.request.tokens
         self._touch_pe(pe)
         self.counters[_PATH_COUNTER[a.path]] += 1
-        if a.recompute_blocks:  # load or recompute chose to recompute the hit
+        if a.recompute_blocks:  # load or recompute chose to recompute the hit or its lead
             self.counters["recompute_hits"] += 1
+            if a.path is not ReadPath.NONE:
+                self.counters["recompute_lead_hits"] += 1
             self.counters["recompute_hit_blocks"] += a.recompute_blocks
         de_node = self.engines[a.de].node
         # Both read queues grow before either node is touched (a touch may schedule a fetch).

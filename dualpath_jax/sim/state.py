@@ -149,7 +149,8 @@ class RoundState:
     de_buf: int = 0
     read_pe: int = 0  # hit tokens still queued to be read on the PE's node
     read_de: int = 0  # ... on the DE's node
-    cached: int = 0  # prompt tokens the PE does not compute (0 once its hit is recomputed)
+    cached: int = 0  # prompt tokens before the PE's new ones (0 once its hit is recomputed)
+    lead: int = 0  # of those, leading tokens the PE recomputes first (load or recompute)
 
     def __init__(
         self,
@@ -174,6 +175,7 @@ class RoundState:
         self.pe_buf = self.de_buf = 0
         self.read_pe = self.read_de = 0
         self.cached = request.cached_tokens
+        self.lead = 0
 
 
 class HostBuffer:

@@ -73,9 +73,11 @@ class Part(enum.IntEnum):
 class LoadJob:
     """What both halves need to know about one request's KV movement.
 
-    `keys`: the hit blocks' keys (chain order); `pe_blocks`/`de_blocks`: how many of them each
-    side reads (`pe_blocks + de_blocks <= len(keys)`); `prompt_tokens`: the prompt length;
-    engines and nodes name the links to charge; addresses are the two halves' channel addresses.
+    `keys`: the hit blocks' keys (chain order); `lead`: how many leading ones the PE recomputes
+    rather than reads (load or recompute); `pe_blocks`/`de_blocks`: how many of the rest each
+    side reads, the PE's first (`lead + pe_blocks + de_blocks <= len(keys)`); `prompt_tokens`:
+    the prompt length; engines and nodes name the links to charge; addresses are the two
+    halves' channel addresses.
     """
 
     request_id: str
@@ -92,15 +94,18 @@ class LoadJob:
     oracle: bool = False
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
     pe_pieces: int = 1  # column pieces of the PE's KV rows: the DE offers its hit layers in them
+    lead: int = 0
 
     def __post_init__(self) -> None:
         if (
             self.pe_blocks < 0
             or self.de_blocks < 0
-            or self.pe_blocks + self.de_blocks > len(self.keys)
+            or self.lead < 0
+            or self.lead + self.pe_blocks + self.de_blocks > len(self.keys)
         ):
             raise ValueError(
-                f"{self.request_id}: {self.pe_blocks} + {self.de_blocks} read blocks for {len(self.keys)} keys"
+                f"{self.request_id}: {self.lead} recomputed + {self.pe_blocks} + {self.de_blocks}"
+                f" read blocks for {len(self.keys)} keys"
             )
 
     def uuid(self, part: Part, chunk: int = 0, layer: int = 0) -> int:
@@ -339,7 +344,8 @@ class PrefillLoad:
         if p:
             self._res = ctx.buffer.reserve(p, owner=job.request_id, timeout_s=ctx.timeout_s)
             out = [self._res.block(j) for j in range(p)]
-            got = ctx.store.read_full(job.keys[:p], out=out).result(ctx.timeout_s)
+            keys = job.keys[job.lead : job.lead + p]
+            got = ctx.store.read_full(keys, out=out).result(ctx.timeout_s)
             pe_hits = got.hits
             self.pe_read_bytes = pe_hits * ctx.layout.nbytes
             ctx.charge(job, P.store_read_path(job.pe_node), self.pe_read_bytes, L.TrafficClass.LOW)
@@ -360,7 +366,8 @@ class PrefillLoad:
         return self._reads is not None and self._reads.done()
 
     def hit_blocks(self) -> int:
-        """Effective hit in blocks (a prefix); blocks past it are recomputed."""
+        """Effective hit in blocks loaded after the job's lead (a prefix of the blocks read);
+        blocks past it are recomputed."""
         assert self._reads is not None, "start() first"
         return self._reads.result(self.ctx.timeout_s)
 
@@ -475,13 +482,14 @@ class PrefillLoad:
         `[t1 - t0, W]`, or `DeviceRows` of a layer output padded to `n_pad` rows."""
         ctx, job = self.ctx, self.job
         bt = ctx.layout.block_tokens
+        start = job.lead * bt if self.hit_blocks() else 0  # where the PE-read rows start
         hit_tokens = min(job.pe_blocks, self.hit_blocks()) * bt
         self._prefix = 0
         if self._chunk == 0 and hit_tokens:
-            if t0 == hit_tokens:
+            if t0 == start + hit_tokens and not start:
                 self._prefix = hit_tokens  # the PE-read hit rows travel with this chunk's rows
-            else:  # split path: the hit rows are not contiguous with the new rows
-                self._offer_piece(0, hit_tokens, False, lambda i: None)
+            else:  # split path or a lead: the hit rows are not contiguous with these rows
+                self._offer_piece(start, start + hit_tokens, False, lambda i: None)
         n_pad = t1 - t0 if n_pad is None else n_pad
         self._piece = self._offer_meta(t0 - self._prefix, t1, last, self._prefix, n_pad)
 
@@ -581,9 +589,10 @@ class DecodeLoad:
         ctx, job = self.ctx, self.job
         bt, p, d = ctx.layout.block_tokens, job.pe_blocks, job.de_blocks
         res = self._res
+        first = job.lead + p  # the DE's blocks sit at their prompt positions in its buffer
         if d:
-            out = [res.block(p + j) for j in range(d)]
-            got = ctx.store.read_full(job.keys[p : p + d], out=out).result(ctx.timeout_s)
+            out = [res.block(first + j) for j in range(d)]
+            got = ctx.store.read_full(job.keys[first : first + d], out=out).result(ctx.timeout_s)
             self.de_hits = got.hits
             self.de_read_bytes = got.hits * ctx.layout.nbytes
             ctx.charge(job, P.store_read_path(job.de_node), self.de_read_bytes, L.TrafficClass.LOW)
@@ -597,7 +606,7 @@ class DecodeLoad:
                 padded = _padded_blocks(self.de_hits)
                 nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
                 for i in range(ctx.cfg.num_layers):
-                    blocks = res.layer_pages(p, self.de_hits, i, padded, purpose="de_offer")
+                    blocks = res.layer_pages(first, self.de_hits, i, padded, purpose="de_offer")
                     ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
                     pieces = column_pieces(blocks, job.pe_pieces)
                     ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)

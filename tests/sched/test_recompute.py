@@ -34,28 +34,88 @@ def test_the_rule_compares_reading_with_recomputing():
         RecomputeRule("sometimes")
 
 
-def test_a_recomputed_hit_reads_nothing_and_leaves_the_read_queue():
-    short = Request("a", "t", 1, 1024 + 64, 1024, 8)
+def _best_by_search(rule, hit, new, n, ahead):
+    """The k in [0, n] with the least predicted finish, by trying every one."""
+
+    def total(k):
+        if k == n:
+            return COST(0, hit + new)
+        read = ahead + hit - k * BT
+        lead = COST(0, k * BT) if k else 0.0
+        return read / rule.read_tokens_per_s + lead + COST(hit, new)
+
+    return min(range(n + 1), key=lambda k: (total(k), k)), total
+
+
+@pytest.mark.parametrize(
+    "hit,new,rate,ahead",
+    [
+        (1024, 64, 10_000, 0),
+        (8192, 64, 10_000, 0),
+        (8192, 512, 50_000, 20_000),
+        (8192, 64, 10_000, 40_000),
+        (4096, 16, 1e6, 0),
+        (512, 8, 2_000, 0),
+    ],
+)
+def test_the_lead_is_the_best_split_between_recomputing_and_reading(hit, new, rate, ahead):
+    rule = RecomputeRule("auto", rate, COST)
+    n = hit // BT
+    k = rule.lead_blocks(hit, new, n, BT, lambda m: ahead + m * BT if m else 0)
+    best, total = _best_by_search(rule, hit, new, n, ahead)
+    assert total(k) == pytest.approx(total(best), rel=1e-9)
+
+
+def test_the_lead_rule_per_mode_and_its_regimes():
+    read = lambda m: m * BT  # noqa: E731 - nothing queued ahead
+    assert RecomputeRule("never", 10_000, COST).lead_blocks(1024, 64, 64, BT, read) == 0
+    assert RecomputeRule("always").lead_blocks(1024, 64, 64, BT, read) == 64
+    # fast storage: read it all
+    assert RecomputeRule("auto", 1e7, COST).lead_blocks(8192, 64, 512, BT, read) == 0
+    # slow storage: recompute the early blocks (cheap: short attention), read the late ones
+    k = RecomputeRule("auto", 10_000, COST).lead_blocks(8192, 64, 512, BT, read)
+    assert 0 < k < 512
+    # a long queue ahead on the reading node: recompute it all, skipping the queue
+    ahead = lambda m: 400_000 + m * BT if m else 0  # noqa: E731
+    assert RecomputeRule("auto", 10_000, COST).lead_blocks(8192, 64, 512, BT, ahead) == 512
+    # without a cost model or a read rate, auto loads
+    assert RecomputeRule("auto", 10_000, None).lead_blocks(1024, 64, 64, BT, read) == 0
+    assert RecomputeRule("auto", 0.0, COST).lead_blocks(1024, 64, 64, BT, read) == 0
+
+
+@pytest.mark.parametrize("mode", ["shorter", "pe", "split"])
+def test_a_recomputed_lead_reads_the_rest_and_only_the_rest_joins_a_read_queue(mode):
     long = Request("b", "t", 1, 8192 + 64, 8192, 8)
+    rule = RecomputeRule(
+        "auto", 4_000 if mode == "split" else 10_000, COST
+    )  # split reads twice as fast
+    (a,), q = assign_paths(
+        [(long, 0, 1)], {0: 0}, {1: 1}, {0: 0, 1: 0}, mode=mode, block_tokens=BT, recompute=rule
+    )
+    k = a.recompute_blocks
+    assert 0 < k < 8192 // BT
+    assert k + a.pe_read_blocks + a.de_read_blocks == 8192 // BT
+    assert a.path is not ReadPath.NONE
+    assert sum(q.values()) == 8192 - k * BT  # the recomputed lead reads nothing
+    if mode == "split":
+        assert a.path is ReadPath.SPLIT and abs(q[0] - q[1]) <= BT
+
+
+def test_a_wholly_recomputed_hit_reads_nothing_and_leaves_the_read_queue():
+    hit = Request("a", "t", 1, 8192 + 64, 8192, 8)
     rule = RecomputeRule("auto", 10_000, COST)
     out, q = assign_paths(
-        [(short, 0, 1), (long, 0, 1)],
-        {0: 0},
-        {1: 1},
-        {0: 0, 1: 0},
-        mode="shorter",
-        block_tokens=BT,
-        recompute=rule,
-    )
-    a, b = out
+        [(hit, 0, 1)], {0: 0}, {1: 1}, {0: 400_000, 1: 400_000}, mode="shorter",
+        block_tokens=BT, recompute=rule,
+    )  # fmt: skip
+    (a,) = out
     assert (a.path, a.pe_read_blocks, a.de_read_blocks, a.recompute_blocks) == (
         ReadPath.NONE,
         0,
         0,
-        1024 // BT,
+        8192 // BT,
     )
-    assert b.recompute_blocks == 0 and b.pe_read_blocks + b.de_read_blocks == 8192 // BT
-    assert sum(q.values()) == 8192  # only the loaded hit joins a read queue
+    assert q == {0: 400_000, 1: 400_000}
 
 
 def test_bad_modes_are_refused_by_the_config():

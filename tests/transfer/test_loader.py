@@ -81,9 +81,12 @@ class Cluster:
         self.store.close()
 
 
-def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=False, chunks=None):
+def run_request(
+    cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=False, chunks=None, lead=0
+):
     """Runs both halves of one request; returns (effective hit blocks, the PE's per-layer hit
-    rows, the DE buffer's prompt KV [L, T, W])."""
+    rows, the DE buffer's prompt KV [L, T, W]). `lead`: leading hit blocks the PE recomputes
+    (a forward of their own first) before the new tokens after the loaded blocks."""
     job = LoadJob(
         "r1",
         tuple(keys),
@@ -97,41 +100,50 @@ def run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, *, oracle=F
         cluster.pe.channel.address,
         cluster.de.channel.address,
         oracle=oracle,
+        lead=lead,
     )
     de = DecodeLoad(cluster.de, job).start()
     pe = PrefillLoad(cluster.pe, job).start()
     h = pe.hit_blocks()
     pe.stream()
-    cached = h * BT
+    lead_tokens = lead * BT if h else 0
+    cached = lead_tokens + h * BT
     hit_rows = {}
-    chunks = chunks or [len(prompt) - cached]
+    lead_rows: dict[int, list] = {}
     done_rows: dict[int, list] = {}
-    t = cached
-    for k, size in enumerate(chunks):
-        last = k == len(chunks) - 1
-        batch = PrefillBatch.build(CFG, [prompt[t : t + size]], [t])
-        pe.begin_chunk(t, t + size, last)
+    ranges = [(0, [lead_tokens])] if lead_tokens else []
+    ranges.append((cached, chunks or [len(prompt) - cached]))
+    for r, (t, sizes) in enumerate(ranges):
+        for k, size in enumerate(sizes):
+            last = r == len(ranges) - 1 and k == len(sizes) - 1
+            in_lead = t < lead_tokens
+            batch = PrefillBatch.build(CFG, [prompt[t : t + size]], [t])
+            pe.begin_chunk(t, t + size, last)
 
-        def load(i, batch=batch):
-            if i not in hit_rows:
-                hit = pe.readiness.wait(i, 20.0)
-                hit_rows[i] = hit.to_numpy() if hit is not None else None
-                pe.consumed()
-            parts = [x for x in [hit_rows[i], *done_rows.get(i, [])] if x is not None]
-            rows = np.zeros((1, batch.c_pad, CFG.kv_width), np.float32)
-            if parts:
-                cat = np.concatenate(parts)
-                rows[0, : cat.shape[0]] = cat
-            return rows
+            def load(i, batch=batch, in_lead=in_lead):
+                if in_lead:
+                    parts = lead_rows.get(i, [])
+                else:
+                    if i not in hit_rows:
+                        hit = pe.readiness.wait(i, 20.0)
+                        hit_rows[i] = hit.to_numpy() if hit is not None else None
+                        pe.consumed()
+                    parts = [*lead_rows.get(i, []), hit_rows[i], *done_rows.get(i, [])]
+                parts = [x for x in parts if x is not None]
+                rows = np.zeros((1, batch.c_pad, CFG.kv_width), np.float32)
+                if parts:
+                    cat = np.concatenate(parts)
+                    rows[0, : cat.shape[0]] = cat
+                return rows
 
-        def emit(i, rows, size=size, last=last):
-            new = np.asarray(rows[0, :size])
-            if not last:
-                done_rows.setdefault(i, []).append(new)
-            pe.send_layer(i, new)
+            def emit(i, rows, size=size, last=last, in_lead=in_lead):
+                new = np.asarray(rows[0, :size])
+                if not last:
+                    (lead_rows if in_lead else done_rows).setdefault(i, []).append(new)
+                pe.send_layer(i, new)
 
-        runner.prefill_layerwise(batch, load if batch.c_pad else None, emit)
-        t += size
+            runner.prefill_layerwise(batch, load if batch.c_pad else None, emit)
+            t += size
     pe.flush()
     de.wait(20.0)
     kv = de.prompt_kv()
@@ -194,6 +206,40 @@ def test_chunked_prefill_through_the_loader(stored, runner):
     _, _, whole = run_request(cluster, runner, prompt, keys, 4, 0)
     _, _, chunked = run_request(cluster, runner, prompt, keys, 0, 4, chunks=[2, 3, 1])
     np.testing.assert_allclose(chunked, whole, atol=2e-5)
+
+
+@pytest.mark.parametrize("lead, pe_blocks, de_blocks", [(1, 3, 0), (2, 0, 2), (1, 1, 2), (3, 1, 0)])
+def test_a_recomputed_lead_joins_the_loaded_blocks(stored, runner, lead, pe_blocks, de_blocks):
+    """The PE computes the first `lead` hit blocks, reads the rest on either side, and the DE
+    ends with the same prompt KV as loading it all: the hit bytes that were read are exact, the
+    recomputed lead equals the stored KV to float tolerance, and so does the tail."""
+    cluster, prompt, kv, keys = stored
+    h, hit_rows, de_kv = run_request(cluster, runner, prompt, keys, pe_blocks, de_blocks, lead=lead)
+    assert h == pe_blocks + de_blocks
+    a, b = lead * BT, (lead + h) * BT
+    for i in range(CFG.num_layers):  # the PE read only the blocks after the lead
+        assert hit_rows[i].tobytes() == kv[i, a:b].tobytes()
+    assert de_kv[:, a:b].tobytes() == kv[:, a:b].tobytes()
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)
+    _, _, loaded = run_request(cluster, runner, prompt, keys, 4, 0)
+    np.testing.assert_allclose(de_kv, loaded, atol=2e-5)
+    # only the blocks after the lead crossed a storage NIC
+    per_block = BlockLayout.for_model(CFG, BT).nbytes
+    snic = {
+        x.owner: cluster.traffic.bytes(x)
+        for x in cluster.traffic.links()
+        if x.kind is L.LinkKind.SNIC_RX
+    }
+    assert snic.get("node0", 0) == (pe_blocks + 4) * per_block  # + the all-loaded run's 4
+    assert snic.get("node1", 0) == de_blocks * per_block
+
+
+def test_a_lead_whose_reads_all_miss_computes_the_whole_prompt(stored, runner):
+    cluster, prompt, kv, keys = stored
+    cluster.store.delete(keys[1:2]).result(10)  # the first block after the lead is gone
+    h, _, de_kv = run_request(cluster, runner, prompt, keys, 3, 0, lead=1)
+    assert h == 0
+    np.testing.assert_allclose(de_kv, kv, atol=2e-5)
 
 
 def test_oracle_moves_bytes_but_charges_nothing(stored, runner):
