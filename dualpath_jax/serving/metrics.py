@@ -158,6 +158,7 @@ class RouterCollector(Collector):
         for key, doc in (
             ("hit_blocks", "Hit blocks prefilled from loaded KV."),
             ("recomputed_blocks", "Hit blocks recomputed (unreadable or corrupt in the store)."),
+            ("recompute_hit_blocks", "Hit blocks recomputed by choice (scheduler.recompute)."),
             ("engine_deaths", "Engines declared dead."),
             ("persist_errors", "Rounds whose new blocks could not be stored."),
             ("errors", "Rounds or messages refused or failed."),

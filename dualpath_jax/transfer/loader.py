@@ -1,8 +1,10 @@
 """DualPathLoader: moves one request's KV along the paper's data paths (docs/architecture.md, paper Fig. 4).
 
-A request's hit is `n` Full Blocks in chain order. The Assignment splits them: blocks `[0, p)` are
-read on the PE's node (PE read path), blocks `[p, p + d)` on the DE's node (DE read path); the
-SPLIT path has both non-zero. Two halves run in two engine processes and meet on a `KVChannel`:
+A request's hit is `n` Full Blocks in chain order. The Assignment splits them: the first `k`
+(`LoadJob.lead`, load or recompute) are recomputed by the PE and not read, then `p` are read on
+the PE's node (PE read path) and `d` on the DE's node (DE read path); the SPLIT path has both
+`p` and `d` non-zero. Below, block indices count from the lead (`[0, p)` are hit blocks
+`[k, k + p)`). Two halves run in two engine processes and meet on a `KVChannel`:
 
 PE half (`PrefillLoad`, in the prefill engine):
   1. store -> PE buffer: read blocks `[0, p)` as Full Blocks (SNIC of the PE node, LOW class).
@@ -15,7 +17,8 @@ PE half (`PrefillLoad`, in the prefill engine):
      mesh splits the KV heads the DE offers each layer in the PE's column pieces
      (`LoadJob.pe_pieces`), and each is pulled straight to a device that holds those heads.
   4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
-     PE-read hit rows (first piece) and the new tokens' rows (HIGH class). On a mesh whose
+     PE-read hit rows (first piece) and the computed rows, a recomputed lead's and the new
+     tokens', each piece at its prompt position (HIGH class). On a mesh whose
      devices split the KV heads (`LoaderContext.mesh`), the new rows go as one array per split,
      each offered from the device that computed those heads (no gather onto one device); the
      chunk's meta says how many.

@@ -220,3 +220,68 @@ def test_batch_kv_bound_is_per_layer_only_without_layerwise_prefill():
     assert batch_kv_bound(1_000, 61, layerwise=False) == 1_000
     assert batch_kv_bound(1_000, 61, layerwise=True) == 61_000
     assert batch_kv_bound(0, 61, layerwise=True) == 0
+
+
+@st.composite
+def pending_with_leads(draw):
+    """Queues where some requests recompute a lead `[0, lead)` before `new` tokens after
+    `lead + loaded`."""
+    out = []
+    for i in range(draw(st.integers(0, 8))):
+        lead, loaded, new = (
+            draw(st.integers(0, 400)),
+            draw(st.integers(0, 600)),
+            draw(st.integers(1, 500)),
+        )
+        if lead and loaded:
+            out.append(PendingPrefill(f"r{i}", 0, lead, lead + loaded, new))
+        else:
+            out.append(PendingPrefill(f"r{i}", loaded, new))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(pending_with_leads(), st.floats(1e-3, 0.3), st.integers(0, 300))
+def test_a_second_range_runs_after_the_first_in_a_later_batch(queue, quota, max_tokens):
+    q = PrefillQueue()
+    for item in queue:
+        q.add(item)
+    cost = pair_cost(1e-7)
+    ranges: dict[str, list[tuple[int, int]]] = {}  # request -> computed (start, end) in order
+    batches = 0
+    for _ in range(10_000):
+        if not len(q):
+            break
+        plan = q.next_batch(cost, quota, max_tokens=max_tokens)
+        batches += 1
+        seen = [c.request_id for c in plan.chunks]
+        assert len(seen) == len(set(seen))  # both ranges of a request never share a batch
+        for c in plan.chunks:
+            rr = ranges.setdefault(c.request_id, [])
+            if rr and rr[-1][1] == c.cached:
+                rr[-1] = (rr[-1][0], c.cached + c.bsz)
+            else:
+                rr.append((c.cached, c.cached + c.bsz))
+            # the batch finishes a request exactly when it computes its last prompt token
+            item = next(x for x in queue if x.request_id == c.request_id)
+            end = (item.then_cached + item.then_new) if item.then_new else item.cached + item.new
+            assert plan.finishes(c.request_id) == (c.cached + c.bsz == end)
+    assert not len(q)
+    for item in queue:
+        want = [(item.cached, item.cached + item.new)]
+        if item.then_new:
+            want.append((item.then_cached, item.then_cached + item.then_new))
+        assert ranges[item.request_id] == want
+
+
+def test_a_second_range_goes_to_the_head_of_the_queue():
+    q = PrefillQueue()
+    q.add(PendingPrefill("a", 0, 32, 64, 8))  # lead 32, 32 loaded, 8 new
+    q.add(PendingPrefill("b", 0, 40))
+    plan = q.next_batch(pair_cost(0.0), 1.0)
+    assert plan.pairs == ((0, 32), (0, 40)) and not plan.finishes("a") and plan.finishes("b")
+    assert plan.then == (PendingPrefill("a", 64, 8),)
+    plan = q.next_batch(pair_cost(0.0), 1.0)
+    assert plan.pairs == ((64, 8),) and plan.finishes("a")
+    with pytest.raises(ValueError, match="second range"):
+        PendingPrefill("c", 0, 32, 16, 8)  # would overlap the first

@@ -139,3 +139,18 @@ def test_the_simulator_recomputes_when_storage_is_slow_and_loads_when_fast():
     slow_auto = jct[2e8, "auto"]
     assert slow_auto[1] > 0 and slow_auto[2] > 0  # some hits recomputed, some loaded
     assert slow_auto[0] < jct[2e8, "never"][0] and slow_auto[0] < jct[2e8, "always"][0]
+
+
+def test_the_simulator_charges_a_recomputed_lead_and_reads_the_rest():
+    base = apply_overrides(load_config("configs/paper.py:ds660b_2p4d"), ["workload.agents=12"])
+    load = sim.simulate(base).summary
+    lead = sim.simulate(
+        apply_overrides(base, ["scheduler.recompute=always", "scheduler.recompute_max_blocks=2"])
+    ).summary
+    bt = base.store.block_tokens
+    leads = lead["router"]["recompute_lead_hits"]
+    assert leads > 0 and lead["router"]["recompute_hits"] >= leads
+    # each round recomputed at most 2 leading blocks; the loaded tokens shrank by exactly those
+    assert lead["recomputed_blocks"] <= 2 * lead["router"]["recompute_hits"]
+    assert load["cached_tokens"] - lead["cached_tokens"] == lead["recomputed_blocks"] * bt
+    assert lead["errors"] == 0 and lead["jct_s"] > 0
