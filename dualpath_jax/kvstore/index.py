@@ -315,7 +315,10 @@ class BlockIndex:
                 r.until = now + ttl_s
                 if ttl_s > 0:
                     heapq.heappush(self._expiry, (r.until, owner))
-            self._set_retained(owner, r.retained(now))
+            held = r.retained(now)
+            if not held:  # an idle owner without a TTL: nothing to remember
+                del self._retention[owner]
+            self._set_retained(owner, held)
 
     # ------------------------------------------------------------------ internals
 
@@ -407,4 +410,8 @@ class BlockIndex:
         self._used_at.pop(key, None)
         self._held.pop(key, None)
         for owner in self._owners.pop(key, ()):
-            self._owned.get(owner, {}).pop(key, None)
+            mine = self._owned.get(owner)
+            if mine is not None:
+                mine.pop(key, None)
+                if not mine and owner not in self._retained:  # no claims left to remember
+                    del self._owned[owner]

@@ -149,3 +149,18 @@ def test_a_pinned_block_keeps_its_place_in_the_eviction_order():
     idx.unpin([k(0)])
     assert idx.eviction_order() == [k(0), k(2), k(3)]
     assert write(idx, "v", [k(4)]) == [k(0)]
+
+
+def test_a_long_run_of_sessions_leaves_no_bookkeeping_behind():
+    """Sessions whose blocks were all evicted, and idle ones without a TTL, are forgotten: a
+    server that runs for days keeps per-owner state only for blocks it still stores."""
+    idx, clock = index(4)
+    for i in range(200):
+        owner = f"s{i}"
+        idx.retain(owner, "active")
+        write(idx, owner, [k(2 * i), k(2 * i + 1)])
+        idx.retain(owner, "idle", ttl_s=0)
+        clock.now += 1
+    assert idx.retained_count == 0
+    assert not idx._retention  # noqa: SLF001 - the bookkeeping under test
+    assert set(idx._owned) == {"s198", "s199"}  # noqa: SLF001 - only owners of stored blocks
