@@ -275,6 +275,10 @@ class ClusterConfig:
     # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.
     prefill_mesh: str = ""
     decode_mesh: str = ""
+    # Processes a decode engine spans (docs/multihost.md): its mesh (`decode_mesh`) covers the
+    # devices of all of them, one `jax.distributed` group per engine; process 0 is the engine the
+    # router knows and the others replay its device calls. 1: one process.
+    decode_processes: int = 1
     # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
     # that many host devices in each engine process); "" leaves every engine each device the host
@@ -614,7 +618,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " model.moe_layer_step"
         " hardware.engines_per_node"
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
-        " cluster.decode_slots cluster.decode_max_len cluster.max_attempts"
+        " cluster.decode_slots cluster.decode_max_len cluster.max_attempts cluster.decode_processes"
         " scheduler.max_queue store.block_tokens store.io_concurrency"
         " workload.trajectories workload.trace_block_tokens",
     ),
@@ -700,6 +704,14 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
         *((f"cluster.{r}_mesh", not why, why) for r, why in mesh_problems.items()),
+        (
+            "cluster.decode_processes",
+            cl.decode_processes == 1
+            or (
+                not mesh_problems["decode"] and mesh_size(cl.decode_mesh) % cl.decode_processes == 0
+            ),
+            "must divide the devices of cluster.decode_mesh (each process holds its share)",
+        ),
         (
             "model.kv_scales",
             not m.kv_scales or m.kv_dtype in ("float8_e4m3fn", "float8_e5m2"),

@@ -11,6 +11,13 @@ copied to every host; the block store is one directory every host sees, or a gcs
   python launch/engine.py --role=decode --engine_id=1 --node=1 --group=0 --router=tcp://10.213.0.2:5555 \
       --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/de --set cluster.transfer_host=10.213.0.4 ...
 
+A decode engine spanning two processes (or hosts): its mesh covers both processes' devices
+(`cluster.decode_processes=2`), one engine id, one coordinator served by rank 0:
+  python launch/engine.py --role=decode --engine_id=1 --node=1 --span_rank=0 --coordinator=10.213.0.4:7777 \
+      --set cluster.decode_processes=2 --set cluster.decode_mesh=tensor=2 ...
+  python launch/engine.py --role=decode --engine_id=1 --node=1 --span_rank=1 --coordinator=10.213.0.4:7777 \
+      --set cluster.decode_processes=2 --set cluster.decode_mesh=tensor=2 ...
+
 Devices: an engine runs on a mesh of `cluster.prefill_mesh` / `cluster.decode_mesh`. With
 `--set cluster.platform=cpu` it gets that many CPU host devices; with `gpu` or `tpu`, `--devices`
 names its GPUs or TPU chips (e.g. --devices=2,3), else it takes the first ones it sees. The
@@ -52,6 +59,18 @@ _DEVICES = flags.DEFINE_list(
     "Engines with cluster.platform gpu or tpu: the GPU / TPU chip ids this engine uses, as many"
     " as its role's mesh spans (empty: those the environment shows).",
 )
+_SPAN_RANK = flags.DEFINE_integer(
+    "span_rank",
+    0,
+    "A decode engine spanning cluster.decode_processes processes: this process's rank (0 is"
+    " the engine the router knows; the others follow it).",
+)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator",
+    "",
+    "A decode engine spanning several processes: HOST:PORT of its jax.distributed coordinator,"
+    " which rank 0 serves (the same for every process of the engine).",
+)
 flags.mark_flags_as_required(["role", "workdir"])
 
 
@@ -90,7 +109,14 @@ def main(argv):
         _NODE.value,
         _GROUP.value,
         address_file=str(wd / "router.address") if _ROLE.value == "router" else "",
+        span_rank=_SPAN_RANK.value,
+        span_size=cfg.cluster.decode_processes if _ROLE.value == "decode" else 1,
+        coordinator=_COORDINATOR.value,
     )
+    if spec.span_size > 1 and not spec.coordinator:
+        raise app.UsageError(
+            f"a decode engine of cluster.decode_processes={spec.span_size} needs --coordinator"
+        )
     logging.info("starting %s with config %s", _ROLE.value, cfg.name)
     run_process(cfg, spec)
 

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import time
@@ -36,6 +37,13 @@ from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a coordinator that must be named before it starts)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 class ClusterError(RuntimeError):
@@ -73,9 +81,13 @@ class LocalCluster:
             else devices.host_devices(c.platform, base)
         )
         self.router_env = {**base, **devices.router_env(c)}
+        # by engine id, then by process of the engine (one unless it spans several)
         self.engine_envs = [
-            {**base, **devices.engine_env(c, k, host, base)}
-            for k in range(len(devices.engine_roles(c)))
+            [
+                {**base, **devices.engine_env(c, k, host, base, rank)}
+                for rank in range(devices.processes(c, role))
+            ]
+            for k, role in enumerate(devices.engine_roles(c))
         ]
         self.procs: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
@@ -98,7 +110,10 @@ class LocalCluster:
         self.stop()
 
     def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
-        env = self.router_env if spec.role == "router" else self.engine_envs[spec.engine]
+        if spec.role == "router":
+            env = self.router_env
+        else:
+            env = self.engine_envs[spec.engine][spec.span_rank]
         logs = self.workdir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -152,6 +167,7 @@ class LocalCluster:
             for i in range(count):
                 name = f"{'pe' if role == 'prefill' else 'de'}{engine}"
                 group = i // (c.pe_group_size if role == "prefill" else c.de_group_size)
+                span = devices.processes(c, role)
                 spec = ProcessSpec(
                     role,
                     str(self.workdir),
@@ -160,8 +176,12 @@ class LocalCluster:
                     engine,
                     group,
                     parent_pid=os.getpid(),
+                    span_size=span,
+                    coordinator=f"127.0.0.1:{free_port()}" if span > 1 else "",
                 )
                 self._spawn(name, spec)
+                for rank in range(1, span):  # the processes that follow it (`engine.span`)
+                    self._spawn(f"{name}.{rank}", dataclasses.replace(spec, span_rank=rank))
                 self.engine_ids[name] = engine
                 engine += 1
         client = self.client()
@@ -201,6 +221,8 @@ class LocalCluster:
         the router has declared the old process dead; waits until it has registered."""
         if name == "router" or name not in self.engine_ids:
             raise ValueError(f"restart takes an engine name, one of {sorted(self.engine_ids)}")
+        if self.specs[name].span_size > 1:
+            raise ClusterError(f"{name} spans several processes; restart the cluster instead")
         p = self.procs[name]
         if p.poll() is None:
             raise ClusterError(f"{name} is still running (pid {p.pid}); kill it first")

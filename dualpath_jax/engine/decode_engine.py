@@ -18,8 +18,6 @@ import queue
 import time
 from collections.abc import Callable
 
-import numpy as np
-
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
@@ -29,6 +27,7 @@ from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.paged import budget_pages, pages_for
+from dualpath_jax.model.sharding import host_value
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
@@ -304,7 +303,7 @@ class DecodeEngine:
             self.consume(*prev)
 
     def consume(self, tokens, riders: dict[int, _Req]) -> None:
-        nxt = np.asarray(tokens)
+        nxt = host_value(tokens)  # replicated: on a mesh over processes, this one's copy
         for slot, r in riders.items():
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
                 continue  # finished (or dropped) since that step was dispatched

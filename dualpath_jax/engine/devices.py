@@ -113,7 +113,7 @@ def device_env(
     environment is `env`: the platform's device visibility (`devices`: its gpu or tpu ids; None
     leaves visibility as it is) and the memory fraction. `port`: its TPU mesh controller port
     (unique per process on a host)."""
-    n = mesh_size(role_mesh(cluster, role))
+    n = mesh_size(role_mesh(cluster, role)) // processes(cluster, role)
     out: dict[str, str] = {}
     platform = cluster.platform
     if platform == "cpu":
@@ -151,19 +151,39 @@ def router_env(cluster: ClusterConfig) -> dict[str, str]:
     return {"JAX_PLATFORMS": "cpu"} if cluster.platform else {}
 
 
+def processes(cluster: ClusterConfig, role: str) -> int:
+    """Processes one engine of `role` spans (`cluster.decode_processes`; a PE spans one)."""
+    return cluster.decode_processes if role == "decode" else 1
+
+
 def engine_env(
-    cluster: ClusterConfig, engine: int, host: Sequence[str], env: Mapping[str, str]
+    cluster: ClusterConfig,
+    engine: int,
+    host: Sequence[str],
+    env: Mapping[str, str],
+    rank: int = 0,
 ) -> dict[str, str]:
-    """The variables to set for engine `engine` of a `LocalCluster` (ids: PEs 0..P-1, then DEs)
-    on a host whose devices are `host` (`host_devices`), launched from environment `env`."""
+    """The variables to set for process `rank` of engine `engine` of a `LocalCluster` (ids: PEs
+    0..P-1, then DEs) on a host whose devices are `host` (`host_devices`), launched from
+    environment `env`. An engine spanning several processes gives each its share of its
+    devices, in rank order."""
     roles = engine_roles(cluster)
     if not 0 <= engine < len(roles):
         raise ValueError(f"engine {engine} of a cluster of {len(roles)} engines")
+    role = roles[engine]
+    span = processes(cluster, role)
+    if span > 1 and cluster.platform not in ("cpu", "gpu"):
+        raise ConfigError(
+            f"cluster.decode_processes={span}: LocalCluster runs an engine over several"
+            f" processes with cluster.platform cpu or gpu, not {cluster.platform!r}"
+        )
     devices = assign_devices(cluster, host)[engine]
+    share = len(devices) // span
+    mine = devices[rank * share : (rank + 1) * share] if share else devices
     return device_env(
         cluster,
-        roles[engine],
-        devices if cluster.platform in VISIBLE else None,
+        role,
+        mine if cluster.platform in VISIBLE else None,
         env,
         port=TPU_PORT_BASE + engine,
     )

@@ -92,8 +92,11 @@ class ParamsSlot:
     arguments) or drops them. `check_job` refuses a job of another version.
     """
 
-    def __init__(self, runner, version: str, engine: int):
+    def __init__(self, runner, version: str, engine: int, refuse: str = ""):
+        """`refuse`: why this engine takes no updates ("" takes them); every load is then
+        answered not ok with it, and the update is aborted with the old params kept."""
         self.runner, self.version, self.engine = runner, version, engine
+        self.refuse = refuse
         self._staged: tuple[str, object] | None = None
 
     def stage(self, msg: M.LoadParams) -> M.ParamsLoaded:
@@ -101,6 +104,8 @@ class ParamsSlot:
 
         self._staged = None
         try:
+            if self.refuse:
+                raise RuntimeError(self.refuse)
             model = load_params(msg.path, self.runner.cfg)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)

@@ -42,6 +42,11 @@ class ProcessSpec:
     group: int = 0
     address_file: str = ""  # router: where to write the address it listens on
     parent_pid: int = 0  # if set: stop when this process is no longer our parent (it died)
+    # An engine spanning several processes (`engine.span`): this one's rank, how many, and the
+    # group's jax.distributed coordinator (host:port, served by rank 0).
+    span_rank: int = 0
+    span_size: int = 1
+    coordinator: str = ""
 
 
 def store_config(cfg: ExperimentConfig, workdir: str) -> StoreConfig:
@@ -138,6 +143,13 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient
+    from dualpath_jax.engine.span import (
+        MirroredDecoder,
+        MirrorLeader,
+        Span,
+        follow,
+        init_distributed,
+    )
     from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model import sharding
@@ -148,9 +160,17 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.transfer.traffic import TrafficManager
 
     c = cfg.cluster
-    # The engine's mesh over the devices its process was given (`engine.devices`).
+    span = Span(spec.span_rank, spec.span_size, spec.coordinator)
+    if span.spans:  # before anything else starts JAX: this engine's own process group
+        if spec.role != "decode":
+            raise ValueError("only a decode engine spans several processes")
+        init_distributed(
+            span, c.platform, bind_host=c.transfer_host, timeout_s=c.heartbeat_timeout_s * 4
+        )
+    # The engine's mesh over the devices its process was given (`engine.devices`); an engine
+    # spanning processes meshes over all of theirs.
     visible = jax.local_devices()
-    mesh = sharding.make_mesh(role_mesh(c, spec.role), visible)
+    mesh = sharding.make_mesh(role_mesh(c, spec.role), jax.devices() if span.spans else visible)
     log.info(
         "%s engine %d on node %d: mesh %r over %s (%d device(s) visible)",
         spec.role,
@@ -160,10 +180,17 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         list(mesh.devices.flat) if mesh is not None else visible[:1],
         len(visible),
     )
+    runner = ModelRunner(load_served_model(cfg, mesh))
+    if span.spans and not span.leader:  # replays the leader's decoder calls; nothing else
+        log.info("decode engine %d: process %d of %d follows", spec.engine, span.rank, span.size)
+        follow(runner, _follower_decoder, timeout_s=c.heartbeat_timeout_s)
+        return
     creds = credentials_for(c.secrets_file)
     check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
-    runner = ModelRunner(load_served_model(cfg, mesh))
-    params = ParamsSlot(runner, initial_params_version(c), spec.engine)
+    refuse = f"a decode engine spanning {span.size} processes takes no params updates"
+    params = ParamsSlot(
+        runner, initial_params_version(c), spec.engine, refuse=refuse if span.spans else ""
+    )
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     prefix = "pe" if spec.role == "prefill" else "de"
     who = f"{prefix}{spec.engine}"
@@ -206,6 +233,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         on_router_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
     )
     heartbeat.start()
+    leader = None
     try:
         if spec.role == "prefill":
             # Before registering: the router derives beta from the model the PE reports.
@@ -225,19 +253,25 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 outbox=outbox,
             )
         else:
+            decoder = make_decoder(cfg, runner)
+            if span.spans:
+                leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
+                decoder = MirroredDecoder(decoder, leader)
             engine = DecodeEngine(
                 cfg,
                 spec.engine,
                 spec.node,
                 spec.group,
                 rpc,
-                make_decoder(cfg, runner),
+                decoder,
                 ctx,
                 params=params,
                 outbox=outbox,
             )
         engine.run()
     finally:
+        if leader is not None:
+            leader.close()
         heartbeat.stop()
         write_link_report(
             pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic
@@ -247,6 +281,13 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         channel.close()
         traffic.close()
         store.close()
+
+
+def _follower_decoder(runner, *, slots, max_len, min_bucket, page_size, num_pages):
+    """A follower's `Decoder`, shaped as its leader's (`MirroredDecoder` sends the shape)."""
+    from dualpath_jax.model.decode import Decoder
+
+    return Decoder(runner, slots, max_len, min_bucket, page_size=page_size, num_pages=num_pages)
 
 
 def write_link_report(path: pathlib.Path, spec: ProcessSpec, traffic) -> None:

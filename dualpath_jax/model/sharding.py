@@ -244,3 +244,13 @@ def describe(mesh: Mesh | None) -> str:
     if mesh is None:
         return ""
     return ",".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def host_value(x) -> np.ndarray:
+    """`x` on the host. An array of a mesh that spans processes must be replicated: each
+    process reads its own copy (no collective)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    if not x.is_fully_replicated:
+        raise ValueError(f"an array split over processes ({x.sharding}) has no host value here")
+    return np.asarray(x.addressable_shards[0].data)

@@ -115,8 +115,8 @@ def test_local_cluster_checks_devices_before_starting_anything(tmp_path):
     lc = LocalCluster(
         cfg, tmp_path / "run", env={"PATH": "/bin"}, host_devices=["0", "1", "2", "3"]
     )
-    assert [e["CUDA_VISIBLE_DEVICES"] for e in lc.engine_envs] == ["0,1", "2,3"]
-    assert all(e["PATH"] == "/bin" for e in lc.engine_envs)
+    assert [e[0]["CUDA_VISIBLE_DEVICES"] for e in lc.engine_envs] == ["0,1", "2,3"]
+    assert all(e[0]["PATH"] == "/bin" for e in lc.engine_envs)
     # the router keeps off the engines' devices
     assert lc.router_env == {"PATH": "/bin", "JAX_PLATFORMS": "cpu"}
     assert D.router_env(cluster()) == {}

@@ -41,11 +41,13 @@ def mesh_config(policy: str, **cluster: object) -> ExperimentConfig:
     return ExperimentConfig(
         model=MODEL,
         cluster=ClusterConfig(
-            decode_max_len=256,
-            platform="cpu",
-            prefill_mesh=PE_MESH,
-            decode_mesh=DE_MESH,
-            **cluster,
+            **{
+                "decode_max_len": 256,
+                "platform": "cpu",
+                "prefill_mesh": PE_MESH,
+                "decode_mesh": DE_MESH,
+                **cluster,
+            }
         ),
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
         scheduler=SchedulerConfig(policy=Policy(policy)),
@@ -81,8 +83,8 @@ def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_
     # KV stays on the PE's mesh for the next chunk.
     extra = {"prefill_max_tokens": 16} if policy in ("split", "dualpath_rr") else {}
     with start_cluster(mesh_config(policy, **extra), tmp_path) as cluster:
-        assert "--xla_force_host_platform_device_count=4" in cluster.engine_envs[0]["XLA_FLAGS"]
-        assert "--xla_force_host_platform_device_count=2" in cluster.engine_envs[1]["XLA_FLAGS"]
+        assert "--xla_force_host_platform_device_count=4" in cluster.engine_envs[0][0]["XLA_FLAGS"]
+        assert "--xla_force_host_platform_device_count=2" in cluster.engine_envs[1][0]["XLA_FLAGS"]
         client = cluster.client()
         engines = client.stats()["engines"]
         sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
@@ -116,3 +118,35 @@ def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_
         assert paths == {"none": len(later)}, paths
     elif policy == "split":
         assert paths["split"] > 0, paths
+
+
+def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expected):
+    """The DE's mesh (`tensor=2`) spans two processes of one device each, joined by their own
+    `jax.distributed` group: process 0 serves, process 1 replays its decoder's calls. The
+    tokens equal the one-device reference model's, and the whole cluster stops cleanly."""
+    cfg = mesh_config("dualpath", prefill_mesh="", decode_processes=2)
+    with start_cluster(cfg, tmp_path) as cluster:
+        assert sorted(cluster.procs) == ["de1", "de1.1", "pe0", "router"]
+        for rank in (0, 1):  # each process of the DE has one device of its own
+            env = cluster.engine_envs[1][rank]
+            assert "--xla_force_host_platform_device_count=1" in env["XLA_FLAGS"]
+        client = cluster.client()
+        engines = client.stats()["engines"]
+        sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
+        results = [[] for _ in TRAJECTORIES]
+        for i in range(2):
+            futs = [s.step_async(*TRAJECTORIES[k][1][i]) for k, s in enumerate(sessions)]
+            for k, f in enumerate(futs):
+                results[k].append(f.result(RESULT_TIMEOUT_S))
+        for s in sessions:
+            s.close()
+        counters = client.stats()["counters"]
+
+    assert len(engines) == 2  # the follower is not an engine of its own
+    de = engines[str(cluster.engine_ids["de1"])]
+    assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", DE_MESH, 2), de
+    assert [[list(r.tokens) for r in rr] for rr in results] == expected
+    assert all(r.cached_tokens >= BLOCK_TOKENS for r in (rr[1] for rr in results))
+    assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    log = (tmp_path / "logs" / "de1.1.log").read_text()
+    assert "stopped by the leader" in log, log[-2000:]

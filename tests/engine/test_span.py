@@ -1,0 +1,118 @@
+"""A decode engine spanning several processes (`engine.span`): the calls its leader sends, the
+decoder methods it mirrors, each process's devices, and what is refused. The cluster itself runs
+in tests/integration/test_engine_meshes.py."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+
+from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, validate
+from dualpath_jax.engine import devices as D
+from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import span
+from dualpath_jax.engine.params import ParamsSlot
+from dualpath_jax.model.decode import Decoder
+
+
+def test_a_call_round_trips_with_its_arrays_bit_for_bit():
+    blocks = np.random.RandomState(0).randn(2, 3, 16, 8).astype(np.float32).view(np.uint8)
+    frame = span.encode_call(
+        "insert_blocks", (3, blocks, 20, np.int64(7)), {"seed": 5, "temperature": 0.5}
+    )
+    method, args, kwargs = span.decode_call(frame)
+    assert method == "insert_blocks" and kwargs == {"seed": 5, "temperature": 0.5}
+    assert args[0] == 3 and args[2] == 20 and args[3] == 7 and type(args[3]) is int
+    assert args[1].dtype == blocks.dtype and args[1].shape == blocks.shape
+    assert args[1].tobytes() == blocks.tobytes()
+    empty = np.zeros((0, 4), np.int32)
+    (got,) = span.decode_call(span.encode_call("rows", (empty,), {}))[1]
+    assert got.shape == (0, 4) and got.dtype == np.int32
+    with pytest.raises(TypeError, match="cannot send"):
+        span.encode_call("free", (object(),), {})
+
+
+# Decoder methods that only read host state the mirrored calls keep equal in every process.
+HOST_QUERIES = {"free_slots", "pages_needed", "can_insert"}
+
+
+def test_every_decoder_method_is_mirrored_or_a_host_query():
+    """A new Decoder method that runs a program must be replayed by the followers (or the
+    processes of a spanning engine stop running the same programs and hang)."""
+    public = {
+        name
+        for name, fn in inspect.getmembers(Decoder, inspect.isfunction)
+        if not name.startswith("_")
+    }
+    assert public == span.MIRRORED | HOST_QUERIES, public ^ (span.MIRRORED | HOST_QUERIES)
+
+
+class _Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, method, args=(), kwargs=None):
+        self.sent.append((method, args, kwargs or {}))
+
+
+class _FakeDecoder:
+    slots, max_len, min_bucket, page_size, num_pages = 4, 128, 64, 16, 32
+
+    def __init__(self):
+        self.calls = []
+
+    def free(self, slot):
+        self.calls.append(("free", slot))
+
+    def free_slots(self):
+        return [0, 1]
+
+
+def test_the_leader_sends_the_decoder_shape_then_each_mirrored_call_before_running_it():
+    leader, dec = _Recorder(), _FakeDecoder()
+    mirrored = span.MirroredDecoder(dec, leader)
+    assert leader.sent[0] == (
+        "_init",
+        (),
+        {"slots": 4, "max_len": 128, "min_bucket": 64, "page_size": 16, "num_pages": 32},
+    )
+    mirrored.free(2)
+    assert leader.sent[-1] == ("free", (2,), {}) and dec.calls == [("free", 2)]
+    assert mirrored.free_slots() == [0, 1] and len(leader.sent) == 2  # a query is not sent
+    assert mirrored.page_size == 16
+
+
+def test_each_process_of_a_spanning_engine_gets_its_share_of_the_devices():
+    cpu = ClusterConfig(platform="cpu", decode_mesh="tensor=4", decode_processes=2)
+    for rank in (0, 1):
+        env = D.engine_env(cpu, 1, (), {}, rank)
+        assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    gpu = ClusterConfig(platform="gpu", prefill_mesh="tensor=2", decode_mesh="tensor=4",
+                        decode_processes=2)  # fmt: skip
+    host = [str(i) for i in range(8)]
+    got = [D.engine_env(gpu, 1, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
+    assert got == ["2,3", "4,5"]
+    assert D.engine_env(gpu, 0, host, {})["CUDA_VISIBLE_DEVICES"] == "0,1"  # PEs span one
+    tpu = ClusterConfig(platform="tpu", decode_mesh="tensor=4", decode_processes=2)
+    with pytest.raises(ConfigError, match="cpu or gpu"):
+        D.engine_env(tpu, 1, host, {}, 1)
+
+
+def test_the_processes_must_divide_the_mesh():
+    bad = ExperimentConfig(cluster=ClusterConfig(decode_mesh="tensor=2", decode_processes=3))
+    with pytest.raises(ConfigError, match="cluster.decode_processes"):
+        validate(bad)
+    with pytest.raises(ConfigError, match="cluster.decode_processes"):
+        validate(ExperimentConfig(cluster=ClusterConfig(decode_processes=0)))
+    validate(ExperimentConfig(cluster=ClusterConfig(decode_mesh="tensor=4", decode_processes=2)))
+
+
+def test_a_spanning_engine_refuses_params_updates_and_keeps_serving_the_old_ones():
+    slot = ParamsSlot(
+        None, "v0", 1, refuse="a decode engine spanning 2 processes takes no params updates"
+    )
+    got = slot.stage(M.LoadParams(version="v1", path="/nowhere"))
+    assert not got.ok and "spanning 2 processes" in got.message
+    assert slot.version == "v0"
