@@ -9,6 +9,7 @@ while other sessions keep going. A failing test reports its processes' logs (see
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import pathlib
@@ -58,16 +59,21 @@ def cluster_config(
 
 
 def make_trajectories(
-    prefix: str, n: int, rounds: int, seed: int, gen: tuple[int, int] = (3, 7)
+    prefix: str,
+    n: int,
+    rounds: int,
+    seed: int,
+    gen: tuple[int, int] = (3, 7),
+    first: tuple[int, int] = (33, 48),
 ) -> list[Trajectory]:
-    """`n` trajectories of `rounds` rounds. Each append is at least one block long, so every
-    later round hits blocks its earlier rounds persisted."""
+    """`n` trajectories of `rounds` rounds, first rounds of `first` tokens. Each append is at
+    least one block long, so every later round hits blocks its earlier rounds persisted."""
     rs = np.random.RandomState(seed)
     out = []
     for k in range(n):
         rr = []
         for i in range(rounds):
-            append = int(rs.randint(33, 48) if i == 0 else rs.randint(BLOCK_TOKENS, 32))
+            append = int(rs.randint(*first) if i == 0 else rs.randint(BLOCK_TOKENS, 32))
             rr.append((rs.randint(0, VOCAB, append).tolist(), int(rs.randint(*gen))))
         out.append((f"{prefix}{k}", rr))
     return out
@@ -218,6 +224,49 @@ def test_every_policy_generates_the_reference_tokens(
         assert len(snic) == 2 and all(b > 0 for b in snic.values()), snic
     else:
         assert paths["pe"] + paths["de"] + paths["split"] == len(later), paths
+
+
+# ----------------------------------------------------------------------------- load or recompute
+
+# First rounds of 3-4 blocks: every later round hits at least 3.
+LEAD = make_trajectories("lead", n=4, rounds=3, seed=11, first=(56, 70))
+
+
+@pytest.mark.parametrize(
+    ("policy", "cap", "bound"),
+    [
+        ("dualpath", 1, {}),  # both read sides
+        ("split", 2, {"prefill_max_tokens": 16}),  # chunked lead and tail, split reads
+        ("basic", 1, {}),  # one program over the joined KV
+    ],
+)
+def test_a_recomputed_lead_gives_the_reference_tokens(
+    policy, cap, bound, tmp_path, start_cluster, reference_tokens
+):
+    """Load or recompute end to end: the PE recomputes the first `cap` blocks of every hit
+    (`scheduler.recompute=always` capped by `recompute_max_blocks`) as a forward of their own
+    and reads the rest; the new tokens attend over the lead's rows and the loaded blocks."""
+    expected = [reference_tokens(t) for t in LEAD]
+    cfg = cluster_config(policy, **bound)
+    sched = dataclasses.replace(cfg.scheduler, recompute="always", recompute_max_blocks=cap)
+    with start_cluster(dataclasses.replace(cfg, scheduler=sched), tmp_path) as cluster:
+        client = cluster.client()
+        results = run_lockstep(client, LEAD)
+        stats = counters(client)
+
+    assert tokens_of(results) == expected
+    later = [r for rr in results for r in rr[1:]]
+    # every later round recomputed `cap` leading blocks and loaded the rest of its hit
+    assert all(r.recomputed_blocks == cap for r in later), [r.recomputed_blocks for r in later]
+    assert all(r.cached_tokens >= BLOCK_TOKENS for r in later), [r.cached_tokens for r in later]
+    assert stats["recompute_lead_hits"] == len(later), stats
+    assert stats["recompute_hit_blocks"] == cap * len(later)
+    assert stats["recomputed_blocks"] == 0  # nothing unreadable
+    assert stats["errors"] == stats["requeued"] == 0, stats
+    paths = collections.Counter(r.read_path for r in later)
+    assert "none" not in paths, paths
+    if policy == "split":
+        assert paths["split"] > 0, paths
 
 
 # ----------------------------------------------------------------------------- engine deaths

@@ -70,6 +70,19 @@ def _trajectories() -> list[tuple[str, list[tuple[list[int], int]]]]:
 TRAJECTORIES = _trajectories()
 
 
+def run_rounds(client) -> list[list]:
+    """Round i of every trajectory at once, then round i + 1; each trajectory's results."""
+    sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
+    results: list[list] = [[] for _ in TRAJECTORIES]
+    for i in range(2):
+        futs = [s.step_async(*TRAJECTORIES[k][1][i]) for k, s in enumerate(sessions)]
+        for k, f in enumerate(futs):
+            results[k].append(f.result(RESULT_TIMEOUT_S))
+    for s in sessions:
+        s.close()
+    return results
+
+
 @pytest.fixture(scope="module")
 def expected() -> list[list[list[int]]]:
     """Each trajectory's reference tokens from the one-device model (the engines' seed 0)."""
@@ -87,14 +100,7 @@ def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_
         assert "--xla_force_host_platform_device_count=2" in cluster.engine_envs[1][0]["XLA_FLAGS"]
         client = cluster.client()
         engines = client.stats()["engines"]
-        sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
-        results = [[] for _ in TRAJECTORIES]
-        for i in range(2):
-            futs = [s.step_async(*TRAJECTORIES[k][1][i]) for k, s in enumerate(sessions)]
-            for k, f in enumerate(futs):
-                results[k].append(f.result(RESULT_TIMEOUT_S))
-        for s in sessions:
-            s.close()
+        results = run_rounds(client)
         counters = client.stats()["counters"]
 
     # each engine runs on its own devices, as many as its role's mesh spans
@@ -132,14 +138,7 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
             assert "--xla_force_host_platform_device_count=1" in env["XLA_FLAGS"]
         client = cluster.client()
         engines = client.stats()["engines"]
-        sessions = [Session(client, tid) for tid, _ in TRAJECTORIES]
-        results = [[] for _ in TRAJECTORIES]
-        for i in range(2):
-            futs = [s.step_async(*TRAJECTORIES[k][1][i]) for k, s in enumerate(sessions)]
-            for k, f in enumerate(futs):
-                results[k].append(f.result(RESULT_TIMEOUT_S))
-        for s in sessions:
-            s.close()
+        results = run_rounds(client)
         counters = client.stats()["counters"]
 
     assert len(engines) == 2  # the follower is not an engine of its own
