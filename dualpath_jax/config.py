@@ -275,9 +275,10 @@ class ClusterConfig:
     # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.
     prefill_mesh: str = ""
     decode_mesh: str = ""
-    # Processes a decode engine spans (docs/multihost.md): its mesh (`decode_mesh`) covers the
-    # devices of all of them, one `jax.distributed` group per engine; process 0 is the engine the
-    # router knows and the others replay its device calls. 1: one process.
+    # Processes one engine spans, by role (docs/multihost.md): its mesh (`prefill_mesh` /
+    # `decode_mesh`) covers the devices of all of them, one `jax.distributed` group per engine;
+    # process 0 is the engine the router knows and the others replay its device work.
+    prefill_processes: int = 1
     decode_processes: int = 1
     # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
@@ -619,6 +620,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " hardware.engines_per_node"
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
         " cluster.decode_slots cluster.decode_max_len cluster.max_attempts cluster.decode_processes"
+        " cluster.prefill_processes"
         " scheduler.max_queue store.block_tokens store.io_concurrency"
         " workload.trajectories workload.trace_block_tokens",
     ),
@@ -704,13 +706,17 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
         *((f"cluster.{r}_mesh", not why, why) for r, why in mesh_problems.items()),
-        (
-            "cluster.decode_processes",
-            cl.decode_processes == 1
-            or (
-                not mesh_problems["decode"] and mesh_size(cl.decode_mesh) % cl.decode_processes == 0
-            ),
-            "must divide the devices of cluster.decode_mesh (each process holds its share)",
+        *(
+            (
+                f"cluster.{r}_processes",
+                getattr(cl, f"{r}_processes") == 1
+                or (
+                    not mesh_problems[r]
+                    and mesh_size(getattr(cl, f"{r}_mesh")) % getattr(cl, f"{r}_processes") == 0
+                ),
+                f"must divide the devices of cluster.{r}_mesh (each process holds its share)",
+            )
+            for r in ROLES
         ),
         (
             "model.kv_scales",

@@ -11,8 +11,9 @@ copied to every host; the block store is one directory every host sees, or a gcs
   python launch/engine.py --role=decode --engine_id=1 --node=1 --group=0 --router=tcp://10.213.0.2:5555 \
       --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/de --set cluster.transfer_host=10.213.0.4 ...
 
-A decode engine spanning two processes (or hosts): its mesh covers both processes' devices
-(`cluster.decode_processes=2`), one engine id, one coordinator served by rank 0:
+An engine spanning two processes (or hosts): its mesh covers both processes' devices
+(`cluster.decode_processes=2`, or `prefill_processes` for a prefill engine), one engine id, one
+coordinator served by rank 0:
   python launch/engine.py --role=decode --engine_id=1 --node=1 --span_rank=0 --coordinator=10.213.0.4:7777 \
       --set cluster.decode_processes=2 --set cluster.decode_mesh=tensor=2 ...
   python launch/engine.py --role=decode --engine_id=1 --node=1 --span_rank=1 --coordinator=10.213.0.4:7777 \
@@ -38,7 +39,7 @@ from absl import app, flags
 # Nothing imported before `main` may start JAX: the engine's device variables come first.
 from dualpath_jax.config import apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env, router_env
+from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env, processes, router_env
 from dualpath_jax.logs import install_rate_limit
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
@@ -62,13 +63,13 @@ _DEVICES = flags.DEFINE_list(
 _SPAN_RANK = flags.DEFINE_integer(
     "span_rank",
     0,
-    "A decode engine spanning cluster.decode_processes processes: this process's rank (0 is"
-    " the engine the router knows; the others follow it).",
+    "An engine spanning cluster.prefill_processes / decode_processes processes: this process's"
+    " rank (0 is the engine the router knows; the others follow it).",
 )
 _COORDINATOR = flags.DEFINE_string(
     "coordinator",
     "",
-    "A decode engine spanning several processes: HOST:PORT of its jax.distributed coordinator,"
+    "An engine spanning several processes: HOST:PORT of its jax.distributed coordinator,"
     " which rank 0 serves (the same for every process of the engine).",
 )
 flags.mark_flags_as_required(["role", "workdir"])
@@ -110,12 +111,12 @@ def main(argv):
         _GROUP.value,
         address_file=str(wd / "router.address") if _ROLE.value == "router" else "",
         span_rank=_SPAN_RANK.value,
-        span_size=cfg.cluster.decode_processes if _ROLE.value == "decode" else 1,
+        span_size=processes(cfg.cluster, _ROLE.value) if _ROLE.value != "router" else 1,
         coordinator=_COORDINATOR.value,
     )
     if spec.span_size > 1 and not spec.coordinator:
         raise app.UsageError(
-            f"a decode engine of cluster.decode_processes={spec.span_size} needs --coordinator"
+            f"an engine of cluster.{spec.role}_processes={spec.span_size} needs --coordinator"
         )
     logging.info("starting %s with config %s", _ROLE.value, cfg.name)
     run_process(cfg, spec)

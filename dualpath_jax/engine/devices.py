@@ -152,8 +152,8 @@ def router_env(cluster: ClusterConfig) -> dict[str, str]:
 
 
 def processes(cluster: ClusterConfig, role: str) -> int:
-    """Processes one engine of `role` spans (`cluster.decode_processes`; a PE spans one)."""
-    return cluster.decode_processes if role == "decode" else 1
+    """Processes one engine of `role` spans (`cluster.prefill_processes` / `decode_processes`)."""
+    return cluster.decode_processes if role == "decode" else cluster.prefill_processes
 
 
 def engine_env(
@@ -174,7 +174,7 @@ def engine_env(
     span = processes(cluster, role)
     if span > 1 and cluster.platform not in ("cpu", "gpu"):
         raise ConfigError(
-            f"cluster.decode_processes={span}: LocalCluster runs an engine over several"
+            f"cluster.{role}_processes={span}: LocalCluster runs an engine over several"
             f" processes with cluster.platform cpu or gpu, not {cluster.platform!r}"
         )
     devices = assign_devices(cluster, host)[engine]

@@ -11,6 +11,7 @@ after; in `basic` mode (layerwise off) the whole hit is loaded before one monoli
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import queue
@@ -19,15 +20,25 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.engine.rpc import RpcClient
+from dualpath_jax.engine.span import MirrorLeader
 from dualpath_jax.model.decode import sample_at
-from dualpath_jax.model.pages import CachedPages, DeviceRowRun, LayerPages, segment_tokens
+from dualpath_jax.model.pages import (
+    CachedPages,
+    DevicePages,
+    DeviceRowRun,
+    LayerPages,
+    segment_tokens,
+)
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.sharding import host_value
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
@@ -65,8 +76,10 @@ class PrefillEngine:
         params: ParamsSlot | None = None,
         prefill_cost: M.PrefillCost | None = None,  # the model behind attention_time, reported
         outbox: queue.Queue[M.Msg] | None = None,  # messages of other threads (store KVEvents)
+        span: MirrorLeader | None = None,  # an engine spanning processes: its followers
     ):
         self.prefill_cost = prefill_cost
+        self.span = span
         self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
         self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
         self.rpc, self.runner, self.ctx = rpc, runner, ctx
@@ -164,6 +177,8 @@ class PrefillEngine:
         r = self.reqs.pop(request, None)
         if r is None:
             return
+        if self.span is not None and (r.lead_rows or r.done_rows):
+            self.span.send("drop", (request,))  # the followers' rows kept for its next chunk
         if request in self.reading:
             self.reading.remove(request)
         self.queue.remove(request)
@@ -248,19 +263,43 @@ class PrefillEngine:
             for ch in chunks:
                 self.fail(ch.request_id, e)
             return
-        for r, ch in zip(reqs, chunks):
-            r.load.begin_chunk(
-                ch.cached, ch.cached + ch.bsz, plan.finishes(ch.request_id), batch.n_pad
+        span = self.span
+        layerwise = all(r.msg.layerwise for r in reqs)
+        work = [
+            BatchChunk(ch.request_id, ch.cached, ch.bsz, plan.finishes(ch.request_id), r.lead)
+            for r, ch in zip(reqs, chunks)
+        ]
+        for r, w in zip(reqs, work):
+            # Spanning processes, the new rows go to the DE from the host (exactly bsz rows).
+            n_pad = None if span is not None else batch.n_pad
+            r.load.begin_chunk(w.cached, w.cached + w.bsz, w.finishes, n_pad)
+        kept = {r.msg.request: (r.lead_rows, r.done_rows) for r in reqs}
+        if span is not None:
+            span.send(
+                "batch",
+                (),
+                {
+                    "prompts": [
+                        r.msg.prompt[w.cached : w.cached + w.bsz] for r, w in zip(reqs, work)
+                    ],
+                    "starts": [w.cached for w in work],
+                    "chunks": [dataclasses.astuple(w) for w in work],
+                    "layerwise": layerwise,
+                },
             )
 
         def load_layer(i: int) -> LayerPages:
-            # Each request's cached rows (its hit's layer blocks, then earlier chunks' rows) in
-            # pages of block_tokens: a hit block is one page as it is, and nothing is padded to
-            # the batch's longest context.
+            # Each request's cached rows (a recomputed lead's, its hit's layer blocks, then
+            # earlier chunks' rows) in pages of block_tokens: a hit block is one page as it is,
+            # and nothing is padded to the batch's longest context.
             segments = [
-                self.cached_rows(r, i, ch.cached) if ch.cached else [self._no_rows]
-                for r, ch in zip(reqs, chunks)
+                self.cached_rows(r, i, w.cached) if w.cached else [self._no_rows]
+                for r, w in zip(reqs, work)
             ]
+            if span is not None:  # the followers assemble the same pages from the same rows
+                desc = [describe(seg, *kept[w.request_id], i) for seg, w in zip(segments, work)]
+                span.send("layer", (i,), {"requests": desc})
+                segments = [resolve(d, *kept[w.request_id], i) for d, w in zip(desc, work)]
             return LayerPages.assemble(
                 segments,
                 self.bt,
@@ -273,30 +312,18 @@ class PrefillEngine:
             # Each request's rows go to its DE from the device, padded to the batch's length (one
             # program per batch shape, not per request length). A request with chunks to come
             # keeps this chunk's rows on the device for its next forward.
-            for b, (r, ch) in enumerate(zip(reqs, chunks)):
-                if not plan.finishes(ch.request_id):
-                    kept = r.lead_rows if ch.cached < r.lead else r.done_rows
-                    kept.setdefault(i, []).append(DeviceRowRun(rows, b, ch.bsz))
-                r.load.send_layer(i, DeviceRows(rows, b, ch.bsz))
+            keep_rows(kept, work, i, rows)
+            if span is not None:  # a mesh over processes: every process gathers, this one sends
+                host = host_value(whole(rows, self.runner.mesh))
+                for b, (r, w) in enumerate(zip(reqs, work)):
+                    r.load.send_layer(i, host[b, : w.bsz])
+                return
+            for b, (r, w) in enumerate(zip(reqs, work)):
+                r.load.send_layer(i, DeviceRows(rows, b, w.bsz))
 
         try:
-            if all(r.msg.layerwise for r in reqs):
-                res = self.runner.prefill_layerwise(batch, load_layer, emit_layer)
-            else:
-                # Basic: the whole hit is loaded before the forward starts and the forward is
-                # one program; the new rows go to the DE after it. Hit pages assembled on the
-                # device (a pinned PE buffer copies its blocks there) stay there; host pages go
-                # to pinned host memory, and the program copies each layer's pages to the
-                # device as the layer runs.
-                kv = None
-                if batch.c_pad:
-                    kv = CachedPages.from_layers([load_layer(i) for i in range(c.model.num_layers)])
-                    if not isinstance(kv.pages, jax.Array):
-                        kv = kv.to_host(self.runner.pages_sharding(kv.pages.shape))
-                res, new = self.runner.prefill_program(batch, kv)
-                for i, rows in enumerate(_layers(new)):
-                    emit_layer(i, rows)
-            logits = np.asarray(res.last_logits)
+            res = forward(self.runner, c.model.num_layers, batch, layerwise, load_layer, emit_layer)
+            logits = host_value(res.last_logits)
             pad = [0] * (logits.shape[0] - len(reqs))
             first = sample_at(  # the first generated token sits at position len(prompt)
                 logits,
@@ -306,6 +333,8 @@ class PrefillEngine:
                 [r.msg.top_p for r in reqs] + [1.0] * len(pad),
             )
         except Exception as e:  # noqa: BLE001
+            if span is not None:
+                span.send("abort")  # a follower waiting for a layer gives its forward up too
             for ch in chunks:
                 self.fail(ch.request_id, e)
             return
@@ -333,6 +362,140 @@ class PrefillEngine:
 def _layers(rows):
     """`[L, B, N, W]` -> L device arrays `[B, N, W]` (one program per shape)."""
     return tuple(rows[i] for i in range(rows.shape[0]))
+
+
+def whole(rows, mesh):
+    """`rows` replicated over `mesh` (on a mesh over processes, each process then holds them
+    all and reads its own copy)."""
+    return _replicated(rows, NamedSharding(mesh, PS()))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _replicated(rows, sharding):
+    return jax.lax.with_sharding_constraint(rows, sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchChunk:
+    """One request's part of a forward: `bsz` tokens after `cached`; `finishes`: its last
+    prompt token is among them; `lead`: its recomputed lead's tokens (0: none)."""
+
+    request_id: str
+    cached: int
+    bsz: int
+    finishes: bool
+    lead: int
+
+
+def forward(runner: ModelRunner, num_layers: int, batch, layerwise: bool, load_layer, emit_layer):
+    """One forward batch. Layerwise: each layer's cached KV is taken (`load_layer`) just before
+    the layer runs and its new rows go out (`emit_layer`) right after. Basic: the whole cached
+    KV is taken before one monolithic program; the new rows go out after it. Hit pages
+    assembled on the device stay there; host pages go to pinned host memory, and the program
+    copies each layer's pages to the device as the layer runs."""
+    if layerwise:
+        return runner.prefill_layerwise(batch, load_layer, emit_layer)
+    kv = None
+    if batch.c_pad:
+        kv = CachedPages.from_layers([load_layer(i) for i in range(num_layers)])
+        if not isinstance(kv.pages, jax.Array):
+            kv = kv.to_host(runner.pages_sharding(kv.pages.shape))
+    res, new = runner.prefill_program(batch, kv)
+    for i, rows in enumerate(_layers(new)):
+        emit_layer(i, rows)
+    return res
+
+
+def keep_rows(kept: dict, work: Sequence[BatchChunk], layer: int, rows) -> None:
+    """A forward's layer rows of requests with chunks to come, kept on the device for their
+    next forward: a recomputed lead's apart from later chunks' (`kept[request]`: the two
+    per-layer lists)."""
+    for b, w in enumerate(work):
+        if not w.finishes:
+            lead_rows, done_rows = kept[w.request_id]
+            into = lead_rows if w.cached < w.lead else done_rows
+            into.setdefault(layer, []).append(DeviceRowRun(rows, b, w.bsz))
+
+
+def describe(segments: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> list:
+    """A request's cached segments of one layer as the followers of an engine spanning
+    processes get them: host rows as they are, device pages (on this process's device) as host
+    rows, kept rows by their place in the kept lists (each process holds its own)."""
+    out = []
+    for x in segments:
+        if isinstance(x, DeviceRowRun):
+            for kind, runs in (
+                ("lead", lead_rows.get(layer, [])),
+                ("done", done_rows.get(layer, [])),
+            ):
+                at = next((j for j, y in enumerate(runs) if y is x), -1)
+                if at >= 0:
+                    out.append([kind, at])
+                    break
+            else:
+                raise ValueError("a kept row run of no request")
+        elif isinstance(x, DevicePages):
+            pages = np.asarray(x.pages)[: x.blocks]
+            out.append(["rows", pages.reshape(-1, pages.shape[-1])])
+        else:
+            out.append(["rows", np.asarray(x)])
+    return out
+
+
+def resolve(desc: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> list:
+    """`describe`'s segments back, with this process's kept rows."""
+    runs = {"lead": lead_rows.get(layer, []), "done": done_rows.get(layer, [])}
+    return [x[1] if x[0] == "rows" else runs[x[0]][x[1]] for x in desc]
+
+
+class PrefillReplay:
+    """A prefill engine's follower: replays each forward batch of its leader on the same mesh,
+    with the cached rows the leader sends layer by layer and the rows it keeps itself."""
+
+    def __init__(self, cfg: ExperimentConfig, runner: ModelRunner):
+        self.cfg, self.runner = cfg, runner
+        self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
+
+    def __call__(self, follower, method: str, args: list, kwargs: dict) -> None:
+        if method == "drop":
+            self.kept.pop(args[0], None)
+            return
+        if method == "abort":  # the leader gave up a batch between two layers
+            return
+        if method != "batch":
+            raise RuntimeError(f"unexpected call {method!r} from the leader")
+        m, bt = self.cfg.model, self.cfg.store.block_tokens
+        work = [BatchChunk(*x) for x in kwargs["chunks"]]
+        batch = PrefillBatch.build(m, kwargs["prompts"], kwargs["starts"], self.runner.min_bucket)
+        kept = {w.request_id: self.kept.setdefault(w.request_id, ({}, {})) for w in work}
+
+        def load_layer(i: int) -> LayerPages:
+            call, got, kw = follower.recv()
+            if call != "layer" or got[0] != i:
+                raise Aborted(f"the leader sent {call!r} while layer {i} was awaited")
+            segments = [resolve(d, *kept[w.request_id], i) for d, w in zip(kw["requests"], work)]
+            return LayerPages.assemble(
+                segments, bt, m.kv_width, m.kv_dtype, placement=self.runner.pages_sharding
+            )
+
+        def emit_layer(i: int, rows) -> None:
+            keep_rows(kept, work, i, rows)
+            whole(rows, self.runner.mesh)
+
+        try:
+            forward(self.runner, m.num_layers, batch, kwargs["layerwise"], load_layer, emit_layer)
+        except Aborted as e:
+            log.warning("%s: the batch is dropped", e)
+            for w in work:
+                self.kept.pop(w.request_id, None)
+            return
+        for w in work:
+            if w.finishes:
+                self.kept.pop(w.request_id, None)
+
+
+class Aborted(RuntimeError):
+    """The leader gave a batch up part way."""
 
 
 def _finish_sends(load: PrefillLoad, timeout_s: float) -> None:

@@ -141,9 +141,10 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
-    from dualpath_jax.engine.prefill_engine import PrefillEngine
+    from dualpath_jax.engine.prefill_engine import PrefillEngine, PrefillReplay
     from dualpath_jax.engine.rpc import RpcClient
     from dualpath_jax.engine.span import (
+        DecoderReplay,
         MirroredDecoder,
         MirrorLeader,
         Span,
@@ -162,8 +163,6 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     c = cfg.cluster
     span = Span(spec.span_rank, spec.span_size, spec.coordinator)
     if span.spans:  # before anything else starts JAX: this engine's own process group
-        if spec.role != "decode":
-            raise ValueError("only a decode engine spans several processes")
         init_distributed(
             span, c.platform, bind_host=c.transfer_host, timeout_s=c.heartbeat_timeout_s * 4
         )
@@ -181,13 +180,20 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         len(visible),
     )
     runner = ModelRunner(load_served_model(cfg, mesh))
-    if span.spans and not span.leader:  # replays the leader's decoder calls; nothing else
-        log.info("decode engine %d: process %d of %d follows", spec.engine, span.rank, span.size)
-        follow(runner, _follower_decoder, timeout_s=c.heartbeat_timeout_s)
+    if span.spans and not span.leader:  # replays the leader's device work; nothing else
+        log.info(
+            "%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size
+        )
+        if spec.role == "prefill":
+            prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
+            replay = PrefillReplay(cfg, runner)
+        else:
+            replay = DecoderReplay(runner, _follower_decoder)
+        follow(replay, timeout_s=c.heartbeat_timeout_s)
         return
     creds = credentials_for(c.secrets_file)
     check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
-    refuse = f"a decode engine spanning {span.size} processes takes no params updates"
+    refuse = f"an engine spanning {span.size} processes takes no params updates"
     params = ParamsSlot(
         runner, initial_params_version(c), spec.engine, refuse=refuse if span.spans else ""
     )
@@ -221,7 +227,8 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         timeout_s=cfg.cluster.transfer_timeout_s,
         start_timeout_s=cfg.cluster.prefill_start_timeout_s,
         owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
-        mesh=runner.mesh,
+        # Spanning processes, the leader moves KV whole through its own device and the host.
+        mesh=None if span.spans else runner.mesh,
     )
     rpc = RpcClient(spec.router_address, creds.engine)
     heartbeat = HeartbeatThread(
@@ -239,6 +246,8 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             # Before registering: the router derives beta from the model the PE reports.
             reported = prefill_cost(cfg, runner)
             cost = FittedCostModel(prefill=reported.prefill)
+            if span.spans:
+                leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
             engine = PrefillEngine(
                 cfg,
                 spec.engine,
@@ -251,6 +260,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
                 params=params,
                 prefill_cost=reported,
                 outbox=outbox,
+                span=leader,
             )
         else:
             decoder = make_decoder(cfg, runner)

@@ -1,21 +1,22 @@
-"""A decode engine spanning several processes: one `jax.distributed` group per engine.
+"""Engines spanning several processes: one `jax.distributed` group per engine.
 
 A model too large for one host's devices is served by an engine whose mesh spans the devices of
-several processes (`cluster.decode_processes`; the mesh is `cluster.decode_mesh` over all of
-them). The processes form a `jax.distributed` group of their own: no other engine joins it, so
-a crash there cannot take down another engine (a crash inside it ends the whole engine, which
-the router then declares dead, as for any engine).
+several processes (`cluster.prefill_processes` / `decode_processes`; the role's mesh covers all
+of them). The processes form a `jax.distributed` group of their own: no other engine joins it,
+so a crash there cannot take down another engine (a crash inside it ends the whole engine,
+which the router then declares dead, as for any engine).
 
 JAX runs such a mesh multi-controller: every process calls the same programs in the same order.
-Process 0, the leader, is the engine the router knows (it registers, fetches work, owns the DE
-buffer, the KV channel and the store). Its `Decoder` is a `MirroredDecoder`: each call that
-touches the device (or state a later program depends on) is sent first to the followers, as
-the method name and host arguments, and then run. A follower (`follow`) builds the same model
-on the same mesh and the same `Decoder`, from the leader's first message, and replays the calls
-as they arrive. The calls carry host data only (a prompt's KV blocks out of the DE buffer,
-slot numbers, sampling parameters), so the followers need no store, channel or router.
-Results the leader reads on the host (sampled tokens, pages to persist) are replicated over
-the mesh, so it reads its own copy.
+Process 0, the leader, is the engine the router knows (it registers, fetches work, owns the
+buffer, the KV channel and the store) and sends the others, its followers, what to run, as
+host data; a follower builds the same model on the same mesh and replays it (`follow`):
+- a decode engine's `Decoder` is a `MirroredDecoder`: each call that touches the device (or
+  state a later program depends on) goes to the followers, method name and host arguments,
+  before it runs (`DecoderReplay` replays them on a decoder of the shape the first call gives);
+- a prefill engine sends each forward batch and each layer's cached rows
+  (`prefill_engine.PrefillReplay` runs the same forward).
+Results the leader reads on the host (sampled tokens, logits, pages to persist, new rows) are
+replicated over the mesh, so it reads its own copy.
 
 The leader publishes on a ZeroMQ PUB socket bound on `cluster.host`, whose address reaches the
 followers through the group's key-value store; frames are msgpack (no code is ever decoded).
@@ -251,46 +252,78 @@ class MirroredDecoder:
 # ----------------------------------------------------------------------------- followers
 
 
-def follow(runner, make_decoder, *, timeout_s: float) -> None:
-    """A follower's loop: subscribes to the leader, builds the `Decoder` its first message
-    describes (`make_decoder(runner, **kwargs)`), and replays every call until told to stop or
-    nothing arrives for `timeout_s` (the leader is gone)."""
-    client = _kv_client()
-    address = client.blocking_key_value_get(_ADDRESS_KEY, int(timeout_s * 1000))
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.SUB)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(address)
-    decoder = None
-    calls = 0
-    ready = False
-    try:
+class Follower:
+    """A follower's end of the leader's calls: `recv()` is the next call, `(method, args,
+    kwargs)`; beats and hellos are taken care of here. `recv` raises `Stopped` when the leader
+    says stop or nothing arrives for `timeout_s` (the leader is gone)."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.client = _kv_client()
+        address = self.client.blocking_key_value_get(_ADDRESS_KEY, int(timeout_s * 1000))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.SUB)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(address)
+        self.ready = False
+        self.calls = 0
+
+    def recv(self) -> tuple[str, list, dict]:
         while True:
-            if not sock.poll(int(timeout_s * 1000)):
-                log.warning("no word from the leader for %.0f s: stopping", timeout_s)
-                return
-            method, args, kwargs = decode_call(sock.recv())
+            if not self.sock.poll(int(self.timeout_s * 1000)):
+                raise Stopped(f"no word from the leader for {self.timeout_s:.0f} s")
+            method, args, kwargs = decode_call(self.sock.recv())
             if method == "_hello":
-                if not ready:
-                    client.key_value_set(_READY_KEY.format(rank=_rank()), "1")
-                    ready = True
+                if not self.ready:
+                    self.client.key_value_set(_READY_KEY.format(rank=_rank()), "1")
+                    self.ready = True
                 continue
             if method == "_beat":
                 continue
             if method == "_stop":
-                log.info("stopped by the leader after %d calls", calls)
-                return
-            if method == "_init":
-                decoder = make_decoder(runner, **kwargs)
-                continue
-            if decoder is None or method not in MIRRORED:
-                raise RuntimeError(f"unexpected call {method!r} from the leader")
-            getattr(decoder, method)(*args, **kwargs)
-            calls += 1
+                raise Stopped(f"stopped by the leader after {self.calls} calls")
+            self.calls += 1
+            return method, args, kwargs
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class Stopped(Exception):
+    """The leader stopped (or went quiet): the follower ends."""
+
+
+def follow(replay, *, timeout_s: float) -> None:
+    """A follower's loop: `replay(follower, method, args, kwargs)` for each call of the leader
+    until it stops (`DecoderReplay` for a decode engine, the prefill engine's replay)."""
+    follower = Follower(timeout_s)
+    try:
+        while True:
+            method, args, kwargs = follower.recv()
+            replay(follower, method, args, kwargs)
+    except Stopped as e:
+        log.info("%s", e)
     finally:
-        sock.close(linger=0)
-        ctx.term()
+        follower.close()
+
+
+class DecoderReplay:
+    """A decode engine's follower: builds the `Decoder` the leader's first call describes
+    (`make_decoder(runner, **shape)`) and replays its calls."""
+
+    def __init__(self, runner, make_decoder):
+        self.runner, self.make_decoder = runner, make_decoder
+        self.decoder = None
+
+    def __call__(self, follower: Follower, method: str, args: list, kwargs: dict) -> None:
+        if method == "_init":
+            self.decoder = self.make_decoder(self.runner, **kwargs)
+            return
+        if self.decoder is None or method not in MIRRORED:
+            raise RuntimeError(f"unexpected call {method!r} from the leader")
+        getattr(self.decoder, method)(*args, **kwargs)
 
 
 def _rank() -> int:

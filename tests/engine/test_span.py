@@ -1,5 +1,6 @@
-"""A decode engine spanning several processes (`engine.span`): the calls its leader sends, the
-decoder methods it mirrors, each process's devices, and what is refused. The cluster itself runs
+"""Engines spanning several processes (`engine.span`): the calls a leader sends, the decoder
+methods it mirrors, the prefill segments it describes, each process's devices, and what is
+refused. The cluster itself runs
 in tests/integration/test_engine_meshes.py."""
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def test_each_process_of_a_spanning_engine_gets_its_share_of_the_devices():
     got = [D.engine_env(gpu, 1, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
     assert got == ["2,3", "4,5"]
     assert D.engine_env(gpu, 0, host, {})["CUDA_VISIBLE_DEVICES"] == "0,1"  # PEs span one
+    pe = ClusterConfig(platform="gpu", prefill_mesh="tensor=4", prefill_processes=2)
+    got = [D.engine_env(pe, 0, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
+    assert got == ["0,1", "2,3"]
     tpu = ClusterConfig(platform="tpu", decode_mesh="tensor=4", decode_processes=2)
     with pytest.raises(ConfigError, match="cpu or gpu"):
         D.engine_env(tpu, 1, host, {}, 1)
@@ -103,6 +107,9 @@ def test_each_process_of_a_spanning_engine_gets_its_share_of_the_devices():
 def test_the_processes_must_divide_the_mesh():
     bad = ExperimentConfig(cluster=ClusterConfig(decode_mesh="tensor=2", decode_processes=3))
     with pytest.raises(ConfigError, match="cluster.decode_processes"):
+        validate(bad)
+    bad = ExperimentConfig(cluster=ClusterConfig(prefill_mesh="tensor=4", prefill_processes=3))
+    with pytest.raises(ConfigError, match="cluster.prefill_processes: must divide"):
         validate(bad)
     with pytest.raises(ConfigError, match="cluster.decode_processes"):
         validate(ExperimentConfig(cluster=ClusterConfig(decode_processes=0)))
@@ -116,3 +123,27 @@ def test_a_spanning_engine_refuses_params_updates_and_keeps_serving_the_old_ones
     got = slot.stage(M.LoadParams(version="v1", path="/nowhere"))
     assert not got.ok and "spanning 2 processes" in got.message
     assert slot.version == "v0"
+
+
+def test_prefill_segments_travel_as_host_rows_and_kept_run_references():
+    """A spanning PE's layer segments: host rows as they are, device pages as host rows, kept
+    row runs by their place in the lists each process keeps (resolved to its own runs)."""
+    import jax.numpy as jnp
+
+    from dualpath_jax.engine.prefill_engine import describe, resolve
+    from dualpath_jax.model.pages import DevicePages, DeviceRowRun
+
+    host = np.arange(12, dtype=np.float32).reshape(3, 4)
+    pages = DevicePages(jnp.arange(64, dtype=jnp.float32).reshape(4, 4, 4), blocks=2)
+    lead = {0: [DeviceRowRun(jnp.zeros((1, 8, 4)), 0, 8)]}
+    done = {0: [DeviceRowRun(jnp.ones((1, 8, 4)), 0, 5)]}
+    desc = describe([lead[0][0], host, pages, done[0][0]], lead, done, 0)
+    assert [d[0] for d in desc] == ["lead", "rows", "rows", "done"]
+    frame = span.encode_call("layer", (0,), {"requests": [desc]})
+    got = span.decode_call(frame)[2]["requests"][0]
+    theirs_lead = {0: [DeviceRowRun(jnp.zeros((1, 8, 4)), 0, 8)]}  # another process's own runs
+    theirs_done = {0: [DeviceRowRun(jnp.ones((1, 8, 4)), 0, 5)]}
+    segs = resolve(got, theirs_lead, theirs_done, 0)
+    assert segs[0] is theirs_lead[0][0] and segs[3] is theirs_done[0][0]
+    assert segs[1].tobytes() == host.tobytes()
+    assert segs[2].tobytes() == np.arange(32, dtype=np.float32).tobytes()  # its 2 real blocks

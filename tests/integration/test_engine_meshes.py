@@ -149,3 +149,28 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
     assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
     log = (tmp_path / "logs" / "de1.1.log").read_text()
     assert "stopped by the leader" in log, log[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("policy", "extra"),
+    [("dualpath", {}), ("split", {"prefill_max_tokens": 16}), ("basic", {})],
+)
+def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_cluster, expected):
+    """The PE's mesh (`tensor=2`) spans two processes of one device each: process 0 serves and
+    sends each layer's cached rows to process 1, which runs the same forward (chunked, Basic or
+    layerwise) with them and with the rows it kept itself. Tokens equal the reference's."""
+    cfg = mesh_config(policy, prefill_mesh=DE_MESH, decode_mesh="", prefill_processes=2, **extra)
+    with start_cluster(cfg, tmp_path) as cluster:
+        assert sorted(cluster.procs) == ["de1", "pe0", "pe0.1", "router"]
+        client = cluster.client()
+        engines = client.stats()["engines"]
+        results = run_rounds(client)
+        counters = client.stats()["counters"]
+
+    pe = engines[str(cluster.engine_ids["pe0"])]
+    assert (pe["role"], pe["mesh"], len(pe["devices"])) == ("prefill", DE_MESH, 2), pe
+    assert [[list(r.tokens) for r in rr] for rr in results] == expected
+    assert all(r.cached_tokens >= BLOCK_TOKENS for r in (rr[1] for rr in results))
+    assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    log = (tmp_path / "logs" / "pe0.1.log").read_text()
+    assert "stopped by the leader" in log, log[-2000:]
