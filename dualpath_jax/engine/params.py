@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+from collections.abc import Sequence
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
 from dualpath_jax.engine import messages as M
@@ -92,21 +93,23 @@ class ParamsSlot:
     arguments) or drops them. `check_job` refuses a job of another version.
     """
 
-    def __init__(self, runner, version: str, engine: int, refuse: str = ""):
-        """`refuse`: why this engine takes no updates ("" takes them); every load is then
-        answered not ok with it, and the update is aborted with the old params kept."""
+    def __init__(self, runner, version: str, engine: int, mirror=None):
+        """`mirror`: an engine spanning processes (`span.MirrorLeader`): each load and commit
+        is sent to its followers first (`replay_params`), and every process loads its own
+        shards onto the engine's mesh."""
         self.runner, self.version, self.engine = runner, version, engine
-        self.refuse = refuse
+        self.mirror = mirror
         self._staged: tuple[str, object] | None = None
 
-    def stage(self, msg: M.LoadParams) -> M.ParamsLoaded:
+    def stage(self, msg: M.LoadParams, *, on_mesh: bool = False) -> M.ParamsLoaded:
         from dualpath_jax.model.checkpoint import load_params
 
         self._staged = None
         try:
-            if self.refuse:
-                raise RuntimeError(self.refuse)
-            model = load_params(msg.path, self.runner.cfg)
+            if self.mirror is not None:
+                self.mirror.send("_params_stage", (msg.version, msg.path))
+            mesh = self.runner.mesh if on_mesh or self.mirror is not None else None
+            model = load_params(msg.path, self.runner.cfg, mesh=mesh)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
             return M.ParamsLoaded(
@@ -119,6 +122,8 @@ class ParamsSlot:
         return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
 
     def commit(self, msg: M.CommitParams) -> None:
+        if self.mirror is not None:
+            self.mirror.send("_params_commit", (msg.version, msg.commit))
         staged, self._staged = self._staged, None
         if not msg.commit:
             return
@@ -148,3 +153,19 @@ class ParamsSlot:
             self.commit(msg)
             return True
         return False
+
+
+def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:
+    """A follower's side of a spanning engine's params update (`ParamsSlot.mirror`): loads or
+    commits as its leader does. True if `method` was one of these."""
+    if method == "_params_stage":
+        version, path = args
+        got = slot.stage(M.LoadParams(version=version, path=path), on_mesh=True)
+        if not got.ok:
+            log.warning("params %s not loaded here either: %s", version, got.message)
+        return True
+    if method == "_params_commit":
+        version, commit = args
+        slot.commit(M.CommitParams(version=version, commit=commit))
+        return True
+    return False

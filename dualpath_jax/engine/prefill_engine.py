@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as PS
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
-from dualpath_jax.engine.params import ParamsSlot
+from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.engine.span import MirrorLeader
 from dualpath_jax.model.decode import sample_at
@@ -455,8 +455,11 @@ class PrefillReplay:
     def __init__(self, cfg: ExperimentConfig, runner: ModelRunner):
         self.cfg, self.runner = cfg, runner
         self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
+        self.params = ParamsSlot(runner, "", -1)
 
     def __call__(self, follower, method: str, args: list, kwargs: dict) -> None:
+        if replay_params(self.params, method, args):
+            return
         if method == "drop":
             self.kept.pop(args[0], None)
             return

@@ -193,10 +193,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         return
     creds = credentials_for(c.secrets_file)
     check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
-    refuse = f"an engine spanning {span.size} processes takes no params updates"
-    params = ParamsSlot(
-        runner, initial_params_version(c), spec.engine, refuse=refuse if span.spans else ""
-    )
+    params = ParamsSlot(runner, initial_params_version(c), spec.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     prefix = "pe" if spec.role == "prefill" else "de"
     who = f"{prefix}{spec.engine}"
@@ -248,6 +245,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             cost = FittedCostModel(prefill=reported.prefill)
             if span.spans:
                 leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
+                params.mirror = leader  # its followers load and commit updates with it
             engine = PrefillEngine(
                 cfg,
                 spec.engine,
@@ -267,6 +265,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             if span.spans:
                 leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
                 decoder = MirroredDecoder(decoder, leader)
+                params.mirror = leader  # its followers load and commit updates with it
             engine = DecodeEngine(
                 cfg,
                 spec.engine,

@@ -314,10 +314,17 @@ class DecoderReplay:
     (`make_decoder(runner, **shape)`) and replays its calls."""
 
     def __init__(self, runner, make_decoder):
+        from dualpath_jax.engine.params import ParamsSlot
+
         self.runner, self.make_decoder = runner, make_decoder
         self.decoder = None
+        self.params = ParamsSlot(runner, "", -1)
 
     def __call__(self, follower: Follower, method: str, args: list, kwargs: dict) -> None:
+        from dualpath_jax.engine.params import replay_params
+
+        if replay_params(self.params, method, args):
+            return
         if method == "_init":
             self.decoder = self.make_decoder(self.runner, **kwargs)
             return

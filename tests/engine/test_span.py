@@ -14,7 +14,7 @@ from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, va
 from dualpath_jax.engine import devices as D
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine import span
-from dualpath_jax.engine.params import ParamsSlot
+from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.model.decode import Decoder
 
 
@@ -116,13 +116,24 @@ def test_the_processes_must_divide_the_mesh():
     validate(ExperimentConfig(cluster=ClusterConfig(decode_mesh="tensor=4", decode_processes=2)))
 
 
-def test_a_spanning_engine_refuses_params_updates_and_keeps_serving_the_old_ones():
-    slot = ParamsSlot(
-        None, "v0", 1, refuse="a decode engine spanning 2 processes takes no params updates"
-    )
-    got = slot.stage(M.LoadParams(version="v1", path="/nowhere"))
-    assert not got.ok and "spanning 2 processes" in got.message
-    assert slot.version == "v0"
+def test_a_spanning_engines_params_updates_reach_its_followers_first(tmp_path):
+    """The leader sends each load and commit before doing it; a follower replays them (here
+    both fail alike on a directory that is no checkpoint, and the old version stays)."""
+
+    class Runner:
+        cfg, mesh = ExperimentConfig().model, None
+
+    leader = _Recorder()
+    slot = ParamsSlot(Runner(), "v0", 1, mirror=leader)
+    got = slot.stage(M.LoadParams(version="v1", path=str(tmp_path)))
+    assert not got.ok and leader.sent == [("_params_stage", ("v1", str(tmp_path)), {})]
+    slot.commit(M.CommitParams(version="v1", commit=True))
+    assert leader.sent[-1] == ("_params_commit", ("v1", True), {}) and slot.version == "v0"
+    follower = ParamsSlot(Runner(), "v0", -1)
+    for method, args, _ in leader.sent:
+        assert replay_params(follower, method, args)
+    assert follower.version == "v0"
+    assert not replay_params(follower, "free", (1,))
 
 
 def test_prefill_segments_travel_as_host_rows_and_kept_run_references():

@@ -22,7 +22,7 @@ from dualpath_jax.config import (
     SchedulerConfig,
     StoreConfig,
 )
-from dualpath_jax.model.decode import reference_rounds
+from dualpath_jax.model.decode import reference_generate, reference_rounds
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
@@ -83,6 +83,18 @@ def run_rounds(client) -> list[list]:
     return results
 
 
+def update_and_step(client) -> tuple[list[int], list[int]]:
+    """Updates the params to another model, then runs one round in a new session: (its
+    tokens, the reference model's with the new params)."""
+    new = init_model(MODEL, seed=5)
+    assert client.update_params(new, version="seed5") == "seed5"
+    prompt = np.random.RandomState(9).randint(0, MODEL.vocab_size, 37).tolist()
+    s = Session(client, "after-update")
+    got = s.step(prompt, 4, RESULT_TIMEOUT_S)
+    s.close()
+    return got, reference_generate(ModelRunner(new), prompt, 4)
+
+
 @pytest.fixture(scope="module")
 def expected() -> list[list[list[int]]]:
     """Each trajectory's reference tokens from the one-device model (the engines' seed 0)."""
@@ -140,6 +152,7 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
         engines = client.stats()["engines"]
         results = run_rounds(client)
         counters = client.stats()["counters"]
+        updated = update_and_step(client)
 
     assert len(engines) == 2  # the follower is not an engine of its own
     de = engines[str(cluster.engine_ids["de1"])]
@@ -147,6 +160,7 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
     assert [[list(r.tokens) for r in rr] for rr in results] == expected
     assert all(r.cached_tokens >= BLOCK_TOKENS for r in (rr[1] for rr in results))
     assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    assert updated[0] == updated[1]  # new params, loaded and served by both processes
     log = (tmp_path / "logs" / "de1.1.log").read_text()
     assert "stopped by the leader" in log, log[-2000:]
 
@@ -166,11 +180,14 @@ def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_
         engines = client.stats()["engines"]
         results = run_rounds(client)
         counters = client.stats()["counters"]
+        updated = update_and_step(client) if policy == "dualpath" else None
 
     pe = engines[str(cluster.engine_ids["pe0"])]
     assert (pe["role"], pe["mesh"], len(pe["devices"])) == ("prefill", DE_MESH, 2), pe
     assert [[list(r.tokens) for r in rr] for rr in results] == expected
     assert all(r.cached_tokens >= BLOCK_TOKENS for r in (rr[1] for rr in results))
     assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    if updated is not None:
+        assert updated[0] == updated[1]  # new params, loaded and served by both processes
     log = (tmp_path / "logs" / "pe0.1.log").read_text()
     assert "stopped by the leader" in log, log[-2000:]
