@@ -95,21 +95,20 @@ class ParamsSlot:
 
     def __init__(self, runner, version: str, engine: int, mirror=None):
         """`mirror`: an engine spanning processes (`span.MirrorLeader`): each load and commit
-        is sent to its followers first (`replay_params`), and every process loads its own
-        shards onto the engine's mesh."""
+        is sent to its followers first (`replay_params`). A load places each process's shards
+        onto the runner's mesh, as the engine's first params were."""
         self.runner, self.version, self.engine = runner, version, engine
         self.mirror = mirror
         self._staged: tuple[str, object] | None = None
 
-    def stage(self, msg: M.LoadParams, *, on_mesh: bool = False) -> M.ParamsLoaded:
+    def stage(self, msg: M.LoadParams) -> M.ParamsLoaded:
         from dualpath_jax.model.checkpoint import load_params
 
         self._staged = None
         try:
             if self.mirror is not None:
                 self.mirror.send("_params_stage", (msg.version, msg.path))
-            mesh = self.runner.mesh if on_mesh or self.mirror is not None else None
-            model = load_params(msg.path, self.runner.cfg, mesh=mesh)
+            model = load_params(msg.path, self.runner.cfg, mesh=self.runner.mesh)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
             return M.ParamsLoaded(
@@ -160,7 +159,7 @@ def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:
     commits as its leader does. True if `method` was one of these."""
     if method == "_params_stage":
         version, path = args
-        got = slot.stage(M.LoadParams(version=version, path=path), on_mesh=True)
+        got = slot.stage(M.LoadParams(version=version, path=path))
         if not got.ok:
             log.warning("params %s not loaded here either: %s", version, got.message)
         return True

@@ -11,7 +11,6 @@ after; in `basic` mode (layerwise off) the whole hit is loaded before one monoli
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import queue
@@ -20,8 +19,6 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
@@ -38,7 +35,7 @@ from dualpath_jax.model.pages import (
     segment_tokens,
 )
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
-from dualpath_jax.model.sharding import host_value
+from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
@@ -362,17 +359,6 @@ class PrefillEngine:
 def _layers(rows):
     """`[L, B, N, W]` -> L device arrays `[B, N, W]` (one program per shape)."""
     return tuple(rows[i] for i in range(rows.shape[0]))
-
-
-def whole(rows, mesh):
-    """`rows` replicated over `mesh` (on a mesh over processes, each process then holds them
-    all and reads its own copy)."""
-    return _replicated(rows, NamedSharding(mesh, PS()))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _replicated(rows, sharding):
-    return jax.lax.with_sharding_constraint(rows, sharding)
 
 
 @dataclasses.dataclass(frozen=True)

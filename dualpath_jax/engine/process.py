@@ -239,13 +239,14 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     heartbeat.start()
     leader = None
     try:
+        # Before registering: the router derives beta from the model a PE reports (spanning
+        # processes, the followers run these forwards in step, before they follow).
+        reported = prefill_cost(cfg, runner) if spec.role == "prefill" else None
+        if span.spans:
+            leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
+            params.mirror = leader  # its followers load and commit updates with it
         if spec.role == "prefill":
-            # Before registering: the router derives beta from the model the PE reports.
-            reported = prefill_cost(cfg, runner)
             cost = FittedCostModel(prefill=reported.prefill)
-            if span.spans:
-                leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
-                params.mirror = leader  # its followers load and commit updates with it
             engine = PrefillEngine(
                 cfg,
                 spec.engine,
@@ -262,10 +263,8 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             )
         else:
             decoder = make_decoder(cfg, runner)
-            if span.spans:
-                leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
+            if leader is not None:
                 decoder = MirroredDecoder(decoder, leader)
-                params.mirror = leader  # its followers load and commit updates with it
             engine = DecodeEngine(
                 cfg,
                 spec.engine,

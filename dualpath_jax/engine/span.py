@@ -169,7 +169,6 @@ class MirrorLeader:
     """The leader's side: a PUB socket the followers subscribe to, one frame per call."""
 
     def __init__(self, span: Span, host: str = "127.0.0.1", timeout_s: float = 120.0):
-        self.span = span
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a call

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
@@ -33,7 +32,7 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
-from dualpath_jax.model.sharding import host_value
+from dualpath_jax.model.sharding import host_value, whole
 
 Array = jax.Array
 
@@ -236,13 +235,6 @@ def _write_pages(pages, ids, blocks):
 @jax.jit
 def _read_pages(pages, ids):
     return pages[ids]
-
-
-@jax.jit
-def _read_pages_whole(pages, ids):
-    """`_read_pages` replicated over the mesh in context: each process holds every column (a
-    mesh may span processes, and the host reads its own copy)."""
-    return jax.lax.with_sharding_constraint(pages[ids], P())
 
 
 JITTED.update((_merge, _write_pages, _read_pages))
@@ -464,8 +456,8 @@ class Decoder:
         """Pages `ids` `[n, L, ps, W]` (bits) to the host, read in bucketed counts."""
         where = np.zeros((self._write_bucket(len(ids)),), np.int32)
         where[: len(ids)] = ids
-        read = _read_pages if self.mesh is None else _read_pages_whole
-        return host_value(read(self.pages, jnp.asarray(where)))[: len(ids)]
+        got = whole(_read_pages(self.pages, jnp.asarray(where)), self.mesh)
+        return host_value(got)[: len(ids)]
 
     def set_next(self, tokens: np.ndarray) -> None:
         """Sets the pending token of every active slot (`tokens` `[S]`): for callers that

@@ -30,6 +30,7 @@ the identity otherwise, so the single-device path compiles exactly as before.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -244,6 +245,17 @@ def describe(mesh: Mesh | None) -> str:
     if mesh is None:
         return ""
     return ",".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def whole(x, mesh: Mesh | None):
+    """`x` replicated over `mesh` (None: `x` as it is). On a mesh over processes each process
+    then holds all of it and `host_value` reads its own copy; every process must call this."""
+    return x if mesh is None else _replicated(x, NamedSharding(mesh, P()))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _replicated(x, sharding):
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def host_value(x) -> np.ndarray:

@@ -89,7 +89,7 @@ class RecomputeRule:
         slower side's for a split read)."""
         cap = min(blocks, self.max_blocks) if self.max_blocks else blocks
         if self.mode != "auto" or cap <= 0:
-            return max(cap, 0) if self.mode == "always" else 0
+            return cap if self.mode == "always" else 0
         cost, rate = self.prefill_s, self.read_tokens_per_s
         if rate <= 0 or cost is None:
             return 0

@@ -489,7 +489,7 @@ class PrefillLoad:
         hit_tokens = min(job.pe_blocks, self.hit_blocks()) * bt
         self._prefix = 0
         if self._chunk == 0 and hit_tokens:
-            if t0 == start + hit_tokens and not start:
+            if not start and t0 == hit_tokens:
                 self._prefix = hit_tokens  # the PE-read hit rows travel with this chunk's rows
             else:  # split path or a lead: the hit rows are not contiguous with these rows
                 self._offer_piece(start, start + hit_tokens, False, lambda i: None)
