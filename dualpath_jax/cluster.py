@@ -1,5 +1,7 @@
 """A disaggregated cluster from Python: `LocalCluster` starts a router and its prefill and decode
-engine processes on this host; `Client` talks to any router (local or multi-host).
+engine processes on this host; `InProcessCluster` runs the same router and engines as threads of
+this process (tests, sweeps, first experiments: one JAX runtime, identical tokens); `Client`
+talks to any router (local or multi-host).
 
     from dualpath_jax import cluster, rollout
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.engine.cluster import ClusterError, LocalCluster
+from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import link_totals, read_link_reports
@@ -26,6 +29,7 @@ __all__ = [
     "Client",
     "ClusterError",
     "Credentials",
+    "InProcessCluster",
     "LocalCluster",
     "RolloutError",
     "link_totals",

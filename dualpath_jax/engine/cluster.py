@@ -29,11 +29,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from dualpath_jax.config import ExperimentConfig, to_json
+from dualpath_jax.config import ClusterConfig, ExperimentConfig, to_json
 from dualpath_jax.engine import devices
 from dualpath_jax.engine.client import Client
+from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
@@ -48,6 +49,53 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ClusterError(RuntimeError):
     """The cluster could not start (a process died or did not register in time)."""
+
+
+def prepare_workdir(
+    cfg: ExperimentConfig, workdir: pathlib.Path
+) -> tuple[ExperimentConfig, Credentials]:
+    """Creates `workdir`, reads the configured secrets or writes fresh ones to
+    `workdir/secrets.json` (naming them in the returned config), and writes `config.json`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    if cfg.cluster.secrets_file:
+        credentials = read_credentials(cfg.cluster.secrets_file)
+    else:
+        path = workdir / "secrets.json"
+        credentials = write_credentials(path)
+        cfg = dataclasses.replace(
+            cfg, cluster=dataclasses.replace(cfg.cluster, secrets_file=str(path))
+        )
+    (workdir / "config.json").write_text(to_json(cfg, indent=1))
+    return cfg, credentials
+
+
+def engine_plan(cluster: ClusterConfig) -> list[tuple[str, EngineId]]:
+    """Every engine of a cluster, in id order: prefill engines, then decode engines, one per
+    node (`pe0`, `pe1`, `de2`, ...); groups of `pe_group_size` / `de_group_size`."""
+    out = []
+    engine = 0
+    for role, count in (("prefill", cluster.prefill_nodes), ("decode", cluster.decode_nodes)):
+        size = cluster.pe_group_size if role == "prefill" else cluster.de_group_size
+        for i in range(count):
+            who = EngineId(role, engine, engine, i // size)
+            out.append((who.name, who))
+            engine += 1
+    return out
+
+
+def wait_registered(
+    client: Client, engines: int, check_alive: Callable[[], None], deadline: float
+) -> None:
+    """Waits until `engines` engines are registered and alive at the router (`check_alive`
+    raises when one of them died meanwhile)."""
+    while True:
+        check_alive()
+        registered = client.stats().get("engines", {})
+        if sum(1 for e in registered.values() if e["alive"]) == engines:
+            return
+        if time.monotonic() > deadline:
+            raise ClusterError(f"only {len(registered)} of {engines} engines registered")
+        time.sleep(0.1)
 
 
 class LocalCluster:
@@ -137,15 +185,7 @@ class LocalCluster:
         return p
 
     def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        if self.cfg.cluster.secrets_file:
-            self.credentials = read_credentials(self.cfg.cluster.secrets_file)
-        else:
-            path = self.workdir / "secrets.json"
-            self.credentials = write_credentials(path)
-            cluster = dataclasses.replace(self.cfg.cluster, secrets_file=str(path))
-            self.cfg = dataclasses.replace(self.cfg, cluster=cluster)
-        (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
+        self.cfg, self.credentials = prepare_workdir(self.cfg, self.workdir)
         addr_file = self.workdir / "router.address"
         addr_file.unlink(missing_ok=True)
         self._spawn(
@@ -162,39 +202,24 @@ class LocalCluster:
             time.sleep(0.05)
         self.address = addr_file.read_text().strip()
         c = self.cfg.cluster
-        engine = 0
-        for role, count in (("prefill", c.prefill_nodes), ("decode", c.decode_nodes)):
-            for i in range(count):
-                name = f"{'pe' if role == 'prefill' else 'de'}{engine}"
-                group = i // (c.pe_group_size if role == "prefill" else c.de_group_size)
-                span = devices.processes(c, role)
-                spec = ProcessSpec(
-                    role,
-                    str(self.workdir),
-                    self.address,
-                    engine,
-                    engine,
-                    group,
-                    parent_pid=os.getpid(),
-                    span_size=span,
-                    coordinator=f"127.0.0.1:{free_port()}" if span > 1 else "",
-                )
-                self._spawn(name, spec)
-                for rank in range(1, span):  # the processes that follow it (`engine.span`)
-                    self._spawn(f"{name}.{rank}", dataclasses.replace(spec, span_rank=rank))
-                self.engine_ids[name] = engine
-                engine += 1
-        client = self.client()
-        while True:
-            self._check_alive()
-            engines = client.stats().get("engines", {})
-            if sum(1 for e in engines.values() if e["alive"]) == len(self.engine_ids):
-                return
-            if time.monotonic() > deadline:
-                raise ClusterError(
-                    f"only {len(engines)} of {len(self.engine_ids)} engines registered"
-                )
-            time.sleep(0.1)
+        for name, who in engine_plan(c):
+            span = devices.processes(c, who.role)
+            spec = ProcessSpec(
+                who.role,
+                str(self.workdir),
+                self.address,
+                who.engine,
+                who.node,
+                who.group,
+                parent_pid=os.getpid(),
+                span_size=span,
+                coordinator=f"127.0.0.1:{free_port()}" if span > 1 else "",
+            )
+            self._spawn(name, spec)
+            for rank in range(1, span):  # the processes that follow it (`engine.span`)
+                self._spawn(f"{name}.{rank}", dataclasses.replace(spec, span_rank=rank))
+            self.engine_ids[name] = who.engine
+        wait_registered(self.client(), len(self.engine_ids), self._check_alive, deadline)
 
     def _check_alive(self, names: list[str] | None = None) -> None:
         for name, p in self.procs.items():

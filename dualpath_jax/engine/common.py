@@ -39,27 +39,24 @@ log = logging.getLogger(__name__)
 
 
 def register(
-    rpc,
-    role: str,
-    engine: int,
-    node: int,
-    group: int,
+    control,
+    who,
     address: str,
     params_version: str = "",
     prefill_cost: M.PrefillCost | None = None,
     runner=None,
     kv_pieces: int = 1,
 ) -> None:
-    """Announces an engine (its KV channel address, served params version, the devices and mesh
-    its `runner` runs on and, for a PE, the prefill cost model it batches with and the column
-    pieces its KV rows split into) to the router."""
+    """Announces engine `who` (an `engine.core.EngineId`: its KV channel address, served params
+    version, the devices and mesh its `runner` runs on and, for a PE, the prefill cost model it
+    batches with and the column pieces its KV rows split into) to the router."""
     devices, mesh = runner_devices(runner) if runner is not None else ([], "")
-    rpc.send(
+    control.send(
         M.Register(
-            role=role,
-            engine=engine,
-            node=node,
-            group=group,
+            role=who.role,
+            engine=who.engine,
+            node=who.node,
+            group=who.group,
             address=address,
             pid=os.getpid(),
             params_version=params_version,

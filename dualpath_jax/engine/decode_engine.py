@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
+from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
+from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot
-from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import BlockLayout
@@ -76,21 +76,21 @@ class DecodeEngine:
     def __init__(
         self,
         cfg: ExperimentConfig,
-        engine: int,
-        node: int,
-        group: int,
-        rpc: RpcClient,
-        decoder: Decoder,
+        who: EngineId,
+        control: ControlLink,
         ctx: LoaderContext,
-        clock: Callable[[], float] = time.monotonic,
+        decoder: Decoder,
         params: ParamsSlot | None = None,
+        *,
         outbox: queue.Queue[M.Msg] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`outbox`: messages other threads send through the engine's socket (its store's
         `KVEvents`, a worker's `DecodeDone`), in the order they were put."""
-        self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
-        self.rpc, self.dec, self.ctx, self.clock = rpc, decoder, ctx, clock
-        self.params = params or ParamsSlot(decoder.runner, "", engine)
+        self.cfg, self.who, self.control, self.ctx, self.dec = cfg, who, control, ctx, decoder
+        self.engine, self.node = who.engine, who.node
+        self.clock = clock
+        self.params = params or ParamsSlot(decoder.runner, "", who.engine)
         self.bt = cfg.store.block_tokens
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[str] = []  # jobs whose DE buffer could not be reserved yet
@@ -100,33 +100,30 @@ class DecodeEngine:
         self.last_fetch = -1e9
         self.inflight = None  # (tokens, {slot: request}) of the step dispatched last
 
+    # ------------------------------------------------------------------ loop (engine.core.drive)
+
     def register(self) -> None:
         register(
-            self.rpc,
-            "decode",
-            self.engine,
-            self.node,
-            self.group,
+            self.control,
+            self.who,
             self.ctx.channel.address,
             self.params.version,
             runner=self.dec.runner,
         )
 
-    def run(self) -> None:
-        self.register()
-        while not self.stopped:
-            pump(self.rpc, self.handle, 0 if self.slot_req else 5)
-            while not self.outbox.empty():
-                self.rpc.send(self.outbox.get_nowait())
-            now = self.clock()
-            if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
-                self.fetch(now)
-            self.start_waiting()
-            self.admit()
-            if self.slot_req:
-                self.step()
-            else:
-                self.drain()
+    def busy(self) -> bool:
+        return bool(self.slot_req)
+
+    def step(self) -> None:
+        now = self.clock()
+        if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
+            self.fetch(now)
+        self.start_waiting()
+        self.admit()
+        if self.slot_req:
+            self.decode()
+        else:
+            self.drain()
 
     def fetch(self, now: float) -> None:
         self.last_fetch = now
@@ -139,7 +136,7 @@ class DecodeEngine:
             batch=len(self.slot_req),
         )
         links = json.dumps(traffic.snapshot()) if traffic is not None else ""
-        self.rpc.send(M.Fetch(engine=self.engine, load=load, links=links))
+        self.control.send(M.Fetch(engine=self.engine, load=load, links=links))
 
     def handle(self, msg: M.Msg) -> None:
         match msg:
@@ -148,7 +145,7 @@ class DecodeEngine:
                     try:
                         self.params.check_job(m)
                     except RuntimeError as e:
-                        self.rpc.send(failed(m.request, self.engine, e, m.attempt))
+                        self.control.send(failed(m.request, self.engine, e, m.attempt))
                         continue
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
@@ -167,7 +164,7 @@ class DecodeEngine:
             case M.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
             case M.LoadParams() | M.CommitParams():
-                self.params.handle(msg, self.rpc.send)
+                self.params.handle(msg, self.control.send)
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -197,7 +194,7 @@ class DecodeEngine:
                     traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
                 load.on_read_done = lambda rid=rid, job=job: self.reads_done(rid, job)
             r.load = load.start()
-            self.rpc.send(M.DeReady(request=rid, engine=self.engine, attempt=job.attempt))
+            self.control.send(M.DeReady(request=rid, engine=self.engine, attempt=job.attempt))
 
     def reads_done(self, request: str, job) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
@@ -219,7 +216,7 @@ class DecodeEngine:
 
     def fail(self, request: str, exc: BaseException) -> None:
         r = self.reqs.get(request)
-        self.rpc.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
+        self.control.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
         self.drop(request)
 
     # ------------------------------------------------------------------ decode
@@ -283,7 +280,7 @@ class DecodeEngine:
             return "length"
         return "finished" if r.finish else ""
 
-    def step(self) -> None:
+    def decode(self) -> None:
         """Dispatches the next decode step, then takes the tokens of the step before it: the
         device runs step t + 1 (fed with step t's tokens on the device, sampled there with each
         request's seed and temperature) while the host reads step t's tokens. A request done at
@@ -310,7 +307,9 @@ class DecodeEngine:
             r.tokens.append(int(nxt[slot]))
             n = len(r.tokens)
             if r.msg.stream or n == 2:  # the router times the second token; streams get all
-                self.rpc.send(M.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1))
+                self.control.send(
+                    M.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1)
+                )
             reason = self.finish_reason(r)
             if reason:
                 self.complete(r, reason)

@@ -22,9 +22,9 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, pump, register
+from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
+from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
-from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.engine.span import MirrorLeader
 from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.pages import (
@@ -36,6 +36,7 @@ from dualpath_jax.model.pages import (
 )
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.sharding import host_value, whole
+from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
@@ -57,31 +58,32 @@ class _Req:
 
 
 class PrefillEngine:
-    """One PE. `attention_time(pairs)` predicts a batch's attention-layer seconds."""
+    """One PE (the `engine.core.Engine` contract). `cost` is the prefill cost model it batches
+    with (the model behind `attention_time`), reported to the router when it registers."""
 
     def __init__(
         self,
         cfg: ExperimentConfig,
-        engine: int,
-        node: int,
-        group: int,
-        rpc: RpcClient,
-        runner: ModelRunner,
+        who: EngineId,
+        control: ControlLink,
         ctx: LoaderContext,
-        attention_time: Callable[[Sequence[tuple[int, int]]], float],
-        clock: Callable[[], float] = time.monotonic,
+        runner: ModelRunner,
         params: ParamsSlot | None = None,
-        prefill_cost: M.PrefillCost | None = None,  # the model behind attention_time, reported
+        cost: M.PrefillCost | None = None,
+        *,
         outbox: queue.Queue[M.Msg] | None = None,  # messages of other threads (store KVEvents)
         span: MirrorLeader | None = None,  # an engine spanning processes: its followers
+        clock: Callable[[], float] = time.monotonic,
     ):
-        self.prefill_cost = prefill_cost
+        self.cfg, self.who, self.control, self.ctx, self.runner = cfg, who, control, ctx, runner
+        self.engine, self.node = who.engine, who.node
+        self.prefill_cost = cost
         self.span = span
         self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
-        self.cfg, self.engine, self.node, self.group = cfg, engine, node, group
-        self.rpc, self.runner, self.ctx = rpc, runner, ctx
-        self.params = params or ParamsSlot(runner, "", engine)
-        self.attention_time = attention_time
+        self.params = params or ParamsSlot(runner, "", who.engine)
+        self.attention_time = (
+            FittedCostModel(prefill=cost.prefill).attention_time if cost is not None else None
+        )
         self.clock = clock
         self.bt = cfg.store.block_tokens
         self.reqs: dict[str, _Req] = {}
@@ -99,15 +101,12 @@ class PrefillEngine:
             make_policy(cfg.scheduler).layerwise,
         )
 
-    # ------------------------------------------------------------------ loop
+    # ------------------------------------------------------------------ loop (engine.core.drive)
 
     def register(self) -> None:
         register(
-            self.rpc,
-            "prefill",
-            self.engine,
-            self.node,
-            self.group,
+            self.control,
+            self.who,
             self.ctx.channel.address,
             self.params.version,
             self.prefill_cost,
@@ -115,25 +114,23 @@ class PrefillEngine:
             kv_pieces=self.ctx.row_pieces,
         )
 
-    def run(self) -> None:
-        self.register()
-        while not self.stopped:
-            pump(self.rpc, self.handle, 0 if len(self.queue) else 5)
-            while not self.outbox.empty():
-                self.rpc.send(self.outbox.get_nowait())
-            self.poll_reads()
-            now = self.clock()
-            if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
-                self.fetch(now)
-            if len(self.queue):
-                self.run_batch()
+    def busy(self) -> bool:
+        return bool(len(self.queue))
+
+    def step(self) -> None:
+        self.poll_reads()
+        now = self.clock()
+        if now - self.last_fetch >= self.cfg.cluster.fetch_interval_s:
+            self.fetch(now)
+        if len(self.queue):
+            self.run_batch()
 
     def fetch(self, now: float) -> None:
         self.last_fetch = now
         traffic = self.ctx.traffic
         read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
         links = traffic.snapshot() if traffic is not None else {}
-        self.rpc.send(
+        self.control.send(
             M.Fetch(
                 engine=self.engine,
                 load=M.Load(read_q=read_q, batch=self.last_batch),
@@ -149,7 +146,7 @@ class PrefillEngine:
             case M.Cancel(request=r):
                 self.drop(r)
             case M.LoadParams() | M.CommitParams():
-                self.params.handle(msg, self.rpc.send)
+                self.params.handle(msg, self.control.send)
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -160,7 +157,7 @@ class PrefillEngine:
         try:
             self.params.check_job(m)
         except RuntimeError as e:
-            self.rpc.send(failed(m.request, self.engine, e, m.attempt))
+            self.control.send(failed(m.request, self.engine, e, m.attempt))
             return
         job = job_from_msg(m)
         traffic = self.ctx.traffic
@@ -183,7 +180,7 @@ class PrefillEngine:
 
     def fail(self, request: str, exc: BaseException) -> None:
         r = self.reqs.get(request)
-        self.rpc.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
+        self.control.send(failed(request, self.engine, exc, r.msg.attempt if r else 0))
         self.drop(request)
 
     def poll_reads(self) -> None:
@@ -196,7 +193,7 @@ class PrefillEngine:
             if job.pe_blocks and not job.oracle:
                 if self.ctx.traffic is not None:
                     self.ctx.traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
-                self.rpc.send(M.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt))
+                self.control.send(M.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt))
             try:
                 r.hit = r.load.hit_blocks()
             except Exception as e:  # noqa: BLE001 - store/transfer failures fail the request
@@ -339,7 +336,7 @@ class PrefillEngine:
         for b, (r, ch) in enumerate(zip(reqs, chunks)):
             if not plan.finishes(ch.request_id):
                 continue
-            self.rpc.send(
+            self.control.send(
                 M.PrefillDone(
                     request=ch.request_id,
                     engine=self.engine,

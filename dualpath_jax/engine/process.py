@@ -8,24 +8,16 @@ once it is listening, which is how a local launcher finds it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import pathlib
-import queue
 import signal
 import threading
 import time
-from collections.abc import Callable
-from concurrent import futures
 
-from dualpath_jax.config import ExperimentConfig, StoreConfig
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine.core import EngineId, Transport, build_engine, build_router
 from dualpath_jax.engine.credentials import credentials_for
-from dualpath_jax.engine.devices import role_mesh
-from dualpath_jax.engine.rpc import check_transfer_bind, host_port
-from dualpath_jax.kv_events import KVEvent
-from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
-from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +39,6 @@ class ProcessSpec:
     span_rank: int = 0
     span_size: int = 1
     coordinator: str = ""
-
-
-def store_config(cfg: ExperimentConfig, workdir: str) -> StoreConfig:
-    root = cfg.store.root or str(pathlib.Path(workdir) / "store")
-    return dataclasses.replace(cfg.store, root=root)
-
-
-def open_store(
-    cfg: ExperimentConfig,
-    workdir: str,
-    on_events: Callable[[list[KVEvent]], None] | None = None,
-) -> TensorStoreBlockStore:
-    return open_block_store(store_config(cfg, workdir), cfg.model, on_events=on_events)
 
 
 def _install_sigterm(stop: threading.Event) -> None:
@@ -84,81 +63,22 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
-    from dualpath_jax.engine.kv_publisher import KVEventPublisher
-    from dualpath_jax.engine.router import Router
-    from dualpath_jax.engine.rpc import RpcServer
-    from dualpath_jax.faults import load_plan, wrap_store
-    from dualpath_jax.metrics.events import EventLog
-    from dualpath_jax.sched.cost import derive_alpha, engines_beta
-    from dualpath_jax.sched.scheduler import GlobalScheduler
-
-    kvb = kv_bytes_per_token(cfg.model)
-    alpha = derive_alpha(cfg.scheduler, cfg.hardware, kvb)
-    snic = cfg.hardware.snic_bytes_per_s
-    sched = GlobalScheduler.from_config(
-        cfg.scheduler,
-        alpha=alpha,
-        # Until a PE reports its cost model (then Router.update_beta derives beta from it).
-        beta=engines_beta(cfg.scheduler, (), max_batch=cfg.cluster.prefill_max_batch or 256),
-        block_tokens=cfg.store.block_tokens,
-        pe_read_rate=snic or 1.0,
-        de_read_rate=snic or 1.0,
-        de_max_seqs=cfg.cluster.decode_slots + cfg.cluster.decode_queue,
-        read_tokens_per_s=snic / kvb if snic else 0.0,
-    )
-    creds = credentials_for(cfg.cluster.secrets_file)
-    server = RpcServer(cfg.cluster.host, cfg.cluster.router_port, creds.tokens)
-    publisher = None
-    if cfg.cluster.kv_events_address:
-        publisher = KVEventPublisher(cfg.cluster.kv_events_address, creds.tokens)
-        log.info("publishing KV events on %s", publisher.address)
-    on_events = None if publisher is None else functools.partial(publisher.post, "router")
-    store = wrap_store(
-        open_store(cfg, spec.workdir, on_events), load_plan(cfg.cluster.fault_file), "router"
-    )
-    events = EventLog(pathlib.Path(spec.workdir) / "events.jsonl")
-    router = Router(cfg, server, store, sched, events, kv_events=publisher)
-    if spec.address_file:
-        tmp = spec.address_file + ".tmp"
-        pathlib.Path(tmp).write_text(server.address)
-        os.replace(tmp, spec.address_file)
-    log.info("router listening on %s (policy %s)", server.address, cfg.scheduler.policy.value)
-    try:
-        router.serve()
-    finally:
-        events.close()
-        store.close()
-        if publisher is not None:
-            publisher.close()
-        server.close()
+    with build_router(cfg, spec.workdir) as built:
+        if spec.address_file:
+            tmp = spec.address_file + ".tmp"
+            pathlib.Path(tmp).write_text(built.address)
+            os.replace(tmp, spec.address_file)
+        built.serve()
 
 
 def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    """An engine process: the engine `build_engine` assembles over this process's devices, a
+    ZeroMQ control socket and a `jax.experimental.transfer` channel. A process of an engine
+    spanning several (`spec.span_size`) joins its `jax.distributed` group first; its followers
+    replay the leader's device work and nothing else."""
     import jax
 
-    from dualpath_jax.engine import messages as M
-    from dualpath_jax.engine.calibrate import prefill_cost
-    from dualpath_jax.engine.common import HeartbeatThread
-    from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
-    from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
-    from dualpath_jax.engine.prefill_engine import PrefillEngine, PrefillReplay
-    from dualpath_jax.engine.rpc import RpcClient
-    from dualpath_jax.engine.span import (
-        DecoderReplay,
-        MirroredDecoder,
-        MirrorLeader,
-        Span,
-        follow,
-        init_distributed,
-    )
-    from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
-    from dualpath_jax.kvstore.buffers import HostBufferPool
-    from dualpath_jax.model import sharding
-    from dualpath_jax.model.runner import ModelRunner
-    from dualpath_jax.sched.cost import FittedCostModel
-    from dualpath_jax.transfer.channel import JaxTransferChannel
-    from dualpath_jax.transfer.loader import LoaderContext
-    from dualpath_jax.transfer.traffic import TrafficManager
+    from dualpath_jax.engine.span import MirrorLeader, Span, init_distributed
 
     c = cfg.cluster
     span = Span(spec.span_rank, spec.span_size, spec.coordinator)
@@ -166,129 +86,55 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         init_distributed(
             span, c.platform, bind_host=c.transfer_host, timeout_s=c.heartbeat_timeout_s * 4
         )
-    # The engine's mesh over the devices its process was given (`engine.devices`); an engine
-    # spanning processes meshes over all of theirs.
-    visible = jax.local_devices()
-    mesh = sharding.make_mesh(role_mesh(c, spec.role), jax.devices() if span.spans else visible)
-    log.info(
-        "%s engine %d on node %d: mesh %r over %s (%d device(s) visible)",
-        spec.role,
-        spec.engine,
-        spec.node,
-        sharding.describe(mesh),
-        list(mesh.devices.flat) if mesh is not None else visible[:1],
-        len(visible),
-    )
-    runner = ModelRunner(load_served_model(cfg, mesh))
-    if span.spans and not span.leader:  # replays the leader's device work; nothing else
-        log.info(
-            "%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size
-        )
-        if spec.role == "prefill":
-            prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
-            replay = PrefillReplay(cfg, runner)
-        else:
-            replay = DecoderReplay(runner, _follower_decoder)
-        follow(replay, timeout_s=c.heartbeat_timeout_s)
-        return
-    creds = credentials_for(c.secrets_file)
-    check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
-    params = ParamsSlot(runner, initial_params_version(c), spec.engine)
-    layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
-    prefix = "pe" if spec.role == "prefill" else "de"
-    who = f"{prefix}{spec.engine}"
-    faults = load_plan(c.fault_file)
-    # Messages from the engine's other threads; the store's KV events go there too, so they
-    # reach the router ahead of whatever the engine reports after the store acted.
-    outbox: queue.Queue[M.Msg] = queue.Queue()
-
-    def forward_events(evs: list[KVEvent]) -> None:
-        outbox.put(M.KVEvents(engine=spec.engine, events=evs))
-
-    on_events = forward_events if c.kv_events_address else None
-    store = wrap_store(open_store(cfg, spec.workdir, on_events), faults, who)
-    name = "PE buffer" if spec.role == "prefill" else "DE buffer"
-    buffer = HostBufferPool.for_config(cfg, layout, name)
-    bind = host_port(c.transfer_host, 0)
-    channel = wrap_channel(JaxTransferChannel(bind=bind, transport_addresses=[bind]), faults, who)
-    traffic = TrafficManager(cfg.hardware)
-    pool = futures.ThreadPoolExecutor(16, thread_name_prefix=f"{spec.role}{spec.engine}")
-    ctx = LoaderContext(
-        cfg.model,
-        layout,
-        store,
-        buffer,
-        channel,
-        traffic,
-        pool,
-        timeout_s=cfg.cluster.transfer_timeout_s,
-        start_timeout_s=cfg.cluster.prefill_start_timeout_s,
-        owners=frozenset({f"{prefix}{spec.engine}", f"node{spec.node}"}),
-        # Spanning processes, the leader moves KV whole through its own device and the host.
-        mesh=None if span.spans else runner.mesh,
-    )
-    rpc = RpcClient(spec.router_address, creds.engine)
-    heartbeat = HeartbeatThread(
-        spec.router_address,
-        creds.engine,
-        spec.engine,
-        c.heartbeat_s,
-        router_timeout_s=c.heartbeat_timeout_s,
+        if not span.leader:
+            return _follow(cfg, spec, span)
+    who = EngineId(spec.role, spec.engine, spec.node, spec.group)
+    log.info("%s: %d device(s) visible", who.name, len(jax.local_devices()))
+    transport = Transport(
+        router_address=spec.router_address,
+        token=credentials_for(c.secrets_file).engine,
+        channel=_transfer_channel,
+        # an engine spanning processes meshes over all of their devices
+        devices=jax.devices() if span.spans else None,
         on_router_lost=lambda: os.kill(os.getpid(), signal.SIGTERM),
+        span=(
+            (lambda: MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4))
+            if span.spans
+            else None
+        ),
+        spans_processes=span.spans,
     )
-    heartbeat.start()
-    leader = None
-    try:
-        # Before registering: the router derives beta from the model a PE reports (spanning
-        # processes, the followers run these forwards in step, before they follow).
-        reported = prefill_cost(cfg, runner) if spec.role == "prefill" else None
-        if span.spans:
-            leader = MirrorLeader(span, c.host, timeout_s=c.heartbeat_timeout_s * 4)
-            params.mirror = leader  # its followers load and commit updates with it
-        if spec.role == "prefill":
-            cost = FittedCostModel(prefill=reported.prefill)
-            engine = PrefillEngine(
-                cfg,
-                spec.engine,
-                spec.node,
-                spec.group,
-                rpc,
-                runner,
-                ctx,
-                attention_time=cost.attention_time,
-                params=params,
-                prefill_cost=reported,
-                outbox=outbox,
-                span=leader,
-            )
-        else:
-            decoder = make_decoder(cfg, runner)
-            if leader is not None:
-                decoder = MirroredDecoder(decoder, leader)
-            engine = DecodeEngine(
-                cfg,
-                spec.engine,
-                spec.node,
-                spec.group,
-                rpc,
-                decoder,
-                ctx,
-                params=params,
-                outbox=outbox,
-            )
-        engine.run()
-    finally:
-        if leader is not None:
-            leader.close()
-        heartbeat.stop()
-        write_link_report(
-            pathlib.Path(spec.workdir) / "links" / f"{prefix}{spec.engine}.json", spec, traffic
-        )
-        rpc.close()
-        pool.shutdown(wait=False, cancel_futures=True)
-        channel.close()
-        traffic.close()
-        store.close()
+    with build_engine(cfg, who, spec.workdir, transport) as built:
+        built.run()
+
+
+def _transfer_channel(bind: str):
+    from dualpath_jax.transfer.channel import JaxTransferChannel
+
+    return JaxTransferChannel(bind=bind, transport_addresses=[bind])
+
+
+def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
+    """A follower of an engine spanning processes: replays the leader's device work."""
+    import jax
+
+    from dualpath_jax.engine.calibrate import prefill_cost
+    from dualpath_jax.engine.devices import role_mesh
+    from dualpath_jax.engine.params import load_served_model
+    from dualpath_jax.engine.prefill_engine import PrefillReplay
+    from dualpath_jax.engine.span import DecoderReplay, follow
+    from dualpath_jax.model import sharding
+    from dualpath_jax.model.runner import ModelRunner
+
+    mesh = sharding.make_mesh(role_mesh(cfg.cluster, spec.role), jax.devices())
+    runner = ModelRunner(load_served_model(cfg, mesh))
+    log.info("%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size)
+    if spec.role == "prefill":
+        prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
+        replay = PrefillReplay(cfg, runner)
+    else:
+        replay = DecoderReplay(runner, _follower_decoder)
+    follow(replay, timeout_s=cfg.cluster.heartbeat_timeout_s)
 
 
 def _follower_decoder(runner, *, slots, max_len, min_bucket, page_size, num_pages):
@@ -296,28 +142,6 @@ def _follower_decoder(runner, *, slots, max_len, min_bucket, page_size, num_page
     from dualpath_jax.model.decode import Decoder
 
     return Decoder(runner, slots, max_len, min_bucket, page_size=page_size, num_pages=num_pages)
-
-
-def write_link_report(path: pathlib.Path, spec: ProcessSpec, traffic) -> None:
-    """The engine's per-link counters and byte time series (0.1 s windows, times on this host's
-    monotonic clock) for the run summary."""
-    import json
-
-    windows = {
-        lid.name: [[traffic.origin + t, b] for t, b in traffic.window_bytes(lid)]
-        for lid in traffic.links()
-    }
-    report = {
-        "role": spec.role,
-        "engine": spec.engine,
-        "node": spec.node,
-        "snapshot": traffic.snapshot(),
-        "windows": windows,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, path)
 
 
 def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:

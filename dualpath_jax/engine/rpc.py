@@ -101,9 +101,19 @@ class RpcServer:
     client secret."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, tokens: Mapping[str, str] | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tokens: Mapping[str, str] | None = None,
+        *,
+        endpoint: str = "",
     ):
-        check_bind(host, tokens)
+        """`endpoint`: an `inproc://name` endpoint to bind instead of `host`/`port` (peers in
+        this process only: an in-process cluster)."""
+        if endpoint and not endpoint.startswith("inproc://"):
+            raise ValueError(f"endpoint must be an inproc:// one, not {endpoint!r}")
+        if not endpoint:
+            check_bind(host, tokens)
         self.tokens = dict(tokens or {})
         self._roles: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._ctx = zmq.Context.instance()
@@ -112,11 +122,15 @@ class RpcServer:
         self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.IPV6, 1)  # else ZeroMQ refuses IPv6 endpoints
-        if port:
-            self.sock.bind(f"tcp://{host_port(host, port)}")
+        if endpoint:
+            self.sock.bind(endpoint)
+            self.address = endpoint
         else:
-            port = self.sock.bind_to_random_port(f"tcp://{bracketed(host)}")
-        self.address = f"tcp://{host_port(host, port)}"
+            if port:
+                self.sock.bind(f"tcp://{host_port(host, port)}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{bracketed(host)}")
+            self.address = f"tcp://{host_port(host, port)}"
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.rejected = 0
