@@ -54,6 +54,7 @@ _EXPORTS = {
             "DEEPSEEK_V3_SERVING",
             "Calibration",
             "PublishedServing",
+            "TINY_CPU_PREFILL_COST",
             "calibrate",
             "config_cost_model",
             "expert_parallel_gpus",

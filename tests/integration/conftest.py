@@ -17,6 +17,7 @@ import pytest
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine.cluster import LocalCluster
+from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.presets import TINY_QWEN2
 
 # Every process any LocalCluster of this session started (checked at the end of the session).
@@ -44,8 +45,28 @@ class _Cluster(LocalCluster):
         super().kill(name)
 
 
+class _ThreadCluster(InProcessCluster):
+    """An InProcessCluster that remembers which engines a test killed on purpose."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.killed: set[str] = set()
+
+    def kill(self, name: str) -> None:
+        self.killed.add(name)
+        super().kill(name)
+
+
 @contextlib.contextmanager
-def _running_cluster(cfg: ExperimentConfig, workdir: str | pathlib.Path) -> Iterator[LocalCluster]:
+def _running_cluster(
+    cfg: ExperimentConfig, workdir: str | pathlib.Path, runtime: str = "process"
+) -> Iterator[LocalCluster | InProcessCluster]:
+    """`runtime`: "process" (a LocalCluster) or "thread" (an InProcessCluster)."""
+    if runtime == "thread":
+        yield from _running_threads(cfg, workdir)
+        return
+    if runtime != "process":
+        raise ValueError(f"runtime {runtime!r}: process or thread")
     cluster = _Cluster(cfg, workdir)
     _RUNNING.append(cluster.workdir)
     try:
@@ -60,6 +81,21 @@ def _running_cluster(cfg: ExperimentConfig, workdir: str | pathlib.Path) -> Iter
     # a clean stop: every process not killed on purpose exits with status 0
     codes = {name: p.returncode for name, p in cluster.procs.items() if name not in cluster.killed}
     assert set(codes.values()) <= {0}, f"exit statuses after the cluster stopped: {codes}"
+
+
+def _running_threads(cfg: ExperimentConfig, workdir: str | pathlib.Path):
+    cluster = _ThreadCluster(cfg, workdir)
+    _RUNNING.append(cluster.workdir)
+    try:
+        with cluster:
+            yield cluster
+    finally:
+        _RUNNING.remove(cluster.workdir)
+        _STOPPED_IN_TEST.append(cluster.workdir)
+    # a clean stop: every thread ended, none with an error
+    alive = [name for name, up in cluster.alive().items() if up]
+    assert not alive, f"threads still running after the cluster stopped: {alive}"
+    assert not cluster.errors, f"threads that failed: {cluster.errors!r}"
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -79,8 +115,10 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def start_cluster():
-    """`with start_cluster(cfg, workdir) as cluster:` starts a LocalCluster; on exit it checks
-    that every process it started has ended, with status 0 unless the test killed it."""
+    """`with start_cluster(cfg, workdir[, runtime]) as cluster:` starts a LocalCluster
+    (`runtime="process"`, the default) or an InProcessCluster (`"thread"`); on exit it checks
+    that every process it started has ended, with status 0 unless the test killed it (every
+    thread ended without an error)."""
     return _running_cluster
 
 

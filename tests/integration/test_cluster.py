@@ -1,4 +1,8 @@
-"""End to end: a router and tiny-Qwen2 engine processes (at most 3) serving multi-turn trajectories.
+"""End to end: a router and tiny-Qwen2 engines (at most 3) serving multi-turn trajectories.
+
+Most clusters here are `InProcessCluster`s (the router and engines as threads: the same code,
+fast to start); the process runtime (`LocalCluster`) keeps one policy run and the engine kills
+(SIGKILL of a real process), marked `multiprocess` (the full tier).
 
 The spine: greedy tokens are the same under every loading policy, every read
 path, after an engine dies, after a corrupt block is recomputed, and equal the monolithic
@@ -31,10 +35,11 @@ from dualpath_jax.config import (
 )
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
-pytestmark = pytest.mark.multiprocess
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 BLOCK_TOKENS = 16
 DECODE_MAX_LEN = 1024
@@ -51,7 +56,11 @@ def cluster_config(
     return ExperimentConfig(
         model=TINY_QWEN2,
         cluster=ClusterConfig(
-            prefill_nodes=prefill, decode_nodes=decode, decode_max_len=DECODE_MAX_LEN, **cluster
+            prefill_cost_json=PINNED_COST,
+            prefill_nodes=prefill,
+            decode_nodes=decode,
+            decode_max_len=DECODE_MAX_LEN,
+            **cluster,
         ),
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
         scheduler=SchedulerConfig(policy=Policy(policy)),
@@ -173,9 +182,13 @@ def snic_read_bytes(client: Client) -> dict[str, int]:
 SWEEP = make_trajectories("sweep", n=4, rounds=3, seed=1)
 
 
-@pytest.mark.parametrize("policy", [p.value for p in Policy])
+@pytest.mark.parametrize(
+    ("policy", "runtime"),
+    [(p.value, "thread") for p in Policy]
+    + [pytest.param("dualpath", "process", marks=pytest.mark.multiprocess)],
+)
 def test_every_policy_generates_the_reference_tokens(
-    policy, tmp_path, start_cluster, reference_tokens
+    policy, runtime, tmp_path, start_cluster, reference_tokens
 ):
     expected = [reference_tokens(t) for t in SWEEP]
     # Basic and layerwise also run with a device-KV bound of about one round's context per batch
@@ -185,7 +198,7 @@ def test_every_policy_generates_the_reference_tokens(
     # earlier chunks' KV stays on the PE's device for its next chunk; the tokens do not move.
     if policy in ("split", "dualpath_rr"):
         bound = {"prefill_max_tokens": 16}
-    with start_cluster(cluster_config(policy, **bound), tmp_path) as cluster:
+    with start_cluster(cluster_config(policy, **bound), tmp_path, runtime) as cluster:
         client = cluster.client()
         results = run_lockstep(client, SWEEP)
         stats = counters(client)
@@ -249,7 +262,7 @@ def test_a_recomputed_lead_gives_the_reference_tokens(
     expected = [reference_tokens(t) for t in LEAD]
     cfg = cluster_config(policy, **bound)
     sched = dataclasses.replace(cfg.scheduler, recompute="always", recompute_max_blocks=cap)
-    with start_cluster(dataclasses.replace(cfg, scheduler=sched), tmp_path) as cluster:
+    with start_cluster(dataclasses.replace(cfg, scheduler=sched), tmp_path, "thread") as cluster:
         client = cluster.client()
         results = run_lockstep(client, LEAD)
         stats = counters(client)
@@ -274,6 +287,7 @@ def test_a_recomputed_lead_gives_the_reference_tokens(
 FAULT = make_trajectories("fault", n=6, rounds=4, seed=2, gen=(8, 20))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("role", "prefill", "decode"), [("decode", 1, 2), ("prefill", 2, 1)], ids=["kill_de", "kill_pe"]
 )
@@ -314,7 +328,8 @@ def test_killing_an_engine_mid_run_still_completes_every_trajectory(
 @pytest.fixture(scope="module")
 def dualpath_cluster(tmp_path_factory, start_cluster):
     """A 1P1D DualPath cluster shared by the tests below (each uses its own sessions)."""
-    with start_cluster(cluster_config("dualpath"), tmp_path_factory.mktemp("dualpath")) as cluster:
+    workdir = tmp_path_factory.mktemp("dualpath")
+    with start_cluster(cluster_config("dualpath"), workdir, "thread") as cluster:
         yield cluster
 
 
@@ -467,7 +482,7 @@ def test_a_small_decode_kv_budget_queues_requests_and_keeps_the_tokens(
     # Rounds hold <= 48 + 31 prompt tokens + 7 generated: <= 6 pages; 12 pages hold two.
     cfg = cluster_config("dualpath", decode_kv_bytes=12 * page_bytes)
     expected = [reference_tokens(t) for t in BUDGET]
-    with start_cluster(cfg, tmp_path) as cluster:
+    with start_cluster(cfg, tmp_path, "thread") as cluster:
         client = cluster.client()
         assert tokens_of(run_lockstep(client, BUDGET)) == expected
         big = Session(client, "too-big")

@@ -25,8 +25,11 @@ from dualpath_jax.config import (
 from dualpath_jax.model.decode import reference_generate, reference_rounds
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import Session
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -41,13 +44,14 @@ def mesh_config(policy: str, **cluster: object) -> ExperimentConfig:
     return ExperimentConfig(
         model=MODEL,
         cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST,
             **{
                 "decode_max_len": 256,
                 "platform": "cpu",
                 "prefill_mesh": PE_MESH,
                 "decode_mesh": DE_MESH,
                 **cluster,
-            }
+            },
         ),
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
         scheduler=SchedulerConfig(policy=Policy(policy)),

@@ -26,8 +26,11 @@ from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.faults import write_plan
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.metrics.events import read_events
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,6 +47,7 @@ def config(fault_file: pathlib.Path, **cluster) -> ExperimentConfig:
     return ExperimentConfig(
         model=TINY_QWEN2,
         cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST,
             decode_max_len=512,
             transfer_timeout_s=TRANSFER_TIMEOUT_S,
             prefill_start_timeout_s=START_TIMEOUT_S,

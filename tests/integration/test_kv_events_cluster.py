@@ -18,8 +18,11 @@ from dualpath_jax.kv_events import (
 from dualpath_jax.kvstore.codec import BlockFormat
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import Session
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,7 +43,9 @@ def next_batch(sub: KVEventSubscriber, limit_s: float = 60.0) -> EventBatch | No
 def test_a_subscriber_receives_every_stored_and_removed_block_in_order(tmp_path, start_cluster):
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
-        cluster=ClusterConfig(decode_max_len=256, kv_events_address="tcp://127.0.0.1:0"),
+        cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST, decode_max_len=256, kv_events_address="tcp://127.0.0.1:0"
+        ),
         store=StoreConfig(block_tokens=BT),
     )
     rounds = [(list(range(1, 41)), 5), (list(range(100, 120)), 4)]  # 40 + 5, then + 20 + 4

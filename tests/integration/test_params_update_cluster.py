@@ -22,8 +22,11 @@ from dualpath_jax.model.checkpoint import params_state, save_params_tree
 from dualpath_jax.model.decode import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,7 +40,11 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
     save_params_tree(a, tmp_path / "params-a")
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
-        cluster=ClusterConfig(decode_max_len=512, params_path=str(tmp_path / "params-a")),
+        cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST,
+            decode_max_len=512,
+            params_path=str(tmp_path / "params-a"),
+        ),
         store=StoreConfig(block_tokens=BT),
     )
     rs = np.random.RandomState(3)

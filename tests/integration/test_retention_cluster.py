@@ -14,8 +14,11 @@ from dualpath_jax.kv_events import BlockRemoved, BlockStored, KVEventSubscriber
 from dualpath_jax.kvstore.codec import BlockFormat
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import Session
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,7 +54,9 @@ def test_retention_keeps_an_agent_in_its_tool_call(tmp_path, start_cluster, evic
     prompts = {name: list(range(1 + 100 * i, 41 + 100 * i)) for i, name in enumerate("abc")}
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
-        cluster=ClusterConfig(decode_max_len=256, kv_events_address="tcp://127.0.0.1:0"),
+        cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST, decode_max_len=256, kv_events_address="tcp://127.0.0.1:0"
+        ),
         store=StoreConfig(
             block_tokens=BT,
             capacity_bytes=4 * _block_bytes(""),  # a block's size does not depend on the version

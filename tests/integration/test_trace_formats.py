@@ -11,12 +11,15 @@ import pathlib
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig, WorkloadConfig
-from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import run_trajectories
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sim import simulate
 from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
 from dualpath_jax.workload.sharing import replay_hits
+
+# The engines' prefill cost model is pinned: PEs start without calibrating.
+PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,7 +45,9 @@ WORKLOADS = {
 def test_trace_formats_hit_what_their_shared_prefixes_imply(tmp_path, start_cluster):
     base = ExperimentConfig(
         model=TINY_QWEN2,
-        cluster=ClusterConfig(prefill_nodes=1, decode_nodes=1, decode_max_len=1024),
+        cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST, prefill_nodes=1, decode_nodes=1, decode_max_len=1024
+        ),
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
     )
     cluster_hits, expected, sim_hits = {}, {}, {}
