@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 
-.PHONY: demo test bench lint notebooks native clean
+.PHONY: demo test test-all bench lint notebooks native clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,16 @@ $(TEST_STAMP): pyproject.toml $(STAMP)
 demo: $(STAMP)
 	$(PY) -m dualpath_jax.demo
 
+# The fast tier: everything but engine processes and the compiled core's build (in-process
+# clusters included); minutes on two cores.
 test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not multiprocess and not slow" --durations=15 tests
+
+# Everything, the fast tier first (CI runs this).
+test-all: $(TEST_STAMP)
+	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
+	$(PY) -m pytest -q --durations=40 tests
 
 bench: $(TEST_STAMP)
 	$(PY) bench/model_cpu.py

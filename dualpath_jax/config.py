@@ -280,6 +280,11 @@ class ClusterConfig:
     # process 0 is the engine the router knows and the others replay its device work.
     prefill_processes: int = 1
     decode_processes: int = 1
+    # How `run_local` (launch/rollout.py, make demo, bench/compare_policies.py) runs the cluster:
+    # "process" (`LocalCluster`: the router and each engine a process of its own) or "thread"
+    # (`InProcessCluster`: the same code as threads of one process; fast to start, one JAX
+    # runtime; identical tokens).
+    runtime: str = "process"
     # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
     # that many host devices in each engine process); "" leaves every engine each device the host
@@ -704,6 +709,12 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     events_problem = _endpoint_problem(cl.kv_events_address)
     return [
         ("cluster.kv_events_address", not events_problem, events_problem),
+        ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
+        (
+            "cluster.runtime",
+            cl.runtime == "process" or (cl.prefill_processes == cl.decode_processes == 1),
+            "thread runs every engine in one process: cluster.*_processes must be 1",
+        ),
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),
         *((f"cluster.{r}_mesh", not why, why) for r, why in mesh_problems.items()),
         *(

@@ -35,15 +35,18 @@ def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:
 
 
 def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
-    """Runs the configured workload on a LocalCluster and returns the summary (also written)."""
+    """Runs the configured workload on a cluster of this host and returns the summary (also
+    written): a `LocalCluster`, or an `InProcessCluster` with `cluster.runtime="thread"`."""
     from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.engine.inprocess import InProcessCluster
     from dualpath_jax.rollout import run_trajectories
 
     workdir = pathlib.Path(workdir)
     trajs, arrivals = build_trajectories(cfg)
     check_fits(cfg, trajs)
     rounds = as_rounds(trajs)
-    with LocalCluster(cfg, workdir) as cluster:
+    runtime = InProcessCluster if cfg.cluster.runtime == "thread" else LocalCluster
+    with runtime(cfg, workdir) as cluster:
         client = cluster.client()
         t0 = time.monotonic()
         outs = run_trajectories(

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
@@ -29,6 +31,7 @@ def test_the_quickstart_uses_at_most_three_imports():
     assert 1 <= len(imports) <= 3, imports
 
 
+@pytest.mark.multiprocess  # its LocalCluster starts engine processes
 def test_the_quickstart_runs_as_written(tmp_path):
     # Run from a scratch directory holding the configs, so the run's files land there.
     (tmp_path / "configs").symlink_to(ROOT / "configs")
