@@ -1,0 +1,153 @@
+"""The in-process runtime (`InProcessCluster`): the router and engines as threads of the test's
+process, running the code a `LocalCluster`'s processes run.
+
+Every policy's tokens under it equal the reference model's (test_cluster.py's policy sweep runs
+on it); here: it gives the same tokens and read paths as a `LocalCluster` on one workload, an
+engine killed mid-run is survived and restarted, `run_local` runs on it, and what it cannot
+run is refused clearly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import threading
+import time
+
+import pytest
+from test_cluster import (
+    PINNED_COST,
+    RESULT_TIMEOUT_S,
+    SWEEP,
+    busy_engines,
+    cluster_config,
+    make_trajectories,
+    read_events,
+    run_lockstep,
+    tokens_of,
+)
+
+from dualpath_jax.cluster import InProcessCluster
+from dualpath_jax.config import ConfigError, validate
+from dualpath_jax.rollout import run_trajectories
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.multiprocess
+def test_the_same_tokens_and_paths_as_a_local_cluster(tmp_path, start_cluster, reference_tokens):
+    expected = [reference_tokens(t) for t in SWEEP]
+    runs = {}
+    for runtime in ("thread", "process"):
+        with start_cluster(cluster_config("dualpath"), tmp_path / runtime, runtime) as cluster:
+            results = run_lockstep(cluster.client(), SWEEP)
+        runs[runtime] = results
+        assert tokens_of(results) == expected
+    # the same scheduler code on the same arrivals: each round hits as much
+    cached = {k: [[r.cached_tokens for r in rr] for rr in v] for k, v in runs.items()}
+    assert cached["thread"] == cached["process"]
+
+
+KILL = make_trajectories("kill", n=4, rounds=4, seed=2, gen=(8, 20))
+
+
+def kill_busy_thread(cluster, role: str, min_done: int, timeout_s: float = 120.0) -> str:
+    """Once `min_done` rounds are answered, kills an engine of `role` that holds an unfinished
+    request (its thread ends after its current step) and returns its name."""
+    names = {eid: name for name, eid in cluster.engine_ids.items()}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = read_events(cluster.workdir)
+        busy = busy_engines(events, role)
+        if sum(e["kind"] == "done" for e in events) >= min_done and busy:
+            name = names[busy.most_common(1)[0][0]]
+            cluster.kill(name)
+            return name
+        time.sleep(0.005)
+    raise AssertionError(f"no {role} engine held a request after {min_done} rounds were done")
+
+
+def test_an_engine_killed_mid_run_is_survived_and_restarted(
+    tmp_path, start_cluster, reference_tokens
+):
+    """`kill("de2")` ends a DE's thread while it holds a request: the router finds it silent,
+    requeues its rounds on the other DE, every trajectory gets the reference tokens; then
+    `restart` brings it back under its id."""
+    expected = [reference_tokens(t) for t in KILL]
+    cfg = cluster_config("dualpath", decode=2, heartbeat_timeout_s=4.0)
+    with start_cluster(cfg, tmp_path, "thread") as cluster:
+        client = cluster.client()
+        box: dict[str, list] = {}
+        runner = threading.Thread(
+            target=lambda: box.setdefault(
+                "out", run_trajectories(client, KILL, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            )
+        )
+        runner.start()
+        try:
+            victim = kill_busy_thread(cluster, "decode", min_done=2)
+        finally:
+            runner.join(RESULT_TIMEOUT_S + 10)
+        stats = client.stats()
+        assert stats["engines"][str(cluster.engine_ids[victim])]["alive"] is False
+        cluster.restart(victim)
+        back = client.stats()["engines"][str(cluster.engine_ids[victim])]
+        assert back["alive"] is True
+
+    outputs = box["out"]
+    assert [o.error for o in outputs] == [""] * len(KILL)
+    assert [o.rounds for o in outputs] == expected
+    assert stats["counters"]["engine_deaths"] == 1
+    assert stats["counters"]["requeued"] >= 1, stats["counters"]
+    assert stats["counters"]["errors"] == 0
+
+
+def test_run_local_runs_on_threads_with_the_reference_tokens(tmp_path):
+    """`cluster.runtime=thread`: the run launchers' function on an InProcessCluster writes the
+    run's files, and its outputs are the reference model's greedy tokens."""
+    from dualpath_jax import apply_overrides, load_config
+    from dualpath_jax.experiment import as_rounds, build_trajectories, read_outputs, run_local
+    from dualpath_jax.model.decode import reference_rounds
+    from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.model.transformer import init_model
+
+    cfg = apply_overrides(
+        load_config(str(ROOT / "configs/cpu_1p1d.py:tiny")),
+        [
+            "cluster.runtime=thread",
+            f"cluster.prefill_cost_json={PINNED_COST}",
+            "workload.agents=2",
+            "workload.trajectories=2",
+            "workload.max_turns=2",
+            "workload.max_len=256",
+        ],
+    )
+    summary = run_local(cfg, tmp_path, progress=False)
+    assert summary["errors"] == 0
+    assert (
+        json.loads((tmp_path / "summary.json").read_text())["policy"] == cfg.scheduler.policy.value
+    )
+    # every engine wrote its link report when it stopped
+    assert sorted(p.name for p in (tmp_path / "links").glob("*.json")) == ["de1.json", "pe0.json"]
+    runner = ModelRunner(init_model(cfg.model, seed=cfg.seed))
+    trajs, _ = build_trajectories(cfg)
+    outputs = read_outputs(tmp_path / "outputs.jsonl")
+    assert len(outputs) == len(trajs) == 2
+    for tid, rounds in as_rounds(trajs):
+        assert outputs[tid] == reference_rounds(runner, [(ids, gen) for ids, gen, *_ in rounds])
+
+
+def test_what_needs_processes_is_refused(tmp_path):
+    cfg = cluster_config("dualpath")
+    span = dataclasses.replace(
+        cfg, cluster=dataclasses.replace(cfg.cluster, decode_mesh="tensor=2", decode_processes=2)
+    )
+    with pytest.raises(ValueError, match="need LocalCluster"):
+        InProcessCluster(span, tmp_path)
+    bad = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, runtime="threads"))
+    with pytest.raises(ConfigError, match="cluster.runtime"):
+        validate(bad)
+    both = dataclasses.replace(span, cluster=dataclasses.replace(span.cluster, runtime="thread"))
+    with pytest.raises(ConfigError, match="cluster.runtime"):
+        validate(both)
