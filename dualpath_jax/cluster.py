@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.engine.cluster import ClusterError, LocalCluster
-from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
+from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import link_totals, read_link_reports
 
