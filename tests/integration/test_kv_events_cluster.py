@@ -24,8 +24,6 @@ from dualpath_jax.rollout import Session
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
-pytestmark = pytest.mark.multiprocess
-
 BT = 16
 WAIT_MS = 30_000  # only bounds a broken test
 
@@ -40,7 +38,12 @@ def next_batch(sub: KVEventSubscriber, limit_s: float = 60.0) -> EventBatch | No
     return None
 
 
-def test_a_subscriber_receives_every_stored_and_removed_block_in_order(tmp_path, start_cluster):
+@pytest.mark.parametrize(
+    "runtime", ["thread", pytest.param("process", marks=pytest.mark.multiprocess)]
+)
+def test_a_subscriber_receives_every_stored_and_removed_block_in_order(
+    tmp_path, start_cluster, runtime
+):
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
         cluster=ClusterConfig(
@@ -49,7 +52,7 @@ def test_a_subscriber_receives_every_stored_and_removed_block_in_order(tmp_path,
         store=StoreConfig(block_tokens=BT),
     )
     rounds = [(list(range(1, 41)), 5), (list(range(100, 120)), 4)]  # 40 + 5, then + 20 + 4
-    with start_cluster(cfg, tmp_path) as cluster:
+    with start_cluster(cfg, tmp_path, runtime) as cluster:
         client = cluster.client()
         stats = client.stats()
         fp = model_fingerprint(TINY_QWEN2, stats["params_version"])

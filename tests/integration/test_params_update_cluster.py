@@ -28,13 +28,14 @@ from dualpath_jax.rollout import InProcessEngine, RolloutError, Session
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
-pytestmark = pytest.mark.multiprocess
-
 BT = 16
 TIMEOUT_S = 180.0
 
 
-def test_params_updates_on_a_cluster(start_cluster, tmp_path):
+@pytest.mark.parametrize(
+    "runtime", ["thread", pytest.param("process", marks=pytest.mark.multiprocess)]
+)
+def test_params_updates_on_a_cluster(start_cluster, tmp_path, runtime):
     a, b = init_model(TINY_QWEN2, seed=31), init_model(TINY_QWEN2, seed=32)
     ref_a, ref_b = ModelRunner(a), ModelRunner(b)
     save_params_tree(a, tmp_path / "params-a")
@@ -52,7 +53,7 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path):
     def rand(n: int) -> list[int]:
         return rs.randint(0, TINY_QWEN2.vocab_size, n).tolist()
 
-    with start_cluster(cfg, tmp_path / "run") as cluster:
+    with start_cluster(cfg, tmp_path / "run", runtime) as cluster:
         client = cluster.client()
         assert client.stats()["params_version"] == f"path:{tmp_path / 'params-a'}"
         s = Session(client, "s")

@@ -20,8 +20,6 @@ from dualpath_jax.rollout import Session
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
-pytestmark = pytest.mark.multiprocess
-
 BT = 16
 WAIT_MS = 30_000  # only bounds a broken test
 
@@ -64,7 +62,7 @@ def test_retention_keeps_an_agent_in_its_tool_call(tmp_path, start_cluster, evic
             retention_ttl_s=3600.0,  # a's tool call never outlasts it here
         ),
     )
-    with start_cluster(cfg, tmp_path) as cluster:
+    with start_cluster(cfg, tmp_path, "thread") as cluster:
         client = cluster.client()
         stats = client.stats()
         assert _block_bytes(stats["params_version"]) * 4 == cfg.store.capacity_bytes

@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-import pytest
-
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig, WorkloadConfig
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import run_trajectories
@@ -20,8 +18,6 @@ from dualpath_jax.workload.sharing import replay_hits
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
-
-pytestmark = pytest.mark.multiprocess
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "workload" / "data"
 BLOCK_TOKENS = 16
@@ -51,7 +47,7 @@ def test_trace_formats_hit_what_their_shared_prefixes_imply(tmp_path, start_clus
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
     )
     cluster_hits, expected, sim_hits = {}, {}, {}
-    with start_cluster(base, tmp_path) as cluster:
+    with start_cluster(base, tmp_path, "thread") as cluster:
         client = cluster.client()
         for name, workload in WORKLOADS.items():
             cfg = dataclasses.replace(base, workload=workload)
