@@ -63,7 +63,7 @@ class Retention:
     def __getitem__(self, session: str) -> SessionRetention:
         return self.sessions[session]
 
-    # ------------------------------------------------------------------ what the sessions part tells
+    # ------------------------------------------------------------------ sessions
 
     def opened(self, session: str, priority: int, ttl_s: float, resume: bool) -> None:
         """A session opened, or resumed with new settings (its blocks' retention takes them)."""

@@ -120,12 +120,12 @@ class Router:
         self.liveness = Liveness(
             registry,
             self.out,
-            # each after the engine's Ack: a DE's Retain or an engine's LoadParams come after it
+            # in this order, after the engine's Ack: beta, a DE's Retains, an engine's LoadParams
             joined=[
                 self.dispatch.engine_joined,
                 self.retention.engine_joined,
                 self.params.engine_joined,
-            ],  # fmt: skip
+            ],
             died=[self.dispatch.engine_died, self.params.engine_gone],
             no_engine=self.rounds.end_all,
         )
