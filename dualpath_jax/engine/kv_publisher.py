@@ -6,6 +6,11 @@ loop, which owns the socket, publishes them with `flush`, each posted list as on
 numbered from 0 in the order posted, so a subscriber sees one totally ordered stream and can
 detect the batches it lost (docs/kv_events.md).
 
+`KVEventRelay` is the router's KV events part: it handles the engines' `KVEvents` (published at
+once, named after the engine) and publishes whatever else was posted when the router's loop asks
+(`publish`: after every message, and wherever an answer must follow its events, e.g. a release's
+`BlockRemoved` before its `Ack`). Without a publisher it drops them.
+
 Binding: loopback unless the cluster has its secrets (`cluster.secrets_file`), as the control
 plane. The stream itself is neither authenticated nor encrypted (a subscriber reads block keys,
 never tokens or KV, and cannot send anything but subscriptions): off loopback, keep it on the
@@ -22,6 +27,8 @@ from collections.abc import Callable, Mapping, Sequence
 import zmq
 
 from dualpath_jax.config import ConfigError, parse_endpoint
+from dualpath_jax.engine import messages
+from dualpath_jax.engine.liveness import EngineRegistry
 from dualpath_jax.engine.rpc import bracketed, host_port, is_loopback
 from dualpath_jax.kv_events import EVENTS_VERSION, TOPIC, EventBatch, KVEvent, encode_batch
 
@@ -100,3 +107,29 @@ class KVEventPublisher:
     def close(self) -> None:
         self.flush()
         self.sock.close()
+
+
+class KVEventRelay:
+    """Publishes on `publisher` (None: KV events are not published); `registry` names the
+    engines whose events arrive."""
+
+    def __init__(self, publisher: KVEventPublisher | None, registry: EngineRegistry):
+        self.publisher = publisher
+        self.registry = registry
+
+    def on_kv_events(self, ident: bytes, msg: messages.KVEvents) -> None:
+        """An engine's store events: published at once, named after the engine."""
+        e = self.registry.get(msg.engine)
+        if self.publisher is None or e is None:
+            return
+        self.publisher.post(f"{'pe' if e.role == 'prefill' else 'de'}{e.engine}", msg.events)
+        self.publish()
+
+    def publish(self) -> None:
+        if self.publisher is not None:
+            self.publisher.flush()
+
+    def stats(self) -> dict:
+        if self.publisher is None:
+            return {}
+        return {"address": self.publisher.address, "batches": self.publisher.seq}

@@ -1,24 +1,36 @@
-"""The router's engine registry: who registered, from which connection, when each was last
-heard from, and whether a role has had no live engine for too long (docs/failures.md).
+"""Engine liveness, the router's part: who registered, from which connection, when each was last
+heard from, which died, and whether a role has had no live engine for too long (docs/failures.md).
 
-Pure bookkeeping: nothing here sends a message or writes an event. The router asks the registry
-and acts on its answers (refusing frames, declaring an engine dead, failing rounds).
+`EngineRegistry` is the bookkeeping, read by every part that looks engines up (live engines,
+their nodes, capacities and connections); it sends nothing:
 
 - `heard_from` authenticates a message that names an engine (it must come from the connection
   that registered it; heartbeats come from their own socket) and refreshes its `last_seen`.
 - `silent(now)`: live engines quiet for longer than `cluster.heartbeat_timeout_s`.
 - `missing_role(now)`: why no round can run ("" if one can), a role with no live engine for
   longer than `cluster.no_engine_timeout_s`. An engine that registers counts at once.
+
+`Liveness` is the part that changes it: it answers `Register` and `Heartbeat`, and on the
+router's tick (`check`) declares silent engines dead. The other parts learn of it through the
+callables it is given, in order: `joined` after an engine registered (and was answered),
+`died` after one was declared dead, `no_engine` while a role has had none for too long.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import msgspec
 
 from dualpath_jax.config import ClusterConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
+from dualpath_jax.engine.outbox import Outbox
+
+log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 
@@ -40,7 +52,8 @@ class EngineInfo:
     links: dict = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()  # the devices it runs the model on, as it registered them
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
-    kv_pieces: int = 1  # a PE: the column pieces of its KV rows (M.Register)
+    kv_pieces: int = 1  # a PE: the column pieces of its KV rows (messages.Register)
+    prefill_cost: messages.PrefillCost | None = None  # a PE: its cost model, if usable
 
 
 class EngineRegistry:
@@ -80,20 +93,20 @@ class EngineRegistry:
 
     # ------------------------------------------------------------------ registration
 
-    def heard_from(self, ident: bytes, msg: M.Msg) -> str:
+    def heard_from(self, ident: bytes, msg: messages.Msg) -> str:
         """Authenticates a message naming a registered engine and refreshes its `last_seen`.
         Returns why it is refused ("" if it is not): it came from a connection other than the
         one that registered the engine (heartbeats, from their own socket, excepted)."""
         engine = getattr(msg, "engine", None)
         e = self._engines.get(engine) if isinstance(engine, int) else None
-        if e is None or isinstance(msg, M.Register):
+        if e is None or isinstance(msg, messages.Register):
             return ""
-        if e.ident != ident and not isinstance(msg, M.Heartbeat):
+        if e.ident != ident and not isinstance(msg, messages.Heartbeat):
             return f"engine {engine} is registered from another connection"
         e.last_seen = self.clock()
         return ""
 
-    def takeover(self, ident: bytes, msg: M.Register) -> str:
+    def takeover(self, ident: bytes, msg: messages.Register) -> str:
         """Why `msg` may not register its id ("" if it may): a live engine holds it from another
         connection or process."""
         old = self._engines.get(msg.engine)
@@ -104,8 +117,13 @@ class EngineRegistry:
             )
         return ""
 
-    def add(self, ident: bytes, msg: M.Register) -> EngineInfo:
-        """Registers (or re-registers) an engine; it is live at once."""
+    def add(self, ident: bytes, msg: messages.Register) -> EngineInfo:
+        """Registers (or re-registers) an engine; it is live at once. A PE's cost model is kept
+        if its terms are finite and not negative."""
+        cost = msg.prefill_cost if msg.role == "prefill" else None
+        if cost is not None and not all(math.isfinite(v) and v >= 0 for v in cost.prefill):
+            log.warning("engine %d reported an unusable cost model %s", msg.engine, cost.prefill)
+            cost = None
         e = EngineInfo(
             msg.role,
             msg.engine,
@@ -118,11 +136,12 @@ class EngineRegistry:
             devices=tuple(msg.devices),
             mesh=msg.mesh,
             kv_pieces=max(1, msg.kv_pieces),
+            prefill_cost=cost,
         )
         self._engines[msg.engine] = e
         return e
 
-    def report(self, e: EngineInfo, load: M.Load, links: str) -> None:
+    def report(self, e: EngineInfo, load: messages.Load, links: str) -> None:
         """Takes the capacity an engine reports with each `Fetch` (and its links, if any)."""
         e.hbm_tokens = load.hbm_capacity_tokens
         e.slots = load.slots
@@ -176,3 +195,77 @@ class EngineRegistry:
             }
             for e in self._engines.values()
         }
+
+
+class Liveness:
+    """Registers engines into `registry` and declares them dead. `joined(e, msg)` and `died(e)`
+    are called in the order given; `no_engine(why)` on each tick while no round can run."""
+
+    def __init__(
+        self,
+        registry: EngineRegistry,
+        out: Outbox,
+        *,
+        joined: Sequence[Callable[[EngineInfo, messages.Register], None]],
+        died: Sequence[Callable[[EngineInfo], None]],
+        no_engine: Callable[[str], None],
+    ):
+        self.registry = registry
+        self.out = out
+        self.joined = tuple(joined)
+        self.died = tuple(died)
+        self.no_engine = no_engine
+
+    def on_register(self, ident: bytes, msg: messages.Register) -> None:
+        why = self.registry.takeover(ident, msg)
+        if why:
+            self.out.count("refused_frames")
+            log.warning("%s", why)
+            self.out.event("register_refused", engine=msg.engine, pid=msg.pid, message=why)
+            return self.out.send(
+                ident, messages.Error(ref=str(msg.engine), message=why, kind="stop")
+            )
+        if msg.role not in ROLES:
+            why = f"unknown role {msg.role!r}"
+            return self.out.send(
+                ident, messages.Error(ref=str(msg.engine), message=why, kind="stop")
+            )
+        e = self.registry.add(ident, msg)
+        cost = e.prefill_cost
+        self.out.event(
+            "register",
+            engine=msg.engine,
+            role=msg.role,
+            node=msg.node,
+            pid=msg.pid,
+            devices=list(msg.devices),
+            mesh=msg.mesh,
+            **({"prefill_cost": msgspec.structs.asdict(cost)} if cost is not None else {}),
+        )
+        self.out.send(ident, messages.Ack(ref=str(msg.engine)))
+        for joined in self.joined:
+            joined(e, msg)
+
+    def on_heartbeat(self, ident: bytes, msg: messages.Heartbeat) -> None:
+        self.out.send(ident, messages.Ack(ref="hb"))  # last_seen was updated by `heard_from`
+
+    def check(self, now: float) -> None:
+        """Declares engines silent for too long dead; fails rounds while a role has none."""
+        for e in self.registry.silent(now):
+            self.declare_dead(e)
+        missing = self.registry.missing_role(now)  # also records which roles have a live engine
+        if missing:
+            self.no_engine(missing)
+
+    def declare_dead(self, e: EngineInfo) -> None:
+        self.registry.mark_dead(e)
+        self.out.count("engine_deaths")
+        self.out.event("engine_dead", engine=e.engine, role=e.role, pid=e.pid)
+        log.warning("engine %d (%s, pid %d) stopped heartbeating", e.engine, e.role, e.pid)
+        for died in self.died:
+            died(e)
+
+    def stop_all(self) -> None:
+        """Tells every live engine to stop (the router is shutting down)."""
+        for e in self.registry.live():
+            self.out.send(e.ident, messages.Stop())

@@ -166,7 +166,7 @@ class Shutdown(Msg):
 
 class Load(Msg):
     """An engine's load report (paper 6.1) and spare capacity. The router schedules on its own,
-    always current, `seq_e`/`tok_e`/`read_q` (router.engine_load); what engines send there is
+    always current, `seq_e`/`tok_e`/`read_q` (`Dispatch.engine_load`); what engines send there is
     their local view and is not used for scheduling."""
 
     seq_e: int = 0

@@ -2,11 +2,12 @@
 
 A session is a trajectory's context (`A_1 G_1 ...`, appendix A.3) and whether one of its rounds
 is running; a round in flight is a `RequestState`, from the `Submit` that created it to its
-`Result` or `Error`. Pure bookkeeping: nothing here sends, stores or schedules. The router asks
-`session_problem` / `round_problem` whether a `Submit` may run (their texts are the client's
-error messages), records it with `start_round`, and takes it out again with `complete` (its
-tokens extend the session) or `drop` (it ended unfinished). Each assignment to engines is
-recorded on the round (`RequestState.assign`), and undone by `unassign` for a retry.
+`Result` or `Error`. Pure bookkeeping: nothing here sends, stores or schedules. The sessions
+part (engine/rounds.py) asks `session_problem` / `round_problem` whether a `Submit` may run
+(their texts are the client's error messages), records it with `start_round`, and takes it out
+again with `complete` (its tokens extend the session) or `drop` (it ended unfinished). The
+dispatch part (engine/dispatch.py) records each assignment to engines on the round
+(`RequestState.assign`), and undoes it with `unassign` for a retry.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.sched.types import Assignment, Request
 
 
@@ -23,18 +24,6 @@ class SessionState:
     id: str
     context: list[int] = dataclasses.field(default_factory=list)  # A_1 G_1 ... (appendix A.3)
     busy: bool = False
-    priority: int = 0  # retention of its stored blocks (M.OpenSession)
-    ttl_s: float = -1.0  # -1: store.retention_ttl_s
-    retained_until: float = -math.inf  # when its last round's retention ends (router clock)
-
-
-def retention_problem(priority: int | None, ttl_s: float | None) -> str:
-    """Why a session's retention settings are unusable ("" if they are fine; None: unchanged)."""
-    if priority is not None and not -(2**31) <= priority < 2**31:
-        return f"retention priority must fit in 32 bits, got {priority}"
-    if ttl_s is not None and not (ttl_s == -1 or 0 <= ttl_s <= 1e9):
-        return f"retention ttl_s must be -1 (the default) or lie in [0, 1e9] seconds, got {ttl_s}"
-    return ""
 
 
 @dataclasses.dataclass
@@ -67,7 +56,7 @@ class RequestState:
     stop_tokens: list[int] = dataclasses.field(default_factory=list)
     stream: bool = False  # its client gets `Partial` tokens as they come
     finish_requested: bool = False  # FinishRound: each attempt's DE is told to finish now
-    job: M.LoadJobMsg | None = (
+    job: messages.LoadJobMsg | None = (
         None  # the current attempt's job, sent to the PE once the DE is ready
     )
     last_error: str = ""  # the last engine failure's text and kind (for the final error)
@@ -96,11 +85,11 @@ class RequestState:
         block_tokens: int,
         persist_error: str = "",
         finish_reason: str = "length",
-    ) -> M.Result:
+    ) -> messages.Result:
         """The client's answer: the round's tokens and its timings."""
         g = len(tokens)
         ttst = self.t_second - self.t_first if g > 1 and not math.isnan(self.t_second) else 0.0
-        return M.Result(
+        return messages.Result(
             request=self.id,
             tokens=tokens,
             ttft_s=self.t_first - self.t_submit,
@@ -138,49 +127,19 @@ class SessionTable:
 
     # ------------------------------------------------------------------ sessions
 
-    def open(self, session: str, resume: bool, priority: int = 0, ttl_s: float = -1.0) -> bool:
-        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`.
-        Either way the session's retention becomes `priority` and `ttl_s`."""
+    def open(self, session: str, resume: bool) -> bool:
+        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`."""
         if session in self.sessions and not resume:
             return False
-        s = self.sessions.setdefault(session, SessionState(session))
-        s.priority, s.ttl_s = priority, ttl_s
+        self.sessions.setdefault(session, SessionState(session))
         return True
-
-    def retain(self, session: str, state: str, default_ttl_s: float, now: float) -> M.Retain | None:
-        """The `Retain` that tells the DEs' stores `session` is now `state` (active, idle,
-        ended), with its priority and TTL (`default_ttl_s` unless the session set one); None
-        when there is nothing to tell (a session closed meanwhile). `state="current"` restates
-        where the session stands (for a DE that registers, or new settings): active while a
-        round runs, idle for what is left of its TTL, nothing once that is over."""
-        s = self.sessions.get(session)
-        if state == "ended":
-            return M.Retain(session=session, state="ended")
-        if s is None:
-            return None
-        if state == "current":
-            if s.busy:
-                state = "active"
-            elif s.retained_until > now:
-                return M.Retain(
-                    session=session,
-                    state="idle",
-                    priority=s.priority,
-                    ttl_s=s.retained_until - now,
-                )
-            else:
-                return None
-        ttl = default_ttl_s if s.ttl_s < 0 else s.ttl_s
-        if state == "idle":
-            s.retained_until = now + ttl
-        return M.Retain(session=session, state=state, priority=s.priority, ttl_s=ttl)
 
     def close(self, session: str) -> None:
         del self.sessions[session]
 
     # ------------------------------------------------------------------ rounds
 
-    def session_problem(self, msg: M.Submit) -> str:
+    def session_problem(self, msg: messages.Submit) -> str:
         """Why `msg`'s session cannot take a round now ("" if it can)."""
         s = self.sessions.get(msg.session)
         if s is None:
@@ -189,7 +148,7 @@ class SessionTable:
             return f"session {msg.session!r} already has a round running"
         return ""
 
-    def round_problem(self, msg: M.Submit) -> str:
+    def round_problem(self, msg: messages.Submit) -> str:
         """What is wrong with the round itself ("" if nothing); its session must exist."""
         if msg.request in self.requests:
             return f"duplicate request id {msg.request!r}"
@@ -217,7 +176,7 @@ class SessionTable:
             return f"context of {n} + {msg.gen} tokens exceeds the limit of {self.max_len}"
         return ""
 
-    def prompt(self, msg: M.Submit) -> list[int]:
+    def prompt(self, msg: messages.Submit) -> list[int]:
         """The round's prompt: its session's context (its first `keep` tokens if `keep >= 0`),
         then the tokens it appends."""
         context = self.sessions[msg.session].context
@@ -226,20 +185,14 @@ class SessionTable:
     def start_round(
         self,
         client: bytes,
-        msg: M.Submit,
+        msg: messages.Submit,
         request: Request,
         prompt: list[int],
         keys: list[str],
         now: float,
     ) -> RequestState:
-        """Records a queued round (`keys`: its hit's block keys); its session is busy and takes
-        the round's retention settings, if any."""
-        s = self.sessions[msg.session]
-        s.busy = True
-        if msg.priority is not None:
-            s.priority = msg.priority
-        if msg.ttl_s is not None:
-            s.ttl_s = msg.ttl_s
+        """Records a queued round (`keys`: its hit's block keys); its session is busy."""
+        self.sessions[msg.session].busy = True
         st = RequestState(
             msg.request,
             msg.session,

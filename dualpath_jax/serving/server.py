@@ -58,7 +58,7 @@ PRIORITY_HEADER = "X-Session-Priority"
 TTL_HEADER = "X-Session-TTL"
 READ_PATH_HEADER = "X-DualPath-Read-Path"
 MAX_SESSION_ID = 256
-MAX_TTL_S = 1e9  # the router's bound (engine.sessions.retention_problem)
+MAX_TTL_S = 1e9  # the router's bound (engine.retention.retention_problem)
 
 
 @dataclasses.dataclass(frozen=True)

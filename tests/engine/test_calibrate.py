@@ -155,14 +155,19 @@ def test_a_bad_cost_json_is_a_config_error_naming_the_key(text, problem):
 
 
 @pytest.fixture()
-def router(monkeypatch):
+def router(monkeypatch, tmp_path):
+    """A router recording its events in `tmp_path/events.jsonl`."""
+    from dualpath_jax.metrics.events import EventLog
+
     cfg = experiment()
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
     sched = GlobalScheduler(Policy.DUALPATH, beta=math.inf)
-    r = Router(cfg, server, store, sched, clock=lambda: 0.0)
+    events = EventLog(tmp_path / "events.jsonl")
+    r = Router(cfg, server, store, sched, events, clock=lambda: 0.0)
     monkeypatch.setattr(server, "send", lambda ident, msg: None)
     yield r
+    events.close()
     server.close()
     store.close()
 
@@ -198,7 +203,7 @@ def test_beta_follows_the_registered_pes_slowest_model(router):
     assert router.scheduler.beta == pytest.approx(beta_of(router, slow))
     assert router.stats()["prefill_costs"] == {"0": list(fast), "2": list(slow)}
     # The slow PE dies: beta is the remaining PE's again.
-    router.engine_died(router.engines[2])
+    router.liveness.declare_dead(router.liveness.registry[2])
     assert router.scheduler.beta == pytest.approx(beta_of(router, fast))
     # A PE that registers again (restarted) replaces its model.
     register(router, 0, slow)
@@ -207,7 +212,7 @@ def test_beta_follows_the_registered_pes_slowest_model(router):
 
 def test_an_unusable_model_is_ignored(router):
     register(router, 0, (0.01, math.nan, 0.0))
-    assert router.scheduler.beta == math.inf and router.prefill_costs == {}
+    assert router.scheduler.beta == math.inf and router.dispatch.prefill_costs() == {}
 
 
 def test_beta_tokens_wins_over_reported_models():
@@ -218,11 +223,9 @@ def test_beta_tokens_wins_over_reported_models():
 
 
 def test_the_register_event_records_the_model(router, tmp_path):
-    from dualpath_jax.metrics.events import EventLog, read_events
+    from dualpath_jax.metrics.events import read_events
 
-    router.events = EventLog(tmp_path / "events.jsonl")
     register(router, 0, (0.01, 1e-4, 1e-8))
-    router.events.close()
     reg, beta = read_events(tmp_path / "events.jsonl")
     assert reg["kind"] == "register" and reg["prefill_cost"]["prefill"] == [0.01, 1e-4, 1e-8]
     assert reg["prefill_cost"]["calibrated"] is True

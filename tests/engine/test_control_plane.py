@@ -459,8 +459,8 @@ def test_bad_submit_is_refused_naming_the_problem(rig, submit, problem):
     (err,) = rig.handle(submit)
     assert isinstance(err, M.Error) and err.ref == "r1" and err.kind == "bad_request"
     assert err.message == problem.replace("\\", "")
-    assert len(rig.router.scheduler) == 0 and rig.router.sessions.requests == {}
-    assert rig.router.counters["errors"] == 1
+    assert len(rig.router.scheduler) == 0 and rig.router.rounds.table.requests == {}
+    assert rig.router.stats()["counters"]["errors"] == 1
     # Nothing was left behind: the session takes a valid round afterwards.
     assert rig.handle(M.Submit(request="r2", session="a", append=[1, 2], gen=1)) == []
     assert len(rig.router.scheduler) == 1
@@ -469,7 +469,7 @@ def test_bad_submit_is_refused_naming_the_problem(rig, submit, problem):
 def test_valid_submit_is_queued_without_reply(rig):
     assert rig.handle(M.Submit(request="r1", session="a", append=[3] * 60, gen=4)) == []  # == limit
     assert rig.router.scheduler.queued() == {"de_global": 1, "de_private": 0, "pe_waiting": 0}
-    st = rig.router.sessions.requests["r1"]
+    st = rig.router.rounds.table.requests["r1"]
     assert st.prompt == [3] * 60 and st.gen == 4 and st.client == b"c1"
     assert (
         st.request.id,
@@ -477,7 +477,7 @@ def test_valid_submit_is_queued_without_reply(rig):
         st.request.cached_tokens,
         st.request.gen_tokens,
     ) == ("r1", 60, 0, 4)
-    assert rig.router.sessions["a"].busy
+    assert rig.router.rounds.table["a"].busy
 
 
 def test_duplicate_request_id_and_busy_session_are_refused(rig):
@@ -486,7 +486,7 @@ def test_duplicate_request_id_and_busy_session_are_refused(rig):
     assert err.kind == "bad_request" and err.message == "duplicate request id 'r1'"
     (err,) = rig.handle(M.Submit(request="r2", session="a", append=[1], gen=1))
     assert err.message == "session 'a' already has a round running"
-    assert len(rig.router.scheduler) == 1 and list(rig.router.sessions.requests) == ["r1"]
+    assert len(rig.router.scheduler) == 1 and list(rig.router.rounds.table.requests) == ["r1"]
 
 
 def test_stored_prefix_becomes_the_cached_tokens(rig):
@@ -498,7 +498,7 @@ def test_stored_prefix_becomes_the_cached_tokens(rig):
     blocks = kv_to_full_blocks(np.zeros((TINY_QWEN2.num_layers, 2 * BT, width), np.float32), BT)
     router.store.write_full(keys, blocks).result(10)
     assert rig.handle(M.Submit(request="r1", session="a", append=prompt, gen=1)) == []
-    rounds = router.sessions.requests
+    rounds = router.rounds.table.requests
     assert rounds["r1"].request.cached_tokens == BT  # not 2 * BT: one block recomputed
     assert rig.handle(M.Submit(request="r2", session="b", append=prompt + [7], gen=1)) == []
     assert rounds["r2"].request.cached_tokens == 2 * BT

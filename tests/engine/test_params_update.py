@@ -67,7 +67,7 @@ class Rig:
         """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
         self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
         self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
-        st = self.router.sessions.requests[rid]
+        st = self.router.rounds.table.requests[rid]
         assert (st.pe, st.de) == (PE, DE)
         self.prefill_done(rid)
         return self.handle(
@@ -129,7 +129,7 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     assert rig.submit("r1", "a", prompt) == []
     assert rig.handle(M.UpdateParams(version="v1", path="/p")) == []  # draining: r1 in flight
     assert rig.submit("r2", "b", prompt) == []  # held, not queued
-    assert list(r.sessions.requests) == ["r1"] and len(r.params.held) == 1
+    assert list(r.rounds.table.requests) == ["r1"] and len(r.params.held) == 1
     # r1 runs to the end with the old params (its job carries the old version) ...
     rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
@@ -145,8 +145,8 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
     assert (b"client", M.Ack(ref="params:v1")) in sent
     # The held round is submitted now, keyed by the new fingerprint: old blocks are never hit.
-    assert r.params.held == [] and list(r.sessions.requests) == ["r2"]
-    r2 = r.sessions.requests["r2"]
+    assert r.params.held == [] and list(r.rounds.table.requests) == ["r2"]
+    r2 = r.rounds.table.requests["r2"]
     assert r2.keys == [] and r2.request.cached_tokens == 0
     sent = rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
     sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
@@ -170,7 +170,7 @@ def test_a_refusing_engine_aborts_the_update_everywhere(rig):
     assert "still serving ''" in err.message
     assert r.params.version == "" and r.params.fingerprint == model_fingerprint(TINY_QWEN2, "")
     # the held round goes on, old params
-    assert list(r.sessions.requests) == ["r1"] and r.params.update is None
+    assert list(r.rounds.table.requests) == ["r1"] and r.params.update is None
     # the cluster takes the next update
     assert (
         len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0
@@ -181,7 +181,7 @@ def test_an_engine_dying_mid_update_is_not_waited_for(rig):
     rig.handle(M.UpdateParams(version="v1", path="/p"))
     rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.sent.clear()
-    rig.router.engine_died(rig.router.engines[DE])
+    rig.router.liveness.declare_dead(rig.router.liveness.registry[DE])
     sent = list(rig.sent)
     assert (b"client", M.Ack(ref="params:v1")) in sent
     assert (b"pe", M.CommitParams(version="v1", commit=True)) in sent
@@ -312,7 +312,7 @@ def test_close_without_release_keeps_blocks(rig):
 def test_release_of_a_busy_session_is_refused(rig):
     rig.submit("ra", "a", [1, 2, 3])
     ((_, err),) = rig.handle(M.CloseSession(session="a", release=True))
-    assert "has a round running" in err.message and "a" in rig.router.sessions
+    assert "has a round running" in err.message and "a" in rig.router.rounds.table
 
 
 # ----------------------------------------------------------------------------- engine side

@@ -83,7 +83,7 @@ def make_rig(**cluster) -> Rig:
     for engine, role, ident in ((PE, "prefill", PE_ID), (DE, "decode", DE_ID)):
         rig.handle(M.Register(role=role, engine=engine, node=engine, group=0,
                               address=f"inproc://{engine}", pid=100 + engine), ident)  # fmt: skip
-    rig.router.check_liveness(clock())
+    rig.router.tick(clock())
     return rig
 
 
@@ -113,7 +113,7 @@ def test_a_reported_failure_ends_the_round_with_its_kind_and_text(rig, kind):
     assert err.ref == "r1" and err.kind == ("engine" if kind == "error" else kind)
     assert text in err.message and "decode engine 1" in err.message
     assert M.Cancel(request="r1") in rig.to(PE_ID)  # the other side drops its half
-    assert "r1" not in rig.router.sessions.requests and not rig.router.sessions["s"].busy
+    assert "r1" not in rig.router.rounds.table.requests and not rig.router.rounds.table["s"].busy
     # the session is usable again
     assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
 
@@ -128,7 +128,7 @@ def test_transfer_failures_are_retried_then_end_with_the_last_cause(rig):
     (err,) = errors_to_client(rig)
     assert err.kind == "transfer"
     assert "gave up after 2 attempts" in err.message and "TransferTimeout: try 2" in err.message
-    assert rig.router.counters["requeued"] == 1 and len(rig.router.scheduler) == 0
+    assert rig.router.stats()["counters"]["requeued"] == 1 and len(rig.router.scheduler) == 0
 
 
 def test_a_stale_attempts_failure_is_ignored(rig):
@@ -138,7 +138,7 @@ def test_a_stale_attempts_failure_is_ignored(rig):
     (job,) = rig.assign()
     assert job.attempt == 2
     rig.handle(M.Failed(request="r1", engine=PE, message="late", kind="store", attempt=1), PE_ID)
-    assert errors_to_client(rig) == [] and "r1" in rig.router.sessions.requests
+    assert errors_to_client(rig) == [] and "r1" in rig.router.rounds.table.requests
 
 
 def test_a_persist_error_still_returns_the_tokens(rig):
@@ -152,8 +152,8 @@ def test_a_persist_error_still_returns_the_tokens(rig):
     (res,) = rig.to(CLIENT)
     assert isinstance(res, M.Result) and res.tokens == [5, 6, 7]
     assert res.persist_error == "StoreError: read-only"
-    assert rig.router.counters["persist_errors"] == 1
-    assert rig.router.sessions["s"].context == [1, 2, 3, 5, 6, 7]
+    assert rig.router.stats()["counters"]["persist_errors"] == 1
+    assert rig.router.rounds.table["s"].context == [1, 2, 3, 5, 6, 7]
 
 
 # ----------------------------------------------------------------------------- admission
@@ -178,7 +178,7 @@ def test_a_de_never_holds_more_than_its_slots_plus_queue():
     for _ in range(4):  # repeated fetches place no more
         rig.fetch(DE, slots=2)
         rig.fetch(PE)
-    held = [r for r in rig.router.sessions.requests.values() if r.de == DE]
+    held = [r for r in rig.router.rounds.table.requests.values() if r.de == DE]
     assert len(held) == 3
     assert len(rig.router.scheduler) == 5
 
@@ -191,7 +191,7 @@ def test_beyond_max_queue_rounds_are_refused_as_overloaded():
     rig.handle(M.OpenSession(session="c"), role=M.CLIENT)
     (err,) = rig.handle(M.Submit(request="r3", session="c", append=[1], gen=1), role=M.CLIENT)
     assert err.kind == "overloaded" and "max_queue=2" in err.message
-    assert not rig.router.sessions["c"].busy
+    assert not rig.router.rounds.table["c"].busy
 
 
 # ----------------------------------------------------------------------------- cancel
@@ -207,11 +207,11 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     assert err.ref == "r1" and err.kind == "cancelled"
     if stage == "assigned":
         assert M.Cancel(request="r1") in rig.to(DE_ID) + rig.to(PE_ID)
-    assert len(rig.router.scheduler) == 0 and rig.router.sessions.requests == {}
+    assert len(rig.router.scheduler) == 0 and rig.router.rounds.table.requests == {}
     assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
     # another client cannot cancel it
     rig.handle(M.CancelRound(request="r2"), ident=b"stranger", role=M.CLIENT)
-    assert "r2" in rig.router.sessions.requests
+    assert "r2" in rig.router.rounds.table.requests
 
 
 # ----------------------------------------------------------------------------- roles, liveness
@@ -230,7 +230,7 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
 def test_a_client_cannot_send_engine_messages(rig, msg):
     (err,) = rig.handle(msg, ident=b"rogue", role=M.CLIENT)
     assert err.kind == "auth" and "needs the engine secret" in err.message
-    assert not rig.router.stopping and rig.router.engines[DE].ident == DE_ID
+    assert not rig.router.stopping and rig.router.liveness.registry[DE].ident == DE_ID
 
 
 def test_a_second_engine_with_a_live_id_is_refused(rig):
@@ -238,13 +238,13 @@ def test_a_second_engine_with_a_live_id_is_refused(rig):
         M.Register(role="decode", engine=DE, node=1, group=0, address="evil", pid=999), b"rogue"
     )
     assert err.kind == "stop" and "already registered by pid 101" in err.message
-    assert rig.router.engines[DE].address == "inproc://1"
+    assert rig.router.liveness.registry[DE].address == "inproc://1"
     rig.submit("s", "r1")
     rig.assign()
     # messages naming engine 1 from another connection are refused too
     (err,) = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[9], persisted_blocks=0),
                         b"rogue")  # fmt: skip
-    assert err.kind == "auth" and "r1" in rig.router.sessions.requests
+    assert err.kind == "auth" and "r1" in rig.router.rounds.table.requests
 
 
 def test_heartbeats_and_pings_are_answered(rig):
@@ -265,12 +265,12 @@ def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig):
     rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + 1
     rig.handle(M.Heartbeat(engine=DE), DE_ID)  # the DE lives on, the PE went silent
     rig.sent.clear()
-    rig.router.check_liveness(rig.clock())
-    assert not rig.router.engines[PE].alive and errors_to_client(rig) == []  # not yet
+    rig.router.tick(rig.clock())
+    assert not rig.router.liveness.registry[PE].alive and errors_to_client(rig) == []  # not yet
     rig.clock.t += limit + 1
     rig.handle(M.Heartbeat(engine=DE), DE_ID)
     rig.sent.clear()
-    rig.router.check_liveness(rig.clock())
+    rig.router.tick(rig.clock())
     (err,) = errors_to_client(rig)
     assert err.kind == "engine" and "no live prefill engine" in err.message
     (err,) = rig.handle(M.Submit(request="r2", session="s", append=[1], gen=1), role=M.CLIENT)
@@ -281,10 +281,10 @@ def test_an_engine_that_registers_again_serves_at_once(rig):
     limit = rig.router.cfg.cluster.no_engine_timeout_s
     rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + limit + 2
     rig.handle(M.Heartbeat(engine=DE), DE_ID)
-    rig.router.check_liveness(rig.clock())
-    assert "no live prefill engine" in rig.router.engines.missing_role()
+    rig.router.tick(rig.clock())
+    assert "no live prefill engine" in rig.router.liveness.registry.missing_role()
     rig.handle(M.Register(role="prefill", engine=PE, node=0, group=0, address="inproc://0",
                           pid=200), PE_ID)  # fmt: skip
     # no liveness tick in between: the new engine counts at once
     rig.submit("s", "r1")
-    assert "r1" in rig.router.sessions.requests
+    assert "r1" in rig.router.rounds.table.requests

@@ -239,15 +239,15 @@ def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, nam
     assert f"retention {named}" in err.message and str(next(iter(retention.values()))) in (
         err.message
     )
-    assert "s" not in rig.router.sessions.sessions and retains(rig) == []
+    assert "s" not in rig.router.rounds.table.sessions and retains(rig) == []
     # the same in a Submit: refused, the session free and its retention unchanged
     open_session(rig, "s", priority=1, ttl_s=LONG)
     (err,) = rig.handle(
         M.Submit(request="r1", session="s", append=[1], gen=1, **retention), role=M.CLIENT
     )
     assert err.kind == "bad_request" and err.ref == "r1" and f"retention {named}" in err.message
-    s = rig.router.sessions["s"]
-    assert not s.busy and (s.priority, s.ttl_s) == (1, LONG) and retains(rig) == []
+    s, kept = rig.router.rounds.table["s"], rig.router.retention["s"]
+    assert not s.busy and (kept.priority, kept.ttl_s) == (1, LONG) and retains(rig) == []
     # a good round after it runs
     submit(rig, "s", "r2")
     assert retains(rig) == [M.Retain(session="s", state="active", priority=1, ttl_s=LONG)]
@@ -257,7 +257,7 @@ def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, nam
 def test_the_edges_of_the_ranges_are_accepted(rig):
     for k, (priority, ttl_s) in enumerate([(2**31 - 1, 0.0), (-(2**31), 1e9), (0, -1.0)]):
         open_session(rig, f"s{k}", priority=priority, ttl_s=ttl_s)
-        assert (rig.router.sessions[f"s{k}"].priority, rig.router.sessions[f"s{k}"].ttl_s) == (
+        assert (rig.router.retention[f"s{k}"].priority, rig.router.retention[f"s{k}"].ttl_s) == (
             priority,
             ttl_s,
         )

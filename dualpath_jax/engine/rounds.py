@@ -1,0 +1,279 @@
+"""Sessions and their rounds, the router's sessions part: from `Submit` to `Result` or `Error`.
+
+`Rounds` handles what clients send about their sessions and rounds (`OpenSession`,
+`CloseSession`, `Submit`, `CancelRound`, `FinishRound`) and what engines report of a round's
+progress on its way to the client (`PrefillDone`, `TokensOut`, `DecodeDone`). It owns the
+session table (engine/sessions.py), which the dispatch part reads and assigns rounds in.
+
+Admission (`on_submit`): a round is checked (its session, its tokens and sampling, its
+retention), refused with kind `engine` while a role has had no live engine too long, refused if
+no decode engine's KV pool could ever hold it, and looked up in the store: the hit is its
+stored prefix in whole blocks, keeping at least one new token to produce logits. Then it joins
+the scheduler's queue (`scheduler.max_queue` beyond which it is refused as `overloaded`).
+
+A round leaves by `finish` (its tokens extend the session; the client gets a `Result`) or by
+`end` (unfinished: it leaves every queue and the client gets `Error(kind)`). Either way its
+session is free again and idle for its retention TTL (engine/retention.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import msgspec
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine import messages
+from dualpath_jax.engine.liveness import EngineRegistry
+from dualpath_jax.engine.outbox import Outbox
+from dualpath_jax.engine.params_update import ParamsCoordinator
+from dualpath_jax.engine.retention import Retention, retention_problem
+from dualpath_jax.engine.sessions import RequestState, SessionTable
+from dualpath_jax.kvstore.identity import block_keys
+from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
+from dualpath_jax.sched.types import Request
+
+log = logging.getLogger(__name__)
+
+
+class Rounds:
+    """Runs `table`'s sessions and rounds. `publish_kv()` publishes the KV events posted so far
+    (a release's `BlockRemoved` go out before its `Ack`)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        table: SessionTable,
+        store: BlockStore,
+        scheduler: GlobalScheduler,
+        registry: EngineRegistry,
+        retention: Retention,
+        params: ParamsCoordinator,
+        out: Outbox,
+        clock: Callable[[], float],
+        publish_kv: Callable[[], None],
+    ):
+        self.table = table
+        self.store = store
+        self.store_timeout_s = cfg.store.timeout_s
+        self.bt = cfg.store.block_tokens
+        self.scheduler = scheduler
+        self.registry = registry
+        self.retention = retention
+        self.params = params
+        self.out = out
+        self.clock = clock
+        self.publish_kv = publish_kv
+
+    # ------------------------------------------------------------------ sessions
+
+    def on_open(self, ident: bytes, msg: messages.OpenSession) -> None:
+        s = msg.session
+        problem = retention_problem(msg.priority, msg.ttl_s)
+        if problem:
+            return self.out.fail(ident, s, problem)
+        if not self.table.open(s, msg.resume):
+            return self.out.fail(ident, s, f"session {s!r} exists; pass resume=True to continue it")
+        self.retention.opened(s, msg.priority, msg.ttl_s, resume=msg.resume)
+        self.out.send(ident, messages.Ack(ref=s))
+
+    def on_close(self, ident: bytes, msg: messages.CloseSession) -> None:
+        """Ends a session; `release` also deletes its stored blocks that no live session claims."""
+        s = self.table.get(msg.session)
+        if s is None:
+            return self.out.send(
+                ident, messages.Error(ref=msg.session, message=f"unknown session {msg.session!r}")
+            )
+        if msg.release and (s.busy or self.params.holds_round_of(ident, s.id)):
+            return self.out.fail(
+                ident,
+                msg.session,
+                f"session {s.id!r} has a round running; close it when it is done",
+            )
+        self.retention.closed(msg.session)
+        self.table.close(msg.session)
+        if msg.release:
+            try:
+                n = self.store.release(msg.session).result(self.store_timeout_s)
+            except Exception as e:  # noqa: BLE001 - the session is closed either way
+                return self.out.fail(
+                    ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store"
+                )
+            self.out.event("release", session=msg.session, blocks=n)
+            self.publish_kv()
+        self.out.send(ident, messages.Ack(ref=msg.session))
+
+    # ------------------------------------------------------------------ admission
+
+    def on_submit(self, ident: bytes, msg: messages.Submit) -> None:
+        fail = self.out.fail
+        problem = self.table.session_problem(msg)
+        if problem:
+            return fail(ident, msg.request, problem)
+        missing = self.registry.missing_role()
+        if missing:
+            return fail(ident, msg.request, missing, kind="engine")
+        problem = self.table.round_problem(msg) or retention_problem(msg.priority, msg.ttl_s)
+        if problem:
+            return fail(ident, msg.request, problem)
+        prompt = self.table.prompt(msg)
+        room = self.registry.decode_capacity()
+        if room and len(prompt) + msg.gen > room:  # no DE's KV pool could ever admit it
+            return fail(
+                ident,
+                msg.request,
+                f"context of {len(prompt)} + {msg.gen} tokens exceeds the decode engines'"
+                f" KV budget of {room} tokens",
+            )
+        keys = block_keys(prompt, self.bt, self.params.fingerprint)
+        try:
+            hit = self.store.lookup(keys).result(self.store_timeout_s)
+        except Exception as e:  # noqa: BLE001 - store failures become the request's error
+            return fail(ident, msg.request, f"store unavailable: {e}", kind="store")
+        if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
+            hit -= 1
+        req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
+        try:
+            self.scheduler.submit(req)
+        except QueueFull as e:
+            self.out.count("overloaded")
+            return fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
+        self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
+        self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
+        self.out.event(
+            "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
+        )
+
+    # ------------------------------------------------------------------ progress
+
+    def on_prefill_done(self, ident: bytes, msg: messages.PrefillDone) -> None:
+        st = self.table.requests.get(msg.request)
+        if st is None or st.pe != msg.engine:
+            return  # a cancelled attempt
+        st.t_first = self.clock()
+        st.first_token = msg.first_token
+        st.hit_blocks = msg.hit_blocks
+        st.recomputed_blocks += msg.recomputed_blocks + msg.lead_blocks  # unreadable or chosen
+        self.out.count("recomputed_blocks", msg.recomputed_blocks)
+        self.out.count("hit_blocks", msg.hit_blocks)
+        self.out.event(
+            "first_token",
+            request=st.id,
+            hit_blocks=msg.hit_blocks,
+            recomputed=msg.recomputed_blocks,
+            read_s=msg.read_s,
+            prefill_s=msg.prefill_s,
+        )
+        de = self.registry.live_one(st.de)
+        if de is not None:
+            self.out.send(
+                de.ident,
+                # the prompt's blocks the store holds (the DE persists those after them)
+                messages.FirstToken(
+                    request=st.id,
+                    token=msg.first_token,
+                    hit_blocks=msg.lead_blocks + msg.hit_blocks,
+                ),
+            )
+        if st.stream:
+            self.out.send(
+                st.client, messages.Partial(request=st.id, start=0, tokens=[msg.first_token])
+            )
+
+    def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
+        """A DE's new tokens: the second one times TTST; a streamed round's go to its client."""
+        st = self.table.requests.get(msg.request)
+        if st is None:
+            return
+        if math.isnan(st.t_second) and msg.start + len(msg.tokens) >= 2:
+            st.t_second = self.clock()
+        if st.stream:
+            self.out.send(
+                st.client, messages.Partial(request=st.id, start=msg.start, tokens=msg.tokens)
+            )
+
+    def on_decode_done(self, ident: bytes, msg: messages.DecodeDone) -> None:
+        st = self.table.requests.get(msg.request)
+        if st is None or st.de != msg.engine:
+            return
+        self.out.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
+        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
+
+    # ------------------------------------------------------------------ the client's say
+
+    def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
+        st = self.table.requests.get(msg.request)
+        if st is None or st.client != ident:
+            return
+        self.out.count("cancelled")
+        self.out.event("cancel", request=st.id)
+        self.cancel_on_engines(st)
+        self.end(st, "cancelled by the client", "cancelled")
+
+    def on_finish(self, ident: bytes, msg: messages.FinishRound) -> None:
+        """Completes a round now with the tokens it has; a round not yet at a DE finishes as
+        soon as its first token is there (the request is remembered for every attempt)."""
+        st = self.table.requests.get(msg.request)
+        if st is None or st.client != ident or st.finish_requested:
+            return
+        st.finish_requested = True
+        self.out.count("finished_early")
+        self.out.event("finish_early", request=st.id)
+        de = self.registry.live_one(st.de) if st.de >= 0 else None
+        if de is not None:
+            self.out.send(de.ident, messages.Finish(request=st.id))
+
+    # ------------------------------------------------------------------ how rounds leave
+
+    def finish(
+        self,
+        st: RequestState,
+        tokens: list[int],
+        persist_error: str = "",
+        finish_reason: str = "length",
+    ) -> None:
+        now = self.clock()
+        self.table.complete(st, tokens)
+        self.retention.round_ended(st.session)
+        # The session claims the blocks its DE persisted (and the hit it read), so closing it
+        # with release=True can delete them (a session closed meanwhile claims nothing).
+        if st.session in self.table:
+            keys = block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
+            self.store.claim(st.session, keys)
+        res = st.result(tokens, now, self.bt, persist_error, finish_reason)
+        if persist_error:
+            self.out.count("persist_errors")
+            log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
+            self.out.event("persist_failed", request=st.id, engine=st.de, message=persist_error)
+        self.out.count("requests_done")
+        self.out.event(
+            "done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"}
+        )
+        self.out.send(st.client, res)
+
+    def end(self, st: RequestState, message: str, kind: str) -> None:
+        """Ends a round unfinished: it leaves every queue, its session is free again, and its
+        client gets `Error(kind)`."""
+        self.scheduler.withdraw([st.id])
+        self.table.drop(st)
+        self.retention.round_ended(st.session)
+        self.out.fail(st.client, st.id, message, kind=kind)
+
+    def end_all(self, why: str) -> None:
+        """Ends every round in flight with kind `engine` (no round can run: `why`)."""
+        if not self.table.requests:
+            return
+        log.warning("%s: failing %d rounds", why, len(self.table.requests))
+        for st in list(self.table.requests.values()):
+            self.cancel_on_engines(st)
+            self.end(st, why, "engine")
+
+    def cancel_on_engines(self, st: RequestState, but: int = -1) -> None:
+        """Tells the round's live engines (but engine `but`) to drop their part of it."""
+        for e in {st.pe, st.de} - {but, -1}:
+            info = self.registry.live_one(e)
+            if info is not None:
+                self.out.send(info.ident, messages.Cancel(request=st.id))
