@@ -30,7 +30,7 @@ its slots plus `cluster.decode_queue` requests; beyond that rounds queue, up to
 
 KV events (docs/kv_events.md): with a `KVEventPublisher`, what every store of the cluster did
 (the engines' `KVEvents`, the router's own store) is published on one PUB socket as soon as the
-router handles it: a round's `BlockStored` before its `Result`, a release's `BlockRemoved`
+router handles it: a round's `BlockStored` before its `RoundResult`, a release's `BlockRemoved`
 before its `Ack`.
 
 Roles: frames carry the engine or the client secret (engine/credentials.py); engine messages
@@ -504,9 +504,7 @@ class Router:
                 layerwise=self.scheduler.policy.layerwise,
                 params_version=self.params.version,
                 attempt=st.attempts,
-                temperature=st.temperature,
-                seed=st.seed,
-                top_p=st.top_p,
+                sampling=st.sampling,
                 stop_tokens=st.stop_tokens,
                 stream=st.stream,
                 session=st.session,
