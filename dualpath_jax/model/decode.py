@@ -37,8 +37,6 @@ from dualpath_jax.model.sharding import host_value, whole
 Array = jax.Array
 
 
-
-
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:
     if temperature == 0.0:
