@@ -260,7 +260,7 @@ def test_the_sampling_fields_reach_the_round_as_one_value():
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("temperature", 3, "temperature must lie in [0, 2], got 3"),
+        ("temperature", 3, "temperature must lie in [0, 2], got 3.0"),
         ("temperature", -1, "temperature must be a finite number >= 0, got -1.0"),
         ("top_p", 0, "top_p must lie in (0, 1], got 0.0"),
         ("top_p", 1.5, "top_p must lie in (0, 1], got 1.5"),
