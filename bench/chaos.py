@@ -22,7 +22,7 @@ fault of `--faults` (in passes that hold each type once, in a seeded random orde
                  (`restart`, on a thread of its own while other faults go on), so no role is
                  left without a live engine for longer than a restart; one engine down at a time
   store_write    ENOSPC or EROFS on block writes (DE persists): rounds still answer, with
-                 `Result.persist_error`
+                 `RoundResult.persist_error`
   store_read     EIO on block reads: the round fails with kind `store` (not retried)
   slow_read      block reads delayed 0.5-1.5 s (less than transfer_timeout_s)
   transfer_hang  channel.pull hangs until transfer_timeout_s, then fails: the router retries

@@ -8,10 +8,13 @@
 rounds in order, appendix A.3) with a progress bar. The same API runs over `InProcessEngine`
 (one model in this process, no disaggregation) for quick experiments.
 
-Sampling: `temperature=0` is greedy; above 0 pass an explicit JAX key (`Session.step(...,
-temperature=1.0, key=key)`); a round's tokens depend only on the params, the context and the
-key. RL loops push new params between iterations with `update_params(params)` or
-`update_params_from_checkpoint(path)` on either backend (see docs/rl.md).
+Sampling: each round is drawn with one `SamplingParams` (`dualpath_jax.model.sampling`), which
+the keywords `temperature`, `top_p` and `key` build (`round_sampling`): `temperature=0` is
+greedy; above 0 pass an explicit JAX key (`Session.step(..., temperature=1.0, key=key)`), which
+gives the round's seed; a round's tokens depend only on the params, the context and the key.
+Every round's outcome is a `RoundResult`. RL loops push new params between iterations with
+`update_params(params)` or `update_params_from_checkpoint(path)` on either backend (see
+docs/rl.md).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
-from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.client import (
     TOKEN_LIMIT,
     Backend,
@@ -36,6 +38,8 @@ from dualpath_jax.engine.client import (
     key_to_seed,
     new_version,
 )
+from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.rounds import RoundResult
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +47,27 @@ __all__ = [
     "Backend",
     "InProcessEngine",
     "RolloutError",
+    "RoundResult",
+    "SamplingParams",
     "Session",
     "TrajectoryOutput",
+    "round_sampling",
     "run_trajectories",
     "workload_trajectories",
 ]
+
+
+def round_sampling(temperature: float = 0.0, top_p: float = 1.0, key: Any = None) -> SamplingParams:
+    """The `SamplingParams` the rollout keywords describe: `temperature` and `top_p` as given,
+    the seed drawn from the JAX `key` (`key_to_seed`). Sampling (temperature > 0) needs a key,
+    so that no round samples with a seed nobody chose. Raises ValueError (a `SamplingError`
+    for a field out of range)."""
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    if key is None:
+        if not params.greedy:
+            raise ValueError("sampling with temperature > 0 needs a PRNG key")
+        return params
+    return SamplingParams(temperature=temperature, top_p=top_p, seed=key_to_seed(key))
 
 
 def workload_trajectories(
@@ -83,7 +103,7 @@ class Session:
         self.id = session_id or uuid.uuid4().hex
         retention = {"priority": priority, "ttl_s": ttl_s} if (priority, ttl_s) != (0, -1) else {}
         backend.open_session(self.id, resume=resume, **retention)
-        self.results: list[M.Result] = []
+        self.results: list[RoundResult] = []
 
     def step_async(
         self,
@@ -93,14 +113,12 @@ class Session:
         temperature: float = 0.0,
         key: Any = None,
         top_p: float = 1.0,
-    ) -> futures.Future[M.Result]:
-        """Submits one round; sampling with `temperature > 0` needs an explicit JAX `key`
-        (`top_p < 1`: from the nucleus of that probability mass)."""
-        if temperature > 0 and key is None:
-            raise ValueError("sampling with temperature > 0 needs a PRNG key")
-        seed = key_to_seed(key) if key is not None else 0
-        kw = {"top_p": top_p} if top_p != 1.0 else {}
-        fut = self.backend.submit(self.id, append, gen, temperature=temperature, seed=seed, **kw)
+    ) -> futures.Future[RoundResult]:
+        """Submits one round, drawn with `round_sampling(temperature, top_p, key)`: sampling
+        with `temperature > 0` needs an explicit JAX `key` (`top_p < 1`: from the nucleus of
+        that probability mass). Bad sampling keywords raise ValueError here."""
+        sampling = round_sampling(temperature, top_p, key)
+        fut = self.backend.submit(self.id, append, gen, sampling=sampling)
         fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
         return fut
 
@@ -134,7 +152,7 @@ class Session:
 class TrajectoryOutput:
     id: str
     rounds: list[list[int]]
-    results: list[M.Result]
+    results: list[RoundResult]
     error: str = ""
 
 
@@ -160,7 +178,7 @@ def run_trajectories(
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
     With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
-    (and `top_p`, see `Session.step_async`). `priority` (one for all, or one per trajectory)
+    (and `top_p`; `round_sampling`). `priority` (one for all, or one per trajectory)
     and `ttl_s` set each session's KV retention (`Session`).
     Each trajectory's session is closed when it ends (its stored blocks are the first to go
     under capacity pressure). With `release=True` the sessions are closed together at the end
@@ -168,8 +186,7 @@ def run_trajectories(
     share with earlier ones). Returns one output per trajectory, in input order; a failed round
     ends its trajectory with `error` set.
     """
-    if temperature > 0 and key is None:
-        raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    round_sampling(temperature, top_p, key)  # bad keywords fail the call, not each round
     from tqdm.auto import tqdm
 
     trajs = list(trajectories)
@@ -379,16 +396,14 @@ class InProcessEngine:
         append: Sequence[int],
         gen: int,
         *,
-        temperature: float = 0.0,
-        seed: int = 0,
-        top_p: float = 1.0,
-    ) -> futures.Future[M.Result]:
-        fut: futures.Future[M.Result] = futures.Future()
+        sampling: SamplingParams = GREEDY,
+    ) -> futures.Future[RoundResult]:
+        fut: futures.Future[RoundResult] = futures.Future()
         try:
-            if not temperature >= 0:
-                raise RolloutError(f"temperature must be >= 0, got {temperature}", "bad_request")
-            if not 0 < top_p <= 1:
-                raise RolloutError(f"top_p must lie in (0, 1], got {top_p}", "bad_request")
+            if not isinstance(sampling, SamplingParams):
+                raise RolloutError(
+                    f"sampling must be a SamplingParams, got {sampling!r}", "bad_request"
+                )
             tokens = check_tokens(append)
             bad = next((t for t in tokens if t >= self.cfg.vocab_size), None)
             if bad is not None:
@@ -399,9 +414,7 @@ class InProcessEngine:
                 session,
                 tokens,
                 _check_int(gen, "gen", 1, TOKEN_LIMIT),
-                float(temperature),
-                _check_int(seed, "seed", 0, 2**32),
-                float(top_p),
+                sampling,
             )
             fut.set_result(res)
         except RolloutError as e:
@@ -415,10 +428,8 @@ class InProcessEngine:
         session: str,
         append: list[int],
         gen: int,
-        temperature: float,
-        seed: int,
-        top_p: float = 1.0,
-    ) -> M.Result:
+        sampling: SamplingParams,
+    ) -> RoundResult:
         import time
 
         from dualpath_jax.model.decode import Decoder, sample_at
@@ -451,14 +462,14 @@ class InProcessEngine:
         prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
         if cached:
             prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
-        tok = int(sample_at(res.last_logits, [seed], [len(prompt)], [temperature], [top_p])[0])
+        tok = int(sample_at(res.last_logits, [sampling], [len(prompt)])[0])
         t_first = time.monotonic()
         dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
         dec.insert(0, prompt_kv, len(prompt), tok)
         out, t_second = [tok], t_first
         for k in range(gen - 1):
             pos = len(prompt) + len(out)
-            tok = int(sample_at(dec.step()[:1], [seed], [pos], [temperature], [top_p])[0])
+            tok = int(sample_at(dec.step()[:1], [sampling], [pos])[0])
             out.append(tok)
             dec.set_next(np.array([tok]))
             if k == 0:
@@ -467,17 +478,15 @@ class InProcessEngine:
         with self._lock:
             if session in self._sessions:
                 self._sessions[session] = (prompt + out, kv_after)
-        now = time.monotonic()
-        return M.Result(
-            request=f"{session}#{len(context)}",
-            tokens=out,
-            ttft_s=t_first - t0,
-            ttst_s=t_second - t_first if gen > 1 else 0.0,
-            tpot_s=(now - t_first) / (gen - 1) if gen > 1 else 0.0,
-            jct_s=now - t0,
-            queue_s=0.0,
+        return RoundResult.timed(
+            f"{session}#{len(context)}",
+            out,
+            t_submit=t0,
+            t_assign=t0,
+            t_first=t_first,
+            t_second=t_second,
+            t_done=time.monotonic(),
             cached_tokens=cached,
             prompt_tokens=len(prompt),
             read_path="none",
-            recomputed_blocks=0,
         )

@@ -11,14 +11,14 @@ from concurrent import futures
 
 import pytest
 
-from dualpath_jax.engine import messages as M
-from dualpath_jax.rollout import RolloutError, Session, run_trajectories
+from dualpath_jax.model.sampling import GREEDY
+from dualpath_jax.rollout import RolloutError, RoundResult, Session, run_trajectories
 
 GAP = 0.05
 
 
-def result(request: str, tokens: list[int]) -> M.Result:
-    return M.Result(
+def result(request: str, tokens: list[int]) -> RoundResult:
+    return RoundResult(
         request=request,
         tokens=tokens,
         ttft_s=0.0,
@@ -55,9 +55,9 @@ class Recorder:
     def close_session(self, session, release=False):
         self._note("close", session, release)
 
-    def submit(self, session, append, gen, *, temperature=0.0, seed=0, top_p=1.0):
+    def submit(self, session, append, gen, *, sampling=GREEDY):
         self._note("submit", session, list(append))
-        fut: futures.Future[M.Result] = futures.Future()
+        fut: futures.Future[RoundResult] = futures.Future()
         if session in self.fail:
             fut.set_exception(RolloutError(f"round of {session} refused", "bad_request"))
         else:
@@ -245,7 +245,7 @@ class Stalling(Recorder):
         if session not in self.stall:
             return super().submit(session, append, gen, **kw)
         self._note("submit", session, list(append))
-        fut: futures.Future[M.Result] = futures.Future()
+        fut: futures.Future[RoundResult] = futures.Future()
         self.pending.append((fut, session, [append[-1]] * gen))
         return fut
 

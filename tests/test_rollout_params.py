@@ -18,6 +18,7 @@ from dualpath_jax.model.checkpoint import (
 )
 from dualpath_jax.model.decode import reference_generate, sample_at
 from dualpath_jax.model.runner import ModelRunner
+from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
@@ -112,14 +113,18 @@ def test_a_checkpoint_of_another_model_config_is_refused(tmp_path):
 
 def test_sample_at_is_keyed_by_seed_and_position_only():
     logits = jax.random.normal(jax.random.key(0), (3, 257))
-    greedy = sample_at(logits, [1, 2, 3], [4, 5, 6], [0.0, 0.0, 0.0])
+    greedy = sample_at(logits, [SamplingParams(seed=s) for s in (1, 2, 3)], [4, 5, 6])
     np.testing.assert_array_equal(greedy, np.asarray(logits).argmax(-1))
-    a = sample_at(logits, [7, 7, 7], [10, 11, 12], [1.0, 1.0, 0.0])
+    hot = SamplingParams(temperature=1.0, seed=7)
+    a = sample_at(logits, [hot, hot, SamplingParams(seed=7)], [10, 11, 12])
     assert a[2] == greedy[2]
     # the same (seed, position, logits row) anywhere in any batch gives the same token
-    b = sample_at(logits[::-1], [0, 7, 7], [0, 11, 10], [0.0, 1.0, 1.0])
+    b = sample_at(logits[::-1], [SamplingParams(), hot, hot], [0, 11, 10])
     assert (b[1], b[2]) == (a[1], a[0])
-    draws = {int(sample_at(logits[:1], [s], [10], [1.0])[0]) for s in range(40)}
+    draws = {
+        int(sample_at(logits[:1], [SamplingParams(temperature=1.0, seed=s)], [10])[0])
+        for s in range(40)
+    }
     assert len(draws) > 10  # temperature 1 over a near-uniform row really samples
 
 

@@ -21,6 +21,7 @@ from concurrent import futures
 from typing import Any, Protocol
 
 from dualpath_jax.engine import messages as M
+from dualpath_jax.model.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,8 @@ class Backend(Protocol):
         append: Sequence[int],
         gen: int,
         *,
-        temperature: float = 0.0,
-        seed: int = 0,
-        top_p: float = 1.0,
-    ) -> futures.Future[M.Result]: ...
+        sampling: SamplingParams = GREEDY,
+    ) -> futures.Future[M.RoundResult]: ...
     def close_session(self, session: str, release: bool = False) -> None: ...
     def update_params(self, params: Any, version: str | None = None) -> str: ...
     def update_params_from_checkpoint(
@@ -235,7 +234,7 @@ class Client:
 
     def finish(self, request: str) -> None:
         """Ends a round now with the tokens generated so far (e.g. a stop string matched): it
-        completes (its future gets a `Result` with `finish_reason="finished"`), so its tokens
+        completes (its future gets a `RoundResult` with `finish_reason="finished"`), so its tokens
         extend the session and its KV blocks are persisted. A finished round is not affected."""
         frame = M.encode(M.FinishRound(request=request), self._token)
         self._out.put((frame, "", None, False))
@@ -286,20 +285,18 @@ class Client:
         append: Sequence[int],
         gen: int,
         *,
-        temperature: float = 0.0,
-        seed: int = 0,
-        top_p: float = 1.0,
+        sampling: SamplingParams = GREEDY,
         keep: int = -1,
         stop_tokens: Sequence[int] = (),
         on_tokens: Callable[[int, list[int]], None] | None = None,
         priority: int | None = None,
         ttl_s: float | None = None,
-    ) -> futures.Future[M.Result]:
-        """One round; the future resolves to a `Result` or raises `RolloutError`. Token ids
-        must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
+    ) -> futures.Future[M.RoundResult]:
+        """One round; the future resolves to a `RoundResult` or raises `RolloutError`. Token
+        ids must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
         before anything is sent.
 
-        `top_p < 1` samples from the nucleus of that mass (with temperature > 0).
+        `sampling` is how its tokens are drawn (`model.SamplingParams`; greedy by default).
         `keep >= 0` builds on the first `keep` tokens of the session's context only (-1: all of
         it). The round ends after any of `stop_tokens`. `on_tokens(start, tokens)` streams the
         generated tokens from position `start` as they come (on the client's thread: keep it
@@ -309,20 +306,16 @@ class Client:
         out: RoundFuture = RoundFuture()
         out.request = rid
         try:
-            if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            if not isinstance(sampling, SamplingParams):
                 raise RolloutError(
-                    f"temperature must be a number, got {temperature!r}", "bad_request"
+                    f"sampling must be a SamplingParams, got {sampling!r}", "bad_request"
                 )
-            if isinstance(top_p, bool) or not isinstance(top_p, numbers.Real):
-                raise RolloutError(f"top_p must be a number, got {top_p!r}", "bad_request")
             sub = M.Submit(
                 request=rid,
                 session=str(session),
                 append=check_tokens(append),
                 gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
-                temperature=float(temperature),
-                seed=_check_int(seed, "seed", 0, 2**32),
-                top_p=float(top_p),
+                sampling=sampling,
                 keep=_check_int(keep, "keep", -1, TOKEN_LIMIT),
                 stop_tokens=check_tokens(stop_tokens, "stop token"),
                 stream=on_tokens is not None,

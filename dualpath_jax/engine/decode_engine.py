@@ -260,9 +260,7 @@ class DecodeEngine:
                 job.prompt_tokens,
                 r.first,
                 reserve,
-                seed=r.msg.seed,
-                temperature=r.msg.temperature,
-                top_p=r.msg.top_p,
+                sampling=r.msg.sampling,
             )
             r.load.close()
             self.slot_req[r.slot] = rid
@@ -283,7 +281,7 @@ class DecodeEngine:
     def decode(self) -> None:
         """Dispatches the next decode step, then takes the tokens of the step before it: the
         device runs step t + 1 (fed with step t's tokens on the device, sampled there with each
-        request's seed and temperature) while the host reads step t's tokens. A request done at
+        request's sampling params) while the host reads step t's tokens. A request done at
         step t has ridden step t + 1 too; that extra token is dropped."""
         tokens = self.dec.advance()
         prev, self.inflight = self.inflight, (tokens, self._riders())

@@ -1,6 +1,8 @@
 """Control-plane messages: msgspec structs, one tagged union, a versioned signed envelope.
 
-Nothing on the wire is pickled: every message is a msgspec struct encoded as msgpack. Each frame
+Nothing on the wire is pickled: every message is a msgspec struct encoded as msgpack (a round's
+answer is the `rounds.RoundResult` record, its sampling a `model.sampling.SamplingParams`, both
+checked as they are decoded). Each frame
 is `Envelope(v=SCHEMA_VERSION, token=..., body=<message>)`; receivers reject frames with another
 version, a wrong token, an unknown tag or over the size limit, answering with `Error`.
 
@@ -17,13 +19,16 @@ import hmac
 import msgspec
 
 from dualpath_jax.kv_events import KVEvent
+from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.rounds import RoundResult
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MAX_FRAME_BYTES = 64 * 2**20
 
 
 class Msg(msgspec.Struct, tag=True, kw_only=True):
-    """Base of every control message (tagged by class name)."""
+    """Base of every control message (tagged by class name). `RoundResult` is one too, with the
+    same options but not this base: the simulator, which sends nothing, keeps it as well."""
 
 
 # ----------------------------------------------------------------------------- client <-> router
@@ -48,19 +53,15 @@ class CloseSession(Msg):
 
 
 class Submit(Msg):
-    """One round: append `append` to the session's context and generate exactly `gen` tokens.
-
-    `temperature` 0 is greedy; above 0 the token at absolute position p of the sequence is drawn
-    from softmax(logits / temperature) with the key `fold_in(key(seed), p)`, so a round's tokens
-    depend only on (params, context, seed), never on batching, engine or retries."""
+    """One round: append `append` to the session's context and generate exactly `gen` tokens,
+    drawn with `sampling` (greedy by default; `model.sampling`: a round's tokens depend only on
+    params, context and seed, never on batching, engine or retries). Answered `RoundResult`."""
 
     request: str
     session: str
     append: list[int]
     gen: int
-    temperature: float = 0.0
-    seed: int = 0  # uint32
-    top_p: float = 1.0  # nucleus sampling (with temperature > 0): see model.decode.sample_at
+    sampling: SamplingParams = GREEDY
     # How much of the session's context the round builds on: -1 all of it; k keeps the first k
     # tokens (a client that rewrote later history, e.g. an edited chat). The prompt is
     # context[:k] + append; stored KV of the kept prefix is found by its block keys as usual.
@@ -68,7 +69,7 @@ class Submit(Msg):
     # The round ends early, as if it had generated `gen` tokens, right after any of these tokens
     # (an end-of-sequence id), which is the last of its tokens.
     stop_tokens: list[int] = []
-    # Send the tokens as they are generated (`Partial`), before the `Result`.
+    # Send the tokens as they are generated (`Partial`), before the `RoundResult`.
     stream: bool = False
     # Change the session's retention (see OpenSession) from this round on; None keeps it.
     priority: int | None = None
@@ -78,7 +79,7 @@ class Submit(Msg):
 class FinishRound(Msg):
     """Client -> router: end a round now with the tokens generated so far (e.g. a stop string
     matched); unlike `CancelRound` the round completes: its tokens extend the session and its
-    blocks are persisted. Its `Result` carries `finish_reason="finished"`."""
+    blocks are persisted. Its `RoundResult` carries `finish_reason="finished"`."""
 
     request: str
 
@@ -102,28 +103,6 @@ class CancelRound(Msg):
 
 class Ping(Msg):
     """Client -> router liveness probe, answered `Ack(ref="ping")`."""
-
-
-class Result(Msg):
-    """The generated tokens of a round, with its timings (seconds, router clock)."""
-
-    request: str
-    tokens: list[int]
-    ttft_s: float
-    ttst_s: float
-    tpot_s: float
-    jct_s: float
-    queue_s: float
-    cached_tokens: int
-    prompt_tokens: int
-    read_path: str
-    recomputed_blocks: int
-    # "length" (all `gen` tokens), "stop" (a stop token, the last token) or "finished"
-    # (`FinishRound`).
-    finish_reason: str = "length"
-    # Non-empty when the DE could not persist the round's new blocks (e.g. the store is full):
-    # the tokens are right; the next round recomputes what was not stored.
-    persist_error: str = ""
 
 
 class Ack(Msg):
@@ -261,9 +240,7 @@ class LoadJobMsg(Msg):
     layerwise: bool
     params_version: str
     attempt: int = 0
-    temperature: float = 0.0  # see Submit
-    seed: int = 0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY  # see Submit
     stop_tokens: list[int] = []  # see Submit
     stream: bool = False  # the DE reports every new token (TokensOut)
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
@@ -330,8 +307,8 @@ class DecodeDone(Msg):
     engine: int
     tokens: list[int]
     persisted_blocks: int
-    persist_error: str = ""  # see Result.persist_error
-    finish_reason: str = "length"  # see Result.finish_reason
+    persist_error: str = ""  # see RoundResult.persist_error
+    finish_reason: str = "length"  # see RoundResult.finish_reason
 
 
 class KVEvents(Msg):
@@ -388,7 +365,7 @@ Body = (
     | FinishRound
     | Partial
     | Ping
-    | Result
+    | RoundResult
     | Ack
     | Error
     | GetStats

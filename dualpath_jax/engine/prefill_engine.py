@@ -35,6 +35,7 @@ from dualpath_jax.model.pages import (
     segment_tokens,
 )
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.sampling import GREEDY
 from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
@@ -318,13 +319,11 @@ class PrefillEngine:
         try:
             res = forward(self.runner, c.model.num_layers, batch, layerwise, load_layer, emit_layer)
             logits = host_value(res.last_logits)
-            pad = [0] * (logits.shape[0] - len(reqs))
+            pad = logits.shape[0] - len(reqs)
             first = sample_at(  # the first generated token sits at position len(prompt)
                 logits,
-                [r.msg.seed for r in reqs] + pad,
-                [len(r.msg.prompt) for r in reqs] + pad,
-                [r.msg.temperature for r in reqs] + pad,
-                [r.msg.top_p for r in reqs] + [1.0] * len(pad),
+                [r.msg.sampling for r in reqs] + [GREEDY] * pad,
+                [len(r.msg.prompt) for r in reqs] + [0] * pad,
             )
         except Exception as e:  # noqa: BLE001
             if span is not None:

@@ -1,4 +1,4 @@
-"""Sessions and their rounds, the router's sessions part: from `Submit` to `Result` or `Error`.
+"""Sessions and their rounds, the router's sessions part: from `Submit` to `RoundResult` or `Error`.
 
 `Rounds` handles what clients send about their sessions and rounds (`OpenSession`,
 `CloseSession`, `Submit`, `CancelRound`, `FinishRound`) and what engines report of a round's
@@ -11,7 +11,7 @@ no decode engine's KV pool could ever hold it, and looked up in the store: the h
 stored prefix in whole blocks, keeping at least one new token to produce logits. Then it joins
 the scheduler's queue (`scheduler.max_queue` beyond which it is refused as `overloaded`).
 
-A round leaves by `finish` (its tokens extend the session; the client gets a `Result`) or by
+A round leaves by `finish` (its tokens extend the session; the client gets a `RoundResult`) or by
 `end` (unfinished: it leaves every queue and the client gets `Error(kind)`). Either way its
 session is free again and idle for its retention TTL (engine/retention.py).
 """

@@ -9,7 +9,7 @@ parts it hands over to), never the router:
 
 - sessions (engine/rounds.py, `Rounds`, over the `SessionTable` of engine/sessions.py):
   `OpenSession`, `CloseSession`, `Submit` (admission), `CancelRound`, `FinishRound`, and the
-  engines' `PrefillDone` / `TokensOut` / `DecodeDone` on a round's way to its `Result`.
+  engines' `PrefillDone` / `TokensOut` / `DecodeDone` on a round's way to its `RoundResult`.
 - dispatch (engine/dispatch.py, `Dispatch`): `Fetch` (the GlobalScheduler's assignments turned
   into jobs), `DeReady`, `ReadsDone`, `Failed` (retries), requeues, and the rounds of an engine
   that died; the scheduler's beta from the PEs' cost models.
@@ -21,7 +21,7 @@ parts it hands over to), never the router:
 - retention (engine/retention.py, `Retention`): which sessions' blocks the stores keep.
 - KV events (engine/kv_publisher.py, `KVEventRelay`, docs/kv_events.md): the engines'
   `KVEvents` and the router's own store's, published on one PUB socket as soon as the router
-  handles them: a round's `BlockStored` before its `Result`, a release's `BlockRemoved` before
+  handles them: a round's `BlockStored` before its `RoundResult`, a release's `BlockRemoved` before
   its `Ack`.
 
 The router itself authenticates each message's sender, routes it, answers `Ping`, `GetStats`

@@ -2,7 +2,7 @@
 
 A session is a trajectory's context (`A_1 G_1 ...`, appendix A.3) and whether one of its rounds
 is running; a round in flight is a `RequestState`, from the `Submit` that created it to its
-`Result` or `Error`. Pure bookkeeping: nothing here sends, stores or schedules. The sessions
+`RoundResult` or `Error`. Pure bookkeeping: nothing here sends, stores or schedules. The sessions
 part (engine/rounds.py) asks `session_problem` / `round_problem` whether a `Submit` may run
 (their texts are the client's error messages), records it with `start_round`, and takes it out
 again with `complete` (its tokens extend the session) or `drop` (it ended unfinished). The
@@ -16,6 +16,7 @@ import dataclasses
 import math
 
 from dualpath_jax.engine import messages
+from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.sched.types import Assignment, Request
 
 
@@ -50,9 +51,7 @@ class RequestState:
     de_read_tokens: int = 0  # hit tokens read on the DE's node, until its reads finish
     pe_reads_done: bool = False
     de_reads_done: bool = False
-    temperature: float = 0.0
-    seed: int = 0
-    top_p: float = 1.0
+    sampling: SamplingParams = GREEDY
     stop_tokens: list[int] = dataclasses.field(default_factory=list)
     stream: bool = False  # its client gets `Partial` tokens as they come
     finish_requested: bool = False  # FinishRound: each attempt's DE is told to finish now
@@ -85,18 +84,16 @@ class RequestState:
         block_tokens: int,
         persist_error: str = "",
         finish_reason: str = "length",
-    ) -> messages.Result:
+    ) -> messages.RoundResult:
         """The client's answer: the round's tokens and its timings."""
-        g = len(tokens)
-        ttst = self.t_second - self.t_first if g > 1 and not math.isnan(self.t_second) else 0.0
-        return messages.Result(
-            request=self.id,
-            tokens=tokens,
-            ttft_s=self.t_first - self.t_submit,
-            ttst_s=ttst,
-            tpot_s=(now - self.t_first) / (g - 1) if g > 1 else 0.0,
-            jct_s=now - self.t_submit,
-            queue_s=self.t_assign - self.t_submit,
+        return messages.RoundResult.timed(
+            self.id,
+            tokens,
+            t_submit=self.t_submit,
+            t_assign=self.t_assign,
+            t_first=self.t_first,
+            t_second=self.t_second,
+            t_done=now,
             cached_tokens=self.hit_blocks * block_tokens,
             prompt_tokens=len(self.prompt),
             read_path=self.path,
@@ -156,12 +153,6 @@ class SessionTable:
             return f"gen must be > 0, got {msg.gen}"
         if not msg.append:
             return "a round must append at least one token"
-        if not (math.isfinite(msg.temperature) and msg.temperature >= 0):
-            return f"temperature must be a finite number >= 0, got {msg.temperature}"
-        if not (math.isfinite(msg.top_p) and 0 < msg.top_p <= 1):
-            return f"top_p must lie in (0, 1], got {msg.top_p}"
-        if not 0 <= msg.seed < 2**32:
-            return f"seed must lie in [0, 2**32), got {msg.seed}"
         bad = next((t for t in msg.append if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"token id {bad} is out of range [0, {self.vocab_size})"
@@ -202,9 +193,7 @@ class SessionTable:
             keys,
             msg.gen,
             now,
-            temperature=msg.temperature,
-            seed=msg.seed,
-            top_p=msg.top_p,
+            sampling=msg.sampling,
             stop_tokens=list(msg.stop_tokens),
             stream=msg.stream,
         )

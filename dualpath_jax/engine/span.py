@@ -37,6 +37,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from dualpath_jax.model.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
 
 # Decoder methods the followers replay (every other attribute is a host-side query of state
@@ -130,18 +132,25 @@ def _kv_client():
 # ----------------------------------------------------------------------------- frames
 
 
+# Frame extensions: a numpy array (dtype, shape, bytes); a `SamplingParams` (its own msgpack, so
+# the follower gets the value back, not a map).
+_ARRAY, _SAMPLING = 1, 2
+
+
 def _enc_hook(x: Any) -> Any:
     if isinstance(x, np.ndarray):
         head = msgspec.msgpack.encode([x.dtype.str, list(x.shape)])
         data = np.ascontiguousarray(x).tobytes()
-        return msgspec.msgpack.Ext(1, struct.pack("<I", len(head)) + head + data)
+        return msgspec.msgpack.Ext(_ARRAY, struct.pack("<I", len(head)) + head + data)
     if isinstance(x, np.generic):
         return x.item()
     raise TypeError(f"cannot send {type(x).__name__} to a follower")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
-    if code != 1:
+    if code == _SAMPLING:
+        return msgspec.msgpack.decode(data, type=SamplingParams)
+    if code != _ARRAY:
         raise ValueError(f"unknown frame extension {code}")
     (n,) = struct.unpack_from("<I", data)
     dtype, shape = msgspec.msgpack.decode(data[4 : 4 + n])
@@ -152,9 +161,17 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER = msgspec.msgpack.Decoder(ext_hook=_ext_hook)
 
 
+def _ext(x: Any) -> Any:
+    if isinstance(x, SamplingParams):  # a struct encodes as a map without the hook
+        return msgspec.msgpack.Ext(_SAMPLING, msgspec.msgpack.encode(x))
+    return x
+
+
 def encode_call(method: str, args: tuple, kwargs: dict) -> bytes:
-    """One replayed call as a frame: `[method, args, kwargs]` (numpy arrays as extensions)."""
-    return _ENCODER.encode([method, list(args), kwargs])
+    """One replayed call as a frame: `[method, args, kwargs]` (numpy arrays and sampling params
+    as extensions)."""
+    args = [_ext(a) for a in args]
+    return _ENCODER.encode([method, args, {k: _ext(v) for k, v in kwargs.items()}])
 
 
 def decode_call(frame: bytes) -> tuple[str, list, dict]:

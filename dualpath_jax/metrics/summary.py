@@ -1,4 +1,5 @@
-"""The run summary (`summary.json`, docs/launchers.md) from round results, events and link reports.
+"""The run summary (`summary.json`, docs/launchers.md) from round results (`rounds.RoundResult`),
+events and link reports.
 
 Pure functions of their inputs, shared by the local-cluster launchers and the simulator.
 """
@@ -12,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from dualpath_jax.rounds import RoundResult
 
 
 def dist(values: Iterable[float]) -> dict[str, float]:
@@ -77,14 +80,14 @@ def link_totals(reports: Sequence[dict[str, Any]]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
-def _breakdown(results: Sequence[Any], firsts: dict[str, dict], key: str) -> list[float]:
-    """A TTFT component per round: from the round's `first_token` event, else from the result
-    itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not reached).
-    Missing values come back as None (`dist` drops them with the NaNs)."""
+def _breakdown(results: Sequence[RoundResult], firsts: dict[str, dict], key: str) -> list[float]:
+    """A TTFT component per round: from the round's `first_token` event (the router's), else
+    from the result itself (the simulator keeps `read_s` / `prefill_s` on its results; NaN: not
+    known, which `dist` drops)."""
     out = []
     for r in results:
         e = firsts.get(r.request)
-        out.append(e[key] if e is not None else getattr(r, key, None))
+        out.append(e[key] if e is not None else getattr(r, key))
     return out
 
 
@@ -94,7 +97,7 @@ def summarize(
     mode: str,
     emulated: bool,
     agents: int,
-    results: Sequence[Any],
+    results: Sequence[RoundResult],
     errors: int,
     jct_s: float,
     reports: Sequence[dict[str, Any]],
@@ -104,8 +107,8 @@ def summarize(
     tpot_slo_s: float = math.inf,
     window_s: float = 1.0,
 ) -> dict[str, Any]:
-    """The summary of one run. `results`: round results with `ttft_s, ttst_s, tpot_s, jct_s,
-    queue_s, tokens, read_path, recomputed_blocks` attributes; `reports`: engine link reports
+    """The summary of one run. `results`: its rounds' `RoundResult`s (the router's or the
+    simulator's); `reports`: engine link reports
     (`read_link_reports`); `events`: the router's events (TTFT breakdown)."""
     pe_nodes = {f"node{r['node']}" for r in reports if r["role"] == "prefill"}
     de_nodes = {f"node{r['node']}" for r in reports if r["role"] == "decode"}

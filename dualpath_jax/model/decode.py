@@ -9,7 +9,6 @@ with `set_next`; `free(slot)` returns the slot's pages. KV is one page pool
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
@@ -32,24 +31,10 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
+from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.model.sharding import host_value, whole
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to top_p."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-
-    def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"bad sampling params {self}")
-
-
-GREEDY = SamplingParams()
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
@@ -69,7 +54,8 @@ def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Arra
 
 
 def sample(logits: Array, params: SamplingParams = GREEDY, key: Array | None = None) -> Array:
-    """logits `[B, V]` -> token ids `[B]`. Non-greedy sampling needs an explicit PRNG key."""
+    """logits `[B, V]` -> token ids `[B]`, every row drawn with `params` from one explicit PRNG
+    `key` (needed unless greedy; `params.seed` is what `sample_at` keys by instead)."""
     if params.temperature > 0 and key is None:
         raise ValueError("sampling with temperature > 0 needs a PRNG key")
     if key is None:
@@ -101,30 +87,27 @@ def greedy_tokens(logits: Array | np.ndarray) -> np.ndarray:
 
 def sample_at(
     logits: Array | np.ndarray,
-    seeds: Sequence[int],
+    params: Sequence[SamplingParams],
     positions: Sequence[int],
-    temperatures: Sequence[float],
-    top_ps: Sequence[float] | None = None,
 ) -> np.ndarray:
     """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
 
-    Row b is greedy when `temperatures[b] == 0`, else drawn from softmax(logits / t) with the key
-    `fold_in(key(seeds[b]), positions[b])`, where `positions[b]` is the absolute position of the
-    token being drawn. The same (seed, position, logits) gives the same token wherever it is
-    computed (prefill or decode engine, in any batch, after any retry), which keeps sampled
-    rollouts reproducible. `top_ps[b] < 1` draws from the smallest set of most likely tokens
-    whose probability reaches it (nucleus sampling; default 1: all). All-greedy batches take
+    Row b is greedy when `params[b].temperature == 0`, else drawn from softmax(logits / t) with
+    the key `fold_in(key(params[b].seed), positions[b])`, where `positions[b]` is the absolute
+    position of the token being drawn. The same (params, position, logits) gives the same token
+    wherever it is computed (prefill or decode engine, in any batch, after any retry), which
+    keeps sampled rollouts reproducible. `params[b].top_p < 1` draws from the smallest set of
+    most likely tokens whose probability reaches it (nucleus sampling). All-greedy batches take
     `greedy_tokens`.
     """
-    temps = np.asarray(temperatures, np.float32)
-    if not (temps > 0).any():
+    if all(p.greedy for p in params):
         return greedy_tokens(logits)
     out = _sample_at(
         jnp.asarray(logits),
-        jnp.asarray(np.asarray(seeds, np.uint32)),
+        jnp.asarray(np.array([p.seed for p in params], np.uint32)),
         jnp.asarray(np.asarray(positions, np.int32)),
-        jnp.asarray(temps),
-        jnp.asarray(np.ones_like(temps) if top_ps is None else np.asarray(top_ps, np.float32)),
+        jnp.asarray(np.array([p.temperature for p in params], np.float32)),
+        jnp.asarray(np.array([p.top_p for p in params], np.float32)),
     )
     return np.asarray(out)
 
@@ -334,14 +317,12 @@ class Decoder:
         next_token: int,
         reserve_tokens: int = 0,
         *,
-        seed: int = 0,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        sampling: SamplingParams = GREEDY,
     ) -> None:
         """Loads a prompt's KV rows `[L, >= length, W]` into `slot`'s pages; `next_token` is fed
         next. Pages for `max(reserve_tokens, length + 1)` tokens are taken now (`PagesExhausted`
-        if the pool has too few free). `seed`/`temperature`/`top_p` are the slot's sampling
-        parameters for `advance` (temperature 0: greedy)."""
+        if the pool has too few free). `sampling` is how `advance` draws the slot's tokens
+        (`sample_at`; the default is greedy)."""
         cfg = self.runner.cfg
         self._check_insert(slot, length, next_token)
         if prompt_kv.shape[0] != cfg.num_layers or prompt_kv.shape[2] != cfg.kv_width:
@@ -352,7 +333,7 @@ class Decoder:
         rows = np.zeros((cfg.num_layers, n * self.page_size, cfg.kv_width), self.kv_np)
         rows[:, :length] = np.asarray(prompt_kv[:, :length])
         blocks = rows.reshape(cfg.num_layers, n, self.page_size, cfg.kv_width).transpose(1, 0, 2, 3)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling)
 
     def insert_blocks(
         self,
@@ -362,9 +343,7 @@ class Decoder:
         next_token: int,
         reserve_tokens: int = 0,
         *,
-        seed: int = 0,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
+        sampling: SamplingParams = GREEDY,
     ) -> None:
         """`insert` from the prompt's KV as Full Blocks `[n, L, page_size, bytes]` uint8 (the
         store's and the DE buffer's layout, whose block size is the page size): each block
@@ -378,7 +357,7 @@ class Decoder:
             )
         self._check_insert(slot, length, next_token)
         blocks = blocks[:n].view(self.kv_np)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling)
 
     def _check_insert(self, slot: int, length: int, next_token: int) -> None:
         if self.active[slot]:
@@ -390,14 +369,10 @@ class Decoder:
         validate_tokens(self.runner.cfg, np.array([next_token]), "next token")
 
     @runs_on_mesh
-    def _insert(
-        self, slot, blocks, length, next_token, reserve_tokens, seed, temperature, top_p=1.0
-    ):
+    def _insert(self, slot, blocks, length, next_token, reserve_tokens, sampling):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
-        if temperature < 0 or not 0 <= seed < 2**32 or not 0 < top_p <= 1:
-            raise ValueError(
-                f"bad sampling parameters: seed {seed}, temperature {temperature}, top_p {top_p}"
-            )
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {sampling!r}")
         ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
         self.table[slot] = 0
         self.table[slot, : len(ids)] = ids
@@ -413,8 +388,8 @@ class Decoder:
             self.pages = _write_pages(self.pages, jnp.asarray(where), jnp.asarray(bits))
         self.lengths[slot] = length
         self.active[slot] = True
-        self.seeds[slot], self.temperatures[slot] = seed, temperature
-        self.top_ps[slot] = top_p
+        self.seeds[slot] = sampling.seed
+        self.temperatures[slot], self.top_ps[slot] = sampling.temperature, sampling.top_p
         self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
         self._dirty = True
 

@@ -93,7 +93,7 @@ class ServerMetrics:
             registry.register(RouterCollector(stats))
 
     def observe(self, res: Any) -> None:
-        """Records a finished round (`messages.Result`)."""
+        """Records a finished round (a `RoundResult`)."""
         self.prompt_tokens.inc(res.prompt_tokens)
         self.generation_tokens.inc(len(res.tokens))
         self.rounds.labels(res.finish_reason).inc()

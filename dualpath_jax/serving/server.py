@@ -46,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.client import Client, RolloutError
+from dualpath_jax.model.sampling import SamplingError, SamplingParams
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from dualpath_jax.serving.text import TextStream
@@ -83,9 +84,7 @@ class ServerConfig:
 @dataclasses.dataclass
 class _Params:
     max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int
+    sampling: SamplingParams
     stops: list[str]
     ignore_eos: bool
     stream: bool
@@ -118,7 +117,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class _Round:
-    """One submitted round: its streamed token deltas (`deltas()`), then its `Result`."""
+    """One submitted round: its streamed token deltas (`deltas()`), then its `RoundResult`."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
@@ -166,7 +165,7 @@ class _Round:
             if rest:
                 yield rest
 
-    async def result(self) -> M.Result:
+    async def result(self) -> M.RoundResult:
         assert self.fut is not None
         return await asyncio.wrap_future(self.fut)
 
@@ -391,22 +390,21 @@ class ApiServer:
                 code="context_length_exceeded",
             )
         t = 1.0 if req.temperature is None else req.temperature
-        if not 0 <= t <= 2:
+        if t > 2:  # the API's range; SamplingParams checks the rest
             raise ApiError(400, f"temperature must lie in [0, 2], got {t}", param="temperature")
-        p = 1.0 if req.top_p is None else req.top_p
-        if not 0 < p <= 1:
-            raise ApiError(400, f"top_p must lie in (0, 1], got {p}", param="top_p")
         seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
-        if not 0 <= seed < 2**32:
-            raise ApiError(400, f"seed must lie in [0, 2**32), got {seed}", param="seed")
+        try:
+            sampling = SamplingParams(
+                temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=seed
+            )
+        except SamplingError as e:
+            raise ApiError(400, str(e), param=e.field) from None
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stops) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         return _Params(
             max_tokens=n,
-            temperature=float(t),
-            top_p=float(p),
-            seed=seed,
+            sampling=sampling,
             stops=stops,
             ignore_eos=req.ignore_eos,
             stream=req.stream,
@@ -489,9 +487,7 @@ class ApiServer:
             rid,
             append,
             p.max_tokens,
-            temperature=p.temperature,
-            seed=p.seed,
-            top_p=p.top_p,
+            sampling=p.sampling,
             keep=keep,
             stop_tokens=[] if p.ignore_eos else self.tok.eos_ids,
             on_tokens=rnd.on_tokens if live else None,
@@ -648,7 +644,7 @@ class ApiServer:
         await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
     @staticmethod
-    def _usage(res: M.Result) -> dict[str, Any]:
+    def _usage(res: M.RoundResult) -> dict[str, Any]:
         n = len(res.tokens)
         return {
             "prompt_tokens": res.prompt_tokens,
@@ -658,7 +654,7 @@ class ApiServer:
         }
 
     @staticmethod
-    def _extension(res: M.Result, sid: str | None) -> dict[str, Any]:
+    def _extension(res: M.RoundResult, sid: str | None) -> dict[str, Any]:
         return {
             "read_path": res.read_path or "none",
             "session": sid,

@@ -36,6 +36,7 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
+from dualpath_jax.rounds import RoundResult
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
 from dualpath_jax.sched.intra import PendingPrefill, batch_kv_bound
 from dualpath_jax.sched.scheduler import GlobalScheduler
@@ -47,7 +48,6 @@ from dualpath_jax.sim.router import SimRouter
 from dualpath_jax.sim.state import (
     HostBuffer,
     MemoTerms,
-    RoundResult,
     RoundState,
     SimEngine,
     SimOptions,
@@ -456,21 +456,19 @@ class SimCluster:
         now, r, de = self.loop.now, st.request, st.de
         assert de is not None and st.assignment is not None
         self.router.done(de, r)
-        g = r.gen_tokens
         self.results.append(
-            RoundResult(
-                request=r.id,
-                tokens=range(g),
-                ttft_s=st.t_first - st.t_submit,
-                ttst_s=st.t_second - st.t_first if g > 1 else 0.0,
-                tpot_s=(now - st.t_first) / (g - 1) if g > 1 else 0.0,
-                jct_s=now - st.t_submit,
-                queue_s=st.t_assign - st.t_submit,
+            RoundResult.timed(
+                r.id,
+                range(r.gen_tokens),  # no token ids here
+                t_submit=st.t_submit,
+                t_assign=st.t_assign,
+                t_first=st.t_first,
+                t_second=st.t_second,
+                t_done=now,
                 cached_tokens=st.cached - st.lead,
                 prompt_tokens=r.prompt_tokens,
                 recomputed_blocks=st.assignment.recompute_blocks,
                 read_path=_PATH_VALUE[st.assignment.path if self.policy.reads else ReadPath.NONE],
-                submit_s=st.t_submit,
                 read_s=st.t_read,
                 prefill_s=st.prefill_s,
             )

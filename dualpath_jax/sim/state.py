@@ -1,7 +1,7 @@
 """What the simulated cluster keeps per run, per engine and per round, and the model's knobs.
 
-`SimOptions` (the model's own settings), `RoundResult` (one finished round, what
-`metrics.summary.summarize` reads), `RoundState` (a round in flight), `HostBuffer` (an engine's PE
+`SimOptions` (the model's own settings), `RoundState` (a round in flight; a finished one becomes
+a `rounds.RoundResult`, the record the router answers with too), `HostBuffer` (an engine's PE
 or DE buffer), `SimEngine` (an engine with its router-side load and its PE / DE state) and
 `MemoTerms` (the cost model's additive attention terms, remembered). `sim.cluster.SimCluster`
 drives them.
@@ -60,62 +60,8 @@ class SimOptions:
     leader_phases: bool = True
 
 
-# `RoundResult` and `RoundState` (one each per round) spell out their `__init__` (`init=False`):
-# the compiled core compiles a written one and would run a generated one as interpreted code.
-
-
-@dataclasses.dataclass(slots=True, init=False)
-class RoundResult:
-    """One finished round, with the attributes `metrics.summary.summarize` reads (seconds).
-    `read_s` / `prefill_s` are the TTFT breakdown the real router takes from its engines'
-    `first_token` events (kept here, one object per round, instead of an event per round)."""
-
-    request: str
-    tokens: range
-    ttft_s: float
-    ttst_s: float
-    tpot_s: float
-    jct_s: float
-    queue_s: float
-    cached_tokens: int
-    prompt_tokens: int
-    read_path: str
-    recomputed_blocks: int = 0
-    submit_s: float = 0.0  # virtual time the round was submitted (online windows)
-    read_s: float = math.nan  # assignment -> hit KV read (s)
-    prefill_s: float = math.nan  # the forward batches of its prefill (s)
-
-    def __init__(
-        self,
-        request: str,
-        tokens: range,
-        ttft_s: float,
-        ttst_s: float,
-        tpot_s: float,
-        jct_s: float,
-        queue_s: float,
-        cached_tokens: int,
-        prompt_tokens: int,
-        read_path: str,
-        recomputed_blocks: int = 0,
-        submit_s: float = 0.0,
-        read_s: float = math.nan,
-        prefill_s: float = math.nan,
-    ) -> None:
-        self.request = request
-        self.tokens = tokens
-        self.ttft_s = ttft_s
-        self.ttst_s = ttst_s
-        self.tpot_s = tpot_s
-        self.jct_s = jct_s
-        self.queue_s = queue_s
-        self.cached_tokens = cached_tokens
-        self.prompt_tokens = prompt_tokens
-        self.read_path = read_path
-        self.recomputed_blocks = recomputed_blocks
-        self.submit_s = submit_s
-        self.read_s = read_s
-        self.prefill_s = prefill_s
+# `RoundState` (one per round) spells out its `__init__` (`init=False`): the compiled core
+# compiles a written one and would run a generated one as interpreted code.
 
 
 @dataclasses.dataclass(eq=False, init=False)

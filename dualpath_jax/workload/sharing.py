@@ -18,7 +18,7 @@ a round may hit blocks another trajectory persisted. The hits a replay gets, in 
 
 `PrefixIndex` holds the first rounds seen so far; the simulator (`sim.agents`) keeps one to give
 first rounds these hits, and `replay_hits` computes every round's hit for trajectories replayed
-one after another (what a test compares with the cluster's `Result.cached_tokens`).
+one after another (what a test compares with the cluster's `RoundResult.cached_tokens`).
 
 Not counted (documented limits): a later round can also hit another trajectory's blocks past
 its first round only if both trajectories begin with the same whole first append, so that the

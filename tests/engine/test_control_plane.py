@@ -22,6 +22,7 @@ from dualpath_jax.kv_events import BlockRemoved, BlockStored
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
+from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.sched.scheduler import GlobalScheduler
 
@@ -41,13 +42,19 @@ SAMPLES: list[M.Msg] = [
     M.Ping(),
     M.DeReady(request="r1", engine=1, attempt=2),
     M.CloseSession(session="s1", release=True),
-    M.Submit(request="r1", session="s1", append=[1, 2, 3], gen=4, temperature=0.7, seed=2**32 - 1),
+    M.Submit(
+        request="r1",
+        session="s1",
+        append=[1, 2, 3],
+        gen=4,
+        sampling=SamplingParams(temperature=0.7, top_p=0.5, seed=2**32 - 1),
+    ),
     M.Submit(
         request="r2", session="s1", append=[4], gen=8, keep=2, stop_tokens=[0, 7], stream=True
     ),
     M.FinishRound(request="r1"),
     M.Partial(request="r1", start=1, tokens=[6, 7]),
-    M.Result(
+    M.RoundResult(
         request="r1",
         tokens=[5, 6],
         ttft_s=0.5,
@@ -59,6 +66,9 @@ SAMPLES: list[M.Msg] = [
         prompt_tokens=20,
         read_path="split",
         recomputed_blocks=1,
+        finish_reason="stop",
+        persist_error="store full",
+        submit_s=12.5,
     ),
     M.Ack(ref="s1"),
     M.Error(ref="r1", message="boom", kind="frame"),
@@ -136,7 +146,8 @@ SAMPLES: list[M.Msg] = [
 def test_samples_cover_every_message_type():
     body_types = set(typing.get_args(M.Body))
     assert {type(m) for m in SAMPLES} == body_types
-    assert set(M.Msg.__subclasses__()) == body_types  # no message type outside the union
+    # No message type outside the union; the round record is one without the base (rounds.py).
+    assert set(M.Msg.__subclasses__()) | {M.RoundResult} == body_types
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
@@ -158,9 +169,7 @@ def test_the_wire_format_is_plain_msgpack_data():
             "session": "s1",
             "append": [1, 2],
             "gen": 3,
-            "temperature": 0.0,
-            "seed": 0,
-            "top_p": 1.0,
+            "sampling": {},  # greedy: every field at its default
             "keep": -1,
             "stop_tokens": [],
             "stream": False,

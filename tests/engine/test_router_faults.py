@@ -150,7 +150,7 @@ def test_a_persist_error_still_returns_the_tokens(rig):
     rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[5, 6, 7], persisted_blocks=0,
                             persist_error="StoreError: read-only"), DE_ID)  # fmt: skip
     (res,) = rig.to(CLIENT)
-    assert isinstance(res, M.Result) and res.tokens == [5, 6, 7]
+    assert isinstance(res, M.RoundResult) and res.tokens == [5, 6, 7]
     assert res.persist_error == "StoreError: read-only"
     assert rig.router.stats()["counters"]["persist_errors"] == 1
     assert rig.router.rounds.table["s"].context == [1, 2, 3, 5, 6, 7]

@@ -44,7 +44,7 @@ def submit(rig: Rig, session: str, request: str, **retention) -> None:
 
 
 def complete(rig: Rig, request: str) -> M.LoadJobMsg:
-    """Runs the queued round `request` to its Result, as its engines would; returns its job.
+    """Runs the queued round `request` to its RoundResult, as its engines would; returns its job.
     `rig.sent` then holds what the DecodeDone made the router send."""
     (job,) = rig.assign()
     assert job.request == request
@@ -54,7 +54,7 @@ def complete(rig: Rig, request: str) -> M.LoadJobMsg:
     rig.handle(M.DecodeDone(request=request, engine=DE, tokens=[5, 6, 7], persisted_blocks=0),
                DE_ID)  # fmt: skip
     (res,) = rig.to(CLIENT)
-    assert isinstance(res, M.Result) and res.request == request
+    assert isinstance(res, M.RoundResult) and res.request == request
     return job
 
 

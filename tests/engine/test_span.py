@@ -16,15 +16,16 @@ from dualpath_jax.engine import messages as M
 from dualpath_jax.engine import span
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.sampling import SamplingParams
 
 
 def test_a_call_round_trips_with_its_arrays_bit_for_bit():
     blocks = np.random.RandomState(0).randn(2, 3, 16, 8).astype(np.float32).view(np.uint8)
-    frame = span.encode_call(
-        "insert_blocks", (3, blocks, 20, np.int64(7)), {"seed": 5, "temperature": 0.5}
-    )
+    sampling = SamplingParams(temperature=0.5, seed=5)
+    frame = span.encode_call("insert_blocks", (3, blocks, 20, np.int64(7)), {"sampling": sampling})
     method, args, kwargs = span.decode_call(frame)
-    assert method == "insert_blocks" and kwargs == {"seed": 5, "temperature": 0.5}
+    assert method == "insert_blocks" and kwargs == {"sampling": sampling}
+    assert type(kwargs["sampling"]) is SamplingParams
     assert args[0] == 3 and args[2] == 20 and args[3] == 7 and type(args[3]) is int
     assert args[1].dtype == blocks.dtype and args[1].shape == blocks.shape
     assert args[1].tobytes() == blocks.tobytes()

@@ -108,7 +108,7 @@ def events(cluster) -> list[dict]:
     return read_events(cluster.workdir / "events.jsonl")
 
 
-def run(client: Client, traj, reference_tokens) -> list[M.Result]:
+def run(client: Client, traj, reference_tokens) -> list[M.RoundResult]:
     """Runs a trajectory round by round; asserts the reference tokens."""
     s = Session(client, traj[0])
     out = [s.step_async(a, g).result(WAIT_S) for a, g in traj[1]]

@@ -73,7 +73,7 @@ def test_a_subscriber_receives_every_stored_and_removed_block_in_order(
                 context += append + tokens
                 # The DE persists the whole blocks of the context whose KV it computed (all
                 # but the last token's) past the hit, and its events were published before
-                # the round's Result: they are here, or on their way.
+                # the round's RoundResult: they are here, or on their way.
                 new = block_keys(context[:-1], BT, fp)[hit:]
                 assert len(new) == 2
                 got.append(next_batch(sub))

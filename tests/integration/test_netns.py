@@ -348,7 +348,7 @@ def trajectory(seed: int, rounds: int = 3) -> list[tuple[list[int], int]]:
     return [(rs.randint(0, 257, int(rs.randint(33, 48))).tolist(), 4) for _ in range(rounds)]
 
 
-def run_round(client: Client, sessions, appends, hold_pid: int = 0) -> list[M.Result]:
+def run_round(client: Client, sessions, appends, hold_pid: int = 0) -> list[M.RoundResult]:
     """Submits one round of every session back to back. With `hold_pid` (the PE), the PE is
     held (SIGSTOP) until every round waits for it, so one PE fetch assigns them all and the
     scheduler's rule puts the first on the PE read path (a tie: both read queues are empty) and

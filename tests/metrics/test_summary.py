@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import pytest
 
 from dualpath_jax.metrics.summary import dist, max_over_avg, summarize
+from dualpath_jax.rounds import RoundResult
 
 
 def test_dist_drops_missing_and_non_finite_values():
@@ -21,8 +21,8 @@ def test_dist_drops_missing_and_non_finite_values():
     assert dist([None, math.nan]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
 
 
-def _result(i: int, read_s: float) -> types.SimpleNamespace:
-    return types.SimpleNamespace(
+def _result(i: int, read_s: float) -> RoundResult:
+    return RoundResult(
         request=f"r{i}",
         tokens=range(3),
         ttft_s=1.0 + i,

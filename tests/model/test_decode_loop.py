@@ -11,6 +11,7 @@ from dualpath_jax import model as dm
 from dualpath_jax.model.decode import Decoder, reference_generate, sample_at
 from dualpath_jax.model.paged import PagesExhausted
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, compile_count
+from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 
@@ -24,17 +25,20 @@ def test_advance_samples_as_sample_at_on_the_device(tiny_runner):
     cfg = tiny_runner.cfg
     rs = np.random.RandomState(3)
     prompts = [rs.randint(0, cfg.vocab_size, n).tolist() for n in (12, 30, 7)]
-    params = [(0, 0.0, 1.0), (11, 0.9, 1.0), (12345, 1.7, 0.3)]
-    seeds, temps, top_ps = (list(x) for x in zip(*params))
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=1.7, top_p=0.3, seed=12345),
+    ]
     a, b = (Decoder(tiny_runner, slots=3, max_len=64) for _ in range(2))
-    for slot, (p, (seed, t, top_p)) in enumerate(zip(prompts, params)):
+    for slot, (p, sampling) in enumerate(zip(prompts, params)):
         kv, _ = _prefill(tiny_runner, p)
         for dec in (a, b):
-            dec.insert(slot, kv, len(p), 5, seed=seed, temperature=t, top_p=top_p)
+            dec.insert(slot, kv, len(p), 5, sampling=sampling)
     for _ in range(6):
         lengths = b.lengths.copy()
         logits = b.step()
-        want = sample_at(logits, seeds, list(lengths + 1), temps, top_ps)
+        want = sample_at(logits, params, list(lengths + 1))
         b.set_next(want)
         got = np.asarray(a.advance())
         np.testing.assert_array_equal(got, want)
@@ -55,8 +59,9 @@ def test_sample_at_top_p_draws_from_the_nucleus_only():
         nucleus.append(set(order[b, : int(np.searchsorted(mass, p)) + 1].tolist()))
     drawn = [set() for _ in top_ps]
     for pos in range(200):
-        got = sample_at(logits, [7, 7, 7, 7], [pos] * 4, [1.0] * 4, top_ps)
-        alone = sample_at(logits[1:2], [7], [pos], [1.0])
+        rows = [SamplingParams(temperature=1.0, top_p=p, seed=7) for p in top_ps]
+        got = sample_at(logits, rows, [pos] * 4)
+        alone = sample_at(logits[1:2], [SamplingParams(temperature=1.0, seed=7)], [pos])
         assert got[1] == alone[0]
         for b, t in enumerate(got):
             drawn[b].add(int(t))
@@ -92,6 +97,7 @@ def test_nothing_compiles_after_warmup_over_a_random_trace():
     rs = np.random.RandomState(7)
     todo = [(int(rs.randint(1, 100)), int(rs.randint(1, 9))) for _ in range(1000)]
     kv = np.zeros((cfg.num_layers, 128, cfg.kv_width), np.float32)
+    warm = SamplingParams(temperature=0.5)
     left: dict[int, int] = {}
     done = steps = 0
     while todo or left:
@@ -99,7 +105,7 @@ def test_nothing_compiles_after_warmup_over_a_random_trace():
             if not todo or not dec.can_insert(sum(todo[0])):
                 break
             n, g = todo.pop(0)
-            dec.insert(slot, kv, n, int(rs.randint(cfg.vocab_size)), n + g, temperature=0.5)
+            dec.insert(slot, kv, n, int(rs.randint(cfg.vocab_size)), n + g, sampling=warm)
             left[slot] = g
         tokens = np.asarray(dec.advance())
         steps += 1

@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 from dualpath_jax.engine import messages as M  # noqa: E402
 from dualpath_jax.engine.client import RolloutError, RoundFuture  # noqa: E402
+from dualpath_jax.model.sampling import SamplingParams  # noqa: E402
 from dualpath_jax.serving.server import ApiServer, ServerConfig  # noqa: E402
 from dualpath_jax.serving.text import TextStream  # noqa: E402
 from dualpath_jax.serving.tokenizer import (  # noqa: E402
@@ -58,9 +59,7 @@ class FakeClient:
         append,
         gen,
         *,
-        temperature,
-        seed,
-        top_p,
+        sampling,
         keep,
         stop_tokens,
         on_tokens,
@@ -68,7 +67,14 @@ class FakeClient:
     ):
         rid = f"r{len(self.submits)}"
         self.submits.append(
-            dict(session=session, append=list(append), gen=gen, keep=keep, retention=retention)
+            dict(
+                session=session,
+                append=list(append),
+                gen=gen,
+                keep=keep,
+                retention=retention,
+                sampling=sampling,
+            )
         )
         fut = RoundFuture()
         fut.request = rid
@@ -92,7 +98,7 @@ class FakeClient:
                     break
             self.contexts[session] = prompt + out
             fut.set_result(
-                M.Result(
+                M.RoundResult(
                     request=rid,
                     tokens=out,
                     ttft_s=0.01,
@@ -242,6 +248,33 @@ def test_a_bad_retention_header_is_400_naming_it(header, value):
     assert err["type"] == "invalid_request_error" and err["param"] == header
     assert header in err["message"] and repr(value) in err["message"]
     assert client.submits == [] and client.contexts == {}  # refused before any session opened
+
+
+def test_the_sampling_fields_reach_the_round_as_one_value():
+    client = FakeClient()
+    out = _post(client, _completion(prompt="hi", max_tokens=2, temperature=0.7, top_p=0.5, seed=9))
+    assert [s for s, _, _ in out] == [200]
+    assert client.submits[0]["sampling"] == SamplingParams(temperature=0.7, top_p=0.5, seed=9)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("temperature", 3, "temperature must lie in [0, 2], got 3.0"),
+        ("temperature", -1, "temperature must be a finite number >= 0, got -1.0"),
+        ("top_p", 0, "top_p must lie in (0, 1], got 0.0"),
+        ("top_p", 1.5, "top_p must lie in (0, 1], got 1.5"),
+        ("seed", -1, "seed must lie in [0, 2**32), got -1"),
+        ("seed", 2**32, "seed must lie in [0, 2**32), got 4294967296"),
+    ],
+)
+def test_bad_sampling_is_400_naming_the_field(field, value, message):
+    client = FakeClient()
+    [(status, _, body)] = _post(client, _completion(prompt="hi", max_tokens=2, **{field: value}))
+    assert status == 400
+    err = body["error"]
+    assert (err["type"], err["param"], err["message"]) == ("invalid_request_error", field, message)
+    assert client.submits == []
 
 
 def test_text_stream_holds_back_split_utf8_and_stop_prefixes():
