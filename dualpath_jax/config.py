@@ -144,7 +144,7 @@ class ModelConfig:
         return self.family in _MLA_FAMILIES
 
     @property
-    def kv_width(self) -> int:  # == model.paged_attention.RowLayout.for_model(self).row_width
+    def kv_width(self) -> int:  # == kernels.kv_rows.RowLayout.for_model(self).row_width
         """Elements of cached KV per token per layer (the last axis of a layer's KV rows; with
         `kv_scales`, 4 one-byte elements per scale follow the data)."""
         if self.is_mla:

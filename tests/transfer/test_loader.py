@@ -14,8 +14,8 @@ from dualpath_jax.copies import COPIES
 from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.kvstore.identity import block_keys, key_path, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.cached_kv import DevicePages, LayerPages
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.pages import DevicePages, LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
@@ -394,7 +394,7 @@ def test_assembled_pages_take_earlier_chunks_rows_from_the_device():
     read back as `from_rows` of the same rows; with no host rows nothing is copied to the
     device but the page table."""
     from dualpath_jax.copies import COPIES
-    from dualpath_jax.model.pages import DeviceRowRun
+    from dualpath_jax.model.cached_kv import DeviceRowRun
 
     rs = np.random.RandomState(3)
     w = CFG.kv_width
