@@ -269,7 +269,7 @@ class ClusterConfig:
     # (set it when a path is overwritten with other params, or stored KV would be reused).
     params_version: str = ""
     params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
-    # Testing only: a JSON fault plan (dualpath_jax.faults) the engines' store and channel obey.
+    # Testing only: a JSON fault plan (dualpath_jax.testing) the engines' store and channel obey.
     fault_file: str = ""
     # Each engine's devices (docs/multihost.md). An engine runs the model on a mesh of its role's
     # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.

@@ -84,10 +84,10 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
+    from dualpath_jax.engine.fault_hook import fault_injection
     from dualpath_jax.engine.kv_publisher import KVEventPublisher
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
-    from dualpath_jax.faults import load_plan, wrap_store
     from dualpath_jax.metrics.events import EventLog
     from dualpath_jax.sched.cost import derive_alpha, engines_beta
     from dualpath_jax.sched.scheduler import GlobalScheduler
@@ -113,9 +113,8 @@ def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         publisher = KVEventPublisher(cfg.cluster.kv_events_address, creds.tokens)
         log.info("publishing KV events on %s", publisher.address)
     on_events = None if publisher is None else functools.partial(publisher.post, "router")
-    store = wrap_store(
-        open_store(cfg, spec.workdir, on_events), load_plan(cfg.cluster.fault_file), "router"
-    )
+    faults = fault_injection(cfg.cluster.fault_file, "router")
+    store = faults.store(open_store(cfg, spec.workdir, on_events))
     events = EventLog(pathlib.Path(spec.workdir) / "events.jsonl")
     router = Router(cfg, server, store, sched, events, kv_events=publisher)
     if spec.address_file:
@@ -140,6 +139,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.common import HeartbeatThread
     from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
+    from dualpath_jax.engine.fault_hook import fault_injection
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine, PrefillReplay
     from dualpath_jax.engine.rpc import RpcClient
@@ -151,7 +151,6 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         follow,
         init_distributed,
     )
-    from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model import sharding
     from dualpath_jax.model.runner import ModelRunner
@@ -197,7 +196,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     prefix = "pe" if spec.role == "prefill" else "de"
     who = f"{prefix}{spec.engine}"
-    faults = load_plan(c.fault_file)
+    faults = fault_injection(c.fault_file, who)
     # Messages from the engine's other threads; the store's KV events go there too, so they
     # reach the router ahead of whatever the engine reports after the store acted.
     outbox: queue.Queue[M.Msg] = queue.Queue()
@@ -206,11 +205,11 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
         outbox.put(M.KVEvents(engine=spec.engine, events=evs))
 
     on_events = forward_events if c.kv_events_address else None
-    store = wrap_store(open_store(cfg, spec.workdir, on_events), faults, who)
+    store = faults.store(open_store(cfg, spec.workdir, on_events))
     name = "PE buffer" if spec.role == "prefill" else "DE buffer"
     buffer = HostBufferPool.for_config(cfg, layout, name)
     bind = host_port(c.transfer_host, 0)
-    channel = wrap_channel(JaxTransferChannel(bind=bind, transport_addresses=[bind]), faults, who)
+    channel = faults.channel(JaxTransferChannel(bind=bind, transport_addresses=[bind]))
     traffic = TrafficManager(cfg.hardware)
     pool = futures.ThreadPoolExecutor(16, thread_name_prefix=f"{spec.role}{spec.engine}")
     ctx = LoaderContext(
