@@ -31,10 +31,10 @@ cached tokens in its own pages, held as the bits of the KV dtype):
   the columns up to the longest slot's bucket and gather that much for every slot.
 
 Backends are `BACKENDS`: one per `ModelConfig.attention_impl` (`model.layers.ATTENTION_IMPLS`):
-`reference` (`layers.attend` over the gathered pages: dense einsums, a boolean mask, f32
+`reference` (`dense_attention.attend` over the gathered pages: dense einsums, a boolean mask, f32
 scores), `xla` (`jax.nn.dot_product_attention` over the gathered pages; on GPU JAX may pick
 cuDNN's fused kernel, on CPU it is XLA's own lowering) and `pallas` (the paged kernel,
-`model/paged_attention.py`, in interpret mode off GPU: XLA's loops over the kernel's blocks).
+`kernels/paged_attention.py`, in interpret mode off GPU: XLA's loops over the kernel's blocks).
 The figures are this machine's compiler's: run it where the backend matters.
 `--json` prints exactly one JSON object `{backend: {figure: temp bytes}}` on stdout.
 """
@@ -52,10 +52,10 @@ from absl import app, flags
 from flax import nnx
 
 from dualpath_jax.config import ModelConfig
+from dualpath_jax.kernels.kv_rows import bits_dtype
 from dualpath_jax.model.decode import _step_fn
 from dualpath_jax.model.layers import ATTENTION_IMPLS, PagedKV
-from dualpath_jax.model.paged import pages_for
-from dualpath_jax.model.paged_attention import bits_dtype
+from dualpath_jax.model.page_pool import pages_for
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged, bucket_len
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_7B, TINY_DEEPSEEK, TINY_QWEN2

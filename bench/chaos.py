@@ -37,8 +37,8 @@ count) PE forwards outlast it and rounds fail `transfer` with nothing injected: 
 splits the engines' `failed` reports into injected and not, and records the load average.
 
 Store and transfer faults are rules of the JSON fault plan `WORKDIR/faults.json`
-(`cluster.fault_file`, dualpath_jax/faults.py), written with `os.replace`; each holds for a
-1-3 s window (and at most a few operations per engine) and is then cleared.
+(`cluster.fault_file`, dualpath_jax/testing/fault_plan.py), written with `os.replace`; each holds
+for a 1-3 s window (and at most a few operations per engine) and is then cleared.
 
 Every round's future is waited for at most `--round_timeout` s, and the whole run at most
 `--duration` s. A trajectory ends `completed` (every round answered), `errored` (a RolloutError,
@@ -85,9 +85,9 @@ from dualpath_jax.config import (
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.faults import write_plan
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.testing.fault_plan import write_plan
 
 FAULTS = ("kill", "store_write", "store_read", "slow_read", "transfer_hang", "garbage")
 
@@ -452,8 +452,10 @@ class Chaos(threading.Thread):
 
 def fired_faults(workdir: pathlib.Path) -> dict[str, int]:
     """Faults the engines logged as fired: each rule's first fault per plan version and engine
-    (dualpath_jax.faults logs only those), as "op what" -> engines that logged it."""
-    pat = re.compile(r"dualpath_jax\.faults: injected (.+?) into (\S+) \(rule \d+\) for ")
+    (dualpath_jax.testing.fault_plan logs only those), as "op what" -> engines that logged it."""
+    pat = re.compile(
+        r"dualpath_jax\.testing\.fault_plan: injected (.+?) into (\S+) \(rule \d+\) for "
+    )
     out: collections.Counter[str] = collections.Counter()
     for log in (workdir / "logs").glob("*.log"):
         for m in pat.finditer(log.read_text(errors="replace")):

@@ -74,18 +74,19 @@ REPEATS = 5
 
 
 def _kernel_checks(quick: bool) -> dict:
-    from dualpath_jax.model import paged_attention as pa
+    from dualpath_jax.kernels import paged_attention as pa
+    from dualpath_jax.kernels.kv_rows import RowLayout
 
     rng = np.random.default_rng(0)
     out = {}
     cases = (
-        ("gqa_decode", pa.RowLayout.gqa(4, 128), 28, 1, [1000, 5000, 33, 2048]),
-        ("mla_prefill", pa.RowLayout.mla(512, 64), 16, 256, [0, 3000]),
+        ("gqa_decode", RowLayout.gqa(4, 128), 28, 1, [1000, 5000, 33, 2048]),
+        ("mla_prefill", RowLayout.mla(512, 64), 16, 256, [0, 3000]),
     )
     if quick:  # off GPU the kernel runs in interpret mode, slow at the full layouts
         cases = (
-            ("gqa_decode", pa.RowLayout.gqa(2, 16), 4, 1, [100, 300, 33, 64]),
-            ("mla_prefill", pa.RowLayout.mla(32, 8), 4, 16, [0, 200]),
+            ("gqa_decode", RowLayout.gqa(2, 16), 4, 1, [100, 300, 33, 64]),
+            ("mla_prefill", RowLayout.mla(32, 8), 4, 16, [0, 200]),
         )
     for name, layout, hq, n, lens in cases:
         b, ps, w = len(lens), 64, layout.row_width
@@ -211,9 +212,9 @@ def _roofline(quick: bool) -> dict:
 def _prefill_decode(runner, prefill_shape, decode_shape) -> dict:
     """Times a prefill over cached pages in device memory and a decode step of `runner`'s
     model (median of a few runs after a compiling one) against its FLOPs and bytes."""
+    from dualpath_jax.model.cached_kv import CachedPages, LayerPages
     from dualpath_jax.model.decode import Decoder
     from dualpath_jax.model.layers import resolve_attention_impl
-    from dualpath_jax.model.pages import CachedPages, LayerPages
     from dualpath_jax.model.runner import PrefillBatch
 
     cfg = runner.cfg

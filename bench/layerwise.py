@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model.pages import CachedPages, LayerPages
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2

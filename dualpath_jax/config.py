@@ -144,7 +144,7 @@ class ModelConfig:
         return self.family in _MLA_FAMILIES
 
     @property
-    def kv_width(self) -> int:  # == model.paged_attention.RowLayout.for_model(self).row_width
+    def kv_width(self) -> int:  # == kernels.kv_rows.RowLayout.for_model(self).row_width
         """Elements of cached KV per token per layer (the last axis of a layer's KV rows; with
         `kv_scales`, 4 one-byte elements per scale follow the data)."""
         if self.is_mla:
@@ -269,7 +269,7 @@ class ClusterConfig:
     # (set it when a path is overwritten with other params, or stored KV would be reused).
     params_version: str = ""
     params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
-    # Testing only: a JSON fault plan (dualpath_jax.faults) the engines' store and channel obey.
+    # Testing only: a JSON fault plan (dualpath_jax.testing) the engines' store and channel obey.
     fault_file: str = ""
     # Each engine's devices (docs/multihost.md). An engine runs the model on a mesh of its role's
     # shape, "data=2,tensor=4" (axes `MESH_AXES`; "": one device), over the first devices it sees.

@@ -1,4 +1,4 @@
-"""Fault injection (dualpath_jax.faults) against a real file block store and in-process channels."""
+"""Fault injection (dualpath_jax.testing) against a real file block store and in-process channels."""
 
 from __future__ import annotations
 
@@ -12,15 +12,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import StoreConfig
-from dualpath_jax.faults import (
-    FaultPlan,
-    FaultyChannel,
-    FaultyStore,
-    load_plan,
-    parse_plan,
-    wrap_channel,
-    wrap_store,
-)
+from dualpath_jax.engine.fault_hook import fault_injection
 from dualpath_jax.kvstore import (
     BlockFormat,
     StoreError,
@@ -30,6 +22,8 @@ from dualpath_jax.kvstore import (
 )
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.testing.fault_plan import FaultPlan, load_plan, parse_plan
+from dualpath_jax.testing.faulty import FaultyChannel, FaultyStore, wrap_channel, wrap_store
 from dualpath_jax.transfer.channel import (
     InProcessChannel,
     InProcessFabric,
@@ -111,6 +105,20 @@ def test_no_plan_leaves_objects_unchanged(inner_store, fabric):
     assert wrap_store(inner_store, None, "pe0") is inner_store
     assert wrap_channel(ch, None, "pe0") is ch
     ch.close()
+
+
+def test_the_engines_hook_wraps_only_with_a_plan(inner_store, fabric, plan_path):
+    ch = InProcessChannel(fabric, "a")
+    none = fault_injection("", "pe0")
+    assert none.store(inner_store) is inner_store and none.channel(ch) is ch
+    faults = fault_injection(str(plan_path), "pe0")
+    store, channel = faults.store(inner_store), faults.channel(ch)
+    assert isinstance(store, FaultyStore) and isinstance(channel, FaultyChannel)
+    assert store.plan is channel.plan and store.who == channel.who == "pe0"  # one plan each
+    channel.close()
+    plan_path.write_text('{"rules": [{"op": "store.rite", "error": "EIO"}]}')
+    with pytest.raises(ValueError, match="unknown op"):
+        fault_injection(str(plan_path), "pe0")
 
 
 def test_missing_file_is_a_plan_without_faults(inner_store, plan_path):
@@ -473,7 +481,7 @@ def test_malformed_rewrite_keeps_the_last_good_plan(inner_store, plan_path, make
     plan = make_plan([{"op": "store.lookup", "error": "EIO"}])
     store = wrap_store(inner_store, plan, "de0")
     keys, _ = keys_and_blocks(store, 1)
-    with caplog.at_level(logging.WARNING, logger="dualpath_jax.faults"):
+    with caplog.at_level(logging.WARNING, logger="dualpath_jax.testing.fault_plan"):
         for bad in ('{"rules": [{"op": "store.lookup", "error": "EBOGUS"}]}', '{"rules": [{'):
             write_plan(plan_path, bad)
             for _ in range(3):
@@ -492,7 +500,7 @@ def test_each_rule_is_logged_once_and_counted(inner_store, make_plan, caplog):
     )
     store = wrap_store(inner_store, plan, "pe0")
     keys, blocks = keys_and_blocks(store, 1)
-    with caplog.at_level(logging.WARNING, logger="dualpath_jax.faults"):
+    with caplog.at_level(logging.WARNING, logger="dualpath_jax.testing.fault_plan"):
         for _ in range(3):
             with pytest.raises(StoreError):
                 store.write_full(keys, blocks).result()

@@ -1,5 +1,6 @@
 """The package's import wall: importing `dualpath_jax` (or any public namespace) changes no module
-and reads no environment; the compiled core runs only where a program asks for it."""
+and reads no environment; the compiled core runs only where a program asks for it; the serving
+path without a fault plan never imports the test fault injection (`dualpath_jax.testing`)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,43 @@ def test_on_without_a_build_is_a_clear_error(tmp_path):
     )
     assert proc.returncode != 0
     assert "the compiled core cannot be used: no build in" in proc.stderr
+
+
+# The serving path without a fault plan: import the engine process and the HTTP server, run a
+# router (it opens its store through the fault hook) until it listens, then list what is loaded.
+_SERVING_PROBE = """
+import json, pathlib, sys, threading, time
+import dualpath_jax.engine.process as process
+import dualpath_jax.serving.server
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine.fault_hook import NoFaults, fault_injection
+from dualpath_jax.presets import TINY_QWEN2
+
+workdir = pathlib.Path(sys.argv[1])
+spec = process.ProcessSpec("router", str(workdir), address_file=str(workdir / "address"))
+router = threading.Thread(
+    target=process.run_router, args=(ExperimentConfig(model=TINY_QWEN2), spec), daemon=True
+)
+router.start()
+deadline = time.monotonic() + 120
+while not (workdir / "address").exists() and router.is_alive() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({
+    "listening": (workdir / "address").exists(),
+    "no_faults": isinstance(fault_injection("", "pe0"), NoFaults),
+    "testing_modules": sorted(m for m in sys.modules if m.startswith("dualpath_jax.testing")),
+}))
+"""
+
+
+def test_serving_without_a_fault_plan_imports_no_test_code(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _SERVING_PROBE, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"listening": True, "no_faults": True, "testing_modules": []}

@@ -8,7 +8,7 @@ from dualpath_jax.analysis.cache_compute import (
     table1,
 )
 from dualpath_jax.analysis.pd_range import Bound, PDRange, as_fraction, format_pd_range, pd_range
-from dualpath_jax.presets.models import sizing_cost
+from dualpath_jax.presets.calibration import sizing_cost
 
 __all__ = [
     "TABLE1",

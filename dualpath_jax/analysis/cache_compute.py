@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dualpath_jax.presets.models import sizing_cost
+from dualpath_jax.presets.calibration import sizing_cost
 from dualpath_jax.sched.cost import ModelCost
 
 TABLE1_APPEND = 429

@@ -38,7 +38,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages as M
-from dualpath_jax.model.pages import LayerPages
+from dualpath_jax.model.cached_kv import LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import batch_kv_bound

@@ -178,11 +178,11 @@ def build_engine(
     from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.decode_engine import DecodeEngine, make_decoder
     from dualpath_jax.engine.devices import role_mesh
+    from dualpath_jax.engine.fault_hook import fault_injection
     from dualpath_jax.engine.params import ParamsSlot, initial_params_version, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient, check_transfer_bind, host_port
     from dualpath_jax.engine.span import MirroredDecoder
-    from dualpath_jax.faults import load_plan, wrap_channel, wrap_store
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model import sharding
     from dualpath_jax.model.layout import BlockLayout
@@ -208,7 +208,7 @@ def build_engine(
     closers: list[Callable[[], None]] = []
     params = ParamsSlot(runner, initial_params_version(c), who.engine)
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
-    faults = load_plan(c.fault_file)
+    faults = fault_injection(c.fault_file, who.name)
     # Messages from the engine's other threads; the store's KV events go there too, so they
     # reach the router ahead of whatever the engine reports after the store acted.
     outbox: queue.Queue[messages.Msg] = queue.Queue()
@@ -216,16 +216,12 @@ def build_engine(
     def forward_events(evs) -> None:
         outbox.put(messages.KVEvents(engine=who.engine, events=evs))
 
-    store = wrap_store(
-        open_store(cfg, workdir, forward_events if c.kv_events_address else None),
-        faults,
-        who.name,
-    )
+    store = faults.store(open_store(cfg, workdir, forward_events if c.kv_events_address else None))
     closers.append(store.close)
     buffer = HostBufferPool.for_config(
         cfg, layout, "PE buffer" if who.role == "prefill" else "DE buffer"
     )
-    channel = wrap_channel(transport.channel(host_port(c.transfer_host, 0)), faults, who.name)
+    channel = faults.channel(transport.channel(host_port(c.transfer_host, 0)))
     closers.append(channel.close)
     traffic = TrafficManager(cfg.hardware)
     closers.append(traffic.close)
@@ -344,10 +340,10 @@ def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> Bui
     `cluster.router_port`, or on `endpoint`, e.g. an `inproc://` one), store, event log
     (`workdir/events.jsonl`) and KV-event publisher (`cluster.kv_events_address`)."""
     from dualpath_jax.engine.credentials import credentials_for
+    from dualpath_jax.engine.fault_hook import fault_injection
     from dualpath_jax.engine.kv_publisher import KVEventPublisher
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
-    from dualpath_jax.faults import load_plan, wrap_store
     from dualpath_jax.metrics.events import EventLog
     from dualpath_jax.model.layout import kv_bytes_per_token
     from dualpath_jax.sched.cost import derive_alpha, engines_beta
@@ -378,7 +374,7 @@ def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> Bui
             closers.append(publisher.close)
             log.info("publishing KV events on %s", publisher.address)
         on_events = None if publisher is None else functools.partial(publisher.post, "router")
-        store = wrap_store(open_store(cfg, workdir, on_events), load_plan(c.fault_file), "router")
+        store = fault_injection(c.fault_file, "router").store(open_store(cfg, workdir, on_events))
         closers.append(store.close)
         events = EventLog(pathlib.Path(workdir) / "events.jsonl")
         closers.append(events.close)

@@ -26,7 +26,7 @@ from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.model.paged import budget_pages, pages_for
+from dualpath_jax.model.page_pool import budget_pages, pages_for
 from dualpath_jax.model.sharding import host_value
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P

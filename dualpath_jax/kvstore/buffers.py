@@ -28,8 +28,8 @@ import time
 import jax
 import numpy as np
 
+from dualpath_jax import copies
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.transfer import copies
 
 MEMORIES = ("pinned_host", "pageable")
 
@@ -104,7 +104,7 @@ class BufferReservation:
         A pinned pool copies the blocks inside one compiled program (a page-sized slice of the
         pinned slab moved to device memory per block); a pageable pool gathers them on the host
         and copies once. Either way one host-to-device copy, counted under `purpose` (see
-        `transfer.copies`)."""
+        `dualpath_jax.copies`)."""
         self._check()
         if not 0 <= first <= first + count <= len(self.slots) or count == 0:
             raise ValueError(

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dualpath_jax.kernels.kv_rows import bits_dtype
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
-from dualpath_jax.model.paged import PageAllocator, pages_for
-from dualpath_jax.model.paged_attention import bits_dtype
+from dualpath_jax.model.page_pool import PageAllocator, pages_for
 from dualpath_jax.model.runner import (
     JITTED,
     ModelRunner,
@@ -225,10 +225,10 @@ JITTED.update((_merge, _write_pages, _read_pages))
 
 class Decoder:
     """Continuous batched decode over `slots` slots of up to `max_len` tokens each, with the KV
-    in pages (`paged.py`) and the decode state on the device.
+    in pages (`page_pool.py`) and the decode state on the device.
 
     The pool is `[num_pages + 1, L, page_size, W]` (page 0 is the null page), held as the bits
-    of `kv_dtype` (`paged_attention.bits_dtype`: the kernels convert only what they load). A
+    of `kv_dtype` (`kv_rows.bits_dtype`: the kernels convert only what they load). A
     slot holds pages for its tokens; `insert` takes the pages a request will need
     (`reserve_tokens`, at least its prompt and the fed token) and a step adds a page when a slot
     outgrows them. `num_pages` defaults to `slots * max_len / page_size` (every slot full); a

@@ -4,7 +4,8 @@ Attention takes the layer's cached KV *rows* (`[B, C, W]`, see `layout.py`) expl
 the new tokens' KV rows, so a layer can run with KV that arrived from the host just before it.
 GQA rows are head-major `[Hkv, K | V]`; MLA rows are `c_kv | k_pe` (the normalized latent and the
 RoPE'd shared key), attended in the absorbed form: MLA is then multi-query attention with one KV
-head whose key is the whole row and whose value is the latent.
+head whose key is the whole row and whose value is the latent. The attention itself (the paged
+Pallas kernel, the dense path, the rows' layout and scales) is `dualpath_jax.kernels`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.model import paged_attention as pa
+from dualpath_jax.kernels import paged_attention as pa
+from dualpath_jax.kernels.kv_rows import RowLayout, quantize_rows
 from dualpath_jax.model import sharding
 from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
-from dualpath_jax.model.paged_attention import RowLayout
 
 Array = jax.Array
 
@@ -167,17 +168,6 @@ def apply_rope(x: Array, cos: Array, sin: Array, interleave: bool) -> Array:
     return out.astype(x.dtype)
 
 
-def prefill_mask(cached_lens: Array, new_lens: Array, c_pad: int, n_pad: int) -> Array:
-    """Attention mask `[B, N, C + N]`: new token j of request b sees its `cached_lens[b]` cached
-    tokens and new tokens `0..j`. Padded query rows still see themselves (no NaN rows)."""
-    del new_lens  # padded queries are discarded by the caller; causality bounds real ones
-    s = jnp.arange(c_pad + n_pad)[None, None, :]
-    j = jnp.arange(n_pad)[None, :, None]
-    cached_ok = (s < c_pad) & (s < cached_lens[:, None, None])
-    new_ok = (s >= c_pad) & (s - c_pad <= j)
-    return cached_ok | new_ok
-
-
 # Attention backends (`ModelConfig.attention_impl`); "auto" resolves to one of these.
 ATTENTION_IMPLS = ("reference", "xla", "pallas")
 
@@ -186,7 +176,7 @@ def resolve_attention_impl(name: str) -> str:
     """The backend `name` runs: itself, or for "auto" the best one for the platform JAX finds:
     `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where it applies) on GPU and
     TPU, `reference` on CPU (where every backend materializes what it computes and the
-    reference path is the tested oracle). `pallas` (the paged kernel of `paged_attention.py`)
+    reference path is the tested oracle). `pallas` (the paged kernel, `kernels/paged_attention.py`)
     is chosen explicitly: it has been checked in interpret mode, not yet on a GPU."""
     if name == "auto":
         return "reference" if jax.default_backend() == "cpu" else "xla"
@@ -195,36 +185,10 @@ def resolve_attention_impl(name: str) -> str:
     return name
 
 
-def attend(
-    q: Array, k: Array, v: Array, mask: Array, scale: float, impl: str = "reference"
-) -> Array:
-    """Grouped-query attention over materialized keys and values (the dense backends).
-
-    q `[B, N, Hq, dk]`, k `[B, S, Hk, dk]`, v `[B, S, Hk, dv]`, mask `[B, N, S]` -> `[B, N, Hq, dv]`.
-    `impl`: `reference` (float32 scores and softmax under the boolean mask) or `xla`
-    (`jax.nn.dot_product_attention`, which picks cuDNN's fused kernel where it can; `dv` may
-    differ from `dk`: the values are zero-padded to `dk` and the output sliced).
-    """
-    if impl == "xla":
-        dv = v.shape[-1]
-        if dv != k.shape[-1]:
-            v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, k.shape[-1] - dv)))
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
-        return out[..., :dv].astype(q.dtype)
-    b, n, hq, dk = q.shape
-    hk = k.shape[2]
-    qg = q.reshape(b, n, hk, hq // hk, dk)
-    scores = jnp.einsum("bnkgd,bskd->bkgns", qg, k, preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgns,bskd->bnkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, n, hq, v.shape[-1]).astype(q.dtype)
-
-
 @dataclasses.dataclass(frozen=True)
 class PagedKV:
     """One layer's cached KV in pages: `pages` `[P, L, page_size, W]` (KV rows, or their bits
-    as unsigned integers: `paged_attention.bits_dtype`), `table` `[B, M]` page ids per request,
+    as unsigned integers: `kv_rows.bits_dtype`), `table` `[B, M]` page ids per request,
     `lens` `[B]` cached tokens per request, `layer` the layer of `pages` to read. With `write`
     `[B]`, attention also writes request b's first `write[b]` new rows into its pages (decode)."""
 
@@ -274,7 +238,7 @@ def _kv_rows(rows: Array, layout: RowLayout, kv_dtype) -> Array:
     """A layer's new KV rows in the cache's format: cast to `kv_dtype`, or quantized with
     per-token scales appended where the layout is scaled (`ModelConfig.kv_scales`)."""
     if layout.scaled:
-        return pa.quantize_rows(rows, layout, kv_dtype)
+        return quantize_rows(rows, layout, kv_dtype)
     return rows.astype(kv_dtype)
 
 

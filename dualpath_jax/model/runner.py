@@ -24,12 +24,12 @@ from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import sharding
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, scatter_pages
 from dualpath_jax.model.layers import PagedKV
-from dualpath_jax.model.pages import CachedPages, LayerPages, grow_pages, scatter_pages
 from dualpath_jax.model.transformer import Transformer, shard_model
-from dualpath_jax.transfer import copies
 
 Array = jax.Array
 

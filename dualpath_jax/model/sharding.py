@@ -233,7 +233,7 @@ def constrain(
 
 
 def constrain_kv(x: jax.Array, layout: Any, *lead: str | None) -> jax.Array:
-    """KV rows or pages `[..., W]` of `layout` (`paged_attention.RowLayout`) pinned by KV head
+    """KV rows or pages `[..., W]` of `layout` (`kernels.kv_rows.RowLayout`) pinned by KV head
     (head-major rows) or replicated (other layouts); `lead` names the leading axes."""
     axis = "kv_heads" if layout.head_major else None
     logical = (*lead, *(None,) * (x.ndim - 1 - len(lead)), axis)

@@ -2,12 +2,13 @@
 
 - `presets.models`: model presets (a tiny model per family: `TINY_QWEN2`, `TINY_QWEN3`,
   `TINY_QWEN3_MOE`, `TINY_DEEPSEEK`, `TINY_DEEPSEEK_V2`; the full-size specs;
-  `get_preset(name)`) and sizing-only ones (`sizing_cost(name)`).
+  `get_preset(name)`) and sizing-only ones (`SIZING_MODELS`).
 - `presets.hardware`: the paper's node (`HOPPER_NODE`) and the emulated CPU nodes and
   experiments (`cpu_emulated`, `emulated_cpu_experiment`).
 - `presets.gpus`: the GPUs `HardwareConfig.gpu` names (`GPU_PRESETS`, `get_gpu`).
-- `presets.calibration`: the calibration to published serving throughput (`hopper_calibration`)
-  and the cost model a config names (`make_cost_model`, `config_cost_model`).
+- `presets.calibration`: the calibration to published serving throughput (`hopper_calibration`),
+  the cost model a config names (`make_cost_model`, `config_cost_model`) and a preset's
+  sizing (`sizing_cost(name)`).
 - `presets.paper`: the paper's three testbeds (`PAPER_MODELS`, `paper_experiment`,
   `paper_config`, what `configs/paper.py` loads).
 
@@ -40,7 +41,6 @@ _EXPORTS = {
             "TINY_QWEN3",
             "TINY_QWEN3_MOE",
             "get_preset",
-            "sizing_cost",
         ),
         "models",
     ),
@@ -60,6 +60,7 @@ _EXPORTS = {
             "expert_parallel_gpus",
             "hopper_calibration",
             "make_cost_model",
+            "sizing_cost",
         ),
         "calibration",
     ),

@@ -10,7 +10,8 @@ end-to-end prefill efficiency and the per-step decode overhead, from a published
 (`sched.cost.RooflineCostModel`) of `hw.gpu` with the calibration `hw.calibration` names
 (`CALIBRATIONS`), `hw.fp8` and `hw.kv_format`; `config_cost_model(cfg)` is that of a whole
 `ExperimentConfig`, routed experts spread over the GPUs of `hardware.ep_decode_nodes` decode
-nodes (the cost model `sim.simulate(cfg)` uses when given none).
+nodes (the cost model `sim.simulate(cfg)` uses when given none). `sizing_cost(name)` is the
+`ModelCost` of a model preset or of a sizing-only one (`presets.models.SIZING_MODELS`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig, HardwareConfig, ModelConfig, ModelFamily
 from dualpath_jax.presets.gpus import get_gpu
-from dualpath_jax.presets.models import get_preset
+from dualpath_jax.presets.models import (
+    GPT_OSS_120B,
+    GPT_OSS_WINDOW,
+    GPT_OSS_WINDOW_LAYERS,
+    PRESETS,
+    QWEN3_235B_A22B,
+    SIZING_MODELS,
+    get_preset,
+)
 from dualpath_jax.sched.cost import CostModel, FittedCostModel, ModelCost, RooflineCostModel
 
 # The prefill cost model `engine.calibrate` fits for the tiny models (TINY_QWEN2, 16-token blocks)
@@ -216,3 +225,27 @@ def config_cost_model(
         expert_parallel=expert_parallel_gpus(cfg),
         kv_format=kv_format,
     )
+
+
+# --------------------------------------------------------------------------- sizing
+
+
+def _gpt_oss(kv_format: str | None) -> ModelCost:
+    c = ModelCost.from_model(GPT_OSS_120B, kv_format)
+    return dataclasses.replace(
+        c,
+        full_attn_layers=c.num_layers - GPT_OSS_WINDOW_LAYERS,
+        window_layers=GPT_OSS_WINDOW_LAYERS,
+        window=GPT_OSS_WINDOW,
+    )
+
+
+def sizing_cost(name: str, kv_format: str | None = None) -> ModelCost:
+    """`ModelCost` of a model preset (`PRESETS`) or a sizing-only preset (`SIZING_MODELS`)."""
+    if name == GPT_OSS_120B.name:
+        return _gpt_oss(kv_format)
+    if name == QWEN3_235B_A22B.name:
+        return ModelCost.from_model(QWEN3_235B_A22B, kv_format)
+    if name in PRESETS:
+        return ModelCost.from_model(PRESETS[name], kv_format)
+    raise KeyError(f"unknown model {name!r}; known: {sorted({*PRESETS, *SIZING_MODELS})}")

@@ -8,19 +8,17 @@ cost models, the analysis tools and the simulator; they are never instantiated a
 `get_preset(name)` looks them up (also `dualpath_jax.model.get_preset`).
 
 Sizing-only presets (`GPT_OSS_120B`, `QWEN3_235B_A22B`: Table 1 rows that no other part of the
-project runs) feed `sched.cost.ModelCost` through `sizing_cost(name)` only. Dimensions are from
-the models' public configurations (Hugging Face `config.json`).
+project runs) feed `sched.cost.ModelCost` through `presets.calibration.sizing_cost(name)` only.
+Dimensions are from the models' public configurations (Hugging Face `config.json`). This module
+imports nothing of the package but `config`: the model namespace (`dualpath_jax.model`) and the
+layers beneath the cost models may take these presets.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from dualpath_jax.config import ModelConfig, ModelFamily
-
-if TYPE_CHECKING:  # imported where used: a model preset must not load the compiled core's modules
-    from dualpath_jax.sched.cost import ModelCost
 
 TINY_QWEN2 = ModelConfig(
     name="tiny-qwen2",
@@ -280,31 +278,6 @@ QWEN3_235B_A22B = ModelConfig(
     dtype="bfloat16",
     kv_dtype="float8_e4m3fn",
 )
-
-
-def _gpt_oss(kv_format: str | None) -> ModelCost:
-    from dualpath_jax.sched.cost import ModelCost
-
-    c = ModelCost.from_model(GPT_OSS_120B, kv_format)
-    return dataclasses.replace(
-        c,
-        full_attn_layers=c.num_layers - GPT_OSS_WINDOW_LAYERS,
-        window_layers=GPT_OSS_WINDOW_LAYERS,
-        window=GPT_OSS_WINDOW,
-    )
-
-
-def sizing_cost(name: str, kv_format: str | None = None) -> ModelCost:
-    """`ModelCost` of a model preset (`PRESETS`) or a sizing-only preset (`SIZING_MODELS`)."""
-    from dualpath_jax.sched.cost import ModelCost
-
-    if name == GPT_OSS_120B.name:
-        return _gpt_oss(kv_format)
-    if name == QWEN3_235B_A22B.name:
-        return ModelCost.from_model(QWEN3_235B_A22B, kv_format)
-    if name in PRESETS:
-        return ModelCost.from_model(PRESETS[name], kv_format)
-    raise KeyError(f"unknown model {name!r}; known: {sorted({*PRESETS, *SIZING_MODELS})}")
 
 
 SIZING_MODELS: tuple[str, ...] = (GPT_OSS_120B.name, QWEN3_235B_A22B.name)

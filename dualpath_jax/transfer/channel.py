@@ -43,7 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from dualpath_jax.transfer import copies
+from dualpath_jax import copies
 
 ArrayLike = jax.Array | np.ndarray
 Spec = tuple[tuple[int, ...], Any]  # (shape, dtype)

@@ -49,13 +49,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as PS
 
+from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.model import sharding
+from dualpath_jax.model.cached_kv import DevicePages
 from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
-from dualpath_jax.model.pages import DevicePages
-from dualpath_jax.transfer import copies
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import KVChannel, make_uuid

@@ -143,7 +143,7 @@ def test_prefill_segments_travel_as_host_rows_and_kept_run_references():
     import jax.numpy as jnp
 
     from dualpath_jax.engine.prefill_engine import describe, resolve
-    from dualpath_jax.model.pages import DevicePages, DeviceRowRun
+    from dualpath_jax.model.cached_kv import DevicePages, DeviceRowRun
 
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
     pages = DevicePages(jnp.arange(64, dtype=jnp.float32).reshape(4, 4, 4), blocks=2)

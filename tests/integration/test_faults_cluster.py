@@ -2,7 +2,7 @@
 
 Every fault ends with the reference model's tokens or a `RolloutError` of the right kind within a
 bounded time, and a new session on the same cluster is answered afterwards. Store and channel
-faults are injected through the engines' fault plan (`cluster.fault_file`, dualpath_jax.faults),
+faults are injected through the engines' fault plan (`cluster.fault_file`, dualpath_jax.testing),
 rewritten while the cluster runs. The tests share one cluster and run in file order: the last
 ones kill engines (and restart them) and, finally, the router.
 """
@@ -23,11 +23,11 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig
 from dualpath_jax.engine import messages as M
 from dualpath_jax.engine.params import initial_params_version
 from dualpath_jax.engine.rpc import RpcClient
-from dualpath_jax.faults import write_plan
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
+from dualpath_jax.testing.fault_plan import write_plan
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()

@@ -148,7 +148,7 @@ def test_the_default_slab_is_pinned_host_memory_viewed_in_place():
 def test_layer_pages_copy_one_layer_of_the_blocks_to_the_device(memory):
     """`layer_pages`: layer `l` of blocks `[first, first + count)` on the device, padded with
     copies of the first block, counted as one host-to-device copy of the pages' bytes."""
-    from dualpath_jax.transfer.copies import COPIES
+    from dualpath_jax.copies import COPIES
 
     pool = HostBufferPool(LAYOUT, 6, memory=memory)
     pool.reserve(1)  # the next reservation's slots do not start at 0

@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from dualpath_jax import model as dm
 from dualpath_jax.model import sharding
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages
 from dualpath_jax.model.decode import Decoder
-from dualpath_jax.model.pages import CachedPages, LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (CPU) devices")

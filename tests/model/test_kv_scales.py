@@ -13,14 +13,15 @@ import pytest
 from dualpath_jax import ConfigError, apply_overrides, validate
 from dualpath_jax import model as dm
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.model import paged_attention as pa
+from dualpath_jax.kernels import paged_attention as pa
+from dualpath_jax.kernels.kv_rows import RowLayout, quantize_rows, split_kv
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.presets import PRESETS, TINY_DEEPSEEK, TINY_QWEN2
 
 FP8 = jnp.float8_e4m3fn
 LAYOUTS = {
-    "gqa": (pa.RowLayout.gqa(2, 8, scaled=True), 4),
-    "mla": (pa.RowLayout.mla(256, 16, scaled=True), 4),  # two 128-column latent tiles + RoPE
+    "gqa": (RowLayout.gqa(2, 8, scaled=True), 4),
+    "mla": (RowLayout.mla(256, 16, scaled=True), 4),  # two 128-column latent tiles + RoPE
 }
 
 
@@ -37,10 +38,10 @@ def _rows(layout, shape, rng, spread=True):
 def test_quantized_rows_round_trip_within_fp8_precision(name):
     layout, _ = LAYOUTS[name]
     x = _rows(layout, (3, 5), np.random.default_rng(0))
-    q = pa.quantize_rows(x, layout, FP8)
+    q = quantize_rows(x, layout, FP8)
     assert q.shape[-1] == layout.row_width and q.dtype == FP8
-    k, v = pa.split_kv(q, layout, FP8, jnp.float32)
-    k0, v0 = pa.split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
+    k, v = split_kv(q, layout, FP8, jnp.float32)
+    k0, v0 = split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
     for got, want in ((k, k0), (v, v0)):
         # e4m3 keeps 3 mantissa bits (within 1/16 of a value) down to its subnormals, whose
         # step is 2**-9 of the segment's scale (its max over 448): bounded by the row's max
@@ -55,8 +56,8 @@ def test_kernel_applies_the_scales_as_the_oracle(name):
     layout, hq = LAYOUTS[name]
     rng = np.random.default_rng(1)
     b, n, ps, p = 3, 4, 4, 16
-    pages = pa.quantize_rows(_rows(layout, (p, 2, ps), rng), layout, FP8)
-    new = pa.quantize_rows(_rows(layout, (b, n), rng), layout, FP8)
+    pages = quantize_rows(_rows(layout, (p, 2, ps), rng), layout, FP8)
+    new = quantize_rows(_rows(layout, (b, n), rng), layout, FP8)
     table = jnp.asarray(rng.permutation(p)[: b * 4].reshape(b, 4), jnp.int32)
     lens = jnp.asarray([0, 6, 13], jnp.int32)
     q = jnp.asarray(rng.normal(size=(b, n, hq, layout.key_width)), jnp.float32)
@@ -116,8 +117,8 @@ def test_scales_keep_rows_a_bare_cast_cannot_hold():
     layout, _ = LAYOUTS["gqa"]
     x = _rows(layout, (4,), np.random.default_rng(2), spread=False)
     x = x * jnp.asarray([1e4, 1e-5, 1.0, 1e3])[:, None]
-    k, _ = pa.split_kv(pa.quantize_rows(x, layout, FP8), layout, FP8, jnp.float32)
-    k0, _ = pa.split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
+    k, _ = split_kv(quantize_rows(x, layout, FP8), layout, FP8, jnp.float32)
+    k0, _ = split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
     rel = np.abs(np.asarray(k) - np.asarray(k0)) / np.abs(np.asarray(k0)).max(-1, keepdims=True)
     assert rel.max() < 1 / 15
     cast = np.asarray(x.astype(FP8).astype(jnp.float32))
@@ -129,7 +130,7 @@ def test_scales_keep_rows_a_bare_cast_cannot_hold():
 @pytest.mark.parametrize("scales", [False, True])
 def test_the_row_layout_is_as_wide_as_the_config_says(family, scales):
     for cfg in (_fp8(family, scales), _fp8(PRESETS["deepseek-v3-660b"], scales)):
-        assert pa.RowLayout.for_model(cfg).row_width == cfg.kv_width
+        assert RowLayout.for_model(cfg).row_width == cfg.kv_width
 
 
 def test_config_needs_an_fp8_kv_dtype_and_widens_the_row():

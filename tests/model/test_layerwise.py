@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model import runner as runner_mod
-from dualpath_jax.model.pages import CachedPages, LayerPages
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages
 from dualpath_jax.model.runner import PrefillBatch, bucket_len, compile_count
 
 ATOL = 2e-5

@@ -21,8 +21,8 @@ from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model import sharding
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.pages import CachedPages, LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2

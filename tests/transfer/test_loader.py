@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import HardwareConfig, StoreConfig
+from dualpath_jax.copies import COPIES
 from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.kvstore.identity import block_keys, key_path, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
+from dualpath_jax.model.cached_kv import DevicePages, LayerPages
 from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
-from dualpath_jax.model.pages import DevicePages, LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer import links as L
 from dualpath_jax.transfer import paths as P
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
-from dualpath_jax.transfer.copies import COPIES
 from dualpath_jax.transfer.loader import (
     DecodeLoad,
     DeviceRows,
@@ -393,8 +393,8 @@ def test_assembled_pages_take_earlier_chunks_rows_from_the_device():
     `[B, N_pad, W]`) at any alignment, after host rows and device pages and between host rows,
     read back as `from_rows` of the same rows; with no host rows nothing is copied to the
     device but the page table."""
-    from dualpath_jax.model.pages import DeviceRowRun
-    from dualpath_jax.transfer.copies import COPIES
+    from dualpath_jax.copies import COPIES
+    from dualpath_jax.model.cached_kv import DeviceRowRun
 
     rs = np.random.RandomState(3)
     w = CFG.kv_width

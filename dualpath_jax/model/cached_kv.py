@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.transfer import copies
 
 Array = jax.Array
 

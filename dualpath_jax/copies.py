@@ -4,7 +4,8 @@ Every copy the loaders and the prefill path make between host memory and a devic
 `to_device` or `to_host`, which count it (per direction and purpose, in copies and bytes) in the
 process-wide `COPIES`. Tests assert how many copies a path makes (for instance: no
 device-to-host copy of blocks that arrive over the DE read path); benchmarks report the bytes.
-Counting costs a lock and two additions per copy.
+Counting costs a lock and two additions per copy. It imports nothing else of the package: the
+model, the host buffers and the loaders, each on a layer of its own, all count here.
 """
 
 from __future__ import annotations
