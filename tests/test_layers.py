@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "copies",
             "kv_events",
             "logs",
+            "rounds",
             "presets.models",
             "presets.hardware",
         ),

@@ -5,7 +5,7 @@
         ...
 
 The same router, engines, scheduler and loader code as `LocalCluster`, assembled by the same
-`engine.core.build_router` / `build_engine`, with two things swapped: the control plane binds a
+`engine.build.build_router` / `build_engine`, with two things swapped: the control plane binds a
 ZeroMQ `inproc://` endpoint (every frame is still encoded, signed and checked), and KV moves over
 an `InProcessChannel` on one shared `InProcessFabric` instead of `jax.experimental.transfer`.
 Tokens are identical to a `LocalCluster`'s (tests/integration/test_inprocess_cluster.py); start-up
@@ -34,9 +34,10 @@ from collections.abc import Sequence
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import devices as engine_devices
+from dualpath_jax.engine.build import BuiltEngine, Transport, build_engine, build_router
 from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.cluster import ClusterError, engine_plan, prepare_workdir, wait_registered
-from dualpath_jax.engine.core import BuiltEngine, EngineId, Transport, build_engine, build_router
+from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.model import sharding

@@ -16,7 +16,8 @@ import threading
 import time
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine.core import EngineId, Transport, build_engine, build_router
+from dualpath_jax.engine.build import Transport, build_engine, build_router
+from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import credentials_for
 
 log = logging.getLogger(__name__)

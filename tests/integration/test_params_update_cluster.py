@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine.core import store_config
+from dualpath_jax.engine.build import store_config
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.checkpoint import params_state, save_params_tree
