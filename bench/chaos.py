@@ -83,7 +83,7 @@ from dualpath_jax.config import (
     apply_overrides,
 )
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session
@@ -264,7 +264,7 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
     import zmq
 
     client_secret = cluster.credentials.client
-    valid = M.encode(M.Ping(), client_secret)
+    valid = messages.encode(messages.Ping(), client_secret)
     frames: list[tuple[str, list[bytes]]] = []
     for _ in range(rng.randint(3, 8)):
         frames.append(("random", [rng.randbytes(rng.randint(1, 2048))]))
@@ -273,15 +273,15 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
         ("truncated", [valid[: len(valid) // 2]]),
         ("msgpack_not_envelope", [b"\x93\x01\xa3abc\xc0"]),
         ("wrong_version", [valid.replace(b"\x01", b"\x07", 1)]),
-        ("no_secret", [M.encode(M.GetStats(), "")]),
-        ("wrong_secret", [M.encode(M.GetStats(), "not-the-secret")]),
-        ("client_shutdown", [M.encode(M.Shutdown(), client_secret)]),
-        ("client_heartbeat", [M.encode(M.Heartbeat(engine=0), client_secret)]),
+        ("no_secret", [messages.encode(messages.GetStats(), "")]),
+        ("wrong_secret", [messages.encode(messages.GetStats(), "not-the-secret")]),
+        ("client_shutdown", [messages.encode(messages.Shutdown(), client_secret)]),
+        ("client_heartbeat", [messages.encode(messages.Heartbeat(engine=0), client_secret)]),
         (
             "client_failed",
             [
-                M.encode(
-                    M.Failed(request=live_request or "x#0", engine=0, message="forged"),
+                messages.encode(
+                    messages.Failed(request=live_request or "x#0", engine=0, message="forged"),
                     client_secret,
                 )
             ],
@@ -302,14 +302,14 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
             if not sock.poll(100):
                 continue
             frame = sock.recv()
-            err = M.decode_unsigned_error(frame)
+            err = messages.decode_unsigned_error(frame)
             if err is not None:
                 replies[f"error:{err.kind}"] += 1
                 continue
             try:  # the client-signed messages are refused with an answer signed for clients
-                msg = M.decode(frame, client_secret)
+                msg = messages.decode(frame, client_secret)
                 replies[f"{type(msg).__name__}:{getattr(msg, 'kind', '')}"] += 1
-            except M.FrameError:
+            except messages.FrameError:
                 replies["undecodable"] += 1
     finally:
         sock.close(0)

@@ -307,7 +307,7 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     from dualpath_jax.model.runner import ModelRunner, PrefillBatch
     from dualpath_jax.model.transformer import init_model
     from dualpath_jax.presets import TINY_QWEN2
-    from dualpath_jax.transfer import links as L
+    from dualpath_jax.transfer import links
     from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
     from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
     from dualpath_jax.transfer.traffic import TrafficManager
@@ -433,7 +433,7 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
         for k in range(reps):  # interleaved, alternating order, so slow phases hit every mode
             for m, fn in list(modes.items())[:: 1 if k % 2 == 0 else -1]:
                 samples[m].append(fn())
-        h2d = L.LinkId(L.LinkKind.H2D, "pe0")
+        h2d = links.LinkId(links.LinkKind.H2D, "pe0")
         if traffic.bytes(h2d) != 3 * (reps + 1) * total_bytes:  # load, serial, overlapped
             raise RuntimeError(f"H2D link charged {traffic.bytes(h2d)} bytes")
     finally:

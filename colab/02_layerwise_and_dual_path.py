@@ -61,7 +61,7 @@ from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.transfer import paths
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
 from dualpath_jax.transfer.traffic import TrafficManager
@@ -194,7 +194,7 @@ per_token = layout.bytes_per_token_per_layer * CFG.num_layers
 for name, (seen, prompt_kv, link_bytes) in runs.items():
     exact_hit = all(seen[i].tobytes() == kv_ref[i, :CACHED].tobytes() for i in range(CFG.num_layers))
     tail_err = float(np.max(np.abs(prompt_kv - kv_ref)))
-    want = P.expected_link_bytes(
+    want = paths.expected_link_bytes(
         name, CACHED * per_token, (len(prompt) - CACHED) * per_token, pe="pe0", de="de1",
         pe_node="node0", de_node="node1", de_hit_bytes=PATHS[name][1] * BT * per_token, decode=False,
     )

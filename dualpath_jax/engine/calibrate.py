@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.model.cached_kv import LayerPages
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.sched.cost import FittedCostModel
@@ -58,8 +58,8 @@ class Calibration:
     samples: tuple[tuple[int, int, float], ...]  # (cached, new, median seconds) per shape
     seconds: float  # the whole calibration, compiles included
 
-    def message(self) -> M.PrefillCost:
-        return M.PrefillCost(
+    def message(self) -> messages.PrefillCost:
+        return messages.PrefillCost(
             prefill=self.model.prefill,
             calibrated=True,
             calibration_s=self.seconds,
@@ -145,12 +145,12 @@ def calibrate(
     return Calibration(FittedCostModel.fit(samples), samples, clock() - t0)
 
 
-def prefill_cost(cfg: ExperimentConfig, runner: ModelRunner) -> M.PrefillCost:
+def prefill_cost(cfg: ExperimentConfig, runner: ModelRunner) -> messages.PrefillCost:
     """The PE's prefill cost model: `cluster.prefill_cost_json` when set, else calibrated."""
     if cfg.cluster.prefill_cost_json:
         model = FittedCostModel.from_json(cfg.cluster.prefill_cost_json)
         log.info("prefill cost model from cluster.prefill_cost_json: %s", _terms(model))
-        return M.PrefillCost(prefill=model.prefill, calibrated=False)
+        return messages.PrefillCost(prefill=model.prefill, calibrated=False)
     cal = calibrate(runner, cfg)
     log.info(
         "prefill cost model calibrated in %.2f s: %s; samples (cached, new, ms): %s",

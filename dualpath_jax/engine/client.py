@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class Backend(Protocol):
         gen: int,
         *,
         sampling: SamplingParams = GREEDY,
-    ) -> futures.Future[M.RoundResult]: ...
+    ) -> futures.Future[messages.RoundResult]: ...
     def close_session(self, session: str, release: bool = False) -> None: ...
     def update_params(self, params: Any, version: str | None = None) -> str: ...
     def update_params_from_checkpoint(
@@ -161,7 +161,7 @@ class Client:
                         self._pending[ref] = (fut, now)
                 self._rpc.send_frame(frame)
             if now - last_ping >= self.ping_s:
-                self._rpc.send_frame(M.encode(M.Ping(), self._token))
+                self._rpc.send_frame(messages.encode(messages.Ping(), self._token))
                 last_ping = now
             try:
                 reply = self._rpc.recv(5)
@@ -173,7 +173,7 @@ class Client:
                 self._expire(time.monotonic(), heard)
                 continue
             heard = time.monotonic()
-            if isinstance(reply, M.Partial):
+            if isinstance(reply, messages.Partial):
                 on_tokens = self._streams.get(reply.request)
                 if on_tokens is not None:
                     try:
@@ -181,11 +181,11 @@ class Client:
                     except Exception:  # noqa: BLE001 - a caller's callback must not stop the loop
                         log.exception("the token callback of %s failed", reply.request)
                 continue
-            if isinstance(reply, M.Stats):
+            if isinstance(reply, messages.Stats):
                 if self._stats:
                     self._stats.pop(0)[0].set_result(reply)
                 continue
-            if isinstance(reply, M.Error) and not reply.ref and reply.kind == "auth":
+            if isinstance(reply, messages.Error) and not reply.ref and reply.kind == "auth":
                 self._fail_all(
                     RolloutError(f"the router refused this client: {reply.message}", "auth")
                 )
@@ -221,33 +221,35 @@ class Client:
         for fut, _ in stats:
             fut.set_exception(err)
 
-    def _call(self, msg: M.Msg, ref: str, fut: futures.Future | None = None) -> futures.Future:
+    def _call(
+        self, msg: messages.Msg, ref: str, fut: futures.Future | None = None
+    ) -> futures.Future:
         if self._closed.is_set():
             raise RolloutError("client is closed", "connection")
         try:
-            frame = M.encode(msg, self._token)
-        except M.FrameError as e:
+            frame = messages.encode(msg, self._token)
+        except messages.FrameError as e:
             raise RolloutError(str(e), "bad_request") from None
         fut = fut if fut is not None else futures.Future()
-        self._out.put((frame, ref, fut, isinstance(msg, M.GetStats)))
+        self._out.put((frame, ref, fut, isinstance(msg, messages.GetStats)))
         return fut
 
     def finish(self, request: str) -> None:
         """Ends a round now with the tokens generated so far (e.g. a stop string matched): it
         completes (its future gets a `RoundResult` with `finish_reason="finished"`), so its tokens
         extend the session and its KV blocks are persisted. A finished round is not affected."""
-        frame = M.encode(M.FinishRound(request=request), self._token)
+        frame = messages.encode(messages.FinishRound(request=request), self._token)
         self._out.put((frame, "", None, False))
 
     def cancel(self, request: str) -> None:
         """Abandons a round: its future fails with kind `cancelled` and its session is free for
         the next round. A round that already finished is not affected."""
-        frame = M.encode(M.CancelRound(request=request), self._token)
+        frame = messages.encode(messages.CancelRound(request=request), self._token)
         self._out.put((frame, "", None, False))
 
     @staticmethod
-    def _check(reply: M.Msg) -> M.Msg:
-        if isinstance(reply, M.Error):
+    def _check(reply: messages.Msg) -> messages.Msg:
+        if isinstance(reply, messages.Error):
             raise RolloutError(reply.message, reply.kind)
         return reply
 
@@ -265,7 +267,7 @@ class Client:
         `priority` and `ttl_s` set the retention of its stored blocks under capacity pressure
         (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after each
         (-1: `store.retention_ttl_s`), lower priorities evicted first."""
-        msg = M.OpenSession(
+        msg = messages.OpenSession(
             session=session,
             resume=bool(resume),
             priority=_check_int(priority, "priority", -(2**31), 2**31),
@@ -276,7 +278,7 @@ class Client:
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
         """Ends a session; `release=True` also deletes its stored KV blocks that no other open
         session uses."""
-        msg = M.CloseSession(session=session, release=bool(release))
+        msg = messages.CloseSession(session=session, release=bool(release))
         self._check(self._call(msg, session).result(timeout_s))
 
     def submit(
@@ -291,7 +293,7 @@ class Client:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         priority: int | None = None,
         ttl_s: float | None = None,
-    ) -> futures.Future[M.RoundResult]:
+    ) -> futures.Future[messages.RoundResult]:
         """One round; the future resolves to a `RoundResult` or raises `RolloutError`. Token
         ids must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
         before anything is sent.
@@ -310,7 +312,7 @@ class Client:
                 raise RolloutError(
                     f"sampling must be a SamplingParams, got {sampling!r}", "bad_request"
                 )
-            sub = M.Submit(
+            sub = messages.Submit(
                 request=rid,
                 session=str(session),
                 append=check_tokens(append),
@@ -381,16 +383,16 @@ class Client:
         from dualpath_jax.engine.params import check_version
 
         version = check_version(version or new_version())
-        msg = M.UpdateParams(version=version, path=str(pathlib.Path(path).absolute()))
+        msg = messages.UpdateParams(version=version, path=str(pathlib.Path(path).absolute()))
         self._check(self._call(msg, f"params:{version}").result(timeout_s))
         return version
 
     def stats(self, timeout_s: float = 30.0) -> dict:
-        reply = self._check(self._call(M.GetStats(), "__stats__").result(timeout_s))
+        reply = self._check(self._call(messages.GetStats(), "__stats__").result(timeout_s))
         return json.loads(reply.json)
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
-        self._check(self._call(M.Shutdown(), "shutdown").result(timeout_s))
+        self._check(self._call(messages.Shutdown(), "shutdown").result(timeout_s))
 
     def close(self) -> None:
         self._closed.set()

@@ -8,14 +8,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.kvstore.store import StoreError
 from dualpath_jax.transfer.channel import TransferError
 from dualpath_jax.transfer.loader import LoadJob
 from dualpath_jax.transfer.readiness import LoadCancelled, LoadTimeout
 
 
-def job_from_msg(m: M.LoadJobMsg) -> LoadJob:
+def job_from_msg(m: messages.LoadJobMsg) -> LoadJob:
     return LoadJob(
         request_id=m.request,
         keys=tuple(m.keys),
@@ -43,7 +43,7 @@ def register(
     who,
     address: str,
     params_version: str = "",
-    prefill_cost: M.PrefillCost | None = None,
+    prefill_cost: messages.PrefillCost | None = None,
     runner=None,
     kv_pieces: int = 1,
 ) -> None:
@@ -52,7 +52,7 @@ def register(
     batches with and the column pieces its KV rows split into) to the router."""
     devices, mesh = runner_devices(runner) if runner is not None else ([], "")
     control.send(
-        M.Register(
+        messages.Register(
             role=who.role,
             engine=who.engine,
             node=who.node,
@@ -80,7 +80,7 @@ def runner_devices(runner) -> tuple[list[str], str]:
     return [str(jax.local_devices()[0])], ""
 
 
-def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:
+def pump(rpc, handle: Callable[[messages.Msg], None], timeout_ms: int) -> None:
     """Handles every message waiting on `rpc` (waiting up to `timeout_ms` for the first)."""
     msg = rpc.recv(timeout_ms)
     while msg is not None:
@@ -88,27 +88,27 @@ def pump(rpc, handle: Callable[[M.Msg], None], timeout_ms: int) -> None:
         msg = rpc.recv(0)
 
 
-def is_stop(msg: M.Msg) -> bool | None:
+def is_stop(msg: messages.Msg) -> bool | None:
     """The messages every engine treats alike: True for a stop order, False for one to ignore
     (acks, stats, logged router errors), None for an engine-specific message."""
     match msg:
-        case M.Stop():
+        case messages.Stop():
             return True
-        case M.Error(kind="stop", message=text):
+        case messages.Error(kind="stop", message=text):
             log.error("the router stops this engine: %s", text)
             return True
-        case M.Ack() | M.Stats():
+        case messages.Ack() | messages.Stats():
             return False
-        case M.Error(message=text):
+        case messages.Error(message=text):
             log.warning("router error: %s", text)
             return False
     return None
 
 
-def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> M.Failed:
+def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> messages.Failed:
     """The `Failed` report of an engine's part of a request, classified by `failure_kind`."""
     log.warning("request %s failed: %s: %s", request, type(exc).__name__, exc)
-    return M.Failed(
+    return messages.Failed(
         request=request,
         engine=engine,
         message=f"{type(exc).__name__}: {exc}",
@@ -158,12 +158,12 @@ class HeartbeatThread(threading.Thread):
         heard = self.clock()
         try:
             while not self._halt.wait(self.interval_s):
-                rpc.send(M.Heartbeat(engine=self.engine))
+                rpc.send(messages.Heartbeat(engine=self.engine))
                 while True:
                     try:
                         reply = rpc.recv(0)
-                    except M.FrameError:
-                        reply = M.Ack()  # something answered
+                    except messages.FrameError:
+                        reply = messages.Ack()  # something answered
                     if reply is None:
                         break
                     heard = self.clock()

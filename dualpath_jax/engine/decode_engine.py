@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot
@@ -28,8 +28,7 @@ from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.page_pool import budget_pages, pages_for
 from dualpath_jax.model.sharding import host_value
-from dualpath_jax.transfer import links as L
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
 
 log = logging.getLogger(__name__)
@@ -37,7 +36,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Req:
-    msg: M.LoadJobMsg
+    msg: messages.LoadJobMsg
     load: DecodeLoad | None
     first: int = -1
     hit: int = 0
@@ -82,7 +81,7 @@ class DecodeEngine:
         decoder: Decoder,
         params: ParamsSlot | None = None,
         *,
-        outbox: queue.Queue[M.Msg] | None = None,
+        outbox: queue.Queue[messages.Msg] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         """`outbox`: messages other threads send through the engine's socket (its store's
@@ -95,7 +94,7 @@ class DecodeEngine:
         self.reqs: dict[str, _Req] = {}
         self.waiting: list[str] = []  # jobs whose DE buffer could not be reserved yet
         self.slot_req: dict[int, str] = {}
-        self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
+        self.outbox: queue.Queue[messages.Msg] = queue.Queue() if outbox is None else outbox
         self.stopped = False
         self.last_fetch = -1e9
         self.inflight = None  # (tokens, {slot: request}) of the step dispatched last
@@ -129,18 +128,18 @@ class DecodeEngine:
         self.last_fetch = now
         traffic = self.ctx.traffic
         c = self.cfg.cluster
-        load = M.Load(
+        load = messages.Load(
             read_q=traffic.read_q(f"node{self.node}") if traffic is not None else 0,
             hbm_capacity_tokens=self.dec.num_pages * self.dec.page_size,
             slots=c.decode_slots,
             batch=len(self.slot_req),
         )
-        links = json.dumps(traffic.snapshot()) if traffic is not None else ""
-        self.control.send(M.Fetch(engine=self.engine, load=load, links=links))
+        snapshot = json.dumps(traffic.snapshot()) if traffic is not None else ""
+        self.control.send(messages.Fetch(engine=self.engine, load=load, links=snapshot))
 
-    def handle(self, msg: M.Msg) -> None:
+    def handle(self, msg: messages.Msg) -> None:
         match msg:
-            case M.Work(jobs=jobs):
+            case messages.Work(jobs=jobs):
                 for m in jobs:
                     try:
                         self.params.check_job(m)
@@ -150,20 +149,20 @@ class DecodeEngine:
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
                 self.start_waiting()
-            case M.FirstToken(request=r, token=t, hit_blocks=h):
+            case messages.FirstToken(request=r, token=t, hit_blocks=h):
                 if r in self.reqs:
                     self.reqs[r].first, self.reqs[r].hit = t, h
-            case M.Cancel(request=r):
+            case messages.Cancel(request=r):
                 self.drop(r)
-            case M.Finish(request=rid):
+            case messages.Finish(request=rid):
                 r = self.reqs.get(rid)
                 if r is not None:
                     r.finish = True
                     if r.slot >= 0:
                         self.complete(r, "finished")
-            case M.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
+            case messages.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
-            case M.LoadParams() | M.CommitParams():
+            case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case _:
                 stop = is_stop(msg)
@@ -194,13 +193,17 @@ class DecodeEngine:
                     traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
                 load.on_read_done = lambda rid=rid, job=job: self.reads_done(rid, job)
             r.load = load.start()
-            self.control.send(M.DeReady(request=rid, engine=self.engine, attempt=job.attempt))
+            self.control.send(
+                messages.DeReady(request=rid, engine=self.engine, attempt=job.attempt)
+            )
 
     def reads_done(self, request: str, job) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
         if self.ctx.traffic is not None:
             self.ctx.traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
-        self.outbox.put(M.ReadsDone(request=request, engine=self.engine, attempt=job.attempt))
+        self.outbox.put(
+            messages.ReadsDone(request=request, engine=self.engine, attempt=job.attempt)
+        )
 
     def drop(self, request: str) -> None:
         r = self.reqs.pop(request, None)
@@ -251,7 +254,10 @@ class DecodeEngine:
                 self.fail(rid, e)
                 continue
             self.ctx.charge(
-                job, P.h2d_path(job.de_engine, job.de_node), blocks.nbytes, L.TrafficClass.HIGH
+                job,
+                paths.h2d_path(job.de_engine, job.de_node),
+                blocks.nbytes,
+                links.TrafficClass.HIGH,
             )
             r.slot = free.pop(0)
             self.dec.insert_blocks(
@@ -306,7 +312,7 @@ class DecodeEngine:
             n = len(r.tokens)
             if r.msg.stream or n == 2:  # the router times the second token; streams get all
                 self.control.send(
-                    M.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1)
+                    messages.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1)
                 )
             reason = self.finish_reason(r)
             if reason:
@@ -346,9 +352,9 @@ class DecodeEngine:
                 keys = chain[start:]
                 self.ctx.charge(
                     job,
-                    P.persist_path(job.de_engine, job.de_node),
+                    paths.persist_path(job.de_engine, job.de_node),
                     blocks.nbytes,
-                    L.TrafficClass.LOW,
+                    links.TrafficClass.LOW,
                 )
                 self.ctx.store.write_full(keys, blocks, owner=r.msg.session or None).result(
                     self.ctx.timeout_s
@@ -358,7 +364,7 @@ class DecodeEngine:
             error = f"{type(e).__name__}: {e}"
             log.warning("request %s: persisting %d blocks failed: %s", rid, n_full - start, error)
         self.outbox.put(
-            M.DecodeDone(
+            messages.DecodeDone(
                 request=rid,
                 engine=self.engine,
                 tokens=r.tokens,

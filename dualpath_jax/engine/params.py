@@ -27,7 +27,7 @@ import re
 from collections.abc import Sequence
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class ParamsSlot:
         self.mirror = mirror
         self._staged: tuple[str, object] | None = None
 
-    def stage(self, msg: M.LoadParams) -> M.ParamsLoaded:
+    def stage(self, msg: messages.LoadParams) -> messages.ParamsLoaded:
         from dualpath_jax.model.checkpoint import load_params
 
         self._staged = None
@@ -111,16 +111,16 @@ class ParamsSlot:
             model = load_params(msg.path, self.runner.cfg, mesh=self.runner.mesh)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
-            return M.ParamsLoaded(
+            return messages.ParamsLoaded(
                 engine=self.engine,
                 version=msg.version,
                 ok=False,
                 message=f"{type(e).__name__}: {e}",
             )
         self._staged = (msg.version, model)
-        return M.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
+        return messages.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
 
-    def commit(self, msg: M.CommitParams) -> None:
+    def commit(self, msg: messages.CommitParams) -> None:
         if self.mirror is not None:
             self.mirror.send("_params_commit", (msg.version, msg.commit))
         staged, self._staged = self._staged, None
@@ -137,18 +137,18 @@ class ParamsSlot:
         self.version = msg.version
         log.info("serving params version %r", self.version)
 
-    def check_job(self, job: M.LoadJobMsg) -> None:
+    def check_job(self, job: messages.LoadJobMsg) -> None:
         if job.params_version != self.version:
             raise RuntimeError(
                 f"job {job.request} needs params version {job.params_version!r}; this engine serves {self.version!r}"
             )
 
-    def handle(self, msg: M.Msg, send) -> bool:
+    def handle(self, msg: messages.Msg, send) -> bool:
         """Handles LoadParams/CommitParams (True), anything else is not ours (False)."""
-        if isinstance(msg, M.LoadParams):
+        if isinstance(msg, messages.LoadParams):
             send(self.stage(msg))
             return True
-        if isinstance(msg, M.CommitParams):
+        if isinstance(msg, messages.CommitParams):
             self.commit(msg)
             return True
         return False
@@ -159,12 +159,12 @@ def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:
     commits as its leader does. True if `method` was one of these."""
     if method == "_params_stage":
         version, path = args
-        got = slot.stage(M.LoadParams(version=version, path=path))
+        got = slot.stage(messages.LoadParams(version=version, path=path))
         if not got.ok:
             log.warning("params %s not loaded here either: %s", version, got.message)
         return True
     if method == "_params_commit":
         version, commit = args
-        slot.commit(M.CommitParams(version=version, commit=commit))
+        slot.commit(messages.CommitParams(version=version, commit=commit))
         return True
     return False

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Req:
-    msg: M.LoadJobMsg
+    msg: messages.LoadJobMsg
     load: PrefillLoad
     t_start: float
     hit: int = -1  # effective hit in blocks loaded (after the lead), once the reads are done
@@ -70,9 +70,10 @@ class PrefillEngine:
         ctx: LoaderContext,
         runner: ModelRunner,
         params: ParamsSlot | None = None,
-        cost: M.PrefillCost | None = None,
+        cost: messages.PrefillCost | None = None,
         *,
-        outbox: queue.Queue[M.Msg] | None = None,  # messages of other threads (store KVEvents)
+        outbox: queue.Queue[messages.Msg]
+        | None = None,  # messages of other threads (store KVEvents)
         span: MirrorLeader | None = None,  # an engine spanning processes: its followers
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -80,7 +81,7 @@ class PrefillEngine:
         self.engine, self.node = who.engine, who.node
         self.prefill_cost = cost
         self.span = span
-        self.outbox: queue.Queue[M.Msg] = queue.Queue() if outbox is None else outbox
+        self.outbox: queue.Queue[messages.Msg] = queue.Queue() if outbox is None else outbox
         self.params = params or ParamsSlot(runner, "", who.engine)
         self.attention_time = (
             FittedCostModel(prefill=cost.prefill).attention_time if cost is not None else None
@@ -132,21 +133,21 @@ class PrefillEngine:
         read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
         links = traffic.snapshot() if traffic is not None else {}
         self.control.send(
-            M.Fetch(
+            messages.Fetch(
                 engine=self.engine,
-                load=M.Load(read_q=read_q, batch=self.last_batch),
+                load=messages.Load(read_q=read_q, batch=self.last_batch),
                 links=json.dumps(links),
             )
         )
 
-    def handle(self, msg: M.Msg) -> None:
+    def handle(self, msg: messages.Msg) -> None:
         match msg:
-            case M.Work(jobs=jobs):
+            case messages.Work(jobs=jobs):
                 for m in jobs:
                     self.start(m)
-            case M.Cancel(request=r):
+            case messages.Cancel(request=r):
                 self.drop(r)
-            case M.LoadParams() | M.CommitParams():
+            case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case _:
                 stop = is_stop(msg)
@@ -154,7 +155,7 @@ class PrefillEngine:
                     log.warning("unexpected %s", type(msg).__name__)
                 self.stopped |= bool(stop)
 
-    def start(self, m: M.LoadJobMsg) -> None:
+    def start(self, m: messages.LoadJobMsg) -> None:
         try:
             self.params.check_job(m)
         except RuntimeError as e:
@@ -194,7 +195,9 @@ class PrefillEngine:
             if job.pe_blocks and not job.oracle:
                 if self.ctx.traffic is not None:
                     self.ctx.traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
-                self.control.send(M.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt))
+                self.control.send(
+                    messages.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt)
+                )
             try:
                 r.hit = r.load.hit_blocks()
             except Exception as e:  # noqa: BLE001 - store/transfer failures fail the request
@@ -336,7 +339,7 @@ class PrefillEngine:
             if not plan.finishes(ch.request_id):
                 continue
             self.control.send(
-                M.PrefillDone(
+                messages.PrefillDone(
                     request=ch.request_id,
                     engine=self.engine,
                     first_token=int(first[b]),

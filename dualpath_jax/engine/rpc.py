@@ -19,7 +19,7 @@ from typing import NamedTuple
 import zmq
 
 from dualpath_jax.config import ConfigError
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def host_port(host: str, port: int) -> str:
 
 class Incoming(NamedTuple):
     ident: bytes  # the peer's socket identity (where answers go)
-    msg: M.Msg
+    msg: messages.Msg
     role: str  # whose secret the frame carried: messages.ENGINE or messages.CLIENT
 
 
@@ -119,7 +119,7 @@ class RpcServer:
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.IPV6, 1)  # else ZeroMQ refuses IPv6 endpoints
         if endpoint:
@@ -142,13 +142,15 @@ class RpcServer:
         frames = self.sock.recv_multipart(zmq.NOBLOCK)
         ident, payload = frames[0], frames[-1]
         try:
-            msg, role = M.decode_role(payload, self.tokens)
-        except M.FrameError as e:
+            msg, role = messages.decode_role(payload, self.tokens)
+        except messages.FrameError as e:
             self.rejected += 1
             log.warning("rejected a frame: %s", e)
-            kind = "auth" if isinstance(e, M.AuthError) else "frame"
+            kind = "auth" if isinstance(e, messages.AuthError) else "frame"
             # Envelopes carry the token in clear, so a peer that failed the checks gets none.
-            self._send_frame(ident, M.encode(M.Error(ref="", message=str(e), kind=kind), ""))
+            self._send_frame(
+                ident, messages.encode(messages.Error(ref="", message=str(e), kind=kind), "")
+            )
             return None
         self._roles[ident] = role
         self._roles.move_to_end(ident)
@@ -156,9 +158,9 @@ class RpcServer:
             self._roles.popitem(last=False)
         return Incoming(ident, msg, role)
 
-    def send(self, ident: bytes, msg: M.Msg) -> None:
-        role = self._roles.get(ident, M.CLIENT)
-        self._send_frame(ident, M.encode(msg, self.tokens.get(role, "")))
+    def send(self, ident: bytes, msg: messages.Msg) -> None:
+        role = self._roles.get(ident, messages.CLIENT)
+        self._send_frame(ident, messages.encode(msg, self.tokens.get(role, "")))
 
     def _send_frame(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -178,7 +180,7 @@ class RpcClient:
         self._ctx = zmq.Context.instance()
         self.sock = self._ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, M.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_FRAME_BYTES)
         self.sock.setsockopt(zmq.IPV6, 1)  # to reach tcp://[v6]:port too
         if identity:
             self.sock.setsockopt(zmq.IDENTITY, identity)
@@ -186,28 +188,28 @@ class RpcClient:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
 
-    def send(self, msg: M.Msg) -> None:
+    def send(self, msg: messages.Msg) -> None:
         """Raises `FrameError` for a message that cannot be encoded or is over the size limit."""
-        self.sock.send(M.encode(msg, self.token))
+        self.sock.send(messages.encode(msg, self.token))
 
     def send_frame(self, frame: bytes) -> None:
         self.sock.send(frame)
 
-    def recv(self, timeout_ms: int) -> M.Msg | None:
+    def recv(self, timeout_ms: int) -> messages.Msg | None:
         """The next message; a tokenless `Error` from the server (our frame was rejected, e.g.
         for a wrong secret) is returned too, any other frame that fails the checks raises."""
         if not self.poller.poll(timeout_ms):
             return None
         frame = self.sock.recv(zmq.NOBLOCK)
         try:
-            return M.decode(frame, self.token)
-        except M.AuthError:
-            err = M.decode_unsigned_error(frame) if self.token else None
+            return messages.decode(frame, self.token)
+        except messages.AuthError:
+            err = messages.decode_unsigned_error(frame) if self.token else None
             if err is None:
                 raise
             return err
 
-    def call(self, msg: M.Msg, timeout_ms: int = 30_000) -> M.Msg:
+    def call(self, msg: messages.Msg, timeout_ms: int = 30_000) -> messages.Msg:
         """Sends and waits for the next message (only for sockets with one outstanding call)."""
         self.send(msg)
         reply = self.recv(timeout_ms)

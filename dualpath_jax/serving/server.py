@@ -44,7 +44,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.model.sampling import SamplingError, SamplingParams
 from dualpath_jax.serving.metrics import ServerMetrics
@@ -165,7 +165,7 @@ class _Round:
             if rest:
                 yield rest
 
-    async def result(self) -> M.RoundResult:
+    async def result(self) -> messages.RoundResult:
         assert self.fut is not None
         return await asyncio.wrap_future(self.fut)
 
@@ -644,7 +644,7 @@ class ApiServer:
         await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
     @staticmethod
-    def _usage(res: M.RoundResult) -> dict[str, Any]:
+    def _usage(res: messages.RoundResult) -> dict[str, Any]:
         n = len(res.tokens)
         return {
             "prompt_tokens": res.prompt_tokens,
@@ -654,7 +654,7 @@ class ApiServer:
         }
 
     @staticmethod
-    def _extension(res: M.RoundResult, sid: str | None) -> dict[str, Any]:
+    def _extension(res: messages.RoundResult, sid: str | None) -> dict[str, Any]:
         return {
             "read_path": res.read_path or "none",
             "session": sid,

@@ -52,25 +52,25 @@ from dualpath_jax.sim.state import (
     SimEngine,
     SimOptions,
 )
-from dualpath_jax.transfer import links as L
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.transfer import paths
+from dualpath_jax.transfer.links import LinkKind, TrafficClass, link_rate
 
 # Link kinds that carry one traffic class in the simulated data paths (`transfer.paths`): store
 # reads and persistence (LOW) on the storage NICs; layer blocks (HIGH) on the compute NICs and
 # H2D; D2H carries the PE's layer blocks (HIGH) or the DE's persistence (LOW). Node DRAM carries
 # both.
 _ONE_CLASS_LINKS = (
-    L.LinkKind.SNIC_RX,
-    L.LinkKind.SNIC_TX,
-    L.LinkKind.CNIC_RX,
-    L.LinkKind.CNIC_TX,
-    L.LinkKind.H2D,
-    L.LinkKind.D2H,
+    LinkKind.SNIC_RX,
+    LinkKind.SNIC_TX,
+    LinkKind.CNIC_RX,
+    LinkKind.CNIC_TX,
+    LinkKind.H2D,
+    LinkKind.D2H,
 )
 
 # A request's copies (`transfer.paths.STEP_NAMES`) by position.
 _PE_READ, _DE_READ, _PE_LOAD, _DE_LOAD, _SEND, _DE_H2D = range(6)
-_CLS = P.STEP_CLASSES
+_CLS = paths.STEP_CLASSES
 # `ReadPath.value` by member (the enum's `value` is a property that runs as interpreted code)
 _PATH_VALUE = {p: p.value for p in ReadPath}
 
@@ -99,7 +99,7 @@ class SimCluster:
         self.layers = cfg.model.num_layers
         self.net = SimNetwork(
             self.loop,
-            lambda lid: L.link_rate(hw, lid.kind),
+            lambda lid: link_rate(hw, lid.kind),
             quantum_s=options.quantum_s,
             high_weight=hw.high_weight,
             low_weight=hw.low_weight,
@@ -234,7 +234,7 @@ class SimCluster:
         elif a.recompute_blocks:  # it computes the lead first, then the new tokens after the hit
             st.lead = lead
         computed = r.prompt_tokens - st.cached + st.lead
-        st.nbytes = P.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
+        st.nbytes = paths.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)
         if links is None:
@@ -254,7 +254,7 @@ class SimCluster:
         if out is None:
             pe, de = st.pe, st.de
             assert pe is not None and de is not None
-            path = P.request_path(
+            path = paths.request_path(
                 i, pe=pe.name, de=de.name, pe_node=pe.node_name, de_node=de.node_name
             )
             links = self.net.resolve(path)
@@ -446,9 +446,9 @@ class SimCluster:
         if self.opt.persist and self.policy.reads and nbytes > 0:
             links = self._persist_links.get(de.id)
             if links is None:
-                links = self.net.resolve(P.persist_path(de.name, de.node_name))
+                links = self.net.resolve(paths.persist_path(de.name, de.node_name))
                 self._persist_links[de.id] = links
-            self.net.send(links, nbytes, L.TrafficClass.LOW, self._finish, st)
+            self.net.send(links, nbytes, TrafficClass.LOW, self._finish, st)
         else:
             self.loop.soon(self._finish, st)
 

@@ -56,8 +56,7 @@ from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.model import sharding
 from dualpath_jax.model.cached_kv import DevicePages
 from dualpath_jax.model.layout import BlockLayout, bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
-from dualpath_jax.transfer import links as L
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 from dualpath_jax.transfer.readiness import LayerReadiness
 from dualpath_jax.transfer.traffic import TrafficManager
@@ -136,7 +135,7 @@ class LoaderContext:
     mesh: Mesh | None = None
 
     def charge(
-        self, job: LoadJob, path: Sequence[L.LinkId], nbytes: int, cls: L.TrafficClass
+        self, job: LoadJob, path: Sequence[links.LinkId], nbytes: int, cls: links.TrafficClass
     ) -> None:
         """Charges (and, when emulated, waits for) the links of `path` this process owns: each
         process charges its own engine's and node's links, so a copy is counted once per link."""
@@ -351,7 +350,9 @@ class PrefillLoad:
             got = ctx.store.read_full(keys, out=out).result(ctx.timeout_s)
             pe_hits = got.hits
             self.pe_read_bytes = pe_hits * ctx.layout.nbytes
-            ctx.charge(job, P.store_read_path(job.pe_node), self.pe_read_bytes, L.TrafficClass.LOW)
+            ctx.charge(
+                job, paths.store_read_path(job.pe_node), self.pe_read_bytes, links.TrafficClass.LOW
+            )
         de_hits = 0
         if job.de_blocks:
             (arr,) = ctx.channel.pull(
@@ -446,9 +447,9 @@ class PrefillLoad:
                         host = bytes_to_kv_rows(rows, ctx.cfg)
                     ctx.charge(
                         job,
-                        P.h2d_path(job.pe_engine, job.pe_node),
+                        paths.h2d_path(job.pe_engine, job.pe_node),
                         p_used * bt * ctx.layout.bytes_per_token_per_layer,
-                        L.TrafficClass.HIGH,
+                        links.TrafficClass.HIGH,
                     )
                 device = None
                 if d_used:
@@ -465,11 +466,11 @@ class PrefillLoad:
                     arr = ctx.join_pieces(got) if len(got) > 1 else got[0]
                     ctx.charge(
                         job,
-                        P.engine_to_engine_path(
+                        paths.engine_to_engine_path(
                             job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                         ),
                         d_used * bt * ctx.layout.bytes_per_token_per_layer,
-                        L.TrafficClass.HIGH,
+                        links.TrafficClass.HIGH,
                     )
                     pages = _bytes_to_pages(arr, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                     device = DevicePages(pages, d_used)
@@ -541,10 +542,10 @@ class PrefillLoad:
             data = kv_rows_to_bytes(copies.to_host(rows, "new_rows"))
             arrays += np.split(data, ctx.row_pieces, axis=1)
             nbytes += data.nbytes
-        path = P.engine_to_engine_path(
+        path = paths.engine_to_engine_path(
             job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
         )
-        ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
+        ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
         ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
 
     def flush(self, timeout_s: float | None = None) -> None:
@@ -598,19 +599,21 @@ class DecodeLoad:
             got = ctx.store.read_full(job.keys[first : first + d], out=out).result(ctx.timeout_s)
             self.de_hits = got.hits
             self.de_read_bytes = got.hits * ctx.layout.nbytes
-            ctx.charge(job, P.store_read_path(job.de_node), self.de_read_bytes, L.TrafficClass.LOW)
+            ctx.charge(
+                job, paths.store_read_path(job.de_node), self.de_read_bytes, links.TrafficClass.LOW
+            )
             if self.on_read_done is not None:
                 self.on_read_done()
             ctx.channel.offer(job.uuid(Part.DE_HITS), [np.array([self.de_hits], np.int32)])
             if self.de_hits:
-                path = P.engine_to_engine_path(
+                path = paths.engine_to_engine_path(
                     job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
                 )
                 padded = _padded_blocks(self.de_hits)
                 nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
                 for i in range(ctx.cfg.num_layers):
                     blocks = res.layer_pages(first, self.de_hits, i, padded, purpose="de_offer")
-                    ctx.charge(job, path, nbytes, L.TrafficClass.HIGH)
+                    ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
                     pieces = column_pieces(blocks, job.pe_pieces)
                     ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)
         # Receive the PE's pieces into the DE buffer.
@@ -631,7 +634,7 @@ class DecodeLoad:
             new = t1 - t0 - prefix
             specs = [((prefix // bt, bt, width), np.uint8)] if prefix else []
             specs += [((n_pad, width // splits), np.uint8)] * splits if new else []
-            path = P.engine_to_engine_path(
+            path = paths.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
             )
             for i in range(ctx.cfg.num_layers):
@@ -651,7 +654,7 @@ class DecodeLoad:
                     joined = cols[0] if splits == 1 else np.concatenate(cols, axis=1)
                     parts[len(parts) - splits :] = [joined[:new]]
                 data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-                ctx.charge(job, path, data.nbytes, L.TrafficClass.HIGH)
+                ctx.charge(job, path, data.nbytes, links.TrafficClass.HIGH)
                 self._write_rows(i, t0, data)
             k += 1
 

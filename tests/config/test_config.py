@@ -7,23 +7,23 @@ import pathlib
 
 import pytest
 
-from dualpath_jax import config as C
+from dualpath_jax import config
 from dualpath_jax.configs_loader import load_config
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_json_round_trip():
-    cfg = C.ExperimentConfig()
-    cfg = C.apply_overrides(cfg, ["scheduler.policy=split", "model.num_layers=5", "name=x"])
-    back = C.from_json(C.ExperimentConfig, C.to_json(cfg))
+    cfg = config.ExperimentConfig()
+    cfg = config.apply_overrides(cfg, ["scheduler.policy=split", "model.num_layers=5", "name=x"])
+    back = config.from_json(config.ExperimentConfig, config.to_json(cfg))
     assert back == cfg
-    assert back.scheduler.policy is C.Policy.SPLIT
+    assert back.scheduler.policy is config.Policy.SPLIT
 
 
 def test_overrides_are_typed():
-    cfg = C.apply_overrides(
-        C.ExperimentConfig(),
+    cfg = config.apply_overrides(
+        config.ExperimentConfig(),
         [
             "hardware.snic_bytes_per_s=64e6",
             "hardware.emulated=true",
@@ -36,7 +36,7 @@ def test_overrides_are_typed():
     assert cfg.hardware.snic_bytes_per_s == 64e6 and cfg.hardware.emulated is True
     assert cfg.cluster.decode_nodes == 2 and isinstance(cfg.cluster.decode_nodes, int)
     assert cfg.store.block_tokens == 32
-    assert cfg.model.family is C.ModelFamily.DEEPSEEK
+    assert cfg.model.family is config.ModelFamily.DEEPSEEK
 
 
 @pytest.mark.parametrize(
@@ -54,42 +54,42 @@ def test_overrides_are_typed():
     ],
 )
 def test_bad_overrides(override, message):
-    with pytest.raises(C.ConfigError, match=message):
-        C.apply_overrides(C.ExperimentConfig(), [override])
+    with pytest.raises(config.ConfigError, match=message):
+        config.apply_overrides(config.ExperimentConfig(), [override])
 
 
 def test_from_dict_rejects_unknown_and_mistyped():
-    with pytest.raises(C.ConfigError, match="unknown key"):
-        C.from_dict(C.StoreConfig, {"kind": "file", "rooot": "/x"})
-    with pytest.raises(C.ConfigError, match="block_tokens: expected an int"):
-        C.from_dict(C.StoreConfig, {"block_tokens": "64"})
+    with pytest.raises(config.ConfigError, match="unknown key"):
+        config.from_dict(config.StoreConfig, {"kind": "file", "rooot": "/x"})
+    with pytest.raises(config.ConfigError, match="block_tokens: expected an int"):
+        config.from_dict(config.StoreConfig, {"block_tokens": "64"})
 
 
 def test_configs_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        C.ExperimentConfig().name = "x"  # type: ignore[misc]
+        config.ExperimentConfig().name = "x"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.py")), ids=lambda p: p.name)
 def test_every_config_file_builds(path):
     cfg = load_config(str(path))
-    assert isinstance(cfg, C.ExperimentConfig)
-    assert C.from_json(C.ExperimentConfig, C.to_json(cfg)) == cfg
+    assert isinstance(cfg, config.ExperimentConfig)
+    assert config.from_json(config.ExperimentConfig, config.to_json(cfg)) == cfg
 
 
 def test_config_arg_and_errors():
     assert load_config(f"{CONFIG_DIR}/tiny.py:deepseek").model.name == "tiny-deepseek"
     for arg in ("qwen3", "qwen3_moe", "deepseek_v2"):
         cfg = load_config(f"{CONFIG_DIR}/tiny.py:{arg}")
-        assert cfg.model.family.value == arg and C.validate(cfg) is cfg
+        assert cfg.model.family.value == arg and config.validate(cfg) is cfg
     with pytest.raises(ValueError, match="ARG must be one of"):
         load_config(f"{CONFIG_DIR}/tiny.py:gpt")
-    with pytest.raises(C.ConfigError, match="does not exist"):
+    with pytest.raises(config.ConfigError, match="does not exist"):
         load_config("configs/missing.py")
 
 
 def test_a_bare_name_is_a_repository_config_wherever_the_caller_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert load_config("cpu_1p1d:tiny") == load_config(f"{CONFIG_DIR}/cpu_1p1d.py:tiny")
-    with pytest.raises(C.ConfigError, match=r"no config named 'nope'; known: \[.*'cpu_1p1d'"):
+    with pytest.raises(config.ConfigError, match=r"no config named 'nope'; known: \[.*'cpu_1p1d'"):
         load_config("nope")

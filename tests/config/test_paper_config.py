@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dualpath_jax import config as C
+from dualpath_jax import config
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import (
     CALIBRATIONS,
@@ -47,7 +47,7 @@ def test_the_config_file_is_paper_experiment(name):
     hw = cfg.hardware
     assert (hw.calibration, hw.fp8, hw.ep_decode_nodes) == ("hopper", m.fp8, 0)
     assert hw.kv_format == m.kv_format == ("" if key == "qwen32b" else "fp8_flashmla")
-    assert C.from_json(C.ExperimentConfig, C.to_json(cfg)) == cfg
+    assert config.from_json(config.ExperimentConfig, config.to_json(cfg)) == cfg
 
 
 def test_the_default_is_ds660b_2p4d():
@@ -95,7 +95,7 @@ def test_arg_options_are_paper_experiment_keywords():
     ],
 )
 def test_bad_args_are_config_errors(arg, message):
-    with pytest.raises(C.ConfigError) as e:
+    with pytest.raises(config.ConfigError) as e:
         load_config(f"{PAPER}:{arg}")
     assert str(e.value).startswith(message), str(e.value)
 
@@ -107,7 +107,7 @@ def test_a_split_that_does_not_fit_says_so():
 
 def test_cost_model_fields_override_and_round_trip():
     cfg = paper_config("ds660b_2p4d")
-    new = C.apply_overrides(
+    new = config.apply_overrides(
         cfg,
         [
             "hardware.calibration=none",
@@ -123,12 +123,12 @@ def test_cost_model_fields_override_and_round_trip():
         2,
         "bfloat16",
     )
-    assert C.apply_overrides(cfg, ["hardware.fp8=null"]).hardware.fp8 is None
-    assert C.from_json(C.ExperimentConfig, C.to_json(new)) == C.validate(new)
-    data = C.to_dict(cfg)["hardware"]
+    assert config.apply_overrides(cfg, ["hardware.fp8=null"]).hardware.fp8 is None
+    assert config.from_json(config.ExperimentConfig, config.to_json(new)) == config.validate(new)
+    data = config.to_dict(cfg)["hardware"]
     assert (data["calibration"], data["fp8"], data["kv_format"]) == ("hopper", True, "fp8_flashmla")
     # Missing keys (a config.json written before these fields) keep the defaults.
-    old = C.from_json(C.ExperimentConfig, '{"hardware": {"gpu": "h800"}}').hardware
+    old = config.from_json(config.ExperimentConfig, '{"hardware": {"gpu": "h800"}}').hardware
     assert (old.calibration, old.fp8, old.ep_decode_nodes, old.kv_format) == ("hopper", None, 0, "")
 
 
@@ -143,7 +143,7 @@ def test_the_config_builds_the_cost_model_it_names():
 
     # Each field changes what it names.
     def built(*overrides):
-        out = config_cost_model(C.apply_overrides(cfg, list(overrides)))
+        out = config_cost_model(config.apply_overrides(cfg, list(overrides)))
         assert isinstance(out, RooflineCostModel)
         return out
 
@@ -163,7 +163,7 @@ def test_the_config_builds_the_cost_model_it_names():
 
 
 def test_calibration_names_match_validation():
-    assert tuple(CALIBRATIONS) == C._CHOICES["hardware.calibration"]
+    assert tuple(CALIBRATIONS) == config._CHOICES["hardware.calibration"]
 
 
 @pytest.mark.parametrize(
@@ -181,18 +181,20 @@ def test_bad_cost_model_fields_are_rejected(key, value, message):
     bad = dataclasses.replace(
         cfg, hardware=dataclasses.replace(cfg.hardware, **{key.split(".")[1]: value})
     )
-    with pytest.raises(C.ConfigError) as e:
-        C.validate(bad)
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(bad)
     assert str(e.value).startswith(message), str(e.value)
 
 
 def test_fp8_flashmla_needs_an_mla_model():
-    cfg = C.ExperimentConfig(hardware=dataclasses.replace(HOPPER_NODE, kv_format="fp8_flashmla"))
-    with pytest.raises(C.ConfigError, match="hardware.kv_format: fp8_flashmla applies to MLA"):
-        C.validate(cfg)
-    C.validate(dataclasses.replace(cfg, model=TINY_DEEPSEEK))
-    with pytest.raises(C.ConfigError, match="hardware.fp8: expected a bool, got 'maybe'"):
-        C.apply_overrides(cfg, ["hardware.fp8=maybe"])
+    cfg = config.ExperimentConfig(
+        hardware=dataclasses.replace(HOPPER_NODE, kv_format="fp8_flashmla")
+    )
+    with pytest.raises(config.ConfigError, match="hardware.kv_format: fp8_flashmla applies to MLA"):
+        config.validate(cfg)
+    config.validate(dataclasses.replace(cfg, model=TINY_DEEPSEEK))
+    with pytest.raises(config.ConfigError, match="hardware.fp8: expected a bool, got 'maybe'"):
+        config.apply_overrides(cfg, ["hardware.fp8=maybe"])
 
 
 def test_model_and_node_presets_load_no_compiled_core_module():

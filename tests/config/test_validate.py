@@ -12,24 +12,24 @@ import typing
 
 import pytest
 
-from dualpath_jax import config as C
+from dualpath_jax import config
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import HOPPER_NODE, PAPER_MODELS, PRESETS, TINY_DEEPSEEK, paper_experiment
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
 SECTIONS = {
-    f.name: typing.get_type_hints(C.ExperimentConfig)[f.name]
-    for f in dataclasses.fields(C.ExperimentConfig)
-    if dataclasses.is_dataclass(typing.get_type_hints(C.ExperimentConfig)[f.name])
+    f.name: typing.get_type_hints(config.ExperimentConfig)[f.name]
+    for f in dataclasses.fields(config.ExperimentConfig)
+    if dataclasses.is_dataclass(typing.get_type_hints(config.ExperimentConfig)[f.name])
 }
 
 
 def with_value(
-    key: str, value: object, cfg: C.ExperimentConfig | None = None
-) -> C.ExperimentConfig:
+    key: str, value: object, cfg: config.ExperimentConfig | None = None
+) -> config.ExperimentConfig:
     """`cfg` (default ExperimentConfig()) with the dotted `key` set, no type coercion."""
-    cfg = cfg or C.ExperimentConfig()
+    cfg = cfg or config.ExperimentConfig()
     head, _, rest = key.partition(".")
     if not rest:
         return dataclasses.replace(cfg, **{head: value})
@@ -39,15 +39,15 @@ def with_value(
 
 
 def numeric_keys(tp: type) -> list[str]:
-    keys = [k for k in ("seed",) if tp is typing.get_type_hints(C.ExperimentConfig)[k]]
+    keys = [k for k in ("seed",) if tp is typing.get_type_hints(config.ExperimentConfig)[k]]
     for section, cls in SECTIONS.items():
         keys += [f"{section}.{n}" for n, t in typing.get_type_hints(cls).items() if t is tp]
     return keys
 
 
-def rejects(cfg: C.ExperimentConfig, message: str) -> None:
-    with pytest.raises(C.ConfigError) as e:
-        C.validate(cfg)
+def rejects(cfg: config.ExperimentConfig, message: str) -> None:
+    with pytest.raises(config.ConfigError) as e:
+        config.validate(cfg)
     assert str(e.value).startswith(message), str(e.value)
 
 
@@ -60,26 +60,26 @@ def test_shipped_configs_validate(path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     cfg = module.get_config()
-    assert C.validate(cfg) is cfg
+    assert config.validate(cfg) is cfg
     assert load_config(str(path)) == cfg
 
 
 def test_defaults_presets_and_paper_runs_validate():
-    assert C.validate(C.ExperimentConfig()) == C.ExperimentConfig()
+    assert config.validate(config.ExperimentConfig()) == config.ExperimentConfig()
     for model in PRESETS.values():
-        C.validate(C.ExperimentConfig(model=model, hardware=HOPPER_NODE))
+        config.validate(config.ExperimentConfig(model=model, hardware=HOPPER_NODE))
     for key in PAPER_MODELS:
-        C.validate(paper_experiment(key)[0])
-        C.validate(paper_experiment(key, mode="online", aps=1.0)[0])
+        config.validate(paper_experiment(key)[0])
+        config.validate(paper_experiment(key, mode="online", aps=1.0)[0])
 
 
 def test_table_names_real_fields():
-    for key in [*C._BOUND_OF, *C._CHOICES]:
-        obj = C.ExperimentConfig()
+    for key in [*config._BOUND_OF, *config._CHOICES]:
+        obj = config.ExperimentConfig()
         for part in key.split("."):
             assert hasattr(obj, part), key
             obj = getattr(obj, part)
-        expected = str if key in C._CHOICES else (int, float)
+        expected = str if key in config._CHOICES else (int, float)
         assert isinstance(obj, expected) and not isinstance(obj, bool), key
 
 
@@ -152,11 +152,11 @@ def test_every_float_field_rejects_nan_and_inf(key):
 
 def test_zero_means_unbounded_where_documented():
     for key in ["cluster.prefill_max_batch", "cluster.prefill_max_tokens", "store.capacity_bytes"]:
-        C.validate(with_value(key, 0))
-    timed = C.WorkloadConfig(mode="online", aps=1.0, duration_s=60.0, agents=0)
-    C.validate(C.ExperimentConfig(workload=timed))
+        config.validate(with_value(key, 0))
+    timed = config.WorkloadConfig(mode="online", aps=1.0, duration_s=60.0, agents=0)
+    config.validate(config.ExperimentConfig(workload=timed))
     rejects(
-        C.ExperimentConfig(workload=dataclasses.replace(timed, duration_s=0.0)),
+        config.ExperimentConfig(workload=dataclasses.replace(timed, duration_s=0.0)),
         "workload.agents: must be >= 1 unless an online run ends after workload.duration_s, got 0",
     )
 
@@ -175,7 +175,7 @@ def test_zero_means_unbounded_where_documented():
         ("store.root", None, "store.root: expected a string, got NoneType None"),
         ("scheduler.policy", "dualpath", "scheduler.policy: expected a Policy, got str"),
         ("model.family", "qwen2", "model.family: expected a ModelFamily, got str"),
-        ("cluster", C.StoreConfig(), "cluster: expected a ClusterConfig, got StoreConfig"),
+        ("cluster", config.StoreConfig(), "cluster: expected a ClusterConfig, got StoreConfig"),
         ("name", 3, "name: expected a string, got int 3"),
     ],
 )
@@ -184,8 +184,8 @@ def test_wrong_type_names_its_key(key, value, message):
 
 
 def test_mesh_settings_pass_and_round_trip():
-    cfg = C.apply_overrides(
-        C.ExperimentConfig(),
+    cfg = config.apply_overrides(
+        config.ExperimentConfig(),
         [
             "cluster.prefill_mesh=data=2,tensor=2",
             "cluster.decode_mesh=tensor=2",
@@ -193,7 +193,7 @@ def test_mesh_settings_pass_and_round_trip():
             "cluster.device_memory_fraction=0.45",
         ],
     )
-    C.validate(cfg)
+    config.validate(cfg)
     c = cfg.cluster
     assert (c.prefill_mesh, c.decode_mesh, c.platform, c.device_memory_fraction) == (
         "data=2,tensor=2",
@@ -201,17 +201,17 @@ def test_mesh_settings_pass_and_round_trip():
         "cpu",
         0.45,
     )
-    assert C.from_json(C.ExperimentConfig, C.to_json(cfg)) == cfg
-    assert C.mesh_size(c.prefill_mesh) == 4 and C.mesh_size("") == 1
+    assert config.from_json(config.ExperimentConfig, config.to_json(cfg)) == cfg
+    assert config.mesh_size(c.prefill_mesh) == 4 and config.mesh_size("") == 1
 
 
 def test_int_passes_for_a_float_field():
-    C.validate(with_value("cluster.heartbeat_s", 2))
+    config.validate(with_value("cluster.heartbeat_s", 2))
 
 
 def test_not_an_experiment_config():
-    with pytest.raises(C.ConfigError, match="expected an ExperimentConfig, got ClusterConfig"):
-        C.validate(C.ClusterConfig())  # type: ignore[arg-type]
+    with pytest.raises(config.ConfigError, match="expected an ExperimentConfig, got ClusterConfig"):
+        config.validate(config.ClusterConfig())  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- relations
@@ -229,7 +229,7 @@ def test_not_an_experiment_config():
     ],
 )
 def test_relations(overrides, message):
-    cfg = C.ExperimentConfig()
+    cfg = config.ExperimentConfig()
     for key, value in overrides.items():
         cfg = with_value(key, value, cfg)
     rejects(cfg, message)
@@ -262,44 +262,44 @@ def test_relations(overrides, message):
     ],
 )
 def test_model_relations(key, value, message):
-    rejects(with_value(key, value, C.ExperimentConfig(model=TINY_DEEPSEEK)), message)
+    rejects(with_value(key, value, config.ExperimentConfig(model=TINY_DEEPSEEK)), message)
 
 
 def test_yarn_needs_its_original_length_and_a_factor():
     yarn = dataclasses.replace(TINY_DEEPSEEK, rope_type="yarn", rope_factor=4.0)
     rejects(
-        C.ExperimentConfig(model=yarn),
+        config.ExperimentConfig(model=yarn),
         "model.rope_original_max_len: must be >= 1 with yarn RoPE, got 0",
     )
     yarn = dataclasses.replace(yarn, rope_original_max_len=1024, rope_factor=0.5)
-    rejects(C.ExperimentConfig(model=yarn), "model.rope_factor: must be >= 1 with yarn RoPE")
+    rejects(config.ExperimentConfig(model=yarn), "model.rope_factor: must be >= 1 with yarn RoPE")
 
 
 def test_model_presets_round_trip_through_json_and_overrides():
     for model in PRESETS.values():
-        assert C.from_json(C.ModelConfig, C.to_json(model)) == model
-    cfg = C.apply_overrides(C.ExperimentConfig(), ["model.dense_layers=[0, 2]"])
-    assert cfg.model.dense_layers == (0, 2) and C.validate(cfg) is cfg
+        assert config.from_json(config.ModelConfig, config.to_json(model)) == model
+    cfg = config.apply_overrides(config.ExperimentConfig(), ["model.dense_layers=[0, 2]"])
+    assert cfg.model.dense_layers == (0, 2) and config.validate(cfg) is cfg
 
 
 # --------------------------------------------------------------------------- where it is called
 
 
 def test_overrides_then_validate():
-    cfg = C.apply_overrides(C.ExperimentConfig(), ["cluster.decode_slots=-4"])
+    cfg = config.apply_overrides(config.ExperimentConfig(), ["cluster.decode_slots=-4"])
     rejects(cfg, "cluster.decode_slots: must be >= 1, got -4")
 
 
 def test_from_json_validates_experiment_configs():
-    text = C.to_json(with_value("cluster.decode_slots", -4))
-    with pytest.raises(C.ConfigError, match="cluster.decode_slots: must be >= 1, got -4"):
-        C.from_json(C.ExperimentConfig, text)
+    text = config.to_json(with_value("cluster.decode_slots", -4))
+    with pytest.raises(config.ConfigError, match="cluster.decode_slots: must be >= 1, got -4"):
+        config.from_json(config.ExperimentConfig, text)
 
 
 def test_get_config_must_return_an_experiment_config(tmp_path):
     path = tmp_path / "x.py"
     path.write_text("def get_config(arg=''):\n    return {'name': 'x'}\n")
-    with pytest.raises(C.ConfigError, match=r"x.py:get_config returned dict, expected an Exp"):
+    with pytest.raises(config.ConfigError, match=r"x.py:get_config returned dict, expected an Exp"):
         load_config(str(path))
 
 
@@ -311,7 +311,7 @@ def test_load_config_validates(tmp_path):
         "def get_config(arg=''):\n"
         "    return ExperimentConfig(store=StoreConfig(block_tokens=0))\n"
     )
-    with pytest.raises(C.ConfigError, match="store.block_tokens: must be >= 1, got 0"):
+    with pytest.raises(config.ConfigError, match="store.block_tokens: must be >= 1, got 0"):
         load_config(str(path))
 
 

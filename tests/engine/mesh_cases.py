@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.common import runner_devices
 from dualpath_jax.engine.decode_engine import make_decoder
 from dualpath_jax.engine.params import ParamsSlot, load_served_model
@@ -65,8 +65,8 @@ def test_params_updates_stay_on_the_mesh(tmp_path):
     new = init_model(CFG, seed=9)
     save_params_tree(new, tmp_path / "v2")
     slot = ParamsSlot(runner, "", 0)
-    assert slot.stage(M.LoadParams(version="v2", path=str(tmp_path / "v2"))).ok
-    slot.commit(M.CommitParams(version="v2", commit=True))
+    assert slot.stage(messages.LoadParams(version="v2", path=str(tmp_path / "v2"))).ok
+    slot.commit(messages.CommitParams(version="v2", commit=True))
     kernel = runner.layer_states[0]["self_attn"]["q_proj"]["kernel"][...]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
     assert generate(runner, PROMPT, 6) == generate(new, PROMPT, 6)

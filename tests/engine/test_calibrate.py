@@ -21,7 +21,7 @@ from dualpath_jax.config import (
     to_json,
     validate,
 )
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.calibrate import calibrate, calibration_shapes, prefill_cost
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcServer
@@ -119,7 +119,7 @@ def test_the_config_knob_bypasses_calibration():
     assert validate(cfg) is cfg
     # The runner is never touched: no calibration runs.
     got = prefill_cost(cfg, runner=None)
-    assert got == M.PrefillCost(prefill=pinned.prefill, calibrated=False)
+    assert got == messages.PrefillCost(prefill=pinned.prefill, calibrated=False)
     # The knob round-trips through config.json and takes a --set override as written.
     assert from_json(ExperimentConfig, to_json(cfg)) == cfg
     text = '{"prefill": [0.01, 3e-05, 4e-09]}'
@@ -173,9 +173,9 @@ def router(monkeypatch, tmp_path):
 
 
 def register(router: Router, engine: int, prefill: tuple[float, float, float] | None) -> None:
-    cost = None if prefill is None else M.PrefillCost(prefill=prefill, calibrated=True)
+    cost = None if prefill is None else messages.PrefillCost(prefill=prefill, calibrated=True)
     role = "decode" if prefill is None else "prefill"
-    msg = M.Register(
+    msg = messages.Register(
         role=role, engine=engine, node=engine, group=0, address="", pid=engine, prefill_cost=cost
     )
     router.handle(f"e{engine}".encode(), msg)

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages as M
-from dualpath_jax.engine import rpc
+from dualpath_jax.engine import messages, rpc
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcClient, RpcServer, check_bind
 from dualpath_jax.kv_events import BlockRemoved, BlockStored
@@ -28,33 +27,33 @@ from dualpath_jax.sched.scheduler import GlobalScheduler
 
 WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test
 
-_JOB = M.LoadJobMsg(
+_JOB = messages.LoadJobMsg(
     request="r1", keys=["k0", "k1"], pe_blocks=1, de_blocks=1, prompt=[1, 2, 3], gen=4,
     pe_engine=0, pe_node=0, pe_address="inproc://pe0", de_engine=1, de_node=1,
     de_address="inproc://de1", oracle=False, layerwise=True, params_version="v1", attempt=2,
 )  # fmt: skip
 
-SAMPLES: list[M.Msg] = [
-    M.OpenSession(session="s1"),
-    M.OpenSession(session="s1", resume=True),
-    M.OpenSession(session="s2", priority=-3, ttl_s=12.5),
-    M.CancelRound(request="r1"),
-    M.Ping(),
-    M.DeReady(request="r1", engine=1, attempt=2),
-    M.CloseSession(session="s1", release=True),
-    M.Submit(
+SAMPLES: list[messages.Msg] = [
+    messages.OpenSession(session="s1"),
+    messages.OpenSession(session="s1", resume=True),
+    messages.OpenSession(session="s2", priority=-3, ttl_s=12.5),
+    messages.CancelRound(request="r1"),
+    messages.Ping(),
+    messages.DeReady(request="r1", engine=1, attempt=2),
+    messages.CloseSession(session="s1", release=True),
+    messages.Submit(
         request="r1",
         session="s1",
         append=[1, 2, 3],
         gen=4,
         sampling=SamplingParams(temperature=0.7, top_p=0.5, seed=2**32 - 1),
     ),
-    M.Submit(
+    messages.Submit(
         request="r2", session="s1", append=[4], gen=8, keep=2, stop_tokens=[0, 7], stream=True
     ),
-    M.FinishRound(request="r1"),
-    M.Partial(request="r1", start=1, tokens=[6, 7]),
-    M.RoundResult(
+    messages.FinishRound(request="r1"),
+    messages.Partial(request="r1", start=1, tokens=[6, 7]),
+    messages.RoundResult(
         request="r1",
         tokens=[5, 6],
         ttft_s=0.5,
@@ -70,14 +69,14 @@ SAMPLES: list[M.Msg] = [
         persist_error="store full",
         submit_s=12.5,
     ),
-    M.Ack(ref="s1"),
-    M.Error(ref="r1", message="boom", kind="frame"),
-    M.GetStats(),
-    M.Stats(json='{"counters": {}}'),
-    M.UpdateParams(version="v2", path="/ckpt/v2"),
-    M.Shutdown(),
-    M.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
-    M.Register(
+    messages.Ack(ref="s1"),
+    messages.Error(ref="r1", message="boom", kind="frame"),
+    messages.GetStats(),
+    messages.Stats(json='{"counters": {}}'),
+    messages.UpdateParams(version="v2", path="/ckpt/v2"),
+    messages.Shutdown(),
+    messages.Load(seq_e=1, tok_e=2, read_q=3, hbm_capacity_tokens=4, slots=5),
+    messages.Register(
         role="prefill",
         engine=0,
         node=1,
@@ -86,29 +85,29 @@ SAMPLES: list[M.Msg] = [
         pid=1234,
         params_version="v1",
     ),
-    M.PrefillCost(prefill=(0.02, 2e-5, 5e-9), calibrated=False),
-    M.Register(
+    messages.PrefillCost(prefill=(0.02, 2e-5, 5e-9), calibrated=False),
+    messages.Register(
         role="prefill",
         engine=0,
         node=1,
         group=2,
         address="inproc://pe0",
         pid=1234,
-        prefill_cost=M.PrefillCost(
+        prefill_cost=messages.PrefillCost(
             prefill=(0.005, 1e-5, 2e-7),
             calibrated=True,
             calibration_s=1.25,
             samples=[(0, 16, 0.004), (496, 256, 0.04)],
         ),
     ),
-    M.LoadParams(version="v2", path="/ckpt/v2"),
-    M.ParamsLoaded(engine=1, version="v2", ok=False, message="shape mismatch"),
-    M.CommitParams(version="v2", commit=True),
-    M.Heartbeat(engine=3),
-    M.Fetch(engine=0, load=M.Load(read_q=7), links='{"h2d": 1}'),
+    messages.LoadParams(version="v2", path="/ckpt/v2"),
+    messages.ParamsLoaded(engine=1, version="v2", ok=False, message="shape mismatch"),
+    messages.CommitParams(version="v2", commit=True),
+    messages.Heartbeat(engine=3),
+    messages.Fetch(engine=0, load=messages.Load(read_q=7), links='{"h2d": 1}'),
     _JOB,
-    M.Work(jobs=[_JOB, msgspec.structs.replace(_JOB, request="r2", attempt=0)]),
-    M.PrefillDone(
+    messages.Work(jobs=[_JOB, msgspec.structs.replace(_JOB, request="r2", attempt=0)]),
+    messages.PrefillDone(
         request="r1",
         engine=0,
         first_token=9,
@@ -117,26 +116,26 @@ SAMPLES: list[M.Msg] = [
         read_s=0.01,
         prefill_s=0.02,
     ),
-    M.ReadsDone(request="r1", engine=0, attempt=1),
-    M.FirstToken(request="r1", token=9, hit_blocks=2),
-    M.TokensOut(request="r1", tokens=[9, 10]),
-    M.TokensOut(request="r1", tokens=[11], start=2),
-    M.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
-    M.DecodeDone(
+    messages.ReadsDone(request="r1", engine=0, attempt=1),
+    messages.FirstToken(request="r1", token=9, hit_blocks=2),
+    messages.TokensOut(request="r1", tokens=[9, 10]),
+    messages.TokensOut(request="r1", tokens=[11], start=2),
+    messages.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
+    messages.DecodeDone(
         request="r1", engine=1, tokens=[9], persisted_blocks=0, persist_error="OSError: ENOSPC"
     ),
-    M.KVEvents(
+    messages.KVEvents(
         engine=1,
         events=[
             BlockRemoved(keys=("a" * 32,), reason="evicted"),
             BlockStored(keys=("b" * 32, "c" * 32), block_tokens=16, block_bytes=4096),
         ],
     ),
-    M.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
-    M.Cancel(request="r1"),
-    M.Finish(request="r1"),
-    M.Stop(),
-    M.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
+    messages.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
+    messages.Cancel(request="r1"),
+    messages.Finish(request="r1"),
+    messages.Stop(),
+    messages.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
 ]
 
 
@@ -144,24 +143,24 @@ SAMPLES: list[M.Msg] = [
 
 
 def test_samples_cover_every_message_type():
-    body_types = set(typing.get_args(M.Body))
+    body_types = set(typing.get_args(messages.Body))
     assert {type(m) for m in SAMPLES} == body_types
     # No message type outside the union; the round record is one without the base (rounds.py).
-    assert set(M.Msg.__subclasses__()) | {M.RoundResult} == body_types
+    assert set(messages.Msg.__subclasses__()) | {messages.RoundResult} == body_types
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 @pytest.mark.parametrize("token", ["", "sekrit"])
 def test_every_message_round_trips(msg, token):
-    got = M.decode(M.encode(msg, token), token)
+    got = messages.decode(messages.encode(msg, token), token)
     assert type(got) is type(msg)
     assert got == msg
 
 
 def test_the_wire_format_is_plain_msgpack_data():
-    frame = M.encode(M.Submit(request="r1", session="s1", append=[1, 2], gen=3), "t")
+    frame = messages.encode(messages.Submit(request="r1", session="s1", append=[1, 2], gen=3), "t")
     assert msgspec.msgpack.decode(frame) == {
-        "v": M.SCHEMA_VERSION,
+        "v": messages.SCHEMA_VERSION,
         "token": "t",
         "body": {
             "type": "Submit",
@@ -180,20 +179,24 @@ def test_the_wire_format_is_plain_msgpack_data():
 
 
 def test_wrong_or_missing_token_is_rejected():
-    msg = M.GetStats()
-    with pytest.raises(M.FrameError, match="authentication failed: wrong or missing token"):
-        M.decode(M.encode(msg, "guess"), "sekrit")
-    with pytest.raises(M.FrameError, match="authentication failed"):
-        M.decode(M.encode(msg, ""), "sekrit")
-    with pytest.raises(M.FrameError, match="authentication failed"):  # an unexpected token too
-        M.decode(M.encode(msg, "sekrit"), "")
+    msg = messages.GetStats()
+    with pytest.raises(messages.FrameError, match="authentication failed: wrong or missing token"):
+        messages.decode(messages.encode(msg, "guess"), "sekrit")
+    with pytest.raises(messages.FrameError, match="authentication failed"):
+        messages.decode(messages.encode(msg, ""), "sekrit")
+    with pytest.raises(
+        messages.FrameError, match="authentication failed"
+    ):  # an unexpected token too
+        messages.decode(messages.encode(msg, "sekrit"), "")
 
 
 def test_other_schema_version_is_rejected():
-    frame = msgspec.msgpack.encode(M.Envelope(M.SCHEMA_VERSION + 1, "", M.Ack()))
-    want = f"schema version {M.SCHEMA_VERSION + 1} is not supported \\(this side speaks {M.SCHEMA_VERSION}\\)"
-    with pytest.raises(M.FrameError, match=want):
-        M.decode(frame)
+    frame = msgspec.msgpack.encode(
+        messages.Envelope(messages.SCHEMA_VERSION + 1, "", messages.Ack())
+    )
+    want = f"schema version {messages.SCHEMA_VERSION + 1} is not supported \\(this side speaks {messages.SCHEMA_VERSION}\\)"
+    with pytest.raises(messages.FrameError, match=want):
+        messages.decode(frame)
 
 
 @pytest.mark.parametrize(
@@ -208,41 +211,43 @@ def test_other_schema_version_is_rejected():
     ids=["empty", "reserved-byte", "text", "array", "no-body"],
 )
 def test_garbage_is_rejected(frame):
-    with pytest.raises(M.FrameError, match="^malformed message: "):
-        M.decode(frame)
+    with pytest.raises(messages.FrameError, match="^malformed message: "):
+        messages.decode(frame)
 
 
 def test_unknown_tag_is_rejected():
     frame = msgspec.msgpack.encode(
-        {"v": M.SCHEMA_VERSION, "token": "", "body": {"type": "RunShell"}}
+        {"v": messages.SCHEMA_VERSION, "token": "", "body": {"type": "RunShell"}}
     )
-    with pytest.raises(M.FrameError, match="malformed message: .*'RunShell'.*body"):
-        M.decode(frame)
+    with pytest.raises(messages.FrameError, match="malformed message: .*'RunShell'.*body"):
+        messages.decode(frame)
 
 
 def test_wrong_field_type_is_rejected():
     frame = msgspec.msgpack.encode(
-        {"v": M.SCHEMA_VERSION, "token": "", "body": {"type": "Submit", "request": "r",
+        {"v": messages.SCHEMA_VERSION, "token": "", "body": {"type": "Submit", "request": "r",
                                                       "session": "s", "append": "abc", "gen": 1}}
     )  # fmt: skip
-    with pytest.raises(M.FrameError, match="malformed message: .*append"):
-        M.decode(frame)
+    with pytest.raises(messages.FrameError, match="malformed message: .*append"):
+        messages.decode(frame)
 
 
 def test_oversized_frame_is_rejected_before_parsing():
     with pytest.raises(
-        M.FrameError,
-        match=f"frame of {M.MAX_FRAME_BYTES + 1} bytes exceeds the {M.MAX_FRAME_BYTES}-byte limit",
+        messages.FrameError,
+        match=f"frame of {messages.MAX_FRAME_BYTES + 1} bytes exceeds the {messages.MAX_FRAME_BYTES}-byte limit",
     ):
-        M.decode(bytes(M.MAX_FRAME_BYTES + 1))
-    M.decode(M.encode(M.Ack(ref="x" * 1000)))  # a normal frame is far below it
+        messages.decode(bytes(messages.MAX_FRAME_BYTES + 1))
+    messages.decode(messages.encode(messages.Ack(ref="x" * 1000)))  # a normal frame is far below it
 
 
 def test_a_valid_message_over_the_limit_is_rejected_too(monkeypatch):
-    frame = M.encode(M.Submit(request="r", session="s", append=list(range(100)), gen=1))
-    monkeypatch.setattr(M, "MAX_FRAME_BYTES", len(frame) - 1)
-    with pytest.raises(M.FrameError, match="exceeds the"):
-        M.decode(frame)
+    frame = messages.encode(
+        messages.Submit(request="r", session="s", append=list(range(100)), gen=1)
+    )
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", len(frame) - 1)
+    with pytest.raises(messages.FrameError, match="exceeds the"):
+        messages.decode(frame)
 
 
 _unpickled: list[str] = []
@@ -260,15 +265,18 @@ class _Payload:
 
 
 def test_frames_are_never_unpickled():
-    frames = [pickle.dumps(_Payload()), pickle.dumps(M.Envelope(M.SCHEMA_VERSION, "", M.Ack()))]
+    frames = [
+        pickle.dumps(_Payload()),
+        pickle.dumps(messages.Envelope(messages.SCHEMA_VERSION, "", messages.Ack())),
+    ]
     for frame in frames:
-        with pytest.raises(M.FrameError, match="malformed message"):
-            M.decode(frame)
+        with pytest.raises(messages.FrameError, match="malformed message"):
+            messages.decode(frame)
     assert _unpickled == []
     pickle.loads(frames[0])  # the payload is live: unpickling it would have run the tripwire
     assert _unpickled == ["unpickled"]
     _unpickled.clear()
-    assert not M.encode(M.Ack()).startswith(b"\x80")  # not a pickle protocol header
+    assert not messages.encode(messages.Ack()).startswith(b"\x80")  # not a pickle protocol header
 
 
 # ----------------------------------------------------------------------------- transport
@@ -302,11 +310,11 @@ def server():
 def test_client_server_call(server):
     client = RpcClient(server.address, identity=b"client-1")
     try:
-        client.send(M.OpenSession(session="s1"))
+        client.send(messages.OpenSession(session="s1"))
         got = server.recv(WAIT_MS)
-        assert got == (b"client-1", M.OpenSession(session="s1"), M.ENGINE)
-        server.send(got[0], M.Ack(ref="s1"))
-        assert client.recv(WAIT_MS) == M.Ack(ref="s1")
+        assert got == (b"client-1", messages.OpenSession(session="s1"), messages.ENGINE)
+        server.send(got[0], messages.Ack(ref="s1"))
+        assert client.recv(WAIT_MS) == messages.Ack(ref="s1")
     finally:
         client.close()
 
@@ -325,11 +333,11 @@ def test_an_ipv6_address_is_bracketed_in_urls_and_serves(port):
     try:
         assert server.address.startswith("tcp://[::1]:")
         assert port == 0 or server.address == f"tcp://[::1]:{port}"
-        client.send(M.GetStats())
+        client.send(messages.GetStats())
         ident, msg, role = server.recv(WAIT_MS)
-        assert (msg, role) == (M.GetStats(), M.CLIENT)
-        server.send(ident, M.Stats(json="{}"))
-        assert client.recv(WAIT_MS) == M.Stats(json="{}")
+        assert (msg, role) == (messages.GetStats(), messages.CLIENT)
+        server.send(ident, messages.Stats(json="{}"))
+        assert client.recv(WAIT_MS) == messages.Stats(json="{}")
     finally:
         client.close()
         server.close()
@@ -341,18 +349,18 @@ def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
         bad.sock.send(b"\xc1 garbage")
         assert server.recv(WAIT_MS) is None and server.rejected == 1
         reply = bad.recv(WAIT_MS)
-        assert isinstance(reply, M.Error) and reply.kind == "frame" and reply.ref == ""
+        assert isinstance(reply, messages.Error) and reply.kind == "frame" and reply.ref == ""
         assert reply.message.startswith("malformed message")
 
-        bad.sock.send(msgspec.msgpack.encode(M.Envelope(99, "", M.GetStats())))
+        bad.sock.send(msgspec.msgpack.encode(messages.Envelope(99, "", messages.GetStats())))
         assert server.recv(WAIT_MS) is None and server.rejected == 2
         assert bad.recv(WAIT_MS).message.startswith("schema version 99 is not supported")
 
-        good.send(M.GetStats())
+        good.send(messages.GetStats())
         ident, msg, _ = server.recv(WAIT_MS)
-        assert msg == M.GetStats()
-        server.send(ident, M.Stats(json="{}"))
-        assert good.recv(WAIT_MS) == M.Stats(json="{}")
+        assert msg == messages.GetStats()
+        server.send(ident, messages.Stats(json="{}"))
+        assert good.recv(WAIT_MS) == messages.Stats(json="{}")
         assert bad.recv(50) is None  # the good client's answer went to it alone
     finally:
         bad.close()
@@ -365,36 +373,38 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
     member = RpcClient(srv.address, token="sekrit")
     user = RpcClient(srv.address, token="public")
     try:
-        intruder.send(M.GetStats())
+        intruder.send(messages.GetStats())
         assert srv.recv(WAIT_MS) is None and srv.rejected == 1
         assert intruder.poller.poll(WAIT_MS)
         raw = intruder.sock.recv()
         assert b"sekrit" not in raw and b"public" not in raw  # no token goes to strangers
-        err = M.decode(raw, "")
-        assert isinstance(err, M.Error) and err.kind == "auth"
+        err = messages.decode(raw, "")
+        assert isinstance(err, messages.Error) and err.kind == "auth"
         assert "authentication failed" in err.message
 
         member.sock.send(b"\xc1 garbage")  # a member's bad frame: its answer is tokenless too
         assert srv.recv(WAIT_MS) is None and srv.rejected == 2
         err = member.recv(WAIT_MS)  # a tokenless Error is the one unsigned thing it accepts
-        assert isinstance(err, M.Error) and err.kind == "frame" and err.ref == ""
-        forged = M.encode(M.Ack(ref="forged"), "")
-        user.sock.send(M.encode(M.GetStats(), "public"))
+        assert isinstance(err, messages.Error) and err.kind == "frame" and err.ref == ""
+        forged = messages.encode(messages.Ack(ref="forged"), "")
+        user.sock.send(messages.encode(messages.GetStats(), "public"))
         ident, msg, role = srv.recv(WAIT_MS)
-        assert (msg, role) == (M.GetStats(), M.CLIENT)
-        srv.send(ident, M.Stats(json="{}"))  # a client's answers carry the client secret only
+        assert (msg, role) == (messages.GetStats(), messages.CLIENT)
+        srv.send(
+            ident, messages.Stats(json="{}")
+        )  # a client's answers carry the client secret only
         assert user.poller.poll(WAIT_MS)
         raw = user.sock.recv()
-        assert b"sekrit" not in raw and M.decode(raw, "public") == M.Stats(json="{}")
+        assert b"sekrit" not in raw and messages.decode(raw, "public") == messages.Stats(json="{}")
         srv.sock.send_multipart([ident, forged])
-        with pytest.raises(M.FrameError, match="authentication failed"):
+        with pytest.raises(messages.FrameError, match="authentication failed"):
             user.recv(WAIT_MS)
 
-        member.send(M.GetStats())
+        member.send(messages.GetStats())
         ident, msg, role = srv.recv(WAIT_MS)
-        assert (msg, role) == (M.GetStats(), M.ENGINE)
-        srv.send(ident, M.Ack(ref="ok"))
-        assert member.recv(WAIT_MS) == M.Ack(ref="ok")
+        assert (msg, role) == (messages.GetStats(), messages.ENGINE)
+        srv.send(ident, messages.Ack(ref="ok"))
+        assert member.recv(WAIT_MS) == messages.Ack(ref="ok")
     finally:
         intruder.close()
         member.close()
@@ -403,11 +413,11 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
 
 
 def test_unencodable_and_oversized_messages_never_leave(monkeypatch):
-    with pytest.raises(M.FrameError, match="cannot encode Submit"):
-        M.encode(M.Submit(request="r", session="s", append=[2**64], gen=1))
-    monkeypatch.setattr(M, "MAX_FRAME_BYTES", 100)
-    with pytest.raises(M.FrameError, match="Submit of .* bytes exceeds the 100-byte limit"):
-        M.encode(M.Submit(request="r", session="s", append=list(range(100)), gen=1))
+    with pytest.raises(messages.FrameError, match="cannot encode Submit"):
+        messages.encode(messages.Submit(request="r", session="s", append=[2**64], gen=1))
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 100)
+    with pytest.raises(messages.FrameError, match="Submit of .* bytes exceeds the 100-byte limit"):
+        messages.encode(messages.Submit(request="r", session="s", append=list(range(100)), gen=1))
 
 
 # ----------------------------------------------------------------------------- router validation
@@ -419,9 +429,9 @@ LIMIT = 64  # cluster.decode_max_len, below the model's max_seq_len
 @dataclasses.dataclass
 class RouterRig:
     router: Router
-    sent: list[tuple[bytes, M.Msg]]
+    sent: list[tuple[bytes, messages.Msg]]
 
-    def handle(self, msg: M.Msg, ident: bytes = b"c1") -> list[M.Msg]:
+    def handle(self, msg: messages.Msg, ident: bytes = b"c1") -> list[messages.Msg]:
         """Handles one message; returns what the router sent back (to anyone)."""
         self.sent.clear()
         self.router.handle(ident, msg)
@@ -438,11 +448,11 @@ def rig(monkeypatch):
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
     router = Router(cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0)
-    sent: list[tuple[bytes, M.Msg]] = []
+    sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     r = RouterRig(router, sent)
     for s in ("a", "b"):
-        assert r.handle(M.OpenSession(session=s)) == [M.Ack(ref=s)]
+        assert r.handle(messages.OpenSession(session=s)) == [messages.Ack(ref=s)]
     yield r
     server.close()
     store.close()
@@ -454,29 +464,31 @@ V = TINY_QWEN2.vocab_size
 @pytest.mark.parametrize(
     "submit, problem",
     [
-        (M.Submit(request="r1", session="nope", append=[1], gen=1), "unknown session 'nope'"),
-        (M.Submit(request="r1", session="a", append=[1, V], gen=1), f"token id {V} is out of range \\[0, {V}\\)"),
-        (M.Submit(request="r1", session="a", append=[-1, 2], gen=1), f"token id -1 is out of range \\[0, {V}\\)"),
-        (M.Submit(request="r1", session="a", append=[1] * 60, gen=5), f"context of 60 \\+ 5 tokens exceeds the limit of {LIMIT}"),
-        (M.Submit(request="r1", session="a", append=[1], gen=0), "gen must be > 0, got 0"),
-        (M.Submit(request="r1", session="a", append=[1], gen=-3), "gen must be > 0, got -3"),
-        (M.Submit(request="r1", session="a", append=[], gen=1), "a round must append at least one token"),
+        (messages.Submit(request="r1", session="nope", append=[1], gen=1), "unknown session 'nope'"),
+        (messages.Submit(request="r1", session="a", append=[1, V], gen=1), f"token id {V} is out of range \\[0, {V}\\)"),
+        (messages.Submit(request="r1", session="a", append=[-1, 2], gen=1), f"token id -1 is out of range \\[0, {V}\\)"),
+        (messages.Submit(request="r1", session="a", append=[1] * 60, gen=5), f"context of 60 \\+ 5 tokens exceeds the limit of {LIMIT}"),
+        (messages.Submit(request="r1", session="a", append=[1], gen=0), "gen must be > 0, got 0"),
+        (messages.Submit(request="r1", session="a", append=[1], gen=-3), "gen must be > 0, got -3"),
+        (messages.Submit(request="r1", session="a", append=[], gen=1), "a round must append at least one token"),
     ],
     ids=["unknown-session", "token-too-big", "token-negative", "over-limit", "gen-0", "gen-negative", "empty-append"],
 )  # fmt: skip
 def test_bad_submit_is_refused_naming_the_problem(rig, submit, problem):
     (err,) = rig.handle(submit)
-    assert isinstance(err, M.Error) and err.ref == "r1" and err.kind == "bad_request"
+    assert isinstance(err, messages.Error) and err.ref == "r1" and err.kind == "bad_request"
     assert err.message == problem.replace("\\", "")
     assert len(rig.router.scheduler) == 0 and rig.router.rounds.table.requests == {}
     assert rig.router.stats()["counters"]["errors"] == 1
     # Nothing was left behind: the session takes a valid round afterwards.
-    assert rig.handle(M.Submit(request="r2", session="a", append=[1, 2], gen=1)) == []
+    assert rig.handle(messages.Submit(request="r2", session="a", append=[1, 2], gen=1)) == []
     assert len(rig.router.scheduler) == 1
 
 
 def test_valid_submit_is_queued_without_reply(rig):
-    assert rig.handle(M.Submit(request="r1", session="a", append=[3] * 60, gen=4)) == []  # == limit
+    assert (
+        rig.handle(messages.Submit(request="r1", session="a", append=[3] * 60, gen=4)) == []
+    )  # == limit
     assert rig.router.scheduler.queued() == {"de_global": 1, "de_private": 0, "pe_waiting": 0}
     st = rig.router.rounds.table.requests["r1"]
     assert st.prompt == [3] * 60 and st.gen == 4 and st.client == b"c1"
@@ -490,10 +502,10 @@ def test_valid_submit_is_queued_without_reply(rig):
 
 
 def test_duplicate_request_id_and_busy_session_are_refused(rig):
-    assert rig.handle(M.Submit(request="r1", session="a", append=[1], gen=1)) == []
-    (err,) = rig.handle(M.Submit(request="r1", session="b", append=[1], gen=1))
+    assert rig.handle(messages.Submit(request="r1", session="a", append=[1], gen=1)) == []
+    (err,) = rig.handle(messages.Submit(request="r1", session="b", append=[1], gen=1))
     assert err.kind == "bad_request" and err.message == "duplicate request id 'r1'"
-    (err,) = rig.handle(M.Submit(request="r2", session="a", append=[1], gen=1))
+    (err,) = rig.handle(messages.Submit(request="r2", session="a", append=[1], gen=1))
     assert err.message == "session 'a' already has a round running"
     assert len(rig.router.scheduler) == 1 and list(rig.router.rounds.table.requests) == ["r1"]
 
@@ -506,17 +518,17 @@ def test_stored_prefix_becomes_the_cached_tokens(rig):
     width = TINY_QWEN2.kv_width
     blocks = kv_to_full_blocks(np.zeros((TINY_QWEN2.num_layers, 2 * BT, width), np.float32), BT)
     router.store.write_full(keys, blocks).result(10)
-    assert rig.handle(M.Submit(request="r1", session="a", append=prompt, gen=1)) == []
+    assert rig.handle(messages.Submit(request="r1", session="a", append=prompt, gen=1)) == []
     rounds = router.rounds.table.requests
     assert rounds["r1"].request.cached_tokens == BT  # not 2 * BT: one block recomputed
-    assert rig.handle(M.Submit(request="r2", session="b", append=prompt + [7], gen=1)) == []
+    assert rig.handle(messages.Submit(request="r2", session="b", append=prompt + [7], gen=1)) == []
     assert rounds["r2"].request.cached_tokens == 2 * BT
 
 
 def test_close_session(rig):
-    assert rig.handle(M.CloseSession(session="a")) == [M.Ack(ref="a")]
-    (err,) = rig.handle(M.CloseSession(session="a"))
-    assert err == M.Error(ref="a", message="unknown session 'a'")
+    assert rig.handle(messages.CloseSession(session="a")) == [messages.Ack(ref="a")]
+    (err,) = rig.handle(messages.CloseSession(session="a"))
+    assert err == messages.Error(ref="a", message="unknown session 'a'")
 
 
 def test_router_over_the_wire(rig, monkeypatch):
@@ -525,10 +537,10 @@ def test_router_over_the_wire(rig, monkeypatch):
     monkeypatch.undo()  # the real send again
     client = RpcClient(server.address)
     try:
-        client.send(M.Submit(request="r9", session="nope", append=[1], gen=1))
+        client.send(messages.Submit(request="r9", session="nope", append=[1], gen=1))
         ident, msg, role = server.recv(WAIT_MS)
         rig.router.handle(ident, msg, role)
-        assert client.recv(WAIT_MS) == M.Error(
+        assert client.recv(WAIT_MS) == messages.Error(
             ref="r9", message="unknown session 'nope'", kind="bad_request"
         )
     finally:

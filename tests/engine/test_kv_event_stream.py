@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.kv_publisher import KVEventPublisher, check_events_bind
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcServer
@@ -170,16 +170,18 @@ def test_the_address_is_validated_with_the_config(address, ok):
 @dataclasses.dataclass
 class Rig:
     router: Router
-    sent: list[tuple[bytes, M.Msg]]
+    sent: list[tuple[bytes, messages.Msg]]
     pub: KVEventPublisher
     sub: KVEventSubscriber
     first: int = 0  # the seq of the first batch after the probes
 
-    def handle(self, msg: M.Msg, ident: bytes = b"c1", role: str = M.ENGINE) -> list[M.Msg]:
+    def handle(
+        self, msg: messages.Msg, ident: bytes = b"c1", role: str = messages.ENGINE
+    ) -> list[messages.Msg]:
         """What the router sent, session retention (`Retain`) left out."""
         self.sent.clear()
         self.router.handle(ident, msg, role)
-        return [m for _, m in self.sent if not isinstance(m, M.Retain)]
+        return [m for _, m in self.sent if not isinstance(m, messages.Retain)]
 
     def batches(self) -> list[EventBatch]:
         out = []
@@ -201,13 +203,13 @@ def rig(monkeypatch):
     router = Router(
         cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0, kv_events=pub
     )
-    sent: list[tuple[bytes, M.Msg]] = []
+    sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     sub = KVEventSubscriber(pub.address)
     r = Rig(router, sent, pub, sub)
     r.first = attach(pub, sub)
     for role, engine in (("prefill", 0), ("decode", 1)):
-        reg = M.Register(
+        reg = messages.Register(
             role=role, engine=engine, node=engine, group=0, address=f"inproc://{engine}", pid=9
         )
         r.handle(reg, ident=f"e{engine}".encode())
@@ -220,9 +222,9 @@ def rig(monkeypatch):
 
 def test_engine_events_are_published_in_arrival_order_named_after_the_engine(rig):
     de = [stored(key(1), key(2)), BlockRemoved(keys=(key(7),), reason="evicted")]
-    assert rig.handle(M.KVEvents(engine=1, events=de), ident=b"e1") == []
+    assert rig.handle(messages.KVEvents(engine=1, events=de), ident=b"e1") == []
     pe = [BlockRemoved(keys=(key(3),), reason="corrupt")]
-    rig.handle(M.KVEvents(engine=0, events=pe), ident=b"e0")
+    rig.handle(messages.KVEvents(engine=0, events=pe), ident=b"e0")
     got = rig.batches()
     assert [(b.seq, b.source, list(b.events)) for b in got] == [
         (rig.first, "de1", de),
@@ -235,12 +237,14 @@ def test_engine_events_are_published_in_arrival_order_named_after_the_engine(rig
 
 
 def test_only_registered_engines_on_their_own_connection_publish(rig):
-    msg = M.KVEvents(engine=1, events=[stored(key(1))])
-    (err,) = rig.handle(msg, ident=b"c9", role=M.CLIENT)
+    msg = messages.KVEvents(engine=1, events=[stored(key(1))])
+    (err,) = rig.handle(msg, ident=b"c9", role=messages.CLIENT)
     assert err.kind == "auth" and "needs the engine secret" in err.message
     (err,) = rig.handle(msg, ident=b"e0")  # engine 0's connection naming engine 1
     assert err.kind == "auth"
-    rig.handle(M.KVEvents(engine=5, events=[stored(key(1))]), ident=b"e5")  # never registered
+    rig.handle(
+        messages.KVEvents(engine=5, events=[stored(key(1))]), ident=b"e5"
+    )  # never registered
     assert rig.batches() == []
 
 
@@ -258,7 +262,7 @@ def test_a_release_publishes_its_removals_before_the_ack(rig, monkeypatch):
         return n
 
     monkeypatch.setattr(rig.pub, "flush", noted_flush)
-    assert rig.handle(M.OpenSession(session="a")) == [M.Ack(ref="a")]
+    assert rig.handle(messages.OpenSession(session="a")) == [messages.Ack(ref="a")]
     prompt = list(range(3 * BT))
     keys = block_keys(prompt, BT, router.params.fingerprint)
     width = TINY_QWEN2.kv_width
@@ -266,9 +270,9 @@ def test_a_release_publishes_its_removals_before_the_ack(rig, monkeypatch):
     router.store.write_full(keys, blocks).result(10)
     router.store.claim("a", keys)
     index = StoredBlocks()
-    assert rig.handle(M.CloseSession(session="a", release=True)) == [
+    assert rig.handle(messages.CloseSession(session="a", release=True)) == [
         "published 2",
-        M.Ack(ref="a"),
+        messages.Ack(ref="a"),
     ]
     got = rig.batches()
     index.apply_all(got)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.params import (
     ParamsSlot,
     check_params_config,
@@ -36,22 +36,26 @@ PE, DE = 0, 1
 @dataclasses.dataclass
 class Rig:
     router: Router
-    sent: list[tuple[bytes, M.Msg]]
+    sent: list[tuple[bytes, messages.Msg]]
 
-    def handle(self, msg: M.Msg, ident: bytes = b"client") -> list[tuple[bytes, M.Msg]]:
+    def handle(
+        self, msg: messages.Msg, ident: bytes = b"client"
+    ) -> list[tuple[bytes, messages.Msg]]:
         """Handles one message; returns (recipient, message) of everything the router sent but
         session retention (`Retain`, tests/engine/test_router_retention.py)."""
         self.sent.clear()
         self.router.handle(ident, msg)
-        return [(i, m) for i, m in self.sent if not isinstance(m, M.Retain)]
+        return [(i, m) for i, m in self.sent if not isinstance(m, messages.Retain)]
 
     def submit(self, rid: str, session: str, append: list[int], gen: int = 2, **kw) -> list:
-        return self.handle(M.Submit(request=rid, session=session, append=append, gen=gen, **kw))
+        return self.handle(
+            messages.Submit(request=rid, session=session, append=append, gen=gen, **kw)
+        )
 
-    def prefill_done(self, rid: str) -> list[tuple[bytes, M.Msg]]:
+    def prefill_done(self, rid: str) -> list[tuple[bytes, messages.Msg]]:
         """The PE reports round `rid` prefilled (first token 5, nothing read)."""
         return self.handle(
-            M.PrefillDone(
+            messages.PrefillDone(
                 request=rid,
                 engine=PE,
                 first_token=5,
@@ -63,15 +67,18 @@ class Rig:
             b"pe",
         )
 
-    def run_round(self, rid: str) -> list[tuple[bytes, M.Msg]]:
+    def run_round(self, rid: str) -> list[tuple[bytes, messages.Msg]]:
         """Drives a queued round through PE fetch, prefill and decode; returns the last sends."""
-        self.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
-        self.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
+        self.handle(
+            messages.Fetch(engine=DE, load=messages.Load(hbm_capacity_tokens=4096, slots=4)), b"de"
+        )
+        self.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe")
         st = self.router.rounds.table.requests[rid]
         assert (st.pe, st.de) == (PE, DE)
         self.prefill_done(rid)
         return self.handle(
-            M.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0), b"de"
+            messages.DecodeDone(request=rid, engine=DE, tokens=[5] * st.gen, persisted_blocks=0),
+            b"de",
         )
 
 
@@ -85,15 +92,16 @@ def rig(monkeypatch):
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
     router = Router(cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0)
-    sent: list[tuple[bytes, M.Msg]] = []
+    sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     r = Rig(router, sent)
     for engine, role, ident in ((PE, "prefill", b"pe"), (DE, "decode", b"de")):
         r.handle(
-            M.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1), ident
+            messages.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1),
+            ident,
         )
     for s in ("a", "b"):
-        r.handle(M.OpenSession(session=s))
+        r.handle(messages.OpenSession(session=s))
     yield r
     server.close()
     store.close()
@@ -105,17 +113,19 @@ def _only(sent, kind):
 
 def test_update_with_nothing_in_flight_loads_commits_and_changes_the_fingerprint(rig):
     old_fp = rig.router.params.fingerprint
-    sent = rig.handle(M.UpdateParams(version="v1", path="/ckpt/v1"))
+    sent = rig.handle(messages.UpdateParams(version="v1", path="/ckpt/v1"))
     assert sorted(sent) == [
-        (b"de", M.LoadParams(version="v1", path="/ckpt/v1")),
-        (b"pe", M.LoadParams(version="v1", path="/ckpt/v1")),
+        (b"de", messages.LoadParams(version="v1", path="/ckpt/v1")),
+        (b"pe", messages.LoadParams(version="v1", path="/ckpt/v1")),
     ]
-    assert rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe") == []  # DE not yet
-    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    assert (
+        rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe") == []
+    )  # DE not yet
+    sent = rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
     assert sorted(sent) == [
-        (b"client", M.Ack(ref="params:v1")),
-        (b"de", M.CommitParams(version="v1", commit=True)),
-        (b"pe", M.CommitParams(version="v1", commit=True)),
+        (b"client", messages.Ack(ref="params:v1")),
+        (b"de", messages.CommitParams(version="v1", commit=True)),
+        (b"pe", messages.CommitParams(version="v1", commit=True)),
     ]
     r = rig.router
     assert r.params.version == "v1" and r.params.path == "/ckpt/v1"
@@ -127,45 +137,53 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     r = rig.router
     prompt = list(range(2 * BT + 3))
     assert rig.submit("r1", "a", prompt) == []
-    assert rig.handle(M.UpdateParams(version="v1", path="/p")) == []  # draining: r1 in flight
+    assert (
+        rig.handle(messages.UpdateParams(version="v1", path="/p")) == []
+    )  # draining: r1 in flight
     assert rig.submit("r2", "b", prompt) == []  # held, not queued
     assert list(r.rounds.table.requests) == ["r1"] and len(r.params.held) == 1
     # r1 runs to the end with the old params (its job carries the old version) ...
-    rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
-    sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
-    assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {""}
+    rig.handle(
+        messages.Fetch(engine=DE, load=messages.Load(hbm_capacity_tokens=4096, slots=4)), b"de"
+    )
+    sent = rig.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe")
+    assert {m.jobs[0].params_version for _, m in _only(sent, messages.Work)} == {""}
     rig.prefill_done("r1")
     sent = rig.handle(
-        M.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de"
+        messages.DecodeDone(request="r1", engine=DE, tokens=[5, 6], persisted_blocks=2), b"de"
     )
     # ... and only then do the engines load the new params.
-    assert isinstance(_only(sent, M.RoundResult)[0][1], M.RoundResult)
-    assert len(_only(sent, M.LoadParams)) == 2
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    sent = rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    assert (b"client", M.Ack(ref="params:v1")) in sent
+    assert isinstance(_only(sent, messages.RoundResult)[0][1], messages.RoundResult)
+    assert len(_only(sent, messages.LoadParams)) == 2
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    sent = rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    assert (b"client", messages.Ack(ref="params:v1")) in sent
     # The held round is submitted now, keyed by the new fingerprint: old blocks are never hit.
     assert r.params.held == [] and list(r.rounds.table.requests) == ["r2"]
     r2 = r.rounds.table.requests["r2"]
     assert r2.keys == [] and r2.request.cached_tokens == 0
-    sent = rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
-    sent = rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe")
-    assert {m.jobs[0].params_version for _, m in _only(sent, M.Work)} == {"v1"}
+    sent = rig.handle(
+        messages.Fetch(engine=DE, load=messages.Load(hbm_capacity_tokens=4096, slots=4)), b"de"
+    )
+    sent = rig.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe")
+    assert {m.jobs[0].params_version for _, m in _only(sent, messages.Work)} == {"v1"}
 
 
 def test_a_refusing_engine_aborts_the_update_everywhere(rig):
     r = rig.router
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
     rig.submit("r1", "a", [1, 2, 3])  # held meanwhile
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     sent = rig.handle(
-        M.ParamsLoaded(engine=DE, version="v1", ok=False, message="CheckpointError: bad shape"),
+        messages.ParamsLoaded(
+            engine=DE, version="v1", ok=False, message="CheckpointError: bad shape"
+        ),
         b"de",
     )
-    assert [m for _, m in _only(sent, M.CommitParams)] == [
-        M.CommitParams(version="v1", commit=False)
+    assert [m for _, m in _only(sent, messages.CommitParams)] == [
+        messages.CommitParams(version="v1", commit=False)
     ] * 2
-    ((_, err),) = _only(sent, M.Error)
+    ((_, err),) = _only(sent, messages.Error)
     assert err.ref == "params:v1" and "engine 1: CheckpointError: bad shape" in err.message
     assert "still serving ''" in err.message
     assert r.params.version == "" and r.params.fingerprint == model_fingerprint(TINY_QWEN2, "")
@@ -173,61 +191,72 @@ def test_a_refusing_engine_aborts_the_update_everywhere(rig):
     assert list(r.rounds.table.requests) == ["r1"] and r.params.update is None
     # the cluster takes the next update
     assert (
-        len(_only(rig.handle(M.UpdateParams(version="v2", path="/q")), M.LoadParams)) == 0
+        len(_only(rig.handle(messages.UpdateParams(version="v2", path="/q")), messages.LoadParams))
+        == 0
     )  # r1 drains first
 
 
 def test_an_engine_dying_mid_update_is_not_waited_for(rig):
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.sent.clear()
     rig.router.liveness.declare_dead(rig.router.liveness.registry[DE])
     sent = list(rig.sent)
-    assert (b"client", M.Ack(ref="params:v1")) in sent
-    assert (b"pe", M.CommitParams(version="v1", commit=True)) in sent
+    assert (b"client", messages.Ack(ref="params:v1")) in sent
+    assert (b"pe", messages.CommitParams(version="v1", commit=True)) in sent
     assert rig.router.params.version == "v1"
 
 
 @pytest.mark.parametrize(
     "msg, problem",
     [
-        (M.UpdateParams(version="", path="/p"), "must be 1-128 characters"),
-        (M.UpdateParams(version="../x", path="/p"), "must be 1-128 characters"),
-        (M.UpdateParams(version="v1", path=""), "needs the path of a parameter checkpoint"),
+        (messages.UpdateParams(version="", path="/p"), "must be 1-128 characters"),
+        (messages.UpdateParams(version="../x", path="/p"), "must be 1-128 characters"),
+        (messages.UpdateParams(version="v1", path=""), "needs the path of a parameter checkpoint"),
     ],
 )
 def test_bad_update_requests_are_refused(rig, msg, problem):
     ((_, err),) = rig.handle(msg)
-    assert isinstance(err, M.Error) and problem in err.message and rig.router.params.update is None
+    assert (
+        isinstance(err, messages.Error)
+        and problem in err.message
+        and rig.router.params.update is None
+    )
 
 
 def test_concurrent_and_repeated_versions_are_refused(rig):
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
-    ((_, err),) = rig.handle(M.UpdateParams(version="v2", path="/p"))
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    ((_, err),) = rig.handle(messages.UpdateParams(version="v2", path="/p"))
     assert err.kind == "busy" and "'v1' is still in progress" in err.message
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    ((_, err),) = rig.handle(M.UpdateParams(version="v1", path="/other"))
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    ((_, err),) = rig.handle(messages.UpdateParams(version="v1", path="/other"))
     assert "'v1' is already served" in err.message
 
 
 def test_stale_or_foreign_acks_are_ignored(rig):
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
-    assert rig.handle(M.ParamsLoaded(engine=PE, version="v0", ok=False, message="old"), b"pe") == []
-    assert rig.handle(M.ParamsLoaded(engine=7, version="v1", ok=False, message="who"), b"x") == []
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    assert (
+        rig.handle(messages.ParamsLoaded(engine=PE, version="v0", ok=False, message="old"), b"pe")
+        == []
+    )
+    assert (
+        rig.handle(messages.ParamsLoaded(engine=7, version="v1", ok=False, message="who"), b"x")
+        == []
+    )
     assert rig.router.params.update is not None and rig.router.params.update.waiting == {PE, DE}
 
 
 def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    rig.handle(M.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
     sent = rig.handle(
-        M.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2"
+        messages.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2"
     )
     assert [m for _, m in sent][1:] == [
-        M.LoadParams(version="v1", path="/p"),
-        M.CommitParams(version="v1", commit=True),
+        messages.LoadParams(version="v1", path="/p"),
+        messages.CommitParams(version="v1", commit=True),
     ]
 
 
@@ -248,8 +277,12 @@ def test_bad_round_fields_are_refused(rig, kw, problem):
 def test_sampling_fields_reach_the_job(rig):
     sampling = SamplingParams(temperature=0.8, top_p=0.5, seed=77)
     rig.submit("r1", "a", [1, 2], sampling=sampling, stop_tokens=[3], stream=True)
-    rig.handle(M.Fetch(engine=DE, load=M.Load(hbm_capacity_tokens=4096, slots=4)), b"de")
-    (_, work), *_ = _only(rig.handle(M.Fetch(engine=PE, load=M.Load()), b"pe"), M.Work)
+    rig.handle(
+        messages.Fetch(engine=DE, load=messages.Load(hbm_capacity_tokens=4096, slots=4)), b"de"
+    )
+    (_, work), *_ = _only(
+        rig.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe"), messages.Work
+    )
     job = work.jobs[0]
     assert (job.sampling, job.stop_tokens, job.stream) == (sampling, [3], True)
 
@@ -278,13 +311,15 @@ def test_close_with_release_deletes_the_sessions_blocks_but_not_shared_ones(rig)
     b_keys = _store_blocks(r, b_tokens + [5])
     assert a_keys[0] == b_keys[0]
     assert r.store.lookup(a_keys).result(10) == 3
-    assert rig.handle(M.CloseSession(session="a", release=True)) == [(b"client", M.Ack(ref="a"))]
+    assert rig.handle(messages.CloseSession(session="a", release=True)) == [
+        (b"client", messages.Ack(ref="a"))
+    ]
     assert r.store.lookup(a_keys[:1]).result(10) == 1  # b still uses the shared first block
     assert (
         r.store.lookup(a_keys[1:2]).result(10) == 0 and r.store.lookup(a_keys[2:]).result(10) == 0
     )
     assert r.store.lookup(b_keys).result(10) == 2
-    rig.handle(M.CloseSession(session="b", release=True))
+    rig.handle(messages.CloseSession(session="b", release=True))
     assert r.store.lookup(b_keys[:1]).result(10) == 0
 
 
@@ -294,13 +329,13 @@ def test_close_without_release_keeps_blocks(rig):
     rig.submit("ra", "a", tokens, gen=2)
     rig.run_round("ra")
     keys = _store_blocks(r, tokens + [5])
-    assert rig.handle(M.CloseSession(session="a")) == [(b"client", M.Ack(ref="a"))]
+    assert rig.handle(messages.CloseSession(session="a")) == [(b"client", messages.Ack(ref="a"))]
     assert r.store.lookup(keys).result(10) == 2
 
 
 def test_release_of_a_busy_session_is_refused(rig):
     rig.submit("ra", "a", [1, 2, 3])
-    ((_, err),) = rig.handle(M.CloseSession(session="a", release=True))
+    ((_, err),) = rig.handle(messages.CloseSession(session="a", release=True))
     assert "has a round running" in err.message and "a" in rig.router.rounds.table
 
 
@@ -312,8 +347,8 @@ def runner():
     return ModelRunner(init_model(TINY_QWEN2, seed=0))
 
 
-def _job(version: str) -> M.LoadJobMsg:
-    return M.LoadJobMsg(
+def _job(version: str) -> messages.LoadJobMsg:
+    return messages.LoadJobMsg(
         request="r1",
         keys=[],
         pe_blocks=0,
@@ -338,11 +373,11 @@ def test_params_slot_stages_then_commits(runner, tmp_path):
     slot = ParamsSlot(runner, "", 4)
     before = np.asarray(runner.embedding)
     sent = []
-    assert slot.handle(M.LoadParams(version="v1", path=str(tmp_path / "v1")), sent.append)
-    assert sent == [M.ParamsLoaded(engine=4, version="v1", ok=True)]
+    assert slot.handle(messages.LoadParams(version="v1", path=str(tmp_path / "v1")), sent.append)
+    assert sent == [messages.ParamsLoaded(engine=4, version="v1", ok=True)]
     np.testing.assert_array_equal(np.asarray(runner.embedding), before)  # staged, not served
     slot.check_job(_job(""))
-    assert slot.handle(M.CommitParams(version="v1", commit=True), sent.append)
+    assert slot.handle(messages.CommitParams(version="v1", commit=True), sent.append)
     assert slot.version == "v1"
     np.testing.assert_array_equal(
         np.asarray(runner.embedding), np.asarray(new.embed.embedding[...])
@@ -362,15 +397,15 @@ def test_params_slot_refuses_bad_params_and_keeps_serving(runner, tmp_path):
     save_params_tree(tree, tmp_path / "bad")
     slot = ParamsSlot(runner, "v0", 0)
     before = np.asarray(runner.embedding)
-    reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "bad")))
+    reply = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path / "bad")))
     assert (
         not reply.ok
         and "layers/0/mlp/up_proj/kernel: float32[64, 8] but the model has float32[64, 96]"
         in reply.message
     )
-    reply = slot.stage(M.LoadParams(version="v1", path=str(tmp_path / "missing")))
+    reply = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path / "missing")))
     assert not reply.ok and "does not exist" in reply.message
-    slot.commit(M.CommitParams(version="v1", commit=True))  # nothing staged: ignored
+    slot.commit(messages.CommitParams(version="v1", commit=True))  # nothing staged: ignored
     assert slot.version == "v0"
     np.testing.assert_array_equal(np.asarray(runner.embedding), before)
 
@@ -406,15 +441,15 @@ def test_local_cluster_refuses_a_bad_params_path_before_starting_anything(tmp_pa
 
 def test_an_update_whose_engines_do_not_answer_is_aborted_after_the_timeout(rig):
     limit = rig.router.cfg.cluster.params_load_timeout_s
-    rig.handle(M.UpdateParams(version="v1", path="/p"))
-    rig.handle(M.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
     rig.sent.clear()
     rig.router.params.check_timeout(limit)  # not yet
     assert rig.sent == [] and rig.router.params.update is not None
     rig.router.params.check_timeout(limit + 1)
-    ((_, err),) = _only(rig.sent, M.Error)
+    ((_, err),) = _only(rig.sent, messages.Error)
     assert "engine 1: no answer within 600 s" in err.message and rig.router.params.version == ""
-    assert [m for _, m in _only(rig.sent, M.CommitParams)] == [
-        M.CommitParams(version="v1", commit=False)
+    assert [m for _, m in _only(rig.sent, messages.CommitParams)] == [
+        messages.CommitParams(version="v1", commit=False)
     ] * 2
     assert rig.router.params.update is None

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.router import Router
 from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.kvstore.store import open_block_store
@@ -34,35 +34,43 @@ class Clock:
 @dataclasses.dataclass
 class Rig:
     router: Router
-    sent: list[tuple[bytes, M.Msg]]
+    sent: list[tuple[bytes, messages.Msg]]
     clock: Clock
 
-    def handle(self, msg: M.Msg, ident: bytes = CLIENT, role: str = M.ENGINE) -> list[M.Msg]:
+    def handle(
+        self, msg: messages.Msg, ident: bytes = CLIENT, role: str = messages.ENGINE
+    ) -> list[messages.Msg]:
         """What the router sent in answer, session retention (`Retain`, tests/engine/
         test_router_retention.py) left out."""
         self.sent.clear()
         self.router.handle(ident, msg, role)
-        return [m for _, m in self.sent if not isinstance(m, M.Retain)]
+        return [m for _, m in self.sent if not isinstance(m, messages.Retain)]
 
-    def to(self, ident: bytes) -> list[M.Msg]:
-        return [m for i, m in self.sent if i == ident and not isinstance(m, M.Retain)]
+    def to(self, ident: bytes) -> list[messages.Msg]:
+        return [m for i, m in self.sent if i == ident and not isinstance(m, messages.Retain)]
 
     def submit(self, session: str, request: str, gen: int = 3) -> None:
-        assert self.handle(M.OpenSession(session=session), role=M.CLIENT) == [M.Ack(ref=session)]
-        assert self.handle(M.Submit(request=request, session=session, append=[1, 2, 3], gen=gen),
-                           role=M.CLIENT) == []  # fmt: skip
+        assert self.handle(messages.OpenSession(session=session), role=messages.CLIENT) == [
+            messages.Ack(ref=session)
+        ]
+        assert self.handle(messages.Submit(request=request, session=session, append=[1, 2, 3], gen=gen),
+                           role=messages.CLIENT) == []  # fmt: skip
 
-    def fetch(self, engine: int, slots: int = 2) -> list[M.Msg]:
+    def fetch(self, engine: int, slots: int = 2) -> list[messages.Msg]:
         ident = PE_ID if engine == PE else DE_ID
-        load = M.Load(hbm_capacity_tokens=10_000, slots=slots) if engine == DE else M.Load()
-        self.handle(M.Fetch(engine=engine, load=load), ident)
+        load = (
+            messages.Load(hbm_capacity_tokens=10_000, slots=slots)
+            if engine == DE
+            else messages.Load()
+        )
+        self.handle(messages.Fetch(engine=engine, load=load), ident)
         return list(self.sent)
 
-    def assign(self) -> list[M.LoadJobMsg]:
+    def assign(self) -> list[messages.LoadJobMsg]:
         """DE then PE fetch: the jobs the DE got."""
         self.fetch(DE)
         sent = self.fetch(PE)
-        return [j for i, m in sent if i == DE_ID and isinstance(m, M.Work) for j in m.jobs]
+        return [j for i, m in sent if i == DE_ID and isinstance(m, messages.Work) for j in m.jobs]
 
 
 def make_rig(**cluster) -> Rig:
@@ -77,11 +85,11 @@ def make_rig(**cluster) -> Rig:
     clock = Clock()
     sched = GlobalScheduler(Policy.DUALPATH, de_max_seqs=c.decode_slots + c.decode_queue)
     router = Router(cfg, server, store, sched, clock=clock)
-    sent: list[tuple[bytes, M.Msg]] = []
+    sent: list[tuple[bytes, messages.Msg]] = []
     server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
     rig = Rig(router, sent, clock)
     for engine, role, ident in ((PE, "prefill", PE_ID), (DE, "decode", DE_ID)):
-        rig.handle(M.Register(role=role, engine=engine, node=engine, group=0,
+        rig.handle(messages.Register(role=role, engine=engine, node=engine, group=0,
                               address=f"inproc://{engine}", pid=100 + engine), ident)  # fmt: skip
     rig.router.tick(clock())
     return rig
@@ -95,8 +103,8 @@ def rig():
     r.router.store.close()
 
 
-def errors_to_client(rig: Rig) -> list[M.Error]:
-    return [m for m in rig.to(CLIENT) if isinstance(m, M.Error)]
+def errors_to_client(rig: Rig) -> list[messages.Error]:
+    return [m for m in rig.to(CLIENT) if isinstance(m, messages.Error)]
 
 
 # ----------------------------------------------------------------------------- failures
@@ -107,15 +115,20 @@ def test_a_reported_failure_ends_the_round_with_its_kind_and_text(rig, kind):
     rig.submit("s", "r1")
     (job,) = rig.assign()
     text = "OSError: [Errno 28] No space left on device"
-    rig.handle(M.Failed(request="r1", engine=DE, message=text, kind=kind, attempt=job.attempt),
+    rig.handle(messages.Failed(request="r1", engine=DE, message=text, kind=kind, attempt=job.attempt),
                DE_ID)  # fmt: skip
     (err,) = errors_to_client(rig)
     assert err.ref == "r1" and err.kind == ("engine" if kind == "error" else kind)
     assert text in err.message and "decode engine 1" in err.message
-    assert M.Cancel(request="r1") in rig.to(PE_ID)  # the other side drops its half
+    assert messages.Cancel(request="r1") in rig.to(PE_ID)  # the other side drops its half
     assert "r1" not in rig.router.rounds.table.requests and not rig.router.rounds.table["s"].busy
     # the session is usable again
-    assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
+    assert (
+        rig.handle(
+            messages.Submit(request="r2", session="s", append=[4], gen=2), role=messages.CLIENT
+        )
+        == []
+    )
 
 
 def test_transfer_failures_are_retried_then_end_with_the_last_cause(rig):
@@ -123,7 +136,7 @@ def test_transfer_failures_are_retried_then_end_with_the_last_cause(rig):
     for attempt in (1, 2):  # max_attempts=2
         (job,) = rig.assign()
         assert job.attempt == attempt
-        rig.handle(M.Failed(request="r1", engine=PE, message=f"TransferTimeout: try {attempt}",
+        rig.handle(messages.Failed(request="r1", engine=PE, message=f"TransferTimeout: try {attempt}",
                             kind="transfer", attempt=attempt), PE_ID)  # fmt: skip
     (err,) = errors_to_client(rig)
     assert err.kind == "transfer"
@@ -134,23 +147,27 @@ def test_transfer_failures_are_retried_then_end_with_the_last_cause(rig):
 def test_a_stale_attempts_failure_is_ignored(rig):
     rig.submit("s", "r1")
     rig.assign()
-    rig.handle(M.Failed(request="r1", engine=PE, message="x", kind="transfer", attempt=1), PE_ID)
+    rig.handle(
+        messages.Failed(request="r1", engine=PE, message="x", kind="transfer", attempt=1), PE_ID
+    )
     (job,) = rig.assign()
     assert job.attempt == 2
-    rig.handle(M.Failed(request="r1", engine=PE, message="late", kind="store", attempt=1), PE_ID)
+    rig.handle(
+        messages.Failed(request="r1", engine=PE, message="late", kind="store", attempt=1), PE_ID
+    )
     assert errors_to_client(rig) == [] and "r1" in rig.router.rounds.table.requests
 
 
 def test_a_persist_error_still_returns_the_tokens(rig):
     rig.submit("s", "r1")
     (job,) = rig.assign()
-    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
-    rig.handle(M.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0,
+    rig.handle(messages.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
+    rig.handle(messages.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0,
                              recomputed_blocks=0, read_s=0, prefill_s=0), PE_ID)  # fmt: skip
-    rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[5, 6, 7], persisted_blocks=0,
+    rig.handle(messages.DecodeDone(request="r1", engine=DE, tokens=[5, 6, 7], persisted_blocks=0,
                             persist_error="StoreError: read-only"), DE_ID)  # fmt: skip
     (res,) = rig.to(CLIENT)
-    assert isinstance(res, M.RoundResult) and res.tokens == [5, 6, 7]
+    assert isinstance(res, messages.RoundResult) and res.tokens == [5, 6, 7]
     assert res.persist_error == "StoreError: read-only"
     assert rig.router.stats()["counters"]["persist_errors"] == 1
     assert rig.router.rounds.table["s"].context == [1, 2, 3, 5, 6, 7]
@@ -163,12 +180,12 @@ def test_the_pe_gets_a_job_only_once_its_de_is_ready(rig):
     rig.submit("s", "r1")
     rig.fetch(DE)
     sent = rig.fetch(PE)
-    assert [i for i, m in sent if isinstance(m, M.Work)] == [DE_ID]  # not the PE yet
-    job = next(m for _, m in sent if isinstance(m, M.Work)).jobs[0]
-    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt + 1), DE_ID)
+    assert [i for i, m in sent if isinstance(m, messages.Work)] == [DE_ID]  # not the PE yet
+    job = next(m for _, m in sent if isinstance(m, messages.Work)).jobs[0]
+    rig.handle(messages.DeReady(request="r1", engine=DE, attempt=job.attempt + 1), DE_ID)
     assert rig.to(PE_ID) == []  # another attempt's readiness
-    rig.handle(M.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
-    assert rig.to(PE_ID) == [M.Work(jobs=[job])]
+    rig.handle(messages.DeReady(request="r1", engine=DE, attempt=job.attempt), DE_ID)
+    assert rig.to(PE_ID) == [messages.Work(jobs=[job])]
 
 
 def test_a_de_never_holds_more_than_its_slots_plus_queue():
@@ -188,8 +205,10 @@ def test_beyond_max_queue_rounds_are_refused_as_overloaded():
     rig.router.scheduler.max_queue = 2
     rig.submit("a", "r1")
     rig.submit("b", "r2")
-    rig.handle(M.OpenSession(session="c"), role=M.CLIENT)
-    (err,) = rig.handle(M.Submit(request="r3", session="c", append=[1], gen=1), role=M.CLIENT)
+    rig.handle(messages.OpenSession(session="c"), role=messages.CLIENT)
+    (err,) = rig.handle(
+        messages.Submit(request="r3", session="c", append=[1], gen=1), role=messages.CLIENT
+    )
     assert err.kind == "overloaded" and "max_queue=2" in err.message
     assert not rig.router.rounds.table["c"].busy
 
@@ -202,15 +221,20 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     rig.submit("s", "r1")
     if stage == "assigned":
         rig.assign()
-    rig.handle(M.CancelRound(request="r1"), role=M.CLIENT)
+    rig.handle(messages.CancelRound(request="r1"), role=messages.CLIENT)
     (err,) = errors_to_client(rig)
     assert err.ref == "r1" and err.kind == "cancelled"
     if stage == "assigned":
-        assert M.Cancel(request="r1") in rig.to(DE_ID) + rig.to(PE_ID)
+        assert messages.Cancel(request="r1") in rig.to(DE_ID) + rig.to(PE_ID)
     assert len(rig.router.scheduler) == 0 and rig.router.rounds.table.requests == {}
-    assert rig.handle(M.Submit(request="r2", session="s", append=[4], gen=2), role=M.CLIENT) == []
+    assert (
+        rig.handle(
+            messages.Submit(request="r2", session="s", append=[4], gen=2), role=messages.CLIENT
+        )
+        == []
+    )
     # another client cannot cancel it
-    rig.handle(M.CancelRound(request="r2"), ident=b"stranger", role=M.CLIENT)
+    rig.handle(messages.CancelRound(request="r2"), ident=b"stranger", role=messages.CLIENT)
     assert "r2" in rig.router.rounds.table.requests
 
 
@@ -220,70 +244,75 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
 @pytest.mark.parametrize(
     "msg",
     [
-        M.Register(role="decode", engine=1, node=1, group=0, address="x", pid=1),
-        M.Shutdown(),
-        M.DecodeDone(request="r1", engine=1, tokens=[1], persisted_blocks=0),
-        M.Heartbeat(engine=1),
+        messages.Register(role="decode", engine=1, node=1, group=0, address="x", pid=1),
+        messages.Shutdown(),
+        messages.DecodeDone(request="r1", engine=1, tokens=[1], persisted_blocks=0),
+        messages.Heartbeat(engine=1),
     ],
     ids=lambda m: type(m).__name__,
 )
 def test_a_client_cannot_send_engine_messages(rig, msg):
-    (err,) = rig.handle(msg, ident=b"rogue", role=M.CLIENT)
+    (err,) = rig.handle(msg, ident=b"rogue", role=messages.CLIENT)
     assert err.kind == "auth" and "needs the engine secret" in err.message
     assert not rig.router.stopping and rig.router.liveness.registry[DE].ident == DE_ID
 
 
 def test_a_second_engine_with_a_live_id_is_refused(rig):
     (err,) = rig.handle(
-        M.Register(role="decode", engine=DE, node=1, group=0, address="evil", pid=999), b"rogue"
+        messages.Register(role="decode", engine=DE, node=1, group=0, address="evil", pid=999),
+        b"rogue",
     )
     assert err.kind == "stop" and "already registered by pid 101" in err.message
     assert rig.router.liveness.registry[DE].address == "inproc://1"
     rig.submit("s", "r1")
     rig.assign()
     # messages naming engine 1 from another connection are refused too
-    (err,) = rig.handle(M.DecodeDone(request="r1", engine=DE, tokens=[9], persisted_blocks=0),
+    (err,) = rig.handle(messages.DecodeDone(request="r1", engine=DE, tokens=[9], persisted_blocks=0),
                         b"rogue")  # fmt: skip
     assert err.kind == "auth" and "r1" in rig.router.rounds.table.requests
 
 
 def test_heartbeats_and_pings_are_answered(rig):
-    assert rig.handle(M.Heartbeat(engine=PE), b"hb-socket") == [M.Ack(ref="hb")]
-    assert rig.handle(M.Ping(), role=M.CLIENT) == [M.Ack(ref="ping")]
+    assert rig.handle(messages.Heartbeat(engine=PE), b"hb-socket") == [messages.Ack(ref="hb")]
+    assert rig.handle(messages.Ping(), role=messages.CLIENT) == [messages.Ack(ref="ping")]
 
 
 def test_existing_session_needs_resume(rig):
     rig.submit("s", "r1")
-    (err,) = rig.handle(M.OpenSession(session="s"), role=M.CLIENT)
+    (err,) = rig.handle(messages.OpenSession(session="s"), role=messages.CLIENT)
     assert err.kind == "bad_request" and "resume=True" in err.message
-    assert rig.handle(M.OpenSession(session="s", resume=True), role=M.CLIENT) == [M.Ack(ref="s")]
+    assert rig.handle(messages.OpenSession(session="s", resume=True), role=messages.CLIENT) == [
+        messages.Ack(ref="s")
+    ]
 
 
 def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig):
     limit = rig.router.cfg.cluster.no_engine_timeout_s
     rig.submit("s", "r1")
     rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + 1
-    rig.handle(M.Heartbeat(engine=DE), DE_ID)  # the DE lives on, the PE went silent
+    rig.handle(messages.Heartbeat(engine=DE), DE_ID)  # the DE lives on, the PE went silent
     rig.sent.clear()
     rig.router.tick(rig.clock())
     assert not rig.router.liveness.registry[PE].alive and errors_to_client(rig) == []  # not yet
     rig.clock.t += limit + 1
-    rig.handle(M.Heartbeat(engine=DE), DE_ID)
+    rig.handle(messages.Heartbeat(engine=DE), DE_ID)
     rig.sent.clear()
     rig.router.tick(rig.clock())
     (err,) = errors_to_client(rig)
     assert err.kind == "engine" and "no live prefill engine" in err.message
-    (err,) = rig.handle(M.Submit(request="r2", session="s", append=[1], gen=1), role=M.CLIENT)
+    (err,) = rig.handle(
+        messages.Submit(request="r2", session="s", append=[1], gen=1), role=messages.CLIENT
+    )
     assert err.kind == "engine" and "no live prefill engine" in err.message
 
 
 def test_an_engine_that_registers_again_serves_at_once(rig):
     limit = rig.router.cfg.cluster.no_engine_timeout_s
     rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + limit + 2
-    rig.handle(M.Heartbeat(engine=DE), DE_ID)
+    rig.handle(messages.Heartbeat(engine=DE), DE_ID)
     rig.router.tick(rig.clock())
     assert "no live prefill engine" in rig.router.liveness.registry.missing_role()
-    rig.handle(M.Register(role="prefill", engine=PE, node=0, group=0, address="inproc://0",
+    rig.handle(messages.Register(role="prefill", engine=PE, node=0, group=0, address="inproc://0",
                           pid=200), PE_ID)  # fmt: skip
     # no liveness tick in between: the new engine counts at once
     rig.submit("s", "r1")

@@ -13,7 +13,7 @@ import pytest
 # The rig of the router's fault tests (pytest puts this directory on sys.path).
 from test_router_faults import CLIENT, DE, DE_ID, PE, PE_ID, Rig, make_rig
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 
 DEFAULT_TTL = 60.0  # StoreConfig.retention_ttl_s
 LONG = 1e6  # a TTL no test outlasts: "retained" below never depends on how fast it runs
@@ -27,47 +27,47 @@ def rig():
     r.router.store.close()
 
 
-def retains(rig: Rig, ident: bytes = DE_ID) -> list[M.Retain]:
+def retains(rig: Rig, ident: bytes = DE_ID) -> list[messages.Retain]:
     """The Retain messages the last handled message made the router send to `ident`."""
-    return [m for i, m in rig.sent if i == ident and isinstance(m, M.Retain)]
+    return [m for i, m in rig.sent if i == ident and isinstance(m, messages.Retain)]
 
 
 def open_session(rig: Rig, session: str, **retention) -> None:
-    assert rig.handle(M.OpenSession(session=session, **retention), role=M.CLIENT) == [
-        M.Ack(ref=session)
+    assert rig.handle(messages.OpenSession(session=session, **retention), role=messages.CLIENT) == [
+        messages.Ack(ref=session)
     ]
 
 
 def submit(rig: Rig, session: str, request: str, **retention) -> None:
-    msg = M.Submit(request=request, session=session, append=[1, 2, 3], gen=3, **retention)
-    assert rig.handle(msg, role=M.CLIENT) == []
+    msg = messages.Submit(request=request, session=session, append=[1, 2, 3], gen=3, **retention)
+    assert rig.handle(msg, role=messages.CLIENT) == []
 
 
-def complete(rig: Rig, request: str) -> M.LoadJobMsg:
+def complete(rig: Rig, request: str) -> messages.LoadJobMsg:
     """Runs the queued round `request` to its RoundResult, as its engines would; returns its job.
     `rig.sent` then holds what the DecodeDone made the router send."""
     (job,) = rig.assign()
     assert job.request == request
-    rig.handle(M.DeReady(request=request, engine=DE, attempt=job.attempt), DE_ID)
-    rig.handle(M.PrefillDone(request=request, engine=PE, first_token=5, hit_blocks=0,
+    rig.handle(messages.DeReady(request=request, engine=DE, attempt=job.attempt), DE_ID)
+    rig.handle(messages.PrefillDone(request=request, engine=PE, first_token=5, hit_blocks=0,
                              recomputed_blocks=0, read_s=0, prefill_s=0), PE_ID)  # fmt: skip
-    rig.handle(M.DecodeDone(request=request, engine=DE, tokens=[5, 6, 7], persisted_blocks=0),
+    rig.handle(messages.DecodeDone(request=request, engine=DE, tokens=[5, 6, 7], persisted_blocks=0),
                DE_ID)  # fmt: skip
     (res,) = rig.to(CLIENT)
-    assert isinstance(res, M.RoundResult) and res.request == request
+    assert isinstance(res, messages.RoundResult) and res.request == request
     return job
 
 
 def test_opening_a_session_tells_no_engine(rig):
     open_session(rig, "s", priority=4, ttl_s=LONG)
-    assert [m for _, m in rig.sent if isinstance(m, M.Retain)] == []
+    assert [m for _, m in rig.sent if isinstance(m, messages.Retain)] == []
     assert not rig.router.store.index.retained("s")
 
 
 def test_a_submitted_round_makes_its_session_active_on_the_decode_engine(rig):
     open_session(rig, "s", priority=5, ttl_s=7.5)
     submit(rig, "s", "r1")
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=5, ttl_s=7.5)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=5, ttl_s=7.5)]
     assert retains(rig, PE_ID) == []  # prefill engines keep no session's KV
     assert rig.router.store.index.retained("s")
 
@@ -76,7 +76,9 @@ def test_a_session_without_a_ttl_gets_the_store_default(rig):
     assert rig.router.cfg.store.retention_ttl_s == DEFAULT_TTL
     open_session(rig, "s")
     submit(rig, "s", "r1")
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)]
+    assert retains(rig) == [
+        messages.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)
+    ]
 
 
 def test_a_finished_round_leaves_its_session_idle_for_its_ttl(rig):
@@ -84,7 +86,7 @@ def test_a_finished_round_leaves_its_session_idle_for_its_ttl(rig):
     submit(rig, "s", "r1")
     job = complete(rig, "r1")
     assert job.session == "s"  # the DE claims the round's chain for the session
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=2, ttl_s=LONG)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=2, ttl_s=LONG)]
     assert rig.router.store.index.retained("s")  # within its TTL
 
 
@@ -93,7 +95,7 @@ def test_a_zero_ttl_ends_the_retention_with_the_round(rig):
     submit(rig, "s", "r1")
     assert rig.router.store.index.retained("s")  # while the round runs
     complete(rig, "r1")
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=0, ttl_s=0.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=0, ttl_s=0.0)]
     assert not rig.router.store.index.retained("s")
 
 
@@ -103,13 +105,13 @@ def test_a_round_that_ends_unfinished_leaves_its_session_idle(rig, how):
     submit(rig, "s", "r1")
     (job,) = rig.assign()
     if how == "failed":
-        rig.handle(M.Failed(request="r1", engine=DE, message="OSError: disk", kind="store",
+        rig.handle(messages.Failed(request="r1", engine=DE, message="OSError: disk", kind="store",
                             attempt=job.attempt), DE_ID)  # fmt: skip
     else:
-        rig.handle(M.CancelRound(request="r1"), role=M.CLIENT)
-    (err,) = [m for m in rig.to(CLIENT) if isinstance(m, M.Error)]
+        rig.handle(messages.CancelRound(request="r1"), role=messages.CLIENT)
+    (err,) = [m for m in rig.to(CLIENT) if isinstance(m, messages.Error)]
     assert err.ref == "r1"
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=-1, ttl_s=LONG)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=-1, ttl_s=LONG)]
     assert rig.router.store.index.retained("s")
 
 
@@ -118,22 +120,24 @@ def test_a_round_given_up_after_its_attempts_leaves_its_session_idle(rig):
     submit(rig, "s", "r1")
     for attempt in (1, 2):  # max_attempts=2
         rig.assign()
-        rig.handle(M.Failed(request="r1", engine=PE, message="TransferTimeout", kind="transfer",
+        rig.handle(messages.Failed(request="r1", engine=PE, message="TransferTimeout", kind="transfer",
                             attempt=attempt), PE_ID)  # fmt: skip
         if attempt == 1:
             assert retains(rig) == []  # a retry: the round still runs
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=0, ttl_s=LONG)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=0, ttl_s=LONG)]
 
 
 def test_closing_a_session_ends_its_retention(rig):
     open_session(rig, "s", priority=9, ttl_s=LONG)
     submit(rig, "s", "r1")
     complete(rig, "r1")
-    assert rig.handle(M.CloseSession(session="s"), role=M.CLIENT) == [M.Ack(ref="s")]
-    assert retains(rig) == [M.Retain(session="s", state="ended")]
+    assert rig.handle(messages.CloseSession(session="s"), role=messages.CLIENT) == [
+        messages.Ack(ref="s")
+    ]
+    assert retains(rig) == [messages.Retain(session="s", state="ended")]
     assert not rig.router.store.index.retained("s")
     # an unknown session: an error, and nothing sent to the engines
-    (err,) = rig.handle(M.CloseSession(session="s"), role=M.CLIENT)
+    (err,) = rig.handle(messages.CloseSession(session="s"), role=messages.CLIENT)
     assert err.ref == "s" and "unknown session" in err.message
     assert retains(rig) == []
 
@@ -142,18 +146,20 @@ def test_a_released_session_is_ended_before_its_blocks_go(rig):
     open_session(rig, "s", ttl_s=LONG)
     submit(rig, "s", "r1")
     complete(rig, "r1")
-    assert rig.handle(M.CloseSession(session="s", release=True), role=M.CLIENT) == [M.Ack(ref="s")]
-    assert retains(rig) == [M.Retain(session="s", state="ended")]
+    assert rig.handle(messages.CloseSession(session="s", release=True), role=messages.CLIENT) == [
+        messages.Ack(ref="s")
+    ]
+    assert retains(rig) == [messages.Retain(session="s", state="ended")]
     assert not rig.router.store.index.retained("s")
 
 
 def test_every_live_decode_engine_hears_it(rig):
     de2 = b"de2"
-    rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
+    rig.handle(messages.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
                           pid=102), de2)  # fmt: skip
     open_session(rig, "s", priority=1, ttl_s=3.0)
     submit(rig, "s", "r1")
-    want = M.Retain(session="s", state="active", priority=1, ttl_s=3.0)
+    want = messages.Retain(session="s", state="active", priority=1, ttl_s=3.0)
     assert retains(rig) == [want] and retains(rig, de2) == [want]
 
 
@@ -168,39 +174,41 @@ def test_a_decode_engine_that_registers_learns_every_retained_session(rig):
     open_session(rig, "busy", priority=-2)
     submit(rig, "busy", "r1")
     open_session(rig, "closed")
-    rig.handle(M.CloseSession(session="closed"), role=M.CLIENT)
+    rig.handle(messages.CloseSession(session="closed"), role=messages.CLIENT)
     rig.clock.t += 40.0
     de2 = b"de2"
-    rig.handle(M.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
+    rig.handle(messages.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
                           pid=102), de2)  # fmt: skip
     # an idle session for what is left of its TTL, never a fresh one
     assert sorted(retains(rig, de2), key=lambda m: m.session) == [
-        M.Retain(session="busy", state="active", priority=-2, ttl_s=DEFAULT_TTL),
-        M.Retain(session="idle", state="idle", priority=3, ttl_s=pytest.approx(60.0)),
+        messages.Retain(session="busy", state="active", priority=-2, ttl_s=DEFAULT_TTL),
+        messages.Retain(session="idle", state="idle", priority=3, ttl_s=pytest.approx(60.0)),
     ]
     assert retains(rig) == []  # the engines that knew already are not told again
     # a prefill engine that registers learns nothing
-    rig.handle(M.Register(role="prefill", engine=3, node=3, group=0, address="inproc://3",
+    rig.handle(messages.Register(role="prefill", engine=3, node=3, group=0, address="inproc://3",
                           pid=103), b"pe3")  # fmt: skip
-    assert [m for _, m in rig.sent if isinstance(m, M.Retain)] == []
+    assert [m for _, m in rig.sent if isinstance(m, messages.Retain)] == []
 
 
 def test_a_submit_with_retention_changes_the_sessions(rig):
     open_session(rig, "s", ttl_s=LONG)
     submit(rig, "s", "r1", priority=6, ttl_s=2.0)
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
     complete(rig, "r1")
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=6, ttl_s=2.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=6, ttl_s=2.0)]
     # later rounds without any keep it; one with only a priority keeps the TTL
     submit(rig, "s", "r2")
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=6, ttl_s=2.0)]
     complete(rig, "r2")
     submit(rig, "s", "r3", priority=0)
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=2.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=0, ttl_s=2.0)]
     # -1 goes back to the store's default TTL
     complete(rig, "r3")
     submit(rig, "s", "r4", ttl_s=-1.0)
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)]
+    assert retains(rig) == [
+        messages.Retain(session="s", state="active", priority=0, ttl_s=DEFAULT_TTL)
+    ]
 
 
 def test_a_resume_changes_the_sessions_retention_from_its_next_round(rig):
@@ -208,7 +216,7 @@ def test_a_resume_changes_the_sessions_retention_from_its_next_round(rig):
     open_session(rig, "s", resume=True, priority=8, ttl_s=5.0)
     assert retains(rig) == []  # nothing stored of it is retained yet
     submit(rig, "s", "r1")
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=8, ttl_s=5.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=8, ttl_s=5.0)]
 
 
 def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig):
@@ -218,7 +226,7 @@ def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig)
     rig.clock.t += 10.0
     open_session(rig, "s", resume=True, priority=8, ttl_s=5.0)
     # the new TTL counts from the next round; the one running out keeps its end
-    assert retains(rig) == [M.Retain(session="s", state="idle", priority=8, ttl_s=40.0)]
+    assert retains(rig) == [messages.Retain(session="s", state="idle", priority=8, ttl_s=40.0)]
 
 
 @pytest.mark.parametrize(
@@ -234,7 +242,7 @@ def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig)
     ids=repr,
 )
 def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, named):
-    (err,) = rig.handle(M.OpenSession(session="s", **retention), role=M.CLIENT)
+    (err,) = rig.handle(messages.OpenSession(session="s", **retention), role=messages.CLIENT)
     assert err.kind == "bad_request" and err.ref == "s"
     assert f"retention {named}" in err.message and str(next(iter(retention.values()))) in (
         err.message
@@ -243,14 +251,15 @@ def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, nam
     # the same in a Submit: refused, the session free and its retention unchanged
     open_session(rig, "s", priority=1, ttl_s=LONG)
     (err,) = rig.handle(
-        M.Submit(request="r1", session="s", append=[1], gen=1, **retention), role=M.CLIENT
+        messages.Submit(request="r1", session="s", append=[1], gen=1, **retention),
+        role=messages.CLIENT,
     )
     assert err.kind == "bad_request" and err.ref == "r1" and f"retention {named}" in err.message
     s, kept = rig.router.rounds.table["s"], rig.router.retention["s"]
     assert not s.busy and (kept.priority, kept.ttl_s) == (1, LONG) and retains(rig) == []
     # a good round after it runs
     submit(rig, "s", "r2")
-    assert retains(rig) == [M.Retain(session="s", state="active", priority=1, ttl_s=LONG)]
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=1, ttl_s=LONG)]
     complete(rig, "r2")
 
 

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, validate
-from dualpath_jax.engine import devices as D
-from dualpath_jax.engine import messages as M
-from dualpath_jax.engine import span
+from dualpath_jax.engine import devices, messages, span
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.sampling import SamplingParams
@@ -89,20 +87,20 @@ def test_the_leader_sends_the_decoder_shape_then_each_mirrored_call_before_runni
 def test_each_process_of_a_spanning_engine_gets_its_share_of_the_devices():
     cpu = ClusterConfig(platform="cpu", decode_mesh="tensor=4", decode_processes=2)
     for rank in (0, 1):
-        env = D.engine_env(cpu, 1, (), {}, rank)
+        env = devices.engine_env(cpu, 1, (), {}, rank)
         assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
     gpu = ClusterConfig(platform="gpu", prefill_mesh="tensor=2", decode_mesh="tensor=4",
                         decode_processes=2)  # fmt: skip
     host = [str(i) for i in range(8)]
-    got = [D.engine_env(gpu, 1, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
+    got = [devices.engine_env(gpu, 1, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
     assert got == ["2,3", "4,5"]
-    assert D.engine_env(gpu, 0, host, {})["CUDA_VISIBLE_DEVICES"] == "0,1"  # PEs span one
+    assert devices.engine_env(gpu, 0, host, {})["CUDA_VISIBLE_DEVICES"] == "0,1"  # PEs span one
     pe = ClusterConfig(platform="gpu", prefill_mesh="tensor=4", prefill_processes=2)
-    got = [D.engine_env(pe, 0, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
+    got = [devices.engine_env(pe, 0, host, {}, rank)["CUDA_VISIBLE_DEVICES"] for rank in (0, 1)]
     assert got == ["0,1", "2,3"]
     tpu = ClusterConfig(platform="tpu", decode_mesh="tensor=4", decode_processes=2)
     with pytest.raises(ConfigError, match="cpu or gpu"):
-        D.engine_env(tpu, 1, host, {}, 1)
+        devices.engine_env(tpu, 1, host, {}, 1)
 
 
 def test_the_processes_must_divide_the_mesh():
@@ -126,9 +124,9 @@ def test_a_spanning_engines_params_updates_reach_its_followers_first(tmp_path):
 
     leader = _Recorder()
     slot = ParamsSlot(Runner(), "v0", 1, mirror=leader)
-    got = slot.stage(M.LoadParams(version="v1", path=str(tmp_path)))
+    got = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path)))
     assert not got.ok and leader.sent == [("_params_stage", ("v1", str(tmp_path)), {})]
-    slot.commit(M.CommitParams(version="v1", commit=True))
+    slot.commit(messages.CommitParams(version="v1", commit=True))
     assert leader.sent[-1] == ("_params_commit", ("v1", True), {}) and slot.version == "v0"
     follower = ParamsSlot(Runner(), "v0", -1)
     for method, args, _ in leader.sent:

@@ -33,7 +33,7 @@ from dualpath_jax.config import (
     SchedulerConfig,
     StoreConfig,
 )
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
@@ -88,11 +88,11 @@ def make_trajectories(
     return out
 
 
-def run_lockstep(client: Client, trajs: Sequence[Trajectory]) -> list[list[M.RoundResult]]:
+def run_lockstep(client: Client, trajs: Sequence[Trajectory]) -> list[list[messages.RoundResult]]:
     """Runs round i of every trajectory at once (submitted back to back), then round i + 1.
     Returns each trajectory's results, round by round."""
     sessions = [Session(client, tid) for tid, _ in trajs]
-    results: list[list[M.RoundResult]] = [[] for _ in trajs]
+    results: list[list[messages.RoundResult]] = [[] for _ in trajs]
     for i in range(max(len(r) for _, r in trajs)):
         futs = [
             (k, s.step_async(*trajs[k][1][i]))
@@ -106,7 +106,7 @@ def run_lockstep(client: Client, trajs: Sequence[Trajectory]) -> list[list[M.Rou
     return results
 
 
-def tokens_of(results: Sequence[Sequence[M.RoundResult]]) -> list[list[list[int]]]:
+def tokens_of(results: Sequence[Sequence[messages.RoundResult]]) -> list[list[list[int]]]:
     return [[list(r.tokens) for r in rr] for rr in results]
 
 
@@ -355,7 +355,7 @@ def test_corrupt_stored_blocks_are_recomputed_with_the_same_tokens(
     client = dualpath_cluster.client()
     before = counters(client)
     sessions = [Session(client, tid) for tid, _ in CORRUPT]
-    got: list[list[M.RoundResult]] = [[] for _ in CORRUPT]
+    got: list[list[messages.RoundResult]] = [[] for _ in CORRUPT]
     for i in range(3):
         if i == 1:  # the blocks round 0 persisted are damaged before round 1 reads them
             assert flip_stored_blocks(dualpath_cluster.workdir / "store") > 0

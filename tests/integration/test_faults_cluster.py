@@ -20,7 +20,7 @@ import zmq
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig, StoreConfig
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.params import initial_params_version
 from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
@@ -108,7 +108,7 @@ def events(cluster) -> list[dict]:
     return read_events(cluster.workdir / "events.jsonl")
 
 
-def run(client: Client, traj, reference_tokens) -> list[M.RoundResult]:
+def run(client: Client, traj, reference_tokens) -> list[messages.RoundResult]:
     """Runs a trajectory round by round; asserts the reference tokens."""
     s = Session(client, traj[0])
     out = [s.step_async(a, g).result(WAIT_S) for a, g in traj[1]]
@@ -257,14 +257,14 @@ def test_a_wrong_secret_is_an_auth_error_not_a_timeout(rig):
 def test_oversized_frames_are_refused(rig, reference_tokens, monkeypatch):
     cluster, _ = rig
     client = cluster.client()
-    monkeypatch.setattr(M, "MAX_FRAME_BYTES", 256)
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 256)
     s = Session(client, "oversized")
     with pytest.raises(RolloutError, match="exceeds the 256-byte limit") as err:
         s.step_async(list(range(200)), 2).result(WAIT_S)
     assert err.value.kind == "bad_request"
     monkeypatch.undo()
     # a raw frame over the router's limit: ZeroMQ drops that peer; the router serves on
-    send_raw(cluster.address, [bytes(M.MAX_FRAME_BYTES + 1024)])
+    send_raw(cluster.address, [bytes(messages.MAX_FRAME_BYTES + 1024)])
     s.close()
     answered(client, reference_tokens, "after-oversized")
 
@@ -286,7 +286,7 @@ def test_only_engines_may_register_and_ids_cannot_be_taken_over(rig, reference_t
     creds = cluster.credentials
     stats = client.stats()["engines"]
     de = next(k for k, v in stats.items() if v["role"] == "decode")
-    register = M.Register(
+    register = messages.Register(
         role="decode", engine=int(de), node=9, group=0, address="127.0.0.1:1", pid=os.getpid()
     )
     for secret, kind, text in (
@@ -300,7 +300,7 @@ def test_only_engines_may_register_and_ids_cannot_be_taken_over(rig, reference_t
             reply = rogue.recv(int(WAIT_S * 1000))
         finally:
             rogue.close()
-        assert isinstance(reply, M.Error) and reply.kind == kind and text in reply.message
+        assert isinstance(reply, messages.Error) and reply.kind == kind and text in reply.message
     # a client cannot stop the router either
     with pytest.raises(RolloutError) as err:
         client.shutdown(timeout_s=WAIT_S)

@@ -43,7 +43,7 @@ import pytest
 
 from dualpath_jax.cluster import Client, link_totals, read_link_reports, write_credentials
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.engine.rpc import bracketed, host_port
 from dualpath_jax.model.decode import reference_rounds
 from dualpath_jax.model.layout import kv_bytes_per_token
@@ -348,7 +348,7 @@ def trajectory(seed: int, rounds: int = 3) -> list[tuple[list[int], int]]:
     return [(rs.randint(0, 257, int(rs.randint(33, 48))).tolist(), 4) for _ in range(rounds)]
 
 
-def run_round(client: Client, sessions, appends, hold_pid: int = 0) -> list[M.RoundResult]:
+def run_round(client: Client, sessions, appends, hold_pid: int = 0) -> list[messages.RoundResult]:
     """Submits one round of every session back to back. With `hold_pid` (the PE), the PE is
     held (SIGSTOP) until every round waits for it, so one PE fetch assigns them all and the
     scheduler's rule puts the first on the PE read path (a tie: both read queues are empty) and

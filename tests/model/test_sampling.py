@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from dualpath_jax.engine import messages as M
+from dualpath_jax.engine import messages
 from dualpath_jax.model import sampling
 from dualpath_jax.model.sampling import GREEDY, SamplingError, SamplingParams
 
@@ -51,8 +51,8 @@ def test_numbers_of_any_kind_become_plain_python_numbers():
 
 def test_the_wire_carries_only_what_differs_from_greedy():
     def body(sampling: SamplingParams) -> dict:
-        msg = M.Submit(request="r", session="s", append=[1], gen=2, sampling=sampling)
-        return msgspec.msgpack.decode(M.encode(msg))["body"]["sampling"]
+        msg = messages.Submit(request="r", session="s", append=[1], gen=2, sampling=sampling)
+        return msgspec.msgpack.decode(messages.encode(msg))["body"]["sampling"]
 
     assert body(GREEDY) == {}
     assert body(SamplingParams(temperature=0.7, seed=3)) == {"temperature": 0.7, "seed": 3}
@@ -62,10 +62,12 @@ def test_the_wire_carries_only_what_differs_from_greedy():
 def test_a_submit_with_bad_sampling_does_not_decode(kw, field, message):
     """Checked on arrival too: a frame whose sampling is bad is refused with the same text (the
     router answers it as a frame error) and never reaches the router's round state."""
-    frame = msgspec.msgpack.decode(M.encode(M.Submit(request="r", session="s", append=[1], gen=2)))
+    frame = msgspec.msgpack.decode(
+        messages.encode(messages.Submit(request="r", session="s", append=[1], gen=2))
+    )
     frame["body"]["sampling"] = kw
-    with pytest.raises(M.FrameError) as e:
-        M.decode(msgspec.msgpack.encode(frame))
+    with pytest.raises(messages.FrameError) as e:
+        messages.decode(msgspec.msgpack.encode(frame))
     assert message in str(e.value) and "sampling" in str(e.value)
 
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("aiohttp")
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
-from dualpath_jax.engine import messages as M  # noqa: E402
+from dualpath_jax.engine import messages  # noqa: E402
 from dualpath_jax.engine.client import RolloutError, RoundFuture  # noqa: E402
 from dualpath_jax.model.sampling import SamplingParams  # noqa: E402
 from dualpath_jax.serving.server import ApiServer, ServerConfig  # noqa: E402
@@ -98,7 +98,7 @@ class FakeClient:
                     break
             self.contexts[session] = prompt + out
             fut.set_result(
-                M.RoundResult(
+                messages.RoundResult(
                     request=rid,
                     tokens=out,
                     ttft_s=0.01,

@@ -14,8 +14,7 @@ from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import EngineLoad, Request
-from dualpath_jax.sim import SimOptions
-from dualpath_jax.sim import run as R
+from dualpath_jax.sim import SimOptions, run
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.leaders import Leader
 
@@ -54,16 +53,16 @@ def _cluster(p: int, d: int, agents: int, *, phases: bool, interval_s: float | N
         scheduler=dataclasses.replace(cfg.scheduler, policy=Policy.DUALPATH),
         workload=dataclasses.replace(cfg.workload, agents=agents, trajectories=agents),
     )
-    trajs, arrivals = R.build_agents(cfg)
+    trajs, arrivals = run.build_agents(cfg)
     opts = SimOptions(leader_phases=phases, dispatch_interval_s=interval_s)
-    ref = R.reference_request(trajs)
+    ref = run.reference_request(trajs)
     cl = SimCluster(cfg, CPU_COST, options=opts, ref_request=ref, scheduler=_Recording)
     cl.scheduler.cluster = cl
     return cl, trajs, arrivals
 
 
 def _run(cl: SimCluster, trajs, arrivals) -> None:
-    R.schedule_agents(cl, trajs, arrivals)
+    run.schedule_agents(cl, trajs, arrivals)
     cl.loop.run()
 
 

@@ -19,8 +19,7 @@ from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.transfer import links as L
-from dualpath_jax.transfer import paths as P
+from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import (
     DecodeLoad,
@@ -178,7 +177,7 @@ def test_every_path_delivers_identical_kv(stored, runner, pe_blocks, de_blocks, 
     np.testing.assert_allclose(de_kv, kv, atol=2e-5)  # and the computed tail matches
     # Per-link accounting equals the bytes docs/architecture.md assigns to this path.
     per_token = BlockLayout.for_model(CFG, BT).bytes_per_token_per_layer * CFG.num_layers
-    want = P.expected_link_bytes(
+    want = paths.expected_link_bytes(
         path,
         4 * BT * per_token,
         (len(prompt) - 4 * BT) * per_token,
@@ -228,7 +227,7 @@ def test_a_recomputed_lead_joins_the_loaded_blocks(stored, runner, lead, pe_bloc
     snic = {
         x.owner: cluster.traffic.bytes(x)
         for x in cluster.traffic.links()
-        if x.kind is L.LinkKind.SNIC_RX
+        if x.kind is links.LinkKind.SNIC_RX
     }
     assert snic.get("node0", 0) == (pe_blocks + 4) * per_block  # + the all-loaded run's 4
     assert snic.get("node1", 0) == de_blocks * per_block
@@ -306,7 +305,7 @@ def test_emulated_rates_slow_the_store_read(prompt_and_kv, runner):
         cluster.store.write_full(keys, kv_to_full_blocks(kv[:, : 4 * BT], BT)).result(10)
         h, _, _ = run_request(cluster, runner, prompt, keys, 4, 0)
         assert h == 4
-        snic = L.LinkId(L.LinkKind.SNIC_RX, "node0")
+        snic = links.LinkId(links.LinkKind.SNIC_RX, "node0")
         assert cluster.traffic.bytes(snic) == 4 * per_block
     finally:
         cluster.close()
