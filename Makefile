@@ -22,33 +22,18 @@ demo: $(STAMP)
 	$(PY) -m dualpath_jax.demo
 
 # The fast tier: everything but engine processes and the compiled core's build (in-process
-# clusters included); minutes on two cores.
+# clusters included), on $(WORKERS) pytest workers; minutes on two cores.
+WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -m "not multiprocess and not slow" --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess and not slow" --durations=15 tests
 
-# Everything, the fast tier first (CI runs this).
+# Everything (what CI runs): the fast tier in parallel, then the tests that start engine
+# processes or run long, one at a time (at most three engine processes alive at once).
 test-all: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q --durations=40 tests
-
-bench: $(TEST_STAMP)
-	$(PY) bench/model_cpu.py
-	$(PY) bench/kvstore.py
-	$(PY) bench/links.py
-	$(PY) bench/transfer.py
-	$(PY) bench/sched.py
-	$(PY) bench/compare_policies.py --config=configs/cpu_1p2d.py --workdir=bench_out/cpu_1p2d
-	$(PY) bench/compare_policies.py --config=configs/cpu_1p1d.py --workdir=bench_out/cpu_1p1d --policies=basic,dualpath,oracle
-	$(PY) bench/compare_policies.py --config=configs/balanced.py --workdir=bench_out/balanced --policies=basic,dualpath,oracle
-	$(PY) bench/online_capacity.py --config=configs/cpu_1p2d.py --set workload.duration_s=150 --aps=0.04,0.08,0.16,0.32 --bisect=2 --workdir=bench_out/capacity
-	$(PY) bench/serve_multiturn.py --workdir=bench_out/serve_multiturn
-	$(PY) bench/load_or_recompute.py --workdir=bench_out/load_or_recompute
-	$(PY) bench/session_retention.py --workdir=bench_out/session_retention
-	$(PY) bench/sim_validate.py --workdir=bench_out/sim_validate
-	$(PY) bench/event_loop.py
-	$(PY) bench/sim_speed.py --agents=2048
-	$(PY) bench/paper_figures.py --quick --out=bench_out/paper_quick
+	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess and not slow" --durations=20 tests
+	$(PY) -m pytest -q -p no:xdist -m "multiprocess or slow" --durations=40 tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
