@@ -30,26 +30,22 @@
 # **Install.** From a clone of the repository: `pip install -e .` (or `make demo` once, which
 # creates `.venv` with the package), then open this notebook with that Python (the README's
 # "Notebooks" section shows how). On Colab, upload a copy of the repository and `%cd` into it
-# first. The next cell installs the enclosing clone only when the package is not importable.
+# first. The next cell installs that clone (`colab/setup/install.py`) only when the package is not
+# importable.
 
 # %%
 import importlib.util
 import os
-import pathlib
-import shutil
-import subprocess
-import sys
+import runpy
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: this process and the engines use the CPU
-if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install the enclosing clone
-    here = pathlib.Path.cwd().resolve()
-    root = next((p for p in (here, *here.parents) if (p / "pyproject.toml").is_file()), None)
-    if root is None:
-        raise RuntimeError("dualpath_jax is not installed: run `pip install -e .` in a clone of the repository")
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(root)])
-    sys.path.insert(0, str(root))  # this kernel started before the install
+if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install this clone
+    runpy.run_path("colab/setup/install.py")  # from the clone's root
 
 # %%
+import pathlib
+import shutil
+
 import matplotlib.pyplot as plt
 import numpy as np
 

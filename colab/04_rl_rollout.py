@@ -32,27 +32,21 @@
 #    process, and a malformed parameter tree is refused while the cluster keeps serving.
 #
 # It takes one to two minutes on a laptop CPU. **Install.** From a clone of the repository:
-# `pip install -e .` (on Colab: clone the repository, then `pip install -e .` in it), and open
-# this notebook with that Python. The next cell installs the enclosing clone when the package is
-# not importable yet.
+# `pip install -e .`, and open this notebook with that Python. On Colab, upload a copy of the
+# repository and `%cd` into it first. The next cell installs that clone (`colab/setup/install.py`)
+# only when the package is not importable.
 
 # %%
 import importlib.util
 import os
-import pathlib
-import subprocess
-import sys
+import runpy
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # before JAX starts: this process and the engines use the CPU
-if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install the enclosing clone
-    here = pathlib.Path.cwd().resolve()
-    root = next((p for p in (here, *here.parents) if (p / "pyproject.toml").is_file()), None)
-    if root is None:
-        raise RuntimeError("dualpath_jax is not installed: run `pip install -e .` in a clone of the repository")
-    subprocess.check_call([sys.executable, "-m", "pip", "install", "-q", "-e", str(root)])
-    sys.path.insert(0, str(root))  # this kernel started before the install
+if importlib.util.find_spec("dualpath_jax") is None:  # not installed: install this clone
+    runpy.run_path("colab/setup/install.py")  # from the clone's root
 
 # %%
+import pathlib
 import shutil
 import time
 

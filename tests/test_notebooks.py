@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import pathlib
+import runpy
+import subprocess
 import sys
 import time
 
@@ -18,6 +20,7 @@ nbclient = pytest.importorskip("nbclient")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.py"))
+INSTALLER = ROOT / "colab" / "setup" / "install.py"  # what every install cell runs
 CELL_TIMEOUT_S = 600
 
 
@@ -65,6 +68,22 @@ def test_first_cell_says_what_and_how_to_install(source):
     kind, text = cells(source)[0]
     assert kind == "markdown" and text.startswith("# "), "start with a markdown title cell"
     assert "pip install -e ." in text, "say how to install: `pip install -e .` from a clone"
+
+
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_install_cell_runs_the_shared_installer(source):
+    code = next(text for kind, text in cells(source) if kind == "code")
+    run = f'runpy.run_path("{INSTALLER.relative_to(ROOT).as_posix()}")'
+    assert run in code and "pip" not in code, "the first code cell runs colab/setup/install.py"
+
+
+def test_the_installer_installs_its_clone(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "check_call", calls.append)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    runpy.run_path(str(INSTALLER))
+    assert calls == [[sys.executable, "-m", "pip", "install", "-q", "-e", str(ROOT)]]
+    assert sys.path[0] == str(ROOT)
 
 
 def test_kernel_is_this_interpreter():
