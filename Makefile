@@ -28,12 +28,12 @@ test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess and not slow" --durations=15 tests
 
-# Everything (what CI runs): the fast tier in parallel, then the tests that start engine
-# processes or run long, one at a time (at most three engine processes alive at once).
+# Everything (what CI runs): the fast tier and the long tests in parallel, then the tests that
+# start engine processes one at a time (at most three engine processes alive at once).
 test-all: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess and not slow" --durations=20 tests
-	$(PY) -m pytest -q -p no:xdist -m "multiprocess or slow" --durations=40 tests
+	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess" --durations=30 tests
+	$(PY) -m pytest -q -p no:xdist -m multiprocess --durations=30 tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
