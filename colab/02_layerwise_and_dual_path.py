@@ -62,7 +62,7 @@ from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer import paths
-from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
 from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
 from dualpath_jax.transfer.traffic import TrafficManager
 

@@ -26,7 +26,7 @@ from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.transfer.channel import JaxTransferChannel
+from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 from dualpath_jax.transfer.loader import (
     DecodeLoad,
     DeviceRows,
