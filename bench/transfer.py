@@ -311,7 +311,8 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     from dualpath_jax.presets import TINY_QWEN2
     from dualpath_jax.transfer import links
     from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
-    from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+    from dualpath_jax.transfer.loader import LoaderContext, LoadJob
+    from dualpath_jax.transfer.prefill_load import PrefillLoad
     from dualpath_jax.transfer.traffic import TrafficManager
 
     cfg = dataclasses.replace(TINY_QWEN2, num_layers=n_layers)

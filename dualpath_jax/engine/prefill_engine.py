@@ -40,7 +40,8 @@ from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
-from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
+from dualpath_jax.transfer.loader import LoaderContext
+from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad
 
 log = logging.getLogger(__name__)
 
