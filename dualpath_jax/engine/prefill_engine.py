@@ -33,8 +33,8 @@ from dualpath_jax.model.cached_kv import (
     LayerPages,
     segment_tokens,
 )
-from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import GREEDY
 from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.cost import FittedCostModel
