@@ -338,7 +338,8 @@ def _h2d(quick: bool) -> dict:
 
 
 def _channel(quick: bool) -> dict:
-    from dualpath_jax.transfer.channel import JaxTransferChannel, make_uuid
+    from dualpath_jax.transfer.channel import make_uuid
+    from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
     row, n = 2048, 4  # a Qwen2.5-7B token's bf16 KV of one layer; Layer Blocks per transfer
     nbytes = (1 if quick else 64) << 20

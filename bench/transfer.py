@@ -77,7 +77,8 @@ def run_peer() -> None:
     """The sending engine: reads commands on stdin, answers `OK` on stdout."""
     import jax
 
-    from dualpath_jax.transfer.channel import JaxTransferChannel, pack_layer_blocks
+    from dualpath_jax.transfer.channel import pack_layer_blocks
+    from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
     channel = JaxTransferChannel(offer_ttl_s=600.0)
     listener = socket.create_server(("127.0.0.1", 0))
@@ -175,7 +176,8 @@ class Peer:
 
 
 def channel_section(args: argparse.Namespace) -> list[dict]:
-    from dualpath_jax.transfer.channel import JaxTransferChannel, make_uuid, unpack_layer_blocks
+    from dualpath_jax.transfer.channel import make_uuid, unpack_layer_blocks
+    from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
     rows = []
     peer = Peer()
@@ -308,8 +310,9 @@ def overlap_case(n_layers: int, cached: int, new: int, reps: int) -> list[dict]:
     from dualpath_jax.model.transformer import init_model
     from dualpath_jax.presets import TINY_QWEN2
     from dualpath_jax.transfer import links
-    from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
-    from dualpath_jax.transfer.loader import LoaderContext, LoadJob, PrefillLoad
+    from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
+    from dualpath_jax.transfer.loader import LoaderContext, LoadJob
+    from dualpath_jax.transfer.prefill_load import PrefillLoad
     from dualpath_jax.transfer.traffic import TrafficManager
 
     cfg = dataclasses.replace(TINY_QWEN2, num_layers=n_layers)

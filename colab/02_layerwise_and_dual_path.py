@@ -56,8 +56,10 @@ from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer import paths
-from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
-from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext, LoadJob, PrefillLoad
+from dualpath_jax.transfer.decode_load import DecodeLoad
+from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.loader import LoaderContext, LoadJob
+from dualpath_jax.transfer.prefill_load import PrefillLoad
 from dualpath_jax.transfer.traffic import TrafficManager
 
 CFG = TINY_QWEN2  # 3 layers, GQA, vocab 257: random weights, but every equivalence is exact

@@ -432,8 +432,9 @@ class InProcessEngine:
     ) -> RoundResult:
         import time
 
-        from dualpath_jax.model.decode import Decoder, sample_at
+        from dualpath_jax.model.decode import Decoder
         from dualpath_jax.model.runner import PrefillBatch
+        from dualpath_jax.model.sampler import sample_at
 
         np, cfg = self._np, self.cfg
         with self._lock:

@@ -24,12 +24,8 @@ from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.testing.fault_plan import FaultPlan, load_plan, parse_plan
 from dualpath_jax.testing.faulty import FaultyChannel, FaultyStore, wrap_channel, wrap_store
-from dualpath_jax.transfer.channel import (
-    InProcessChannel,
-    InProcessFabric,
-    TransferError,
-    TransferTimeout,
-)
+from dualpath_jax.transfer.channel import TransferError, TransferTimeout
+from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
 
 LAYOUT = BlockLayout(3, 4, 12)  # 3 layers, 4-token blocks, 12 bytes per token per layer
 STORE_TIMEOUT_S = 7.0

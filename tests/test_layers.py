@@ -1,7 +1,7 @@
 """The package's layers: no import cycle between its modules, and no import from a lower layer to
 a higher one. Every import counts: at module level, inside functions, under `TYPE_CHECKING`, and
 the names a curated namespace resolves lazily (its `_EXPORTS`). The order is `LAYERS`, and
-docs/architecture.md ("Layers") shows the same stack."""
+docs/architecture.md ("Layers") shows the same stack. Modules stay small (`MAX_LINES`)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,20 @@ def test_no_import_reaches_up_a_layer():
         if layer_of(t) > layer_of(m)
     ]
     assert upward == []
+
+
+# The soft cap on a module's length (STYLE.md habit 9): a module past it is split into modules
+# named for what they hold.
+MAX_LINES = 600
+
+
+def test_no_module_is_longer_than_the_cap():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in MODULES.values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"modules over {MAX_LINES} lines: split them"
 
 
 def test_the_architecture_doc_shows_these_layers():

@@ -16,8 +16,9 @@ from dualpath_jax.model.checkpoint import (
     save_params,
     save_params_tree,
 )
-from dualpath_jax.model.decode import reference_generate, sample_at
+from dualpath_jax.model.decode import reference_generate
 from dualpath_jax.model.runner import ModelRunner
+from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2

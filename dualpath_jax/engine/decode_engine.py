@@ -29,7 +29,8 @@ from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.page_pool import budget_pages, pages_for
 from dualpath_jax.model.sharding import host_value
 from dualpath_jax.transfer import links, paths
-from dualpath_jax.transfer.loader import DecodeLoad, LoaderContext
+from dualpath_jax.transfer.decode_load import DecodeLoad
+from dualpath_jax.transfer.loader import LoaderContext
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.model import sharding
-from dualpath_jax.transfer.channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
 
 log = logging.getLogger(__name__)
 

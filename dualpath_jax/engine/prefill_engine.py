@@ -33,14 +33,15 @@ from dualpath_jax.model.cached_kv import (
     LayerPages,
     segment_tokens,
 )
-from dualpath_jax.model.decode import sample_at
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import GREEDY
 from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
-from dualpath_jax.transfer.loader import DeviceRows, LoaderContext, PrefillLoad
+from dualpath_jax.transfer.loader import LoaderContext
+from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad
 
 log = logging.getLogger(__name__)
 

@@ -110,7 +110,7 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
 
 
 def _transfer_channel(bind: str):
-    from dualpath_jax.transfer.channel import JaxTransferChannel
+    from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
     return JaxTransferChannel(bind=bind, transport_addresses=[bind])
 

@@ -3,7 +3,8 @@
 - `codec`: the stored bytes of a Full Block (header, per-layer checksums) and their verification.
 - `identity`: model fingerprints and block keys (`key_i = H(key_{i-1}, tokens_i)`).
 - `api`: the `BlockStore` interface (asynchronous, batched) and its results, stats and errors.
-- `store`: `TensorStoreBlockStore` (file/memory/spec); `filereader`: its direct file reads.
+- `store`: `TensorStoreBlockStore` (file/memory/spec); `filereader`: its direct file reads;
+  `tensorstore_io`: its kvstore specs (`kvstore_spec`) and windowed I/O.
 - `index`: LRU, pins and trajectory ownership behind the store's capacity limit.
 - `buffers`: `HostBufferPool`, the PE buffer and DE buffer in host memory.
 """
@@ -30,7 +31,8 @@ from dualpath_jax.kvstore.codec import (
 )
 from dualpath_jax.kvstore.identity import InvalidBlockKey, block_keys, model_fingerprint
 from dualpath_jax.kvstore.index import BlockIndex
-from dualpath_jax.kvstore.store import TensorStoreBlockStore, kvstore_spec, open_block_store
+from dualpath_jax.kvstore.store import TensorStoreBlockStore, open_block_store
+from dualpath_jax.kvstore.tensorstore_io import kvstore_spec
 
 __all__ = [
     "BlockCorrupt",

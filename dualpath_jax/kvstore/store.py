@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -38,8 +35,9 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from dualpath_jax.config import ConfigError, ModelConfig, StoreConfig
+from dualpath_jax.config import ModelConfig, StoreConfig
 from dualpath_jax.kv_events import BlockRemoved, BlockStored, KVEvent
+from dualpath_jax.kvstore import tensorstore_io
 from dualpath_jax.kvstore.api import (
     BlockReadResult,
     BlockStore,
@@ -63,79 +61,6 @@ from dualpath_jax.kvstore.index import BlockIndex
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
 
 log = logging.getLogger(__name__)
-
-# tensorstore's encoding of "no value": a write with this `if_equal` only creates a missing key.
-_IF_ABSENT = b"\x02"
-
-
-def _run_now(fn: Callable[..., Any], *args: Any) -> futures.Future[Any]:
-    """Runs `fn` here and returns its outcome as a completed future."""
-    fut: futures.Future[Any] = futures.Future()
-    try:
-        fut.set_result(fn(*args))
-    except Exception as e:
-        fut.set_exception(e)
-    return fut
-
-
-class _Joined:
-    """Several tensorstore reads awaited as one (a layer range and its checksums)."""
-
-    def __init__(self, *futs: ts.Future):
-        self.futs = futs
-
-    def result(self, timeout: float | None = None) -> tuple[Any, ...]:
-        out = []
-        for f in self.futs:
-            try:
-                out.append(f.result(timeout=timeout))
-            except TimeoutError:
-                raise
-            except Exception as e:  # keep waiting on the rest: none is left running
-                out.append(e)
-        return tuple(out)
-
-
-def kvstore_spec(cfg: StoreConfig) -> dict[str, Any] | str:
-    """The tensorstore kvstore spec of a StoreConfig (file root resolved to an absolute path)."""
-    if cfg.kind == "file":
-        if not cfg.root:
-            raise StoreUnavailable("StoreConfig.root is empty: set the directory of the file store")
-        return {
-            "driver": "file",
-            "path": os.path.abspath(cfg.root) + "/",
-            "context": {
-                "file_io_sync": bool(cfg.fsync),
-                "file_io_concurrency": {"limit": max(1, cfg.io_concurrency)},
-            },
-        }
-    if cfg.kind == "memory":
-        return {"driver": "memory"}
-    if cfg.kind == "spec":
-        try:
-            spec = json.loads(cfg.spec_json)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"store.spec_json is not JSON: {e}") from None
-        if not isinstance(spec, dict | str):
-            raise ConfigError("store.spec_json must be a kvstore spec object or URL")
-        return spec
-    raise ConfigError(f"store.kind {cfg.kind!r} is not one of file, memory, spec")
-
-
-def _check_root(root: str) -> None:
-    """Creates the file store root and proves it writable, or raises StoreUnavailable."""
-    try:
-        os.makedirs(root, exist_ok=True)
-    except OSError as e:
-        raise StoreUnavailable(f"store root {root!r} cannot be created: {e}") from None
-    if not os.path.isdir(root):
-        raise StoreUnavailable(f"store root {root!r} is not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=root, prefix=".probe-") as f:
-            f.write(b"\x00")
-            f.flush()
-    except OSError as e:
-        raise StoreUnavailable(f"store root {root!r} is not writable: {e}") from None
 
 
 class TensorStoreBlockStore(BlockStore):
@@ -161,9 +86,9 @@ class TensorStoreBlockStore(BlockStore):
         self._on_events = on_events
         self._event_lock = threading.Lock()
         self._window = max(1, cfg.io_concurrency)
-        spec = kvstore_spec(cfg)
+        spec = tensorstore_io.kvstore_spec(cfg)
         if cfg.kind == "file":
-            _check_root(spec["path"])
+            tensorstore_io.check_root(spec["path"])
         try:
             self._kv = ts.KvStore.open(spec).result(timeout=cfg.timeout_s)
         except Exception as e:  # tensorstore reports bad specs and I/O failures as ValueError
@@ -212,10 +137,7 @@ class TensorStoreBlockStore(BlockStore):
         return self._pool.submit(fn, *args)
 
     def _wait(self, fut: ts.Future, what: str) -> Any:
-        try:
-            return fut.result(timeout=self.cfg.timeout_s)
-        except TimeoutError:
-            raise StoreError(f"{what}: no answer within {self.cfg.timeout_s} s") from None
+        return tensorstore_io.wait(fut, what, self.cfg.timeout_s)
 
     def _windowed(
         self,
@@ -223,33 +145,9 @@ class TensorStoreBlockStore(BlockStore):
         issue: Callable[[int, str], Any],
         handle: Callable[[int, str, Any], bool],
     ) -> None:
-        """Issues `issue(i, key)` (a tensorstore or concurrent future) with at most `window` in
-        flight and feeds results in key order to `handle(i, key, result_or_exception)`; stops
-        issuing once `handle` returns False."""
-        inflight: collections.deque[tuple[int, str, ts.Future]] = collections.deque()
-        nxt = 0
-        try:
-            while nxt < len(keys) or inflight:
-                while nxt < len(keys) and len(inflight) < self._window:
-                    inflight.append((nxt, keys[nxt], issue(nxt, keys[nxt])))
-                    nxt += 1
-                i, key, fut = inflight.popleft()
-                try:
-                    res: Any = self._wait(fut, f"block {key}")
-                except StoreError:
-                    raise
-                except Exception as e:  # tensorstore raises ValueError with a status code
-                    res = e
-                if not handle(i, key, res):
-                    break
-        finally:
-            # Let the rest finish rather than cancel them: a cancelled file read can leak its
-            # slot of tensorstore's file_io_concurrency limit, and later reads then never start.
-            for _, _, fut in inflight:
-                try:
-                    fut.result(timeout=self.cfg.timeout_s)
-                except Exception:
-                    pass
+        tensorstore_io.windowed(
+            keys, issue, handle, window=self._window, timeout_s=self.cfg.timeout_s
+        )
 
     def _classify(self, key: str, res: Any) -> tuple[Any, str]:
         """(read result or None, miss reason) of one read; raises StoreError on I/O errors."""
@@ -363,14 +261,14 @@ class TensorStoreBlockStore(BlockStore):
             if direct:
                 args = (self._file_root, self.fmt, key, layers, dest)
                 return (
-                    _run_now(read_block_file, *args)
+                    tensorstore_io.run_now(read_block_file, *args)
                     if inline
                     else self._io_pool.submit(read_block_file, *args)
                 )
             if layers is None:
                 return self._kv.read(key_path(key))
             path = key_path(key)
-            return _Joined(
+            return tensorstore_io.Joined(
                 self._kv.read(path, byte_range=checksum_range),
                 self._kv.read(path, byte_range=payload_range),
             )
@@ -477,7 +375,7 @@ class TensorStoreBlockStore(BlockStore):
 
         def issue(i: int, key: str) -> ts.Future:
             data = encode_block(self.fmt, key, np.asarray(block_of[key]))
-            return self._kv.write(key_path(key), data, if_equal=_IF_ABSENT)
+            return self._kv.write(key_path(key), data, if_equal=tensorstore_io.IF_ABSENT)
 
         def handle(i: int, key: str, res: Any) -> bool:
             nonlocal existed

@@ -1,4 +1,5 @@
-"""Batched decode over a per-slot KV cache, sampling, and `generate` (the test oracle).
+"""Batched decode over a per-slot KV cache (`Decoder`, drawing tokens as `sampler.py` does), and
+`generate` and `reference_generate` (the test oracle).
 
 Lifecycle of a decode slot: `insert(slot, prompt_kv, next_token)` puts a prompt's KV rows
 `[L, T, W]` into the slot's pages; each `step()` feeds every active slot's pending token, writes
@@ -31,85 +32,11 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
+from dualpath_jax.model.sampler import sample, sample_rows
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.model.sharding import host_value, whole
 
 Array = jax.Array
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / temperature
-    if top_p < 1.0:
-        sorted_l = jnp.sort(scaled, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_l, axis=-1)
-        cum = jnp.cumsum(probs, axis=-1)
-        # Smallest prefix whose mass reaches top_p; its last logit is the cut-off.
-        cut_idx = jnp.sum(cum - probs < top_p, axis=-1) - 1
-        cutoff = jnp.take_along_axis(sorted_l, cut_idx[:, None], axis=-1)
-        scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-
-
-def sample(logits: Array, params: SamplingParams = GREEDY, key: Array | None = None) -> Array:
-    """logits `[B, V]` -> token ids `[B]`, every row drawn with `params` from one explicit PRNG
-    `key` (needed unless greedy; `params.seed` is what `sample_at` keys by instead)."""
-    if params.temperature > 0 and key is None:
-        raise ValueError("sampling with temperature > 0 needs a PRNG key")
-    if key is None:
-        key = jax.random.key(0)
-    return _sample(logits, key, float(params.temperature), float(params.top_p))
-
-
-@jax.jit
-def _sample_at(
-    logits: Array, seeds: Array, positions: Array, temperatures: Array, top_ps: Array
-) -> Array:
-    return _sample_rows(logits, seeds, positions, temperatures, top_ps)
-
-
-@jax.jit
-def _greedy(logits: Array) -> Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-
-
-def greedy_tokens(logits: Array | np.ndarray) -> np.ndarray:
-    """Greedy token ids `[B]` (numpy int32) of logits `[B, V]`: the argmax on the device that
-    holds them, so an accelerator copies `B` ids to the host instead of `[B, V]` float32 logits;
-    on the host (numpy logits, or arrays on a CPU device) in numpy, without a device call. Ties
-    go to the lowest id either way."""
-    if isinstance(logits, jax.Array) and any(d.platform != "cpu" for d in logits.devices()):
-        return np.asarray(_greedy(logits))
-    return np.asarray(logits).argmax(-1).astype(np.int32)
-
-
-def sample_at(
-    logits: Array | np.ndarray,
-    params: Sequence[SamplingParams],
-    positions: Sequence[int],
-) -> np.ndarray:
-    """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
-
-    Row b is greedy when `params[b].temperature == 0`, else drawn from softmax(logits / t) with
-    the key `fold_in(key(params[b].seed), positions[b])`, where `positions[b]` is the absolute
-    position of the token being drawn. The same (params, position, logits) gives the same token
-    wherever it is computed (prefill or decode engine, in any batch, after any retry), which
-    keeps sampled rollouts reproducible. `params[b].top_p < 1` draws from the smallest set of
-    most likely tokens whose probability reaches it (nucleus sampling). All-greedy batches take
-    `greedy_tokens`.
-    """
-    if all(p.greedy for p in params):
-        return greedy_tokens(logits)
-    out = _sample_at(
-        jnp.asarray(logits),
-        jnp.asarray(np.array([p.seed for p in params], np.uint32)),
-        jnp.asarray(np.asarray(positions, np.int32)),
-        jnp.asarray(np.array([p.temperature for p in params], np.float32)),
-        jnp.asarray(np.array([p.top_p for p in params], np.float32)),
-    )
-    return np.asarray(out)
 
 
 def _decode_step(
@@ -143,36 +70,8 @@ def _decode_step(
         (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
     lengths = lengths + write
-    tokens = _sample_rows(logits, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
+    tokens = sample_rows(logits, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
     return logits, jnp.where(active, tokens, pending), pages, lengths
-
-
-def _nucleus(scaled: Array, top_ps: Array) -> Array:
-    """Logits `[B, V]` with every token outside each row's top-p nucleus at -inf: the smallest
-    set of most likely tokens whose probability reaches `top_ps[b]` (rows at 1 are unchanged)."""
-    ordered = -jnp.sort(-scaled, axis=-1)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each
-    last = jnp.sum(before < top_ps[:, None], axis=-1) - 1
-    cutoff = jnp.take_along_axis(ordered, last[:, None], axis=-1)
-    keep = (scaled >= cutoff) | (top_ps[:, None] >= 1.0)
-    return jnp.where(keep, scaled, -jnp.inf)
-
-
-def _sample_rows(logits, seeds, positions, temperatures, top_ps):
-    """`sample_at` in a traced program: greedy rows where the temperature is 0. The nucleus
-    sort runs only when some row has top-p below 1."""
-    scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
-    scaled = jax.lax.cond(
-        jnp.any((top_ps < 1.0) & (temperatures > 0)), _nucleus, lambda s, p: s, scaled, top_ps
-    )
-
-    def one(row, seed, pos):
-        key = jax.random.fold_in(jax.random.key(seed), pos)
-        return jax.random.categorical(key, row)
-
-    drawn = jax.vmap(one)(scaled, seeds, positions)
-    return jnp.where(temperatures > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
 
 
 # Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).

@@ -1,6 +1,6 @@
 """`SamplingParams`: how a round draws its tokens, the one value that carries it from the user's
 call (rollout, client, HTTP server) over the wire (`engine.messages.Submit`, `LoadJobMsg`) to the
-engines' sampling (`model.decode.sample_at`, `Decoder.insert`).
+engines' sampling (`model.sampler.sample_at`, `Decoder.insert`).
 
 `temperature` 0 is greedy; above 0 the token at absolute position p of a sequence is drawn from
 softmax(logits / temperature), restricted to the smallest set of most likely tokens whose mass

@@ -31,35 +31,24 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
-import math
-import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from concurrent import futures
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from dualpath_jax.engine import messages
 from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.model.sampling import SamplingError, SamplingParams
+from dualpath_jax.serving import request_checks, responses
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from dualpath_jax.serving.request_checks import RoundParams
+from dualpath_jax.serving.responses import RoundStream
 from dualpath_jax.serving.text import TextStream
 from dualpath_jax.serving.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
-
-SESSION_HEADER = "X-Session-Id"
-PRIORITY_HEADER = "X-Session-Priority"
-TTL_HEADER = "X-Session-TTL"
-READ_PATH_HEADER = "X-DualPath-Read-Path"
-MAX_SESSION_ID = 256
-MAX_TTL_S = 1e9  # the router's bound (engine.retention.retention_problem)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +71,6 @@ class ServerConfig:
 
 
 @dataclasses.dataclass
-class _Params:
-    max_tokens: int
-    sampling: SamplingParams
-    stops: list[str]
-    ignore_eos: bool
-    stream: bool
-    include_usage: bool
-    token_ids: bool
-
-
-@dataclasses.dataclass
 class _AgentSession:
     """The server's copy of one router session: its context as the router has it."""
 
@@ -103,71 +81,12 @@ class _AgentSession:
     last_used: float = 0.0
 
 
-def _bearer(request: web.Request) -> str:
-    auth = request.headers.get("Authorization", "")
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-
-
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-class _Round:
-    """One submitted round: its streamed token deltas (`deltas()`), then its `RoundResult`."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
-        self.queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
-        self.fut: futures.Future | None = None
-        self.have = 0  # generated tokens passed on so far
-
-    def on_tokens(self, start: int, tokens: list[int]) -> None:  # the client's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens))
-
-    def _new(self, start: int, tokens: list[int]) -> list[int]:
-        """The tokens past what was passed on (a retried round streams positions again)."""
-        if start + len(tokens) <= self.have or start > self.have:
-            return []
-        out = tokens[self.have - start :]
-        self.have += len(out)
-        return out
-
-    async def deltas(self, timeout_s: float) -> AsyncIterator[list[int]]:
-        """New generated tokens as they come, until the round is over; raises TimeoutError if
-        it is not over within `timeout_s`."""
-        assert self.fut is not None
-        done = asyncio.wrap_future(self.fut)
-        # A round whose handler was cancelled (the client left) still ends; nobody awaits it.
-        done.add_done_callback(lambda f: f.cancelled() or f.exception())
-        deadline = time.monotonic() + timeout_s
-        while True:
-            get = asyncio.ensure_future(self.queue.get())
-            left = deadline - time.monotonic()
-            await asyncio.wait({get, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
-                if not done.done():
-                    raise TimeoutError
-                break
-            new = self._new(*get.result())
-            if new:
-                yield new
-        while not self.queue.empty():
-            new = self._new(*self.queue.get_nowait())
-            if new:
-                yield new
-        if not done.exception():
-            rest = self._new(0, list(done.result().tokens))
-            if rest:
-                yield rest
-
-    async def result(self) -> messages.RoundResult:
-        assert self.fut is not None
-        return await asyncio.wrap_future(self.fut)
 
 
 class ApiServer:
@@ -244,7 +163,9 @@ class ApiServer:
             self.metrics.running.inc()
         try:
             if endpoint.startswith("/v1/") and self.cfg.api_key:
-                if not hmac.compare_digest(_bearer(request).encode(), self.cfg.api_key.encode()):
+                if not hmac.compare_digest(
+                    request_checks.bearer(request).encode(), self.cfg.api_key.encode()
+                ):
                     raise ApiError(401, "invalid API key", code="invalid_api_key")
             resp = await handler(request)
         except ApiError as e:
@@ -308,16 +229,16 @@ class ApiServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), CompletionRequest)
-        self._check_common(req)
+        request_checks.check_common(req, self.cfg.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
-        prompt = self._completion_prompt(req.prompt)
-        params = self._params(req, req.max_tokens, len(prompt))
+        prompt = request_checks.completion_prompt(req.prompt, self.tok, self.cfg.vocab_size)
+        params = self._round_params(req, req.max_tokens, len(prompt))
         return await self._respond(request, req, prompt, params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse(await request.read(), ChatRequest)
-        self._check_common(req)
+        request_checks.check_common(req, self.cfg.model)
         if req.tools:
             raise ApiError(400, "tools are not supported", param="tools")
         if not req.messages:
@@ -328,147 +249,32 @@ class ApiServer:
             raise ApiError(400, str(e), param="messages") from None
         limit = req.max_completion_tokens
         limit = req.max_tokens if limit is None else limit
-        params = self._params(req, limit, len(prompt))
+        params = self._round_params(req, limit, len(prompt))
         return await self._respond(request, req, prompt, params, chat=True)
 
-    def _check_common(self, req: Any) -> None:
-        if req.model != self.cfg.model:
-            raise ApiError(
-                400,
-                f"the model {req.model!r} is not served here (this server serves"
-                f" {self.cfg.model!r})",
-                param="model",
-                code="model_not_found",
-            )
-        if req.n != 1:
-            raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n")
-        if req.logprobs not in (None, False):
-            raise ApiError(400, "logprobs are not supported", param="logprobs")
-
-    def _completion_prompt(self, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            ids = self.tok.encode(prompt)
-        elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
-            bad = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
-            if bad is not None:
-                raise ApiError(
-                    400,
-                    f"token id {bad} is out of range [0, {self.cfg.vocab_size})",
-                    param="prompt",
-                )
-        elif prompt and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            return self._completion_prompt(prompt[0])  # a batch of one prompt
-        else:
-            raise ApiError(
-                400, "prompt must be a string or a non-empty list of token ids", param="prompt"
-            )
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        return ids
-
-    def _params(self, req: Any, max_tokens: int | None, prompt_len: int) -> _Params:
-        room = self.cfg.max_context - prompt_len
-        if room < 1:
-            raise ApiError(
-                400,
-                f"the prompt has {prompt_len} tokens; this model's context is"
-                f" {self.cfg.max_context} tokens",
-                param="prompt" if isinstance(req, CompletionRequest) else "messages",
-                code="context_length_exceeded",
-            )
-        n = self.cfg.default_max_tokens if max_tokens is None else max_tokens
-        n = min(n, room) if max_tokens is None else n
-        if n < 1:
-            raise ApiError(400, f"max_tokens must be >= 1, got {n}", param="max_tokens")
-        if prompt_len + n > self.cfg.max_context:
-            raise ApiError(
-                400,
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({n}) exceeds this model's"
-                f" context of {self.cfg.max_context} tokens",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        t = 1.0 if req.temperature is None else req.temperature
-        if t > 2:  # the API's range; SamplingParams checks the rest
-            raise ApiError(400, f"temperature must lie in [0, 2], got {t}", param="temperature")
-        seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
-        try:
-            sampling = SamplingParams(
-                temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=seed
-            )
-        except SamplingError as e:
-            raise ApiError(400, str(e), param=e.field) from None
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stops) > 4:
-            raise ApiError(400, "at most 4 stop sequences", param="stop")
-        return _Params(
-            max_tokens=n,
-            sampling=sampling,
-            stops=stops,
-            ignore_eos=req.ignore_eos,
-            stream=req.stream,
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
-            token_ids=req.return_token_ids,
+    def _round_params(self, req: Any, max_tokens: int | None, prompt_len: int) -> RoundParams:
+        return request_checks.round_params(
+            req,
+            max_tokens,
+            prompt_len,
+            max_context=self.cfg.max_context,
+            default_max_tokens=self.cfg.default_max_tokens,
         )
-
-    def _session_id(self, request: web.Request, req: Any) -> str | None:
-        sid = request.headers.get(SESSION_HEADER) or req.user
-        if sid is None or sid == "":
-            return None
-        if len(sid) > MAX_SESSION_ID or not sid.isprintable():
-            raise ApiError(
-                400, f"a session id is at most {MAX_SESSION_ID} printable characters", param="user"
-            )
-        return sid
-
-    @staticmethod
-    def _retention(request: web.Request) -> dict[str, Any]:
-        """The `priority` and `ttl_s` for `Client.submit` from the `X-Session-Priority` and
-        `X-Session-TTL` headers, only those present; a bad value is a 400 naming its header."""
-        out: dict[str, Any] = {}
-        raw = request.headers.get(PRIORITY_HEADER)
-        if raw is not None:
-            try:
-                priority = int(raw.strip())
-            except ValueError:
-                priority = None
-            if priority is None or not -(2**31) <= priority < 2**31:
-                raise ApiError(
-                    400,
-                    f"{PRIORITY_HEADER} must be an integer in [-2**31, 2**31), got {raw!r}",
-                    param=PRIORITY_HEADER,
-                )
-            out["priority"] = priority
-        raw = request.headers.get(TTL_HEADER)
-        if raw is not None:
-            try:
-                ttl = float(raw.strip())
-            except ValueError:
-                ttl = math.nan
-            if not 0 <= ttl <= MAX_TTL_S:  # NaN fails too
-                raise ApiError(
-                    400,
-                    f"{TTL_HEADER} must be a number of seconds in [0, {MAX_TTL_S:g}], got {raw!r}",
-                    param=TTL_HEADER,
-                )
-            out["ttl_s"] = ttl
-        return out
 
     # ------------------------------------------------------------------ rounds
 
     async def _submit(
         self,
-        rnd: _Round,
+        rnd: RoundStream,
         sid: str | None,
         prompt: list[int],
-        p: _Params,
+        p: RoundParams,
         live: bool,
         retention: dict[str, Any],
     ) -> tuple[_AgentSession | None, str]:
         """Opens (or continues) the round's router session and submits (with `retention`, the
-        `_retention` keywords); returns the agent session (None: a one-off session, closed after
-        the round) and the router session id."""
+        `request_checks.retention` keywords); returns the agent session (None: a one-off
+        session, closed after the round) and the router session id."""
         if sid is None:
             rid = f"http-{uuid.uuid4().hex}"
             await self._call(self.client.open_session, rid)
@@ -496,10 +302,10 @@ class ApiServer:
         return agent, rid
 
     async def _respond(
-        self, request: web.Request, req: Any, prompt: list[int], p: _Params, chat: bool
+        self, request: web.Request, req: Any, prompt: list[int], p: RoundParams, chat: bool
     ) -> web.StreamResponse:
-        sid = self._session_id(request, req)
-        retention = self._retention(request)
+        sid = request_checks.session_id(request, req)
+        retention = request_checks.retention(request)
         if sid is not None:
             if sid not in self.sessions:
                 self.sessions[sid] = _AgentSession(f"http:{sid}")
@@ -517,11 +323,11 @@ class ApiServer:
         request: web.Request,
         sid: str | None,
         prompt: list[int],
-        p: _Params,
+        p: RoundParams,
         chat: bool,
         retention: dict[str, Any],
     ) -> web.StreamResponse:
-        rnd = _Round(asyncio.get_running_loop())
+        rnd = RoundStream(asyncio.get_running_loop())
         live = p.stream or bool(p.stops)
         try:
             agent, rid = await self._submit(rnd, sid, prompt, p, live, retention)
@@ -537,8 +343,10 @@ class ApiServer:
                 )
                 await resp.prepare(request)
                 if chat:
-                    first = self._chunk(ident, chat, {"role": "assistant", "content": ""})
-                    await self._event(resp, first)
+                    first = responses.chunk(
+                        ident, self.cfg.model, chat, {"role": "assistant", "content": ""}
+                    )
+                    await responses.send_event(resp, first)
             finishing = False
             async for new in rnd.deltas(self.cfg.round_timeout_s):
                 delta = text.add(new)
@@ -546,8 +354,10 @@ class ApiServer:
                     finishing = True  # the round completes now and keeps its KV
                     self.client.finish(rnd.fut.request)
                 if resp is not None and (delta or p.token_ids):
-                    chunk = self._chunk(ident, chat, delta, new if p.token_ids else None)
-                    await self._event(resp, chunk)
+                    chunk = responses.chunk(
+                        ident, self.cfg.model, chat, delta, new if p.token_ids else None
+                    )
+                    await responses.send_event(resp, chunk)
             try:
                 res = await rnd.result()
             except RolloutError as e:
@@ -557,15 +367,15 @@ class ApiServer:
             self.metrics.observe(res)
             rest = text.close()
             finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
-            usage = self._usage(res)
-            extra = self._extension(res, sid)
+            usage = responses.usage(res)
+            extra = responses.extension(res, sid)
             if resp is not None:
-                last = self._chunk(ident, chat, rest, None, finish)
+                last = responses.chunk(ident, self.cfg.model, chat, rest, None, finish)
                 last["dualpath"] = extra
-                await self._event(resp, last)
+                await responses.send_event(resp, last)
                 if p.include_usage:
-                    tail = {**self._chunk(ident, chat, None), "choices": []}
-                    await self._event(resp, {**tail, "usage": usage, "dualpath": extra})
+                    tail = {**responses.chunk(ident, self.cfg.model, chat, None), "choices": []}
+                    await responses.send_event(resp, {**tail, "usage": usage, "dualpath": extra})
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
@@ -589,14 +399,14 @@ class ApiServer:
                 body["prompt_token_ids"] = prompt
             return web.json_response(
                 body,
-                headers={READ_PATH_HEADER: res.read_path or "none"},
+                headers={responses.READ_PATH_HEADER: res.read_path or "none"},
             )
         except TimeoutError:
             self.client.cancel(rnd.fut.request)
             e = ApiError(503, "the round timed out", retry_after=self.cfg.retry_after_s)
             if resp is None:
                 raise e from None
-            await self._event(resp, e.body())
+            await responses.send_event(resp, e.body())
             await resp.write(b"data: [DONE]\n\n")
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
@@ -606,7 +416,9 @@ class ApiServer:
         except ApiError as e:
             if resp is None:
                 raise
-            await self._event(resp, e.body())  # the stream has begun: the error is its last event
+            await responses.send_event(
+                resp, e.body()
+            )  # the stream has begun: the error is its last event
             await resp.write(b"data: [DONE]\n\n")
             return resp
         finally:
@@ -615,52 +427,3 @@ class ApiServer:
                     await self._call(self.client.close_session, rid)
                 except RolloutError as e:
                     log.warning("closing session %s failed: %s", rid, e)
-
-    def _chunk(
-        self,
-        ident: str,
-        chat: bool,
-        delta: Any,
-        token_ids: list[int] | None = None,
-        finish: str | None = None,
-    ) -> dict[str, Any]:
-        if chat:
-            content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return {
-            "id": ident,
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.cfg.model,
-            "choices": [choice],
-        }
-
-    @staticmethod
-    async def _event(resp: web.StreamResponse, data: dict) -> None:
-        await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
-
-    @staticmethod
-    def _usage(res: messages.RoundResult) -> dict[str, Any]:
-        n = len(res.tokens)
-        return {
-            "prompt_tokens": res.prompt_tokens,
-            "completion_tokens": n,
-            "total_tokens": res.prompt_tokens + n,
-            "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
-        }
-
-    @staticmethod
-    def _extension(res: messages.RoundResult, sid: str | None) -> dict[str, Any]:
-        return {
-            "read_path": res.read_path or "none",
-            "session": sid,
-            "ttft_s": res.ttft_s,
-            "tpot_s": res.tpot_s,
-            "jct_s": res.jct_s,
-            "queue_s": res.queue_s,
-            "recomputed_blocks": res.recomputed_blocks,
-        }

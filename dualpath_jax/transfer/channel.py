@@ -21,8 +21,10 @@ Lifecycle of a transfer:
   both:     close() (or leave the `with` block)
 
 Two implementations, one contract (tests/transfer/test_channel.py runs the same suite on both):
-  - `JaxTransferChannel` on `jax.experimental.transfer`: one transfer server per engine process.
-  - `InProcessChannel` on an `InProcessFabric`: channels in one process (tests, the simulator).
+  - `jax_channel.JaxTransferChannel` on `jax.experimental.transfer`: one transfer server per
+    engine process.
+  - `inprocess_channel.InProcessChannel` on an `InProcessFabric`: channels in one process (tests,
+    the in-process cluster).
 """
 
 from __future__ import annotations
@@ -30,20 +32,14 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
-import datetime
 import hashlib
 import math
-import socket
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import SingleDeviceSharding
-
-from dualpath_jax import copies
 
 ArrayLike = jax.Array | np.ndarray
 Spec = tuple[tuple[int, ...], Any]  # (shape, dtype)
@@ -62,11 +58,6 @@ class TransferTimeout(TransferError):
 
 class TransferCancelled(TransferError):
     """The pull's `abort` event was set while it waited (its load was cancelled)."""
-
-
-def _aborted(abort: threading.Event | None, peer: str, uuid: int) -> None:
-    if abort is not None and abort.is_set():
-        raise TransferCancelled(f"pull {uuid} from {peer}: abandoned (its load was cancelled)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,401 +309,13 @@ class KVChannel(abc.ABC):
             raise TransferError(f"channel {self.address} is closed")
 
     @staticmethod
+    def _check_aborted(abort: threading.Event | None, peer: str, uuid: int) -> None:
+        if abort is not None and abort.is_set():
+            raise TransferCancelled(f"pull {uuid} from {peer}: abandoned (its load was cancelled)")
+
+    @staticmethod
     def _check_offer_args(uuid: int, arrays: Sequence[ArrayLike]) -> None:
         if not 0 < uuid <= _UUID_MASK:
             raise ValueError(f"uuid must be in [1, 2**{UUID_BITS}), got {uuid}")
         if not arrays:
             raise ValueError("offer: no arrays")
-
-
-# --- jax.experimental.transfer ----------------------------------------------------------------
-
-
-class JaxTransferChannel(KVChannel):
-    """KVChannel on `jax.experimental.transfer`: a transfer server plus cached peer connections.
-
-    Create one per engine process (each owns a transfer server on `bind`). A pull issues the
-    transfer (non-blocking in JAX) and polls the result arrays' readiness until its deadline, so no
-    thread is ever left blocked. While it waits (every `probe_every_s`) and at its deadline the
-    peer's port is probed: a refused connection means the peer is gone (TransferError), otherwise
-    the deadline gives TransferTimeout. A peer process that dies breaks the connection and fails
-    its pending pulls at once. A connection that failed is
-    dropped and the next pull to that peer reconnects (e.g. to a restarted engine on the same
-    address); pulls to a new address open a new connection.
-
-    Leaks and limits (of the underlying library, measured with jax 0.10):
-      - A pull that timed out stays registered in the connection, holding its destination buffers
-        until the peer offers that uuid or the connection closes. No thread is leaked.
-      - Unpulled offers hold their device arrays until `offer_ttl_s` passes (then the server drops
-        them; a later pull times out) or forever when `offer_ttl_s` is None. The sender cannot see
-        when an offer is pulled, so `outstanding_offers()` counts offers younger than the TTL.
-      - Only the byte size of `specs` is checked by the library: a size mismatch raises
-        TransferError, while same-size specs of another dtype/shape reinterpret the bytes.
-      - Offering a uuid twice leaves the second offer unpullable; this channel rejects a uuid that
-        is still outstanding.
-      - `close()` drops the server; peers' waiting pulls see the port refuse within
-        `probe_every_s` and fail with TransferError.
-    """
-
-    def __init__(
-        self,
-        device: jax.Device | None = None,
-        *,
-        bind: str = "127.0.0.1:0",
-        transport_addresses: Sequence[str] = ("127.0.0.1:0",) * 4,
-        use_raw_buffers: bool = True,
-        offer_ttl_s: float | None = 120.0,
-        probe_every_s: float = 1.0,
-        pull_workers: int = 4,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        """device: where offers are served from and pulls land (default: the first local device).
-        bind / transport_addresses: control and bulk-data listen addresses (loopback by default);
-          several bulk-data sockets and raw buffers gave ~20% more throughput for 64 MiB blocks on
-          CPU (bench/transfer.py). Peers may use different settings.
-        probe_every_s: while a pull waits, check this often that the peer still listens, so a
-          closed peer fails the pull early instead of at its deadline.
-        """
-        super().__init__(pull_workers)
-        from jax.experimental import transfer as jax_transfer
-
-        self._device = device if device is not None else jax.local_devices()[0]
-        self._sharding = SingleDeviceSharding(self._device)
-        if not transport_addresses:
-            raise ValueError("transport_addresses must not be empty")
-        self._server = jax_transfer.start_transfer_server(
-            self._device.client, bind, list(transport_addresses), use_raw_buffers=use_raw_buffers
-        )
-        self._address = self._server.address()
-        self._offer_ttl_s = offer_ttl_s
-        self._probe_every_s = probe_every_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._connections: dict[str, Any] = {}
-        self._offers: dict[int, float] = {}  # uuid -> expiry (clock), inf without a TTL
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    @property
-    def device(self) -> jax.Device:
-        return self._device
-
-    def offer(self, uuid: int, arrays: Sequence[ArrayLike]) -> None:
-        self._check_open()
-        self._check_offer_args(uuid, arrays)
-        on_device = [self._to_device(a) for a in arrays]
-        now = self._clock()
-        with self._lock:
-            self._prune_offers(now)
-            if uuid in self._offers:
-                raise ValueError(f"uuid {uuid} is still offered by {self._address}")
-            self._offers[uuid] = now + self._offer_ttl_s if self._offer_ttl_s else math.inf
-        if self._offer_ttl_s is None:
-            self._server.await_pull(uuid, on_device)
-        else:
-            # The library wants an absolute wall-clock deadline.
-            expiry = datetime.datetime.now() + datetime.timedelta(seconds=self._offer_ttl_s)
-            self._server.await_pull(uuid, on_device, timeout=expiry)
-        self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
-
-    def pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        timeout_s: float,
-        *,
-        abort: threading.Event | None = None,
-    ) -> list[jax.Array]:
-        self._check_open()
-        norm = normalize_specs(specs)
-        if not norm:
-            raise ValueError("pull: no specs")
-        deadline = self._clock() + timeout_s
-        devices = spec_devices(specs, self._device)
-        structs = [
-            jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
-            for (s, d), dev in zip(norm, devices)
-        ]
-        try:
-            conn = self._connection(peer)
-            out = list(conn.pull(uuid, structs))
-        except TransferError:
-            self._counters.add(errors=1)
-            raise
-        except Exception as e:  # the library raises JaxRuntimeError / RuntimeError
-            self._counters.add(errors=1)
-            self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: {e}") from e
-        ready = self._wait_ready(out, deadline, peer, abort)
-        _aborted(abort, peer, uuid)
-        if self._closing.is_set():
-            raise TransferError(f"pull {uuid} from {peer}: channel {self._address} closed")
-        if ready is None or (not ready and not _port_accepts(peer)):
-            self._counters.add(errors=1)
-            self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: peer is gone")
-        if not ready:
-            self._counters.add(timeouts=1)
-            raise TransferTimeout(f"pull {uuid} from {peer}: nothing within {timeout_s:.3g}s")
-        try:
-            for a in out:
-                a.block_until_ready()  # ready already; raises the transfer's error if any
-        except Exception as e:
-            self._counters.add(errors=1)
-            self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: {e}") from e
-        self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
-        return out
-
-    def outstanding_offers(self) -> int:
-        with self._lock:
-            self._prune_offers(self._clock())
-            return len(self._offers)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
-        with self._lock:
-            self._connections.clear()
-            self._offers.clear()
-        # Dropping the last reference stops the server (and frees unpulled offers).
-        self._server = None
-
-    # -- internals
-
-    def _to_device(self, a: ArrayLike) -> jax.Array:
-        # An array on one device of this process is served from there (the transfer server
-        # reaches every local device: the column pieces of a mesh's rows go out from the
-        # devices that hold them); one split over several devices is gathered onto ours.
-        if isinstance(a, jax.Array) and len(a.sharding.device_set) == 1:
-            return a
-        return copies.to_device(a, "channel_offer", self._sharding)
-
-    def _prune_offers(self, now: float) -> None:
-        for u in [u for u, t in self._offers.items() if t <= now]:
-            del self._offers[u]
-
-    def _connection(self, peer: str) -> Any:
-        with self._lock:
-            conn = self._connections.get(peer)
-        if conn is not None:
-            return conn
-        # Connecting to a dead address "succeeds" and its pulls hang; fail fast instead.
-        if not _port_accepts(peer):
-            raise TransferError(f"peer {peer} is not listening")
-        conn = self._server.connect(peer)
-        with self._lock:
-            return self._connections.setdefault(peer, conn)
-
-    def _drop_connection(self, peer: str) -> None:
-        with self._lock:
-            self._connections.pop(peer, None)
-
-    def _wait_ready(
-        self,
-        arrays: list[jax.Array],
-        deadline: float,
-        peer: str,
-        abort: threading.Event | None = None,
-    ) -> bool | None:
-        """True when all arrays are ready (or failed), False at the deadline (or once `abort`
-        is set), None if the peer stopped listening meanwhile."""
-        pending = arrays
-        nap = 20e-6
-        next_probe = self._clock() + self._probe_every_s
-        while True:
-            pending = [a for a in pending if not a.is_ready()]
-            if not pending:
-                return True
-            now = self._clock()
-            if now >= deadline or self._closing.is_set() or (abort is not None and abort.is_set()):
-                return False
-            if now >= next_probe:
-                if not _port_accepts(peer):
-                    return None
-                next_probe = self._clock() + self._probe_every_s
-            time.sleep(min(nap, deadline - now))
-            nap = min(nap * 2, 1e-3)
-
-
-def _port_accepts(address: str, timeout_s: float = 0.5) -> bool:
-    """Whether something listens at "host:port" (a TCP connect; "[v6]:port" works too)."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-# --- in-process -------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Slot:
-    arrays: list[jax.Array]
-    expiry: float
-
-
-class InProcessFabric:
-    """The shared registry of in-process channels: offers keyed by (address, uuid).
-
-    `kill(address)` emulates a dead engine: its offers vanish, pulls waiting on it and later pulls
-    from it raise TransferError, and the killed channel itself can no longer offer or pull.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self._cond = threading.Condition()
-        self._slots: dict[tuple[str, int], _Slot] = {}
-        self._live: set[str] = set()
-        self._dead: set[str] = set()
-        self._next = 0
-
-    def register(self, name: str | None = None) -> str:
-        with self._cond:
-            self._next += 1
-            address = f"inproc://{name or 'ch'}-{self._next}"
-            self._live.add(address)
-            return address
-
-    def kill(self, address: str) -> None:
-        with self._cond:
-            self._live.discard(address)
-            self._dead.add(address)
-            for key in [k for k in self._slots if k[0] == address]:
-                del self._slots[key]
-            self._cond.notify_all()
-
-    def is_alive(self, address: str) -> bool:
-        with self._cond:
-            return address in self._live
-
-    def put(self, address: str, uuid: int, arrays: list[jax.Array], expiry: float) -> None:
-        with self._cond:
-            if address not in self._live:
-                raise TransferError(f"{address} is dead")
-            slot = self._slots.get((address, uuid))
-            if slot is not None and slot.expiry > self.clock():
-                raise ValueError(f"uuid {uuid} is still offered by {address}")
-            self._slots[(address, uuid)] = _Slot(arrays, expiry)
-            self._cond.notify_all()
-
-    def take(
-        self,
-        peer: str,
-        uuid: int,
-        deadline: float,
-        *stops: threading.Event | None,
-    ) -> list[jax.Array] | None:
-        """Remove and return the offer, None at the deadline (or once one of `stops` is set);
-        TransferError if `peer` dies."""
-        key = (peer, uuid)
-        stops = tuple(e for e in stops if e is not None)
-        with self._cond:
-            while True:
-                if any(e.is_set() for e in stops):
-                    return None
-                if peer not in self._live:
-                    raise TransferError(
-                        f"peer {peer} is {'gone' if peer in self._dead else 'unknown'}"
-                    )
-                now = self.clock()
-                slot = self._slots.get(key)
-                if slot is not None and slot.expiry > now:
-                    del self._slots[key]
-                    return slot.arrays
-                if now >= deadline:
-                    return None
-                self._cond.wait(min(0.05, deadline - now) if stops else deadline - now)
-
-    def outstanding(self, address: str) -> int:
-        with self._cond:
-            now = self.clock()
-            return sum(1 for (a, _), s in self._slots.items() if a == address and s.expiry > now)
-
-
-class InProcessChannel(KVChannel):
-    """KVChannel between threads of one process, over an `InProcessFabric`.
-
-    Same contract as `JaxTransferChannel`, stricter checks: specs must match the offered shapes and
-    dtypes exactly (else TransferError). Offers are device arrays (numpy is copied at offer time);
-    pulls return jax arrays on this channel's device. `outstanding_offers()` is exact here: offers
-    neither pulled nor past `offer_ttl_s`. `close()` is `fabric.kill(address)`.
-    """
-
-    def __init__(
-        self,
-        fabric: InProcessFabric,
-        name: str | None = None,
-        *,
-        device: jax.Device | None = None,
-        offer_ttl_s: float | None = 120.0,
-        pull_workers: int = 4,
-    ):
-        super().__init__(pull_workers)
-        self._fabric = fabric
-        self._address = fabric.register(name)
-        self._device = device if device is not None else jax.local_devices()[0]
-        self._offer_ttl_s = offer_ttl_s
-
-    @property
-    def address(self) -> str:
-        return self._address
-
-    def offer(self, uuid: int, arrays: Sequence[ArrayLike]) -> None:
-        self._check_open()
-        self._check_offer_args(uuid, arrays)
-        on_device = [copies.to_device(a, "channel_offer", self._device) for a in arrays]
-        ttl = math.inf if self._offer_ttl_s is None else self._offer_ttl_s
-        self._fabric.put(self._address, uuid, on_device, self._fabric.clock() + ttl)
-        self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
-
-    def pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        timeout_s: float,
-        *,
-        abort: threading.Event | None = None,
-    ) -> list[jax.Array]:
-        self._check_open()
-        norm = normalize_specs(specs)
-        if not norm:
-            raise ValueError("pull: no specs")
-        devices = spec_devices(specs, self._device)
-        if not self._fabric.is_alive(self._address):
-            raise TransferError(f"channel {self._address} was killed")
-        try:
-            arrays = self._fabric.take(
-                peer, uuid, self._fabric.clock() + timeout_s, abort, self._closing
-            )
-        except TransferError:
-            self._counters.add(errors=1)
-            raise
-        _aborted(abort, peer, uuid)
-        if arrays is None:
-            self._counters.add(timeouts=1)
-            raise TransferTimeout(f"pull {uuid} from {peer}: nothing within {timeout_s:.3g}s")
-        got = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
-        if got != norm:
-            self._counters.add(errors=1)
-            raise TransferError(f"pull {uuid} from {peer}: offered {got}, specs {norm}")
-        out = [jax.device_put(a, dev) for a, dev in zip(arrays, devices)]
-        self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
-        return out
-
-    def outstanding_offers(self) -> int:
-        return self._fabric.outstanding(self._address)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        super().close()
-        self._fabric.kill(self._address)

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from dualpath_jax import config
+from dualpath_jax.config import validation
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import (
     CALIBRATIONS,
@@ -163,7 +164,7 @@ def test_the_config_builds_the_cost_model_it_names():
 
 
 def test_calibration_names_match_validation():
-    assert tuple(CALIBRATIONS) == config._CHOICES["hardware.calibration"]
+    assert tuple(CALIBRATIONS) == validation._CHOICES["hardware.calibration"]
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ import typing
 import pytest
 
 from dualpath_jax import config
+from dualpath_jax.config import validation
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import HOPPER_NODE, PAPER_MODELS, PRESETS, TINY_DEEPSEEK, paper_experiment
 
@@ -74,12 +75,12 @@ def test_defaults_presets_and_paper_runs_validate():
 
 
 def test_table_names_real_fields():
-    for key in [*config._BOUND_OF, *config._CHOICES]:
+    for key in [*validation._BOUND_OF, *validation._CHOICES]:
         obj = config.ExperimentConfig()
         for part in key.split("."):
             assert hasattr(obj, part), key
             obj = getattr(obj, part)
-        expected = str if key in config._CHOICES else (int, float)
+        expected = str if key in validation._CHOICES else (int, float)
         assert isinstance(obj, expected) and not isinstance(obj, bool), key
 
 

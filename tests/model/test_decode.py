@@ -6,8 +6,10 @@ import jax
 import numpy as np
 import pytest
 
-from dualpath_jax.model.decode import Decoder, SamplingParams, generate, reference_generate, sample
+from dualpath_jax.model.decode import Decoder, generate, reference_generate
 from dualpath_jax.model.runner import PrefillBatch
+from dualpath_jax.model.sampler import sample
+from dualpath_jax.model.sampling import SamplingParams
 
 
 def test_generate_equals_reference(family_runner):
@@ -124,7 +126,7 @@ def test_decoder_bad_inputs(tiny_runner):
 def test_greedy_tokens_on_device_equal_the_host_argmax_ties_included():
     import jax.numpy as jnp
 
-    from dualpath_jax.model.decode import _greedy, greedy_tokens
+    from dualpath_jax.model.sampler import _greedy, greedy_tokens
 
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((6, 257)).astype(np.float32)

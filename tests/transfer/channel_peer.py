@@ -32,7 +32,7 @@ def decode_item(item: str) -> tuple[int, tuple[int, ...], str]:
 
 
 def main() -> None:
-    from dualpath_jax.transfer.channel import JaxTransferChannel
+    from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
     with JaxTransferChannel(offer_ttl_s=300.0) as ch:
         print(f"ADDR {ch.address}", flush=True)

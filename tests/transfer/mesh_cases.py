@@ -26,15 +26,10 @@ from dualpath_jax.model.layout import BlockLayout, kv_to_full_blocks
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.transfer.channel import JaxTransferChannel
-from dualpath_jax.transfer.loader import (
-    DecodeLoad,
-    DeviceRows,
-    LoaderContext,
-    LoadJob,
-    Part,
-    PrefillLoad,
-)
+from dualpath_jax.transfer.decode_load import DecodeLoad
+from dualpath_jax.transfer.jax_channel import JaxTransferChannel
+from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part
+from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad
 from dualpath_jax.transfer.traffic import TrafficManager
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (CPU) devices")

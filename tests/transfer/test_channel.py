@@ -16,9 +16,6 @@ import numpy as np
 import pytest
 
 from dualpath_jax.transfer.channel import (
-    InProcessChannel,
-    InProcessFabric,
-    JaxTransferChannel,
     KVChannel,
     TransferError,
     TransferTimeout,
@@ -28,6 +25,8 @@ from dualpath_jax.transfer.channel import (
     packed_spec,
     unpack_layer_blocks,
 )
+from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 
 _PEER_SCRIPT = pathlib.Path(__file__).with_name("channel_peer.py")
 _spec = importlib.util.spec_from_file_location("channel_peer", _PEER_SCRIPT)

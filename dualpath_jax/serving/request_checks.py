@@ -1,0 +1,178 @@
+"""What a request asks the server for, checked: the model, its prompt as token ids, its round's
+parameters (`RoundParams`), its agent session and the session's KV retention. A bad value raises
+`ApiError(400)` naming its field (or header), before anything is submitted."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from aiohttp import web
+
+from dualpath_jax.model.sampling import SamplingError, SamplingParams
+from dualpath_jax.serving.protocol import ApiError, CompletionRequest
+from dualpath_jax.serving.tokenizer import Tokenizer
+
+SESSION_HEADER = "X-Session-Id"
+PRIORITY_HEADER = "X-Session-Priority"
+TTL_HEADER = "X-Session-TTL"
+MAX_SESSION_ID = 256
+MAX_TTL_S = 1e9  # the router's bound (engine.retention.retention_problem)
+
+
+@dataclasses.dataclass
+class RoundParams:
+    """How a request's round runs and answers (`round_params`)."""
+
+    max_tokens: int
+    sampling: SamplingParams
+    stops: list[str]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+    token_ids: bool
+
+
+def bearer(request: web.Request) -> str:
+    """The key of an `Authorization: Bearer KEY` header ("" without one)."""
+    auth = request.headers.get("Authorization", "")
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
+def check_common(req: Any, model: str) -> None:
+    """What completions and chat requests both must be: for `model`, one choice, no logprobs."""
+    if req.model != model:
+        raise ApiError(
+            400,
+            f"the model {req.model!r} is not served here (this server serves {model!r})",
+            param="model",
+            code="model_not_found",
+        )
+    if req.n != 1:
+        raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n")
+    if req.logprobs not in (None, False):
+        raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+
+def completion_prompt(prompt: Any, tok: Tokenizer, vocab_size: int) -> list[int]:
+    """A completion's prompt as token ids: a string encoded by `tok`, or token ids below
+    `vocab_size` (either alone or as a batch of one)."""
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt)
+    elif prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = list(prompt)
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is out of range [0, {vocab_size})", param="prompt")
+    elif prompt and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return completion_prompt(prompt[0], tok, vocab_size)  # a batch of one prompt
+    else:
+        raise ApiError(
+            400, "prompt must be a string or a non-empty list of token ids", param="prompt"
+        )
+    if not ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    return ids
+
+
+def round_params(
+    req: Any,
+    max_tokens: int | None,
+    prompt_len: int,
+    *,
+    max_context: int,
+    default_max_tokens: int,
+) -> RoundParams:
+    """The round a request of `prompt_len` tokens asks for: at most `max_tokens` (None: the
+    default, clipped to the room left in `max_context`), its sampling (a random seed unless it
+    names one), stop strings and how it answers."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_len} tokens; this model's context is {max_context} tokens",
+            param="prompt" if isinstance(req, CompletionRequest) else "messages",
+            code="context_length_exceeded",
+        )
+    n = default_max_tokens if max_tokens is None else max_tokens
+    n = min(n, room) if max_tokens is None else n
+    if n < 1:
+        raise ApiError(400, f"max_tokens must be >= 1, got {n}", param="max_tokens")
+    if prompt_len + n > max_context:
+        raise ApiError(
+            400,
+            f"the prompt ({prompt_len} tokens) plus max_tokens ({n}) exceeds this model's"
+            f" context of {max_context} tokens",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    t = 1.0 if req.temperature is None else req.temperature
+    if t > 2:  # the API's range; SamplingParams checks the rest
+        raise ApiError(400, f"temperature must lie in [0, 2], got {t}", param="temperature")
+    seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+    try:
+        sampling = SamplingParams(
+            temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=seed
+        )
+    except SamplingError as e:
+        raise ApiError(400, str(e), param=e.field) from None
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > 4:
+        raise ApiError(400, "at most 4 stop sequences", param="stop")
+    return RoundParams(
+        max_tokens=n,
+        sampling=sampling,
+        stops=stops,
+        ignore_eos=req.ignore_eos,
+        stream=req.stream,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        token_ids=req.return_token_ids,
+    )
+
+
+def session_id(request: web.Request, req: Any) -> str | None:
+    """The request's agent session (the `X-Session-Id` header, else the body's `user`); None:
+    a one-off session."""
+    sid = request.headers.get(SESSION_HEADER) or req.user
+    if sid is None or sid == "":
+        return None
+    if len(sid) > MAX_SESSION_ID or not sid.isprintable():
+        raise ApiError(
+            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param="user"
+        )
+    return sid
+
+
+def retention(request: web.Request) -> dict[str, Any]:
+    """The `priority` and `ttl_s` for `Client.submit` from the `X-Session-Priority` and
+    `X-Session-TTL` headers, only those present; a bad value is a 400 naming its header."""
+    out: dict[str, Any] = {}
+    raw = request.headers.get(PRIORITY_HEADER)
+    if raw is not None:
+        try:
+            priority = int(raw.strip())
+        except ValueError:
+            priority = None
+        if priority is None or not -(2**31) <= priority < 2**31:
+            raise ApiError(
+                400,
+                f"{PRIORITY_HEADER} must be an integer in [-2**31, 2**31), got {raw!r}",
+                param=PRIORITY_HEADER,
+            )
+        out["priority"] = priority
+    raw = request.headers.get(TTL_HEADER)
+    if raw is not None:
+        try:
+            ttl = float(raw.strip())
+        except ValueError:
+            ttl = math.nan
+        if not 0 <= ttl <= MAX_TTL_S:  # NaN fails too
+            raise ApiError(
+                400,
+                f"{TTL_HEADER} must be a number of seconds in [0, {MAX_TTL_S:g}], got {raw!r}",
+                param=TTL_HEADER,
+            )
+        out["ttl_s"] = ttl
+    return out

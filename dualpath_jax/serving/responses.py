@@ -1,0 +1,125 @@
+"""How the server answers a round: its generated tokens as they come (`RoundStream`), and the
+OpenAI response pieces built from them: stream chunks sent as server-sent events, `usage`, and
+the `dualpath` extension (the read path and the router's timings)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from concurrent import futures
+from typing import Any
+
+from aiohttp import web
+
+from dualpath_jax.engine import messages
+
+READ_PATH_HEADER = "X-DualPath-Read-Path"
+
+
+class RoundStream:
+    """One submitted round: its streamed token deltas (`deltas()`), then its `RoundResult`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+        self.fut: futures.Future | None = None
+        self.have = 0  # generated tokens passed on so far
+
+    def on_tokens(self, start: int, tokens: list[int]) -> None:  # the client's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens))
+
+    def _new(self, start: int, tokens: list[int]) -> list[int]:
+        """The tokens past what was passed on (a retried round streams positions again)."""
+        if start + len(tokens) <= self.have or start > self.have:
+            return []
+        out = tokens[self.have - start :]
+        self.have += len(out)
+        return out
+
+    async def deltas(self, timeout_s: float) -> AsyncIterator[list[int]]:
+        """New generated tokens as they come, until the round is over; raises TimeoutError if
+        it is not over within `timeout_s`."""
+        assert self.fut is not None
+        done = asyncio.wrap_future(self.fut)
+        # A round whose handler was cancelled (the client left) still ends; nobody awaits it.
+        done.add_done_callback(lambda f: f.cancelled() or f.exception())
+        deadline = time.monotonic() + timeout_s
+        while True:
+            get = asyncio.ensure_future(self.queue.get())
+            left = deadline - time.monotonic()
+            await asyncio.wait({get, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                if not done.done():
+                    raise TimeoutError
+                break
+            new = self._new(*get.result())
+            if new:
+                yield new
+        while not self.queue.empty():
+            new = self._new(*self.queue.get_nowait())
+            if new:
+                yield new
+        if not done.exception():
+            rest = self._new(0, list(done.result().tokens))
+            if rest:
+                yield rest
+
+    async def result(self) -> messages.RoundResult:
+        assert self.fut is not None
+        return await asyncio.wrap_future(self.fut)
+
+
+def chunk(
+    ident: str,
+    model: str,
+    chat: bool,
+    delta: Any,
+    token_ids: list[int] | None = None,
+    finish: str | None = None,
+) -> dict[str, Any]:
+    """One stream chunk of response `ident`: a chat delta (a dict, or text) or completion text."""
+    if chat:
+        content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+        choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {
+        "id": ident,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+
+
+async def send_event(resp: web.StreamResponse, data: dict) -> None:
+    """Writes `data` as one server-sent event."""
+    await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+
+
+def usage(res: messages.RoundResult) -> dict[str, Any]:
+    n = len(res.tokens)
+    return {
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": n,
+        "total_tokens": res.prompt_tokens + n,
+        "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+    }
+
+
+def extension(res: messages.RoundResult, sid: str | None) -> dict[str, Any]:
+    """The `dualpath` field of a response: the read path, the session and the router's timings."""
+    return {
+        "read_path": res.read_path or "none",
+        "session": sid,
+        "ttft_s": res.ttft_s,
+        "tpot_s": res.tpot_s,
+        "jct_s": res.jct_s,
+        "queue_s": res.queue_s,
+        "recomputed_blocks": res.recomputed_blocks,
+    }
