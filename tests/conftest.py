@@ -90,7 +90,15 @@ def tiny_runner(request):
     return _tiny_runner(request.param)
 
 
-@pytest.fixture(scope="session", params=sorted(ALL_FAMILIES))
+# The fast tier runs the equivalence tests on the GQA and the MLA/MoE family; the full tier on
+# every family (the other three are marked slow).
+FAMILY_PARAMS = [
+    name if name in FAMILIES else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(ALL_FAMILIES)
+]
+
+
+@pytest.fixture(scope="session", params=FAMILY_PARAMS)
 def family_runner(request):
     """A ModelRunner over a randomly initialised tiny model of each family."""
     return _tiny_runner(request.param)

@@ -23,6 +23,7 @@ def gpu_check(bench_modules):
         yield module
 
 
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     assert list(gpu_check.CHECKS) == [
         "kernel", "greedy", "memory", "dispatch", "roofline", "sharded", "layerwise", "h2d",

@@ -20,6 +20,7 @@ def accel_memory(bench_modules):
         yield module
 
 
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_measure_at_tiny_shapes(accel_memory):
     results = accel_memory.measure(accel_memory.TINY)
     assert list(results) == ["reference", "xla", "pallas"] == list(accel_memory.BACKENDS)
@@ -41,6 +42,7 @@ def test_measure_at_tiny_shapes(accel_memory):
     }
 
 
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_json_flag_prints_one_object():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_measure_reports_the_dispatch_and_its_parts(bench_modules):
     with bench_modules("decode_dispatch") as (module,):
         r = module.measure(layers=3, steps=4, slots=2)

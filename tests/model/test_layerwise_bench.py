@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_measure_times_every_variant_and_bounds_the_overlap(bench_modules):
     with bench_modules("layerwise") as (module,):
         r = module.measure(module.TINY, repeats=1)

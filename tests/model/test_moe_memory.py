@@ -22,6 +22,7 @@ def moe_memory(bench_modules):
         yield module
 
 
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_measure_at_tiny_shapes(moe_memory):
     results = moe_memory.measure(moe_memory.TINY)
     assert list(results) == list(MOE_IMPLS)
@@ -33,6 +34,7 @@ def test_measure_at_tiny_shapes(moe_memory):
     assert moe_memory.temps(results) == {impl: r["temp"] for impl, r in results.items()}
 
 
+@pytest.mark.slow  # a benchmark script's run: the full tier
 def test_json_flag_prints_one_object():
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
