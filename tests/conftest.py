@@ -90,6 +90,13 @@ def tiny_runner(request):
     return _tiny_runner(request.param)
 
 
+@pytest.fixture(scope="session", params=["qwen2", pytest.param("deepseek", marks=pytest.mark.slow)])
+def tiny_runner_gqa_first(request):
+    """`tiny_runner` whose DeepSeek case runs in the full tier only: for costly tests whose MLA
+    path the fast tier covers elsewhere."""
+    return _tiny_runner(request.param)
+
+
 # The fast tier runs the equivalence tests on the GQA and the MLA/MoE family; the full tier on
 # every family (the other three are marked slow).
 FAMILY_PARAMS = [

@@ -44,9 +44,9 @@ def experiment(model=TINY_QWEN2, **cluster) -> ExperimentConfig:
 # ----------------------------------------------------------------------------- calibration
 
 
-def test_calibration_predicts_its_own_samples(tiny_runner):
-    cfg = experiment(tiny_runner.cfg)
-    cal = calibrate(tiny_runner, cfg)
+def test_calibration_predicts_its_own_samples(tiny_runner_gqa_first):
+    cfg = experiment(tiny_runner_gqa_first.cfg)
+    cal = calibrate(tiny_runner_gqa_first, cfg)
     assert [(c, n) for c, n, _ in cal.samples] == list(calibration_shapes(cfg))
     assert all(math.isfinite(v) and v >= 0 for v in cal.model.prefill)
     assert cal.model.prefill[0] > 0  # every forward costs something
@@ -58,11 +58,13 @@ def test_calibration_predicts_its_own_samples(tiny_runner):
         assert cal.model.prefill_time([(c, n)]) == pytest.approx(s, abs=0.5 * s + 0.25 * top)
 
 
-def test_each_sample_is_the_median_of_its_timed_runs(tiny_runner):
+def test_each_sample_is_the_median_of_its_timed_runs(tiny_runner_gqa_first):
     # A fake clock: every shape's untimed first run takes 100, its three timed runs 3, 1, 2.
     shapes = [(0, 16), (0, 32), (BT * 3, 16)]
     clock = _clock_readings(shapes, [100, 3, 1, 2])
-    cal = calibrate(tiny_runner, experiment(tiny_runner.cfg), shapes=shapes, clock=clock)
+    cal = calibrate(
+        tiny_runner_gqa_first, experiment(tiny_runner_gqa_first.cfg), shapes=shapes, clock=clock
+    )
     assert cal.samples == tuple((c, n, 2.0) for c, n in shapes)
     assert cal.model.prefill == pytest.approx((2.0, 0.0, 0.0), abs=1e-9)
     assert cal.seconds == 3 * (100 + 3 + 1 + 2)

@@ -132,9 +132,9 @@ def test_bad_inputs(tiny_runner):
         tiny_runner.prefill_monolithic(batch, np.zeros((1, 1, 1, 1), np.float32))
 
 
-def test_bucketing_bounds_compiles(tiny_runner):
+def test_bucketing_bounds_compiles(tiny_runner_gqa_first):
     """20 ragged requests compile at most once per (new, cached) bucket pair."""
-    cfg = tiny_runner.cfg
+    cfg = tiny_runner_gqa_first.cfg
     rs = np.random.RandomState(3)
     reqs = [(int(rs.randint(0, 150)), int(rs.randint(1, 40))) for _ in range(20)]
     before = compile_count()
@@ -143,8 +143,8 @@ def test_bucketing_bounds_compiles(tiny_runner):
         batch = PrefillBatch.build(cfg, [rs.randint(0, cfg.vocab_size, n).tolist()], [c])
         shapes.add((batch.n_pad, batch.c_pad))
         rows = jnp.zeros((1, batch.c_pad, cfg.kv_width), cfg.kv_dtype)
-        tiny_runner.prefill_layerwise(batch, lambda i, rows=rows: rows)
-    kinds = len(set(tiny_runner.layer_gds))
+        tiny_runner_gqa_first.prefill_layerwise(batch, lambda i, rows=rows: rows)
+    kinds = len(set(tiny_runner_gqa_first.layer_gds))
     # embed + head per N bucket, one layer compile per (kind, N, C) bucket pair.
     bound = len(shapes) * kinds + 2 * len({n for n, _ in shapes})
     assert compile_count() - before <= bound

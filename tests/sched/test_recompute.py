@@ -124,6 +124,7 @@ def test_bad_modes_are_refused_by_the_config():
         validate(apply_overrides(cfg, ["scheduler.recompute=maybe"]))
 
 
+@pytest.mark.slow  # a simulator run per regime: the full tier
 def test_the_simulator_recomputes_when_storage_is_slow_and_loads_when_fast():
     base = apply_overrides(load_config("configs/paper.py:ds660b_2p4d"), ["workload.agents=24"])
     jct = {}
