@@ -291,7 +291,7 @@ def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> Bui
     sched = GlobalScheduler.from_config(
         cfg.scheduler,
         alpha=derive_alpha(cfg.scheduler, cfg.hardware, kvb),
-        # Until a PE reports its cost model (then the router derives beta from it).
+        # Until a PE reports its cost model (then `Dispatch.update_beta` derives beta from it).
         beta=engines_beta(cfg.scheduler, (), max_batch=c.prefill_max_batch or 256),
         block_tokens=cfg.store.block_tokens,
         pe_read_rate=snic or 1.0,
