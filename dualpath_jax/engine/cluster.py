@@ -51,6 +51,28 @@ class ClusterError(RuntimeError):
     """The cluster could not start (a process died or did not register in time)."""
 
 
+class ClusterLifecycle:
+    """A cluster runtime as a context manager: entering starts it (a failed start stops what
+    did start), leaving stops it. Runtimes define `start()` and `stop()`."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 def prepare_workdir(
     cfg: ExperimentConfig, workdir: pathlib.Path
 ) -> tuple[ExperimentConfig, Credentials]:
@@ -98,7 +120,7 @@ def wait_registered(
         time.sleep(0.1)
 
 
-class LocalCluster:
+class LocalCluster(ClusterLifecycle):
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -145,17 +167,6 @@ class LocalCluster:
         self._clients: list[Client] = []
 
     # ------------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> LocalCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
         if spec.role == "router":

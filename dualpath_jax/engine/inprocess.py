@@ -36,7 +36,13 @@ from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import devices as engine_devices
 from dualpath_jax.engine.build import BuiltEngine, Transport, build_engine, build_router
 from dualpath_jax.engine.client import Client
-from dualpath_jax.engine.cluster import ClusterError, engine_plan, prepare_workdir, wait_registered
+from dualpath_jax.engine.cluster import (
+    ClusterError,
+    ClusterLifecycle,
+    engine_plan,
+    prepare_workdir,
+    wait_registered,
+)
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials
 from dualpath_jax.engine.params import check_params_config
@@ -88,7 +94,7 @@ class _EngineThread:
             self.channel.close()  # pulls from it fail now, as a dead process's do
 
 
-class InProcessCluster:
+class InProcessCluster(ClusterLifecycle):
     """A router plus P prefill and D decode engines, as threads of this process.
 
     The surface of `LocalCluster`: a context manager (`start`, `stop`), `client()`, `address`,
@@ -130,17 +136,6 @@ class InProcessCluster:
         self._log_handler: logging.Handler | None = None
 
     # ------------------------------------------------------------------ lifecycle
-
-    def __enter__(self) -> InProcessCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def start(self) -> None:
         self.cfg, self.credentials = prepare_workdir(self.cfg, self.workdir)
