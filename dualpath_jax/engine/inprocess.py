@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.config import ExperimentConfig, mesh_size
 from dualpath_jax.engine import devices as engine_devices
 from dualpath_jax.engine.build import BuiltEngine, Transport, build_engine, build_router
 from dualpath_jax.engine.client import Client
@@ -46,7 +46,6 @@ from dualpath_jax.engine.cluster import (
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials
 from dualpath_jax.engine.params import check_params_config
-from dualpath_jax.model import sharding
 from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
 
 log = logging.getLogger(__name__)
@@ -174,10 +173,7 @@ class InProcessCluster(ClusterLifecycle):
         out: dict[int, list | None] = {}
         at = 0
         for k, role in enumerate(engine_devices.engine_roles(self.cfg.cluster)):
-            shape = sharding.parse_mesh(engine_devices.role_mesh(self.cfg.cluster, role))
-            n = 1
-            for size in shape.values():
-                n *= size
+            n = mesh_size(engine_devices.role_mesh(self.cfg.cluster, role))
             if n == 1:
                 out[k] = None if self._devices is None else available[:1]
                 continue

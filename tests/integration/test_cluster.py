@@ -35,6 +35,7 @@ from dualpath_jax.config import (
 )
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.cluster import LocalCluster
+from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 
@@ -136,14 +137,15 @@ def busy_engines(events: Sequence[dict], role: str) -> collections.Counter:
 
 
 def kill_busy_engine(
-    cluster: LocalCluster, role: str, min_done: int, timeout_s: float = 120.0
+    cluster: LocalCluster | InProcessCluster, role: str, min_done: int, timeout_s: float = 120.0
 ) -> str:
     """Once `min_done` rounds are answered, kills an engine of `role` while it holds an
     unfinished request, and returns its name.
 
-    A candidate is frozen (SIGSTOP) first, so it cannot finish its requests behind our back;
+    A process is frozen (SIGSTOP) first, so it cannot finish its requests behind our back;
     once the router has logged whatever the engine sent before, the engine is killed if it
-    still holds a request, else thawed and another moment is tried.
+    still holds a request, else thawed and another moment is tried. An in-process engine is
+    killed at once (its thread ends after its current step).
     """
     names = {eid: name for name, eid in cluster.engine_ids.items()}
     deadline = time.monotonic() + timeout_s
@@ -152,6 +154,9 @@ def kill_busy_engine(
         busy = busy_engines(events, role)
         if sum(e["kind"] == "done" for e in events) >= min_done and busy:
             name = names[busy.most_common(1)[0][0]]
+            if isinstance(cluster, InProcessCluster):
+                cluster.kill(name)
+                return name
             pid = cluster.procs[name].pid
             os.kill(pid, signal.SIGSTOP)
             time.sleep(0.2)  # messages it sent before the freeze reach the router's log

@@ -13,17 +13,15 @@ import dataclasses
 import json
 import pathlib
 import threading
-import time
 
 import pytest
 from test_cluster import (
     PINNED_COST,
     RESULT_TIMEOUT_S,
     SWEEP,
-    busy_engines,
     cluster_config,
+    kill_busy_engine,
     make_trajectories,
-    read_events,
     run_lockstep,
     tokens_of,
 )
@@ -52,22 +50,6 @@ def test_the_same_tokens_and_paths_as_a_local_cluster(tmp_path, start_cluster, r
 KILL = make_trajectories("kill", n=4, rounds=4, seed=2, gen=(8, 20))
 
 
-def kill_busy_thread(cluster, role: str, min_done: int, timeout_s: float = 120.0) -> str:
-    """Once `min_done` rounds are answered, kills an engine of `role` that holds an unfinished
-    request (its thread ends after its current step) and returns its name."""
-    names = {eid: name for name, eid in cluster.engine_ids.items()}
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        events = read_events(cluster.workdir)
-        busy = busy_engines(events, role)
-        if sum(e["kind"] == "done" for e in events) >= min_done and busy:
-            name = names[busy.most_common(1)[0][0]]
-            cluster.kill(name)
-            return name
-        time.sleep(0.005)
-    raise AssertionError(f"no {role} engine held a request after {min_done} rounds were done")
-
-
 def test_an_engine_killed_mid_run_is_survived_and_restarted(
     tmp_path, start_cluster, reference_tokens
 ):
@@ -86,7 +68,7 @@ def test_an_engine_killed_mid_run_is_survived_and_restarted(
         )
         runner.start()
         try:
-            victim = kill_busy_thread(cluster, "decode", min_done=2)
+            victim = kill_busy_engine(cluster, "decode", min_done=2)
         finally:
             runner.join(RESULT_TIMEOUT_S + 10)
         stats = client.stats()
