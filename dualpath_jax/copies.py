@@ -75,6 +75,15 @@ def to_device(x: Any, purpose: str, device: Any = None) -> Any:
     return jax.device_put(x, device)
 
 
+def snapshot(x: Any, device: Any = None) -> jax.Array:
+    """A device array of `x`'s values as they are now, for host arrays the caller changes in place
+    later (slot tables, flags). On CPU `jax.device_put` may alias a suitably aligned numpy buffer
+    (zero copy), and a jitted call may read a numpy argument after it returns: a later in-place
+    write would then show in the device array. This puts a private copy. Not counted: these are
+    not KV data."""
+    return jax.device_put(np.array(x, copy=True), device)
+
+
 def to_host(x: Any, purpose: str) -> np.ndarray:
     """`np.asarray(x)`, counted as a device-to-host copy of `purpose` when `x` is a device
     array."""

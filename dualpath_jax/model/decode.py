@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dualpath_jax import copies
 from dualpath_jax.kernels.kv_rows import bits_dtype
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
@@ -341,7 +342,7 @@ class Decoder:
     @runs_on_mesh
     def _set_pending(self, mask: np.ndarray, tokens: np.ndarray) -> None:
         self._pending = _merge(
-            self._pending, jnp.asarray(mask), jnp.asarray(tokens.astype(np.int32))
+            self._pending, copies.snapshot(mask), copies.snapshot(tokens.astype(np.int32))
         )
 
     def _grow(self) -> None:
@@ -367,13 +368,15 @@ class Decoder:
     @runs_on_mesh
     def _run(self, width: int):
         if self._dirty or width != self._width:
+            # Snapshots, never views: insert/free/_grow change these host mirrors in place while
+            # a dispatched step may still be queued (copies.snapshot).
             self._dev = {
-                "table": jnp.asarray(self.table[:, :width]),
-                "lengths": jnp.asarray(self.lengths),
-                "active": jnp.asarray(self.active),
-                "seeds": jnp.asarray(self.seeds),
-                "temps": jnp.asarray(self.temperatures),
-                "top_ps": jnp.asarray(self.top_ps),
+                "table": copies.snapshot(self.table[:, :width]),
+                "lengths": copies.snapshot(self.lengths),
+                "active": copies.snapshot(self.active),
+                "seeds": copies.snapshot(self.seeds),
+                "temps": copies.snapshot(self.temperatures),
+                "top_ps": copies.snapshot(self.top_ps),
             }
             self._dirty, self._width = False, width
         d = self._dev
