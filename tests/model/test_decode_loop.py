@@ -128,14 +128,17 @@ def test_a_warmed_step_copies_nothing_host_to_device(tiny_runner):
     dec.warmup()
     dec.insert(0, kv, len(prompt), int(logits[0].argmax()), len(prompt) + 10)
     out = [int(logits[0].argmax()), int(np.asarray(dec.advance())[0])]  # uploads the insert
-    with jax.transfer_guard_host_to_device("disallow"):
+    with jax.transfer_guard_host_to_device("disallow_explicit"):
         pending = [dec.advance() for _ in range(6)]  # dispatched back to back
     out += [int(np.asarray(t)[0]) for t in pending]
     assert out == reference_generate(tiny_runner, prompt, 8)
     # A change does upload (and says so under the guard).
     dec.free(0)
     dec.insert(1, kv, len(prompt), 3)
-    with jax.transfer_guard_host_to_device("disallow"), pytest.raises(Exception, match="host"):
+    with (
+        jax.transfer_guard_host_to_device("disallow_explicit"),
+        pytest.raises(Exception, match="host"),
+    ):
         dec.advance()
 
 
