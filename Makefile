@@ -26,13 +26,13 @@ demo: $(STAMP)
 WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess and not slow" --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "not multiprocess and not slow" --durations=15 tests
 
 # Everything (what CI runs): the fast tier and the long tests in parallel, then the tests that
 # start engine processes one at a time (at most three engine processes alive at once).
 test-all: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $(WORKERS) -m "not multiprocess" --durations=30 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "not multiprocess" --durations=30 tests
 	$(PY) -m pytest -q -p no:xdist -m multiprocess --durations=30 tests
 
 lint: $(TEST_STAMP)

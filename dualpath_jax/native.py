@@ -73,24 +73,31 @@ __all__ = [
 # --------------------------------------------------------------------------- building
 
 _SETUP = """
+import os
 import sys
 from mypyc.build import mypycify
 from setuptools import setup
 
-paths = sys.argv[1:]
-sys.argv = [sys.argv[0], "build_ext", "--build-lib", "out", "--build-temp", "tmp"]
+opt_level, paths = sys.argv[1], sys.argv[2:]
+jobs = str(os.cpu_count() or 1)
+sys.argv = [sys.argv[0], "build_ext", "--build-lib", "out", "--build-temp", "tmp", "-j", jobs]
 setup(
     name="dualpath_jax_native",
     ext_modules=mypycify(paths + ["--follow-imports=silent", "--ignore-missing-imports"],
-                         opt_level="3", target_dir="c"),
+                         opt_level=opt_level, debug_level="0", multi_file=True,
+                         target_dir="c"),
 )
 """
 
 
-def build(out: pathlib.Path | None = None, *, quiet: bool = True) -> pathlib.Path:
+def build(
+    out: pathlib.Path | None = None, *, quiet: bool = True, opt_level: str = "3"
+) -> pathlib.Path:
     """Compiles `MODULES` into `out` (default `native_dir()`), replacing what is there. The
     sources are copied first, so the manifest's hashes are those of what was compiled. Raises
-    RuntimeError (with mypyc's and the compiler's output) if the build fails."""
+    RuntimeError (with mypyc's and the compiler's output) if the build fails. `opt_level` is the
+    C compiler's ("0" builds several times faster and runs slower: what the tests use, since
+    they check results, not speed)."""
     try:
         import mypyc  # noqa: F401
     except ImportError as e:
@@ -107,7 +114,7 @@ def build(out: pathlib.Path | None = None, *, quiet: bool = True) -> pathlib.Pat
         rel = [str(_relpath(m)) for m in MODULES]
         (work / "setup_native.py").write_text(_SETUP)
         proc = subprocess.run(
-            [sys.executable, "setup_native.py", *rel],
+            [sys.executable, "setup_native.py", opt_level, *rel],
             cwd=work,
             capture_output=True,
             text=True,

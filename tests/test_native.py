@@ -2,7 +2,7 @@
 modules, passes the scheduler's and the simulator's tests, and a stale build is never used.
 
 Each check runs in a subprocess pointed at a build in a temporary directory (the build itself
-takes about a minute on two cores), so this process and a build in the source tree are left
+at -O0 takes about a minute on two cores, most of it mypyc), so this process and a build in the source tree are left
 alone. Skipped where mypy or a C compiler is missing.
 """
 
@@ -34,7 +34,8 @@ def build_dir(tmp_path_factory) -> pathlib.Path:
         pytest.skip("no C compiler")
     from dualpath_jax import native
 
-    return native.build(tmp_path_factory.mktemp("native") / "build")
+    # -O0: the C compiler takes seconds instead of minutes; these tests check results, not speed
+    return native.build(tmp_path_factory.mktemp("native") / "build", opt_level="0")
 
 
 _SIMULATE = """

@@ -46,6 +46,7 @@ from dualpath_jax.engine.cluster import (
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials
 from dualpath_jax.engine.params import check_params_config
+from dualpath_jax.logs import RateLimit
 from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class InProcessCluster(ClusterLifecycle):
             logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(name)s: %(message)s")
         )
         handler.setLevel(logging.INFO)
+        handler.addFilter(RateLimit(names=("dualpath_jax",)))  # as engine processes' logs
         package = logging.getLogger("dualpath_jax")
         if package.level == logging.NOTSET or package.level > logging.INFO:
             package.setLevel(logging.INFO)
