@@ -28,12 +28,12 @@ test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "not multiprocess and not slow" --durations=15 tests
 
-# Everything (what CI runs): the fast tier and the long tests in parallel, then the tests that
-# start engine processes one at a time (at most three engine processes alive at once).
+# Everything (what CI runs), in one run on $(WORKERS) + 1 workers: the tests that start engine
+# processes are one xdist group (tests/conftest.py), run one after the other by one worker (at
+# most three engine processes alive at once) while the others run the rest, and fill its waits.
 test-all: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "not multiprocess" --durations=30 tests
-	$(PY) -m pytest -q -p no:xdist -m multiprocess --durations=30 tests
+	$(PY) -m pytest -q -n $$(( $(WORKERS) + 1 )) --dist loadgroup --durations=30 tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab

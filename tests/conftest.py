@@ -47,6 +47,15 @@ def pytest_runtest_setup(item):
         pytest.skip("no IPv6 loopback here")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that start engine processes form one xdist group: under `--dist loadgroup` one
+    worker runs them all, one after the other (one cluster of processes alive at a time), while
+    the other workers run the rest."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") and not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group("engine_processes"))
+
+
 def pytest_configure(config):
     where = config.getoption("--native-dir")
     if where:  # before any test module imports the scheduler or the simulator

@@ -19,7 +19,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
+# one worker builds the core for all of them (the build is module-scoped)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("native_build")]
 
 
 def _have_compiler() -> bool:
