@@ -188,6 +188,7 @@ def test_a_failing_store_lookup_is_a_store_error(rig, reference_tokens):
 # ----------------------------------------------------------------------------- transfer faults
 
 
+@pytest.mark.slow  # waits out its timeouts: half a minute
 def test_transfer_timeouts_are_retried_then_fail_with_kind_transfer(rig, reference_tokens):
     cluster, faults = rig
     client = cluster.client()
@@ -338,6 +339,7 @@ def test_overload_ends_in_tokens_or_overloaded_errors(rig, reference_tokens):
 # ----------------------------------------------------------------------------- engine deaths
 
 
+@pytest.mark.slow  # waits out its timeouts: half a minute
 def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig, reference_tokens):
     cluster, _ = rig
     client = cluster.client()
