@@ -55,6 +55,7 @@ def pytest_runtest_setup(item):
         pytest.skip("no IPv6 loopback here")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """Tests that start engine processes form one xdist group: under `--dist loadgroup` one
     worker runs them all, one after the other (one cluster of processes alive at a time), while
