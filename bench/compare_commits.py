@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,8 @@ import tempfile
 import time
 
 from absl import app, flags
+
+from dualpath_jax.experiment import read_outputs
 
 _REPEATS = flags.DEFINE_integer("repeats", 1, "demo runs per revision (taking turns)")
 _INTERPRETER = flags.DEFINE_enum("interpreter", "shared", ["shared", "fresh"], "see the docstring")
@@ -51,11 +54,6 @@ def _interpreter(tree: pathlib.Path) -> str:
     py = str(venv / "bin" / "python")
     subprocess.run([py, "-m", "pip", "install", "-q", "-e", str(tree)], check=True)
     return py
-
-
-def _outputs(workdir: pathlib.Path, policy: str) -> dict[str, list]:
-    with open(workdir / policy / "outputs.jsonl") as f:
-        return {d["id"]: d["rounds"] for d in map(json.loads, f)}
 
 
 def run_demo(tree: pathlib.Path, py: str, workdir: pathlib.Path) -> dict:
@@ -92,7 +90,7 @@ def run_demo(tree: pathlib.Path, py: str, workdir: pathlib.Path) -> dict:
             }
             for p, s in result["summaries"].items()
         },
-        "outputs": {p: _outputs(workdir / "run", p) for p in policies},
+        "outputs": {p: read_outputs(workdir / "run" / p / "outputs.jsonl") for p in policies},
     }
 
 
@@ -181,7 +179,7 @@ def main(argv: list[str]) -> None:
         if not _KEEP.value:
             for tree in trees.values():
                 _git("worktree", "remove", "--force", str(tree))
-            subprocess.run(["rm", "-rf", str(base)], check=False)
+            shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

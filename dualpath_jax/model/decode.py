@@ -342,7 +342,9 @@ class Decoder:
     @runs_on_mesh
     def _set_pending(self, mask: np.ndarray, tokens: np.ndarray) -> None:
         self._pending = _merge(
-            self._pending, copies.snapshot(mask), copies.snapshot(tokens.astype(np.int32))
+            self._pending,
+            copies.snapshot(mask),
+            copies.snapshot(tokens.astype(np.int32, copy=False)),
         )
 
     def _grow(self) -> None:

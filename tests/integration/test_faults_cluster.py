@@ -1,6 +1,7 @@
 """Fault paths through a real cluster (router, 1 PE and 1 DE, tiny Qwen2) on the in-process
-runtime: the same engines, control plane and fault plan as engine processes (whose own faults,
-a garbage transfer port and a dead router, are in test_faults_processes.py).
+runtime: the same engines, control plane and fault plan as engine processes (the faults that
+need processes, a client's patched frame limit, garbage on the transfer port and a dead router,
+are in test_faults_processes.py).
 
 Every fault ends with the reference model's tokens or a `RolloutError` of the right kind within a
 bounded time, and a new session on the same cluster is answered afterwards. Store and channel
@@ -80,12 +81,17 @@ class Faults:
         time.sleep(0.2)  # past the plan's re-read interval
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory, start_cluster):
+def fault_rig(tmp_path_factory, start_cluster, runtime: str):
+    """Yields (cluster, faults): the tests' cluster on `runtime`, its fault plan empty."""
     wd = tmp_path_factory.mktemp("faults")
     faults = Faults(wd / "faults.json")
-    with start_cluster(config(faults.path), wd / "cluster", "thread") as cluster:
+    with start_cluster(config(faults.path), wd / "cluster", runtime) as cluster:
         yield cluster, faults
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory, start_cluster):
+    yield from fault_rig(tmp_path_factory, start_cluster, "thread")
 
 
 def log_text(cluster) -> str:

@@ -1,7 +1,8 @@
 """Faults of engine processes themselves (router + 1 PE + 1 DE processes, tiny Qwen2): a client
 whose frames exceed the limit (patched in this process only), garbage on a DE's transfer port
-ends only that process, and a dead router ends its engines while its clients fail fast. (Every other fault path: test_faults_cluster.py, on the in-process runtime.)
-The tests share one cluster and run in file order: the last one kills the router.
+ends only that process, and a dead router ends its engines while its clients fail fast. Every
+other fault path is in test_faults_cluster.py, on the in-process runtime. The tests share one
+cluster and run in file order: the last one kills the router.
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import pytest
 from test_faults_cluster import (
     HEARTBEAT_TIMEOUT_S,
     WAIT_S,
-    Faults,
     answered,
-    config,
+    fault_rig,
     send_raw,
     trajectory,
 )
@@ -28,10 +28,7 @@ pytestmark = pytest.mark.multiprocess
 
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory, start_cluster):
-    wd = tmp_path_factory.mktemp("faults")
-    faults = Faults(wd / "faults.json")
-    with start_cluster(config(faults.path), wd / "cluster") as cluster:
-        yield cluster, faults
+    yield from fault_rig(tmp_path_factory, start_cluster, "process")
 
 
 def test_oversized_frames_are_refused(rig, reference_tokens, monkeypatch):
