@@ -83,10 +83,23 @@ jobs = str(os.cpu_count() or 1)
 sys.argv = [sys.argv[0], "build_ext", "--build-lib", "out", "--build-temp", "tmp", "-j", jobs]
 setup(
     name="dualpath_jax_native",
-    ext_modules=mypycify(paths + ["--follow-imports=silent", "--ignore-missing-imports"],
+    ext_modules=mypycify(paths + ["--config-file=mypy_native.ini"],
                          opt_level=opt_level, debug_level="0", multi_file=True,
                          target_dir="c"),
 )
+"""
+
+# What mypy reads while mypyc compiles: the package's own modules (types of the calls between
+# them), never a third-party package's sources. Following those (jax, IPython, matplotlib through
+# the simulator package's imports) took mypyc about ten times as long and changes nothing
+# compiled: a value of a foreign type is a Python object to mypyc either way.
+_MYPY_INI = """
+[mypy]
+follow_imports = skip
+ignore_missing_imports = True
+
+[mypy-dualpath_jax.*]
+follow_imports = silent
 """
 
 
@@ -113,6 +126,7 @@ def build(
         )
         rel = [str(_relpath(m)) for m in MODULES]
         (work / "setup_native.py").write_text(_SETUP)
+        (work / "mypy_native.ini").write_text(_MYPY_INI)
         proc = subprocess.run(
             [sys.executable, "setup_native.py", opt_level, *rel],
             cwd=work,

@@ -28,6 +28,7 @@ BENCH = pathlib.Path(__file__).resolve().parent.parent / "bench"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from tiers import family_params  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -117,10 +118,7 @@ def tiny_runner_gqa_first(request):
 
 # The fast tier runs the equivalence tests on the GQA and the MLA/MoE family; the full tier on
 # every family (the other three are marked slow).
-FAMILY_PARAMS = [
-    name if name in FAMILIES else pytest.param(name, marks=pytest.mark.slow)
-    for name in sorted(ALL_FAMILIES)
-]
+FAMILY_PARAMS = family_params(sorted(ALL_FAMILIES), fast=FAMILIES)
 
 
 @pytest.fixture(scope="session", params=FAMILY_PARAMS)

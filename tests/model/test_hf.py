@@ -36,6 +36,7 @@ from hf_reference import (  # noqa: E402
     write_hf,
 )
 from safetensors.numpy import load_file, save_file  # noqa: E402
+from tiers import family_params  # noqa: E402
 
 from dualpath_jax.config import ModelFamily  # noqa: E402
 from dualpath_jax.model.checkpoint import CheckpointError, from_pretrained  # noqa: E402
@@ -247,10 +248,7 @@ def test_logits_match_transformers(checkpoint, name):
 @pytest.mark.parametrize(
     "name",
     # the variants' logits are compared in the fast tier; their greedy runs in the full one
-    [
-        n if n in ("qwen2", "deepseek") else pytest.param(n, marks=pytest.mark.slow)
-        for n in GENERATE
-    ],
+    family_params(GENERATE),
 )
 def test_greedy_tokens_match_transformers(checkpoint, name, impl, moe_impl):
     ckpt = checkpoint(name)

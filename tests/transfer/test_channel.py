@@ -217,7 +217,7 @@ def test_unknown_uuid_times_out_and_channel_stays_usable(env):
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout):
         env.receiver.pull(env.peer.address, fresh_uuid(), [((4,), "uint8")], timeout_s=0.3)
-    assert 0.3 <= time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 >= 0.3  # it waited out its timeout (a floor: load cannot break it)
     assert env.receiver.stats.timeouts == before.timeouts + 1
 
     fut = env.receiver.pull_async(env.peer.address, fresh_uuid(), [((4,), "uint8")], 0.3)
@@ -268,17 +268,16 @@ def test_peer_killed_mid_transfer_fails_fast_with_transfer_error(env):
         peer.offer(u, items)
         assert_same(env.receiver.pull(peer.address, u, specs_of(items), 10), items)
 
-        t0 = time.monotonic()
-        pending = env.receiver.pull_async(peer.address, fresh_uuid(), specs_of(items), 30)
+        # a generous timeout: failing fast shows as a TransferError that is not a timeout
+        pending = env.receiver.pull_async(peer.address, fresh_uuid(), specs_of(items), 120)
         time.sleep(0.2)  # the pull is in flight, waiting on the peer
         peer.kill()
         with pytest.raises(TransferError) as info:
-            pending.result(timeout=30)
+            pending.result(timeout=150)
         assert not isinstance(info.value, TransferTimeout)
-        assert time.monotonic() - t0 < 10
-        with pytest.raises(TransferError):  # later pulls from the dead peer fail too, fast
-            env.receiver.pull(peer.address, fresh_uuid(), specs_of(items), timeout_s=5)
-        assert time.monotonic() - t0 < 15
+        with pytest.raises(TransferError) as info:  # later pulls from the dead peer fail too
+            env.receiver.pull(peer.address, fresh_uuid(), specs_of(items), timeout_s=120)
+        assert not isinstance(info.value, TransferTimeout)
     finally:
         peer.kill()
     # The receiver still serves other peers.
@@ -289,10 +288,9 @@ def test_peer_killed_mid_transfer_fails_fast_with_transfer_error(env):
 
 
 def test_pull_from_an_address_nobody_serves_is_a_transfer_error(env):
-    t0 = time.monotonic()
-    with pytest.raises(TransferError):
-        env.receiver.pull(env.dead_address, fresh_uuid(), [((4,), "uint8")], timeout_s=3)
-    assert time.monotonic() - t0 < 5
+    with pytest.raises(TransferError) as info:
+        env.receiver.pull(env.dead_address, fresh_uuid(), [((4,), "uint8")], timeout_s=120)
+    assert not isinstance(info.value, TransferTimeout)  # refused, not waited out
 
 
 def test_offer_side_accounting_and_closed_channel(env):
@@ -312,11 +310,9 @@ def test_offer_side_accounting_and_closed_channel(env):
         address = sender.address
     with pytest.raises(TransferError):
         sender.offer(fresh_uuid(), [make_array(*items[0])])
-    t0 = time.monotonic()
     with pytest.raises(TransferError) as info:  # a closed peer is gone, not just slow
-        env.receiver.pull(address, fresh_uuid(), specs_of(items), timeout_s=20)
+        env.receiver.pull(address, fresh_uuid(), specs_of(items), timeout_s=120)
     assert not isinstance(info.value, TransferTimeout)
-    assert time.monotonic() - t0 < 5
 
 
 # --- pure helpers ----------------------------------------------------------------------------

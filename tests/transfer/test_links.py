@@ -11,6 +11,8 @@ import pytest
 
 from dualpath_jax.config import HardwareConfig
 from dualpath_jax.transfer.links import (
+    DEFAULT_BURST_S,
+    DEFAULT_CHUNK_BYTES,
     LinkArbiter,
     LinkId,
     LinkKind,
@@ -274,18 +276,21 @@ def test_unlimited_links_never_wait_but_count():
         assert snap["utilisation"] is None and snap["rate_bytes_per_s"] == 0
 
 
-def test_real_time_rate_is_within_5_percent():
+def test_real_time_link_never_runs_faster_than_its_rate():
+    # On the real clock only the ceiling is checked (a loaded host makes it slower, never faster);
+    # that a saturated link grants exactly its rate is test_paced_link_on_a_fake_clock_is_exact.
     rate = 16e6
     with TrafficManager(HardwareConfig(snic_bytes_per_s=rate, emulated=True)) as tm:
         link = lid(K.SNIC_RX, "n0")
         n, per = 12_000_000, 3_000_000
         t0 = time.monotonic()
         futs = [tm.submit([link], per, HIGH if i % 2 else LOW) for i in range(n // per)]
-        concurrent.futures.wait(futs)
+        done, _ = concurrent.futures.wait(futs, timeout=120)
         elapsed = time.monotonic() - t0
+        assert len(done) == len(futs) and all(f.result() is None for f in futs)
         assert tm.bytes(link) == n
-        achieved = n / elapsed
-        assert abs(achieved / rate - 1) < 0.05, f"achieved {achieved:.4g} B/s vs {rate:.4g}"
+        burst = max(DEFAULT_CHUNK_BYTES, rate * DEFAULT_BURST_S) + DEFAULT_CHUNK_BYTES
+        assert n <= rate * elapsed + burst, f"{n} bytes in {elapsed:.3f} s at {rate:.4g} B/s"
 
 
 def test_real_time_priority_shares():
@@ -300,11 +305,11 @@ def test_real_time_priority_shares():
     low_during = tm.bytes(link, LOW)
     assert high_n / (high_n + low_during) >= 0.95  # HIGH gets ~99% while both are saturated
     assert low_during > 0  # LOW is not starved
-    # HIGH idle: LOW gets the whole link.
+    # HIGH idle: LOW goes on (its exact share is test_arbiter_idle_high_leaves_the_link_to_low...).
     t1, b1 = time.monotonic(), tm.bytes(link, LOW)
     time.sleep(0.25)
     t2, b2 = time.monotonic(), tm.bytes(link, LOW)
-    assert (b2 - b1) / (t2 - t1) == pytest.approx(rate, rel=0.05)
+    assert 0 < b2 - b1 <= rate * (t2 - t1) + max(4096, rate * DEFAULT_BURST_S) + 4096
     tm.close()
     with pytest.raises(LinkClosedError):
         low.result(timeout=10)
