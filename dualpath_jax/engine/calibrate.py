@@ -112,7 +112,9 @@ def time_prefill(
     rows = [np.zeros((cached, cfg.kv_width), cfg.kv_dtype)]
 
     def load_layer(i: int) -> LayerPages:
-        return LayerPages.from_rows(rows, block_tokens, cfg.kv_width, cfg.kv_dtype)
+        return LayerPages.from_rows(
+            rows, block_tokens, cfg.kv_width, cfg.kv_dtype, pad_to_table=runner.gathers_pages
+        )
 
     def forward() -> float:
         t0 = clock()

@@ -305,6 +305,7 @@ class PrefillEngine:
                 c.model.kv_width,
                 c.model.kv_dtype,
                 placement=self.runner.pages_sharding,  # on a mesh: split by KV head
+                pad_to_table=self.runner.gathers_pages,  # one page count per table shape
             )
 
         def emit_layer(i: int, rows) -> None:
@@ -464,7 +465,12 @@ class PrefillReplay:
                 raise Aborted(f"the leader sent {call!r} while layer {i} was awaited")
             segments = [resolve(d, *kept[w.request_id], i) for d, w in zip(kw["requests"], work)]
             return LayerPages.assemble(
-                segments, bt, m.kv_width, m.kv_dtype, placement=self.runner.pages_sharding
+                segments,
+                bt,
+                m.kv_width,
+                m.kv_dtype,
+                placement=self.runner.pages_sharding,
+                pad_to_table=self.runner.gathers_pages,
             )
 
         def emit_layer(i: int, rows) -> None:

@@ -27,6 +27,16 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _page_count(needed: int, batch: int, table_width: int, pad_to_table: bool) -> int:
+    """Pages of a batch's `LayerPages`: the `needed` ones rounded up to a power of two, or with
+    `pad_to_table` as many as the table could name (`batch * table_width` plus the null and
+    the scratch page, rounded up): then the page count follows from the table's shape and adds
+    no compiled shape of its own. For attention that gathers the pages into dense rows of
+    `[batch, table_width * page_size]` anyway (every backend but the paged kernel), where each
+    distinct page count was one more layer program to trace, lower and compile."""
+    return _pow2(batch * table_width + 2) if pad_to_table else _pow2(needed)
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPages:
     """One layer's cached KV of a prefill batch in pages: `pages` `[P, 1, page_size, W]` (page 0
@@ -37,13 +47,22 @@ class LayerPages:
     table: np.ndarray | Array
 
     @classmethod
-    def from_rows(cls, rows: Sequence[np.ndarray], page_size: int, width: int, dtype) -> LayerPages:
+    def from_rows(
+        cls,
+        rows: Sequence[np.ndarray],
+        page_size: int,
+        width: int,
+        dtype,
+        *,
+        pad_to_table: bool = False,
+    ) -> LayerPages:
         """Each request's cached rows `[c_b, W]` (in token order) into its own pages: whole
         blocks of `page_size` rows become pages as they are; page and table counts are padded
-        to powers of two (few shapes)."""
+        to powers of two (few shapes; `pad_to_table`: see `_page_count`)."""
         counts = [-(-len(r) // page_size) for r in rows]
-        pages = np.zeros((_pow2(sum(counts) + 1), 1, page_size, width), dtype)
         table = np.zeros((len(rows), _pow2(max(max(counts), 1))), np.int32)
+        total = _page_count(sum(counts) + 1, *table.shape, pad_to_table)
+        pages = np.zeros((total, 1, page_size, width), dtype)
         start = 1
         for b, (r, n) in enumerate(zip(rows, counts)):
             if n:
@@ -60,6 +79,8 @@ class LayerPages:
         width: int,
         dtype,
         placement: Callable[[Sequence[int]], jax.sharding.Sharding | None] | None = None,
+        *,
+        pad_to_table: bool = False,
     ) -> LayerPages:
         """Each request's cached rows as consecutive segments in token order: host rows `[n, W]`;
         `DevicePages` already on the device (blocks that arrived over the compute network or
@@ -75,13 +96,17 @@ class LayerPages:
         `ModelRunner.pages_sharding`: split by KV head over its mesh; None: one device). The
         pages are built there: host pages are copied to it shard by shard, and `DevicePages`
         that arrived on another device (the engine's transfer device, its pinned buffer's) are
-        moved to it before they are placed."""
+        moved to it before they are placed.
+
+        `pad_to_table`: the page count follows from the table's shape (see `_page_count`); the
+        host pages are then built at that count (no second program to grow them)."""
         if not any(isinstance(x, DevicePages | DeviceRowRun) for seg in segments for x in seg):
             return cls.from_rows(
                 [seg[0] if len(seg) == 1 else _cat(seg, width, dtype) for seg in segments],
                 page_size,
                 width,
                 dtype,
+                pad_to_table=pad_to_table,
             )
         # Page ids: 0 the null page, then "row pages" (every page not a DevicePages block: host
         # rows are packed into them on the host, device rows scattered into them), then the
@@ -104,10 +129,11 @@ class LayerPages:
             counts.append((row, dev, -(-t // page_size)))
         row_pages = sum(c[0] for c in counts)
         dev_pages = sum(c[1] for c in counts)
-        total = _pow2(1 + row_pages + dev_pages + 1)
-        scratch = total - 1
-        host = np.zeros((_pow2(1 + row_pages), 1, page_size, width), dtype)
         table = np.zeros((len(segments), _pow2(max(max(c[2] for c in counts), 1))), np.int32)
+        total = _page_count(1 + row_pages + dev_pages + 1, *table.shape, pad_to_table)
+        scratch = total - 1
+        host_pages = total if pad_to_table else _pow2(1 + row_pages)
+        host = np.zeros((host_pages, 1, page_size, width), dtype)
         page_scatters, row_scatters = [], []
         any_host = False
         next_row, next_dev = 1, 1 + row_pages
@@ -144,7 +170,8 @@ class LayerPages:
         place = placement or (lambda shape: None)
         if any_host:
             pages = copies.to_device(host, "prefill_pages", place(host.shape))
-            pages = grow_pages(pages, total)
+            if host_pages < total:
+                pages = grow_pages(pages, total)
         else:  # every segment already on the device: no host pages to copy
             name = jnp.dtype(dtype).name
             at = place((total, 1, page_size, width))

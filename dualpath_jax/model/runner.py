@@ -28,7 +28,7 @@ from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import sharding
 from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, scatter_pages
-from dualpath_jax.model.layers import PagedKV
+from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.transformer import Transformer, shard_model
 
 Array = jax.Array
@@ -263,6 +263,7 @@ class ModelRunner:
         self.embed_gd, _ = nnx.split(model.embed)
         self.head_gd, _ = nnx.split(model.head)
         self.layer_gds = tuple(nnx.split(layer)[0] for layer in model.layers)
+        self._device_sharding: jax.sharding.Sharding | None = None  # `commit`'s, found lazily
         self.update_params(model)
 
     def update_params(self, model: Transformer) -> None:
@@ -274,6 +275,7 @@ class ModelRunner:
         self.head_state = nnx.state(model.head)
         self.layer_states = [nnx.state(layer) for layer in model.layers]
         self._stacked = None  # stacked_params, rebuilt for the new parameters
+        self._device_sharding = None  # `commit`'s device, found again
         self._stacked_leaves = None
 
     @property
@@ -326,6 +328,26 @@ class ModelRunner:
         if self.mesh is None:
             return None
         return sharding.kv_pages_sharding(self.cfg, self.mesh, shape)
+
+    def commit(self, x):
+        """`x` committed to the runner's one device (zero-copy for an array already there);
+        unchanged on a mesh, where placements are explicit. A layer's compiled program is
+        cached per argument placement: a batch whose pages come from a device program (a pinned
+        buffer, the compute network) gives committed layer outputs, and layer 0's hidden state
+        from uncommitted inputs would trace, lower and compile every layer shape twice."""
+        if self.mesh is not None:
+            return x
+        if self._device_sharding is None:  # where the parameters are (host ones: the default)
+            emb = self.embedding
+            (device,) = emb.devices() if isinstance(emb, jax.Array) else jax.devices()[:1]
+            self._device_sharding = jax.sharding.SingleDeviceSharding(device)
+        return jax.device_put(x, self._device_sharding)
+
+    @property
+    def gathers_pages(self) -> bool:
+        """Whether attention gathers a batch's cached pages into dense rows (every backend but
+        the paged kernel): callers building `LayerPages` for it pass `pad_to_table=True`."""
+        return resolve_attention_impl(self.cfg.attention_impl) != "pallas"
 
     @property
     def num_layers(self) -> int:
@@ -395,7 +417,7 @@ class ModelRunner:
         """
         cfg = self.cfg
         kv_dtype = jnp.dtype(cfg.kv_dtype)
-        empty = jnp.zeros((batch.batch_size, 0, cfg.kv_width), kv_dtype)
+        empty = self.commit(jnp.zeros((batch.batch_size, 0, cfg.kv_width), kv_dtype))
 
         def fetch(i: int):
             if batch.c_pad == 0 or load_layer is None:
@@ -407,13 +429,15 @@ class ModelRunner:
                         f"layer {i}: a page table of {rows.table.shape[0]} rows for a batch of"
                         f" {batch.batch_size}"
                     )
-                return rows.to_device()
+                pages = rows.to_device()
+                return LayerPages(self.commit(pages.pages), self.commit(pages.table))
             self.check_layer_kv(i, rows, batch)
-            return copies.to_device(rows, "prefill_rows")
+            return self.commit(copies.to_device(rows, "prefill_rows"))
 
-        positions = jnp.asarray(batch.positions())
-        cached_lens = jnp.asarray(batch.cached_lens)
-        h = self.embed(jnp.asarray(batch.tokens))
+        # every input committed alike (`commit`): one compiled program per layer shape
+        positions = self.commit(batch.positions())
+        cached_lens = self.commit(batch.cached_lens)
+        h = self.embed(self.commit(batch.tokens))
         kv = fetch(0)
         for i in range(cfg.num_layers):
             h, rows = self.layer(i, h, positions, kv, cached_lens)
@@ -421,7 +445,7 @@ class ModelRunner:
                 kv = fetch(i + 1)  # overlaps with layer i's compute (async dispatch)
             if emit_layer is not None:
                 emit_layer(i, rows)
-        last, logits = self.head(h, jnp.asarray(batch.new_lens), all_logits)
+        last, logits = self.head(h, self.commit(batch.new_lens), all_logits)
         return PrefillResult(last, logits)
 
     @runs_on_mesh

@@ -84,7 +84,8 @@ class DecodeLoad:
             t0, t1, last_flag, prefix, n_pad, splits = (int(x) for x in np.asarray(meta))
             last = bool(last_flag)
             new = t1 - t0 - prefix
-            specs = [((prefix // bt, bt, width), np.uint8)] if prefix else []
+            # the PE's prefix blocks come padded to a power of two (`padded_blocks`)
+            specs = [((padded_blocks(prefix // bt), bt, width), np.uint8)] if prefix else []
             specs += [((n_pad, width // splits), np.uint8)] * splits if new else []
             path = paths.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
@@ -100,7 +101,7 @@ class DecodeLoad:
                 # Into the DE buffer (host memory); the new rows' padding is dropped.
                 parts = [copies.to_host(a, "de_buffer") for a in arrays]
                 if prefix:
-                    parts[0] = parts[0].reshape(prefix, width)
+                    parts[0] = parts[0][: prefix // bt].reshape(prefix, width)
                 if new:  # the column splits side by side, the padding dropped
                     cols = parts[len(parts) - splits :]
                     joined = cols[0] if splits == 1 else np.concatenate(cols, axis=1)

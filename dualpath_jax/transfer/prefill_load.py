@@ -327,8 +327,13 @@ class PrefillLoad:
         bt, width = ctx.layout.block_tokens, ctx.layout.bytes_per_token_per_layer
         arrays: list = []
         nbytes = 0
-        if prefix:
-            arrays.append(self._res.layer_pages(0, prefix // bt, layer, purpose="pe_prefix_send"))
+        if prefix:  # padded to a power of two of blocks (few compiled shapes); the DE drops it
+            n = prefix // bt
+            arrays.append(
+                self._res.layer_pages(
+                    0, n, layer, pad_to=padded_blocks(n), purpose="pe_prefix_send"
+                )
+            )
             nbytes += prefix * width
         split = ctx.row_split
         if isinstance(rows, DeviceRows):

@@ -95,3 +95,56 @@ def test_layerwise_prefill_over_pages_equals_padded_rows(impl):
     for i in range(cfg.num_layers):
         np.testing.assert_allclose(np.asarray(got_new[i]), np.asarray(want_new[i]), atol=2e-5)
     assert pages(0).pages.shape == (8, 1, 16, cfg.kv_width)  # 2 + 0 + 3 pages + null, pow2
+
+
+def test_one_layer_program_per_table_shape():
+    """With `pad_to_table` (what the PE passes for attention that gathers pages) the page count
+    follows from the table's shape: batches of one (B, N_pad, table width) whose requests need
+    different numbers of pages run one compiled layer program, and so do the batch's first and
+    later layers when the pages arrive committed to the device (as they do from a pinned
+    buffer or the compute network) and the batch's own inputs do not. Logits equal those
+    without padding."""
+    from dualpath_jax.model import runner as runner_mod
+    from dualpath_jax.model.cached_kv import LayerPages
+    from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+    from dualpath_jax.model.transformer import init_model
+    from dualpath_jax.presets import TINY_QWEN2
+
+    cfg = TINY_QWEN2
+    runner = ModelRunner(init_model(cfg, seed=0))
+    assert runner.gathers_pages  # `auto` on CPU: the reference backend gathers
+    rs = np.random.RandomState(7)
+    w = cfg.kv_width
+
+    def run(cached: list[int], pad: bool, committed: bool):
+        rows = [rs.randn(c, w).astype(np.float32) for c in cached]
+        batch = PrefillBatch.build(cfg, [[3, 4, 5]] * len(cached), cached)
+
+        def load(i):
+            lp = LayerPages.from_rows(rows, 16, w, np.float32, pad_to_table=pad)
+            if committed:  # as a device program's output is
+                lp = LayerPages(jax.device_put(lp.pages, jax.devices()[0]), lp.table)
+            return lp
+
+        return load, batch, runner.prefill_layerwise(batch, load).last_logits
+
+    # 3 and 4 pages needed (4 + null, 5 + null: 8 pages unpadded either way), then 1 + 3
+    # pages (5 + null: 8) and 4 + 4 (9: 16 pages unpadded): one table shape [2, 4]
+    cases = [[40, 20], [33, 64], [16, 48], [64, 64]]
+    for committed in (False, True):
+        before = runner_mod._layer_paged._cache_size()
+        for cached in cases:
+            load, batch, got = run(cached, True, committed)
+            assert load(0).pages.shape[0] == 16 and load(0).table.shape == (2, 4)
+        assert runner_mod._layer_paged._cache_size() - before <= 1
+    load, batch, _ = run([64, 64], False, False)
+    assert load(0).pages.shape[0] == 16  # 8 pages + null, unpadded: pow2(9)
+    rows = [rs.randn(c, w).astype(np.float32) for c in (40, 20)]
+    batch = PrefillBatch.build(cfg, [[3, 4, 5]] * 2, [40, 20])
+    logits = [
+        runner.prefill_layerwise(
+            batch, lambda i, p=pad: LayerPages.from_rows(rows, 16, w, np.float32, pad_to_table=p)
+        ).last_logits
+        for pad in (False, True)
+    ]
+    np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), atol=2e-5)

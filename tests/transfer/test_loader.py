@@ -362,9 +362,11 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     de.close()
 
 
-def test_assembled_pages_equal_host_packed_pages():
+@pytest.mark.parametrize("pad_to_table", [False, True])
+def test_assembled_pages_equal_host_packed_pages(pad_to_table):
     """`LayerPages.assemble` with a device segment in the middle of a request's rows (and two
-    later host segments that do not start on a page) reads back as `from_rows` of the same rows."""
+    later host segments that do not start on a page) reads back as `from_rows` of the same rows;
+    with `pad_to_table` both have as many pages as the table could name."""
     rs = np.random.RandomState(2)
     w = CFG.kv_width
     a, d, c1, c2 = (rs.randn(n, w).astype(np.float32) for n in (2 * BT, 3 * BT, 5, 9))
@@ -372,8 +374,13 @@ def test_assembled_pages_equal_host_packed_pages():
     dev = np.zeros((4, BT, w), np.float32)  # padded to 4 pages, 3 real
     dev[:3] = d.reshape(3, BT, w)
     segs = [[a, DevicePages(jnp.asarray(dev), 3), c1, c2], [other]]
-    got = LayerPages.assemble(segs, BT, w, np.float32)
-    want = LayerPages.from_rows([np.concatenate([a, d, c1, c2]), other], BT, w, np.float32)
+    got = LayerPages.assemble(segs, BT, w, np.float32, pad_to_table=pad_to_table)
+    want = LayerPages.from_rows(
+        [np.concatenate([a, d, c1, c2]), other], BT, w, np.float32, pad_to_table=pad_to_table
+    )
+    if pad_to_table:  # a table [2, 8]: 2 * 8 + 2 pages, rounded up
+        assert got.table.shape == want.table.shape == (2, 8)
+        assert got.pages.shape[0] == want.pages.shape[0] == 32
 
     def rows(lp, b, n):
         pages, table = np.asarray(lp.pages), np.asarray(lp.table)
