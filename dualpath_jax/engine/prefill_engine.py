@@ -379,9 +379,22 @@ def forward(runner: ModelRunner, num_layers: int, batch, layerwise: bool, load_l
     the layer runs and its new rows go out (`emit_layer`) right after. Basic: the whole cached
     KV is taken before one monolithic program; the new rows go out after it. Hit pages
     assembled on the device stay there; host pages go to pinned host memory, and the program
-    copies each layer's pages to the device as the layer runs."""
+    copies each layer's pages to the device as the layer runs. On CPU
+    (`ModelRunner.one_program_prefill` false) Basic keeps that order over the per-layer
+    programs."""
     if layerwise:
         return runner.prefill_layerwise(batch, load_layer, emit_layer)
+    if not runner.one_program_prefill:
+        # CPU: Basic's order (every layer's KV first, the new rows after) over the per-layer
+        # programs, which trace and compile in a fraction of the one program's time
+        cached = [load_layer(i) for i in range(num_layers)] if batch.c_pad else []
+        rows: list = []
+        res = runner.prefill_layerwise(
+            batch, cached.__getitem__ if cached else None, lambda i, r: rows.append(r)
+        )
+        for i, r in enumerate(rows):
+            emit_layer(i, r)
+        return res
     kv = None
     if batch.c_pad:
         kv = CachedPages.from_layers([load_layer(i) for i in range(num_layers)])

@@ -344,6 +344,15 @@ class ModelRunner:
         return jax.device_put(x, self._device_sharding)
 
     @property
+    def one_program_prefill(self) -> bool:
+        """Whether a prefill with all its KV up front (Basic) runs as one program
+        (`prefill_program`): on an accelerator, where the program copies each layer's pinned
+        host pages to the device while earlier layers compute. Not on CPU, where host and device
+        memory are one and the whole model's program costs several times a layer's to trace,
+        lower and compile (each new batch shape in each engine process)."""
+        return jax.default_backend() != "cpu"
+
+    @property
     def gathers_pages(self) -> bool:
         """Whether attention gathers a batch's cached pages into dense rows (every backend but
         the paged kernel): callers building `LayerPages` for it pass `pad_to_table=True`."""
