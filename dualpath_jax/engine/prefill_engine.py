@@ -384,20 +384,18 @@ def forward(runner: ModelRunner, num_layers: int, batch, layerwise: bool, load_l
     programs."""
     if layerwise:
         return runner.prefill_layerwise(batch, load_layer, emit_layer)
+    cached = [load_layer(i) for i in range(num_layers)] if batch.c_pad else []
     if not runner.one_program_prefill:
         # CPU: Basic's order (every layer's KV first, the new rows after) over the per-layer
         # programs, which trace and compile in a fraction of the one program's time
-        cached = [load_layer(i) for i in range(num_layers)] if batch.c_pad else []
         rows: list = []
-        res = runner.prefill_layerwise(
-            batch, cached.__getitem__ if cached else None, lambda i, r: rows.append(r)
-        )
+        res = runner.prefill_layerwise(batch, cached.__getitem__, lambda i, r: rows.append(r))
         for i, r in enumerate(rows):
             emit_layer(i, r)
         return res
     kv = None
-    if batch.c_pad:
-        kv = CachedPages.from_layers([load_layer(i) for i in range(num_layers)])
+    if cached:
+        kv = CachedPages.from_layers(cached)
         if not isinstance(kv.pages, jax.Array):
             kv = kv.to_host(runner.pages_sharding(kv.pages.shape))
     res, new = runner.prefill_program(batch, kv)

@@ -116,17 +116,18 @@ def test_one_layer_program_per_table_shape():
     rs = np.random.RandomState(7)
     w = cfg.kv_width
 
-    def run(cached: list[int], pad: bool, committed: bool):
-        rows = [rs.randn(c, w).astype(np.float32) for c in cached]
-        batch = PrefillBatch.build(cfg, [[3, 4, 5]] * len(cached), cached)
-
+    def loader(rows, pad: bool, committed: bool = False):
         def load(i):
             lp = LayerPages.from_rows(rows, 16, w, np.float32, pad_to_table=pad)
             if committed:  # as a device program's output is
                 lp = LayerPages(jax.device_put(lp.pages, jax.devices()[0]), lp.table)
             return lp
 
-        return load, batch, runner.prefill_layerwise(batch, load).last_logits
+        return load
+
+    def prefill(rows, load):
+        batch = PrefillBatch.build(cfg, [[3, 4, 5]] * len(rows), [len(r) for r in rows])
+        return runner.prefill_layerwise(batch, load).last_logits
 
     # 3 and 4 pages needed (4 + null, 5 + null: 8 pages unpadded either way), then 1 + 3
     # pages (5 + null: 8) and 4 + 4 (9: 16 pages unpadded): one table shape [2, 4]
@@ -134,17 +135,12 @@ def test_one_layer_program_per_table_shape():
     for committed in (False, True):
         before = runner_mod._layer_paged._cache_size()
         for cached in cases:
-            load, batch, got = run(cached, True, committed)
+            rows = [rs.randn(c, w).astype(np.float32) for c in cached]
+            load = loader(rows, True, committed)
+            prefill(rows, load)
             assert load(0).pages.shape[0] == 16 and load(0).table.shape == (2, 4)
         assert runner_mod._layer_paged._cache_size() - before <= 1
-    load, batch, _ = run([64, 64], False, False)
-    assert load(0).pages.shape[0] == 16  # 8 pages + null, unpadded: pow2(9)
+    assert loader([np.zeros((64, w), np.float32)] * 2, False)(0).pages.shape[0] == 16  # pow2(9)
     rows = [rs.randn(c, w).astype(np.float32) for c in (40, 20)]
-    batch = PrefillBatch.build(cfg, [[3, 4, 5]] * 2, [40, 20])
-    logits = [
-        runner.prefill_layerwise(
-            batch, lambda i, p=pad: LayerPages.from_rows(rows, 16, w, np.float32, pad_to_table=p)
-        ).last_logits
-        for pad in (False, True)
-    ]
+    logits = [prefill(rows, loader(rows, pad)) for pad in (False, True)]
     np.testing.assert_allclose(np.asarray(logits[0]), np.asarray(logits[1]), atol=2e-5)
