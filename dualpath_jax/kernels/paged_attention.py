@@ -10,23 +10,28 @@ contiguous and the new part needs no page write before attention. Query token `j
 sees every cached token and new tokens `0..j` (causal). Where each KV head's key and value sit in
 a row is the row's `kv_rows.RowLayout`.
 
-The kernel (`paged_attention`) is one program per (request, KV head, query block): an online
-softmax over the request's live cached pages only (the loop stops at `cached_len`), then over
-the causal part of the new rows. Nothing of size `[queries, keys]` is materialized beyond one
-page, so memory does not grow with the context or with the longest request of a batch. It is a
-portable Pallas kernel: Pallas-Triton on GPU, and `interpret=True` (the default off GPU) runs it
-on CPU, where tests check it against `paged_attention_reference`, which gathers the pages into
-contiguous rows and runs the dense path (`dense_attention.attend`).
+The kernel (`paged_attention`) is one program per (request, KV head, block of query rows,
+KV split): an online softmax over the request's live cached pages only (the loop stops at
+`cached_len`), one page of one layer loaded at a time, then over the causal part of the new
+rows. Nothing of size `[queries, keys]` is materialized beyond one page, so memory does not grow
+with the context or with the longest request of a batch. With several KV splits (decode on GPU)
+each program reads a share of the pages and the partial softmaxes are combined after. It is a
+portable Pallas kernel: Pallas-Triton on GPU (every block a power of two, dots of at least 16,
+fp8 scales assembled from their bytes), and interpret mode elsewhere, where tests check it
+against `paged_attention_reference`, which gathers the pages into contiguous rows and runs the
+dense path (`dense_attention.attend`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from dualpath_jax.kernels.dense_attention import attend, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
@@ -35,148 +40,206 @@ Array = jax.Array
 
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
+# Compiled (Triton) blocks: every loaded or computed array is a power of two in each dimension,
+# and a dot needs at least 16 rows, columns and contraction.
+_MIN_DOT = 16
+_COMPILED_ROWS = 64  # query rows per compiled program
+_MAX_SPLITS = 8  # KV splits of a decode program
+_PAGES_PER_SPLIT = 4  # ... each reading at least this many pages
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static shapes of one call: `group` query heads per KV head (padded when compiled),
+    `block_rows` query rows (query-major: row r is query r // group) per program, `block_new`
+    new keys per step of the causal part, `splits` programs per (request, KV head, row block)
+    over the cached pages (split-KV), `compiled` for the Triton shapes."""
+
+    group: int
+    block_rows: int
+    block_new: int
+    splits: int
+    compiled: bool
+
 
 def _kernel(
     lens_ref,  # [B] cached lengths
     table_ref,  # [B, M] page ids
     layer_ref,  # [1] layer index
     write_ref,  # [B] new rows to write into the pages (write mode), else unused
-    q_ref,  # [bq * G, dk] this block's queries, query-major (row r is query r // G)
-    pages_ref,  # [P, L, page_size, W]
-    new_ref,  # [N, W] this request's new rows
-    o_ref,  # [bq * G, dv]
-    *pages_out,  # write mode: `pages_ref`'s buffer (aliased)
+    *refs,
     layout: RowLayout,
-    group: int,
-    block_q: int,
+    plan: _Plan,
     scale: float,
     kv_dtype: jnp.dtype,
+    writing: bool,
 ):
-    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    if pages_out:
-        # In write mode every page access goes through the output ref (the same buffer): the
-        # input ref is then unused, which keeps interpret mode from carrying (copying) both.
-        pages_ref = pages_out[0]
-        _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, pages_ref, layout, block_q)
+    """One program: (request b, KV head h, row block qi, split s). Inputs after the scalars:
+    one query ref per key segment `[block_rows, w]`, the pages `[P, L, page_size, W]`, this
+    request's new rows `[N, W]`; outputs: the output `[block_rows, dv]` (normalized) or, split,
+    the f32 accumulator and its running max and sum `[block_rows]`; in write mode last the
+    pages (aliased with the input)."""
+    nseg = len(layout.key_segments)
+    q_refs, (pages_ref, new_ref), outs = refs[:nseg], refs[nseg : nseg + 2], refs[nseg + 2 :]
+    if writing:
+        pages_ref = outs[-1]  # every page access through the aliased output (one buffer)
+        outs = outs[:-1]
+    b, h, qi, s = (pl.program_id(i) for i in range(4))
+    if writing:
+        _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, pages_ref, layout, plan)
     cached = lens_ref[b]
     layer = layer_ref[0]
     page_size = pages_ref.shape[2]
-    rows = block_q * group
-    q = q_ref[...]
-    # Split the queries by key segment once (the score is the sum over segments).
-    q_parts, start = [], 0
-    for _, w in layout.key_segments:
-        q_parts.append(q[:, start : start + w])
-        start += w
+    rows, group, bn = plan.block_rows, plan.group, plan.block_new
+    q_parts = [r[...] for r in q_refs]
+    dtype = q_parts[0].dtype
     k0 = h * layout.head_stride
-    stride = layout.scale_stride
 
     def segments(segs, scales):
         if not layout.scaled:
             return [(k0 + o, w, None) for o, w in segs]
-        return [(k0 + o, w, i + h * stride) for (o, w), i in zip(segs, scales)]
+        return [(k0 + o, w, i + h * layout.scale_stride) for (o, w), i in zip(segs, scales)]
 
     keys = segments(layout.key_segments, layout.key_scales)
     values = segments(layout.value_segments, layout.value_scales)
 
     def dequant(ref_load):
         """ref_load(off, width) -> raw bits `[keys, width]`; returns load(off, w, scale index)
-        giving the segment in the compute dtype (times its per-token scale unless the index is
-        None)."""
+        giving the segment in the compute dtype, times its per-token scale unless the index is
+        None. A scale is 4 one-byte elements (fp8 rows), put together as a uint32 with shifts
+        and bitcast to float32: a same-width bitcast every GPU compiler lowers."""
 
         def load(off, w, i):
             x = jax.lax.bitcast_convert_type(ref_load(off, w), kv_dtype)
             if i is None:
-                return x.astype(q.dtype)
-            raw = ref_load(layout.scale_offset + 4 * i, 4)
-            sc = jax.lax.bitcast_convert_type(raw, jnp.float32)  # [keys]
-            return (x.astype(jnp.float32) * sc[:, None]).astype(q.dtype)
+                return x.astype(dtype)
+            base = layout.scale_offset + 4 * i
+            word = None
+            for k in range(4):
+                byte = ref_load(base + k, 1).astype(jnp.uint32) << (8 * k)
+                word = byte if word is None else word | byte
+            sc = jax.lax.bitcast_convert_type(word, jnp.float32)  # [keys, 1]
+            return (x.astype(jnp.float32) * sc).astype(dtype)
 
         return load
 
+    def dot(a, b_, contract_b):
+        """`a [m, k] . b` over b's axis `contract_b` in f32; a broadcast product where a
+        compiled dot would be too small (one new key in decode)."""
+        small = plan.compiled and min(*a.shape, *b_.shape) < _MIN_DOT
+        if small:
+            if contract_b == 1:  # [m, k] x [n, k] -> [m, n]
+                prod = a.astype(jnp.float32)[:, None, :] * b_.astype(jnp.float32)[None, :, :]
+                return prod.sum(axis=2)
+            prod = a.astype(jnp.float32)[:, :, None] * b_.astype(jnp.float32)[None, :, :]
+            return prod.sum(axis=1)
+        dims = (((1,), (contract_b,)), ((), ()))
+        return jax.lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32)
+
     def scores(load):
-        s = None
+        out = None
         for (off, w, i), qp in zip(keys, q_parts):
-            part = jax.lax.dot_general(
-                qp,
-                load(off, w, i),
-                (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32,
-            )
-            s = part if s is None else s + part
-        return s * scale
+            part = dot(qp, load(off, w, i), 1)
+            out = part if out is None else out + part
+        return out * scale
 
-    def value(load):
-        parts = [load(off, w, i) for off, w, i in values]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
-
-    def update(carry, s, v):
-        acc, m, denom = carry
-        m_new = jnp.maximum(m, s.max(axis=1))
+    def update(carry, sc, load):
+        accs, m, denom = carry
+        m_new = jnp.maximum(m, sc.max(axis=1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        p = jnp.exp(sc - m_new[:, None])
         l_new = alpha * denom + p.sum(axis=1)
-        pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        accs = tuple(
+            acc * alpha[:, None] + dot(p.astype(dtype), load(off, w, i), 0)
+            for acc, (off, w, i) in zip(accs, values)
         )
-        return acc * alpha[:, None] + pv, m_new, l_new
+        return accs, m_new, l_new
 
     carry = (
-        jnp.zeros((rows, layout.value_width), jnp.float32),
+        tuple(jnp.zeros((rows, w), jnp.float32) for _, w, _ in values),
         jnp.full((rows,), _NEG, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
     )
 
     def cached_page(j, carry):
         page = table_ref[b, j]
-
         load = dequant(lambda off, w: pages_ref[page, layer, :, pl.ds(off, w)])
-        s = scores(load)
-        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(pos < cached, s, _NEG)
-        return update(carry, s, value(load))
+        sc = scores(load)
+        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+        return update(carry, jnp.where(pos < cached, sc, _NEG), load)
 
-    carry = jax.lax.fori_loop(0, pl.cdiv(cached, page_size), cached_page, carry)
+    live = pl.cdiv(cached, page_size)
+    per = pl.cdiv(table_ref.shape[1], plan.splits)
+    first = jnp.minimum(s * per, live)
+    carry = jax.lax.fori_loop(first, jnp.minimum(first + per, live), cached_page, carry)
 
-    q_pos = qi * block_q + jax.lax.broadcasted_iota(jnp.int32, (rows, block_q), 0) // group
+    # The causal part (the last split's): query of row r is qi * rows // group + r // group.
+    q_pos = (qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0)) // group
 
     def new_block(j, carry):
-        load = dequant(lambda off, w: new_ref[pl.ds(j * block_q, block_q), pl.ds(off, w)])
-        s = scores(load)
-        k_pos = j * block_q + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(k_pos <= q_pos, s, _NEG)
-        return update(carry, s, value(load))
+        load = dequant(lambda off, w: new_ref[pl.ds(j * bn, bn), pl.ds(off, w)])
+        sc = scores(load)
+        k_pos = j * bn + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+        return update(carry, jnp.where(k_pos <= q_pos, sc, _NEG), load)
 
-    acc, _, denom = jax.lax.fori_loop(0, qi + 1, new_block, carry)
-    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    last_query = ((qi + 1) * rows - 1) // group
+    steps = jnp.where(s == plan.splits - 1, last_query // bn + 1, 0)
+    accs, m, denom = jax.lax.fori_loop(0, steps, new_block, carry)
+    start = 0
+    for acc in accs:
+        w = acc.shape[1]
+        if plan.splits == 1:
+            outs[0][:, pl.ds(start, w)] = (acc / denom[:, None]).astype(outs[0].dtype)
+        else:
+            outs[0][:, pl.ds(start, w)] = acc
+        start += w
+    if plan.splits > 1:
+        outs[1][...] = m
+        outs[2][...] = denom
 
 
-def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, layout, block_q):
-    """Writes this program's share of the new rows into their pages: the rows of query block
-    `qi` below the request's write count, the columns of KV head `h` only (each program of a
-    request writes different columns or rows, so none races another)."""
-    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, layout, plan):
+    """Writes this program's share of the new rows into their pages: in split 0, the rows of
+    the new tokens whose queries are in row block `qi` (their first row), below the request's
+    write count, the columns of KV head `h` only (each program of a request writes different
+    columns or rows, so none races another; the pages read are all below `cached`)."""
+    b, h, qi, s = (pl.program_id(i) for i in range(4))
     page_size = out_ref.shape[2]
     cached, layer = lens_ref[b], layer_ref[0]
     spans = [(off, w) for off, w, _ in layout.spans(h)]
     if layout.scaled:
         head0 = {i for _, _, i in layout.spans(0) if i >= 0}
         spans += [(layout.scale_offset + 4 * (i + h * layout.scale_stride), 4) for i in head0]
-    end = jnp.minimum(write_ref[b] - qi * block_q, block_q)
+    # Token t is written by the row block holding its query's first row: t * group // rows.
+    lo = pl.cdiv(qi * plan.block_rows, plan.group)
+    hi = jnp.minimum(pl.cdiv((qi + 1) * plan.block_rows, plan.group), write_ref[b])
+    hi = jnp.where(s == 0, hi, lo)
 
-    def one(j, _):
-        t = qi * block_q + j
+    def one(t, carry):
         pos = cached + t
         page, row = table_ref[b, pos // page_size], pos % page_size
         for off, w in spans:
             out_ref[page, layer, row, pl.ds(off, w)] = new_ref[t, pl.ds(off, w)]
-        return 0
+        return carry
 
-    jax.lax.fori_loop(0, jnp.maximum(end, 0), one, 0)
+    jax.lax.fori_loop(lo, jnp.maximum(hi, lo), one, jnp.int32(0))
+
+
+def _plan(n: int, g: int, num_pages: int, block_q: int, kv_splits: int | None, compiled: bool):
+    if not compiled:
+        bn = math.gcd(n, block_q)
+        return _Plan(g, bn * g, bn, kv_splits or 1, False)
+    # Pad the group to a power of two, so row blocks are powers of two of at least 16 rows.
+    g_pad = 1 << (max(g, _MIN_DOT // math.gcd(n, _MIN_DOT)) - 1).bit_length()
+    rows = math.gcd(n * g_pad, _COMPILED_ROWS)
+    bn = math.gcd(n, block_q)
+    if kv_splits is None:  # decode: spread one request's pages over programs (flash-decoding)
+        kv_splits = max(1, min(_MAX_SPLITS, num_pages // _PAGES_PER_SPLIT)) if n == 1 else 1
+    return _Plan(g_pad, rows, bn, kv_splits, True)
 
 
 def default_interpret() -> bool:
-    """Pallas kernels compile natively on GPU; elsewhere they run in interpret mode."""
+    """Whether `paged_attention` interprets on the default backend: everywhere but GPU."""
     return jax.default_backend() != "gpu"
 
 
@@ -193,6 +256,7 @@ def paged_attention(
     kv_dtype=None,
     write_lens: Array | None = None,
     block_q: int = 64,
+    kv_splits: int | None = None,
     interpret: bool | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention of new tokens over their cached pages and themselves.
@@ -207,7 +271,13 @@ def paged_attention(
     into its pages (token j at position `cached_lens[b] + j`, whose pages the table must name)
     and returns `(out, pages)`: the pages are updated in place (aliased), so a decode step that
     donates its pool neither scatters nor copies it. Pages are then returned as bits
-    (`kv_rows.bits_dtype`)."""
+    (`kv_rows.bits_dtype`).
+
+    `kv_splits` programs share one request's cached pages (split-KV, their partial softmaxes
+    combined after): default 1, and on GPU for one new token per request (decode) up to 8.
+    `interpret=None` decides per platform the program is lowered for (`lax.platform_dependent`):
+    Pallas-Triton on GPU (chosen explicitly, not by JAX's default GPU backend), interpret mode
+    elsewhere; True/False force one."""
     b, n, hq, dk = q.shape
     hk = layout.num_kv_heads
     if dk != layout.key_width or hq % hk:
@@ -218,62 +288,128 @@ def paged_attention(
         if jnp.issubdtype(pages.dtype, jnp.unsignedinteger):
             raise ValueError("pages held as bits need their kv_dtype")
         kv_dtype = pages.dtype
-    kv_dtype = jnp.dtype(kv_dtype)
-    g = hq // hk
-    bq = math.gcd(n, block_q)
-    nq = n // bq
-    interpret = default_interpret() if interpret is None else interpret
-    q5 = q.reshape(b, n, hk, g, dk)
-    g_real = g
-    if not interpret:
-        # Compiled (Triton) blocks are powers of two with at least 16 rows for a dot: pad the
-        # query group with zero queries (their output is sliced off).
-        g = max(1 << (g - 1).bit_length(), -(-16 // bq))
-        g = 1 << (g - 1).bit_length()
-        q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, g - g_real), (0, 0)))
-    # [B, N, Hk, G, dk] -> [B, Hk, N * G, dk]: a query block is contiguous rows of one KV head.
-    qh = q5.transpose(0, 2, 1, 3, 4).reshape(b, hk, n * g, dk)
-    dv = layout.value_width
-    kernel = functools.partial(
-        _kernel, layout=layout, group=g, block_q=bq, scale=scale, kv_dtype=kv_dtype
+    if kv_splits is not None and kv_splits < 1:
+        raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    call = functools.partial(
+        _paged_attention,
+        layout=layout,
+        scale=scale,
+        kv_dtype=jnp.dtype(kv_dtype),
+        block_q=block_q,
+        kv_splits=kv_splits,
     )
-    bits = as_bits(pages)
-    whole = pl.BlockSpec(pages.shape, lambda i, j, k: (0, 0, 0, 0))
-    out_specs = [pl.BlockSpec((None, None, bq * g, dv), lambda i, j, k: (i, j, k, 0))]
-    out_shape = [jax.ShapeDtypeStruct((b, hk, n * g, dv), q.dtype)]
+    args = (
+        q,
+        as_bits(pages),
+        page_table.astype(jnp.int32),
+        cached_lens.astype(jnp.int32),
+        new_rows,
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        None if write_lens is None else write_lens.astype(jnp.int32),
+    )
+    if interpret is not None:
+        return call(*args, compiled=not interpret, interpret=interpret)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=functools.partial(call, compiled=True, interpret=False),
+        rocm=functools.partial(call, compiled=True, interpret=False),
+        default=functools.partial(call, compiled=False, interpret=True),
+    )
+
+
+def _paged_attention(
+    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, block_q,
+    kv_splits, compiled, interpret,
+):  # fmt: skip
+    b, n, hq, dk = q.shape
+    hk, dv = layout.num_kv_heads, layout.value_width
+    g = hq // hk
+    plan = _plan(n, g, table.shape[1], block_q, kv_splits, compiled)
+    q5 = q.reshape(b, n, hk, g, dk)
+    if plan.group > g:  # zero queries pad the group (their output is sliced off)
+        q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, plan.group - g), (0, 0)))
+    # [B, N, Hk, G, dk] -> [B, Hk, N * G, dk]: a row block is contiguous rows of one KV head,
+    # split by key segment (each a power of two wide: MLA's 512 + 64, never 576).
+    qh = q5.transpose(0, 2, 1, 3, 4).reshape(b, hk, n * plan.group, dk)
+    q_segs, start = [], 0
+    for _, w in layout.key_segments:
+        q_segs.append(qh[..., start : start + w])
+        start += w
+    nr, s = n * plan.group // plan.block_rows, plan.splits
+    grid = (b, hk, nr, s)
+
+    def rows_spec(w):  # query rows (or output rows) of one program
+        return pl.BlockSpec((None, None, plan.block_rows, w), lambda i, j, k, t: (i, j, k, 0))
+
+    def scalar(shape):  # the whole array in every program
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    # The pool is one block: in interpret mode a view, under Triton a pointer into HBM from
+    # which the kernel loads one page of one layer at a time (nothing stages the pool).
+    whole = scalar(bits.shape)
     writing = write_lens is not None
+    if s == 1:
+        out_specs = [rows_spec(dv)]
+        out_shape = [jax.ShapeDtypeStruct((b, hk, n * plan.group, dv), q.dtype)]
+    else:
+
+        def part(*shape):  # split t's share
+            rest = (0,) * (len(shape) - 1)
+            return pl.BlockSpec((None, None, None, *shape), lambda i, j, k, t: (t, i, j, k, *rest))
+
+        out_specs = [part(plan.block_rows, dv), part(plan.block_rows), part(plan.block_rows)]
+        out_shape = [
+            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, dv), jnp.float32),
+            jax.ShapeDtypeStruct((s, b, hk, n * plan.group), jnp.float32),
+            jax.ShapeDtypeStruct((s, b, hk, n * plan.group), jnp.float32),
+        ]
     if writing:
         out_specs.append(whole)
         out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
+    nseg = len(q_segs)
+    params = None
+    if compiled:
+        params = plgpu.CompilerParams(num_warps=4, num_stages=2)
     outs = pl.pallas_call(
-        kernel,
-        grid=(b, hk, nq),
+        functools.partial(
+            _kernel, layout=layout, plan=plan, scale=scale, kv_dtype=kv_dtype, writing=writing
+        ),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec(cached_lens.shape, lambda i, j, k: (0,)),
-            pl.BlockSpec(page_table.shape, lambda i, j, k: (0, 0)),
-            pl.BlockSpec((1,), lambda i, j, k: (0,)),
-            pl.BlockSpec((b,), lambda i, j, k: (0,)),
-            pl.BlockSpec((None, None, bq * g, dk), lambda i, j, k: (i, j, k, 0)),
+            scalar(lens.shape),
+            scalar(table.shape),
+            scalar((1,)),
+            scalar((b,)),
+            *(rows_spec(x.shape[-1]) for x in q_segs),
             whole,
-            pl.BlockSpec((None, n, new_rows.shape[-1]), lambda i, j, k: (i, 0, 0)),
+            pl.BlockSpec((None, n, new_rows.shape[-1]), lambda i, j, k, t: (i, 0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={5: 1} if writing else {},
+        input_output_aliases={4 + nseg: len(out_shape) - 1} if writing else {},
         interpret=interpret,
+        compiler_params=params,
         name="paged_attention",
     )(
-        cached_lens.astype(jnp.int32),
-        page_table.astype(jnp.int32),
-        jnp.asarray(layer, jnp.int32).reshape(1),
-        (write_lens if writing else jnp.zeros((b,), jnp.int32)).astype(jnp.int32),
-        qh,
+        lens,
+        table,
+        layer,
+        write_lens if writing else jnp.zeros((b,), jnp.int32),
+        *q_segs,
         bits,
         as_bits(new_rows.astype(kv_dtype)),
     )
-    out = outs[0].reshape(b, hk, n, g, dv)[:, :, :, :g_real]
+    if s == 1:
+        out = outs[0]
+    else:  # combine the splits' partial softmaxes
+        acc, m, denom = outs[:3]
+        top = m.max(axis=0)
+        weight = jnp.exp(m - top[None])
+        out = (acc * weight[..., None]).sum(0) / (denom * weight).sum(0)[..., None]
+        out = out.astype(q.dtype)
+    out = out.reshape(b, hk, n, plan.group, dv)[:, :, :, :g]
     out = out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
-    return (out, outs[1]) if writing else out
+    return (out, outs[-1]) if writing else out
 
 
 def write_pages(

@@ -90,19 +90,55 @@ def test_kernel_writes_new_rows_into_their_pages(name):
     np.testing.assert_array_equal(got[~changed], before[~changed])
 
 
-def test_compiled_block_padding_gives_the_same_output():
-    """The zero queries that pad a group to a power of two (what the compiled kernel runs)
-    change nothing: run padded in interpret mode by forcing the padding path's shapes."""
-    layout, hq = LAYOUTS["gqa_g3"]  # 3 queries per KV head -> padded to 16 rows
-    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(3, 9, 13))
-    scale = layout.key_width**-0.5
-    want = pa.paged_attention(q, pages, table, lens, new, layout, scale)
-    import unittest.mock as mock
+def _compiled_shapes(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
+                     write_lens=None, kv_splits=None):  # fmt: skip
+    """The kernel with the shapes it has when compiled for a GPU (padded query groups, row
+    blocks of 64, KV splits in decode, broadcast products for dots under 16), interpreted."""
+    kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
+    return pa._paged_attention(
+        q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
+        write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, block_q=64,
+        kv_splits=kv_splits, compiled=True, interpret=True,
+    )  # fmt: skip
 
-    # interpret=False picks the padding; the call itself still interprets (no GPU here).
-    real = pa.pl.pallas_call
-    with mock.patch.object(
-        pa.pl, "pallas_call", lambda *a, **k: real(*a, **{**k, "interpret": True})
-    ):
-        got = pa.paged_attention(q, pages, table, lens, new, layout, scale, interpret=False)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("n", [1, 8])
+def test_compiled_shapes_give_the_same_output(name, n):
+    """What the GPU runs (Triton's shapes: padded groups, KV splits on decode, small products
+    without dots) equals the interpreted kernel and the oracle."""
+    layout, hq = LAYOUTS[name]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n, lens=(3, 9, 13))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
+    for splits in (None, 1, 2, 3):
+        got = _compiled_shapes(q, pages, table, lens, new, layout, scale, layer=1, kv_splits=splits)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_split_kv_decode_writes_like_the_scatter(name):
+    layout, hq = LAYOUTS[name]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(0, 5, 11))
+    bits = jax.lax.bitcast_convert_type(pages, jnp.uint32)
+    write = jnp.asarray([1, 0, 1], jnp.int32)
+    scale = layout.key_width**-0.5
+    for splits in (2, 3):
+        out, written = _compiled_shapes(q, bits, table, lens, new, layout, scale, layer=1,
+                                        kv_dtype=jnp.float32, write_lens=write, kv_splits=splits)  # fmt: skip
+        np.testing.assert_array_equal(
+            np.asarray(written), np.asarray(pa.write_pages(bits, table, lens, new, write, 1))
+        )
+        want = pa.paged_attention(q, pages, table, lens, new, layout, scale, layer=1)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+def test_interpreted_split_kv_matches():
+    layout, hq = LAYOUTS["gqa"]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=4, lens=(0, 6, 17))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale)
+    got = pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+    with pytest.raises(ValueError, match="kv_splits"):
+        pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=0)
