@@ -35,6 +35,8 @@ _EXPORTS = {
     "Decoder": "decode",
     "ModelRunner": "runner",
     "PrefillBatch": "runner",
+    "resolve_attention_impl": "layers",
+    "ATTENTION_IMPLS": "layers",
 }
 
 __all__ = sorted(_EXPORTS)

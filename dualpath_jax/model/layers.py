@@ -172,14 +172,22 @@ def apply_rope(x: Array, cos: Array, sin: Array, interleave: bool) -> Array:
 ATTENTION_IMPLS = ("reference", "xla", "pallas")
 
 
-def resolve_attention_impl(name: str) -> str:
-    """The backend `name` runs: itself, or for "auto" the best one for the platform JAX finds:
-    `xla` (`jax.nn.dot_product_attention`, cuDNN's fused kernel where it applies) on GPU and
-    TPU, `reference` on CPU (where every backend materializes what it computes and the
-    reference path is the tested oracle). `pallas` (the paged kernel, `kernels/paged_attention.py`)
-    is chosen explicitly: it has been checked in interpret mode, not yet on a GPU."""
+# What "auto" runs on each platform (`jax.default_backend()` names).
+_AUTO_IMPL = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "xla", "cpu": "reference"}
+
+
+def resolve_attention_impl(name: str, platform: str | None = None) -> str:
+    """The backend `name` runs on `platform` (default: the one JAX finds; no device of that
+    platform is needed): itself, or for "auto" the paged kernel (`pallas`, Pallas-Triton,
+    `kernels/paged_attention.py`) on GPU, which reads only a request's live pages and
+    materializes nothing of size `[queries, keys]`; `reference` on CPU (fast to compile, the
+    tested oracle; the kernel would run interpreted there); `xla` on TPU until the kernel has a
+    TPU form (Mosaic TPU would stage the whole pool in VMEM)."""
     if name == "auto":
-        return "reference" if jax.default_backend() == "cpu" else "xla"
+        platform = (platform or jax.default_backend()).lower()
+        if platform not in _AUTO_IMPL:
+            raise ValueError(f"unknown platform {platform!r}: one of {sorted(_AUTO_IMPL)}")
+        return _AUTO_IMPL[platform]
     if name not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl must be 'auto' or one of {ATTENTION_IMPLS}, got {name!r}")
     return name
