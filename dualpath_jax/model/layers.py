@@ -228,8 +228,7 @@ def attend_kv(
     pages with the new rows written if `kv.write` is set, else None)."""
     args = (q, kv.pages, kv.table, kv.lens, new_rows, layout, scale)
     if impl == "pallas":
-        out = pa.paged_attention(*args, layer=kv.layer, kv_dtype=kv_dtype, write_lens=kv.write)
-        return out if kv.write is not None else (out, None)
+        return _paged_kernel(q, new_rows, kv, layout, scale, kv_dtype)
     if kv.write is None:
         out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
         return out, None
@@ -240,6 +239,58 @@ def attend_kv(
     args = (q, pages, *args[2:])
     out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
     return out, pages
+
+
+def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
+    """The paged kernel, under `shard_map` when a mesh is set: each device attends with its
+    share of the heads, so no step gathers the page pool. Over `tensor`: GQA's head-major
+    pages, new rows and queries split by KV head (a device's rows are its KV heads, a layout of
+    `Hk / tensor` heads); MLA's latent (one KV head) replicated and the query heads split;
+    scaled rows (their scales after every head) and head counts the axis does not divide are
+    not split by head. Over `data`: the requests of a batch that writes nothing; a decode step
+    that writes its pages runs every request on each `data` shard (its pool is replicated over
+    `data`, and each shard must write all of it)."""
+
+    def call(q, pages, table, lens, new, layer, write, layout):
+        return pa.paged_attention(
+            q, pages, table, lens, new, layout, scale, layer=layer, kv_dtype=kv_dtype,
+            write_lens=write,
+        )  # fmt: skip
+
+    layer = jnp.asarray(kv.layer, jnp.int32)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        out = call(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write, layout)
+        return out if kv.write is not None else (out, None)
+    t, d = sharding.axis_size("tensor"), sharding.axis_size("data")
+    b, hq, hk = q.shape[0], q.shape[2], layout.num_kv_heads
+    heads = kv_axis = None
+    local = layout
+    if t > 1 and hq % t == 0 and layout.head_major and hk % t == 0:
+        heads = kv_axis = "tensor"
+        local = RowLayout.gqa(hk // t, layout.head_stride // 2)
+    elif t > 1 and hq % t == 0 and hk == 1:  # MLA: the latent every query head reads
+        heads = "tensor"
+    batch = "data" if kv.write is None and d > 1 and b % d == 0 else None
+    writing = kv.write is not None
+    in_specs = (
+        P(batch, None, heads, None),
+        P(None, None, None, kv_axis),
+        P(batch, None),
+        P(batch),
+        P(batch, None, kv_axis),
+        P(),
+        P(batch) if writing else None,
+    )
+    out_specs = (P(batch, None, heads, None), P(None, None, None, kv_axis))
+    fn = jax.shard_map(
+        functools.partial(call, layout=local),
+        in_specs=in_specs,
+        out_specs=out_specs if writing else out_specs[0],
+        check_vma=False,
+    )
+    out = fn(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write)
+    return out if writing else (out, None)
 
 
 def _kv_rows(rows: Array, layout: RowLayout, kv_dtype) -> Array:
