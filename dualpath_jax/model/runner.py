@@ -235,7 +235,7 @@ def _stacked_sharding(x, layer_leaf):
     s = getattr(layer_leaf, "sharding", None)
     if not isinstance(s, jax.sharding.NamedSharding):
         return x
-    return jax.device_put(x, jax.sharding.NamedSharding(s.mesh, P(None, *s.spec)))
+    return sharding.place(x, jax.sharding.NamedSharding(s.mesh, P(None, *s.spec)))
 
 
 def _stack(*xs):

@@ -240,6 +240,14 @@ def constrain_kv(x: jax.Array, layout: Any, *lead: str | None) -> jax.Array:
     return constrain(x, *logical, unit_counts={"kv_heads": layout.num_kv_heads})
 
 
+def place(x, where: jax.sharding.Sharding):
+    """`x` on `where`: `jax.device_put`, or for an abstract array (`jax.ShapeDtypeStruct`) the
+    same shape and dtype carrying the sharding."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+    return jax.device_put(x, where)
+
+
 def describe(mesh: Mesh | None) -> str:
     """`"data=2,tensor=4"` (the `parse_mesh` form), or "" for one device."""
     if mesh is None:

@@ -107,11 +107,11 @@ def init_model(cfg: ModelConfig, seed: int = 0, *, mesh: Mesh | None = None) -> 
 
 def shard_model(model: Transformer, mesh: Mesh) -> Transformer:
     """`model` with its parameters placed on `mesh` by the partition rules (a new module; the
-    arrays already where they belong are not copied)."""
+    arrays already where they belong are not copied). An abstract model (`nnx.eval_shape`)
+    gets `ShapeDtypeStruct`s that carry their shardings: what compile-only checks lower."""
     mesh = sharding.check_mesh(mesh)
     gd, state = nnx.split(model)
     pure = nnx.to_pure_dict(state)
-    nnx.replace_by_pure_dict(
-        state, jax.device_put(pure, sharding.param_shardings(pure, mesh, model.cfg))
-    )
+    shardings = sharding.param_shardings(pure, mesh, model.cfg)
+    nnx.replace_by_pure_dict(state, jax.tree.map(sharding.place, pure, shardings))
     return nnx.merge(gd, state)

@@ -282,3 +282,23 @@ def test_load_params_restores_each_shard_on_the_mesh(reference, name, tmp_path):
     assert specs == sharding.param_specs(nnx.to_pure_dict(nnx.state(got)), mesh, MODELS[name])
     assert specs["layers/1/self_attn/o_proj/kernel"] == P("tensor")
     assert dm.generate(got, PROMPTS, 10) == tokens
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_lowered_programs_gather_no_pages_on_a_2x4_mesh(bench_modules, name, kv):
+    """`bench/lower_check.py`'s programs with GPU's `auto` attention (the paged kernel under
+    `shard_map`) lower for `cuda` on a data x tensor mesh and, compiled here, no step gathers
+    pages; without the shard_map the decode step all-gathered the pool."""
+    with bench_modules("lower_check") as (lc,):
+        base = lc.model_config("tiny-qwen2", kv, "cuda")
+        cfg = dataclasses.replace(
+            MODELS[name], attention_impl=base.attention_impl, kv_dtype=base.kv_dtype,
+            kv_scales=base.kv_scales, num_layers=1,
+        )  # fmt: skip
+        result = lc.check(cfg, "cuda", lc._mesh("2x4"), new=32, cached=96, slots=4, page=16)
+    for prog, r in result.items():
+        assert r["lowered"], (prog, r.get("error"))
+        assert r["page_gathers"] == 0, (prog, r["all_gathers"])
+    for prog in ("prefill_layer", "decode_step"):
+        assert result[prog]["kernels"] == {"__gpu$xla.gpu.triton": 1}
