@@ -1,6 +1,6 @@
 """The accelerator check of the model and the KV data path, one script for a GPU (or TPU) machine.
 
-Run: python bench/gpu_check.py [--out=DIR] [--quick] [--only=roofline,h2d]
+Run: python bench/gpu_check.py [--out=DIR] [--quick] [--only=roofline,h2d] [--json]
 
 On the machine's default backend (no interpret mode unless the platform needs it), checks and
 records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
@@ -35,7 +35,10 @@ time host copies (or none); the figures that measure the data path come from an 
 
 Every check runs in its own try block; a failure is recorded as its error text and the script
 goes on, so one run returns everything there is to learn. A table with one line per figure is
-printed at the end.
+printed at the end; with `--json`, exactly one JSON object instead (the same as the file: the
+device, backend, jax and jaxlib versions, each check's figures by name). Every model path runs
+with `attention_impl="auto"`, so on a GPU the roofline, sharded and memory figures are the paged
+kernel's (`model.resolve_attention_impl`).
 """
 
 from __future__ import annotations
@@ -393,6 +396,7 @@ def run(
     quick: bool,
     names: Sequence[str] | None = None,
     checks: Mapping[str, Callable[[bool], dict]] = CHECKS,
+    echo: bool = True,
 ) -> dict:
     """Runs `names` (default: all) of `checks`, each in its own try block, printing each result
     as a JSON line and rewriting `out/gpu_check.json` after each (a check that kills the process
@@ -401,9 +405,13 @@ def run(
     unknown = sorted(set(names or ()) - set(checks))
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {list(checks)}")
+    import jaxlib
+
     result: dict = {
         "device": str(jax.devices()[0]),
         "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
         "check_seconds": {},  # each check's wall time, compiles included
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -416,7 +424,8 @@ def run(
         except Exception:  # noqa: BLE001 - recorded, the next check runs
             result[name] = {"error": traceback.format_exc()[-4000:]}
         result["check_seconds"][name] = time.perf_counter() - t0
-        print(json.dumps({name: result[name]}), flush=True)
+        if echo:
+            print(json.dumps({name: result[name]}), flush=True)
         (out / "gpu_check.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -488,7 +497,7 @@ def table(result: dict) -> str:
     """The human-readable summary: one line per figure, `check  figure`."""
     lines = [f"device: {result['device']} ({result['backend']})"]
     for name, r in result.items():
-        if name in ("device", "backend", "check_seconds"):
+        if name in ("device", "backend", "jax", "jaxlib", "check_seconds"):
             continue
         if "error" in r:
             lines.append(f"{name:<10} ERROR {r['error'].strip().splitlines()[-1]}")
@@ -502,8 +511,8 @@ def table(result: dict) -> str:
 
 def main(argv):
     del argv
-    result = run(pathlib.Path(_OUT.value), _QUICK.value, _ONLY.value)
-    print(table(result), flush=True)
+    result = run(pathlib.Path(_OUT.value), _QUICK.value, _ONLY.value, echo=not _JSON.value)
+    print(json.dumps(result) if _JSON.value else table(result), flush=True)
 
 
 if __name__ == "__main__":
@@ -511,4 +520,5 @@ if __name__ == "__main__":
     _OUT = flags.DEFINE_string("out", ".", "directory for gpu_check.json")
     _QUICK = flags.DEFINE_bool("quick", False, "tiny shapes everywhere (a smoke run)")
     _ONLY = flags.DEFINE_list("only", [], f"checks to run (default: all of {list(CHECKS)})")
+    _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of lines and a table")
     app.run(main)

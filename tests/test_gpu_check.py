@@ -32,7 +32,7 @@ def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     result = gpu_check.run(tmp_path, quick=True, names=ON_CPU)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved == json.loads(json.dumps(result))
-    assert set(saved) == {"device", "backend", "check_seconds", *ON_CPU}
+    assert set(saved) == {"device", "backend", "jax", "jaxlib", "check_seconds", *ON_CPU}
     assert set(saved["check_seconds"]) == set(ON_CPU)
     for name in ON_CPU:
         assert "error" not in saved[name], saved[name]
@@ -71,6 +71,24 @@ def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     assert lines[0].startswith("device: ")
     assert {line.split()[0] for line in lines[1:]} == set(ON_CPU)
     assert not any("ERROR" in line or "no summary" in line for line in lines)
+
+
+def test_json_prints_one_object(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_check.py"), "--quick", "--only=h2d", "--json",
+         f"--out={tmp_path}"],
+        capture_output=True, text=True, check=True, cwd=root,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    out = json.loads(proc.stdout)  # the whole of stdout: one object
+    assert out["jax"] and out["jaxlib"] and out["backend"] == "cpu"
+    assert out["h2d"]["pinned_gb_s"] > 0 and set(out["check_seconds"]) == {"h2d"}
 
 
 def test_a_failing_check_is_recorded_and_the_run_goes_on(gpu_check, tmp_path):
