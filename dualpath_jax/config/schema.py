@@ -53,8 +53,8 @@ class ModelConfig:
     `kv_dtype` the dtype of cached KV (what a Layer Block holds). `attention_impl` picks the
     attention backend (`model.layers.ATTENTION_IMPLS`): `reference` (dense scores under a
     boolean mask, the oracle), `xla` (`jax.nn.dot_product_attention`), `pallas` (the paged
-    kernel) or `auto` (`model.resolve_attention_impl`: the kernel on GPU, `reference` on CPU,
-    `xla` on TPU, for the platform JAX finds at run time). `moe_impl`
+    kernel) or `auto` (`model.resolve_attention_impl`: the kernel on GPU and TPU, `reference`
+    on CPU, for the platform JAX finds at run time). `moe_impl`
     picks the routed experts' grouped matmul (`model.moe.MOE_IMPLS`): `ragged_dot` (the oracle),
     `grouped` (tiled, memory-bounded), `gmm` (Pallas megablox) or `auto`.
     """

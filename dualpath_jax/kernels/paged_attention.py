@@ -309,12 +309,57 @@ def paged_attention(
     )
     if interpret is not None:
         return call(*args, compiled=not interpret, interpret=interpret)
+    tpu = functools.partial(
+        _paged_attention_tpu, layout=layout, scale=scale, kv_dtype=jnp.dtype(kv_dtype)
+    )
     return jax.lax.platform_dependent(
         *args,
         cuda=functools.partial(call, compiled=True, interpret=False),
         rocm=functools.partial(call, compiled=True, interpret=False),
+        tpu=functools.partial(tpu, interpret=False),
         default=functools.partial(call, compiled=False, interpret=True),
     )
+
+
+def _query_rows(q: Array, layout: RowLayout, group: int) -> list[Array]:
+    """Queries `[B, N, Hq, dk]` -> per key segment `[B, Hk, N * group, w]`: a KV head's queries,
+    query-major (row r is query r // group), the group padded with zero queries to `group`;
+    split by key segment so each is a power of two wide (MLA's 512 + 64, never 576)."""
+    b, n, hq, dk = q.shape
+    hk = layout.num_kv_heads
+    q5 = q.reshape(b, n, hk, hq // hk, dk)
+    if group > hq // hk:
+        q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, group - hq // hk), (0, 0)))
+    qh = q5.transpose(0, 2, 1, 3, 4).reshape(b, hk, n * group, dk)
+    segs, start = [], 0
+    for _, w in layout.key_segments:
+        segs.append(qh[..., start : start + w])
+        start += w
+    return segs
+
+
+def _head_output(out: Array, q: Array, layout: RowLayout, group: int) -> Array:
+    """`[B, Hk, N * group, dv]` -> `[B, N, Hq, dv]` (the padding queries dropped)."""
+    b, n, hq, _ = q.shape
+    hk, dv = layout.num_kv_heads, layout.value_width
+    out = out.reshape(b, hk, n, group, dv)[:, :, :, : hq // hk]
+    return out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
+
+
+def _paged_attention_tpu(
+    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret
+):
+    """The TPU form (`paged_attention_tpu.py`) behind the same contract."""
+    from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
+
+    g = q.shape[2] // layout.num_kv_heads
+    out, pages = paged_attention_tpu(
+        _query_rows(q, layout, g), bits, table, lens, as_bits(new_rows.astype(kv_dtype)),
+        layer, write_lens, layout=layout, group=g, scale=scale, kv_dtype=kv_dtype,
+        interpret=interpret,
+    )  # fmt: skip
+    out = _head_output(out, q, layout, g)
+    return (out, pages) if write_lens is not None else out
 
 
 def _paged_attention(
@@ -325,16 +370,7 @@ def _paged_attention(
     hk, dv = layout.num_kv_heads, layout.value_width
     g = hq // hk
     plan = _plan(n, g, table.shape[1], block_q, kv_splits, compiled)
-    q5 = q.reshape(b, n, hk, g, dk)
-    if plan.group > g:  # zero queries pad the group (their output is sliced off)
-        q5 = jnp.pad(q5, ((0, 0), (0, 0), (0, 0), (0, plan.group - g), (0, 0)))
-    # [B, N, Hk, G, dk] -> [B, Hk, N * G, dk]: a row block is contiguous rows of one KV head,
-    # split by key segment (each a power of two wide: MLA's 512 + 64, never 576).
-    qh = q5.transpose(0, 2, 1, 3, 4).reshape(b, hk, n * plan.group, dk)
-    q_segs, start = [], 0
-    for _, w in layout.key_segments:
-        q_segs.append(qh[..., start : start + w])
-        start += w
+    q_segs = _query_rows(q, layout, plan.group)  # a row block: rows of one KV head
     nr, s = n * plan.group // plan.block_rows, plan.splits
     grid = (b, hk, nr, s)
 
@@ -407,8 +443,7 @@ def _paged_attention(
         weight = jnp.exp(m - top[None])
         out = (acc * weight[..., None]).sum(0) / (denom * weight).sum(0)[..., None]
         out = out.astype(q.dtype)
-    out = out.reshape(b, hk, n, plan.group, dv)[:, :, :, :g]
-    out = out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
+    out = _head_output(out, q, layout, plan.group)
     return (out, outs[-1]) if writing else out
 
 

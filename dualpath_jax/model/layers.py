@@ -173,16 +173,16 @@ ATTENTION_IMPLS = ("reference", "xla", "pallas")
 
 
 # What "auto" runs on each platform (`jax.default_backend()` names).
-_AUTO_IMPL = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "xla", "cpu": "reference"}
+_AUTO_IMPL = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "pallas", "cpu": "reference"}
 
 
 def resolve_attention_impl(name: str, platform: str | None = None) -> str:
     """The backend `name` runs on `platform` (default: the one JAX finds; no device of that
-    platform is needed): itself, or for "auto" the paged kernel (`pallas`, Pallas-Triton,
-    `kernels/paged_attention.py`) on GPU, which reads only a request's live pages and
-    materializes nothing of size `[queries, keys]`; `reference` on CPU (fast to compile, the
-    tested oracle; the kernel would run interpreted there); `xla` on TPU until the kernel has a
-    TPU form (Mosaic TPU would stage the whole pool in VMEM)."""
+    platform is needed): itself, or for "auto" the paged kernel (`pallas`:
+    `kernels/paged_attention.py`, Pallas-Triton on GPU, its Mosaic form on TPU) on
+    accelerators, which reads only a request's live pages and materializes nothing of size
+    `[queries, keys]`; `reference` on CPU (fast to compile, the tested oracle; the kernel would
+    run interpreted there)."""
     if name == "auto":
         platform = (platform or jax.default_backend()).lower()
         if platform not in _AUTO_IMPL:

@@ -142,3 +142,68 @@ def test_interpreted_split_kv_matches():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
     with pytest.raises(ValueError, match="kv_splits"):
         pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=0)
+
+
+def _tpu_form(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
+              write_lens=None):  # fmt: skip
+    """The TPU form of the kernel (pages and new rows in HBM, DMAs into VMEM), interpreted."""
+    kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
+    return pa._paged_attention_tpu(
+        q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
+        write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, interpret=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("n", [1, 8])
+def test_tpu_form_matches_the_oracle(name, n):
+    layout, hq = LAYOUTS[name]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n, lens=(3, 9, 13))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
+    got = _tpu_form(q, pages, table, lens, new, layout, scale, layer=1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_tpu_form_writes_like_the_scatter(name):
+    layout, hq = LAYOUTS[name]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(0, 5, 11))
+    bits = jax.lax.bitcast_convert_type(pages, jnp.uint32)
+    write = jnp.asarray([1, 0, 1], jnp.int32)
+    scale = layout.key_width**-0.5
+    out, written = _tpu_form(q, bits, table, lens, new, layout, scale, layer=1,
+                             kv_dtype=jnp.float32, write_lens=write)  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(written), np.asarray(pa.write_pages(bits, table, lens, new, write, 1))
+    )
+    want = pa.paged_attention(q, pages, table, lens, new, layout, scale, layer=1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+def test_the_program_lowers_for_gpu_and_tpu_with_their_kernel():
+    """One traced program, three platforms: Triton's custom call for cuda, Mosaic's for tpu,
+    and the interpreter (no custom call) on this CPU."""
+    layout, hq = RowLayout.gqa(2, 128), 8
+    sds = jax.ShapeDtypeStruct
+    args = (
+        sds((2, 16, hq, 128), jnp.bfloat16),
+        sds((9, 2, 16, 512), jnp.uint16),
+        sds((2, 4), jnp.int32),
+        sds((2,), jnp.int32),
+        sds((2, 16, 512), jnp.bfloat16),
+    )
+
+    def f(q, pages, table, lens, new):
+        return pa.paged_attention(
+            q, pages, table, lens, new, layout, 0.1, layer=1, kv_dtype=jnp.bfloat16,
+            write_lens=lens,
+        )  # fmt: skip
+
+    traced = jax.jit(f).trace(*args)
+    calls = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+    for platform, call in calls.items():
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert call in text
+        assert not any(other in text for other in calls.values() if other != call)
+    assert not any(c in traced.lower().as_text() for c in calls.values())

@@ -284,21 +284,23 @@ def test_load_params_restores_each_shard_on_the_mesh(reference, name, tmp_path):
     assert dm.generate(got, PROMPTS, 10) == tokens
 
 
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_lowered_programs_gather_no_pages_on_a_2x4_mesh(bench_modules, name, kv):
-    """`bench/lower_check.py`'s programs with GPU's `auto` attention (the paged kernel under
-    `shard_map`) lower for `cuda` on a data x tensor mesh and, compiled here, no step gathers
-    pages; without the shard_map the decode step all-gathered the pool."""
+def test_lowered_programs_gather_no_pages_on_a_2x4_mesh(bench_modules, name, kv, platform):
+    """`bench/lower_check.py`'s programs with the accelerators' `auto` attention (the paged
+    kernel under `shard_map`) lower for `cuda` and `tpu` on a data x tensor mesh and, compiled
+    here, no step gathers pages; without the shard_map the decode step all-gathered the pool."""
     with bench_modules("lower_check") as (lc,):
-        base = lc.model_config("tiny-qwen2", kv, "cuda")
+        base = lc.model_config("tiny-qwen2", kv, platform)
         cfg = dataclasses.replace(
             MODELS[name], attention_impl=base.attention_impl, kv_dtype=base.kv_dtype,
             kv_scales=base.kv_scales, num_layers=1,
         )  # fmt: skip
-        result = lc.check(cfg, "cuda", lc._mesh("2x4"), new=32, cached=96, slots=4, page=16)
+        result = lc.check(cfg, platform, lc._mesh("2x4"), new=32, cached=96, slots=4, page=16)
     for prog, r in result.items():
         assert r["lowered"], (prog, r.get("error"))
         assert r["page_gathers"] == 0, (prog, r["all_gathers"])
+    call = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
     for prog in ("prefill_layer", "decode_step"):
-        assert result[prog]["kernels"] == {"__gpu$xla.gpu.triton": 1}
+        assert result[prog]["kernels"] == {call: 1}

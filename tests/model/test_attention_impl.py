@@ -77,12 +77,12 @@ def test_greedy_tokens_are_identical_under_every_backend(both):
     assert tokens["reference"][0] == dm.reference_generate(both["reference"], PROMPTS[0], 12)
 
 
-def test_auto_is_the_reference_path_on_cpu_the_kernel_on_gpu_and_bad_names_are_refused():
+def test_auto_is_the_reference_path_on_cpu_the_kernel_on_accelerators_bad_names_refused():
     assert resolve_attention_impl("auto") == "reference"  # tests pin the CPU
     # what another platform runs is known without one: the paged kernel on GPU
     assert dm.resolve_attention_impl("auto", platform="gpu") == "pallas"
     assert resolve_attention_impl("auto", platform="cuda") == "pallas"
-    assert resolve_attention_impl("auto", platform="tpu") == "xla"
+    assert resolve_attention_impl("auto", platform="tpu") == "pallas"
     assert resolve_attention_impl("xla", platform="gpu") == "xla"
     with pytest.raises(ValueError, match="unknown platform"):
         resolve_attention_impl("auto", platform="metal")

@@ -1,0 +1,303 @@
+"""The paged attention kernel in its TPU form (Pallas Mosaic TPU): what `paged_attention` runs
+when its program is lowered for a TPU.
+
+Same contract and pages as `paged_attention.py` (pages `[P, L, page_size, W]` of KV rows held as
+bits, a page table per request, new rows passed separately, optional in-place writes), but
+shaped for a TPU's memory: the pool and the new rows stay in HBM (`pl.ANY`) and the kernel
+copies what it reads into VMEM itself with DMAs, so nothing the size of the pool is staged.
+Program (request b, KV head h, block of query rows) streams the request's live pages one page of
+one layer at a time, double-buffered (the copy of page j + 1 runs while page j is attended), and
+reads only its head's columns of each row (`_window`); then the causal part of the new rows in
+blocks. Page tables, lengths and the layer are scalar-prefetched into SMEM. Every size is static
+at trace time (block sizes come from the shapes, never from the device), so the kernel lowers
+for `tpu` on any host. In write mode (decode) the program of KV head 0 copies each new row into
+its page, HBM to HBM (the pages are aliased in and out; what the other programs read lies below
+`cached_lens`, apart from what is written).
+
+Queries arrive as in the GPU form: per KV head, query-major rows `[N * G, w]` split by key
+segment (MLA's 512 + 64). Interpreted on CPU by the tests against the dense oracle.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dualpath_jax.kernels.kv_rows import RowLayout
+
+Array = jax.Array
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+_MAX_ROWS = 256  # query rows per program
+_NEW_BLOCK = 128  # new keys per step of the causal part
+
+
+def _div(x, d: int):
+    """`x // d` for non-negative `x`: a truncating division (`floor_divide` lowers through a
+    sign, whose Mosaic rule asks for the device kind)."""
+    return jax.lax.div(x, jnp.asarray(d, jnp.int32))
+
+
+def _window(layout: RowLayout) -> tuple[int, int] | None:
+    """(stride, width) of the columns KV head h reads: `[h * stride, h * stride + width)` when a
+    head's key and value are one contiguous run of whole lane tiles in the row (head-major GQA);
+    None: the program reads whole rows (MLA's single head; scaled rows, whose scales sit after
+    every head's data)."""
+    if layout.num_kv_heads == 1 or not layout.head_major:
+        return None
+    return layout.head_stride, layout.head_stride
+
+
+def _kernel(
+    lens_ref,  # SMEM [B] cached lengths
+    table_ref,  # SMEM [B, M] page ids
+    layer_ref,  # SMEM [1]
+    write_ref,  # SMEM [B] rows to write (write mode)
+    *refs,
+    layout: RowLayout,
+    rows: int,
+    group: int,
+    block_new: int,
+    scale: float,
+    kv_dtype,
+    writing: bool,
+):
+    nseg = len(layout.key_segments)
+    q_refs = refs[:nseg]
+    pages_hbm, new_hbm, o_ref = refs[nseg : nseg + 3]
+    rest = refs[nseg + 3 :]
+    if writing:
+        pages_hbm, rest = rest[0], rest[1:]  # every page access through the aliased output
+    kv_buf, new_buf, sems = rest
+    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cached, layer = lens_ref[b], layer_ref[0]
+    page_size = kv_buf.shape[1]
+    win = _window(layout)
+    if win is None:  # MLA: one head at column 0; scaled GQA: head h's columns of whole rows
+        col0, width = 0, pages_hbm.shape[-1]
+        k0 = 0 if layout.num_kv_heads == 1 else pl.multiple_of(h * layout.head_stride, 8)
+    else:
+        col0, width, k0 = pl.multiple_of(h * win[0], win[0]), win[1], 0
+    q_parts = [r[...] for r in q_refs]
+    dtype = q_parts[0].dtype
+
+    if writing:
+
+        @pl.when(h == 0)
+        def _write():
+            def one(t, carry):
+                pos = cached + t
+                page, row = table_ref[b, _div(pos, page_size)], jax.lax.rem(pos, page_size)
+                pltpu.sync_copy(
+                    new_hbm.at[b, pl.ds(t, 1)], pages_hbm.at[page, layer, pl.ds(row, 1)]
+                )
+                return carry
+
+            lo = _div(qi * rows + group - 1, group)
+            hi = jnp.minimum(_div((qi + 1) * rows + group - 1, group), write_ref[b])
+            jax.lax.fori_loop(lo, jnp.maximum(hi, lo), one, jnp.int32(0))
+
+    def segs(segments, scales):
+        if not layout.scaled:
+            return [(k0 + o, w, None) for o, w in segments]
+        return [(k0 + o, w, i + h * layout.scale_stride) for (o, w), i in zip(segments, scales)]
+
+    keys = segs(layout.key_segments, layout.key_scales)
+    values = segs(layout.value_segments, layout.value_scales)
+
+    def loader(ref):
+        """load(off, w, scale index) of rows in VMEM `ref` `[keys, width]` (bits): the segment in
+        the compute dtype, times its per-token scale (assembled from its 4 bytes; the head's
+        scale picked by a masked sum, its index being traced)."""
+
+        def load(off, w, i):
+            x = jax.lax.bitcast_convert_type(ref[:, pl.ds(off, w)], kv_dtype)
+            if i is None:
+                return x.astype(dtype)
+            sc = None
+            for j in range(layout.num_scales):
+                word = None
+                for k in range(4):
+                    col = layout.scale_offset + 4 * j + k
+                    byte = ref[:, pl.ds(col, 1)].astype(jnp.uint32) << (8 * k)
+                    word = byte if word is None else word | byte
+                one = jax.lax.bitcast_convert_type(word, jnp.float32)  # [keys, 1]
+                one = jnp.where(i == j, one, 0.0)
+                sc = one if sc is None else sc + one
+            return (x.astype(jnp.float32) * sc).astype(dtype)
+
+        return load
+
+    def dot(a, b_, contract_b):
+        """`a [m, k] . b` over b's axis `contract_b` in f32; for one key (decode's own row) a
+        broadcast product: Mosaic's matmul lowering mistypes a one-column product."""
+        if b_.shape[0] == 1:
+            if contract_b == 1:  # [m, k] x [1, k] -> [m, 1]
+                return (a.astype(jnp.float32) * b_.astype(jnp.float32)).sum(1, keepdims=True)
+            return a.astype(jnp.float32) * b_.astype(jnp.float32)  # [m, 1] x [1, n]
+        dims = (((1,), (contract_b,)), ((), ()))
+        return jax.lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32)
+
+    def scores(load):
+        out = None
+        for (off, w, i), qp in zip(keys, q_parts):
+            part = dot(qp, load(off, w, i), 1)
+            out = part if out is None else out + part
+        return out * scale
+
+    def update(carry, s, load):
+        accs, m, denom = carry
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l_new = alpha * denom + p.sum(axis=1, keepdims=True)
+        accs = tuple(
+            acc * alpha + dot(p.astype(dtype), load(off, w, i), 0)
+            for acc, (off, w, i) in zip(accs, values)
+        )
+        return accs, m_new, l_new
+
+    def page_copy(j, slot):
+        page = table_ref[b, j]
+        return pltpu.make_async_copy(
+            pages_hbm.at[page, layer, :, pl.ds(col0, width)], kv_buf.at[slot], sems.at[slot]
+        )
+
+    live = _div(cached + page_size - 1, page_size)
+
+    @pl.when(live > 0)
+    def _first():
+        page_copy(0, 0).start()
+
+    def cached_page(j, carry):
+        slot = jax.lax.rem(j, 2)
+
+        @pl.when(j + 1 < live)
+        def _next():
+            page_copy(j + 1, 1 - slot).start()
+
+        page_copy(j, slot).wait()
+        load = loader(kv_buf.at[slot])
+        s = scores(load)
+        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        return update(carry, jnp.where(pos < cached, s, _NEG), load)
+
+    carry = (
+        tuple(jnp.zeros((rows, w), jnp.float32) for _, w, _ in values),
+        jnp.full((rows, 1), _NEG, jnp.float32),
+        jnp.zeros((rows, 1), jnp.float32),
+    )
+    carry = jax.lax.fori_loop(0, live, cached_page, carry)
+
+    q_pos = _div(qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, block_new), 0), group)
+
+    def new_block(j, carry):
+        pltpu.sync_copy(new_hbm.at[b, pl.ds(j * block_new, block_new), pl.ds(col0, width)], new_buf)
+        load = loader(new_buf)
+        s = scores(load)
+        k_pos = j * block_new + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        return update(carry, jnp.where(k_pos <= q_pos, s, _NEG), load)
+
+    last_query = _div((qi + 1) * rows - 1, group)
+    accs, _, denom = jax.lax.fori_loop(0, _div(last_query, block_new) + 1, new_block, carry)
+    start = 0
+    for acc in accs:
+        w = acc.shape[1]
+        o_ref[:, pl.ds(start, w)] = (acc / denom).astype(o_ref.dtype)
+        start += w
+
+
+def paged_attention_tpu(
+    q_segs: list[Array],
+    bits: Array,
+    table: Array,
+    lens: Array,
+    new_bits: Array,
+    layer: Array,
+    write_lens: Array | None,
+    *,
+    layout: RowLayout,
+    group: int,
+    scale: float,
+    kv_dtype,
+    interpret: bool = False,
+) -> tuple[Array, Array | None]:
+    """The kernel over queries `q_segs` (per key segment `[B, Hk, N * G, w]`, query-major rows),
+    pages `bits` `[P, L, page_size, W]`, `table` `[B, M]`, `lens` `[B]`, new rows `new_bits`
+    `[B, N, W]` (bits), `layer` `[1]` -> (output `[B, Hk, N * G, dv]` in the queries' dtype,
+    the written pages or None)."""
+    b, hk, nrows, _ = q_segs[0].shape
+    n = new_bits.shape[1]
+    page_size = bits.shape[2]
+    dv = layout.value_width
+    rows = nrows if nrows <= _MAX_ROWS else _largest_divisor(nrows, _MAX_ROWS, 8)
+    block_new = n if n <= _NEW_BLOCK else _largest_divisor(n, _NEW_BLOCK, 8)
+    win = _window(layout)
+    width = bits.shape[-1] if win is None else win[1]
+    writing = write_lens is not None
+
+    def rows_spec(w):
+        return pl.BlockSpec((None, None, rows, w), lambda i, j, k, *_: (i, j, k, 0))
+
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    out_specs = [rows_spec(dv)]
+    out_shape = [jax.ShapeDtypeStruct((b, hk, nrows, dv), q_segs[0].dtype)]
+    if writing:
+        out_specs.append(hbm)
+        out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
+    nseg = len(q_segs)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=(b, hk, nrows // rows),
+        in_specs=[*(rows_spec(x.shape[-1]) for x in q_segs), hbm, hbm],
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((2, page_size, width), bits.dtype),
+            pltpu.VMEM((block_new, width), bits.dtype),
+            pltpu.SemaphoreType.DMA((2,)),
+        ],
+    )
+    kernel = functools.partial(
+        _kernel,
+        layout=layout,
+        rows=rows,
+        group=group,
+        block_new=block_new,
+        scale=scale,
+        kv_dtype=kv_dtype,
+        writing=writing,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        # operands: 4 scalars, the query segments, the pages, the new rows
+        input_output_aliases={4 + nseg: 1} if writing else {},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary", "arbitrary", "arbitrary")
+        ),
+        interpret=interpret,
+        name="paged_attention_tpu",
+    )(
+        lens,
+        table,
+        layer,
+        write_lens if writing else jnp.zeros((b,), jnp.int32),
+        *q_segs,
+        bits,
+        new_bits,
+    )
+    return outs[0], (outs[1] if writing else None)
+
+
+def _largest_divisor(n: int, at_most: int, multiple: int) -> int:
+    """The largest divisor of `n` that is at most `at_most` and a multiple of `multiple` (a
+    block's sublane rule), else `n` itself."""
+    for d in range(at_most - at_most % multiple, 0, -multiple):
+        if n % d == 0:
+            return d
+    return n
