@@ -254,10 +254,13 @@ HF_CASES += [(n, "ep") for n in MOE]
 @pytest.mark.parametrize("name, mesh_name", HF_CASES)
 def test_from_pretrained_on_a_mesh_gives_transformers_tokens(hf_checkpoint, name, mesh_name):
     """Every family read straight onto a 1x8 or 2x4 (and for MoE models an expert-parallel)
-    mesh: each parameter where the rules put it, the greedy tokens transformers gives."""
+    mesh: each parameter where the rules put it, the greedy tokens transformers gives, under the
+    attention GPUs and TPUs run by default (the paged kernel under `shard_map`)."""
     path, theirs = hf_checkpoint(name)
     mesh = sharding.make_mesh(MESHES[mesh_name])
-    net = dm.from_pretrained(path, mesh=mesh)
+    impl = dm.resolve_attention_impl("auto", platform="gpu")
+    net = dm.from_pretrained(path, mesh=mesh, attention_impl=impl)
+    assert net.cfg.attention_impl == "pallas"
     specs = _specs(net)
     assert specs == sharding.param_specs(nnx.to_pure_dict(nnx.state(net)), mesh, net.cfg)
     if mesh_name == "ep":
