@@ -226,6 +226,8 @@ def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, lay
 
 
 def _plan(n: int, g: int, num_pages: int, block_q: int, kv_splits: int | None, compiled: bool):
+    """The static shapes of a call with `n` new tokens, `g` queries per KV head and `num_pages`
+    page-table columns (see `_Plan`)."""
     if not compiled:
         bn = math.gcd(n, block_q)
         return _Plan(g, bn * g, bn, kv_splits or 1, False)
@@ -236,11 +238,6 @@ def _plan(n: int, g: int, num_pages: int, block_q: int, kv_splits: int | None, c
     if kv_splits is None:  # decode: spread one request's pages over programs (flash-decoding)
         kv_splits = max(1, min(_MAX_SPLITS, num_pages // _PAGES_PER_SPLIT)) if n == 1 else 1
     return _Plan(g_pad, rows, bn, kv_splits, True)
-
-
-def default_interpret() -> bool:
-    """Whether `paged_attention` interprets on the default backend: everywhere but GPU."""
-    return jax.default_backend() != "gpu"
 
 
 def paged_attention(
@@ -276,8 +273,9 @@ def paged_attention(
     `kv_splits` programs share one request's cached pages (split-KV, their partial softmaxes
     combined after): default 1, and on GPU for one new token per request (decode) up to 8.
     `interpret=None` decides per platform the program is lowered for (`lax.platform_dependent`):
-    Pallas-Triton on GPU (chosen explicitly, not by JAX's default GPU backend), interpret mode
-    elsewhere; True/False force one."""
+    Pallas-Triton on GPU (chosen explicitly, not by JAX's default GPU backend), the Mosaic form
+    on TPU (`paged_attention_tpu.py`), interpret mode elsewhere; True forces interpret mode,
+    False the Triton form."""
     b, n, hq, dk = q.shape
     hk = layout.num_kv_heads
     if dk != layout.key_width or hq % hk:

@@ -173,7 +173,13 @@ ATTENTION_IMPLS = ("reference", "xla", "pallas")
 
 
 # What "auto" runs on each platform (`jax.default_backend()` names).
-_AUTO_IMPL = {"gpu": "pallas", "cuda": "pallas", "rocm": "pallas", "tpu": "pallas", "cpu": "reference"}
+_AUTO_IMPL = {
+    "gpu": "pallas",
+    "cuda": "pallas",
+    "rocm": "pallas",
+    "tpu": "pallas",
+    "cpu": "reference",
+}
 
 
 def resolve_attention_impl(name: str, platform: str | None = None) -> str:
