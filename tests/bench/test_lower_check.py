@@ -22,9 +22,16 @@ def lower_check(bench_modules):
         yield module
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("model", ["tiny-qwen2", "tiny-deepseek"])
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+# each platform with each model, each KV dtype with each platform and each model
+@pytest.mark.parametrize(
+    "platform, model, kv",
+    [
+        ("cuda", "tiny-qwen2", "bf16"),
+        ("cuda", "tiny-deepseek", "fp8"),
+        ("tpu", "tiny-qwen2", "fp8"),
+        ("tpu", "tiny-deepseek", "bf16"),
+    ],
+)
 def test_every_program_lowers_with_the_default_attention(lower_check, platform, model, kv):
     cfg = lower_check.model_config(model, kv, platform)
     result = lower_check.check(cfg, platform, None, **TINY)

@@ -287,9 +287,15 @@ def test_load_params_restores_each_shard_on_the_mesh(reference, name, tmp_path):
     assert dm.generate(got, PROMPTS, 10) == tokens
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize(
+    "name, kv, platform",
+    [
+        ("qwen2", "bf16", "cuda"),
+        ("qwen2", "fp8", "tpu"),
+        ("deepseek", "fp8", "cuda"),
+        ("deepseek", "bf16", "tpu"),
+    ],
+)
 def test_lowered_programs_gather_no_pages_on_a_2x4_mesh(bench_modules, name, kv, platform):
     """`bench/lower_check.py`'s programs with the accelerators' `auto` attention (the paged
     kernel under `shard_map`) lower for `cuda` and `tpu` on a data x tensor mesh and, compiled
