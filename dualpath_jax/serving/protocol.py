@@ -18,9 +18,7 @@ class ApiError(Exception):
     `retry_after` (seconds) adds a `Retry-After` header (429 and 503)."""
 
     TYPES = {
-        400: "invalid_request_error",
         401: "authentication_error",
-        404: "not_found_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }
@@ -39,7 +37,10 @@ class ApiError(Exception):
         self.param, self.code, self.retry_after = param, code, retry_after
 
     def body(self) -> dict[str, Any]:
-        kind = self.TYPES.get(self.status, "server_error")
+        # as OpenAI: any other client error (400, 404 unknown model or route, 405 method) is an
+        # invalid request; a server's own failure a server error
+        other = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = self.TYPES.get(self.status, other)
         return {
             "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         }
@@ -50,7 +51,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Common(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | None = None  # None: the one model served (as vLLM)
     temperature: float | None = None  # OpenAI's default: 1
     top_p: float | None = None
     seed: int | None = None
@@ -59,6 +60,7 @@ class _Common(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     user: str | None = None
+    conversation_id: str | None = None  # a session id, as some clients send it
     logprobs: Any = None
     # extensions
     ignore_eos: bool = False

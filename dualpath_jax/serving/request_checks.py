@@ -16,6 +16,9 @@ from dualpath_jax.serving.protocol import ApiError, CompletionRequest
 from dualpath_jax.serving.tokenizer import Tokenizer
 
 SESSION_HEADER = "X-Session-Id"
+# What peers' clients send as a session id, after SESSION_HEADER, in this order of precedence
+# (then the body's `conversation_id`, then its `user`): AIPerf's and vLLM's benchmark clients.
+SESSION_HEADERS = (SESSION_HEADER, "X-Session-Affinity", "X-Correlation-Id")
 PRIORITY_HEADER = "X-Session-Priority"
 TTL_HEADER = "X-Session-TTL"
 MAX_SESSION_ID = 256
@@ -42,11 +45,12 @@ def bearer(request: web.Request) -> str:
 
 
 def check_common(req: Any, model: str) -> None:
-    """What completions and chat requests both must be: for `model`, one choice, no logprobs."""
-    if req.model != model:
+    """What completions and chat requests both must be: for `model` (or naming none), one
+    choice, no logprobs. Another model is a 404 `model_not_found`, as OpenAI answers it."""
+    if req.model is not None and req.model != model:
         raise ApiError(
-            400,
-            f"the model {req.model!r} is not served here (this server serves {model!r})",
+            404,
+            f"the model {req.model!r} does not exist here (this server serves {model!r})",
             param="model",
             code="model_not_found",
         )
@@ -133,14 +137,18 @@ def round_params(
 
 
 def session_id(request: web.Request, req: Any) -> str | None:
-    """The request's agent session (the `X-Session-Id` header, else the body's `user`); None:
-    a one-off session."""
-    sid = request.headers.get(SESSION_HEADER) or req.user
-    if sid is None or sid == "":
+    """The request's agent session: the first of the `SESSION_HEADERS` present, else the body's
+    `conversation_id`, else its `user`; None: a one-off session."""
+    field = next((h for h in SESSION_HEADERS if request.headers.get(h)), None)
+    sid = request.headers[field] if field else None
+    for name in ("conversation_id", "user"):
+        if sid is None and getattr(req, name):
+            field, sid = name, getattr(req, name)
+    if sid is None:
         return None
     if len(sid) > MAX_SESSION_ID or not sid.isprintable():
         raise ApiError(
-            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param="user"
+            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param=field
         )
     return sid
 

@@ -102,8 +102,10 @@ async def send_event(resp: web.StreamResponse, data: dict) -> None:
     await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
 
 
-def usage(res: messages.RoundResult) -> dict[str, Any]:
-    n = len(res.tokens)
+def usage(res: messages.RoundResult, completion_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's `usage`; `completion_tokens` (default: every generated token) counts what the
+    answer is made of when a stop string ended it early."""
+    n = len(res.tokens) if completion_tokens is None else completion_tokens
     return {
         "prompt_tokens": res.prompt_tokens,
         "completion_tokens": n,

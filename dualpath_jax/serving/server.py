@@ -7,7 +7,8 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `strea
 /v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests run as rounds of router
 sessions:
 
-- A request with a session id (the `X-Session-Id` header, else the body's `user`) runs in that
+- A request with a session id (`request_checks.session_id`: `X-Session-Id` or a peer's session
+  header, else the body's `conversation_id` or `user`) runs in that
   agent's session: the server keeps the session's context (prompt and generated ids), sends the
   router only what the new prompt adds, and rewinds (`Submit.keep`) to the longest common prefix
   when the client rewrote history. The earlier turns' KV is found in the store by block key and
@@ -348,15 +349,17 @@ class ApiServer:
                     )
                     await responses.send_event(resp, first)
             finishing = False
+            streamed = 0  # generated ids streamed so far (return_token_ids)
             async for new in rnd.deltas(self.cfg.round_timeout_s):
+                was_stopped = text.stopped
                 delta = text.add(new)
                 if text.stopped and not finishing and rnd.fut is not None:
                     finishing = True  # the round completes now and keeps its KV
                     self.client.finish(rnd.fut.request)
-                if resp is not None and (delta or p.token_ids):
-                    chunk = responses.chunk(
-                        ident, self.cfg.model, chat, delta, new if p.token_ids else None
-                    )
+                ids = new[: max(0, text.used - streamed)] if p.token_ids else None
+                streamed += len(ids or ())
+                if resp is not None and not was_stopped and (delta or ids):
+                    chunk = responses.chunk(ident, self.cfg.model, chat, delta, ids)
                     await responses.send_event(resp, chunk)
             try:
                 res = await rnd.result()
@@ -367,7 +370,10 @@ class ApiServer:
             self.metrics.observe(res)
             rest = text.close()
             finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
-            usage = responses.usage(res)
+            # a stop string bills the tokens up to it: those decoded before the finish took
+            # effect still extend the session (and its KV), not the answer
+            answer = list(res.tokens[: text.used]) if text.stopped else list(res.tokens)
+            usage = responses.usage(res, len(answer))
             extra = responses.extension(res, sid)
             if resp is not None:
                 last = responses.chunk(ident, self.cfg.model, chat, rest, None, finish)
@@ -385,7 +391,7 @@ class ApiServer:
             else:
                 choice["text"] = text.text
             if p.token_ids:
-                choice["token_ids"] = list(res.tokens)
+                choice["token_ids"] = answer
             body = {
                 "id": ident,
                 "object": "chat.completion" if chat else "text_completion",

@@ -14,7 +14,8 @@ class TextStream:
     (a trailing U+FFFD) and a tail that could still become a stop string. When a stop string
     appears, the text ends before it and `stopped` is set; later ids are ignored. `close()`
     returns what was held back (none of it once stopped). End-of-turn ids (`eos_ids`) never show
-    as text.
+    as text. `used` counts the ids the answer is made of: all of them, or once stopped those up
+    to the one that completed the stop string (ids decoded after it are not the answer's).
     """
 
     def __init__(
@@ -27,21 +28,34 @@ class TextStream:
         self.sent = 0  # characters of the decoded text already returned
         self.text = ""  # the text so far (cut at a stop string once one matched)
         self.stopped = False
+        self.used = 0
 
     def add(self, ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
+        base = len(self.ids)
         self.ids += [i for i in ids if i not in self.eos]
         text = self.tok.decode(self.ids)
         cut = self._first_stop(text)
         if cut >= 0:
             self.stopped = True
+            self.used += self._ids_to_stop(ids, base)
             self.text = text[:cut]
             return self._release(cut)
+        self.used += len(ids)
         self.text = text
         safe = len(text.rstrip("\ufffd"))
         safe -= self._stop_prefix(text[:safe])
         return self._release(safe)
+
+    def _ids_to_stop(self, ids: Sequence[int], base: int) -> int:
+        """How many of `ids` (appended after `base` text ids) it took for a stop string to
+        appear (once per round: a decode per id of this delta)."""
+        for j in range(1, len(ids)):
+            head = self.ids[:base] + [i for i in ids[:j] if i not in self.eos]
+            if self._first_stop(self.tok.decode(head)) >= 0:
+                return j
+        return len(ids)
 
     def close(self) -> str:
         """The rest of the text (held-back characters) once no more ids come."""

@@ -264,7 +264,6 @@ def test_stop_strings_end_the_text_and_the_round(api, reference):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"model": "other", "prompt": "x"}, "is not served here"),
         ({"model": MODEL, "prompt": [1] * (MAX_LEN + 1)}, "context"),
         ({"model": MODEL, "prompt": "x", "max_tokens": MAX_LEN}, "exceeds this model's context"),
         ({"model": MODEL, "prompt": [5, 300]}, r"token id 300 is out of range"),
@@ -278,6 +277,13 @@ def test_bad_input_is_a_400_in_openai_shape(api, kwargs, message):
     with pytest.raises(openai.BadRequestError, match=message) as err:
         api.completions.create(**kwargs)
     assert err.value.status_code == 400
+    assert err.value.body["type"] == "invalid_request_error"
+
+
+def test_another_model_is_a_404_model_not_found(api):
+    with pytest.raises(openai.NotFoundError, match="does not exist here") as err:
+        api.completions.create(model="other", prompt="x", max_tokens=1)
+    assert err.value.code == "model_not_found"
     assert err.value.body["type"] == "invalid_request_error"
 
 

@@ -31,8 +31,9 @@ class FakeClient:
     """A router client whose rounds generate b"abcdef..." one token per 10 ms, streamed from a
     thread; `fail` makes every round fail with that RolloutError kind."""
 
-    def __init__(self, fail: str = ""):
+    def __init__(self, fail: str = "", lag: int = 0):
         self.fail = fail
+        self.lag = lag  # tokens a round still generates after `finish` (the router's delay)
         self.submits: list[dict] = []
         self.finished: list[str] = []
         self.cancelled: list[str] = []
@@ -95,7 +96,9 @@ class FakeClient:
                     fut.set_exception(RolloutError("cancelled", "cancelled"))
                     return
                 if rid in self.finished:
-                    break
+                    if self.lag <= 0:
+                        break
+                    self.lag -= 1
             self.contexts[session] = prompt + out
             fut.set_result(
                 messages.RoundResult(
@@ -329,3 +332,114 @@ def test_a_checkpoint_tokenizer_with_its_chat_template(tmp_path):
     assert tok.encode("hello world") == [2, 3]
     assert tok.decode([2, 3, 1]) == "hello world"
     assert tok.chat([{"role": "user", "content": "hello"}]) == [4, 2, 1, 5]
+
+
+def test_a_stop_string_bills_and_returns_only_the_answer():
+    """Tokens decoded after the stop string completed, before the finish took effect, are not
+    the answer's: not in `usage.completion_tokens` nor in `token_ids` (streamed or not)."""
+    for stream in (False, True):
+        client = FakeClient(lag=3)
+        body = dict(prompt="hi", max_tokens=40, stop=["de"], return_token_ids=True)
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+            [(status, _, events)] = _post_stream(client, _completion(**body))
+            ids = [
+                i
+                for e in events
+                if e.get("choices")
+                for i in e["choices"][0].get("token_ids") or []
+            ]
+            usage = next(e["usage"] for e in events if e.get("usage"))
+            text = "".join(e["choices"][0].get("text") or "" for e in events if e.get("choices"))
+        else:
+            [(status, _, out)] = _post(client, _completion(**body))
+            ids, usage, text = (
+                out["choices"][0]["token_ids"],
+                out["usage"],
+                out["choices"][0]["text"],
+            )
+        assert status == 200 and text == "abc"
+        assert ids == [ord(c) for c in "abcde"]  # "e" completed the stop string "de"
+        assert usage["completion_tokens"] == 5 == usage["total_tokens"] - usage["prompt_tokens"]
+
+
+def _post_stream(client: FakeClient, *requests):
+    """As `_post`, for streamed requests: (status, headers, the events' JSON objects)."""
+    import json
+
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257)
+        server = ApiServer(client, ByteTokenizer(), cfg)
+        out = []
+        async with TestClient(TestServer(server.app())) as tc:
+            for path, body, headers in requests:
+                r = await tc.post(path, json=body, headers=headers)
+                raw = (await r.read()).decode()
+                events = [
+                    json.loads(line[6:])
+                    for line in raw.splitlines()
+                    if line.startswith("data: ") and line != "data: [DONE]"
+                ]
+                out.append((r.status, dict(r.headers), events))
+        return out
+
+    return asyncio.run(go())
+
+
+def test_the_model_is_optional_and_another_is_404_model_not_found():
+    client = FakeClient()
+    path, body, headers = _completion(prompt="hi", max_tokens=2)
+    del body["model"]  # vLLM serves its one model
+    out = _post(client, (path, body, headers), _completion(prompt="hi", model="gpt-x"))
+    assert out[0][0] == 200 and out[0][2]["model"] == MODEL
+    status, _, err = out[1]
+    assert status == 404
+    assert err["error"]["code"] == "model_not_found"
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] == "model"
+
+
+def test_peers_session_headers_and_conversation_id_name_the_session():
+    client = FakeClient()
+    _post(
+        client,
+        _completion(prompt="hi", max_tokens=1, headers={"X-Session-Affinity": "aff"}),
+        _completion(prompt="hi", max_tokens=1, headers={"X-Correlation-ID": "corr"}),
+        _completion(prompt="hi", max_tokens=1, conversation_id="conv"),
+        # precedence: X-Session-Id, X-Session-Affinity, X-Correlation-Id, conversation_id, user
+        _completion(
+            prompt="hi",
+            max_tokens=1,
+            user="u",
+            conversation_id="conv2",
+            headers={"X-Session-Id": "sid", "X-Session-Affinity": "aff2"},
+        ),  # fmt: skip
+        _completion(prompt="hi", max_tokens=1, user="u2", conversation_id="conv3"),
+    )
+    sessions = [s["session"] for s in client.submits]
+    assert sessions == ["http:aff", "http:corr", "http:conv", "http:sid", "http:conv3"]
+
+
+def test_the_official_client_gets_its_exceptions():
+    """The `openai` package's own exceptions: NotFoundError for another model (code
+    model_not_found), BadRequestError for a bad field; a request without a session works."""
+    openai = pytest.importorskip("openai")
+
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257)
+        server = ApiServer(FakeClient(), ByteTokenizer(), cfg)
+        async with TestClient(TestServer(server.app())) as tc:
+            api = openai.AsyncOpenAI(base_url=str(tc.make_url("/v1")), api_key="x", max_retries=0)
+            with pytest.raises(openai.NotFoundError) as e:
+                await api.completions.create(model="gpt-x", prompt="hi", max_tokens=2)
+            assert e.value.code == "model_not_found"
+            with pytest.raises(openai.BadRequestError) as e:
+                await api.completions.create(model=MODEL, prompt="hi", max_tokens=2, top_p=7)
+            assert e.value.body["param"] == "top_p"
+            r = await api.completions.create(model=MODEL, prompt="hi", max_tokens=3, stop=["b"])
+            assert r.choices[0].text == "a" and r.usage.completion_tokens == 2
+            resp = await tc.get("/v1/completions")  # a wrong method: typed as a client error
+            err = await resp.json()
+            assert resp.status == 405 and err["error"]["type"] == "invalid_request_error"
+            await api.close()
+
+    asyncio.run(go())
