@@ -14,11 +14,14 @@ request sets `ignore_eos`).
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 BYTE_VOCAB = 257  # 256 bytes and the end-of-turn id
+
+log = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
@@ -76,17 +79,20 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer (`transformers.AutoTokenizer`, local files only)."""
+    """A Hugging Face tokenizer (`transformers.AutoTokenizer`, local files only); `as_written`:
+    the directory's `tokenizer.json` as it is (`PreTrainedTokenizerFast`), whatever class the
+    model type maps to."""
 
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, as_written: bool = False):
         try:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast
         except ImportError as e:  # pragma: no cover - the serve extra installs it
             raise TokenizerError(
                 "a checkpoint's tokenizer needs transformers (pip install 'dualpath_jax[serve]')"
             ) from e
+        cls = PreTrainedTokenizerFast if as_written else AutoTokenizer
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self.tok = cls.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any loading problem names the directory
             raise TokenizerError(f"cannot load a tokenizer from {path}: {e}") from e
         self.name = pathlib.Path(path).name
@@ -123,10 +129,59 @@ def has_tokenizer(path: str | pathlib.Path) -> bool:
     return any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
+PROBE = "hello world the answer is 42"  # words every text tokenizer can spell and join back
+
+
+def check_tokenizer(tok: Tokenizer, vocab_size: int, where: str) -> None:
+    """Refuses a tokenizer that cannot serve: one that encodes `PROBE` to no ids, to ids outside
+    the model's vocabulary, or that decodes its own ids to other text (a tokenizer `transformers`
+    loaded as another class than its files describe does all of these)."""
+    unknown = {getattr(getattr(tok, "tok", None), "unk_token_id", None)} - {None}
+    ids = tok.encode(PROBE)
+    if not [i for i in ids if i not in unknown]:
+        raise TokenizerError(f"the tokenizer in {where} encodes {PROBE!r} to no known ids: {ids}")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise TokenizerError(
+            f"the tokenizer in {where} encodes {PROBE!r} to ids {bad[:4]} outside the model's"
+            f" {vocab_size}"
+        )
+    back = tok.decode(ids)
+    if back.strip() != PROBE:
+        raise TokenizerError(
+            f"the tokenizer in {where} does not decode its own ids: {PROBE!r} -> {ids[:8]}..."
+            f" -> {back!r}"
+        )
+
+
 def load_tokenizer(path: str | pathlib.Path | None, vocab_size: int) -> Tokenizer:
-    """The tokenizer in `path` (a Hugging Face directory), else bytes for a 257-id model."""
+    """The tokenizer in `path` (a Hugging Face directory, checked by `check_tokenizer`), else
+    bytes for a 257-id model."""
     if path and has_tokenizer(path):
-        return HFTokenizer(path)
+        names = ("tokenizer.json", "tokenizer_config.json")
+        files = [f for f in names if (pathlib.Path(path) / f).exists()]
+        where = f"{path} ({', '.join(files)})"
+        tok = HFTokenizer(path)
+        try:
+            check_tokenizer(tok, vocab_size, where)
+        except TokenizerError as e:
+            # transformers may map the model type to a tokenizer class that rebuilds the files
+            # differently (a word-level tokenizer.json beside a Qwen2 config.json loads as a BPE
+            # Qwen2Tokenizer that encodes nothing): the file as written, if it serves
+            if "tokenizer.json" not in files:
+                raise
+            try:
+                written = HFTokenizer(path, as_written=True)
+                check_tokenizer(written, vocab_size, where)
+            except TokenizerError as e2:
+                cls = type(tok.tok).__name__
+                raise TokenizerError(f"{e2} (and as transformers loads it, {cls}: {e})") from None
+            log.warning(
+                "%s: transformers loads it as %s, which fails (%s); serving tokenizer.json as"
+                " written", where, type(tok.tok).__name__, e,
+            )  # fmt: skip
+            return written
+        return tok
     if vocab_size == BYTE_VOCAB:
         return ByteTokenizer()
     where = f"{path} has no tokenizer files" if path else "no tokenizer directory was given"

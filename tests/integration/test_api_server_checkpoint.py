@@ -42,6 +42,7 @@ def _write_tokenizer(path: pathlib.Path) -> None:
     from tokenizers import models, pre_tokenizers
 
     words = ["<unk>", "<|im_end|>", "<|im_start|>", "user", "assistant", "system"]
+    words += "hello world the answer is 42".split()  # the server's probe text
     words += [f"w{i}" for i in range(VOCAB - len(words))]
     raw = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
     raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -71,10 +72,14 @@ def test_serving_a_checkpoint_with_its_tokenizer(tmp_path, report_logs):
     ckpt = tmp_path / "tiny-qwen2-chat"
     hf = write_hf(ckpt, "Qwen2ForCausalLM", QWEN2, seed=4).hf
     _write_tokenizer(ckpt)
-    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    # The tokenizer as its files describe it: beside a Qwen2 config.json, AutoTokenizer maps
+    # this word-level tokenizer.json to a BPE Qwen2Tokenizer that encodes words to nothing, and
+    # the server serves the file as written instead (tokenizer.load_tokenizer).
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(ckpt)
     messages = [{"role": "system", "content": "w1 w2"}, {"role": "user", "content": "w7 w8 w9"}]
     ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert tok.convert_tokens_to_ids("w7") in ids  # the words are in the prompt
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
     want = out[0, len(ids) :].tolist()

@@ -311,9 +311,8 @@ def test_a_checkpoint_tokenizer_with_its_chat_template(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import models, pre_tokenizers
 
-    vocab = {
-        w: i for i, w in enumerate(["<unk>", "<|im_end|>", "hello", "world", "user", "assistant"])
-    }
+    words = ["<unk>", "<|im_end|>", "hello", "world", "user", "assistant"]
+    vocab = {w: i for i, w in enumerate(words + ["the", "answer", "is", "42"])}
     raw = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(
@@ -327,11 +326,31 @@ def test_a_checkpoint_tokenizer_with_its_chat_template(tmp_path):
     )
     fast.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
     fast.save_pretrained(tmp_path)
-    tok = load_tokenizer(tmp_path, 6)
+    tok = load_tokenizer(tmp_path, 10)
     assert tok.eos_ids == [1]
     assert tok.encode("hello world") == [2, 3]
     assert tok.decode([2, 3, 1]) == "hello world"
     assert tok.chat([{"role": "user", "content": "hello"}]) == [4, 2, 1, 5]
+    # beside a Qwen2 config.json, transformers loads it as a BPE Qwen2Tokenizer that encodes
+    # nothing: the server takes tokenizer.json as written
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    tok = load_tokenizer(tmp_path, 10)
+    assert tok.encode("hello world") == [2, 3] and type(tok.tok).__name__ != "Qwen2Tokenizer"
+    assert tok.chat([{"role": "user", "content": "hello"}]) == [4, 2, 1, 5]
+    # a tokenizer that cannot serve is refused at load, naming its files
+    with pytest.raises(
+        TokenizerError,
+        match=r"tokenizer_config\.json\) encodes .* to ids \[8, 9\] outside the model.s 8",
+    ):
+        load_tokenizer(tmp_path, 8)
+    for known, says in ((words, "does not decode its own ids"), (words[:2], "to no known ids")):
+        other = tmp_path / f"other{len(known)}"
+        raw = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(known)}, "<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
+        fast.save_pretrained(other)
+        with pytest.raises(TokenizerError, match=rf"tokenizer\.json.*{says}"):
+            load_tokenizer(other, len(known))
 
 
 def test_a_stop_string_bills_and_returns_only_the_answer():
