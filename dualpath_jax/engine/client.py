@@ -57,6 +57,30 @@ def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
     return out
 
 
+MAX_SESSION_NAME = 1024
+
+
+def check_session(session: Any) -> str:
+    """A session name: a non-empty str of at most `MAX_SESSION_NAME` characters; anything else
+    raises RolloutError(kind="bad_request") before a message is sent (the router would drop a
+    message it cannot decode, and the call would wait out its timeout)."""
+    if not isinstance(session, str) or not session:
+        raise RolloutError(f"a session must be a non-empty str, got {session!r}", "bad_request")
+    if len(session) > MAX_SESSION_NAME:
+        raise RolloutError(
+            f"a session name is at most {MAX_SESSION_NAME} characters, got {len(session)}",
+            "bad_request",
+        )
+    return session
+
+
+def _check_ttl(value: Any) -> float:
+    """A retention TTL in seconds: a real number (the router bounds its range)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise RolloutError(f"ttl_s must be a number of seconds, got {value!r}", "bad_request")
+    return float(value)
+
+
 def _check_int(value: Any, name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
@@ -268,17 +292,17 @@ class Client:
         (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after each
         (-1: `store.retention_ttl_s`), lower priorities evicted first."""
         msg = messages.OpenSession(
-            session=session,
+            session=check_session(session),
             resume=bool(resume),
             priority=_check_int(priority, "priority", -(2**31), 2**31),
-            ttl_s=float(ttl_s),
+            ttl_s=_check_ttl(ttl_s),
         )
         self._check(self._call(msg, session).result(timeout_s))
 
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
         """Ends a session; `release=True` also deletes its stored KV blocks that no other open
         session uses."""
-        msg = messages.CloseSession(session=session, release=bool(release))
+        msg = messages.CloseSession(session=check_session(session), release=bool(release))
         self._check(self._call(msg, session).result(timeout_s))
 
     def submit(
@@ -314,7 +338,7 @@ class Client:
                 )
             sub = messages.Submit(
                 request=rid,
-                session=str(session),
+                session=check_session(session),
                 append=check_tokens(append),
                 gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
                 sampling=sampling,
@@ -324,7 +348,7 @@ class Client:
                 priority=None
                 if priority is None
                 else _check_int(priority, "priority", -(2**31), 2**31),
-                ttl_s=None if ttl_s is None else float(ttl_s),
+                ttl_s=None if ttl_s is None else _check_ttl(ttl_s),
             )
             if on_tokens is not None:
                 self._streams[rid] = on_tokens

@@ -91,3 +91,5 @@ def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec's own depth limit: not a server failure
+        raise ApiError(400, "the body's JSON is nested too deeply") from None

@@ -462,3 +462,19 @@ def test_the_official_client_gets_its_exceptions():
             await api.close()
 
     asyncio.run(go())
+
+
+def test_deeply_nested_json_is_a_400_and_the_server_keeps_serving():
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257)
+        server = ApiServer(FakeClient(), ByteTokenizer(), cfg)
+        async with TestClient(TestServer(server.app())) as tc:
+            deep = b'{"model": "fake", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            r = await tc.post("/v1/completions", data=deep)
+            err = await r.json()
+            ok = await tc.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+            return r.status, err, ok.status
+
+    status, err, after = asyncio.run(go())
+    assert status == 400 and "nested too deeply" in err["error"]["message"]
+    assert after == 200
