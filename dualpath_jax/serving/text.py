@@ -10,12 +10,18 @@ from dualpath_jax.serving.tokenizer import Tokenizer
 class TextStream:
     """Turns a round's generated ids into text as they arrive.
 
-    `add(ids)` returns the text that is now final: it holds back an incomplete UTF-8 sequence
-    (a trailing U+FFFD) and a tail that could still become a stop string. When a stop string
-    appears, the text ends before it and `stopped` is set; later ids are ignored. `close()`
-    returns what was held back (none of it once stopped). End-of-turn ids (`eos_ids`) never show
-    as text. `used` counts the ids the answer is made of: all of them, or once stopped those up
-    to the one that completed the stop string (ids decoded after it are not the answer's).
+    `add(ids)` returns the text that is now final: it holds back ids that do not yet decode to
+    whole characters (a trailing U+FFFD) and a tail that could still become a stop string. When a
+    stop string appears, the text ends before it and `stopped` is set; later ids are ignored.
+    `close()` returns what was held back (none of it once stopped). End-of-turn ids (`eos_ids`)
+    never show as text. `used` counts the ids the answer is made of: all of them, or once
+    stopped those up to the one that completed the stop string (ids decoded after it are not the
+    answer's).
+
+    Decoding is incremental: each `add` decodes a window of the ids (from the last emitted
+    boundary, with the ids before it as context for tokenizers whose pieces depend on their
+    neighbours), not the whole sequence, so a round of n tokens costs O(n) decoding, and a stop
+    string is looked for only where new text could complete it.
     """
 
     def __init__(
@@ -25,7 +31,10 @@ class TextStream:
         self.stops = [s for s in stops if s]
         self.eos = set(eos_ids)
         self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text already returned
+        self.prefix = 0  # ids[prefix:read] decode to the context before the undecoded ids
+        self.read = 0  # ids[:read] are decoded into `done`
+        self.done = ""  # their text
+        self.sent = 0  # characters of `text` already returned
         self.text = ""  # the text so far (cut at a stop string once one matched)
         self.stopped = False
         self.used = 0
@@ -35,18 +44,31 @@ class TextStream:
             return ""
         base = len(self.ids)
         self.ids += [i for i in ids if i not in self.eos]
-        text = self.tok.decode(self.ids)
-        cut = self._first_stop(text)
+        self._decode(final=False)
+        cut = self._first_stop(self.text)
         if cut >= 0:
             self.stopped = True
             self.used += self._ids_to_stop(ids, base)
-            self.text = text[:cut]
+            self.text = self.text[:cut]
             return self._release(cut)
         self.used += len(ids)
-        self.text = text
-        safe = len(text.rstrip("\ufffd"))
-        safe -= self._stop_prefix(text[:safe])
+        safe = len(self.text) - self._stop_prefix(self.text)
         return self._release(safe)
+
+    def _decode(self, final: bool) -> None:
+        """`text` after the ids past `read`: their whole characters, moved into `done` once no
+        character is left incomplete (or anyway when `final`); an incomplete one stays undecoded
+        (its ids are decoded again with the next ones)."""
+        if self.read == len(self.ids):
+            return
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        new = self.tok.decode(self.ids[self.prefix :])[len(before) :]
+        if new.endswith("\ufffd") and not final:
+            self.text = self.done + new.rstrip("\ufffd")
+            return
+        self.done += new
+        self.text = self.done
+        self.prefix, self.read = self.read, len(self.ids)
 
     def _ids_to_stop(self, ids: Sequence[int], base: int) -> int:
         """How many of `ids` (appended after `base` text ids) it took for a stop string to
@@ -59,7 +81,14 @@ class TextStream:
 
     def close(self) -> str:
         """The rest of the text (held-back characters) once no more ids come."""
-        return "" if self.stopped else self._release(len(self.text))
+        if self.stopped:
+            return ""
+        self._decode(final=True)
+        cut = self._first_stop(self.text)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+        return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:
         if upto <= self.sent:

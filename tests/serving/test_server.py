@@ -292,6 +292,27 @@ def test_text_stream_holds_back_split_utf8_and_stop_prefixes():
     assert ts.stopped and ts.text == "x☃STA" and ts.close() == ""
     ts = TextStream(tok, eos_ids=tok.eos_ids)
     assert ts.add([ord("o"), ord("k"), tok.END]) == "ok" and ts.close() == ""
+    ts = TextStream(tok)  # a character cut off by the end of the round shows as U+FFFD
+    assert ts.add([ord("a"), snow[0]]) == "a" and ts.close() == "\ufffd"
+
+
+def test_text_stream_decodes_incrementally():
+    """Token by token, a long round decodes O(n) ids in all, not O(n^2), and gives the text a
+    whole decode gives (with a stop string that never matches, whose tail is held back)."""
+
+    class Counting(ByteTokenizer):
+        decoded = 0
+
+        def decode(self, ids):
+            Counting.decoded += len(ids)
+            return super().decode(ids)
+
+    tok = Counting()
+    text = ("naïve ☃ café " * 400).encode()
+    ts = TextStream(tok, stops=["never here"])
+    out = "".join(ts.add([b]) for b in text) + ts.close()
+    assert out == text.decode() == ts.text
+    assert Counting.decoded < 8 * len(text)  # a whole decode per token: ~len(text)**2 / 2
 
 
 def test_byte_tokenizer_and_loading_rules(tmp_path):
