@@ -37,6 +37,12 @@ _ROUND_TIMEOUT = flags.DEFINE_float(
 _SESSION_IDLE = flags.DEFINE_float(
     "session_idle_s", 1800.0, "Agent sessions unused this long are closed (blocks stay stored)."
 )
+_MAX_PRIORITY = flags.DEFINE_integer(
+    "max_session_priority", 100, "The largest X-Session-Priority a client may ask for."
+)
+_MAX_TTL = flags.DEFINE_float(
+    "max_session_ttl_s", 86400.0, "The largest X-Session-TTL (seconds) a client may ask for."
+)
 
 
 def main(argv):
@@ -58,6 +64,8 @@ def main(argv):
         default_max_tokens=_MAX_TOKENS.value,
         round_timeout_s=_ROUND_TIMEOUT.value,
         session_idle_s=_SESSION_IDLE.value,
+        max_session_priority=_MAX_PRIORITY.value,
+        max_session_ttl_s=_MAX_TTL.value,
     )
 
 

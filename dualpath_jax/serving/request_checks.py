@@ -153,9 +153,12 @@ def session_id(request: web.Request, req: Any) -> str | None:
     return sid
 
 
-def retention(request: web.Request) -> dict[str, Any]:
+def retention(
+    request: web.Request, max_priority: int = 2**31 - 1, max_ttl_s: float = MAX_TTL_S
+) -> dict[str, Any]:
     """The `priority` and `ttl_s` for `Client.submit` from the `X-Session-Priority` and
-    `X-Session-TTL` headers, only those present; a bad value is a 400 naming its header."""
+    `X-Session-TTL` headers, only those present; a bad value, or one above the server's
+    `max_priority` / `max_ttl_s`, is a 400 naming its header."""
     out: dict[str, Any] = {}
     raw = request.headers.get(PRIORITY_HEADER)
     if raw is not None:
@@ -163,10 +166,10 @@ def retention(request: web.Request) -> dict[str, Any]:
             priority = int(raw.strip())
         except ValueError:
             priority = None
-        if priority is None or not -(2**31) <= priority < 2**31:
+        if priority is None or not -(2**31) <= priority <= max_priority:
             raise ApiError(
                 400,
-                f"{PRIORITY_HEADER} must be an integer in [-2**31, 2**31), got {raw!r}",
+                f"{PRIORITY_HEADER} must be an integer in [-2**31, {max_priority}], got {raw!r}",
                 param=PRIORITY_HEADER,
             )
         out["priority"] = priority
@@ -176,10 +179,11 @@ def retention(request: web.Request) -> dict[str, Any]:
             ttl = float(raw.strip())
         except ValueError:
             ttl = math.nan
-        if not 0 <= ttl <= MAX_TTL_S:  # NaN fails too
+        if not 0 <= ttl <= min(max_ttl_s, MAX_TTL_S):  # NaN fails too
             raise ApiError(
                 400,
-                f"{TTL_HEADER} must be a number of seconds in [0, {MAX_TTL_S:g}], got {raw!r}",
+                f"{TTL_HEADER} must be a number of seconds in [0, {min(max_ttl_s, MAX_TTL_S):g}],"
+                f" got {raw!r}",
                 param=TTL_HEADER,
             )
         out["ttl_s"] = ttl

@@ -26,6 +26,8 @@ class RoundStream:
         self.queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
         self.fut: futures.Future | None = None
         self.have = 0  # generated tokens passed on so far
+        self.one_off: str | None = None  # the round's own router session, if it has one
+        self.opening: asyncio.Future | None = None  # ... and its open (closed after it)
 
     def on_tokens(self, start: int, tokens: list[int]) -> None:  # the client's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens))

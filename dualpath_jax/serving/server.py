@@ -59,7 +59,10 @@ class ServerConfig:
     below it. `api_key`: required as `Authorization: Bearer KEY` on /v1 ("" : none).
     `session_idle_s`: an agent session unused this long is closed (its blocks stay stored).
     `round_timeout_s`: a round that takes longer fails with 503. `retry_after_s`: the
-    `Retry-After` of 429 and 503 answers."""
+    `Retry-After` of 429 and 503 answers. `max_session_priority` and `max_session_ttl_s`: the
+    largest KV retention priority and TTL a client may ask for in its headers (a larger value
+    is a 400: one client must not pin its blocks over everyone else's). `max_body_bytes`: the
+    largest request body (0: 64 bytes per token of `max_context`, at least 1 MiB)."""
 
     model: str
     max_context: int
@@ -69,6 +72,13 @@ class ServerConfig:
     session_idle_s: float = 1800.0
     round_timeout_s: float = 600.0
     retry_after_s: float = 1.0
+    max_session_priority: int = 100
+    max_session_ttl_s: float = 86400.0
+    max_body_bytes: int = 0
+
+    @property
+    def body_limit(self) -> int:
+        return self.max_body_bytes or max(2**20, 64 * self.max_context)
 
 
 @dataclasses.dataclass
@@ -109,12 +119,13 @@ class ApiServer:
         self.ready = ready or (lambda: True)
         self.runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
+        self._closing: set[asyncio.Task] = set()  # one-off sessions being closed
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 * 2**20)
+        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.body_limit)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/v1/models", self.models)
@@ -278,7 +289,11 @@ class ApiServer:
         session, closed after the round) and the router session id."""
         if sid is None:
             rid = f"http-{uuid.uuid4().hex}"
-            await self._call(self.client.open_session, rid)
+            # the open runs on even if this handler is cancelled (the client left): `_round`
+            # closes the session once the open is done, whenever that is
+            rnd.one_off = rid
+            rnd.opening = asyncio.ensure_future(self._call(self.client.open_session, rid))
+            await asyncio.shield(rnd.opening)
             agent, keep, append = None, -1, prompt
         else:
             agent = self.sessions[sid]
@@ -306,7 +321,9 @@ class ApiServer:
         self, request: web.Request, req: Any, prompt: list[int], p: RoundParams, chat: bool
     ) -> web.StreamResponse:
         sid = request_checks.session_id(request, req)
-        retention = request_checks.retention(request)
+        retention = request_checks.retention(
+            request, self.cfg.max_session_priority, self.cfg.max_session_ttl_s
+        )
         if sid is not None:
             if sid not in self.sessions:
                 self.sessions[sid] = _AgentSession(f"http:{sid}")
@@ -333,7 +350,11 @@ class ApiServer:
         try:
             agent, rid = await self._submit(rnd, sid, prompt, p, live, retention)
         except RolloutError as e:
+            await self._close_one_off(rnd)
             raise self._rollout_error(e) from None
+        except BaseException:  # cancelled (the client left) while opening or submitting
+            await self._close_one_off(rnd)
+            raise
         text = TextStream(self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         resp: web.StreamResponse | None = None
@@ -428,8 +449,27 @@ class ApiServer:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         finally:
-            if sid is None:
-                try:
-                    await self._call(self.client.close_session, rid)
-                except RolloutError as e:
-                    log.warning("closing session %s failed: %s", rid, e)
+            await self._close_one_off(rnd)
+
+    async def _close_one_off(self, rnd: RoundStream) -> None:
+        """Closes the round's one-off session (if it opened one) after its open completes, in a
+        task of its own that a cancelled handler waits for but cannot cancel."""
+        opening, rnd.opening = rnd.opening, None
+        if opening is None:
+            return
+        rid = rnd.one_off
+
+        async def close() -> None:
+            try:
+                await opening
+            except Exception:  # noqa: BLE001 - never opened: nothing to close
+                return
+            try:
+                await self._call(self.client.close_session, rid)
+            except RolloutError as e:
+                log.warning("closing session %s failed: %s", rid, e)
+
+        task = asyncio.ensure_future(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)

@@ -5,12 +5,15 @@ retention headers, text streaming over split UTF-8 and stop strings, and the tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
 import pytest
 
 pytest.importorskip("aiohttp")
+import aiohttp  # noqa: E402
+from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
 from dualpath_jax.engine import messages  # noqa: E402
@@ -234,6 +237,8 @@ def test_retention_headers_reach_the_round():
         ("X-Session-Priority", "high"),
         ("X-Session-Priority", "1.5"),
         ("X-Session-Priority", str(2**40)),
+        ("X-Session-Priority", "101"),  # above the server's max_session_priority (100)
+        ("X-Session-TTL", "86401"),  # above its max_session_ttl_s
         ("X-Session-TTL", "-5"),
         ("X-Session-TTL", "1e12"),
         ("X-Session-TTL", "nan"),
@@ -499,3 +504,56 @@ def test_deeply_nested_json_is_a_400_and_the_server_keeps_serving():
     status, err, after = asyncio.run(go())
     assert status == 400 and "nested too deeply" in err["error"]["message"]
     assert after == 200
+
+
+def test_a_client_that_leaves_while_its_one_off_session_opens_leaves_no_session():
+    """A one-off session is closed after its open completes even when the client disconnected
+    during the open (the handler is cancelled; the open runs on in its thread)."""
+
+    class SlowOpen(FakeClient):
+        def open_session(self, session, resume=False):
+            time.sleep(0.3)
+            super().open_session(session, resume)
+
+    client = SlowOpen()
+
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257)
+        server = ApiServer(client, ByteTokenizer(), cfg)
+        runner = web.AppRunner(server.app(), handler_cancellation=True)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        async with aiohttp.ClientSession() as http:
+            for _ in range(3):
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await http.post(
+                        f"http://127.0.0.1:{port}/v1/completions",
+                        json={"prompt": "hi", "max_tokens": 2},
+                        timeout=aiohttp.ClientTimeout(total=0.05),
+                    )
+        for _ in range(100):  # the opens finish, then their sessions close
+            await asyncio.sleep(0.05)
+            if len(client.submits) == 0 and not client.contexts and not server._closing:
+                break
+        await runner.cleanup()
+        return dict(client.contexts), len(client.submits)
+
+    contexts, submits = asyncio.run(go())
+    assert contexts == {} and submits == 0
+
+
+def test_the_body_limit_follows_the_context():
+    assert ServerConfig(model=MODEL, max_context=512, vocab_size=257).body_limit == 2**20
+    assert ServerConfig(model=MODEL, max_context=131072, vocab_size=257).body_limit == 2**23
+    cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257, max_body_bytes=1000)
+    big = "x" * 2000
+
+    async def go():
+        server = ApiServer(FakeClient(), ByteTokenizer(), cfg)
+        async with TestClient(TestServer(server.app())) as tc:
+            r = await tc.post("/v1/completions", json={"prompt": big, "max_tokens": 1})
+            return r.status
+
+    assert asyncio.run(go()) == 413
