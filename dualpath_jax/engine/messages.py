@@ -427,8 +427,16 @@ class FrameError(ValueError):
     """A frame could not be accepted (size, version, token, schema)."""
 
 
+class _Head(msgspec.Struct):
+    """An envelope's version and token alone: decoding it skips the body without building it."""
+
+    v: int
+    token: str
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Envelope)
+_head_decoder = msgspec.msgpack.Decoder(_Head)
 
 
 class AuthError(FrameError):
@@ -449,37 +457,49 @@ def encode(body: Msg, token: str = "") -> bytes:
     return frame
 
 
-def _open(frame: bytes) -> Envelope:
+def _head(frame: bytes) -> _Head:
+    """The frame's version and token, checked before anything of its body is built: a stranger's
+    frame costs a scan, not its objects."""
     if len(frame) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
-        env = _decoder.decode(frame)
+        head = _head_decoder.decode(frame)
     except msgspec.DecodeError as e:
         raise FrameError(f"malformed message: {e}") from None
-    if env.v != SCHEMA_VERSION:
+    if head.v != SCHEMA_VERSION:
         raise FrameError(
-            f"schema version {env.v} is not supported (this side speaks {SCHEMA_VERSION})"
+            f"schema version {head.v} is not supported (this side speaks {SCHEMA_VERSION})"
         )
-    return env
+    return head
+
+
+def _open(frame: bytes) -> Envelope:
+    _head(frame)
+    try:
+        return _decoder.decode(frame)
+    except msgspec.DecodeError as e:
+        raise FrameError(f"malformed message: {e}") from None
 
 
 def decode(frame: bytes, token: str = "") -> Msg:
-    """Decodes and checks one frame; raises `FrameError` naming the problem."""
-    env = _open(frame)
-    if not hmac.compare_digest(env.token.encode(), token.encode()):
+    """Checks one frame's version and token, then decodes its body; raises `FrameError` naming
+    the problem."""
+    head = _head(frame)
+    if not hmac.compare_digest(head.token.encode(), token.encode()):
         raise AuthError("authentication failed: wrong or missing token")
-    return env.body
+    return _open(frame).body
 
 
 def decode_role(frame: bytes, tokens: dict[str, str]) -> tuple[Msg, str]:
-    """Decodes a frame and names the role whose token it carries (`tokens`: role -> secret).
-    With no tokens configured every frame is the engine role's (a loopback-only setup)."""
-    env = _open(frame)
+    """Checks a frame's token, names the role whose token it carries (`tokens`: role -> secret)
+    and decodes its body. With no tokens configured every frame is the engine role's (a
+    loopback-only setup)."""
+    head = _head(frame)
     if not tokens:
-        return env.body, ENGINE
+        return _open(frame).body, ENGINE
     for role, secret in tokens.items():
-        if hmac.compare_digest(env.token.encode(), secret.encode()):
-            return env.body, role
+        if hmac.compare_digest(head.token.encode(), secret.encode()):
+            return _open(frame).body, role
     raise AuthError("authentication failed: wrong or missing token")
 
 

@@ -190,6 +190,21 @@ def test_wrong_or_missing_token_is_rejected():
         messages.decode(messages.encode(msg, "sekrit"), "")
 
 
+def test_the_token_is_checked_before_the_body_is_decoded():
+    """A stranger's frame is refused on its token: its body (here one no schema accepts, and a
+    large one) is never built."""
+    frame = msgspec.msgpack.encode(
+        {"v": messages.SCHEMA_VERSION, "token": "guess",
+         "body": {"type": "RunShell", "junk": ["x" * 100] * 10_000}}
+    )  # fmt: skip
+    with pytest.raises(messages.AuthError):
+        messages.decode(frame, "sekrit")
+    with pytest.raises(messages.AuthError):
+        messages.decode_role(frame, {"client": "sekrit", "engine": "other"})
+    with pytest.raises(messages.FrameError, match="malformed message"):  # the right token
+        messages.decode(frame.replace(b"guess", b"abcde"), "abcde")
+
+
 def test_other_schema_version_is_rejected():
     frame = msgspec.msgpack.encode(
         messages.Envelope(messages.SCHEMA_VERSION + 1, "", messages.Ack())
@@ -206,7 +221,7 @@ def test_other_schema_version_is_rejected():
         b"\xc1",
         b"not msgpack at all",
         msgspec.msgpack.encode([1, 2, 3]),
-        msgspec.msgpack.encode({"v": 1, "token": ""}),
+        msgspec.msgpack.encode({"v": messages.SCHEMA_VERSION, "token": ""}),
     ],  # fmt: skip
     ids=["empty", "reserved-byte", "text", "array", "no-body"],
 )
