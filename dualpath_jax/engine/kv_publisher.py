@@ -11,6 +11,12 @@ once, named after the engine) and publishes whatever else was posted when the ro
 (`publish`: after every message, and wherever an answer must follow its events, e.g. a release's
 `BlockRemoved` before its `Ack`). Without a publisher it drops them.
 
+Subscriptions are the publisher's to accept (an XPUB socket in manual mode): only prefixes of
+`TOPIC` (`kv`, and the empty prefix) are applied, so a subscriber cannot grow the publisher's
+subscription table, or the cost of matching each batch, by sending other topics; those are
+counted and dropped. Subscription messages wait in the socket (at most its receive high-water
+mark) until the router's loop next publishes.
+
 Binding: loopback unless the cluster has its secrets (`cluster.secrets_file`), as the control
 plane. The stream itself is neither authenticated nor encrypted (a subscriber reads block keys,
 never tokens or KV, and cannot send anything but subscriptions): off loopback, keep it on the
@@ -35,6 +41,7 @@ from dualpath_jax.kv_events import EVENTS_VERSION, TOPIC, EventBatch, KVEvent, e
 log = logging.getLogger(__name__)
 
 SEND_HWM = 100_000  # batches queued per subscriber before ZeroMQ drops that subscriber's next ones
+SUBSCRIPTION_HWM = 1_000  # subscription messages waiting for the router's loop
 LINGER_MS = 1_000  # at close, how long batches still queued may take to leave
 
 
@@ -71,9 +78,11 @@ class KVEventPublisher:
             raise ConfigError(f"cluster.kv_events_address: {e}") from None
         check_events_bind(host, tokens)
         self.wall_clock = wall_clock
-        self.sock = (context or zmq.Context.instance()).socket(zmq.PUB)
+        self.sock = (context or zmq.Context.instance()).socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.XPUB_MANUAL, 1)  # subscriptions applied by `_subscriptions`
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
         self.sock.setsockopt(zmq.IPV6, 1)
         if port:
             self.sock.bind(f"tcp://{host_port(host, port)}")
@@ -81,6 +90,7 @@ class KVEventPublisher:
             port = self.sock.bind_to_random_port(f"tcp://{bracketed(host)}")
         self.address = f"tcp://{host_port(host, port)}"
         self.seq = 0
+        self.refused = 0  # subscriptions to other topics, dropped
         self._posted: queue.SimpleQueue[tuple[str, tuple[KVEvent, ...]]] = queue.SimpleQueue()
 
     def post(self, source: str, events: Sequence[KVEvent]) -> None:
@@ -88,8 +98,26 @@ class KVEventPublisher:
         if events:
             self._posted.put((source, tuple(events)))
 
+    def _subscriptions(self) -> None:
+        """Applies the waiting (un)subscriptions to prefixes of `TOPIC`, each to the subscriber
+        that sent it; drops the rest."""
+        while True:
+            try:
+                msg = self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if not msg or msg[0] not in (0, 1):
+                self.refused += 1
+                continue
+            topic = msg[1:]
+            if not TOPIC.startswith(topic):
+                self.refused += 1
+                continue
+            self.sock.setsockopt(zmq.SUBSCRIBE if msg[0] == 1 else zmq.UNSUBSCRIBE, topic)
+
     def flush(self) -> int:
         """Publishes everything posted so far, in order; returns the number of batches."""
+        self._subscriptions()
         n = 0
         while True:
             try:
@@ -132,4 +160,8 @@ class KVEventRelay:
     def stats(self) -> dict:
         if self.publisher is None:
             return {}
-        return {"address": self.publisher.address, "batches": self.publisher.seq}
+        return {
+            "address": self.publisher.address,
+            "batches": self.publisher.seq,
+            "refused_subscriptions": self.publisher.refused,
+        }

@@ -95,6 +95,44 @@ def test_every_posted_list_is_one_numbered_batch_in_post_order(stream):
     assert sub.recv(0) is None and sub.missed == 0 and sub.restarts == 0
 
 
+def test_only_the_event_topic_is_subscribable(stream):
+    """Subscriptions to anything but a prefix of the topic are dropped by the publisher (its
+    subscription table stays bounded); the real subscriber, and one to the empty prefix, still
+    get every batch."""
+    pub, sub = stream
+    ctx = zmq.Context.instance()
+    junk = ctx.socket(zmq.SUB)
+    junk.setsockopt(zmq.LINGER, 0)
+    for i in range(500):
+        junk.setsockopt(zmq.SUBSCRIBE, f"junk-{i}-".encode() * 50)
+    every = ctx.socket(zmq.SUB)
+    every.setsockopt(zmq.LINGER, 0)
+    every.setsockopt(zmq.SUBSCRIBE, b"")
+    junk.connect(pub.address)
+    every.connect(pub.address)
+    try:
+        first = attach(pub, sub)
+        for _ in range(200):  # until the empty-prefix subscriber and the junk have arrived
+            pub.post("probe", [stored(key(0))])
+            pub.flush()
+            if every.poll(20) and pub.refused == 500:
+                break
+        assert pub.refused == 500
+        while every.poll(20):
+            every.recv_multipart()
+        while sub.recv(20) is not None:
+            pass
+        pub.post("de0", [stored(key(5))])
+        pub.flush()
+        assert sub.recv(WAIT_MS).source == "de0"
+        assert every.poll(WAIT_MS) and every.recv_multipart()[0] == TOPIC
+        assert junk.poll(100) == 0  # its topics match nothing, and none were applied
+        assert pub.seq > first
+    finally:
+        junk.close()
+        every.close()
+
+
 def test_a_subscriber_counts_lost_batches_and_restarts():
     ctx = zmq.Context.instance()
     pub = ctx.socket(zmq.PUB)
@@ -233,6 +271,7 @@ def test_engine_events_are_published_in_arrival_order_named_after_the_engine(rig
     assert rig.router.stats()["kv_events"] == {
         "address": rig.pub.address,
         "batches": rig.first + 2,
+        "refused_subscriptions": 0,
     }
 
 
