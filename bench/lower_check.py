@@ -74,18 +74,6 @@ PROGRAMS = ("prefill_layer", "decode_step", "layer_write")
 KERNEL_CALLS = ("__gpu$xla.gpu.triton", "tpu_custom_call", "mosaic_gpu")
 FP8 = "float8_e4m3fn"
 
-_PLATFORM = flags.DEFINE_enum("platform", "cuda", ["cuda", "rocm", "tpu"], "lowering platform")
-_MODEL = flags.DEFINE_enum("model", "qwen2.5-7b", list(MODELS), "model preset (one layer of it)")
-_KV = flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV dtype: bfloat16, or fp8 with scales")
-_MESH = flags.DEFINE_string("mesh", "", "DxT: a data x tensor mesh of CPU devices ('' one device)")
-_NEW = flags.DEFINE_integer("new", 2048, "new tokens of the prefill layer")
-_CACHED = flags.DEFINE_integer(
-    "cached", 32768, "cached tokens (prefill) / longest context (decode)"
-)
-_SLOTS = flags.DEFINE_integer("slots", 64, "decode slots")
-_PAGE = flags.DEFINE_integer("page", 64, "tokens per page (store.block_tokens)")
-_JSON = flags.DEFINE_bool("json", False, "print one JSON object")
-
 
 def model_config(name: str, kv: str, platform: str) -> ModelConfig:
     """One layer of preset `name` with `auto` attention resolved for `platform`; `kv="fp8"`: fp8
@@ -208,19 +196,20 @@ def check(cfg: ModelConfig, platform: str, mesh, **shapes) -> dict:
 
 def main(argv):
     del argv
-    cfg = model_config(_MODEL.value, _KV.value, _PLATFORM.value)
-    mesh = _mesh(_MESH.value)
-    shapes = dict(new=_NEW.value, cached=_CACHED.value, slots=_SLOTS.value, page=_PAGE.value)
+    f = flags.FLAGS
+    cfg = model_config(f.model, f.kv, f.platform)
+    mesh = _mesh(f.mesh)
+    shapes = dict(new=f.new, cached=f.cached, slots=f.slots, page=f.page)
     result = {
-        "platform": _PLATFORM.value,
-        "model": _MODEL.value,
+        "platform": f.platform,
+        "model": f.model,
         "kv_dtype": cfg.kv_dtype + (" (scaled)" if cfg.kv_scales else ""),
-        "mesh": _MESH.value or "1",
+        "mesh": f.mesh or "1",
         "jax": jax.__version__,
         "shapes": shapes,
-        "programs": check(cfg, _PLATFORM.value, mesh, **shapes),
+        "programs": check(cfg, f.platform, mesh, **shapes),
     }
-    if _JSON.value:
+    if f.json:
         print(json.dumps(result))
         return
     print(
@@ -236,4 +225,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags exist only when run as a script: tests import several bench modules at once.
+    flags.DEFINE_enum("platform", "cuda", ["cuda", "rocm", "tpu"], "lowering platform")
+    flags.DEFINE_enum("model", "qwen2.5-7b", list(MODELS), "model preset (one layer of it)")
+    flags.DEFINE_enum("kv", "bf16", ["bf16", "fp8"], "KV dtype: bfloat16, or fp8 with scales")
+    flags.DEFINE_string("mesh", "", "DxT: a data x tensor mesh of CPU devices ('' one device)")
+    flags.DEFINE_integer("new", 2048, "new tokens of the prefill layer")
+    flags.DEFINE_integer("cached", 32768, "cached tokens (prefill) / longest context (decode)")
+    flags.DEFINE_integer("slots", 64, "decode slots")
+    flags.DEFINE_integer("page", 64, "tokens per page (store.block_tokens)")
+    flags.DEFINE_bool("json", False, "print one JSON object")
     app.run(main)

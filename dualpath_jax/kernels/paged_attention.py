@@ -35,10 +35,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from dualpath_jax.kernels.dense_attention import attend, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
+from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax
 
 Array = jax.Array
-
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # Compiled (Triton) blocks: every loaded or computed array is a power of two in each dimension,
 # and a dot needs at least 16 rows, columns and contraction.
@@ -123,50 +122,18 @@ def _kernel(
 
         return load
 
-    def dot(a, b_, contract_b):
-        """`a [m, k] . b` over b's axis `contract_b` in f32; a broadcast product where a
-        compiled dot would be too small (one new key in decode)."""
-        small = plan.compiled and min(*a.shape, *b_.shape) < _MIN_DOT
-        if small:
-            if contract_b == 1:  # [m, k] x [n, k] -> [m, n]
-                prod = a.astype(jnp.float32)[:, None, :] * b_.astype(jnp.float32)[None, :, :]
-                return prod.sum(axis=2)
-            prod = a.astype(jnp.float32)[:, :, None] * b_.astype(jnp.float32)[None, :, :]
-            return prod.sum(axis=1)
-        dims = (((1,), (contract_b,)), ((), ()))
-        return jax.lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32)
+    def small(a, b_):  # Triton needs 16 rows, columns and contraction for a dot
+        return plan.compiled and min(*a.shape, *b_.shape) < _MIN_DOT
 
-    def scores(load):
-        out = None
-        for (off, w, i), qp in zip(keys, q_parts):
-            part = dot(qp, load(off, w, i), 1)
-            out = part if out is None else out + part
-        return out * scale
-
-    def update(carry, sc, load):
-        accs, m, denom = carry
-        m_new = jnp.maximum(m, sc.max(axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
-        l_new = alpha * denom + p.sum(axis=1)
-        accs = tuple(
-            acc * alpha[:, None] + dot(p.astype(dtype), load(off, w, i), 0)
-            for acc, (off, w, i) in zip(accs, values)
-        )
-        return accs, m_new, l_new
-
-    carry = (
-        tuple(jnp.zeros((rows, w), jnp.float32) for _, w, _ in values),
-        jnp.full((rows,), _NEG, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
+    soft = OnlineSoftmax(keys, values, q_parts, scale, dtype, small)
+    carry = soft.init(rows)
 
     def cached_page(j, carry):
         page = table_ref[b, j]
         load = dequant(lambda off, w: pages_ref[page, layer, :, pl.ds(off, w)])
-        sc = scores(load)
+        sc = soft.scores(load)
         pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
-        return update(carry, jnp.where(pos < cached, sc, _NEG), load)
+        return soft.update(carry, jnp.where(pos < cached, sc, NEG), load)
 
     live = pl.cdiv(cached, page_size)
     per = pl.cdiv(table_ref.shape[1], plan.splits)
@@ -178,9 +145,9 @@ def _kernel(
 
     def new_block(j, carry):
         load = dequant(lambda off, w: new_ref[pl.ds(j * bn, bn), pl.ds(off, w)])
-        sc = scores(load)
+        sc = soft.scores(load)
         k_pos = j * bn + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
-        return update(carry, jnp.where(k_pos <= q_pos, sc, _NEG), load)
+        return soft.update(carry, jnp.where(k_pos <= q_pos, sc, NEG), load)
 
     last_query = ((qi + 1) * rows - 1) // group
     steps = jnp.where(s == plan.splits - 1, last_query // bn + 1, 0)
@@ -189,7 +156,7 @@ def _kernel(
     for acc in accs:
         w = acc.shape[1]
         if plan.splits == 1:
-            outs[0][:, pl.ds(start, w)] = (acc / denom[:, None]).astype(outs[0].dtype)
+            outs[0][:, pl.ds(start, w)] = (acc / denom).astype(outs[0].dtype)
         else:
             outs[0][:, pl.ds(start, w)] = acc
         start += w
@@ -391,11 +358,11 @@ def _paged_attention(
             rest = (0,) * (len(shape) - 1)
             return pl.BlockSpec((None, None, None, *shape), lambda i, j, k, t: (t, i, j, k, *rest))
 
-        out_specs = [part(plan.block_rows, dv), part(plan.block_rows), part(plan.block_rows)]
+        out_specs = [part(plan.block_rows, dv), part(plan.block_rows, 1), part(plan.block_rows, 1)]
         out_shape = [
             jax.ShapeDtypeStruct((s, b, hk, n * plan.group, dv), jnp.float32),
-            jax.ShapeDtypeStruct((s, b, hk, n * plan.group), jnp.float32),
-            jax.ShapeDtypeStruct((s, b, hk, n * plan.group), jnp.float32),
+            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, 1), jnp.float32),
+            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, 1), jnp.float32),
         ]
     if writing:
         out_specs.append(whole)
@@ -436,10 +403,9 @@ def _paged_attention(
     if s == 1:
         out = outs[0]
     else:  # combine the splits' partial softmaxes
-        acc, m, denom = outs[:3]
-        top = m.max(axis=0)
-        weight = jnp.exp(m - top[None])
-        out = (acc * weight[..., None]).sum(0) / (denom * weight).sum(0)[..., None]
+        acc, m, denom = outs[:3]  # [S, B, Hk, rows, dv], [S, B, Hk, rows, 1] twice
+        weight = jnp.exp(m - m.max(axis=0, keepdims=True))
+        out = (acc * weight).sum(0) / (denom * weight).sum(0)
         out = out.astype(q.dtype)
     out = _head_output(out, q, layout, plan.group)
     return (out, outs[-1]) if writing else out

@@ -28,10 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualpath_jax.kernels.kv_rows import RowLayout
+from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax
 
 Array = jax.Array
 
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 _MAX_ROWS = 256  # query rows per program
 _NEW_BLOCK = 128  # new keys per step of the causal part
 
@@ -132,34 +132,8 @@ def _kernel(
 
         return load
 
-    def dot(a, b_, contract_b):
-        """`a [m, k] . b` over b's axis `contract_b` in f32; for one key (decode's own row) a
-        broadcast product: Mosaic's matmul lowering mistypes a one-column product."""
-        if b_.shape[0] == 1:
-            if contract_b == 1:  # [m, k] x [1, k] -> [m, 1]
-                return (a.astype(jnp.float32) * b_.astype(jnp.float32)).sum(1, keepdims=True)
-            return a.astype(jnp.float32) * b_.astype(jnp.float32)  # [m, 1] x [1, n]
-        dims = (((1,), (contract_b,)), ((), ()))
-        return jax.lax.dot_general(a, b_, dims, preferred_element_type=jnp.float32)
-
-    def scores(load):
-        out = None
-        for (off, w, i), qp in zip(keys, q_parts):
-            part = dot(qp, load(off, w, i), 1)
-            out = part if out is None else out + part
-        return out * scale
-
-    def update(carry, s, load):
-        accs, m, denom = carry
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new)
-        l_new = alpha * denom + p.sum(axis=1, keepdims=True)
-        accs = tuple(
-            acc * alpha + dot(p.astype(dtype), load(off, w, i), 0)
-            for acc, (off, w, i) in zip(accs, values)
-        )
-        return accs, m_new, l_new
+    # Mosaic's matmul lowering mistypes a one-key product (decode's own row): broadcast it
+    soft = OnlineSoftmax(keys, values, q_parts, scale, dtype, lambda a, b_: b_.shape[0] == 1)
 
     def page_copy(j, slot):
         page = table_ref[b, j]
@@ -182,25 +156,20 @@ def _kernel(
 
         page_copy(j, slot).wait()
         load = loader(kv_buf.at[slot])
-        s = scores(load)
+        s = soft.scores(load)
         pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        return update(carry, jnp.where(pos < cached, s, _NEG), load)
+        return soft.update(carry, jnp.where(pos < cached, s, NEG), load)
 
-    carry = (
-        tuple(jnp.zeros((rows, w), jnp.float32) for _, w, _ in values),
-        jnp.full((rows, 1), _NEG, jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-    )
-    carry = jax.lax.fori_loop(0, live, cached_page, carry)
+    carry = jax.lax.fori_loop(0, live, cached_page, soft.init(rows))
 
     q_pos = _div(qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, block_new), 0), group)
 
     def new_block(j, carry):
         pltpu.sync_copy(new_hbm.at[b, pl.ds(j * block_new, block_new), pl.ds(col0, width)], new_buf)
         load = loader(new_buf)
-        s = scores(load)
+        s = soft.scores(load)
         k_pos = j * block_new + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        return update(carry, jnp.where(k_pos <= q_pos, s, _NEG), load)
+        return soft.update(carry, jnp.where(k_pos <= q_pos, s, NEG), load)
 
     last_query = _div((qi + 1) * rows - 1, group)
     accs, _, denom = jax.lax.fori_loop(0, _div(last_query, block_new) + 1, new_block, carry)

@@ -1,7 +1,11 @@
 """The paged attention kernel (Pallas, interpret mode on CPU) against the dense oracle: reading
-pages held as bits, writing new rows into their pages, the compiled kernel's padded blocks."""
+pages held as bits, writing new rows into their pages, the shapes it has when compiled for a GPU
+(padded groups, KV splits) and its TPU form, all interpreted; and which kernel each platform's
+lowering of one program holds."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -116,23 +120,6 @@ def test_compiled_shapes_give_the_same_output(name, n):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
 
 
-@pytest.mark.parametrize("name", ["gqa", "mla"])
-def test_split_kv_decode_writes_like_the_scatter(name):
-    layout, hq = LAYOUTS[name]
-    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(0, 5, 11))
-    bits = jax.lax.bitcast_convert_type(pages, jnp.uint32)
-    write = jnp.asarray([1, 0, 1], jnp.int32)
-    scale = layout.key_width**-0.5
-    for splits in (2, 3):
-        out, written = _compiled_shapes(q, bits, table, lens, new, layout, scale, layer=1,
-                                        kv_dtype=jnp.float32, write_lens=write, kv_splits=splits)  # fmt: skip
-        np.testing.assert_array_equal(
-            np.asarray(written), np.asarray(pa.write_pages(bits, table, lens, new, write, 1))
-        )
-        want = pa.paged_attention(q, pages, table, lens, new, layout, scale, layer=1)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=3e-6, rtol=3e-6)
-
-
 def test_interpreted_split_kv_matches():
     layout, hq = LAYOUTS["gqa"]
     q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=4, lens=(0, 6, 17))
@@ -165,15 +152,24 @@ def test_tpu_form_matches_the_oracle(name, n):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
 
 
+# The kernel's forms that write rows into their pages, as they run on each platform (interpreted)
+WRITING_FORMS = {
+    "gpu-2-splits": functools.partial(_compiled_shapes, kv_splits=2),
+    "gpu-3-splits": functools.partial(_compiled_shapes, kv_splits=3),
+    "tpu": _tpu_form,
+}
+
+
+@pytest.mark.parametrize("form", list(WRITING_FORMS))
 @pytest.mark.parametrize("name", ["gqa", "mla"])
-def test_tpu_form_writes_like_the_scatter(name):
+def test_every_form_writes_like_the_scatter(name, form):
     layout, hq = LAYOUTS[name]
     q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, lens=(0, 5, 11))
     bits = jax.lax.bitcast_convert_type(pages, jnp.uint32)
     write = jnp.asarray([1, 0, 1], jnp.int32)
     scale = layout.key_width**-0.5
-    out, written = _tpu_form(q, bits, table, lens, new, layout, scale, layer=1,
-                             kv_dtype=jnp.float32, write_lens=write)  # fmt: skip
+    out, written = WRITING_FORMS[form](q, bits, table, lens, new, layout, scale, layer=1,
+                                       kv_dtype=jnp.float32, write_lens=write)  # fmt: skip
     np.testing.assert_array_equal(
         np.asarray(written), np.asarray(pa.write_pages(bits, table, lens, new, write, 1))
     )

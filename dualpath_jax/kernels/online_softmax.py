@@ -1,0 +1,86 @@
+"""The online softmax both forms of the paged kernel run (`paged_attention.py` for GPU and
+interpret mode, `paged_attention_tpu.py` for TPU): scores of a block of keys against a program's
+query rows, and the running (accumulators, max, sum) updated block by block, all in f32.
+
+A key block arrives as `load(offset, width, scale index)`, which gives one segment of the keys'
+rows in the compute dtype (the kernels differ in where rows come from and how scales are read).
+Running maxima and sums are `[rows, 1]` (two-dimensional, as TPU vector layouts want).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # a masked score (finite: no inf - inf)
+
+Segment = tuple  # (offset, width, scale index or None)
+Load = Callable[[int, int, object], Array]
+
+
+def broadcast_dot(a: Array, b: Array, contract_b: int) -> Array:
+    """`a [m, k]` times `b` contracted over b's axis `contract_b` in f32, without a matmul: for
+    blocks too small for one (a single new key in decode). One key keeps every array
+    two-dimensional."""
+    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    if b.shape[0] == 1:
+        if contract_b == 1:  # [m, k] x [1, k] -> [m, 1]
+            return (a32 * b32).sum(1, keepdims=True)
+        return a32 * b32  # [m, 1] x [1, n] -> [m, n]
+    if contract_b == 1:  # [m, k] x [n, k] -> [m, n]
+        return (a32[:, None, :] * b32[None, :, :]).sum(axis=2)
+    return (a32[:, :, None] * b32[None, :, :]).sum(axis=1)  # [m, k] x [k, n]
+
+
+@dataclasses.dataclass(frozen=True)
+class OnlineSoftmax:
+    """One program's attention state machine: `keys` and `values` are the KV head's segments,
+    `q_parts` its queries split like the keys (`[rows, w]` each), `small(a, b)` says when a
+    product is done by `broadcast_dot` instead of a matmul."""
+
+    keys: Sequence[Segment]
+    values: Sequence[Segment]
+    q_parts: Sequence[Array]
+    scale: float
+    dtype: jnp.dtype
+    small: Callable[[Array, Array], bool]
+
+    def dot(self, a: Array, b: Array, contract_b: int) -> Array:
+        if self.small(a, b):
+            return broadcast_dot(a, b, contract_b)
+        dims = (((1,), (contract_b,)), ((), ()))
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    def init(self, rows: int) -> tuple:
+        """Empty accumulators (one per value segment), maxima and sums."""
+        return (
+            tuple(jnp.zeros((rows, w), jnp.float32) for _, w, _ in self.values),
+            jnp.full((rows, 1), NEG, jnp.float32),
+            jnp.zeros((rows, 1), jnp.float32),
+        )
+
+    def scores(self, load: Load) -> Array:
+        """`[rows, keys]` scaled scores of the block `load` gives (the sum over key segments)."""
+        out = None
+        for (off, w, i), qp in zip(self.keys, self.q_parts):
+            part = self.dot(qp, load(off, w, i), 1)
+            out = part if out is None else out + part
+        return out * self.scale
+
+    def update(self, carry: tuple, s: Array, load: Load) -> tuple:
+        """The state after the block whose (masked) scores are `s` and values `load` gives."""
+        accs, m, denom = carry
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new)
+        l_new = alpha * denom + p.sum(axis=1, keepdims=True)
+        accs = tuple(
+            acc * alpha + self.dot(p.astype(self.dtype), load(off, w, i), 0)
+            for acc, (off, w, i) in zip(accs, self.values)
+        )
+        return accs, m_new, l_new
