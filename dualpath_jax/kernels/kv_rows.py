@@ -78,6 +78,22 @@ class RowLayout:
             for (off, w), i in out.items()
         ]
 
+    def head_segments(self, h, start) -> tuple[list, list]:
+        """KV head `h`'s key and value segments `(offset, width, scale index or None)`, offsets
+        from column `start` (where the head's columns begin in what a kernel loaded; traced
+        values are fine)."""
+
+        def segs(segments, scales):
+            if not self.scaled:
+                return [(start + o, w, None) for o, w in segments]
+            return [
+                (start + o, w, i + h * self.scale_stride) for (o, w), i in zip(segments, scales)
+            ]
+
+        return segs(self.key_segments, self.key_scales), segs(
+            self.value_segments, self.value_scales
+        )
+
     @classmethod
     def gqa(cls, num_kv_heads: int, head_dim: int, scaled: bool = False) -> RowLayout:
         """Head-major rows `[Hk, K | V]` (head h's key then its value, `D` each), so a

@@ -92,15 +92,7 @@ def _kernel(
     rows, group, bn = plan.block_rows, plan.group, plan.block_new
     q_parts = [r[...] for r in q_refs]
     dtype = q_parts[0].dtype
-    k0 = h * layout.head_stride
-
-    def segments(segs, scales):
-        if not layout.scaled:
-            return [(k0 + o, w, None) for o, w in segs]
-        return [(k0 + o, w, i + h * layout.scale_stride) for (o, w), i in zip(segs, scales)]
-
-    keys = segments(layout.key_segments, layout.key_scales)
-    values = segments(layout.value_segments, layout.value_scales)
+    keys, values = layout.head_segments(h, h * layout.head_stride)
 
     def dequant(ref_load):
         """ref_load(off, width) -> raw bits `[keys, width]`; returns load(off, w, scale index)

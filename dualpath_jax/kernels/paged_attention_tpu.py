@@ -101,13 +101,7 @@ def _kernel(
             hi = jnp.minimum(_div((qi + 1) * rows + group - 1, group), write_ref[b])
             jax.lax.fori_loop(lo, jnp.maximum(hi, lo), one, jnp.int32(0))
 
-    def segs(segments, scales):
-        if not layout.scaled:
-            return [(k0 + o, w, None) for o, w in segments]
-        return [(k0 + o, w, i + h * layout.scale_stride) for (o, w), i in zip(segments, scales)]
-
-    keys = segs(layout.key_segments, layout.key_scales)
-    values = segs(layout.value_segments, layout.value_scales)
+    keys, values = layout.head_segments(h, k0)
 
     def loader(ref):
         """load(off, w, scale index) of rows in VMEM `ref` `[keys, width]` (bits): the segment in
