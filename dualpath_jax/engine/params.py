@@ -109,6 +109,7 @@ class ParamsSlot:
             if self.mirror is not None:
                 self.mirror.send("_params_stage", (msg.version, msg.path))
             model = load_params(msg.path, self.runner.cfg, mesh=self.runner.mesh)
+            check_finite(model)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
             log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
             return messages.ParamsLoaded(
@@ -152,6 +153,27 @@ class ParamsSlot:
             self.commit(msg)
             return True
         return False
+
+
+def check_finite(model) -> None:
+    """Raises ValueError naming the first parameters that hold a NaN or an infinity (a diverged
+    training step): an engine refuses them and keeps serving the old ones. One compiled
+    reduction over every floating parameter, on the devices they live on."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dualpath_jax.model.sharding import _path, host_value
+
+    flat = jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(nnx.state(model)))
+    named = [(_path(k), x) for k, x in flat if jnp.issubdtype(x.dtype, jnp.floating)]
+    if not named:
+        return
+    finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
+    ok = host_value(finite([x for _, x in named]))  # replicated: each process reads its own
+    bad = [name for (name, _), good in zip(named, ok) if not good]
+    if bad:
+        raise ValueError(f"the params hold NaN or Inf values: {', '.join(bad[:4])}")
 
 
 def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:

@@ -405,6 +405,11 @@ def test_params_slot_refuses_bad_params_and_keeps_serving(runner, tmp_path):
     )
     reply = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path / "missing")))
     assert not reply.ok and "does not exist" in reply.message
+    nan = params_state(init_model(TINY_QWEN2, seed=3))  # a diverged step's weights
+    nan["layers"][1]["self_attn"]["o_proj"]["kernel"] *= float("nan")
+    save_params_tree(nan, tmp_path / "nan")
+    reply = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path / "nan")))
+    assert not reply.ok and "NaN or Inf values: layers/1/self_attn/o_proj/kernel" in reply.message
     slot.commit(messages.CommitParams(version="v1", commit=True))  # nothing staged: ignored
     assert slot.version == "v0"
     np.testing.assert_array_equal(np.asarray(runner.embedding), before)
