@@ -272,6 +272,15 @@ def test_from_pretrained_on_a_mesh_gives_transformers_tokens(hf_checkpoint, name
     assert dm.generate(net, PROMPTS[0], 8) == theirs
 
 
+@pytest.mark.parametrize("name", [n for n, m in HF_CASES if m == "1x8"])
+def test_the_other_families_under_the_kernel_on_2x4(hf_checkpoint, name):
+    """The families the case above reads onto 1x8, on 2x4 too: every family's transformers
+    tokens under the paged kernel on a data x tensor mesh."""
+    path, theirs = hf_checkpoint(name)
+    net = dm.from_pretrained(path, mesh=sharding.make_mesh(MESHES["2x4"]), attention_impl="pallas")
+    assert dm.generate(net, PROMPTS[0], 8) == theirs
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_load_params_restores_each_shard_on_the_mesh(reference, name, tmp_path):
     """An orbax checkpoint of served params restored straight onto a 2x4 mesh."""
