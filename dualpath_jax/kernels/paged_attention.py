@@ -337,9 +337,9 @@ def _paged_attention(
     def scalar(shape):  # the whole array in every program
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
-    # The pool is one block: in interpret mode a view, under Triton a pointer into HBM from
-    # which the kernel loads one page of one layer at a time (nothing stages the pool).
-    whole = scalar(bits.shape)
+    # The pool is not blocked: compiled, it stays where it is (`pl.ANY`: under Triton a pointer
+    # into HBM) and the kernel loads one page of one layer at a time; interpreted, one view.
+    whole = pl.BlockSpec(memory_space=pl.ANY) if compiled else scalar(bits.shape)
     writing = write_lens is not None
     if s == 1:
         out_specs = [rows_spec(dv)]
