@@ -64,9 +64,18 @@ def serve(
     workdir = pathlib.Path(workdir)
     tokenizer = load_tokenizer(checkpoint, cfg.model.vocab_size)
     name = model_name or (pathlib.Path(checkpoint).name if checkpoint else cfg.model.name)
+    context = min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
+    if cfg.cluster.decode_max_len < cfg.model.max_seq_len:
+        log.info(
+            "context: %d tokens, set by cluster.decode_max_len (a decode slot's tokens); the model"
+            " allows %d (--set cluster.decode_max_len=N for more, memory permitting)",
+            context, cfg.model.max_seq_len,
+        )  # fmt: skip
+    else:
+        log.info("context: %d tokens, the model's max_seq_len", context)
     server_cfg = ServerConfig(
         model=name,
-        max_context=min(cfg.model.max_seq_len, cfg.cluster.decode_max_len),
+        max_context=context,
         vocab_size=cfg.model.vocab_size,
         api_key=api_key,
         **server,

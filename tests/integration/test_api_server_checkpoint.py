@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -129,7 +130,9 @@ def test_serving_a_checkpoint_with_its_tokenizer(tmp_path, report_logs):
             proc.kill()
             proc.wait(10)
             raise
-    assert proc.returncode == 0, proc.stdout.read()
+    out = proc.stdout.read()
+    assert proc.returncode == 0, out
+    assert re.search(r"context: \d+ tokens, (set by cluster.decode_max_len|the model's)", out)
     for pid in engines:  # every process the server's cluster started has exited
         assert not pathlib.Path(f"/proc/{pid}").exists() or "Z" in _state(pid), pid
 
