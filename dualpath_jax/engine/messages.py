@@ -473,10 +473,10 @@ def _head(frame: bytes) -> _Head:
     return head
 
 
-def _open(frame: bytes) -> Envelope:
-    _head(frame)
+def _body(frame: bytes) -> Msg:
+    """The body of a frame whose head `_head` has checked."""
     try:
-        return _decoder.decode(frame)
+        return _decoder.decode(frame).body
     except msgspec.DecodeError as e:
         raise FrameError(f"malformed message: {e}") from None
 
@@ -487,7 +487,7 @@ def decode(frame: bytes, token: str = "") -> Msg:
     head = _head(frame)
     if not hmac.compare_digest(head.token.encode(), token.encode()):
         raise AuthError("authentication failed: wrong or missing token")
-    return _open(frame).body
+    return _body(frame)
 
 
 def decode_role(frame: bytes, tokens: dict[str, str]) -> tuple[Msg, str]:
@@ -496,10 +496,10 @@ def decode_role(frame: bytes, tokens: dict[str, str]) -> tuple[Msg, str]:
     loopback-only setup)."""
     head = _head(frame)
     if not tokens:
-        return _open(frame).body, ENGINE
+        return _body(frame), ENGINE
     for role, secret in tokens.items():
         if hmac.compare_digest(head.token.encode(), secret.encode()):
-            return _open(frame).body, role
+            return _body(frame), role
     raise AuthError("authentication failed: wrong or missing token")
 
 
@@ -507,9 +507,9 @@ def decode_unsigned_error(frame: bytes) -> Error | None:
     """The `Error` a server sends, without a token, to a peer whose frame it rejected (the server
     must not reveal its token to a stranger); None for anything else."""
     try:
-        env = _open(frame)
+        if _head(frame).token:
+            return None
+        body = _body(frame)
     except FrameError:
         return None
-    if env.token or not isinstance(env.body, Error):
-        return None
-    return env.body
+    return body if isinstance(body, Error) else None

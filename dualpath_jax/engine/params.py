@@ -21,6 +21,7 @@ Protocol (router side `params_update.ParamsCoordinator`, engine side `ParamsSlot
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -169,11 +170,20 @@ def check_finite(model) -> None:
     named = [(_path(k), x) for k, x in flat if jnp.issubdtype(x.dtype, jnp.floating)]
     if not named:
         return
-    finite = jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
-    ok = host_value(finite([x for _, x in named]))  # replicated: each process reads its own
+    ok = host_value(_all_finite()([x for _, x in named]))  # replicated: each process reads its own
     bad = [name for (name, _), good in zip(named, ok) if not good]
     if bad:
         raise ValueError(f"the params hold NaN or Inf values: {', '.join(bad[:4])}")
+
+
+@functools.cache
+def _all_finite():
+    """The jitted check `xs -> [whether every value of xs[i] is finite]`: one function, so its
+    program compiles once per model (one defined per call would compile at every update)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]))
 
 
 def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:

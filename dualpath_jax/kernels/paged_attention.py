@@ -36,6 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from dualpath_jax.kernels.dense_attention import attend, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
 from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax
+from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
 
 Array = jax.Array
 
@@ -247,11 +248,12 @@ def paged_attention(
         kv_dtype = pages.dtype
     if kv_splits is not None and kv_splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    kv_dtype = jnp.dtype(kv_dtype)
     call = functools.partial(
         _paged_attention,
         layout=layout,
         scale=scale,
-        kv_dtype=jnp.dtype(kv_dtype),
+        kv_dtype=kv_dtype,
         block_q=block_q,
         kv_splits=kv_splits,
     )
@@ -266,9 +268,7 @@ def paged_attention(
     )
     if interpret is not None:
         return call(*args, compiled=not interpret, interpret=interpret)
-    tpu = functools.partial(
-        _paged_attention_tpu, layout=layout, scale=scale, kv_dtype=jnp.dtype(kv_dtype)
-    )
+    tpu = functools.partial(_paged_attention_tpu, layout=layout, scale=scale, kv_dtype=kv_dtype)
     return jax.lax.platform_dependent(
         *args,
         cuda=functools.partial(call, compiled=True, interpret=False),
@@ -307,8 +307,6 @@ def _paged_attention_tpu(
     q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret
 ):
     """The TPU form (`paged_attention_tpu.py`) behind the same contract."""
-    from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
-
     g = q.shape[2] // layout.num_kv_heads
     out, pages = paged_attention_tpu(
         _query_rows(q, layout, g), bits, table, lens, as_bits(new_rows.astype(kv_dtype)),

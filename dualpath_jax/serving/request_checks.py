@@ -179,11 +179,11 @@ def retention(
             ttl = float(raw.strip())
         except ValueError:
             ttl = math.nan
-        if not 0 <= ttl <= min(max_ttl_s, MAX_TTL_S):  # NaN fails too
+        cap = min(max_ttl_s, MAX_TTL_S)
+        if not 0 <= ttl <= cap:  # NaN fails too
             raise ApiError(
                 400,
-                f"{TTL_HEADER} must be a number of seconds in [0, {min(max_ttl_s, MAX_TTL_S):g}],"
-                f" got {raw!r}",
+                f"{TTL_HEADER} must be a number of seconds in [0, {cap:g}], got {raw!r}",
                 param=TTL_HEADER,
             )
         out["ttl_s"] = ttl
