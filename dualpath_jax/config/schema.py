@@ -251,6 +251,14 @@ class ClusterConfig:
     # (query, key) pair. Empty: each PE fits its own at start (`engine.calibrate`).
     prefill_cost_json: str = ""
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
+    # Compile before registering (engine/warmup.py): every prefill shape bucket (batch sizes
+    # padded to powers of two, new-token and cached-context buckets) and every decode step
+    # width, so the serving path compiles nothing; the HTTP server reports ready only after.
+    # Off: shapes compile on first use (tests and short experiments start faster).
+    warmup: bool = False
+    # JAX's persistent compilation cache of engine processes (every compile cached): empty =
+    # the directory JAX_COMPILATION_CACHE_DIR names, else `<workdir>/jax_cache`.
+    compilation_cache_dir: str = ""
     transfer_timeout_s: float = 60.0
     # How long a DE waits for its PE to begin prefilling a request (the PE's queue under load);
     # transfer_timeout_s bounds each transfer once it has begun.

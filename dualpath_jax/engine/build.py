@@ -119,6 +119,7 @@ def build_engine(
     from dualpath_jax.engine.prefill_engine import PrefillEngine
     from dualpath_jax.engine.rpc import RpcClient, check_transfer_bind, host_port
     from dualpath_jax.engine.span import MirroredDecoder
+    from dualpath_jax.engine.warmup import warm_decoder, warm_prefill
     from dualpath_jax.kvstore.buffers import HostBufferPool
     from dualpath_jax.model import sharding
     from dualpath_jax.model.layout import BlockLayout
@@ -202,12 +203,19 @@ def build_engine(
         if leader is not None:
             closers.append(leader.close)
             params.mirror = leader  # its followers load and commit updates with it
+        warm = c.warmup and leader is None
+        if c.warmup and leader is not None:
+            log.warning("%s spans processes: cluster.warmup is not supported there", who.name)
         if who.role == "prefill":
+            if warm:
+                log.info("%s warm-up: %s", who.name, warm_prefill(cfg, runner, buffer).describe())
             built.engine = PrefillEngine(
                 cfg, who, control, ctx, runner, params, cost, outbox=outbox, span=leader
             )
         else:
             decoder = make_decoder(cfg, runner)
+            if warm:
+                log.info("%s warm-up: %s", who.name, warm_decoder(cfg, decoder, buffer).describe())
             if leader is not None:
                 decoder = MirroredDecoder(decoder, leader)
             built.engine = DecodeEngine(cfg, who, control, ctx, decoder, params, outbox=outbox)

@@ -26,6 +26,7 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.engine.span import MirrorLeader
+from dualpath_jax.engine.warmup import batch_bucket
 from dualpath_jax.model.cached_kv import (
     CachedPages,
     DevicePages,
@@ -251,18 +252,25 @@ class PrefillEngine:
         reqs = [self.reqs[ch.request_id] for ch in chunks]
         self.last_batch = len(reqs)
         t0 = self.clock()
+        span = self.span
+        # Warmed up, the batch is padded to the batch sizes the warm-up compiled (requests of
+        # one token, nothing cached; their rows are dropped). A span's followers build their
+        # batches from the leader's prompts, unpadded.
+        pad = 0
+        if c.cluster.warmup and span is None:
+            pad = batch_bucket(len(reqs), c.cluster.prefill_max_batch) - len(reqs)
         try:
             batch = PrefillBatch.build(
                 c.model,
-                [r.msg.prompt[ch.cached : ch.cached + ch.bsz] for r, ch in zip(reqs, chunks)],
-                [ch.cached for ch in chunks],
+                [r.msg.prompt[ch.cached : ch.cached + ch.bsz] for r, ch in zip(reqs, chunks)]
+                + [[0]] * pad,
+                [ch.cached for ch in chunks] + [0] * pad,
                 self.runner.min_bucket,
             )
         except ValueError as e:
             for ch in chunks:
                 self.fail(ch.request_id, e)
             return
-        span = self.span
         layerwise = all(r.msg.layerwise for r in reqs)
         work = [
             BatchChunk(ch.request_id, ch.cached, ch.bsz, plan.finishes(ch.request_id), r.lead)
@@ -294,7 +302,7 @@ class PrefillEngine:
             segments = [
                 self.cached_rows(r, i, w.cached) if w.cached else [self._no_rows]
                 for r, w in zip(reqs, work)
-            ]
+            ] + [[self._no_rows]] * pad
             if span is not None:  # the followers assemble the same pages from the same rows
                 desc = [describe(seg, *kept[w.request_id], i) for seg, w in zip(segments, work)]
                 span.send("layer", (i,), {"requests": desc})
@@ -304,7 +312,7 @@ class PrefillEngine:
                 self.bt,
                 c.model.kv_width,
                 c.model.kv_dtype,
-                placement=self.runner.pages_sharding,  # on a mesh: split by KV head
+                placement=self.runner.kv_placement,  # on a mesh: split by KV head
                 pad_to_table=self.runner.gathers_pages,  # one page count per table shape
             )
 
@@ -324,7 +332,6 @@ class PrefillEngine:
         try:
             res = forward(self.runner, c.model.num_layers, batch, layerwise, load_layer, emit_layer)
             logits = host_value(res.last_logits)
-            pad = logits.shape[0] - len(reqs)
             first = sample_at(  # the first generated token sits at position len(prompt)
                 logits,
                 [r.msg.sampling for r in reqs] + [GREEDY] * pad,

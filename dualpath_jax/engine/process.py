@@ -80,8 +80,10 @@ def run_engine(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     import jax
 
     from dualpath_jax.engine.span import MirrorLeader, Span, init_distributed
+    from dualpath_jax.engine.warmup import enable_compilation_cache
 
     c = cfg.cluster
+    enable_compilation_cache(cfg, spec.workdir)  # a restart compiles nothing it compiled before
     span = Span(spec.span_rank, spec.span_size, spec.coordinator)
     if span.spans:  # before anything else starts JAX: this engine's own process group
         init_distributed(

@@ -179,13 +179,14 @@ class LayerPages:
                 pages = _zero_pages(total, page_size, width, name)
             else:
                 pages = jnp.zeros((total, 1, page_size, width), name, device=at)
+        # index arrays by device_put: `jnp.asarray` of a numpy array compiles a program per shape
         for blocks, ids in page_scatters:
             at = place(blocks.shape)
             if at is not None and blocks.sharding != at:
                 blocks = jax.device_put(blocks, at)  # device to device: onto the forward's mesh
-            pages = scatter_pages(pages, jnp.asarray(ids), blocks)
+            pages = scatter_pages(pages, jax.device_put(ids), blocks)
         for run, ids, at in row_scatters:
-            pages = _scatter_rows(pages, jnp.asarray(ids), jnp.asarray(at), run.rows, run.b)
+            pages = _scatter_rows(pages, jax.device_put(ids), jax.device_put(at), run.rows, run.b)
         return cls(pages, copies.to_device(table, "prefill_table"))
 
     def to_device(self) -> LayerPages:

@@ -285,7 +285,8 @@ class Decoder:
             where = np.zeros((nb,), np.int32)
             where[:n] = ids[:n]
             bits = padded.view(bits_dtype(cfg.kv_dtype))
-            self.pages = _write_pages(self.pages, jnp.asarray(where), jnp.asarray(bits))
+            # device_put, not jnp.asarray: that compiles a staging program per shape
+            self.pages = _write_pages(self.pages, jax.device_put(where), jax.device_put(bits))
         self.lengths[slot] = length
         self.active[slot] = True
         self.seeds[slot] = sampling.seed
@@ -331,7 +332,7 @@ class Decoder:
         """Pages `ids` `[n, L, ps, W]` (bits) to the host, read in bucketed counts."""
         where = np.zeros((self._write_bucket(len(ids)),), np.int32)
         where[: len(ids)] = ids
-        got = whole(_read_pages(self.pages, jnp.asarray(where)), self.mesh)
+        got = whole(_read_pages(self.pages, jax.device_put(where)), self.mesh)
         return host_value(got)[: len(ids)]
 
     def set_next(self, tokens: np.ndarray) -> None:

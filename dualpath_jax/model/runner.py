@@ -329,6 +329,17 @@ class ModelRunner:
             return None
         return sharding.kv_pages_sharding(self.cfg, self.mesh, shape)
 
+    def kv_placement(self, shape: Sequence[int]) -> jax.sharding.Sharding:
+        """Where a prefill batch's KV pages `[..., W]` are built (`LayerPages.assemble`): split
+        by KV head over a sharded runner's mesh (`pages_sharding`), else committed to the
+        runner's one device, as `commit` places the layers' inputs (one compiled program per
+        shape, not one per placement)."""
+        at = self.pages_sharding(shape)
+        if at is not None:
+            return at
+        self.commit(np.zeros((), np.int32))  # finds the device
+        return self._device_sharding
+
     def commit(self, x):
         """`x` committed to the runner's one device (zero-copy for an array already there);
         unchanged on a mesh, where placements are explicit. A layer's compiled program is
