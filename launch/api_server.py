@@ -6,10 +6,14 @@ Example:
     -d '{"model": "tiny-qwen2", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 `--checkpoint=DIR` serves a Hugging Face checkpoint with its tokenizer; without it the config's
 model serves (the tiny presets read text as bytes). Stops on SIGTERM or Ctrl-C, and stops the
-cluster it started. docs/serving.md.
+cluster it started. The server listens at once; `GET /health` answers 200 once every engine
+has compiled its shapes and registered (`--nowarmup`: at once, shapes compile on first use).
+docs/serving.md.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import _flags  # this directory's shared flags
 from absl import app, flags
@@ -43,6 +47,13 @@ _MAX_PRIORITY = flags.DEFINE_integer(
 _MAX_TTL = flags.DEFINE_float(
     "max_session_ttl_s", 86400.0, "The largest X-Session-TTL (seconds) a client may ask for."
 )
+_WARMUP = flags.DEFINE_bool(
+    "warmup",
+    True,
+    "Engines compile every shape bucket before the server reports ready (GET /health is 503"
+    " until then; JAX's compilation cache in the workdir makes restarts fast). --nowarmup:"
+    " shapes compile on first use.",
+)
 
 
 def main(argv):
@@ -50,6 +61,7 @@ def main(argv):
     if not is_loopback(_HOST.value) and not _API_KEY.value:
         raise app.UsageError(f"serving on {_HOST.value!r} (not loopback) needs --api_key")
     cfg = serving_config(_flags.build_config("offline"), _CHECKPOINT.value)
+    cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, warmup=_WARMUP.value))
     wd = _flags.prepare_workdir(cfg)
     serve(
         cfg,

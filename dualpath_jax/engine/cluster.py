@@ -47,6 +47,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+START_TIMEOUT_S = 180.0
+WARMUP_START_TIMEOUT_S = 1800.0
+
+
 class ClusterError(RuntimeError):
     """The cluster could not start (a process died or did not register in time)."""
 
@@ -128,12 +132,13 @@ class LocalCluster(ClusterLifecycle):
         *,
         python: str = sys.executable,
         env: Mapping[str, str] | None = None,
-        start_timeout_s: float = 180.0,
+        start_timeout_s: float | None = None,
         host_devices: Sequence[str] | None = None,
     ):
         """`env`: the processes' environment (None: this process's). `host_devices`: the ids of
         the host's GPUs or TPU chips the engines may use (`cluster.platform` gpu or tpu; None:
-        those `env` makes visible)."""
+        those `env` makes visible). `start_timeout_s`: how long engines may take to register
+        (default 180 s; 1,800 s with `cluster.warmup`, which compiles every shape first)."""
         if cfg.hardware.engines_per_node != 1:
             raise ValueError("LocalCluster runs one engine per node (hardware.engines_per_node=1)")
         check_params_config(cfg.cluster)
@@ -141,6 +146,8 @@ class LocalCluster(ClusterLifecycle):
         self.workdir = pathlib.Path(workdir).absolute()
         self.python = python
         self.env = env
+        if start_timeout_s is None:
+            start_timeout_s = WARMUP_START_TIMEOUT_S if cfg.cluster.warmup else START_TIMEOUT_S
         self.start_timeout_s = start_timeout_s
         # Each engine's environment, by engine id (checked now: too few devices fail here).
         base = dict(os.environ if env is None else env)  # the process boundary: engines inherit
@@ -195,7 +202,9 @@ class LocalCluster(ClusterLifecycle):
         self.specs[name] = spec
         return p
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
+        """Starts the router and the engines; `wait`: until every engine has registered (else
+        call `wait_ready`, e.g. while a server reports that it is starting)."""
         self.cfg, self.credentials = prepare_workdir(self.cfg, self.workdir)
         addr_file = self.workdir / "router.address"
         addr_file.unlink(missing_ok=True)
@@ -230,7 +239,14 @@ class LocalCluster(ClusterLifecycle):
             for rank in range(1, span):  # the processes that follow it (`engine.span`)
                 self._spawn(f"{name}.{rank}", dataclasses.replace(spec, span_rank=rank))
             self.engine_ids[name] = who.engine
-        wait_registered(self.client(), len(self.engine_ids), self._check_alive, deadline)
+        self._deadline = deadline
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Returns once every engine has registered (warm, with `cluster.warmup`); raises
+        ClusterError when one died or the start timed out."""
+        wait_registered(self.client(), len(self.engine_ids), self._check_alive, self._deadline)
 
     def _check_alive(self, names: list[str] | None = None) -> None:
         for name, p in self.procs.items():

@@ -15,6 +15,8 @@ import logging
 import os
 import pathlib
 import signal
+import threading
+import time
 
 from dualpath_jax.config import ExperimentConfig
 
@@ -86,13 +88,31 @@ def serve(
         _run(ApiServer(client, tokenizer, server_cfg), host, port, workdir, name)
         client.close()
         return
-    with LocalCluster(cfg, workdir) as cluster:
+    # The server listens at once and reports ready (`GET /health` 200; requests before get 503)
+    # when every engine has registered: with `cluster.warmup`, once each has compiled its shapes.
+    cluster = LocalCluster(cfg, workdir)
+    try:
+        cluster.start(wait=False)
         client = cluster.client()
-        _run(ApiServer(client, tokenizer, server_cfg), host, port, workdir, name)
+        ready = threading.Event()
+        _run(
+            ApiServer(client, tokenizer, server_cfg, ready=ready.is_set),
+            host,
+            port,
+            workdir,
+            name,
+            warm=lambda: (cluster.wait_ready(), ready.set()),
+        )
         client.close()
+    finally:
+        cluster.stop()
 
 
-def _run(server, host: str, port: int, workdir: pathlib.Path, name: str) -> None:
+def _run(server, host: str, port: int, workdir: pathlib.Path, name: str, warm=None) -> None:
+    """Serves until SIGTERM/SIGINT. `warm`: blocks until the cluster is ready (run beside the
+    server; if it raises, the server stops and the error propagates)."""
+    failed: list[BaseException] = []
+
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -105,7 +125,23 @@ def _run(server, host: str, port: int, workdir: pathlib.Path, name: str) -> None
         (workdir / "api_server.json").write_text(json.dumps(info))
         log.info("serving %s on %s", name, url)
         print(f"serving {name} on {url}", flush=True)
+        if warm is not None:
+            t0 = time.monotonic()
+
+            def warming() -> None:
+                try:
+                    warm()
+                    log.info("ready: every engine registered %.1f s after listening",
+                             time.monotonic() - t0)  # fmt: skip
+                    print("ready", flush=True)
+                except BaseException as e:  # noqa: BLE001 - stop serving, then raise it
+                    failed.append(e)
+                    loop.call_soon_threadsafe(stop.set)
+
+            threading.Thread(target=warming, name="wait-ready", daemon=True).start()
         await stop.wait()
         await server.stop()
 
     asyncio.run(main())
+    if failed:
+        raise failed[0]

@@ -179,6 +179,13 @@ class ApiServer:
                     request_checks.bearer(request).encode(), self.cfg.api_key.encode()
                 ):
                     raise ApiError(401, "invalid API key", code="invalid_api_key")
+            if api and endpoint != "/v1/models" and not self.ready():
+                raise ApiError(
+                    503,
+                    "the server is starting (engines are compiling); GET /health answers 200"
+                    " once it is ready",
+                    retry_after=5,
+                )
             resp = await handler(request)
         except ApiError as e:
             resp = self._error(e)

@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -95,6 +97,10 @@ def test_serving_a_checkpoint_with_its_tokenizer(tmp_path, report_logs):
         f"--checkpoint={ckpt}",
         "--port=0",
         f"--workdir={workdir}",
+        # warm-up on (the default) over small buckets: contexts of 512, forwards of 2 x 128
+        "--set=cluster.decode_max_len=512",
+        "--set=cluster.prefill_max_tokens=128",
+        "--set=cluster.prefill_max_batch=2",
     ]
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -106,6 +112,14 @@ def test_serving_a_checkpoint_with_its_tokenizer(tmp_path, report_logs):
             time.sleep(0.5)
         assert info_file.exists(), proc.stdout.read() if proc.poll() is not None else "no start"
         info = json.loads(info_file.read_text())
+        while proc.poll() is None and time.monotonic() < deadline:  # compiling: 503
+            try:
+                with urllib.request.urlopen(info["url"] + "/health", timeout=10) as r:
+                    if r.status == 200:
+                        break
+            except urllib.error.HTTPError as e:
+                assert e.code == 503, e
+            time.sleep(0.5)
         assert info["model"] == "tiny-qwen2-chat"
         api = openai.OpenAI(base_url=info["url"] + "/v1", api_key="-", max_retries=0, timeout=180)
         assert [m.id for m in api.models.list()] == ["tiny-qwen2-chat"]

@@ -557,3 +557,27 @@ def test_the_body_limit_follows_the_context():
             return r.status
 
     assert asyncio.run(go()) == 413
+
+
+def test_until_ready_health_and_requests_are_503_and_models_answer():
+    """A server whose cluster is still warming up (`ready` false) answers /health and every
+    request 503 with Retry-After, /v1/models 200; once ready, both serve."""
+    ready = threading.Event()
+
+    async def go():
+        cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257)
+        server = ApiServer(FakeClient(), ByteTokenizer(), cfg, ready=ready.is_set)
+        out = []
+        async with TestClient(TestServer(server.app())) as tc:
+            for _ in range(2):
+                health = await tc.get("/health")
+                models = await tc.get("/v1/models")
+                path, body, _ = _completion(prompt="hi", max_tokens=3)
+                r = await tc.post(path, json=body)
+                out.append((health.status, models.status, r.status, r.headers.get("Retry-After")))
+                ready.set()
+        return out
+
+    before, after = asyncio.run(go())
+    assert before == (503, 200, 503, "5")
+    assert after == (200, 200, 200, None)
