@@ -60,7 +60,8 @@ def main(argv):
     del argv
     if not is_loopback(_HOST.value) and not _API_KEY.value:
         raise app.UsageError(f"serving on {_HOST.value!r} (not loopback) needs --api_key")
-    cfg = serving_config(_flags.build_config("offline"), _CHECKPOINT.value)
+    pinned = any(s.split("=", 1)[0].strip() == "cluster.decode_max_len" for s in _flags.SET.value)
+    cfg = serving_config(_flags.build_config("offline"), _CHECKPOINT.value, pinned_context=pinned)
     cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, warmup=_WARMUP.value))
     wd = _flags.prepare_workdir(cfg)
     serve(

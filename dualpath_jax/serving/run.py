@@ -23,22 +23,74 @@ from dualpath_jax.config import ExperimentConfig
 log = logging.getLogger(__name__)
 
 
-def serving_config(cfg: ExperimentConfig, checkpoint: str | None) -> ExperimentConfig:
+HOST_KV_FRACTION = 0.25  # of this host's memory, shared by its DEs' KV pools (CPU platform)
+
+
+def serving_config(
+    cfg: ExperimentConfig, checkpoint: str | None, *, pinned_context: bool = False
+) -> ExperimentConfig:
     """`cfg` serving `checkpoint` (a Hugging Face directory): its model config and weights, and
-    decode slots no longer than its context."""
+    decode slots as long as its context (`max_position_embeddings`) where memory allows
+    (`context_limit`). `pinned_context`: the user set `cluster.decode_max_len`; it is kept (up
+    to the checkpoint's context)."""
     if not checkpoint:
         return cfg
     from dualpath_jax.model.checkpoint import config_from_hf
 
     path = pathlib.Path(checkpoint).absolute()
     model = config_from_hf(json.loads((path / "config.json").read_text()))
-    # A decode slot holds at most the model's context.
-    cluster = dataclasses.replace(
-        cfg.cluster,
-        params_path=str(path),
-        decode_max_len=min(cfg.cluster.decode_max_len, model.max_seq_len),
-    )
-    return dataclasses.replace(cfg, model=model, cluster=cluster)
+    cfg = dataclasses.replace(cfg, model=model)
+    if pinned_context:
+        context = min(cfg.cluster.decode_max_len, model.max_seq_len)
+    else:
+        context, _ = context_limit(cfg)
+    cluster = dataclasses.replace(cfg.cluster, params_path=str(path), decode_max_len=context)
+    return dataclasses.replace(cfg, cluster=cluster)
+
+
+def _host_platform() -> str:
+    """The platform engines with `cluster.platform=""` will find, without starting a JAX
+    backend here (on a GPU that would take the device's memory): `JAX_PLATFORMS` if it names
+    one, else "gpu" or "tpu" where their jaxlib plugin is installed, else "cpu"."""
+    import importlib.util
+
+    named = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+    if named:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(named, named)
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return "gpu"
+    return "tpu" if importlib.util.find_spec("libtpu") else "cpu"
+
+
+def context_limit(cfg: ExperimentConfig, host_bytes: int | None = None) -> tuple[int, str]:
+    """The longest context `cfg`'s cluster can serve, and what sets it: the model's
+    `max_seq_len`, or the KV memory of the decode slots, every slot full at that length:
+    `cluster.decode_kv_bytes` if given, on CPU a quarter of the host's memory (`host_bytes`,
+    default this host's) shared by the DEs; on GPU and TPU the DEs size their pools from the
+    device memory themselves, so the model's context stands."""
+    from dualpath_jax.model.layout import BlockLayout
+
+    c, bt = cfg.cluster, cfg.store.block_tokens
+    budget, where = c.decode_kv_bytes, "cluster.decode_kv_bytes"
+    if not budget and (c.platform or _host_platform()) == "cpu":
+        if host_bytes is None:
+            host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        des = c.decode_nodes * cfg.hardware.engines_per_node
+        budget = int(host_bytes * HOST_KV_FRACTION) // max(des, 1)
+        where = f"{HOST_KV_FRACTION:.0%} of host memory over {des} decode engine(s)"
+    model_max = cfg.model.max_seq_len
+    if not budget:
+        return model_max, "the model's max_seq_len"
+    per_token = BlockLayout.for_model(cfg.model, bt).nbytes // bt
+    fits = budget // (c.decode_slots * per_token) // bt * bt
+    if fits >= model_max:
+        return model_max, "the model's max_seq_len"
+    if fits < bt:
+        raise ValueError(
+            f"{c.decode_slots} decode slots of {per_token} bytes of KV per token do not fit"
+            f" {budget} bytes ({where}): lower cluster.decode_slots or raise the budget"
+        )
+    return fits, f"the KV memory of {c.decode_slots} decode slots ({where})"
 
 
 def serve(
@@ -68,10 +120,12 @@ def serve(
     name = model_name or (pathlib.Path(checkpoint).name if checkpoint else cfg.model.name)
     context = min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
     if cfg.cluster.decode_max_len < cfg.model.max_seq_len:
+        bound, what = context_limit(cfg)
+        why = f"that is {what}" if checkpoint and bound == context else "set by the config"
         log.info(
-            "context: %d tokens, set by cluster.decode_max_len (a decode slot's tokens); the model"
-            " allows %d (--set cluster.decode_max_len=N for more, memory permitting)",
-            context, cfg.model.max_seq_len,
+            "context: %d tokens, set by cluster.decode_max_len (a decode slot's tokens; %s); the"
+            " model allows %d (--set cluster.decode_max_len=N to choose, memory permitting)",
+            context, why, cfg.model.max_seq_len,
         )  # fmt: skip
     else:
         log.info("context: %d tokens, the model's max_seq_len", context)
