@@ -235,7 +235,7 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
     and an earlier chunk's rows kept on the device (`DeviceRowRun`, one per forward shape)."""
     import jax
 
-    from dualpath_jax.model.cached_kv import _scatter_rows, scatter_pages
+    from dualpath_jax.model.cached_kv import _row_of, _scatter_rows, scatter_pages
     from dualpath_jax.model.layout import BlockLayout
     from dualpath_jax.model.runner import bucket_len
     from dualpath_jax.transfer.prefill_load import _bytes_to_pages
@@ -249,6 +249,9 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
     for n in blocks:
         data = jax.device_put(np.zeros((n, bt, row_bytes), np.uint8), home)
         _bytes_to_pages(data, bt, m.kv_width, m.kv_dtype)
+    for b in batch_buckets(c.prefill_max_batch):  # a request's rows out of a batch's
+        for n_pad in news:
+            _row_of(jax.device_put(np.zeros((b, n_pad, m.kv_width), m.kv_dtype), home), 0)
     total = 4
     while total <= largest:
         for n in blocks:
@@ -257,12 +260,11 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
             pages = jax.device_put(np.zeros((total, 1, bt, m.kv_width), m.kv_dtype), home)
             dev = jax.device_put(np.zeros((n, bt, m.kv_width), m.kv_dtype), home)
             scatter_pages(pages, jax.device_put(np.zeros((n,), np.int32)), dev)
-        for b in batch_buckets(c.prefill_max_batch):
-            for n_pad in news:
-                pages = jax.device_put(np.zeros((total, 1, bt, m.kv_width), m.kv_dtype), home)
-                rows = jax.device_put(np.zeros((b, n_pad, m.kv_width), m.kv_dtype), home)
-                ids = jax.device_put(np.zeros((n_pad,), np.int32))
-                _scatter_rows(pages, ids, ids, rows, 0)
+        for n_pad in news:
+            pages = jax.device_put(np.zeros((total, 1, bt, m.kv_width), m.kv_dtype), home)
+            rows = jax.device_put(np.zeros((n_pad, m.kv_width), m.kv_dtype), home)
+            ids = jax.device_put(np.zeros((n_pad,), np.int32))
+            _scatter_rows(pages, ids, ids, rows)
         jax.numpy.zeros((total, 1, bt, m.kv_width), m.kv_dtype, device=home)
         total *= 2
 

@@ -186,7 +186,8 @@ class LayerPages:
                 blocks = jax.device_put(blocks, at)  # device to device: onto the forward's mesh
             pages = scatter_pages(pages, jax.device_put(ids), blocks)
         for run, ids, at in row_scatters:
-            pages = _scatter_rows(pages, jax.device_put(ids), jax.device_put(at), run.rows, run.b)
+            x = _row_of(run.rows, run.b)
+            pages = _scatter_rows(pages, jax.device_put(ids), jax.device_put(at), x)
         return cls(pages, copies.to_device(table, "prefill_table"))
 
     def to_device(self) -> LayerPages:
@@ -251,11 +252,19 @@ def grow_pages(pages, total):
     return jnp.zeros((total, *pages.shape[1:]), pages.dtype).at[: pages.shape[0]].set(pages)
 
 
+@jax.jit
+def _row_of(rows, b):
+    """Request b's rows `[N, W]` of a forward's layer output `[B, N, W]` (one program per
+    output shape, whichever request)."""
+    return jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
+
+
 @functools.partial(jax.jit, donate_argnums=0)
-def _scatter_rows(pages, ids, at, rows, b):
-    """pages `[P, 1, ps, W]` <- request b's rows of `rows` `[B, N, W]`, row j at page `ids[j]`,
-    offset `at[j]` (padding rows go to the scratch page)."""
-    x = jax.lax.dynamic_index_in_dim(rows, b, keepdims=False)
+def _scatter_rows(pages, ids, at, x):
+    """pages `[P, 1, ps, W]` <- rows `x` `[N, W]`, row j at page `ids[j]`, offset `at[j]`
+    (padding rows go to the scratch page). One program per page count and row count: the
+    request's rows are taken out of its batch first (`_row_of`), so the batch's size does not
+    multiply the shapes."""
     return pages.at[ids, 0, at].set(x.astype(pages.dtype))
 
 
