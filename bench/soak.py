@@ -22,13 +22,14 @@ import json
 import os
 import pathlib
 import random
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from cold_start import stop_server  # this directory's
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -261,13 +262,7 @@ def main(argv):
             asyncio.run(run())
             samples.append(sample(proc.pid, workdir, time.monotonic() - t0, url))
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(120)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            stop_server(proc)
             log.close()
     report = {
         "duration_s": f.duration_s,
