@@ -26,7 +26,6 @@ from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.engine.span import MirrorLeader
-from dualpath_jax.engine.warmup import batch_bucket
 from dualpath_jax.model.cached_kv import (
     CachedPages,
     DevicePages,
@@ -34,7 +33,7 @@ from dualpath_jax.model.cached_kv import (
     LayerPages,
     segment_tokens,
 )
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch, batch_bucket
 from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import GREEDY
 from dualpath_jax.model.sharding import host_value, whole

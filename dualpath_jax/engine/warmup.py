@@ -50,15 +50,6 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def batch_bucket(n: int, max_batch: int) -> int:
-    """Requests a prefill batch of `n` is padded to: a power of two, at most `max_batch`."""
-    return min(_pow2(n), max(max_batch, n))
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    return sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
-
-
 class CompileCounter:
     """Counts the programs this process compiled or loaded from the persistent compilation
     cache since the counter was made, through `jax.monitoring` (every jitted function, not
@@ -111,7 +102,8 @@ def enable_compilation_cache(cfg: ExperimentConfig, workdir: str | os.PathLike) 
     directory `JAX_COMPILATION_CACHE_DIR` names, else `workdir/jax_cache`. Returns it."""
     import jax
 
-    where = cfg.cluster.compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR", "")
+    # JAX reads JAX_COMPILATION_CACHE_DIR into its config at import
+    where = cfg.cluster.compilation_cache_dir or jax.config.jax_compilation_cache_dir or ""
     where = where or str(pathlib.Path(workdir) / "jax_cache")
     pathlib.Path(where).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", where)
@@ -147,7 +139,7 @@ def prefill_shapes(cfg: ExperimentConfig, min_bucket: int = 16) -> list[tuple[in
     of `cfg`: per batch bucket, per new-token bucket, per page-table width (0: nothing cached),
     the shortest request of that bucket, when a context holds it. The batch's other requests
     have one new token and nothing cached (the longest request sets the padded shapes)."""
-    from dualpath_jax.model.runner import bucket_len
+    from dualpath_jax.model.runner import batch_buckets, bucket_len
     from dualpath_jax.sched.intra import batch_kv_bound
     from dualpath_jax.sched.policy import make_policy
 
@@ -237,7 +229,7 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
 
     from dualpath_jax.model.cached_kv import _row_of, _scatter_rows, scatter_pages
     from dualpath_jax.model.layout import BlockLayout
-    from dualpath_jax.model.runner import bucket_len
+    from dualpath_jax.model.runner import batch_buckets, bucket_len
     from dualpath_jax.transfer.prefill_load import _bytes_to_pages
 
     m, c, bt = cfg.model, cfg.cluster, cfg.store.block_tokens

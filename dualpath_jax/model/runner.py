@@ -47,6 +47,15 @@ def bucket_len(n: int, minimum: int = 16, step: int = 1024) -> int:
     return -(-n // step) * step
 
 
+def batch_bucket(n: int, max_batch: int) -> int:
+    """Requests a prefill batch of `n` is padded to: a power of two, at most `max_batch`."""
+    return min(1 << max(0, n - 1).bit_length(), max(max_batch, n))
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    return sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
+
+
 def validate_tokens(cfg: ModelConfig, tokens: np.ndarray, what: str = "tokens") -> None:
     tokens = np.asarray(tokens)
     if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):

@@ -54,7 +54,9 @@ def _host_platform() -> str:
     one, else "gpu" or "tpu" where their jaxlib plugin is installed, else "cpu"."""
     import importlib.util
 
-    named = os.environ.get("JAX_PLATFORMS", "").split(",")[0].strip()
+    import jax  # reads JAX_PLATFORMS into its config at import; starts no backend
+
+    named = (jax.config.jax_platforms or "").split(",")[0].strip()
     if named:
         return {"cuda": "gpu", "rocm": "gpu"}.get(named, named)
     if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):

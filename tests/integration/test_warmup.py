@@ -16,7 +16,8 @@ import jax
 import pytest
 from test_cluster import RESULT_TIMEOUT_S, cluster_config, make_trajectories, tokens_of
 
-from dualpath_jax.engine.warmup import CompileCounter, batch_bucket, prefill_shapes
+from dualpath_jax.engine.warmup import CompileCounter, prefill_shapes
+from dualpath_jax.model.runner import batch_bucket
 from dualpath_jax.rollout import Session, round_sampling
 
 # Small buckets keep the warm-up short: contexts of up to 256 tokens, forwards of up to 64 new
