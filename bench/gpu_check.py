@@ -20,15 +20,17 @@ records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
   median of a few timed runs after a compiling one, against the model's FLOPs and bytes moved
   (`step_cost`): achieved FLOP/s and bytes/s and their fraction of the device's peak (`PEAKS`,
   by `device_kind`; null for a device not in it, e.g. a CPU). `--quick`: a tiny model.
-- `sharded`: a Qwen2.5-7B-shaped model of all its layers (random bf16 weights) made on a mesh
-  of every local device by `init_model(mesh=)` (`tensor` = the device count), then the same
-  prefill and decode as `roofline`, with the parameter bytes per device (`--quick`: tiny).
 - `layerwise`: `bench/layerwise.py`'s figures (program / resident and loop / resident, the
   overlap fractions) at its default shapes (`--quick`: its tiny shapes).
 - `h2d`: host-to-device bandwidth of a 256 MiB buffer (`--quick`: 4 MiB) from pageable numpy
   and from `pinned_host` memory, median of a few copies.
 - `channel`: the KV channel's bandwidth: two `JaxTransferChannel`s in this process on loopback,
   one offering 64 MiB of Layer Blocks (`--quick`: 1 MiB) and the other pulling them.
+- `sharded`: a Qwen2.5-7B-shaped model of all its layers (random bf16 weights) made on a mesh
+  of every local device by `init_model(mesh=)` (`tensor` = the device count), then the same
+  prefill and decode as `roofline`, with the parameter bytes per device (`--quick`: tiny).
+  Last, as the longest: on an H200 (jax 0.11.2) the model's one initialiser program compiled
+  for minutes; `init_model` now compiles one program per kind of layer.
 
 On a CPU, pinned host and device memory are both host DRAM, so `h2d` and the layerwise copies
 time host copies (or none); the figures that measure the data path come from an accelerator.
@@ -381,10 +383,10 @@ CHECKS: dict[str, Callable[[bool], dict]] = {
     "memory": _memory,
     "dispatch": _dispatch,
     "roofline": _roofline,
-    "sharded": _sharded,
     "layerwise": _layerwise,
     "h2d": _h2d,
     "channel": _channel,
+    "sharded": _sharded,  # last: a real-size model made on the mesh takes the longest
 }
 
 

@@ -26,8 +26,8 @@ def gpu_check(bench_modules):
 @pytest.mark.slow  # a benchmark script's run: the full tier
 def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     assert list(gpu_check.CHECKS) == [
-        "kernel", "greedy", "memory", "dispatch", "roofline", "sharded", "layerwise", "h2d",
-        "channel",
+        "kernel", "greedy", "memory", "dispatch", "roofline", "layerwise", "h2d", "channel",
+        "sharded",
     ]  # fmt: skip
     result = gpu_check.run(tmp_path, quick=True, names=ON_CPU)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -54,7 +54,10 @@ class OnlineSoftmax:
         if self.small(a, b):
             return broadcast_dot(a, b, contract_b)
         dims = (((1,), (contract_b,)), ((), ()))
-        return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        # f32 operands at full precision: Triton's default for them is TF32 (10-bit mantissa),
+        # which moved a tiny DeepSeek model's greedy tokens on an H200; bf16 is unaffected
+        exact = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        return jax.lax.dot_general(a, b, dims, precision=exact, preferred_element_type=jnp.float32)
 
     def init(self, rows: int) -> tuple:
         """Empty accumulators (one per value segment), maxima and sums."""

@@ -87,20 +87,42 @@ class Transformer(nnx.Module):
 
 def init_model(cfg: ModelConfig, seed: int = 0, *, mesh: Mesh | None = None) -> Transformer:
     """A randomly initialised model (the tiny presets in tests and demos). With `mesh`, every
-    parameter is created already split over the mesh (`sharding.param_shardings`): the
-    initialiser runs as one compiled program whose outputs are the shards, so no device ever
-    holds the whole model. The values equal the unsharded model's of the same seed."""
+    parameter is created already split over the mesh (`sharding.param_shardings`), so no device
+    ever holds the whole model: the embedding, each layer and the head are made by their own
+    compiled program whose outputs are the shards (one program per kind of layer, dense or
+    MoE, so a real-size model compiles a few small programs, and a program's temporaries are one
+    layer's random bits, not the whole model's). The values equal the unsharded model's of the
+    same seed: each part continues the one random stream where the part before it stopped."""
     if mesh is None:
         return Transformer(cfg, rngs=nnx.Rngs(seed))
     mesh = sharding.check_mesh(mesh)
     gd, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed))))
     shardings = sharding.param_shardings(nnx.to_pure_dict(state), mesh, cfg)
-
-    def make():
-        return nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
-
+    parts = [("embed", None, lambda r: Embed(cfg, r))]
+    # a layer's index only chooses its kind: layers of one kind share their program
+    parts += [("layers", i, lambda r, i=i: DecoderLayer(cfg, i, r)) for i in range(cfg.num_layers)]
+    parts.append(("head", None, lambda r: Head(cfg, r)))
+    programs: dict = {}
+    pure: dict = {"layers": {}}
+    count = jnp.zeros((), jnp.uint32)  # the stream's draws so far
     with jax.set_mesh(mesh):
-        pure = jax.jit(make, out_shardings=shardings)()
+        for name, i, build in parts:
+            out = shardings[name] if i is None else shardings[name][i]
+            key = (name, i is not None and cfg.is_moe_layer(i))
+            if key not in programs:
+
+                def make(start, build=build):
+                    rngs = nnx.Rngs(seed)
+                    rngs.default.count[...] = start
+                    part = nnx.to_pure_dict(nnx.state(build(rngs)))
+                    return part, rngs.default.count[...]
+
+                programs[key] = jax.jit(make, out_shardings=(out, None))
+            part, count = programs[key](count)
+            if i is None:
+                pure[name] = part
+            else:
+                pure[name][i] = part
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(gd, state)
 

@@ -58,7 +58,7 @@ class JaxTransferChannel(KVChannel):
         *,
         bind: str = "127.0.0.1:0",
         transport_addresses: Sequence[str] = ("127.0.0.1:0",) * 4,
-        use_raw_buffers: bool = True,
+        use_raw_buffers: bool | None = None,
         offer_ttl_s: float | None = 120.0,
         probe_every_s: float = 1.0,
         pull_workers: int = 4,
@@ -68,6 +68,9 @@ class JaxTransferChannel(KVChannel):
         bind / transport_addresses: control and bulk-data listen addresses (loopback by default);
           several bulk-data sockets and raw buffers gave ~20% more throughput for 64 MiB blocks on
           CPU (bench/transfer.py). Peers may use different settings.
+        use_raw_buffers: None (default) uses them on CPU only: the CUDA PJRT plugin of jax
+          0.11.2 refuses an offer from device memory with raw buffers ("UNIMPLEMENTED: RawBuffer
+          extension not implemented in this PJRT plugin", seen on an H200).
         probe_every_s: while a pull waits, check this often that the peer still listens, so a
           closed peer fails the pull early instead of at its deadline.
         """
@@ -76,6 +79,8 @@ class JaxTransferChannel(KVChannel):
 
         self._device = device if device is not None else jax.local_devices()[0]
         self._sharding = SingleDeviceSharding(self._device)
+        if use_raw_buffers is None:
+            use_raw_buffers = self._device.platform == "cpu"
         if not transport_addresses:
             raise ValueError("transport_addresses must not be empty")
         self._server = jax_transfer.start_transfer_server(

@@ -203,3 +203,25 @@ def test_the_program_lowers_for_gpu_and_tpu_with_their_kernel():
         assert call in text
         assert not any(other in text for other in calls.values() if other != call)
     assert not any(c in traced.lower().as_text() for c in calls.values())
+
+
+@pytest.mark.parametrize(("dtype", "want"), [(jnp.float32, {"ieee"}), (jnp.bfloat16, {"tf32"})])
+def test_f32_pages_are_multiplied_at_full_precision_by_triton(monkeypatch, dtype, want):
+    """Triton multiplies f32 operands in TF32 unless told otherwise (on an H200 that moved a
+    tiny DeepSeek model's greedy tokens under the kernel): the GPU form asks for IEEE products
+    of f32 pages; bf16 products are bf16 whatever the flag says."""
+    lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
+    seen, dot = [], lowering.tt_dialect.dot
+
+    def spy(a, b, acc, input_precision=None, **kw):
+        seen.append(str(input_precision))
+        return dot(a, b, acc, input_precision=input_precision, **kw)
+
+    monkeypatch.setattr(lowering.tt_dialect, "dot", spy)
+    layout = RowLayout.gqa(2, 16)  # dots of 16 and more: a matmul, not a broadcast product
+    q, pages, table, lens, new = (
+        jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _case(layout, 4, dtype, n=16, ps=16)
+    )
+    attend = jax.jit(functools.partial(pa.paged_attention, layout=layout, scale=0.25))
+    attend.trace(q, pages, table, lens, new).lower(lowering_platforms=("cuda",))
+    assert seen and set(seen) == want
