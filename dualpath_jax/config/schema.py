@@ -222,6 +222,14 @@ class ClusterConfig:
     heartbeat_timeout_s: float = 10.0
     # Rounds fail with kind `engine` once no live engine of a role has been seen for this long.
     no_engine_timeout_s: float = 30.0
+    # A session with no round running for this long is closed by the router, as a CloseSession
+    # without release would (its retention ends, its block claims are dropped); its client's
+    # next round is refused, naming the expiry. 0: sessions never expire.
+    session_idle_timeout_s: float = 3600.0
+    # The router's events.jsonl is rotated once it holds this many bytes (0: never), keeping
+    # `events_keep` rotated files (events.jsonl.1 the newest); readers read them all in order.
+    events_max_bytes: int = 256 << 20
+    events_keep: int = 4
     decode_slots: int = 8
     # Jobs a DE holds beyond its slots (waiting for a slot); the router assigns no more.
     decode_queue: int = 8

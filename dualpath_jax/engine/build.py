@@ -320,7 +320,7 @@ def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> Bui
         on_events = None if publisher is None else functools.partial(publisher.post, "router")
         store = fault_injection(c.fault_file, "router").store(open_store(cfg, workdir, on_events))
         closers.append(store.close)
-        events = EventLog(pathlib.Path(workdir) / "events.jsonl")
+        events = EventLog(pathlib.Path(workdir) / "events.jsonl", c.events_max_bytes, c.events_keep)
         closers.append(events.close)
         router = Router(cfg, server, store, sched, events, kv_events=publisher)
     except BaseException:

@@ -39,6 +39,7 @@ COUNTERS = (
     "recompute_hits",
     "recompute_lead_hits",
     "recompute_hit_blocks",
+    "sessions_expired",  # closed for being idle cluster.session_idle_timeout_s
 )
 
 

@@ -83,6 +83,10 @@ class ParamsCoordinator:
     def holds_round_of(self, ident: bytes, session: str) -> bool:
         return any(i == ident and m.session == session for i, m in self.held)
 
+    def holds_session(self, session: str) -> bool:
+        """Whether a round of `session` waits for the update to end."""
+        return any(m.session == session for _, m in self.held)
+
     def cancel_held(self, ident: bytes, msg: messages.CancelRound) -> bool:
         """Ends `ident`'s held round `msg.request` as cancelled; False if there is none."""
         for i, (who, sub) in enumerate(self.held):

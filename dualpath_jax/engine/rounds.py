@@ -11,6 +11,15 @@ no decode engine's KV pool could ever hold it, and looked up in the store: the h
 stored prefix in whole blocks, keeping at least one new token to produce logits. Then it joins
 the scheduler's queue (`scheduler.max_queue` beyond which it is refused as `overloaded`).
 
+The store is never waited on for long on the router's loop: a lookup (or a close's release)
+answered within `QUICK_WAIT_S` goes on at once, a slower one waits in `waiting` while the loop
+serves everything else, and `poll_store` (called by the loop) goes on with it when its answer
+comes, or fails it with kind `store` at `store.timeout_s`. A slow store slows its own rounds,
+never heartbeats, pings or other sessions.
+
+Sessions idle for `cluster.session_idle_timeout_s` (no round running or being admitted) are
+closed on the loop's tick (`expire_idle`) as a `CloseSession` without release would close them.
+
 A round leaves by `finish` (its tokens extend the session; the client gets a `RoundResult`) or by
 `end` (unfinished: it leaves every queue and the client gets `Error(kind)`). Either way its
 session is free again and idle for its retention TTL (engine/retention.py).
@@ -18,9 +27,12 @@ session is free again and idle for its retention TTL (engine/retention.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
+from concurrent import futures
+from typing import Any
 
 import msgspec
 
@@ -37,6 +49,21 @@ from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import Request
 
 log = logging.getLogger(__name__)
+
+# How long the loop waits for the store in line: a local store answers a lookup in about a
+# millisecond, so most rounds go on at once; slower answers are taken up by `poll_store`.
+QUICK_WAIT_S = 0.005
+
+
+@dataclasses.dataclass
+class StoreWait:
+    """A store call the loop goes on with when it is answered (`done(result)`), or fails
+    (`failed(error)`) at `deadline`."""
+
+    future: futures.Future
+    deadline: float
+    done: Callable[[Any], None]
+    failed: Callable[[Exception], None]
 
 
 class Rounds:
@@ -55,6 +82,7 @@ class Rounds:
         out: Outbox,
         clock: Callable[[], float],
         publish_kv: Callable[[], None],
+        quick_wait_s: float = QUICK_WAIT_S,
     ):
         self.table = table
         self.store = store
@@ -67,6 +95,68 @@ class Rounds:
         self.out = out
         self.clock = clock
         self.publish_kv = publish_kv
+        self.quick_wait_s = quick_wait_s
+        self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
+        self.waiting: list[StoreWait] = []
+        # what a client said of its round while the round was being admitted:
+        # request -> (the client, "cancel" or "finish")
+        self.admission_says: dict[str, tuple[bytes, str]] = {}
+
+    # ------------------------------------------------------------------ the store, off the loop
+
+    def after_store(
+        self,
+        future: futures.Future,
+        done: Callable[[Any], None],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        """Goes on with `done(result)` once `future` is answered (at once if it is within
+        `quick_wait_s`), or `failed(error)` if it fails or is not answered within
+        `store.timeout_s`."""
+        futures.wait([future], timeout=self.quick_wait_s)
+        if future.done():
+            return self._settle(future, done, failed)
+        deadline = self.clock() + self.store_timeout_s
+        self.waiting.append(StoreWait(future, deadline, done, failed))
+
+    def poll_store(self) -> None:
+        """Goes on with the store calls answered since, and fails those past their deadline."""
+        if not self.waiting:
+            return
+        now = self.clock()
+        pending, self.waiting = self.waiting, []
+        for w in pending:
+            if w.future.done():
+                self._settle(w.future, w.done, w.failed)
+            elif now >= w.deadline:
+                w.future.cancel()
+                w.failed(TimeoutError(f"no answer in {self.store_timeout_s:g} s"))
+            else:
+                self.waiting.append(w)
+
+    @staticmethod
+    def _settle(future: futures.Future, done, failed) -> None:
+        try:
+            result = future.result(0)
+        except Exception as e:  # noqa: BLE001 - the store's failure is its caller's error
+            return failed(e)
+        done(result)
+
+    # ------------------------------------------------------------------ idle sessions
+
+    def expire_idle(self) -> None:
+        """Closes the sessions idle for `cluster.session_idle_timeout_s` (none if 0): their
+        retention ends and their claims are dropped, their blocks stay for other hits."""
+        if not self.idle_timeout_s:
+            return
+        for s in self.table.idle(self.idle_timeout_s):
+            if self.params.holds_session(s):  # a round of it waits for a params update
+                continue
+            self.retention.closed(s)
+            self.table.expire(s, self.idle_timeout_s)
+            self.store.disown(s)
+            self.out.count("sessions_expired")
+            self.out.event("session_expired", session=s, idle_s=self.idle_timeout_s)
 
     # ------------------------------------------------------------------ sessions
 
@@ -95,16 +185,21 @@ class Rounds:
             )
         self.retention.closed(msg.session)
         self.table.close(msg.session)
-        if msg.release:
-            try:
-                n = self.store.release(msg.session).result(self.store_timeout_s)
-            except Exception as e:  # noqa: BLE001 - the session is closed either way
-                return self.out.fail(
-                    ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store"
-                )
+        if not msg.release:
+            self.store.disown(msg.session)  # its blocks stay; the index forgets the session
+            return self.out.send(ident, messages.Ack(ref=msg.session))
+
+        def released(n: int) -> None:
             self.out.event("release", session=msg.session, blocks=n)
             self.publish_kv()
-        self.out.send(ident, messages.Ack(ref=msg.session))
+            self.out.send(ident, messages.Ack(ref=msg.session))
+
+        def failed(e: Exception) -> None:  # the session is closed either way
+            self.out.fail(
+                ident, msg.session, f"releasing the session's blocks failed: {e}", kind="store"
+            )
+
+        self.after_store(self.store.release(msg.session), released, failed)
 
     # ------------------------------------------------------------------ admission
 
@@ -129,10 +224,42 @@ class Rounds:
                 f" KV budget of {room} tokens",
             )
         keys = block_keys(prompt, self.bt, self.params.fingerprint)
-        try:
-            hit = self.store.lookup(keys).result(self.store_timeout_s)
-        except Exception as e:  # noqa: BLE001 - store failures become the request's error
-            return fail(ident, msg.request, f"store unavailable: {e}", kind="store")
+        session = self.table[msg.session]
+        self.table.begin_admission(ident, msg)
+
+        def looked_up(hit: int) -> None:
+            if self._admission_ended(ident, msg, session):
+                return
+            self._admit(ident, msg, prompt, keys, hit)
+
+        def failed(e: Exception) -> None:  # store failures become the request's error
+            if not self._admission_ended(ident, msg, session):
+                fail(ident, msg.request, f"store unavailable: {e}", kind="store")
+
+        self.after_store(self.store.lookup(keys), looked_up, failed)
+
+    def _admission_ended(self, ident: bytes, msg: messages.Submit, session: Any) -> bool:
+        """The lookup of `msg` answered: True if the round ends here (its session was closed,
+        or its client cancelled it meanwhile), the client told so."""
+        s = self.table.end_admission(msg.request)
+        said = self.admission_says.get(msg.request, (ident, ""))
+        if s is None or s is not session or said[1] == "cancel":
+            self.admission_says.pop(msg.request, None)
+        if s is None or s is not session:
+            self.out.fail(ident, msg.request, f"session {msg.session!r} was closed")
+            return True
+        if said[1] == "cancel":
+            self.out.count("cancelled")
+            self.out.event("cancel", request=msg.request)
+            self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
+            return True
+        return False
+
+    def _admit(
+        self, ident: bytes, msg: messages.Submit, prompt: list[int], keys: list[str], hit: int
+    ) -> None:
+        """Queues `msg`'s round, whose stored prefix is `hit` blocks of `keys`."""
+        finish = self.admission_says.pop(msg.request, (ident, ""))[1] == "finish"
         if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
             hit -= 1
         req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
@@ -140,12 +267,14 @@ class Rounds:
             self.scheduler.submit(req)
         except QueueFull as e:
             self.out.count("overloaded")
-            return fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
-        self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
+            return self.out.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
+        st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
         self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
         self.out.event(
             "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
         )
+        if finish:
+            st.finish_requested = True
 
     # ------------------------------------------------------------------ progress
 
@@ -205,6 +334,10 @@ class Rounds:
     # ------------------------------------------------------------------ the client's say
 
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
+        if msg.request in self.table.admitting:  # it ends when its lookup answers
+            if self.table.admitting_client(msg.request) == ident:
+                self.admission_says[msg.request] = (ident, "cancel")
+            return
         st = self.table.requests.get(msg.request)
         if st is None or st.client != ident:
             return
@@ -216,6 +349,10 @@ class Rounds:
     def on_finish(self, ident: bytes, msg: messages.FinishRound) -> None:
         """Completes a round now with the tokens it has; a round not yet at a DE finishes as
         soon as its first token is there (the request is remembered for every attempt)."""
+        if msg.request in self.table.admitting:
+            if self.table.admitting_client(msg.request) == ident:
+                self.admission_says.setdefault(msg.request, (ident, "finish"))
+            return
         st = self.table.requests.get(msg.request)
         if st is None or st.client != ident or st.finish_requested:
             return

@@ -49,7 +49,7 @@ from dualpath_jax.engine.liveness import EngineRegistry, Liveness
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params_update import ParamsCoordinator
 from dualpath_jax.engine.retention import Retention
-from dualpath_jax.engine.rounds import Rounds
+from dualpath_jax.engine.rounds import QUICK_WAIT_S, Rounds
 from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.engine.sessions import SessionTable
 from dualpath_jax.kvstore.store import BlockStore
@@ -61,10 +61,12 @@ from dualpath_jax.sched.types import ReadPath
 log = logging.getLogger(__name__)
 
 TICK_S = 0.1  # how often the loop checks liveness and params timeouts
+EXPIRY_EVERY_S = 1.0  # how often the tick looks for idle sessions to expire
 
 
 class Router:
-    """Serves clients and engines on one `RpcServer`. Clocks are injected (`clock`).
+    """Serves clients and engines on one `RpcServer`. Clocks are injected (`clock`);
+    `store_wait_s` is how long the loop waits in line for the store (engine/rounds.py).
     `kv_events` publishes the cluster's KV events (None: they are not published); the router's
     own store posts to it as `router`."""
 
@@ -77,22 +79,28 @@ class Router:
         events: EventLog | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_events: KVEventPublisher | None = None,
+        store_wait_s: float = QUICK_WAIT_S,
     ):
         self.cfg = cfg
         self.server = server
         self.store = store
         self.scheduler = scheduler
         self.clock = clock
+        self._last_expiry = clock()
         self.stopping = False
         self.out = Outbox(server, events, clock)
         registry = EngineRegistry(cfg.cluster, clock)
         table = SessionTable(
-            cfg.model.vocab_size, min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
+            cfg.model.vocab_size, min(cfg.model.max_seq_len, cfg.cluster.decode_max_len), clock
         )
         self.kv = KVEventRelay(kv_events, registry)
         self.retention = Retention(store, cfg.store.retention_ttl_s, registry, self.out, clock)
         self.params = params = ParamsCoordinator(
-            cfg, registry, self.out, clock, in_flight=lambda: len(table.requests)
+            cfg,
+            registry,
+            self.out,
+            clock,
+            in_flight=lambda: len(table.requests) + len(table.admitting),
         )
         self.rounds = Rounds(
             cfg,
@@ -105,6 +113,7 @@ class Router:
             self.out,
             clock,
             publish_kv=self.kv.publish,
+            quick_wait_s=store_wait_s,
         )
         self.dispatch = Dispatch(
             cfg,
@@ -159,7 +168,8 @@ class Router:
         """Runs until a `Shutdown` arrives (or `until()` is true)."""
         last_tick = self.clock()
         while not self.stopping and not (until and until()):
-            got = self.server.recv(timeout_ms=20)
+            # while the store owes answers, look for them often (rounds wait on them)
+            got = self.server.recv(timeout_ms=2 if self.rounds.waiting else 20)
             if got is not None:
                 ident, msg, role = got
                 try:
@@ -169,6 +179,10 @@ class Router:
                     ref = getattr(msg, "request", "")
                     self.out.send(ident, messages.Error(ref=ref, message=str(e)))
                 self.kv.publish()  # also what a failed handler's store calls reported
+            if self.rounds.waiting:
+                self.rounds.poll_store()
+                self.move_on()
+                self.kv.publish()
             now = self.clock()
             if now - last_tick >= TICK_S:
                 self.tick(now)
@@ -198,6 +212,9 @@ class Router:
         self.move_on()
         self.params.check_timeout(now)
         self.resume_held()
+        if now - self._last_expiry >= EXPIRY_EVERY_S:
+            self.rounds.expire_idle()
+            self._last_expiry = now
 
     def move_on(self) -> None:
         """A params update drains, loads or ends; rounds held during one run once it is over."""

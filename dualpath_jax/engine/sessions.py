@@ -12,8 +12,11 @@ dispatch part (engine/dispatch.py) records each assignment to engines on the rou
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import time
+from collections.abc import Callable
 
 from dualpath_jax.engine import messages
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
@@ -24,7 +27,8 @@ from dualpath_jax.sched.types import Assignment, Request
 class SessionState:
     id: str
     context: list[int] = dataclasses.field(default_factory=list)  # A_1 G_1 ... (appendix A.3)
-    busy: bool = False
+    busy: bool = False  # a round runs, or is being admitted
+    last_active: float = 0.0  # when it opened, or a round of it started or ended (table clock)
 
 
 @dataclasses.dataclass
@@ -103,15 +107,24 @@ class RequestState:
         )
 
 
+# Expired sessions remembered to name the expiry in the error of their next round.
+EXPIRED_REMEMBERED = 4096
+
+
 class SessionTable:
     """Sessions by id (`table[id]`, `id in table`) and the rounds in flight (`requests`, by
-    request id). `vocab_size` and `max_len` (prompt + generated tokens) bound a round."""
+    request id); `admitting` the rounds between their checks and their store lookup's answer
+    (request id -> session and client). `vocab_size` and `max_len` (prompt + generated tokens) bound a
+    round."""
 
-    def __init__(self, vocab_size: int, max_len: int):
+    def __init__(self, vocab_size: int, max_len: int, clock: Callable[[], float] = time.monotonic):
         self.vocab_size = vocab_size
         self.max_len = max_len
+        self.clock = clock
         self.sessions: dict[str, SessionState] = {}
         self.requests: dict[str, RequestState] = {}
+        self.admitting: dict[str, tuple[str, bytes]] = {}  # request -> (session, client)
+        self.expired: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def __getitem__(self, session: str) -> SessionState:
         return self.sessions[session]
@@ -128,17 +141,55 @@ class SessionTable:
         """Opens `session`, or continues it if `resume`; False if it exists and not `resume`."""
         if session in self.sessions and not resume:
             return False
-        self.sessions.setdefault(session, SessionState(session))
+        self.sessions.setdefault(session, SessionState(session)).last_active = self.clock()
+        self.expired.pop(session, None)
         return True
 
     def close(self, session: str) -> None:
         del self.sessions[session]
+
+    def idle(self, timeout_s: float) -> list[str]:
+        """Sessions with no round running or being admitted for `timeout_s` or longer."""
+        since = self.clock() - timeout_s
+        return [s.id for s in self.sessions.values() if not s.busy and s.last_active <= since]
+
+    def expire(self, session: str, timeout_s: float) -> None:
+        """Closes `session` for being idle `timeout_s`, remembering it (a bounded number) so
+        its client's next round is told why."""
+        self.close(session)
+        self.expired[session] = timeout_s
+        while len(self.expired) > EXPIRED_REMEMBERED:
+            self.expired.popitem(last=False)
+
+    def admitting_client(self, request: str) -> bytes | None:
+        got = self.admitting.get(request)
+        return None if got is None else got[1]
+
+    def begin_admission(self, client: bytes, msg: messages.Submit) -> None:
+        """`msg` passed its checks and waits for its store lookup: its session is busy and its
+        request id taken until `end_admission`."""
+        self.sessions[msg.session].busy = True
+        self.admitting[msg.request] = (msg.session, client)
+
+    def end_admission(self, request: str) -> SessionState | None:
+        """The lookup answered (or failed): the session (None if it was closed meanwhile) is
+        free again until `start_round`."""
+        session, _ = self.admitting.pop(request, ("", b""))
+        s = self.sessions.get(session)
+        if s is not None:
+            s.busy = False
+        return s
 
     # ------------------------------------------------------------------ rounds
 
     def session_problem(self, msg: messages.Submit) -> str:
         """Why `msg`'s session cannot take a round now ("" if it can)."""
         s = self.sessions.get(msg.session)
+        if s is None and msg.session in self.expired:
+            return (
+                f"session {msg.session!r} expired after {self.expired[msg.session]:g} s without"
+                " a round (cluster.session_idle_timeout_s); open a new session"
+            )
         if s is None:
             return f"unknown session {msg.session!r}"
         if s.busy:
@@ -147,7 +198,7 @@ class SessionTable:
 
     def round_problem(self, msg: messages.Submit) -> str:
         """What is wrong with the round itself ("" if nothing); its session must exist."""
-        if msg.request in self.requests:
+        if msg.request in self.requests or msg.request in self.admitting:
             return f"duplicate request id {msg.request!r}"
         if msg.gen <= 0:
             return f"gen must be > 0, got {msg.gen}"
@@ -184,6 +235,7 @@ class SessionTable:
     ) -> RequestState:
         """Records a queued round (`keys`: its hit's block keys); its session is busy."""
         self.sessions[msg.session].busy = True
+        self.sessions[msg.session].last_active = now
         st = RequestState(
             msg.request,
             msg.session,
@@ -206,6 +258,7 @@ class SessionTable:
         if s is not None:
             s.context = st.prompt + tokens
             s.busy = False
+            s.last_active = self.clock()
         self.requests.pop(st.id, None)
 
     def drop(self, st: RequestState) -> None:
@@ -213,6 +266,7 @@ class SessionTable:
         s = self.sessions.get(st.session)
         if s is not None:
             s.busy = False
+            s.last_active = self.clock()
         self.requests.pop(st.id, None)
 
     def on_engine(self, engine: int) -> list[RequestState]:

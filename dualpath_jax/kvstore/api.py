@@ -135,6 +135,11 @@ class BlockStore(abc.ABC):
         """Ends trajectory `owner`: deletes the blocks no other live trajectory claims."""
 
     @abc.abstractmethod
+    def disown(self, owner: str) -> None:
+        """Forgets trajectory `owner` (its claims and retention) and keeps its blocks: a session
+        closed without release, or expired."""
+
+    @abc.abstractmethod
     def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
         """Session retention of trajectory `owner`'s claimed blocks (`index.BlockIndex.retain`):
         `"active"` while a round runs, `"idle"` for `ttl_s` seconds after it, `"ended"`."""

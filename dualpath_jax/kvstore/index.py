@@ -289,6 +289,25 @@ class BlockIndex:
                     orphans.append(key)
         return self.doom(orphans, "released")
 
+    def disown(self, owner: str) -> None:
+        """Forgets trajectory `owner` and its claims, deleting nothing: its keys stay stored,
+        evictable like any other unclaimed key (a session closed without release, or expired).
+        Without this the index would remember every closed session's keys for ever."""
+        with self._lock:
+            self._set_retained(owner, False)
+            self._retention.pop(owner, None)
+            for key in self._owned.pop(owner, {}):
+                owners = self._owners.get(key)
+                if owners is not None:
+                    owners.discard(owner)
+                    if not owners:
+                        del self._owners[key]
+
+    def claims(self) -> int:
+        """(owner, key) claims recorded: bounded by the live trajectories' keys."""
+        with self._lock:
+            return sum(len(keys) for keys in self._owned.values())
+
     def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
         """Sets trajectory `owner`'s retention: `"active"` (a round runs), `"idle"` (its round
         ended: retained for `ttl_s` more seconds) or `"ended"` (not retained any more). A no-op

@@ -462,6 +462,10 @@ class TensorStoreBlockStore(BlockStore):
     def release(self, owner: str) -> futures.Future[int]:
         return self._submit(self._delete_now, self.index.release(owner), "released")
 
+    def disown(self, owner: str) -> None:
+        """Drops `owner`'s claims and retention, keeping its blocks (`BlockIndex.disown`)."""
+        self.index.disown(owner)
+
     def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
         self.index.retain(owner, state, priority, ttl_s)
 

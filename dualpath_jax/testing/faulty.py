@@ -192,6 +192,9 @@ class FaultyStore(BlockStore):
     def release(self, owner: str) -> futures.Future[int]:
         return self.inner.release(owner)
 
+    def disown(self, owner: str) -> None:
+        self.inner.disown(owner)
+
     def retain(self, owner: str, state: str, priority: int = 0, ttl_s: float = 0.0) -> None:
         self.inner.retain(owner, state, priority, ttl_s)
 

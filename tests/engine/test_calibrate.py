@@ -166,7 +166,7 @@ def router(monkeypatch, tmp_path):
     store = open_block_store(cfg.store, cfg.model)
     sched = GlobalScheduler(Policy.DUALPATH, beta=math.inf)
     events = EventLog(tmp_path / "events.jsonl")
-    r = Router(cfg, server, store, sched, events, clock=lambda: 0.0)
+    r = Router(cfg, server, store, sched, events, clock=lambda: 0.0, store_wait_s=60.0)
     monkeypatch.setattr(server, "send", lambda ident, msg: None)
     yield r
     events.close()

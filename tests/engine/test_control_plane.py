@@ -462,7 +462,9 @@ def rig(monkeypatch):
     )
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
-    router = Router(cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0)
+    router = Router(
+        cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0, store_wait_s=60.0
+    )
     sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
     r = RouterRig(router, sent)

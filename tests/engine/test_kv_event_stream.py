@@ -239,7 +239,13 @@ def rig(monkeypatch):
     pub = KVEventPublisher(cfg.cluster.kv_events_address)
     store = open_block_store(cfg.store, cfg.model, on_events=functools.partial(pub.post, "router"))
     router = Router(
-        cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0, kv_events=pub
+        cfg,
+        server,
+        store,
+        GlobalScheduler(Policy.DUALPATH),
+        clock=lambda: 0.0,
+        kv_events=pub,
+        store_wait_s=60.0,
     )
     sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))

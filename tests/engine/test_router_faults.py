@@ -73,7 +73,7 @@ class Rig:
         return [j for i, m in sent if i == DE_ID and isinstance(m, messages.Work) for j in m.jobs]
 
 
-def make_rig(**cluster) -> Rig:
+def make_rig(store_wait_s: float = 60.0, **cluster) -> Rig:
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
         store=StoreConfig(kind="memory", block_tokens=BT),
@@ -84,7 +84,7 @@ def make_rig(**cluster) -> Rig:
     store = open_block_store(cfg.store, cfg.model)
     clock = Clock()
     sched = GlobalScheduler(Policy.DUALPATH, de_max_seqs=c.decode_slots + c.decode_queue)
-    router = Router(cfg, server, store, sched, clock=clock)
+    router = Router(cfg, server, store, sched, clock=clock, store_wait_s=store_wait_s)
     sent: list[tuple[bytes, messages.Msg]] = []
     server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
     rig = Rig(router, sent, clock)

@@ -79,6 +79,20 @@ def test_release_keeps_keys_another_owner_claims():
     assert idx.release("unknown") == []
 
 
+def test_disown_forgets_an_owner_and_keeps_its_keys():
+    idx = BlockIndex(policy="retention")
+    idx.touch([k(i) for i in range(3)], 1)
+    idx.claim("b", [k(0)])
+    base = idx.claims()
+    for n in range(200):  # many sessions come and go: the claims return to where they were
+        idx.claim(f"s{n}", [k(0), k(1), k(2)])
+        idx.retain(f"s{n}", "idle", ttl_s=60.0)
+        idx.disown(f"s{n}")
+    assert idx.claims() == base == 1 and idx.retained_count == 0
+    assert idx.blocks == 3 and idx.owned_by("b") == {k(0)}
+    assert idx.release("b") == [k(0)]  # b was the last owner of k(0); k(1), k(2) unclaimed
+
+
 def test_random_operations_keep_the_invariants():
     rng = np.random.default_rng(0)
     idx = BlockIndex(capacity_bytes=50)

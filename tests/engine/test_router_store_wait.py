@@ -1,0 +1,167 @@
+"""The router's loop never waits long on the store, and keeps no state for sessions that are
+gone: a slow lookup or release leaves pings, other sessions and engines served, and fails only its
+own round (kind `store`) at `store.timeout_s`; a round cancelled while it is looked up ends
+cancelled; sessions idle for `cluster.session_idle_timeout_s` are closed, and a closed session's
+claims leave the block index while its blocks stay."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import pytest
+from test_router_faults import Rig, make_rig
+
+from dualpath_jax.engine import messages
+
+
+@pytest.fixture()
+def slow():
+    """A rig whose store lookups and releases answer only when the test says
+    (`rig.answers` holds their futures, oldest first); the loop waits for none of them."""
+    rig = make_rig(store_wait_s=0.0, session_idle_timeout_s=10.0)
+    answers: list[futures.Future] = []
+
+    def later(*_):
+        f: futures.Future = futures.Future()
+        answers.append(f)
+        return f
+
+    rig.router.store.lookup = later  # type: ignore[method-assign]
+    rig.router.store.release = later  # type: ignore[method-assign]
+    rig.answers = answers  # type: ignore[attr-defined]
+    yield rig
+    rig.router.server.close()
+    rig.router.store.close()
+
+
+def client(rig: Rig, msg: messages.Msg) -> list[messages.Msg]:
+    return rig.handle(msg, role=messages.CLIENT)
+
+
+def open_and_submit(rig: Rig, session: str, request: str) -> list[messages.Msg]:
+    assert client(rig, messages.OpenSession(session=session)) == [messages.Ack(ref=session)]
+    return client(rig, messages.Submit(request=request, session=session, append=[1, 2, 3], gen=2))
+
+
+def poll(rig: Rig) -> list[messages.Msg]:
+    rig.sent.clear()
+    rig.router.rounds.poll_store()
+    return [m for _, m in rig.sent if not isinstance(m, messages.Retain)]
+
+
+def test_a_slow_lookup_leaves_the_loop_serving_everything_else(slow):
+    table = slow.router.rounds.table
+    assert open_and_submit(slow, "a", "ra") == []  # waits for its lookup
+    assert "ra" in table.admitting and "ra" not in table.requests and table["a"].busy
+    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping")]
+    assert open_and_submit(slow, "b", "rb") == []
+    slow.answers[1].set_result(0)  # b's lookup answers first: b runs, a still waits
+    assert poll(slow) == []
+    assert "rb" in table.requests and "ra" in table.admitting
+    # a second round of a busy session is refused while its first is looked up
+    (err,) = client(slow, messages.Submit(request="ra2", session="a", append=[4], gen=1))
+    assert isinstance(err, messages.Error) and "already has a round running" in err.message
+    slow.answers[0].set_result(0)
+    assert poll(slow) == []
+    assert "ra" in table.requests and not table.admitting
+    assert slow.router.stats()["in_flight"] == 2
+
+
+def test_a_lookup_past_the_store_timeout_fails_only_its_round(slow):
+    assert open_and_submit(slow, "a", "ra") == []
+    slow.clock.t += 30.0
+    assert poll(slow) == []  # store.timeout_s is 60 s
+    slow.clock.t += 31.0
+    (err,) = poll(slow)
+    assert isinstance(err, messages.Error) and err.ref == "ra" and err.kind == "store"
+    assert "no answer in 60 s" in err.message
+    assert slow.answers[0].cancelled()
+    table = slow.router.rounds.table
+    assert not table["a"].busy and not table.admitting and not table.requests
+
+
+def test_a_failed_lookup_is_its_rounds_store_error(slow):
+    assert open_and_submit(slow, "a", "ra") == []
+    slow.answers[0].set_exception(OSError("disk gone"))
+    (err,) = poll(slow)
+    assert err.kind == "store" and "disk gone" in err.message
+
+
+def test_a_round_cancelled_while_looked_up_ends_cancelled(slow):
+    assert open_and_submit(slow, "a", "ra") == []
+    # another client cannot cancel it
+    assert slow.handle(messages.CancelRound(request="ra"), b"other", messages.CLIENT) == []
+    assert client(slow, messages.CancelRound(request="ra")) == []
+    slow.answers[0].set_result(0)
+    (err,) = poll(slow)
+    assert err.ref == "ra" and err.kind == "cancelled"
+    table = slow.router.rounds.table
+    assert not table.requests and not table["a"].busy
+
+
+def test_a_round_whose_session_closed_while_looked_up_fails(slow):
+    assert open_and_submit(slow, "a", "ra") == []
+    assert client(slow, messages.CloseSession(session="a")) == [messages.Ack(ref="a")]
+    slow.answers[0].set_result(0)
+    (err,) = poll(slow)
+    assert err.ref == "ra" and "was closed" in err.message and not slow.router.rounds.table.requests
+
+
+def test_a_slow_release_acks_when_the_store_answers(slow):
+    assert client(slow, messages.OpenSession(session="a")) == [messages.Ack(ref="a")]
+    assert client(slow, messages.CloseSession(session="a", release=True)) == []
+    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping")]
+    slow.answers[0].set_result(3)
+    assert poll(slow) == [messages.Ack(ref="a")]
+
+
+def test_idle_sessions_expire_and_their_next_round_is_told_why(slow):
+    router, table = slow.router, slow.router.rounds.table
+    for s in ("idle", "busy", "late"):
+        assert client(slow, messages.OpenSession(session=s)) == [messages.Ack(ref=s)]
+    router.store.claim("idle", ["1" * 32, "2" * 32])
+    assert client(slow, messages.Submit(request="r", session="busy", append=[1], gen=1)) == []
+    slow.clock.t += 6.0
+    # a round of "late" starts and ends: its idle time starts again
+    assert client(slow, messages.Submit(request="r2", session="late", append=[1], gen=1)) == []
+    slow.answers[1].set_result(0)
+    poll(slow)
+    client(slow, messages.CancelRound(request="r2"))
+    slow.clock.t += 5.0
+    router.tick(slow.clock())
+    assert set(table.sessions) == {"busy", "late"}  # busy: its round is being admitted
+    assert router.out.counters["sessions_expired"] == 1
+    assert router.store.index.claims() == 0  # the expired session's claims are gone
+    (err,) = client(slow, messages.Submit(request="r3", session="idle", append=[1], gen=1))
+    assert err.kind == "bad_request" and "expired after 10 s" in err.message
+    # opening it again starts a fresh session
+    assert client(slow, messages.OpenSession(session="idle")) == [messages.Ack(ref="idle")]
+    slow.clock.t += 5.0
+    router.tick(slow.clock())
+    assert "late" not in table.sessions and "idle" in table.sessions
+
+
+def test_no_expiry_when_the_timeout_is_zero():
+    rig = make_rig(session_idle_timeout_s=0.0)
+    try:
+        assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
+        rig.clock.t += 1e9
+        rig.router.tick(rig.clock())
+        assert "s" in rig.router.rounds.table.sessions
+    finally:
+        rig.router.server.close()
+        rig.router.store.close()
+
+
+def test_closing_without_release_forgets_the_claims_and_keeps_the_blocks():
+    rig = make_rig()
+    try:
+        store = rig.router.store
+        assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
+        store.claim("s", ["1" * 32])
+        assert store.index.claims() == 1
+        assert client(rig, messages.CloseSession(session="s")) == [messages.Ack(ref="s")]
+        assert store.index.claims() == 0
+    finally:
+        rig.router.server.close()
+        rig.router.store.close()
