@@ -436,7 +436,11 @@ def test_an_engine_registering_while_rounds_drain_loads_the_update_with_the_othe
     rig.handle(messages.UpdateParams(version="v1", path="/p"))  # draining: r1 in flight
     assert _register_de2(rig) == [(b"de2", messages.Ack(ref=str(DE2)))]
     sent = rig.handle(messages.CancelRound(request="r1"))  # nothing in flight: the engines load
-    assert sorted(i for i, m in sent if isinstance(m, messages.LoadParams)) == [b"de", b"de2", b"pe"]
+    assert sorted(i for i, m in sent if isinstance(m, messages.LoadParams)) == [
+        b"de",
+        b"de2",
+        b"pe",
+    ]
 
 
 def test_an_engine_with_other_params_registering_during_an_update_waits_for_its_end(rig):
