@@ -234,7 +234,7 @@ class ParamsCoordinator:
             self.out.fail(u.client, ref, why)
         self.released += self.held
         self.held = []
-        for e in self.registry.live():  # those not asked, or the update refused: out, caught up
+        for e in self.registry.live():  # those the update did not reach: out, caught up
             if e.params_version != self.version:
                 self.left_rotation(e)
                 self._catch_up(e)
