@@ -279,6 +279,10 @@ class ClusterConfig:
     # (set it when a path is overwritten with other params, or stored KV would be reused).
     params_version: str = ""
     params_load_timeout_s: float = 600.0  # engines that have not loaded an update by then abort it
+    # An engine serving other params than the cluster (restarted after an update, or registered
+    # during one) gets no work until it has loaded the served ones; one that could not load them
+    # is asked again after this long.
+    params_retry_s: float = 10.0
     # Testing only: a JSON fault plan (dualpath_jax.testing) the engines' store and channel obey.
     fault_file: str = ""
     # Each engine's devices (docs/multihost.md). An engine runs the model on a mesh of its role's

@@ -36,6 +36,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         "model.rope_theta hardware.dram_buffer_bytes hardware.high_weight hardware.low_weight"
         " cluster.heartbeat_s cluster.heartbeat_timeout_s cluster.no_engine_timeout_s"
         " cluster.fetch_interval_s cluster.transfer_timeout_s cluster.params_load_timeout_s"
+        " cluster.params_retry_s"
         " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s"

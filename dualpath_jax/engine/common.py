@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 from dualpath_jax.engine import messages
+from dualpath_jax.engine.params import ParamsMismatch
 from dualpath_jax.kvstore.store import StoreError
 from dualpath_jax.transfer.channel import TransferError
 from dualpath_jax.transfer.loader import LoadJob
@@ -119,20 +120,52 @@ def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> m
 
 def failure_kind(exc: BaseException) -> str:
     """How the router should treat a failure: `transfer` (a peer vanished or stalled: retry),
-    `store` (the block store failed: report), or `engine` (report)."""
+    `params` (the job's params are not the ones this engine serves: retry elsewhere), `store`
+    (the block store failed: report), or `engine` (report)."""
     if isinstance(exc, TransferError | LoadTimeout | LoadCancelled | TimeoutError):
         return "transfer"
+    if isinstance(exc, ParamsMismatch):
+        return "params"
     if isinstance(exc, StoreError | OSError):
         return "store"
     return "engine"
+
+
+class RouterSilence:
+    """How long the router has left an engine's heartbeats unanswered, counting only the time
+    the engine was running to hear it: a stretch in which the heartbeat thread did not run at
+    all (the process was stopped, SIGSTOP, or starved), beyond its `interval_s`, is not silence
+    of the router, which had no heartbeat to answer. So an engine resumed after a long pause
+    gives the router a full `timeout_s` to answer again (it then learns that it was declared
+    dead, and registers again) instead of taking it for dead at once."""
+
+    def __init__(self, interval_s: float, timeout_s: float, now: float):
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.heard = self.last = now
+
+    def tick(self, now: float) -> None:
+        """The thread runs at `now`: a gap since its last run beyond `interval_s` is not
+        counted."""
+        self.heard += max(0.0, now - self.last - self.interval_s)
+        self.last = now
+
+    def answered(self, now: float) -> None:
+        self.heard = now
+
+    def lost(self, now: float) -> float:
+        """The router's silence at `now` if it exceeds `timeout_s` (the router is taken for
+        dead), else 0 (and always 0 without a timeout)."""
+        silent = now - self.heard
+        return silent if self.timeout_s and silent > self.timeout_s else 0.0
 
 
 class HeartbeatThread(threading.Thread):
     """Sends `Heartbeat` to the router every `interval_s` on a socket of its own (zmq sockets are
     per thread), independent of the engine loop, which may block in a compile or a forward.
 
-    The router answers each one; when nothing has come back for `router_timeout_s`, the router
-    is taken for dead and `on_router_lost` runs (the engine process stops itself)."""
+    The router answers each one; when nothing has come back for `router_timeout_s` of the time
+    this thread ran (`RouterSilence`: a paused process does not count its pause), the router is
+    taken for dead and `on_router_lost` runs (the engine process stops itself)."""
 
     def __init__(
         self,
@@ -155,9 +188,11 @@ class HeartbeatThread(threading.Thread):
         from dualpath_jax.engine.rpc import RpcClient
 
         rpc = RpcClient(self.address, self.token)
-        heard = self.clock()
+        silence = RouterSilence(self.interval_s, self.router_timeout_s, self.clock())
         try:
             while not self._halt.wait(self.interval_s):
+                now = self.clock()
+                silence.tick(now)
                 rpc.send(messages.Heartbeat(engine=self.engine))
                 while True:
                     try:
@@ -166,9 +201,9 @@ class HeartbeatThread(threading.Thread):
                         reply = messages.Ack()  # something answered
                     if reply is None:
                         break
-                    heard = self.clock()
-                silent = self.clock() - heard
-                if self.router_timeout_s and silent > self.router_timeout_s:
+                    silence.answered(now)
+                silent = silence.lost(now)
+                if silent:
                     log.error("no answer from the router at %s for %.1f s", self.address, silent)
                     if self.on_router_lost is not None:
                         self.on_router_lost()

@@ -6,7 +6,9 @@ prompt KV is complete, its first token has arrived and its pages fit the KV pool
 become pages of a free decode slot and the buffer is freed; step every active slot (the next
 step is dispatched before the last one's tokens are read); a request that has its `gen` tokens
 persists its new Full Blocks (prompt + generated, whole blocks only, read from its pages) to the
-store and reports its tokens.
+store and reports its tokens. Told by the router that it was declared dead (`Error(kind=
+"rejoin")`: it was paused or cut off beyond the heartbeat timeout, and its rounds were
+requeued), it drops every request (slots, buffers, loads) and registers again (`rejoin`).
 """
 
 from __future__ import annotations
@@ -97,12 +99,14 @@ class DecodeEngine:
         self.slot_req: dict[int, str] = {}
         self.outbox: queue.Queue[messages.Msg] = queue.Queue() if outbox is None else outbox
         self.stopped = False
+        self.registering = False  # a Register not yet answered (rejoin orders are ignored)
         self.last_fetch = -1e9
         self.inflight = None  # (tokens, {slot: request}) of the step dispatched last
 
     # ------------------------------------------------------------------ loop (engine.core.drive)
 
     def register(self) -> None:
+        self.registering = True
         register(
             self.control,
             self.who,
@@ -110,6 +114,20 @@ class DecodeEngine:
             self.params.version,
             runner=self.dec.runner,
         )
+
+    def rejoin(self, why: str) -> None:
+        """The router declared this engine dead and requeued its rounds: every request is
+        dropped (its slot, buffer and loads freed) and the engine registers again. Orders that
+        answer messages sent before that `Register` (they arrive before its `Ack`) are ignored;
+        a persist already running still reports, with its old attempt, which the router
+        ignores."""
+        if self.registering:
+            return
+        log.warning("%s: %s (dropping %d requests)", self.who.name, why, len(self.reqs))
+        for rid in list(self.reqs):
+            self.drop(rid)
+        self.params.drop_staged()
+        self.register()
 
     def busy(self) -> bool:
         return bool(self.slot_req)
@@ -165,6 +183,10 @@ class DecodeEngine:
                 self.ctx.store.retain(session, state, priority, ttl)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
+            case messages.Error(kind="rejoin", message=why):
+                self.rejoin(why)
+            case messages.Ack(ref=ref) if ref == str(self.engine):
+                self.registering = False  # registered
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -372,5 +394,6 @@ class DecodeEngine:
                 persisted_blocks=persisted,
                 persist_error=error,
                 finish_reason=reason,
+                attempt=r.msg.attempt,
             )
         )

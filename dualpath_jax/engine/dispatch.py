@@ -7,14 +7,21 @@ the job) -> DE ready (its buffer reserved, reads issued; now the PE gets the job
 `Dispatch` handles the leader engines' `Fetch` (pull based: report the engine's capacity, feed
 the scheduler the router's own loads, turn its assignments into `LoadJobMsg` jobs), `DeReady`
 (the PE's half of the job goes out), `ReadsDone` (the node's read queue shrinks) and `Failed`.
-Admission: no DE holds more than its slots plus `cluster.decode_queue` requests.
+Admission: no DE holds more than its slots plus `cluster.decode_queue` requests. Only engines
+in rotation (`EngineRegistry.serving`: serving the cluster's params version) are fed to the
+scheduler; one out of rotation that fetches gets nothing, and one that leaves rotation
+(`engine_left`) is forgotten by the scheduler as a dead one is. A fetch from an engine liveness
+declared dead (paused, or cut off, beyond `cluster.heartbeat_timeout_s`) is answered
+`Error(kind="rejoin")`: its rounds were requeued, so it drops what it holds and registers again.
 
 Failures (docs/failures.md): an engine's `Failed` of kind `transfer` is retried up to
-`cluster.max_attempts` (`requeue`: back at the head of the queue as if never assigned); `store`
-and `engine` failures end the round with that kind and the engine's text. When liveness
-declares an engine dead (`engine_died`), the scheduler forgets it and every unfinished round it
-touched is cancelled on the surviving engine and requeued (its persisted blocks are still in
-the store, so the retry is a normal, possibly shorter, hit).
+`cluster.max_attempts` (`requeue`: back at the head of the queue as if never assigned); so is
+kind `params` (the engine does not serve the job's params version), and that engine leaves
+rotation until it is caught up (`stale`, the params part's); `store` and `engine` failures end
+the round with that kind and the engine's text. When liveness declares an engine dead
+(`engine_died`), the scheduler forgets it and every unfinished round it touched is cancelled on
+the surviving engine and requeued (its persisted blocks are still in the store, so the retry is
+a normal, possibly shorter, hit).
 
 It also sets the scheduler's beta from the live PEs' cost models (`update_beta`) as PEs
 register and die. Rounds end through the `end(st, message, kind)` and `cancel(st, but)` it is
@@ -38,7 +45,7 @@ from dualpath_jax.sched.types import Assignment, EngineLoad, ReadPath
 
 log = logging.getLogger(__name__)
 
-FAILURE_KINDS = ("transfer", "store", "engine")
+FAILURE_KINDS = ("transfer", "store", "engine", "params")
 
 
 def load_job(
@@ -82,8 +89,9 @@ def load_job(
 
 
 class Dispatch:
-    """Assigns `table`'s rounds to `registry`'s engines through `scheduler`. `params_version()`
-    is the version jobs run with."""
+    """Assigns `table`'s rounds to `registry`'s engines in rotation through `scheduler`.
+    `params_version()` is the version jobs run with; `stale(e)` takes engine `e`, which refused
+    a job of it, out of rotation (the params part)."""
 
     def __init__(
         self,
@@ -97,6 +105,7 @@ class Dispatch:
         params_version: Callable[[], str],
         end: Callable[[RequestState, str, str], None],
         cancel: Callable[[RequestState, int], None],
+        stale: Callable[[EngineInfo], None],
     ):
         self.cfg = cfg
         self.bt = cfg.store.block_tokens
@@ -108,20 +117,25 @@ class Dispatch:
         self.params_version = params_version
         self.end = end
         self.cancel = cancel
+        self.stale = stale
 
     # ------------------------------------------------------------------ fetches
 
     def on_fetch(self, ident: bytes, msg: messages.Fetch) -> None:
         e = self.registry.live_one(msg.engine)
         if e is None:
+            if msg.engine in self.registry:  # declared dead, yet it fetches: it was paused
+                return self.rejoin(ident, msg.engine)
             why = "engine not registered"
             return self.out.send(
                 ident, messages.Error(ref=str(msg.engine), message=why, kind="stop")
             )
         self.registry.report(e, msg.load, msg.links)
-        loads = [self.engine_load(x) for x in self.registry.live(e.role, e.group)]
+        if e.params_version != self.params_version():
+            return  # out of rotation: no work until it serves the cluster's params
+        loads = [self.engine_load(x) for x in self.registry.serving(e.role, e.group)]
         if e.role == "prefill":  # every DE node's read queue as of now, for the read-path choice
-            des = self.registry.live("decode")
+            des = self.registry.serving("decode")
             self.scheduler.report([self.engine_load(x) for x in des], "de")
         if e.role == "decode":
             for r, de in self.scheduler.fetch_de(e.group, loads):
@@ -129,6 +143,19 @@ class Dispatch:
             return
         for a in self.scheduler.fetch_pe(e.group, loads):
             self.assign(a)
+
+    def rejoin(self, ident: bytes, engine: int) -> None:
+        """Tells engine `engine`, declared dead but fetching (the connection that registered
+        it: `EngineRegistry.heard_from` checked), to drop its work and register again: its
+        rounds were requeued when it was declared dead."""
+        timeout = self.cfg.cluster.heartbeat_timeout_s
+        self.out.count("rejoin_orders")
+        self.out.event("rejoin_order", engine=engine)
+        why = (
+            f"engine {engine} was declared dead (silent for over {timeout:g} s) and its rounds"
+            " requeued: drop them and register again"
+        )
+        self.out.send(ident, messages.Error(ref=str(engine), message=why, kind="rejoin"))
 
     def assign(self, a: Assignment) -> None:
         """A new attempt of `a`'s round: the DE gets the job (the PE's part waits for DeReady)."""
@@ -259,6 +286,15 @@ class Dispatch:
         log.warning("request %s failed (%s) on %s", st.id, kind, text)
         st.last_error, st.last_kind = text, kind
         self.cancel(st, msg.engine)
+        if kind == "params":
+            # The engine serves other params than it was taken for: out of rotation until it
+            # is caught up, and the round runs on another engine (a client sees kind engine).
+            e = self.registry.live_one(msg.engine)
+            if e is not None:
+                self.stale(e)
+            st.last_kind = "engine"
+            self.requeue([st])
+            return
         if kind == "transfer":
             # A peer vanished or stalled: retry; liveness checks retire a dead engine meanwhile.
             self.requeue([st])
@@ -289,6 +325,13 @@ class Dispatch:
     def engine_joined(self, e: EngineInfo, msg: messages.Register) -> None:
         if e.role == "prefill":  # its cost model, or none, replaces the one it had
             self.update_beta()
+
+    def engine_left(self, e: EngineInfo) -> None:
+        """Engine `e` left rotation (it serves other params than the cluster): the scheduler
+        forgets it, as a dead one (requests waiting for a PE with it as their DE, a private
+        queue of a group left with no DE in rotation, go back to the global queue). Its rounds
+        in flight, if any, fail with kind `params` and are retried (`on_failed`)."""
+        self.scheduler.remove_engines([e.engine])
 
     def engine_died(self, e: EngineInfo) -> None:
         """The scheduler forgets `e`; its unfinished rounds are cancelled and requeued."""

@@ -7,8 +7,11 @@ their nodes, capacities and connections); it sends nothing:
 - `heard_from` authenticates a message that names an engine (it must come from the connection
   that registered it; heartbeats come from their own socket) and refreshes its `last_seen`.
 - `silent(now)`: live engines quiet for longer than `cluster.heartbeat_timeout_s`.
-- `missing_role(now)`: why no round can run ("" if one can), a role with no live engine for
-  longer than `cluster.no_engine_timeout_s`. An engine that registers counts at once.
+- `serving(role, group)`: the live engines *in rotation*, those whose params version (as they
+  registered, or as the params part brought them to) is the one the cluster serves (`served()`);
+  only they are given work (docs/rl.md).
+- `missing_role(now)`: why no round can run ("" if one can), a role with no engine in rotation
+  for longer than `cluster.no_engine_timeout_s`. An engine that registers counts at once.
 
 `Liveness` is the part that changes it: it answers `Register` and `Heartbeat`, and on the
 router's tick (`check`) declares silent engines dead. The other parts learn of it through the
@@ -54,14 +57,25 @@ class EngineInfo:
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
     kv_pieces: int = 1  # a PE: the column pieces of its KV rows (messages.Register)
     prefill_cost: messages.PrefillCost | None = None  # a PE: its cost model, if usable
+    # The params version it serves: as it registered, then as the params part committed it
+    # (None: unknown, it refused a job of the served version). Work goes only to engines whose
+    # version is the served one.
+    params_version: str | None = ""
 
 
 class EngineRegistry:
-    """Engines by id, in registration order (a re-registered id keeps its place)."""
+    """Engines by id, in registration order (a re-registered id keeps its place). `served()` is
+    the params version the cluster serves (the params part's)."""
 
-    def __init__(self, cluster: ClusterConfig, clock: Callable[[], float]):
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        clock: Callable[[], float],
+        served: Callable[[], str] = lambda: "",
+    ):
         self.cluster = cluster
         self.clock = clock
+        self.served = served
         self._engines: dict[int, EngineInfo] = {}
         # When a live engine of each role was last known: rounds fail once one role has had
         # none for `cluster.no_engine_timeout_s`.
@@ -85,6 +99,12 @@ class EngineRegistry:
             for e in self._engines.values()
             if e.alive and (role is None or e.role == role) and (group is None or e.group == group)
         ]
+
+    def serving(self, role: str | None = None, group: int | None = None) -> list[EngineInfo]:
+        """The live engines in rotation (of `role`, in `group`): those serving the cluster's
+        params version. Only they are given work."""
+        version = self.served()
+        return [e for e in self.live(role, group) if e.params_version == version]
 
     def live_one(self, engine: int) -> EngineInfo | None:
         """Engine `engine` if it is registered and alive."""
@@ -137,6 +157,7 @@ class EngineRegistry:
             mesh=msg.mesh,
             kv_pieces=max(1, msg.kv_pieces),
             prefill_cost=cost,
+            params_version=msg.params_version,
         )
         self._engines[msg.engine] = e
         return e
@@ -167,15 +188,22 @@ class EngineRegistry:
         e.alive = False
 
     def missing_role(self, now: float | None = None) -> str:
-        """Why no round can run now ("" if they can): a role with no live engine for longer
-        than `cluster.no_engine_timeout_s`."""
+        """Why no round can run now ("" if they can): a role with no engine in rotation (live
+        and serving the cluster's params) for longer than `cluster.no_engine_timeout_s`."""
         now = self.clock() if now is None else now
         limit = self.cluster.no_engine_timeout_s
         for role, seen in self.role_seen.items():
-            if any(e.alive and e.role == role for e in self._engines.values()):
+            if self.serving(role):
                 self.role_seen[role] = now  # e.g. one that registered since the last check
             elif now - seen > limit:
-                return f"no live {role} engine for {now - seen:.0f} s (cluster.no_engine_timeout_s={limit:g})"
+                since = f"for {now - seen:.0f} s (cluster.no_engine_timeout_s={limit:g})"
+                others = len(self.live(role))
+                if not others:
+                    return f"no live {role} engine {since}"
+                return (
+                    f"no live {role} engine has served params {self.served()!r} {since}; "
+                    f"{others} serve other params and have not loaded them"
+                )
         return ""
 
     # ------------------------------------------------------------------ metrics
@@ -192,6 +220,9 @@ class EngineRegistry:
                 "mesh": e.mesh,
                 "kv_pieces": e.kv_pieces,
                 "links": e.links,
+                "params_version": e.params_version,
+                # in rotation: live and serving the cluster's params (only these get work)
+                "serving": e.alive and e.params_version == self.served(),
             }
             for e in self._engines.values()
         }

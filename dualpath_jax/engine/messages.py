@@ -111,7 +111,8 @@ class Ack(Msg):
 
 class Error(Msg):
     """A request or message was refused or failed; `message` says why. `kind`: bad_request,
-    overloaded, store, transfer, engine, cancelled, auth, frame, busy, stop, ..."""
+    overloaded, store, transfer, engine, cancelled, auth, frame, busy, stop (to an engine: end),
+    rejoin (to an engine the router declared dead: drop your work and register again), ..."""
 
     ref: str
     message: str
@@ -272,6 +273,7 @@ class PrefillDone(Msg):
     read_s: float
     prefill_s: float
     lead_blocks: int = 0  # leading hit blocks recomputed by choice (before the loaded ones)
+    attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
 
 
 class ReadsDone(Msg):
@@ -309,6 +311,7 @@ class DecodeDone(Msg):
     persisted_blocks: int
     persist_error: str = ""  # see RoundResult.persist_error
     finish_reason: str = "length"  # see RoundResult.finish_reason
+    attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
 
 
 class KVEvents(Msg):
@@ -323,8 +326,9 @@ class KVEvents(Msg):
 
 class Failed(Msg):
     """An engine could not finish its part of a request. `kind`: transfer (a peer vanished or
-    timed out: the router retries, up to `cluster.max_attempts`), store or engine (reported to
-    the client with `message`)."""
+    timed out: the router retries, up to `cluster.max_attempts`), params (the job's params
+    version is not the engine's: retried on another engine, this one leaves rotation), store or
+    engine (reported to the client with `message`)."""
 
     request: str
     engine: int

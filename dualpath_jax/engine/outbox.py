@@ -32,6 +32,7 @@ COUNTERS = (
     "persist_errors",
     "refused_frames",
     "finished_early",
+    "rejoin_orders",  # fetches of engines declared dead, told to register again
     "read_blocks_pe",  # hit blocks assigned to be read on each path
     "read_blocks_de",
     # rounds whose hit was recomputed, all or a leading part, not read (load or recompute); of

@@ -86,12 +86,18 @@ def load_served_model(cfg: ExperimentConfig, mesh=None):
     return init_model(cfg.model, seed=cfg.seed, mesh=mesh)
 
 
+class ParamsMismatch(RuntimeError):
+    """A job of another params version than the engine serves: reported as kind `params`, so
+    the router retries the round elsewhere and takes the engine out of rotation until it has
+    loaded the served params (engine/params_update.py)."""
+
+
 class ParamsSlot:
     """An engine's served params version plus at most one staged update.
 
     `stage(LoadParams)` loads and checks new params without touching the served ones and returns
     the `ParamsLoaded` answer; `commit(CommitParams)` swaps them in (no recompile: params are jit
-    arguments) or drops them. `check_job` refuses a job of another version.
+    arguments) or drops them. `check_job` refuses a job of another version (`ParamsMismatch`).
     """
 
     def __init__(self, runner, version: str, engine: int, mirror=None):
@@ -139,9 +145,14 @@ class ParamsSlot:
         self.version = msg.version
         log.info("serving params version %r", self.version)
 
+    def drop_staged(self) -> None:
+        """Drops a staged load, if any (an engine registering again: the router asks anew)."""
+        if self._staged is not None:
+            self.commit(messages.CommitParams(version=self._staged[0], commit=False))
+
     def check_job(self, job: messages.LoadJobMsg) -> None:
         if job.params_version != self.version:
-            raise RuntimeError(
+            raise ParamsMismatch(
                 f"job {job.request} needs params version {job.params_version!r}; this engine serves {self.version!r}"
             )
 

@@ -1,26 +1,39 @@
 """The params a cluster serves, and the router's side of `UpdateParams` (engine/params.py).
 
 `ParamsCoordinator` is the router's params part. It owns the served version (and so the block-key
-fingerprint) and the update state machine:
+fingerprint), the update state machine and which engines are in rotation:
 
-    idle --UpdateParams--> draining --no round in flight--> loading --every live engine
+    idle --UpdateParams--> draining --no round in flight--> loading --every engine asked
     answered (or died, or params_load_timeout_s passed)--> idle (committed or refused)
 
 While an update is in progress (draining or loading) the router hands new rounds to it (`hold`)
-instead of the sessions part; a held round the client cancels ends here (`cancel_held`). When
-the update ends they are released, in order (`take_released`), for the router to hand to the
-sessions part: they run with whichever params are served then. The coordinator handles
-`UpdateParams` and `ParamsLoaded`, sends the engines' `LoadParams` / `CommitParams` and answers
-the client itself, through its outbox; it reads the live engines from the registry and the rounds
-in flight from `in_flight()`. The router's loop moves it on after every message and tick
-(`advance`, `check_timeout`); liveness tells it which engine registered (`engine_joined`: one
-that serves other params is brought up to date) or died (`engine_gone`).
+instead of the sessions part; they count against `scheduler.max_queue` with the rounds queued
+(one over it is refused as `overloaded`, as any submission would be), and a held round the client
+cancels ends here (`cancel_held`). When the update ends they are released, in order
+(`take_released`), for the router to hand to the sessions part: they run with whichever params
+are served then. The coordinator handles `UpdateParams` and `ParamsLoaded`, sends the engines'
+`LoadParams` / `CommitParams` and answers the client itself, through its outbox; it reads the
+live engines from the registry and the rounds in flight from `in_flight()`. The router's loop
+moves it on after every message and tick (`advance`, `check_timeout`, `check_catch_ups`).
+
+Rotation: an engine gets work only while the params version it serves (`EngineInfo.
+params_version`) is the served one (`EngineRegistry.serving`). An update asks the engines in
+rotation when its loading begins, and commits to exactly those (never `CommitParams` without the
+`LoadParams` before it). Any other engine, one that registered with other params (a restart
+after an update), registered during an update, or refused a job of the served version
+(`engine_stale`), is out of rotation and *caught up*: told to load the served params
+(`LoadParams`, then `CommitParams` once it answered ok), outside any update (one in progress
+first ends). One that cannot load them stays out and is asked again every
+`cluster.params_retry_s`. An engine that leaves rotation is handed to `left_rotation` (the
+dispatch part forgets it in the scheduler). Liveness tells the coordinator which engine
+registered (`engine_joined`) or died (`engine_gone`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
@@ -42,13 +55,30 @@ class ParamsUpdate:
     path: str
     loading: bool = False
     t_load: float = 0.0  # when the engines were told to load
+    asked: set[int] = dataclasses.field(default_factory=set)  # engines told to load (the commit's)
     waiting: set[int] = dataclasses.field(default_factory=set)  # engines yet to answer
     errors: list[str] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class CatchUp:
+    """An engine out of rotation being brought to the served params: told to load `version` at
+    `t_sent` (NaN: no load pending; after a failed one, asked again at `retry_at`)."""
+
+    version: str
+    t_sent: float
+    retry_at: float = 0.0
+
+    @property
+    def pending(self) -> bool:
+        return not math.isnan(self.t_sent)
+
+
 class ParamsCoordinator:
-    """Served params (`version`, `path`, `fingerprint`) and the update in progress (`update`,
-    with the rounds `held` meanwhile and those `released` at its end)."""
+    """Served params (`version`, `path`, `fingerprint`), the update in progress (`update`, with
+    the rounds `held` meanwhile and those `released` at its end) and the engines being brought
+    to the served params (`catching_up`). `queued()` is how many rounds wait in the scheduler,
+    which holds at most `max_queue` (default `scheduler.max_queue`)."""
 
     def __init__(
         self,
@@ -57,6 +87,10 @@ class ParamsCoordinator:
         out: Outbox,
         clock: Callable[[], float],
         in_flight: Callable[[], int],
+        *,
+        queued: Callable[[], int] = lambda: 0,
+        max_queue: int | None = None,
+        left_rotation: Callable[[EngineInfo], None] = lambda e: None,
     ):
         self.model = cfg.model
         self.cluster = cfg.cluster
@@ -64,19 +98,33 @@ class ParamsCoordinator:
         self.out = out
         self.clock = clock
         self.in_flight = in_flight
+        self.queued = queued
+        self.max_queue = cfg.scheduler.max_queue if max_queue is None else max_queue
+        self.left_rotation = left_rotation
         self.version = initial_params_version(cfg.cluster)
         self.path = cfg.cluster.params_path
         self.fingerprint = model_fingerprint(cfg.model, self.version)
         self.update: ParamsUpdate | None = None
         self.held: list[tuple[bytes, messages.Submit]] = []  # rounds submitted during an update
         self.released: list[tuple[bytes, messages.Submit]] = []  # held ones, the update over
+        self.catching_up: dict[int, CatchUp] = {}  # engine -> its catch-up
 
     # ------------------------------------------------------------------ held rounds
 
     def hold(self, ident: bytes, msg: messages.Submit) -> bool:
-        """Holds a round submitted during an update (True), to run once it is over."""
+        """Holds a round submitted during an update (True), to run once it is over; one beyond
+        `max_queue` (held and queued rounds together) is refused as `overloaded` (True too)."""
         if self.update is None:
             return False
+        queued = self.queued() + len(self.held)
+        if queued >= self.max_queue:
+            self.out.count("overloaded")
+            why = (
+                f"overloaded: {queued} requests queued (max_queue={self.max_queue}), "
+                f"{len(self.held)} of them held for params update {self.update.version!r}"
+            )
+            self.out.fail(ident, msg.request, why, kind="overloaded")
+            return True
         self.held.append((ident, msg))
         return True
 
@@ -134,21 +182,23 @@ class ParamsCoordinator:
         )
 
     def advance(self) -> None:
-        """Moves an update on: once no round is in flight, every live engine loads the params."""
+        """Moves an update on: once no round is in flight, every engine in rotation loads the
+        params (the others are caught up once it ends)."""
         u = self.update
         if u is None or u.loading or self.in_flight():
             return
         u.loading, u.t_load = True, self.clock()
-        live = self.registry.live()
-        u.waiting = {e.engine for e in live}
-        for e in live:
+        asked = self.registry.serving()
+        u.asked = {e.engine for e in asked}
+        u.waiting = set(u.asked)
+        for e in asked:
             self.out.send(e.ident, messages.LoadParams(version=u.version, path=u.path))
         self._end_if_answered()
 
     def on_loaded(self, ident: bytes, msg: messages.ParamsLoaded) -> None:
         u = self.update
         if u is None or not u.loading or msg.version != u.version or msg.engine not in u.waiting:
-            return
+            return self._caught_up(msg)
         u.waiting.discard(msg.engine)
         if not msg.ok:
             u.errors.append(f"engine {msg.engine}: {msg.message}")
@@ -171,7 +221,10 @@ class ParamsCoordinator:
             return
         ok = not u.errors
         for e in self.registry.live():
-            self.out.send(e.ident, messages.CommitParams(version=u.version, commit=ok))
+            if e.engine in u.asked:  # only those that loaded it: never a commit without a load
+                self.out.send(e.ident, messages.CommitParams(version=u.version, commit=ok))
+                if ok:
+                    e.params_version = u.version
         self.update = None
         ref = f"params:{u.version}"
         if ok:
@@ -185,24 +238,128 @@ class ParamsCoordinator:
             self.out.fail(u.client, ref, why)
         self.released += self.held
         self.held = []
+        for e in self.registry.live():  # those the update did not reach: out, caught up
+            if e.params_version != self.version:
+                self.left_rotation(e)
+                self._catch_up(e)
+
+    # ------------------------------------------------------------------ catching up
+
+    def _catch_up(self, e: EngineInfo, now: float | None = None) -> None:
+        """Tells engine `e`, out of rotation, to load the served params; not during an update
+        (its end catches up every engine), while a load of it is pending, or before the retry
+        time of a failed one. Served params with no checkpoint to load leave it out."""
+        if e.params_version == self.version:
+            self.catching_up.pop(e.engine, None)
+            return
+        c = self.catching_up.get(e.engine)
+        now = self.clock() if now is None else now
+        if self.update is not None or (c is not None and c.pending):
+            return
+        if c is not None and c.version == self.version and now < c.retry_at:
+            return
+        if not self.path:
+            log.warning(
+                "engine %d serves params %r and there is no checkpoint of the served %r to load:"
+                " it gets no work",
+                e.engine,
+                e.params_version,
+                self.version,
+            )
+            self.out.event("params_mismatch", engine=e.engine, serves=e.params_version)
+            return
+        log.warning(
+            "engine %d serves params %r, the cluster %r: it loads them before it gets work",
+            e.engine,
+            e.params_version,
+            self.version,
+        )
+        self.catching_up[e.engine] = CatchUp(self.version, now)
+        self.out.event(
+            "params_catch_up", engine=e.engine, version=self.version, serves=e.params_version
+        )
+        self.out.send(e.ident, messages.LoadParams(version=self.version, path=self.path))
+
+    def _caught_up(self, msg: messages.ParamsLoaded) -> None:
+        """An engine out of rotation answered the load of its catch-up: it commits and is in
+        rotation, or it stays out until the retry."""
+        c = self.catching_up.get(msg.engine)
+        e = self.registry.live_one(msg.engine)
+        if c is None or e is None or not c.pending or msg.version != c.version:
+            return  # not asked (a stale answer of an earlier registration or update)
+        if not msg.ok:
+            return self._catch_up_failed(e, c, msg.message)
+        if msg.version != self.version:  # an update changed the served params meanwhile
+            self.out.send(e.ident, messages.CommitParams(version=msg.version, commit=False))
+            del self.catching_up[e.engine]
+            return self._catch_up(e)
+        self.out.send(e.ident, messages.CommitParams(version=msg.version, commit=True))
+        e.params_version = msg.version
+        del self.catching_up[e.engine]
+        self.out.event("params_caught_up", engine=e.engine, version=msg.version)
+        log.info("engine %d serves params %r: in rotation", e.engine, msg.version)
+
+    def _catch_up_failed(
+        self, e: EngineInfo, c: CatchUp, why: str, now: float | None = None
+    ) -> None:
+        retry = self.cluster.params_retry_s
+        now = self.clock() if now is None else now
+        c.t_sent, c.retry_at = math.nan, now + retry
+        log.warning(
+            "engine %d could not load params %r (%s); it gets no work, asked again in %g s",
+            e.engine,
+            c.version,
+            why,
+            retry,
+        )
+        self.out.event("params_catch_up_failed", engine=e.engine, version=c.version, message=why)
+
+    def check_catch_ups(self, now: float) -> None:
+        """A catch-up load unanswered for `cluster.params_load_timeout_s` failed; a failed one
+        is retried once `cluster.params_retry_s` has passed."""
+        limit = self.cluster.params_load_timeout_s
+        for engine, c in list(self.catching_up.items()):
+            e = self.registry.live_one(engine)
+            if e is None:
+                del self.catching_up[engine]
+            elif c.pending and now - c.t_sent > limit:
+                self._catch_up_failed(e, c, f"no answer within {limit:g} s", now)
+            elif not c.pending and now >= c.retry_at:
+                self._catch_up(e, now)
 
     # ------------------------------------------------------------------ engines
 
     def engine_joined(self, e: EngineInfo, msg: messages.Register) -> None:
-        """An engine that (re)started after an update is brought to the current params, if they
-        came from a checkpoint; if it cannot load them, its jobs fail with a clear version
-        mismatch."""
-        if msg.params_version == self.version:
+        """A (re)registered engine: in rotation if it serves the served params, else caught up
+        (once the update in progress, if any, has ended). Whatever an earlier registration of
+        its id was asked to load is forgotten."""
+        self.catching_up.pop(e.engine, None)
+        u = self.update
+        if u is not None:
+            u.asked.discard(e.engine)
+            if e.engine in u.waiting:
+                u.waiting.discard(e.engine)
+                self._end_if_answered()
+        self._catch_up(e)
+
+    def engine_stale(self, e: EngineInfo) -> None:
+        """Engine `e` refused a job of the served params (it serves others): out of rotation,
+        caught up."""
+        if e.params_version != self.version:
             return
-        log.warning(
-            "engine %d serves params %r, the cluster %r", e.engine, msg.params_version, self.version
-        )
-        if self.path:
-            self.out.send(e.ident, messages.LoadParams(version=self.version, path=self.path))
-            self.out.send(e.ident, messages.CommitParams(version=self.version, commit=True))
+        log.warning("engine %d does not serve params %r: out of rotation", e.engine, self.version)
+        self.out.event("params_stale", engine=e.engine, version=self.version)
+        e.params_version = None
+        self.left_rotation(e)
+        self._catch_up(e)
 
     def engine_gone(self, e: EngineInfo) -> None:
-        """A dead engine is not waited for."""
-        if self.update is not None and e.engine in self.update.waiting:
-            self.update.waiting.discard(e.engine)
+        """A dead engine is not waited for (nor committed to, nor caught up)."""
+        self.catching_up.pop(e.engine, None)
+        u = self.update
+        if u is None:
+            return
+        u.asked.discard(e.engine)
+        if e.engine in u.waiting:
+            u.waiting.discard(e.engine)
             self._end_if_answered()

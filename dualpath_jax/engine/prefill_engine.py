@@ -2,6 +2,9 @@
 
 Loop (one thread owns the control socket): fetch work and heartbeat, start each job's loads,
 move requests whose reads finished into the `PrefillQueue`, and run one forward batch at a time.
+Told by the router that it was declared dead (`Error(kind="rejoin")`: it was paused or cut off
+beyond the heartbeat timeout, and its rounds were requeued), it drops every request and
+registers again (`rejoin`).
 A batch is chosen by `pack_prefill_batch` (FIFO under the compute quota, the overflowing request
 cut by binary search: chunked prefill). In layerwise mode each layer's cached KV is taken from
 the request's `LayerReadiness` just before the layer runs and its new KV goes to the DE right
@@ -94,6 +97,7 @@ class PrefillEngine:
         self.reading: list[str] = []
         self.queue = PrefillQueue()
         self.stopped = False
+        self.registering = False  # a Register not yet answered (rejoin orders are ignored)
         self.last_fetch = -1e9
         self._no_rows = np.zeros((0, cfg.model.kv_width), cfg.model.kv_dtype)
         # The context one forward batch may hold on the device (the router sends this policy's
@@ -107,6 +111,7 @@ class PrefillEngine:
     # ------------------------------------------------------------------ loop (engine.core.drive)
 
     def register(self) -> None:
+        self.registering = True
         register(
             self.control,
             self.who,
@@ -116,6 +121,18 @@ class PrefillEngine:
             runner=self.runner,
             kv_pieces=self.ctx.row_pieces,
         )
+
+    def rejoin(self, why: str) -> None:
+        """The router declared this engine dead and requeued its rounds: every request is
+        dropped and the engine registers again. Orders that answer messages sent before that
+        `Register` (they arrive before its `Ack`) are ignored."""
+        if self.registering:
+            return
+        log.warning("%s: %s (dropping %d requests)", self.who.name, why, len(self.reqs))
+        for rid in list(self.reqs):
+            self.drop(rid)
+        self.params.drop_staged()
+        self.register()
 
     def busy(self) -> bool:
         return bool(len(self.queue))
@@ -150,6 +167,10 @@ class PrefillEngine:
                 self.drop(r)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
+            case messages.Error(kind="rejoin", message=why):
+                self.rejoin(why)
+            case messages.Ack(ref=ref) if ref == str(self.engine):
+                self.registering = False  # registered
             case _:
                 stop = is_stop(msg)
                 if stop is None:
@@ -356,6 +377,7 @@ class PrefillEngine:
                     read_s=r.t_read,
                     prefill_s=dt,
                     lead_blocks=r.msg.lead_blocks,
+                    attempt=r.msg.attempt,
                 )
             )
             del self.reqs[ch.request_id]

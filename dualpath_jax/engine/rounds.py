@@ -280,8 +280,8 @@ class Rounds:
 
     def on_prefill_done(self, ident: bytes, msg: messages.PrefillDone) -> None:
         st = self.table.requests.get(msg.request)
-        if st is None or st.pe != msg.engine:
-            return  # a cancelled attempt
+        if st is None or st.pe != msg.engine or (msg.attempt and msg.attempt != st.attempts):
+            return  # a cancelled attempt (also of an engine that was declared dead, then rejoined)
         st.t_first = self.clock()
         st.first_token = msg.first_token
         st.hit_blocks = msg.hit_blocks
@@ -326,8 +326,8 @@ class Rounds:
 
     def on_decode_done(self, ident: bytes, msg: messages.DecodeDone) -> None:
         st = self.table.requests.get(msg.request)
-        if st is None or st.de != msg.engine:
-            return
+        if st is None or st.de != msg.engine or (msg.attempt and msg.attempt != st.attempts):
+            return  # a cancelled attempt (also of an engine that was declared dead, then rejoined)
         self.out.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
         self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
 

@@ -17,7 +17,8 @@ parts it hands over to), never the router:
   and declaring silent engines dead on the loop's tick.
 - params (engine/params_update.py, `ParamsCoordinator`): `UpdateParams`, `ParamsLoaded`; the
   rounds submitted during an update wait there, and the router hands them to the sessions part
-  once it is over.
+  once it is over. Which engines are in rotation (serve the cluster's params, and so get work)
+  is its doing: an engine with other params is caught up before it gets any.
 - retention (engine/retention.py, `Retention`): which sessions' blocks the stores keep.
 - KV events (engine/kv_publisher.py, `KVEventRelay`, docs/kv_events.md): the engines'
   `KVEvents` and the router's own store's, published on one PUB socket as soon as the router
@@ -89,7 +90,8 @@ class Router:
         self._last_expiry = clock()
         self.stopping = False
         self.out = Outbox(server, events, clock)
-        registry = EngineRegistry(cfg.cluster, clock)
+        # the engines in rotation are those serving the params part's version
+        registry = EngineRegistry(cfg.cluster, clock, served=lambda: self.params.version)
         table = SessionTable(
             cfg.model.vocab_size, min(cfg.model.max_seq_len, cfg.cluster.decode_max_len), clock
         )
@@ -101,6 +103,9 @@ class Router:
             self.out,
             clock,
             in_flight=lambda: len(table.requests) + len(table.admitting),
+            queued=lambda: len(scheduler),  # held rounds count against max_queue too
+            max_queue=scheduler.max_queue,
+            left_rotation=lambda e: self.dispatch.engine_left(e),
         )
         self.rounds = Rounds(
             cfg,
@@ -125,6 +130,7 @@ class Router:
             params_version=lambda: params.version,
             end=self.rounds.end,
             cancel=self.rounds.cancel_on_engines,
+            stale=params.engine_stale,
         )
         self.liveness = Liveness(
             registry,
@@ -207,10 +213,12 @@ class Router:
 
     def tick(self, now: float) -> None:
         """The loop's periodic step: silent engines die, rounds fail while a role has no live
-        engine, a params update moves on or times out."""
+        engine, a params update moves on or times out, engines out of rotation are asked again
+        to load the served params."""
         self.liveness.check(now)
         self.move_on()
         self.params.check_timeout(now)
+        self.params.check_catch_ups(now)
         self.resume_held()
         if now - self._last_expiry >= EXPIRY_EVERY_S:
             self.rounds.expire_idle()

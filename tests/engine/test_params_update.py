@@ -1,6 +1,8 @@
 """Parameter updates and session release at the router, driven in-process (no engines): the
 drain -> load -> commit protocol of engine/params.py, refusals, engine death mid-update, held
-rounds, sampling fields; and the engine-side `ParamsSlot`."""
+rounds (and their bound, `max_queue`), which engines are in rotation (an engine with other params
+gets no work until it has loaded the served ones; rounds it refuses for its params run
+elsewhere), sampling fields; and the engine-side `ParamsSlot`."""
 
 from __future__ import annotations
 
@@ -33,10 +35,19 @@ BT = 16
 PE, DE = 0, 1
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
 @dataclasses.dataclass
 class Rig:
     router: Router
     sent: list[tuple[bytes, messages.Msg]]
+    clock: Clock
 
     def handle(
         self, msg: messages.Msg, ident: bytes = b"client"
@@ -82,8 +93,7 @@ class Rig:
         )
 
 
-@pytest.fixture()
-def rig(monkeypatch):
+def make_rig(monkeypatch, max_queue: int = 100_000):
     cfg = ExperimentConfig(
         model=TINY_QWEN2,
         store=StoreConfig(kind="memory", block_tokens=BT),
@@ -91,22 +101,28 @@ def rig(monkeypatch):
     )
     server = RpcServer("127.0.0.1", 0)
     store = open_block_store(cfg.store, cfg.model)
-    router = Router(
-        cfg, server, store, GlobalScheduler(Policy.DUALPATH), clock=lambda: 0.0, store_wait_s=60.0
-    )
+    clock = Clock()
+    sched = GlobalScheduler(Policy.DUALPATH, max_queue=max_queue)
+    router = Router(cfg, server, store, sched, clock=clock, store_wait_s=60.0)
     sent: list[tuple[bytes, messages.Msg]] = []
     monkeypatch.setattr(server, "send", lambda ident, msg: sent.append((ident, msg)))
-    r = Rig(router, sent)
+    r = Rig(router, sent, clock)
     for engine, role, ident in ((PE, "prefill", b"pe"), (DE, "decode", b"de")):
         r.handle(
             messages.Register(role=role, engine=engine, node=engine, group=0, address="x", pid=1),
             ident,
         )
-    for s in ("a", "b"):
+    for s in ("a", "b", "c"):
         r.handle(messages.OpenSession(session=s))
+    return r
+
+
+@pytest.fixture()
+def rig(monkeypatch):
+    r = make_rig(monkeypatch)
     yield r
-    server.close()
-    store.close()
+    r.router.server.close()
+    r.router.store.close()
 
 
 def _only(sent, kind):
@@ -249,19 +265,6 @@ def test_stale_or_foreign_acks_are_ignored(rig):
     assert rig.router.params.update is not None and rig.router.params.update.waiting == {PE, DE}
 
 
-def test_an_engine_registering_with_old_params_is_brought_up_to_date(rig):
-    rig.handle(messages.UpdateParams(version="v1", path="/p"))
-    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    sent = rig.handle(
-        messages.Register(role="decode", engine=2, node=2, group=0, address="y", pid=2), b"de2"
-    )
-    assert [m for _, m in sent][1:] == [
-        messages.LoadParams(version="v1", path="/p"),
-        messages.CommitParams(version="v1", commit=True),
-    ]
-
-
 @pytest.mark.parametrize(
     "kw, problem",
     [
@@ -287,6 +290,200 @@ def test_sampling_fields_reach_the_job(rig):
     )
     job = work.jobs[0]
     assert (job.sampling, job.stop_tokens, job.stream) == (sampling, [3], True)
+
+
+# ----------------------------------------------------------------------------- rotation
+
+DE2 = 2
+
+
+def _commit_update(rig: Rig, version: str = "v1", path: str = "/p") -> None:
+    """An update every engine in rotation loads: committed."""
+    rig.handle(messages.UpdateParams(version=version, path=path))
+    for engine, ident in ((PE, b"pe"), (DE, b"de"), (DE2, b"de2")):
+        e = rig.router.liveness.registry.get(engine)
+        if e is not None and e.alive and rig.router.params.update is not None:
+            rig.handle(messages.ParamsLoaded(engine=engine, version=version, ok=True), ident)
+    assert rig.router.params.version == version
+
+
+def _register_de2(rig: Rig, version: str = "") -> list[tuple[bytes, messages.Msg]]:
+    return rig.handle(
+        messages.Register(
+            role="decode", engine=DE2, node=DE2, group=0, address="y", pid=2,
+            params_version=version,
+        ),
+        b"de2",
+    )  # fmt: skip
+
+
+def _fetch_de(rig: Rig, engine: int) -> list[tuple[bytes, messages.Msg]]:
+    ident = b"de" if engine == DE else b"de2"
+    load = messages.Load(hbm_capacity_tokens=4096, slots=4)
+    return rig.handle(messages.Fetch(engine=engine, load=load), ident)
+
+
+def _tick(rig: Rig, t: float) -> list[messages.Msg]:
+    """The router's tick at `t` (every engine heard from just before): what DE2 was sent."""
+    rig.clock.t = t
+    for e in rig.router.liveness.registry.live():
+        e.last_seen = t
+    rig.sent.clear()
+    rig.router.tick(t)
+    return [m for i, m in rig.sent if i == b"de2"]
+
+
+def _serving(rig: Rig) -> dict[int, bool]:
+    return {int(k): v["serving"] for k, v in rig.router.stats()["engines"].items()}
+
+
+def test_an_engine_registering_with_other_params_gets_no_work_until_it_has_loaded_them(rig):
+    r = rig.router
+    _commit_update(rig)
+    sent = _register_de2(rig)  # restarted after the update: it serves the initial params
+    assert sent == [
+        (b"de2", messages.Ack(ref=str(DE2))),
+        (b"de2", messages.LoadParams(version="v1", path="/p")),  # no commit before it answers
+    ]
+    assert _serving(rig) == {PE: True, DE: True, DE2: False}
+    rig.submit("r1", "a", [1, 2, 3])
+    assert _fetch_de(rig, DE2) == [] and r.rounds.table.requests["r1"].de == -1  # nothing for it
+    _fetch_de(rig, DE)
+    assert r.rounds.table.requests["r1"].de == DE
+    sent = rig.handle(messages.ParamsLoaded(engine=DE2, version="v1", ok=True), b"de2")
+    assert sent == [(b"de2", messages.CommitParams(version="v1", commit=True))]
+    assert _serving(rig) == {PE: True, DE: True, DE2: True}
+    assert r.stats()["engines"][str(DE2)]["params_version"] == "v1"
+
+
+def test_an_engine_that_cannot_load_the_served_params_stays_out_and_is_asked_again(rig):
+    r = rig.router
+    retry = r.cfg.cluster.params_retry_s
+    _commit_update(rig)
+    _register_de2(rig)
+    sent = rig.handle(
+        messages.ParamsLoaded(engine=DE2, version="v1", ok=False, message="OSError: gone"),
+        b"de2",
+    )
+    assert sent == []  # no commit: it keeps its params, and gets no work
+    assert _serving(rig)[DE2] is False
+    rig.submit("r1", "a", [1, 2, 3])
+    assert _fetch_de(rig, DE2) == [] and r.rounds.table.requests["r1"].de == -1
+    assert _tick(rig, retry - 1) == []  # not yet
+    assert _tick(rig, retry + 1) == [messages.LoadParams(version="v1", path="/p")]
+    # a load that is never answered fails too, and is asked again the same way
+    limit = r.cfg.cluster.params_load_timeout_s
+    assert _tick(rig, retry + 1 + limit + 1) == []
+    assert _tick(rig, retry + 1 + limit + 1 + retry + 1) == [
+        messages.LoadParams(version="v1", path="/p")
+    ]
+    assert _serving(rig)[DE2] is False
+
+
+def test_rounds_an_engine_refuses_for_its_params_run_on_another_engine(rig):
+    r = rig.router
+    _register_de2(rig)
+    _commit_update(rig)  # every engine serves v1 (the PE, DE and DE2 loaded it)
+    assert _serving(rig) == {PE: True, DE: True, DE2: True}
+    rig.submit("r1", "a", [1, 2, 3])
+    _fetch_de(rig, DE)
+    sent = rig.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe")
+    st = r.rounds.table.requests["r1"]
+    bad, bad_ident = st.de, (b"de" if st.de == DE else b"de2")
+    (job,) = [j for i, m in sent if isinstance(m, messages.Work) for j in m.jobs]
+    # the DE could not apply the commit (it serves other params): it refuses the job
+    text = "ParamsMismatch: job r1 needs params version 'v1'; this engine serves ''"
+    sent = rig.handle(
+        messages.Failed(request="r1", engine=bad, message=text, kind="params", attempt=job.attempt),
+        bad_ident,
+    )
+    assert not _only(sent, messages.Error)  # the round is not over
+    assert (bad_ident, messages.LoadParams(version="v1", path="/p")) in sent  # caught up
+    assert _serving(rig)[bad] is False and st.de == -1
+    other = DE2 if bad == DE else DE
+    _fetch_de(rig, bad)
+    _fetch_de(rig, other)
+    rig.handle(messages.Fetch(engine=PE, load=messages.Load()), b"pe")
+    assert st.de == other and st.attempts == 2
+    rig.prefill_done("r1")
+    sent = rig.handle(
+        messages.DecodeDone(request="r1", engine=other, tokens=[5, 5], persisted_blocks=0),
+        b"de" if other == DE else b"de2",
+    )
+    assert isinstance(sent[-1][1], messages.RoundResult)
+
+
+def test_an_engine_registering_during_a_load_is_caught_up_after_the_update(rig):
+    r = rig.router
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))  # loading: PE and DE asked
+    sent = _register_de2(rig)  # with the served (old) params, after the engines were asked
+    assert sent == [(b"de2", messages.Ack(ref=str(DE2)))]
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    sent = rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+    # commits go to the engines that loaded v1 only; DE2 is told to load it first
+    assert _only(sent, messages.CommitParams) == [
+        (b"pe", messages.CommitParams(version="v1", commit=True)),
+        (b"de", messages.CommitParams(version="v1", commit=True)),
+    ]
+    assert (b"de2", messages.LoadParams(version="v1", path="/p")) in sent
+    assert r.params.version == "v1" and _serving(rig) == {PE: True, DE: True, DE2: False}
+    rig.handle(messages.ParamsLoaded(engine=DE2, version="v1", ok=True), b"de2")
+    assert _serving(rig)[DE2] is True
+
+
+def test_an_engine_registering_while_rounds_drain_loads_the_update_with_the_others(rig):
+    rig.submit("r1", "a", [1, 2, 3])
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))  # draining: r1 in flight
+    assert _register_de2(rig) == [(b"de2", messages.Ack(ref=str(DE2)))]
+    sent = rig.handle(messages.CancelRound(request="r1"))  # nothing in flight: the engines load
+    assert sorted(i for i, m in sent if isinstance(m, messages.LoadParams)) == [
+        b"de",
+        b"de2",
+        b"pe",
+    ]
+
+
+def test_an_engine_with_other_params_registering_during_an_update_waits_for_its_end(rig):
+    """(Here the update is refused and the served params, the initial ones, have no checkpoint
+    to load: the engine stays out of rotation.)"""
+    rig.handle(messages.UpdateParams(version="v1", path="/p"))
+    sent = _register_de2(rig, version="v0")
+    assert sent == [(b"de2", messages.Ack(ref=str(DE2)))]  # neither v1 nor the served ''
+    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    sent = rig.handle(
+        messages.ParamsLoaded(engine=DE, version="v1", ok=False, message="bad"), b"de"
+    )
+    # refused: the cluster serves '' still, and DE2 is told to load that (no checkpoint of
+    # the initial params: it stays out)
+    assert rig.router.params.version == ""
+    assert [m for i, m in sent if i == b"de2"] == []
+    assert _serving(rig) == {PE: True, DE: True, DE2: False}
+
+
+def test_held_rounds_count_against_max_queue(monkeypatch):
+    rig = make_rig(monkeypatch, max_queue=2)
+    try:
+        rig.submit("r1", "a", [1, 2, 3])  # queued
+        rig.handle(messages.UpdateParams(version="v1", path="/p"))  # draining: r1 in flight
+        assert rig.submit("r2", "b", [1, 2, 3]) == []  # held
+        ((ident, err),) = rig.submit("r3", "c", [1, 2, 3])
+        assert ident == b"client" and err.kind == "overloaded"
+        assert err.message.startswith("overloaded: 2 requests queued (max_queue=2)")
+        assert "1 of them held for params update 'v1'" in err.message
+        assert [m.request for _, m in rig.router.params.held] == ["r2"]
+        assert rig.router.stats()["counters"]["overloaded"] == 1
+        # the same kind as a submission over the bound with no update in progress
+        rig.handle(messages.CancelRound(request="r1"))  # the update loads, then commits
+        rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+        rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
+        assert list(rig.router.rounds.table.requests) == ["r2"]
+        assert rig.submit("r4", "a", [1]) == []
+        ((_, err),) = rig.submit("r5", "c", [1])
+        assert err.kind == "overloaded"
+        assert err.message == "overloaded: 2 requests queued (max_queue=2)"
+    finally:
+        rig.router.server.close()
+        rig.router.store.close()
 
 
 # ----------------------------------------------------------------------------- release

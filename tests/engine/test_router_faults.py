@@ -317,3 +317,43 @@ def test_an_engine_that_registers_again_serves_at_once(rig):
     # no liveness tick in between: the new engine counts at once
     rig.submit("s", "r1")
     assert "r1" in rig.router.rounds.table.requests
+
+
+def test_a_paused_engine_declared_dead_is_told_to_rejoin_and_serves_again(rig):
+    """An engine paused past the heartbeat timeout (SIGSTOP) is declared dead and its round
+    requeued. When it resumes, its fetch is answered `rejoin`; it registers again (same process,
+    same connection) and gets work; what it reports of the attempt it held is ignored."""
+    rig.submit("s", "r1")
+    (job,) = rig.assign()
+    rig.clock.t = rig.router.cfg.cluster.heartbeat_timeout_s + 1
+    rig.handle(messages.Heartbeat(engine=PE), PE_ID)  # the PE lives on, the DE is paused
+    rig.router.tick(rig.clock())
+    st = rig.router.rounds.table.requests["r1"]
+    assert not rig.router.liveness.registry[DE].alive and st.de == -1  # requeued
+    # it resumes: its heartbeats are answered as ever, its fetch tells it to rejoin
+    assert rig.handle(messages.Heartbeat(engine=DE), DE_ID) == [messages.Ack(ref="hb")]
+    (order,) = rig.fetch(DE)
+    assert order[0] == DE_ID and order[1].kind == "rejoin" and "declared dead" in order[1].message
+    assert rig.router.stats()["counters"]["rejoin_orders"] == 1
+    assert rig.handle(messages.Register(role="decode", engine=DE, node=DE, group=0,
+                                        address=f"inproc://{DE}", pid=100 + DE), DE_ID) == [
+        messages.Ack(ref=str(DE))]  # fmt: skip
+    (again,) = rig.assign()  # it serves again: the requeued round, a new attempt
+    assert again.request == "r1" and again.attempt == job.attempt + 1 and st.de == DE
+    rig.handle(messages.DeReady(request="r1", engine=DE, attempt=again.attempt), DE_ID)
+    rig.handle(messages.PrefillDone(request="r1", engine=PE, first_token=5, hit_blocks=0,
+                                    recomputed_blocks=0, read_s=0.0, prefill_s=0.0,
+                                    attempt=again.attempt), PE_ID)  # fmt: skip
+    # a persist of the attempt it held before the pause reports late: ignored
+    stale = messages.DecodeDone(request="r1", engine=DE, tokens=[9, 9, 9], persisted_blocks=0,
+                                attempt=job.attempt)  # fmt: skip
+    assert rig.handle(stale, DE_ID) == [] and "r1" in rig.router.rounds.table.requests
+    done = messages.DecodeDone(request="r1", engine=DE, tokens=[5, 6, 7], persisted_blocks=0,
+                               attempt=again.attempt)  # fmt: skip
+    (res,) = [m for m in rig.handle(done, DE_ID) if isinstance(m, messages.RoundResult)]
+    assert list(res.tokens) == [5, 6, 7]
+
+
+def test_a_fetch_of_an_engine_never_registered_is_still_told_to_stop(rig):
+    (order,) = rig.handle(messages.Fetch(engine=9, load=messages.Load()), b"de9")
+    assert order.kind == "stop"

@@ -62,8 +62,10 @@ def registration(engine: int, role: str, pid: int = 7, **kw) -> messages.Registe
     )
 
 
-def register(registry: EngineRegistry, engine: int, role: str, ident: bytes) -> None:
-    registry.add(ident, registration(engine, role, pid=100 + engine))
+def register(
+    registry: EngineRegistry, engine: int, role: str, ident: bytes, version: str = ""
+) -> None:
+    registry.add(ident, registration(engine, role, pid=100 + engine, params_version=version))
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -79,6 +81,7 @@ class DispatchRig:
     out: Outbox
     ended: list[tuple[str, str, str]]  # (request, message, kind) of each `end`
     cancelled: list[tuple[str, int]]  # (request, but) of each `cancel`
+    stale: list  # the engines handed to `stale` (taken out of rotation)
 
     def start_round(self, request: str, prompt_len: int = 3 * BT + 5, hit_blocks: int = 2) -> None:
         """A round the sessions part has admitted: `hit_blocks` of its prompt are stored."""
@@ -107,9 +110,9 @@ def dispatch_rig(**cluster) -> DispatchRig:
     clock = Clock()
     server = Server()
     out = Outbox(server, None, clock)  # type: ignore[arg-type]
-    registry = EngineRegistry(cfg.cluster, clock)
-    register(registry, PE, "prefill", PE_ID)
-    register(registry, DE, "decode", DE_ID)
+    registry = EngineRegistry(cfg.cluster, clock, served=lambda: "v7")
+    register(registry, PE, "prefill", PE_ID, "v7")
+    register(registry, DE, "decode", DE_ID, "v7")
     table = SessionTable(TINY_QWEN2.vocab_size, 256)
     c = cfg.cluster
     scheduler = GlobalScheduler(
@@ -117,6 +120,7 @@ def dispatch_rig(**cluster) -> DispatchRig:
     )
     ended: list[tuple[str, str, str]] = []
     cancelled: list[tuple[str, int]] = []
+    stale: list = []
 
     def end(st: RequestState, message: str, kind: str) -> None:
         ended.append((st.id, message, kind))
@@ -132,8 +136,9 @@ def dispatch_rig(**cluster) -> DispatchRig:
         params_version=lambda: "v7",
         end=end,
         cancel=lambda st, but: cancelled.append((st.id, but)),
+        stale=stale.append,
     )
-    return DispatchRig(dispatch, server, registry, table, scheduler, out, ended, cancelled)
+    return DispatchRig(dispatch, server, registry, table, scheduler, out, ended, cancelled, stale)
 
 
 def test_the_de_gets_the_job_first_and_the_pe_once_the_de_is_ready():

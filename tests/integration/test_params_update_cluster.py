@@ -125,3 +125,56 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path, runtime):
             assert sum(store.lookup([k]).result(30) for k in keys) == 0
         finally:
             store.close()
+
+
+def test_a_restarted_engine_that_cannot_load_the_served_params_gets_no_work(
+    start_cluster, tmp_path
+):
+    """After an update, a decode engine restarts from the cluster's first params and cannot
+    read the served checkpoint: it stays out of rotation while the other DE serves every round
+    (none fails), and once the checkpoint is readable again it is caught up and serves."""
+    import shutil
+    import time
+
+    from dualpath_jax.metrics.events import read_events
+
+    b = init_model(TINY_QWEN2, seed=32)
+    ref_b = ModelRunner(b)
+    cfg = ExperimentConfig(
+        model=TINY_QWEN2,
+        cluster=ClusterConfig(
+            prefill_cost_json=PINNED_COST,
+            decode_max_len=512,
+            decode_nodes=2,
+            heartbeat_s=0.2,
+            heartbeat_timeout_s=2.0,  # the killed DE is declared dead soon
+            params_retry_s=0.5,
+        ),
+        store=StoreConfig(block_tokens=BT),
+    )
+    rs = np.random.RandomState(5)
+    with start_cluster(cfg, tmp_path / "run", "thread") as cluster:
+        client = cluster.client()
+        assert client.update_params(b, version="step-1") == "step-1"
+        ckpt = cluster.workdir / "params" / "step-1"
+        shutil.move(ckpt, tmp_path / "moved")  # the served checkpoint is unreadable now
+        cluster.kill("de2")
+        cluster.restart("de2")  # it serves init_model's params again
+        engines = client.stats()["engines"]["2"]
+        assert engines["alive"] and not engines["serving"]
+        t_back = time.monotonic()
+        prompts = [rs.randint(0, TINY_QWEN2.vocab_size, 24).tolist() for _ in range(8)]
+        for k, prompt in enumerate(prompts):  # every round on the DE in rotation, B's tokens
+            assert Session(client, f"r{k}").step(prompt, 3, TIMEOUT_S) == reference_generate(
+                ref_b, prompt, 3
+            )
+        events = read_events(cluster.workdir / "events.jsonl")
+        assert {e["de"] for e in events if e["kind"] == "assign" and e["t"] > t_back} == {1}
+        assert any(e["kind"] == "params_catch_up_failed" and e["engine"] == 2 for e in events)
+        assert not client.stats()["engines"]["2"]["serving"]
+        shutil.move(tmp_path / "moved", ckpt)  # readable again: the next retry loads it
+        deadline = time.monotonic() + TIMEOUT_S
+        while not client.stats()["engines"]["2"]["serving"]:
+            assert time.monotonic() < deadline, "de2 was never caught up"
+            time.sleep(0.1)
+        assert client.stats()["engines"]["2"]["params_version"] == "step-1"
