@@ -39,7 +39,6 @@ import tensorstore as ts
 from dualpath_jax.config import ModelConfig, StoreConfig
 from dualpath_jax.kv_events import BlockRemoved, BlockStored, KVEvent
 from dualpath_jax.kvstore import tensorstore_io
-from dualpath_jax.kvstore.capacity import DiskUsage, store_capacity
 from dualpath_jax.kvstore.api import (
     BlockReadResult,
     BlockStore,
@@ -48,6 +47,7 @@ from dualpath_jax.kvstore.api import (
     StoreUnavailable,
     WriteReport,
 )
+from dualpath_jax.kvstore.capacity import DiskUsage, store_capacity
 from dualpath_jax.kvstore.codec import (
     HEADER_BYTES,
     BlockDecodeError,

@@ -8,8 +8,6 @@ import collections
 import json
 import logging
 
-import pytest
-
 from dualpath_jax.config import StoreConfig
 from dualpath_jax.kvstore import TensorStoreBlockStore, block_keys
 from dualpath_jax.kvstore.capacity import local_root, store_capacity
@@ -88,7 +86,9 @@ def test_memory_and_remote_stores_stay_unlimited_with_a_warning_for_remote(fmt, 
         assert st.stats().capacity_bytes == 0
     remote = {"driver": "gcs", "bucket": "kv"}
     with caplog.at_level(logging.WARNING, logger="dualpath_jax.kvstore.capacity"):
-        cap = store_capacity(StoreConfig(kind="spec", spec_json=json.dumps(remote)), remote, 0, disk)
+        cap = store_capacity(
+            StoreConfig(kind="spec", spec_json=json.dumps(remote)), remote, 0, disk
+        )
     assert cap.nbytes == 0 and "remote" in cap.why
     assert "store.capacity_bytes" in caplog.text
     assert disk.paths == []
