@@ -428,7 +428,9 @@ class ApiServer:
         except BaseException:  # cancelled (the client left) while opening or submitting
             await self._close_one_off(rnd)
             raise
-        text = TextStream(self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids)
+        text = TextStream(
+            self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids, p.sampling.min_tokens
+        )
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         resp: web.StreamResponse | None = None
         try:

@@ -746,3 +746,41 @@ def test_a_write_the_client_never_reads_aborts_the_connection():
     assert asyncio.run(go(lambda r: connections.write(r, stuck, b"x", 0.05, reasons.append)))
     assert asyncio.run(go(lambda r: connections.finish(r, stuck, 0.05, reasons.append)))
     assert reasons == ["write_timeout", "write_timeout"]
+
+
+def test_min_tokens_reaches_the_round_and_holds_stop_strings_back():
+    client = FakeClient()  # generates "abcdefghijklmnopqrstuvwxyzabc..."
+    [(status, _, body)] = _post(
+        client, _completion(prompt="hi", max_tokens=40, stop=["b"], min_tokens=4)
+    )
+    assert status == 200
+    assert client.submits[0]["sampling"].min_tokens == 4
+    # the "b" of token 2 comes before min_tokens: only the next one ends the answer
+    assert body["choices"][0]["text"] == "abcdefghijklmnopqrstuvwxyza"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 28
+
+
+@pytest.mark.parametrize("min_tokens", [-1, 9])
+def test_min_tokens_outside_0_to_max_tokens_is_400(min_tokens):
+    client = FakeClient()
+    [(status, _, body)] = _post(
+        client, _completion(prompt="hi", max_tokens=8, min_tokens=min_tokens)
+    )
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert f"min_tokens must lie in [0, max_tokens=8], got {min_tokens}" in body["error"]["message"]
+    assert client.submits == []
+
+
+def test_text_stream_finds_no_stop_string_before_min_tokens():
+    tok = ByteTokenizer()
+    one = TextStream(tok, ["b"], tok.eos_ids, min_tokens=3)
+    assert [one.add([i]) for i in b"abcb"] == ["a", "b", "c", ""]
+    assert one.stopped and one.text == "abc" and one.used == 4
+    together = TextStream(tok, ["b"], tok.eos_ids, min_tokens=3)
+    assert together.add(list(b"abcbd")) == "abc"  # one delta across min_tokens
+    assert together.stopped and together.used == 4
+    short = TextStream(tok, ["b"], tok.eos_ids, min_tokens=5)
+    short.add(list(b"ab"))
+    assert short.close() == "" and not short.stopped and short.text == "ab"
