@@ -38,7 +38,7 @@ from dualpath_jax.engine.client import (
     key_to_seed,
     new_version,
 )
-from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
 from dualpath_jax.rounds import RoundResult
 
 log = logging.getLogger(__name__)
@@ -445,6 +445,8 @@ class InProcessEngine:
             raise RolloutError(f"gen must be > 0, got {gen}", "bad_request")
         if not append:
             raise RolloutError("a round must append at least one token", "bad_request")
+        if sampling.min_tokens > gen:  # no stop tokens here: min_tokens masks nothing
+            raise RolloutError(min_tokens_problem(sampling, gen, ()), "bad_request")
         prompt = context + append
         if len(prompt) + gen > self.max_len:
             raise RolloutError(

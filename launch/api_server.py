@@ -47,6 +47,24 @@ _MAX_PRIORITY = flags.DEFINE_integer(
 _MAX_TTL = flags.DEFINE_float(
     "max_session_ttl_s", 86400.0, "The largest X-Session-TTL (seconds) a client may ask for."
 )
+_HEADER_TIMEOUT = flags.DEFINE_float(
+    "header_timeout_s", 10.0, "A request's line and headers must arrive within this (else closed)."
+)
+_BODY_TIMEOUT = flags.DEFINE_float(
+    "body_timeout_s", 60.0, "A request's body must arrive within this after its headers (408)."
+)
+_KEEPALIVE = flags.DEFINE_float(
+    "keepalive_timeout_s", 75.0, "An idle keep-alive connection is closed after this."
+)
+_WRITE_TIMEOUT = flags.DEFINE_float(
+    "write_timeout_s",
+    60.0,
+    "A response write the client does not read within this closes the connection (and cancels"
+    " its round).",
+)
+_MAX_CONNECTIONS = flags.DEFINE_integer(
+    "max_connections", 1024, "Connections past this many are answered 503 (0: no cap)."
+)
 _WARMUP = flags.DEFINE_bool(
     "warmup",
     True,
@@ -79,6 +97,11 @@ def main(argv):
         session_idle_s=_SESSION_IDLE.value,
         max_session_priority=_MAX_PRIORITY.value,
         max_session_ttl_s=_MAX_TTL.value,
+        header_timeout_s=_HEADER_TIMEOUT.value,
+        body_timeout_s=_BODY_TIMEOUT.value,
+        keepalive_timeout_s=_KEEPALIVE.value,
+        write_timeout_s=_WRITE_TIMEOUT.value,
+        max_connections=_MAX_CONNECTIONS.value,
     )
 
 

@@ -341,7 +341,11 @@ class StoreConfig:
     spec_json: str = ""
     block_tokens: int = 64
     fsync: bool = False
-    capacity_bytes: int = 0  # 0: unlimited (each process enforces it on its own view)
+    # The bytes a store may hold, each process enforcing it on its own view. 0: derived from
+    # the disk of a local store (capacity_fraction of its free bytes plus those the store holds
+    # at open; unlimited for memory and remote stores); -1: unlimited (kvstore/capacity.py).
+    capacity_bytes: int = 0
+    capacity_fraction: float = 0.5  # of the local disk's room, when capacity_bytes is 0
     # Which blocks go first when capacity_bytes is reached: "lru", or "retention" (a session's
     # blocks stay while its round runs and for its TTL after, by priority; docs/kv_events.md).
     eviction: str = "retention"

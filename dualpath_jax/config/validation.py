@@ -43,6 +43,8 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " workload.trace_bytes_per_token",
     ),
     ("must lie in [0, 65535]", lambda v: 0 <= v <= 65535, "cluster.router_port"),
+    ("must be >= -1 (-1: unlimited)", lambda v: v >= -1, "store.capacity_bytes"),
+    ("must lie in (0, 1]", lambda v: 0 < v <= 1, "store.capacity_fraction"),
     (
         "must lie in [0, 1]",
         lambda v: 0 <= v <= 1,

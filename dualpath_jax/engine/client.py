@@ -324,7 +324,8 @@ class Client:
 
         `sampling` is how its tokens are drawn (`model.SamplingParams`; greedy by default).
         `keep >= 0` builds on the first `keep` tokens of the session's context only (-1: all of
-        it). The round ends after any of `stop_tokens`. `on_tokens(start, tokens)` streams the
+        it). The round ends after any of `stop_tokens`, which `sampling.min_tokens` masks until
+        the round has that many tokens. `on_tokens(start, tokens)` streams the
         generated tokens from position `start` as they come (on the client's thread: keep it
         short); a retried round streams positions again, with the same tokens. `priority` and
         `ttl_s` change the session's retention (`open_session`) from this round on."""

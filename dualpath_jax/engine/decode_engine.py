@@ -290,6 +290,7 @@ class DecodeEngine:
                 r.first,
                 reserve,
                 sampling=r.msg.sampling,
+                stop_tokens=r.msg.stop_tokens,  # none drawn before sampling.min_tokens
             )
             r.load.close()
             self.slot_req[r.slot] = rid
@@ -300,8 +301,9 @@ class DecodeEngine:
 
     @staticmethod
     def finish_reason(r: _Req) -> str:
-        """Why the request is done after its latest token ("" while it goes on)."""
-        if r.tokens[-1] in r.msg.stop_tokens:
+        """Why the request is done after its latest token ("" while it goes on). A stop token
+        ends it only once it has `min_tokens` tokens before it (the sampling masks it before)."""
+        if r.tokens[-1] in r.msg.stop_tokens and len(r.tokens) > r.msg.sampling.min_tokens:
             return "stop"
         if len(r.tokens) >= r.msg.gen:
             return "length"

@@ -67,7 +67,8 @@ class Submit(Msg):
     # context[:k] + append; stored KV of the kept prefix is found by its block keys as usual.
     keep: int = -1
     # The round ends early, as if it had generated `gen` tokens, right after any of these tokens
-    # (an end-of-sequence id), which is the last of its tokens.
+    # (an end-of-sequence id), which is the last of its tokens; none is drawn before the round
+    # has `sampling.min_tokens` tokens (at most gen; at most 16 distinct ones with min_tokens).
     stop_tokens: list[int] = []
     # Send the tokens as they are generated (`Partial`), before the `RoundResult`.
     stream: bool = False

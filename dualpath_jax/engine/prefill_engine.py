@@ -38,7 +38,7 @@ from dualpath_jax.model.cached_kv import (
 )
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, batch_bucket
 from dualpath_jax.model.sampler import sample_at
-from dualpath_jax.model.sampling import GREEDY
+from dualpath_jax.model.sampling import GREEDY, held_back
 from dualpath_jax.model.sharding import host_value, whole
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
@@ -356,6 +356,8 @@ class PrefillEngine:
                 logits,
                 [r.msg.sampling for r in reqs] + [GREEDY] * pad,
                 [len(r.msg.prompt) for r in reqs] + [0] * pad,
+                # with min_tokens > 0 the first token is no stop token
+                [held_back(r.msg.sampling, r.msg.stop_tokens, 0) for r in reqs] + [[]] * pad,
             )
         except Exception as e:  # noqa: BLE001
             if span is not None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from dualpath_jax.engine import messages
-from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
 from dualpath_jax.sched.types import Assignment, Request
 
 
@@ -210,6 +210,9 @@ class SessionTable:
         bad = next((t for t in msg.stop_tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return f"stop token {bad} is out of range [0, {self.vocab_size})"
+        problem = min_tokens_problem(msg.sampling, msg.gen, msg.stop_tokens)
+        if problem:
+            return problem
         have = len(self.sessions[msg.session].context)
         if not -1 <= msg.keep <= have:
             return f"keep={msg.keep} is outside the session's context of {have} tokens (-1: all)"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import shutil
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -46,6 +47,7 @@ from dualpath_jax.kvstore.api import (
     StoreUnavailable,
     WriteReport,
 )
+from dualpath_jax.kvstore.capacity import DiskUsage, store_capacity
 from dualpath_jax.kvstore.codec import (
     HEADER_BYTES,
     BlockDecodeError,
@@ -67,9 +69,10 @@ class TensorStoreBlockStore(BlockStore):
     """A BlockStore on a tensorstore kvstore: `file` (default), `memory`, or any kvstore spec
     (gcs, s3, ocdbt, ...) passed through unchanged.
 
-    Block sizes come from `fmt`; capacity (`StoreConfig.capacity_bytes`) is enforced on this
-    process's view, evicting least recently used unpinned blocks; keys found at open (`list`) join
-    that view as the oldest.
+    Block sizes come from `fmt`; capacity (`StoreConfig.capacity_bytes`, or by default a
+    fraction of the disk: `capacity.store_capacity`, logged at open, `disk_usage` as
+    `shutil.disk_usage`) is enforced on this process's view, evicting least recently used
+    unpinned blocks; keys found at open (`list`) join that view as the oldest.
 
     `on_events(events)` (optional) receives this store's KV events (module docstring); it runs on
     the store's threads, one call at a time, and must neither block for long nor call the store.
@@ -80,6 +83,7 @@ class TensorStoreBlockStore(BlockStore):
         cfg: StoreConfig,
         fmt: BlockFormat,
         on_events: Callable[[list[KVEvent]], None] | None = None,
+        disk_usage: DiskUsage = shutil.disk_usage,
     ):
         self.cfg = cfg
         self.fmt = fmt
@@ -93,16 +97,23 @@ class TensorStoreBlockStore(BlockStore):
             self._kv = ts.KvStore.open(spec).result(timeout=cfg.timeout_s)
         except Exception as e:  # tensorstore reports bad specs and I/O failures as ValueError
             raise StoreUnavailable(f"cannot open block store {cfg.kind}: {e}") from None
-        self.index = BlockIndex(cfg.capacity_bytes, cfg.eviction)
         self._counts: collections.Counter[str] = collections.Counter()
         self._count_lock = threading.Lock()
+        found: list[str] = []
         if cfg.kind != "memory":
             try:
                 listed = self._kv.list().result(timeout=cfg.timeout_s)
             except Exception as e:
                 raise StoreUnavailable(f"cannot list block store {cfg.kind}: {e}") from None
             found = [k for k in (key_from_path(p.decode(errors="replace")) for p in listed) if k]
-            self.index.touch(found, fmt.encoded_bytes)
+        self.capacity = store_capacity(cfg, spec, len(found) * fmt.encoded_bytes, disk_usage)
+        log.info(
+            "block store capacity: %s (%s)",
+            f"{self.capacity.nbytes / 2**30:.2f} GiB" if self.capacity.nbytes else "unlimited",
+            self.capacity.why,
+        )
+        self.index = BlockIndex(self.capacity.nbytes, cfg.eviction)
+        self.index.touch(found, fmt.encoded_bytes)
         self._pool = futures.ThreadPoolExecutor(
             max_workers=self._window, thread_name_prefix="blockstore"
         )
@@ -497,11 +508,13 @@ def open_block_store(
     params_version: str = "",
     kv_format: str | None = None,
     on_events: Callable[[list[KVEvent]], None] | None = None,
+    disk_usage: DiskUsage = shutil.disk_usage,
 ) -> TensorStoreBlockStore:
     """Opens the block store of `model` (layout, KV dtype tag and fingerprint derived from it);
-    `on_events` receives its KV events (`TensorStoreBlockStore`)."""
+    `on_events` receives its KV events, `disk_usage` sizes its default capacity
+    (`TensorStoreBlockStore`)."""
     layout = BlockLayout(
         model.num_layers, cfg.block_tokens, kv_bytes_per_token_per_layer(model, kv_format)
     )
     fmt = BlockFormat(layout, kv_format or model.kv_dtype, model_fingerprint(model, params_version))
-    return TensorStoreBlockStore(cfg, fmt, on_events)
+    return TensorStoreBlockStore(cfg, fmt, on_events, disk_usage)

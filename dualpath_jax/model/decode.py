@@ -33,25 +33,44 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
-from dualpath_jax.model.sampler import sample, sample_rows
-from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.model.sampler import mask_held, sample, sample_rows
+from dualpath_jax.model.sampling import (
+    GREEDY,
+    MAX_HELD_STOP_TOKENS,
+    SamplingParams,
+    min_tokens_problem,
+)
 from dualpath_jax.model.sharding import host_value, whole
 
 Array = jax.Array
 
 
 def _decode_step(
-    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps, top_ps
+    embed_gd,
+    runs,
+    head_gd,
+    params,
+    pages,
+    table,
+    lengths,
+    pending,
+    active,
+    seeds,
+    temps,
+    top_ps,
+    stop_ids,
+    held_until,
 ):
     """One token for every slot over paged KV, everything on the device.
 
     pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
-    the active mask, sampling seeds, temperatures and top-p `[S]`. The layers of each run (`runs`:
+    the active mask, sampling seeds, temperatures and top-p `[S]`, and each slot's stop tokens
+    `[S, K]` that may not be drawn before position `held_until` `[S]` (`min_tokens`). The layers of each run (`runs`:
     `ModelRunner.layer_runs`, with `params` from `ModelRunner.stacked_params`) go under one
     `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
     over the slot's cached pages and the token's own row, and writes that row into the slot's
-    page. Returns (logits `[S, V]`, the next tokens `[S]` (sampled as `sample_at` samples;
-    idle slots keep theirs), pages, lengths + active)."""
+    page. Returns (logits `[S, V]` (the model's, before masking), the next tokens `[S]` (sampled
+    as `sample_at` samples; idle slots keep theirs), pages, lengths + active)."""
     embed_state, stacked, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
     h = embed(pending[:, None])
@@ -71,7 +90,8 @@ def _decode_step(
         (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
     lengths = lengths + write
-    tokens = sample_rows(logits, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
+    drawable = mask_held(logits, stop_ids, held_until, lengths)
+    tokens = sample_rows(drawable, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
     return logits, jnp.where(active, tokens, pending), pages, lengths
 
 
@@ -177,6 +197,10 @@ class Decoder:
         self.seeds = np.zeros((slots,), np.uint32)
         self.temperatures = np.zeros((slots,), np.float32)
         self.top_ps = np.ones((slots,), np.float32)
+        # min_tokens: each slot's stop tokens (-1 pads), masked while the drawn token's position
+        # lies before held_until (prompt length + min_tokens)
+        self.stop_ids = np.full((slots, MAX_HELD_STOP_TOKENS), -1, np.int32)
+        self.held_until = np.zeros((slots,), np.int32)
         self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
         self._pending = jnp.zeros((slots,), jnp.int32)  # device-side: the tokens fed next
         self._dev: dict[str, Array] = {}
@@ -218,11 +242,13 @@ class Decoder:
         reserve_tokens: int = 0,
         *,
         sampling: SamplingParams = GREEDY,
+        stop_tokens: Sequence[int] = (),
     ) -> None:
         """Loads a prompt's KV rows `[L, >= length, W]` into `slot`'s pages; `next_token` is fed
-        next. Pages for `max(reserve_tokens, length + 1)` tokens are taken now (`PagesExhausted`
-        if the pool has too few free). `sampling` is how `advance` draws the slot's tokens
-        (`sample_at`; the default is greedy)."""
+        next (the first generated token). Pages for `max(reserve_tokens, length + 1)` tokens are
+        taken now (`PagesExhausted` if the pool has too few free). `sampling` is how `advance`
+        draws the slot's tokens (`sample_at`; the default is greedy); with `sampling.min_tokens`
+        it draws none of `stop_tokens` before the slot has generated that many."""
         cfg = self.runner.cfg
         self._check_insert(slot, length, next_token)
         if prompt_kv.shape[0] != cfg.num_layers or prompt_kv.shape[2] != cfg.kv_width:
@@ -233,7 +259,7 @@ class Decoder:
         rows = np.zeros((cfg.num_layers, n * self.page_size, cfg.kv_width), self.kv_np)
         rows[:, :length] = np.asarray(prompt_kv[:, :length])
         blocks = rows.reshape(cfg.num_layers, n, self.page_size, cfg.kv_width).transpose(1, 0, 2, 3)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling, stop_tokens)
 
     def insert_blocks(
         self,
@@ -244,6 +270,7 @@ class Decoder:
         reserve_tokens: int = 0,
         *,
         sampling: SamplingParams = GREEDY,
+        stop_tokens: Sequence[int] = (),
     ) -> None:
         """`insert` from the prompt's KV as Full Blocks `[n, L, page_size, bytes]` uint8 (the
         store's and the DE buffer's layout, whose block size is the page size): each block
@@ -257,7 +284,7 @@ class Decoder:
             )
         self._check_insert(slot, length, next_token)
         blocks = blocks[:n].view(self.kv_np)
-        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling)
+        self._insert(slot, blocks, length, next_token, reserve_tokens, sampling, stop_tokens)
 
     def _check_insert(self, slot: int, length: int, next_token: int) -> None:
         if self.active[slot]:
@@ -269,10 +296,14 @@ class Decoder:
         validate_tokens(self.runner.cfg, np.array([next_token]), "next token")
 
     @runs_on_mesh
-    def _insert(self, slot, blocks, length, next_token, reserve_tokens, sampling):
+    def _insert(self, slot, blocks, length, next_token, reserve_tokens, sampling, stop_tokens):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {sampling!r}")
+        held = sorted(set(int(t) for t in stop_tokens)) if sampling.min_tokens else []
+        problem = min_tokens_problem(sampling, self.max_len, held)
+        if problem:
+            raise ValueError(problem)
         ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
         self.table[slot] = 0
         self.table[slot, : len(ids)] = ids
@@ -291,6 +322,10 @@ class Decoder:
         self.active[slot] = True
         self.seeds[slot] = sampling.seed
         self.temperatures[slot], self.top_ps[slot] = sampling.temperature, sampling.top_p
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, : len(held)] = held
+        # generated token k sits at position length + k; k < min_tokens may not be a stop token
+        self.held_until[slot] = length + sampling.min_tokens if held else 0
         self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
         self._dirty = True
 
@@ -304,6 +339,7 @@ class Decoder:
     def free(self, slot: int) -> None:
         self.active[slot] = False
         self.lengths[slot] = 0
+        self.held_until[slot] = 0
         self.alloc.free(slot)
         self.table[slot] = 0
         self._dirty = True
@@ -380,6 +416,8 @@ class Decoder:
                 "seeds": copies.snapshot(self.seeds),
                 "temps": copies.snapshot(self.temperatures),
                 "top_ps": copies.snapshot(self.top_ps),
+                "stop_ids": copies.snapshot(self.stop_ids),
+                "held_until": copies.snapshot(self.held_until),
             }
             self._dirty, self._width = False, width
         d = self._dev
@@ -393,6 +431,8 @@ class Decoder:
             d["seeds"],
             d["temps"],
             d["top_ps"],
+            d["stop_ids"],
+            d["held_until"],
         )
         self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
         return logits

@@ -1,6 +1,6 @@
 """Drawing tokens from logits: `sample` (a batch with one key), `sample_at` (each row keyed by its
 sampling params and position: what the engines use) and `greedy_tokens`; `sample_rows` is
-`sample_at` inside a traced program (the decode step's).
+`sample_at` inside a traced program (the decode step's), `mask_held` its `min_tokens` masking.
 
 How a round samples is a `SamplingParams` (sampling.py, which imports no JAX).
 """
@@ -71,6 +71,7 @@ def sample_at(
     logits: Array | np.ndarray,
     params: Sequence[SamplingParams],
     positions: Sequence[int],
+    held: Sequence[Sequence[int]] | None = None,
 ) -> np.ndarray:
     """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
 
@@ -80,8 +81,13 @@ def sample_at(
     wherever it is computed (prefill or decode engine, in any batch, after any retry), which
     keeps sampled rollouts reproducible. `params[b].top_p < 1` draws from the smallest set of
     most likely tokens whose probability reaches it (nucleus sampling). All-greedy batches take
-    `greedy_tokens`.
+    `greedy_tokens`. `held[b]`: tokens row b may not draw (`sampling.held_back`: a round's stop
+    tokens before its `min_tokens`), masked before anything else; rows with none are untouched.
     """
+    if held is not None and any(len(h) for h in held):
+        logits = np.array(logits)  # a copy in its dtype: the caller's logits stay
+        for b, ids in enumerate(held):
+            logits[b, np.asarray(ids, np.int64)] = -np.inf
     if all(p.greedy for p in params):
         return greedy_tokens(logits)
     out = _sample_at(
@@ -104,6 +110,24 @@ def _nucleus(scaled: Array, top_ps: Array) -> Array:
     cutoff = jnp.take_along_axis(ordered, last[:, None], axis=-1)
     keep = (scaled >= cutoff) | (top_ps[:, None] >= 1.0)
     return jnp.where(keep, scaled, -jnp.inf)
+
+
+def mask_held(logits: Array, stop_ids: Array, held_until: Array, positions: Array) -> Array:
+    """`sample_at`'s `held` in a traced program: logits `[S, V]` with each row's stop tokens
+    (`stop_ids` `[S, K]`, -1 pads) at -inf where the token drawn at `positions` lies before
+    `held_until` (the round's prompt length plus its `min_tokens`). The scatter runs only when
+    some row holds; otherwise the logits pass unchanged."""
+    hold = positions < held_until
+
+    def mask(logits: Array) -> Array:
+        rows, vocab = logits.shape
+        ids = jnp.where((stop_ids >= 0) & hold[:, None], stop_ids, vocab)  # vocab: dropped
+        banned = (
+            jnp.zeros((rows, vocab), bool).at[jnp.arange(rows)[:, None], ids].set(True, mode="drop")
+        )
+        return jnp.where(banned, -jnp.inf, logits)
+
+    return jax.lax.cond(jnp.any(hold), mask, lambda x: x, logits)
 
 
 def sample_rows(logits, seeds, positions, temperatures, top_ps):

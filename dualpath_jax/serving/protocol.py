@@ -1,9 +1,10 @@
 """The OpenAI request bodies the server takes (msgspec structs), and its error responses.
 
 Only what the server implements is accepted: `n=1`, no logprobs, no echo, no tools. Unknown
-fields are ignored, as OpenAI clients send many. Two extensions, as vLLM names them:
-`ignore_eos` (generate exactly `max_tokens` tokens) and `return_token_ids` (each choice carries
-`token_ids`, the generated ids, and the response `prompt_token_ids`).
+fields are ignored, as OpenAI clients send many. Three extensions, as vLLM names them:
+`ignore_eos` (generate exactly `max_tokens` tokens), `return_token_ids` (each choice carries
+`token_ids`, the generated ids, and the response `prompt_token_ids`) and `min_tokens` (neither
+an end-of-turn token nor a stop string ends the answer before it has this many tokens).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class _Common(msgspec.Struct, kw_only=True):
     # extensions
     ignore_eos: bool = False
     return_token_ids: bool = False
+    min_tokens: int = 0  # no end-of-turn token or stop string ends the answer before this many
 
 
 class CompletionRequest(_Common, kw_only=True):

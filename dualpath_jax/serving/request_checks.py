@@ -91,7 +91,7 @@ def round_params(
 ) -> RoundParams:
     """The round a request of `prompt_len` tokens asks for: at most `max_tokens` (None: the
     default, clipped to the room left in `max_context`), its sampling (a random seed unless it
-    names one), stop strings and how it answers."""
+    names one; `min_tokens` at most the round's tokens), stop strings and how it answers."""
     room = max_context - prompt_len
     if room < 1:
         raise ApiError(
@@ -115,10 +115,18 @@ def round_params(
     t = 1.0 if req.temperature is None else req.temperature
     if t > 2:  # the API's range; SamplingParams checks the rest
         raise ApiError(400, f"temperature must lie in [0, 2], got {t}", param="temperature")
+    if not 0 <= req.min_tokens <= n:
+        raise ApiError(
+            400, f"min_tokens must lie in [0, max_tokens={n}], got {req.min_tokens}",
+            param="min_tokens",
+        )  # fmt: skip
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
     try:
         sampling = SamplingParams(
-            temperature=t, top_p=1.0 if req.top_p is None else req.top_p, seed=seed
+            temperature=t,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            seed=seed,
+            min_tokens=req.min_tokens,  # the end-of-turn ids' logits are masked until then
         )
     except SamplingError as e:
         raise ApiError(400, str(e), param=e.field) from None

@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator
 from concurrent import futures
 from typing import Any
 
-from aiohttp import web
-
 from dualpath_jax.engine import messages
 
 READ_PATH_HEADER = "X-DualPath-Read-Path"
@@ -99,9 +97,12 @@ def chunk(
     }
 
 
-async def send_event(resp: web.StreamResponse, data: dict) -> None:
-    """Writes `data` as one server-sent event."""
-    await resp.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+DONE = b"data: [DONE]\n\n"  # a stream's last event
+
+
+def event(data: dict) -> bytes:
+    """`data` as one server-sent event."""
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
 
 
 def usage(res: messages.RoundResult, completion_tokens: int | None = None) -> dict[str, Any]:

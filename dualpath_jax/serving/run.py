@@ -110,7 +110,9 @@ def serve(
 ) -> None:
     """Serves the OpenAI API for `cfg` until SIGTERM/SIGINT. `router` (with `secrets_file`)
     attaches to a running router instead of starting a LocalCluster in `workdir`. `server`:
-    more `ServerConfig` fields (`round_timeout_s`, `session_idle_s`, `default_max_tokens`)."""
+    more `ServerConfig` fields (`round_timeout_s`, `session_idle_s`, `default_max_tokens`, the
+    connection limits `header_timeout_s`, `body_timeout_s`, `keepalive_timeout_s`,
+    `write_timeout_s`, `max_connections`)."""
     from dualpath_jax.engine.client import Client
     from dualpath_jax.engine.cluster import LocalCluster
     from dualpath_jax.engine.credentials import read_credentials

@@ -41,7 +41,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.serving import request_checks, responses
+from dualpath_jax.serving import connections, request_checks, responses
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from dualpath_jax.serving.request_checks import RoundParams
@@ -62,7 +62,13 @@ class ServerConfig:
     `Retry-After` of 429 and 503 answers. `max_session_priority` and `max_session_ttl_s`: the
     largest KV retention priority and TTL a client may ask for in its headers (a larger value
     is a 400: one client must not pin its blocks over everyone else's). `max_body_bytes`: the
-    largest request body (0: 64 bytes per token of `max_context`, at least 1 MiB)."""
+    largest request body (0: 64 bytes per token of `max_context`, at least 1 MiB).
+
+    A connection's limits (`connections.py`): its request head (line and headers) must arrive
+    within `header_timeout_s`, its body within `body_timeout_s` after that (else 408), an idle
+    keep-alive connection closes after `keepalive_timeout_s`, a write the client does not read
+    within `write_timeout_s` closes the connection (and cancels its round), and connections past
+    `max_connections` (0: no cap) are answered 503 and closed."""
 
     model: str
     max_context: int
@@ -75,6 +81,11 @@ class ServerConfig:
     max_session_priority: int = 100
     max_session_ttl_s: float = 86400.0
     max_body_bytes: int = 0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    write_timeout_s: float = 60.0
+    max_connections: int = 1024
 
     @property
     def body_limit(self) -> int:
@@ -118,6 +129,7 @@ class ApiServer:
         self.sessions: dict[str, _AgentSession] = {}
         self.ready = ready or (lambda: True)
         self.runner: web.AppRunner | None = None
+        self.site: connections.GuardedSite | None = None
         self._reaper: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # one-off sessions being closed
         self.created = int(time.time())
@@ -136,12 +148,24 @@ class ApiServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         """Starts serving; returns the bound port."""
         # handler_cancellation: a client that disconnects cancels its handler (and its round).
-        self.runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(
+            self.app(),
+            handler_cancellation=True,
+            access_log=None,
+            keepalive_timeout=self.cfg.keepalive_timeout_s,
+        )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port)
-        await site.start()
+        self.site = connections.GuardedSite(
+            self.runner,
+            host,
+            port,
+            header_timeout_s=self.cfg.header_timeout_s,
+            max_connections=self.cfg.max_connections,
+            on_close=self._closed_at_limit,
+        )
+        await self.site.start()
         self._reaper = asyncio.ensure_future(self._reap_idle())
-        return site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self.site.port
 
     async def stop(self) -> None:
         if self._reaper is not None:
@@ -166,8 +190,22 @@ class ApiServer:
 
     # ------------------------------------------------------------------ plumbing
 
+    def _closed_at_limit(self, reason: str) -> None:
+        self.metrics.connections_closed.labels(reason).inc()
+
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Answers every request: errors in OpenAI's shape, the response sent within
+        `write_timeout_s`, the metrics; its connection's head clock stops meanwhile."""
+        if self.site is not None:
+            self.site.request_started(request)
+        try:
+            return await self._answer(request, handler)
+        finally:
+            if self.site is not None:
+                self.site.request_done(request)
+
+    async def _answer(self, request: web.Request, handler) -> web.StreamResponse:
         endpoint = request.path
         t0 = time.monotonic()
         api = endpoint.startswith("/v1/")
@@ -194,22 +232,39 @@ class ApiServer:
         except asyncio.CancelledError:
             self.metrics.requests.labels(endpoint, "disconnected").inc()
             raise
+        except ConnectionResetError:  # the client left, or read nothing for write_timeout_s
+            return self._gone(endpoint)
         except Exception as e:  # noqa: BLE001 - a bug answers 500, the server keeps serving
             log.exception("%s failed", endpoint)
             resp = self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
         finally:
             if api:
                 self.metrics.running.dec()
+        try:
+            await connections.finish(request, resp, self.cfg.write_timeout_s, self._closed_at_limit)
+        except ConnectionResetError:
+            return self._gone(endpoint)
+        if resp.status == 408 and request.transport is not None:
+            # the answer is sent; aiohttp would linger for the rest of the late body
+            request.transport.close()
         self.metrics.requests.labels(endpoint, str(resp.status)).inc()
         if endpoint.startswith("/v1/"):
             self.metrics.e2e.labels(endpoint).observe(time.monotonic() - t0)
         return resp
 
+    def _gone(self, endpoint: str) -> web.Response:
+        """What a request whose client is gone returns (aiohttp's write of it fails quietly)."""
+        self.metrics.requests.labels(endpoint, "disconnected").inc()
+        return web.Response(status=499)
+
     def _error(self, e: ApiError) -> web.Response:
         headers = {}
         if e.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(e.retry_after)))
-        return web.json_response(e.body(), status=e.status, headers=headers)
+        resp = web.json_response(e.body(), status=e.status, headers=headers)
+        if e.status == 408:  # a late body: the connection closes once this is sent
+            resp.force_close()
+        return resp
 
     def _rollout_error(self, e: RolloutError) -> ApiError:
         retry = self.cfg.retry_after_s
@@ -247,7 +302,7 @@ class ApiServer:
     # ------------------------------------------------------------------ generation endpoints
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(await request.read(), CompletionRequest)
+        req = parse(await self._body(request), CompletionRequest)
         request_checks.check_common(req, self.cfg.model)
         if req.echo:
             raise ApiError(400, "echo is not supported", param="echo")
@@ -256,7 +311,7 @@ class ApiServer:
         return await self._respond(request, req, prompt, params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = parse(await request.read(), ChatRequest)
+        req = parse(await self._body(request), ChatRequest)
         request_checks.check_common(req, self.cfg.model)
         if req.tools:
             raise ApiError(400, "tools are not supported", param="tools")
@@ -270,6 +325,17 @@ class ApiServer:
         limit = req.max_tokens if limit is None else limit
         params = self._round_params(req, limit, len(prompt))
         return await self._respond(request, req, prompt, params, chat=True)
+
+    async def _body(self, request: web.Request) -> bytes:
+        return await connections.read_body(request, self.cfg.body_timeout_s, self._closed_at_limit)
+
+    async def _send(self, request: web.Request, resp: web.StreamResponse, data: Any) -> None:
+        """One server-sent event (a dict) or raw bytes of a stream, within `write_timeout_s`."""
+        if isinstance(data, dict):
+            data = responses.event(data)
+        await connections.write(
+            request, resp, data, self.cfg.write_timeout_s, self._closed_at_limit
+        )
 
     def _round_params(self, req: Any, max_tokens: int | None, prompt_len: int) -> RoundParams:
         return request_checks.round_params(
@@ -362,7 +428,9 @@ class ApiServer:
         except BaseException:  # cancelled (the client left) while opening or submitting
             await self._close_one_off(rnd)
             raise
-        text = TextStream(self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids)
+        text = TextStream(
+            self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids, p.sampling.min_tokens
+        )
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         resp: web.StreamResponse | None = None
         try:
@@ -375,7 +443,7 @@ class ApiServer:
                     first = responses.chunk(
                         ident, self.cfg.model, chat, {"role": "assistant", "content": ""}
                     )
-                    await responses.send_event(resp, first)
+                    await self._send(request, resp, first)
             finishing = False
             streamed = 0  # generated ids streamed so far (return_token_ids)
             async for new in rnd.deltas(self.cfg.round_timeout_s):
@@ -388,7 +456,7 @@ class ApiServer:
                 streamed += len(ids or ())
                 if resp is not None and not was_stopped and (delta or ids):
                     chunk = responses.chunk(ident, self.cfg.model, chat, delta, ids)
-                    await responses.send_event(resp, chunk)
+                    await self._send(request, resp, chunk)
             try:
                 res = await rnd.result()
             except RolloutError as e:
@@ -406,12 +474,11 @@ class ApiServer:
             if resp is not None:
                 last = responses.chunk(ident, self.cfg.model, chat, rest, None, finish)
                 last["dualpath"] = extra
-                await responses.send_event(resp, last)
+                await self._send(request, resp, last)
                 if p.include_usage:
                     tail = {**responses.chunk(ident, self.cfg.model, chat, None), "choices": []}
-                    await responses.send_event(resp, {**tail, "usage": usage, "dualpath": extra})
-                await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
+                    await self._send(request, resp, {**tail, "usage": usage, "dualpath": extra})
+                await self._send(request, resp, responses.DONE)
                 return resp
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
             if chat:
@@ -440,8 +507,8 @@ class ApiServer:
             e = ApiError(503, "the round timed out", retry_after=self.cfg.retry_after_s)
             if resp is None:
                 raise e from None
-            await responses.send_event(resp, e.body())
-            await resp.write(b"data: [DONE]\n\n")
+            await self._send(request, resp, e.body())
+            await self._send(request, resp, responses.DONE)
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
             if rnd.fut is not None and not rnd.fut.done():
@@ -450,10 +517,8 @@ class ApiServer:
         except ApiError as e:
             if resp is None:
                 raise
-            await responses.send_event(
-                resp, e.body()
-            )  # the stream has begun: the error is its last event
-            await resp.write(b"data: [DONE]\n\n")
+            await self._send(request, resp, e.body())  # the stream has begun: its last event
+            await self._send(request, resp, responses.DONE)
             return resp
         finally:
             await self._close_one_off(rnd)

@@ -16,7 +16,8 @@ class TextStream:
     `close()` returns what was held back (none of it once stopped). End-of-turn ids (`eos_ids`)
     never show as text. `used` counts the ids the answer is made of: all of them, or once
     stopped those up to the one that completed the stop string (ids decoded after it are not the
-    answer's).
+    answer's). A stop string counts only once `min_tokens` ids have come (as vLLM checks them):
+    one completed by an earlier id is part of the answer.
 
     Decoding is incremental: each `add` decodes a window of the ids (from the last emitted
     boundary, with the ids before it as context for tokenizers whose pieces depend on their
@@ -25,7 +26,11 @@ class TextStream:
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, stops: Sequence[str] = (), eos_ids: Sequence[int] = ()
+        self,
+        tokenizer: Tokenizer,
+        stops: Sequence[str] = (),
+        eos_ids: Sequence[int] = (),
+        min_tokens: int = 0,
     ):
         self.tok = tokenizer
         self.stops = [s for s in stops if s]
@@ -38,14 +43,22 @@ class TextStream:
         self.text = ""  # the text so far (cut at a stop string once one matched)
         self.stopped = False
         self.used = 0
+        self.min_tokens = min_tokens
 
     def add(self, ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
+        early = max(0, min(len(ids), self.min_tokens - self.used))  # before min_tokens: no stop
+        out = self._add(ids[:early], find=False) if early else ""
+        if early < len(ids):
+            out += self._add(ids[early:], find=True)
+        return out
+
+    def _add(self, ids: Sequence[int], find: bool) -> str:
         base = len(self.ids)
         self.ids += [i for i in ids if i not in self.eos]
         self._decode(final=False)
-        cut = self._first_stop(self.text)
+        cut = self._first_stop(self.text) if find else -1
         if cut >= 0:
             self.stopped = True
             self.used += self._ids_to_stop(ids, base)
@@ -84,7 +97,7 @@ class TextStream:
         if self.stopped:
             return ""
         self._decode(final=True)
-        cut = self._first_stop(self.text)
+        cut = self._first_stop(self.text) if self.used >= self.min_tokens else -1
         if cut >= 0:
             self.stopped = True
             self.text = self.text[:cut]

@@ -100,7 +100,9 @@ def test_table_names_real_fields():
         ("store.timeout_s", -1.0, "store.timeout_s: must be > 0, got -1.0"),
         ("hardware.snic_bytes_per_s", -1.0, "hardware.snic_bytes_per_s: must be >= 0, got -1.0"),
         ("cluster.decode_queue", -1, "cluster.decode_queue: must be >= 0, got -1"),
-        ("store.capacity_bytes", -1, "store.capacity_bytes: must be >= 0, got -1"),
+        ("store.capacity_bytes", -2, "store.capacity_bytes: must be >= -1 (-1: unlimited), got -2"),
+        ("store.capacity_fraction", 0.0, "store.capacity_fraction: must lie in (0, 1], got 0.0"),
+        ("store.capacity_fraction", 1.5, "store.capacity_fraction: must lie in (0, 1], got 1.5"),
         ("cluster.router_port", 65536, "cluster.router_port: must lie in [0, 65535], got 65536"),
         ("cluster.router_port", -1, "cluster.router_port: must lie in [0, 65535], got -1"),
         ("seed", -1, "seed: must lie in [0, 2**63), got -1"),
@@ -142,7 +144,8 @@ def test_bad_value_names_its_key(key, value, message):
 
 @pytest.mark.parametrize("key", numeric_keys(int) + numeric_keys(float))
 def test_every_numeric_field_rejects_negative(key):
-    rejects(with_value(key, -1), f"{key}: must ")
+    low = -2 if key == "store.capacity_bytes" else -1  # -1: an unlimited store
+    rejects(with_value(key, low), f"{key}: must ")
 
 
 @pytest.mark.parametrize("key", numeric_keys(float))
@@ -154,6 +157,7 @@ def test_every_float_field_rejects_nan_and_inf(key):
 def test_zero_means_unbounded_where_documented():
     for key in ["cluster.prefill_max_batch", "cluster.prefill_max_tokens", "store.capacity_bytes"]:
         config.validate(with_value(key, 0))
+    config.validate(with_value("store.capacity_bytes", -1))  # unlimited, whatever the disk
     timed = config.WorkloadConfig(mode="online", aps=1.0, duration_s=60.0, agents=0)
     config.validate(config.ExperimentConfig(workload=timed))
     rejects(

@@ -270,6 +270,14 @@ def test_stale_or_foreign_acks_are_ignored(rig):
     [
         ({"stop_tokens": [300]}, "stop token 300 is out of range [0, 257)"),
         ({"keep": 5}, "keep=5 is outside the session's context of 0 tokens (-1: all)"),
+        (
+            {"gen": 3, "sampling": SamplingParams(min_tokens=4)},
+            "min_tokens (4) exceeds the tokens to generate (3)",
+        ),
+        (
+            {"sampling": SamplingParams(min_tokens=1), "stop_tokens": list(range(17))},
+            "a round with min_tokens has at most 16 stop tokens, got 17",
+        ),
     ],
 )
 def test_bad_round_fields_are_refused(rig, kw, problem):
@@ -280,7 +288,7 @@ def test_bad_round_fields_are_refused(rig, kw, problem):
 
 
 def test_sampling_fields_reach_the_job(rig):
-    sampling = SamplingParams(temperature=0.8, top_p=0.5, seed=77)
+    sampling = SamplingParams(temperature=0.8, top_p=0.5, seed=77, min_tokens=2)
     rig.submit("r1", "a", [1, 2], sampling=sampling, stop_tokens=[3], stream=True)
     rig.handle(
         messages.Fetch(engine=DE, load=messages.Load(hbm_capacity_tokens=4096, slots=4)), b"de"

@@ -72,6 +72,53 @@ def test_sample_at_top_p_draws_from_the_nucleus_only():
     assert len(drawn[1]) > len(drawn[0])
 
 
+def test_sample_at_masks_held_tokens_of_their_row_only():
+    """`held` tokens cannot be drawn, greedy or sampled; rows without any draw as without
+    `held`, and the caller's logits stay as they were."""
+    rs = np.random.RandomState(1)
+    logits = rs.randn(3, 40).astype(np.float32)
+    top = logits.argmax(-1)
+    before = logits.copy()
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    free = sample_at(logits, params, [5, 5, 5])
+    got = sample_at(logits, params, [5, 5, 5], [[int(top[0])], [], []])
+    np.testing.assert_array_equal(logits, before)
+    assert got[0] != top[0] and got[0] == np.argsort(-logits[0])[1]
+    assert list(got[1:]) == list(free[1:])
+    # a sampled row never draws a held token, whatever its seed
+    only = np.zeros((1, 4), np.float32)
+    only[0, 2] = 50.0  # all the mass on token 2
+    hot = SamplingParams(temperature=1.0, seed=0)
+    drawn = {int(sample_at(only, [hot], [p], [[2]])[0]) for p in range(50)}
+    assert 2 not in drawn and drawn
+
+
+def test_a_decode_slot_draws_no_stop_token_before_min_tokens(tiny_runner):
+    """On the device: a slot whose stop token is the model's greedy choice draws another one
+    until it has `min_tokens` tokens, then the greedy one again; a slot without `min_tokens`
+    (beside it, same stop token) draws exactly the greedy tokens."""
+    cfg = tiny_runner.cfg
+    prompt = np.random.RandomState(5).randint(0, cfg.vocab_size, 20).tolist()
+    kv, logits = _prefill(tiny_runner, prompt)
+    first = int(sample_at(logits, [SamplingParams()], [len(prompt)])[0])
+    plain = Decoder(tiny_runner, slots=1, max_len=64)
+    plain.insert(0, kv, len(prompt), first)
+    greedy = [int(np.asarray(plain.advance())[0]) for _ in range(8)]
+    stop = greedy[0]  # the token the model draws second: held back below
+    held = SamplingParams(min_tokens=4)
+    dec = Decoder(tiny_runner, slots=2, max_len=64)
+    dec.insert(0, kv, len(prompt), first, sampling=held, stop_tokens=[stop, 256])
+    dec.insert(1, kv, len(prompt), first, stop_tokens=[stop])
+    out = np.array([np.asarray(dec.advance()) for _ in range(8)])  # [step, slot]
+    assert list(out[:, 1]) == greedy  # no min_tokens: the same tokens as without stop tokens
+    # generated token k = 1 + step; tokens 1..3 (k < 4) may not be a stop token
+    assert stop not in out[:3, 0] and 256 not in out[:3, 0]
+    assert out[0, 0] != greedy[0]
+    dec.free(0)
+    with pytest.raises(ValueError, match="at most 16 stop tokens"):
+        dec.insert(0, kv, len(prompt), first, sampling=held, stop_tokens=range(17))
+
+
 def test_scan_over_two_layer_kinds_equals_the_reference():
     """DeepSeek's dense then MoE layers are two scans; tokens equal the cache-free oracle."""
     runner = ModelRunner(dm.init_model(TINY_DEEPSEEK, seed=0))

@@ -23,11 +23,13 @@ BAD = [
     ({"top_p": math.nan}, "top_p", "top_p must lie in (0, 1], got nan"),
     ({"seed": -1}, "seed", "seed must lie in [0, 2**32), got -1"),
     ({"seed": 2**32}, "seed", "seed must lie in [0, 2**32), got 4294967296"),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens must lie in [0, 2**31), got -1"),
 ]
 BAD_TYPES = [
     ({"temperature": "0.5"}, "temperature", "temperature must be a number, got '0.5'"),
     ({"top_p": True}, "top_p", "top_p must be a number, got True"),
     ({"seed": 1.5}, "seed", "seed must be an int, got 1.5"),
+    ({"min_tokens": 2.0}, "min_tokens", "min_tokens must be an int, got 2.0"),
 ]
 
 
@@ -56,6 +58,20 @@ def test_the_wire_carries_only_what_differs_from_greedy():
 
     assert body(GREEDY) == {}
     assert body(SamplingParams(temperature=0.7, seed=3)) == {"temperature": 0.7, "seed": 3}
+    assert body(SamplingParams(min_tokens=4)) == {"min_tokens": 4}
+
+
+def test_min_tokens_holds_back_the_stop_tokens_of_the_first_draws_only():
+    p = SamplingParams(min_tokens=2)
+    assert [sampling.held_back(p, [7, 9], k) for k in range(3)] == [[7, 9], [7, 9], []]
+    assert sampling.held_back(GREEDY, [7, 9], 0) == []
+    assert sampling.min_tokens_problem(p, 2, [7]) == ""
+    assert sampling.min_tokens_problem(p, 1, [7]) == (
+        "min_tokens (2) exceeds the tokens to generate (1)"
+    )
+    many = list(range(sampling.MAX_HELD_STOP_TOKENS + 1))
+    assert "at most 16 stop tokens, got 17" in sampling.min_tokens_problem(p, 8, many)
+    assert sampling.min_tokens_problem(GREEDY, 8, many) == ""  # nothing to hold back
 
 
 @pytest.mark.parametrize("kw, field, message", BAD)

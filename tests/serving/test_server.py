@@ -1,11 +1,15 @@
 """The HTTP server's own logic against a fake router client (no engines, no JAX): error
 statuses and Retry-After, stop strings finishing the round, session rewinds, the session
-retention headers, text streaming over split UTF-8 and stop strings, and the tokenizers."""
+retention headers, text streaming over split UTF-8 and stop strings, the tokenizers, and the
+connection limits (slow heads and bodies, idle keep-alive, the cap, writes nobody reads)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import json
+import socket
 import threading
 import time
 
@@ -19,6 +23,7 @@ from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 from dualpath_jax.engine import messages  # noqa: E402
 from dualpath_jax.engine.client import RolloutError, RoundFuture  # noqa: E402
 from dualpath_jax.model.sampling import SamplingParams  # noqa: E402
+from dualpath_jax.serving import connections  # noqa: E402
 from dualpath_jax.serving.server import ApiServer, ServerConfig  # noqa: E402
 from dualpath_jax.serving.text import TextStream  # noqa: E402
 from dualpath_jax.serving.tokenizer import (  # noqa: E402
@@ -581,3 +586,201 @@ def test_until_ready_health_and_requests_are_503_and_models_answer():
     before, after = asyncio.run(go())
     assert before == (503, 200, 503, "5")
     assert after == (200, 200, 200, None)
+
+
+# --------------------------------------------------------------------------- connection limits
+
+
+@contextlib.contextmanager
+def _listening(**limits):
+    """An ApiServer on a FakeClient, listening on a loopback port on its own event-loop thread
+    with these `ServerConfig` connection limits; yields (server, port)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = ServerConfig(model=MODEL, max_context=512, vocab_size=257, **limits)
+    server = ApiServer(FakeClient(), ByteTokenizer(), cfg)
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    try:
+        yield server, run(server.start("127.0.0.1", 0))
+    finally:
+        run(server.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def _closed_by_server(sock: socket.socket, trickle: bytes = b"") -> bytes:
+    """Reads until the server closes `sock` (EOF or reset), sending one byte of `trickle` between
+    reads, as a slowloris client does; returns what the server sent. A server that never closes
+    fails the test once the trickle (or a long read) runs out."""
+    got = b""
+    sock.settimeout(0.05 if trickle else 60)
+    for i in range(max(len(trickle), 1) + 1200):
+        try:
+            if i < len(trickle):
+                sock.sendall(trickle[i : i + 1])
+            data = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return got
+        if not data:
+            return got
+        got += data
+    raise AssertionError(f"the server kept the connection open; it sent {got!r}")
+
+
+def _connect(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=60)
+
+
+def _http(port: int, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        payload = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_a_stalled_or_trickled_request_head_is_closed_while_others_are_served():
+    with _listening(header_timeout_s=0.3) as (server, port):
+        stalled = _connect(port)
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        trickled = _connect(port)
+        # other clients are served meanwhile
+        status, body = _http(port, "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 3})
+        assert status == 200 and body["choices"][0]["text"] == "abc"
+        assert _closed_by_server(stalled) == b""
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 5000
+        assert _closed_by_server(trickled, trickle=head) == b""
+        stalled.close(), trickled.close()
+        assert _http(port, "GET", "/health")[0] == 200
+        closed = server.metrics.connections_closed.labels("header_timeout")._value.get()
+        assert closed == 2
+
+
+def test_a_keep_alive_connection_serves_its_next_request_and_closes_when_idle():
+    with _listening(header_timeout_s=0.3, keepalive_timeout_s=0.6) as (_, port):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(2):  # one connection, two requests
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+        assert _closed_by_server(conn.sock) == b""
+        conn.close()
+
+
+def test_a_slow_body_is_a_408_and_the_connection_closes():
+    with _listening(header_timeout_s=5.0, body_timeout_s=0.3) as (server, port):
+        sock = _connect(port)
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"prompt": "h'
+        )
+        answer = _closed_by_server(sock)
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408 ")
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "body_timeout"
+        assert server.metrics.connections_closed.labels("body_timeout")._value.get() == 1
+
+
+def test_connections_past_the_cap_are_answered_503_until_one_closes():
+    with _listening(header_timeout_s=30.0, max_connections=2) as (server, port):
+        held = [_connect(port), _connect(port)]
+        third = _connect(port)
+        answer = _closed_by_server(third)
+        third.close()
+        assert answer.startswith(b"HTTP/1.1 503 ")
+        assert b"Retry-After: 1" in answer
+        error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+        assert error["code"] == "too_many_connections"
+        for s in held:
+            s.close()
+        for _ in range(600):  # the server notices the closes on its own loop
+            if server.site.open_connections == 0:
+                break
+            time.sleep(0.05)
+        assert _http(port, "GET", "/health")[0] == 200
+        assert server.metrics.connections_closed.labels("too_many_connections")._value.get() == 1
+
+
+class _Transport:
+    def __init__(self):
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
+
+
+class _Request:
+    def __init__(self):
+        self.transport = _Transport()
+
+
+class _StuckResponse:
+    """A response whose writes never drain (a client that stopped reading)."""
+
+    async def write(self, data):
+        await asyncio.Event().wait()
+
+    async def prepare(self, request):
+        await asyncio.Event().wait()
+
+
+def test_a_write_the_client_never_reads_aborts_the_connection():
+    reasons = []
+
+    async def go(send):
+        request = _Request()
+        with pytest.raises(ConnectionResetError, match="read nothing for 0.05 s"):
+            await send(request)
+        return request.transport.aborted
+
+    stuck = _StuckResponse()
+    assert asyncio.run(go(lambda r: connections.write(r, stuck, b"x", 0.05, reasons.append)))
+    assert asyncio.run(go(lambda r: connections.finish(r, stuck, 0.05, reasons.append)))
+    assert reasons == ["write_timeout", "write_timeout"]
+
+
+def test_min_tokens_reaches_the_round_and_holds_stop_strings_back():
+    client = FakeClient()  # generates "abcdefghijklmnopqrstuvwxyzabc..."
+    [(status, _, body)] = _post(
+        client, _completion(prompt="hi", max_tokens=40, stop=["b"], min_tokens=4)
+    )
+    assert status == 200
+    assert client.submits[0]["sampling"].min_tokens == 4
+    # the "b" of token 2 comes before min_tokens: only the next one ends the answer
+    assert body["choices"][0]["text"] == "abcdefghijklmnopqrstuvwxyza"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 28
+
+
+@pytest.mark.parametrize("min_tokens", [-1, 9])
+def test_min_tokens_outside_0_to_max_tokens_is_400(min_tokens):
+    client = FakeClient()
+    [(status, _, body)] = _post(
+        client, _completion(prompt="hi", max_tokens=8, min_tokens=min_tokens)
+    )
+    assert status == 400 and body["error"]["param"] == "min_tokens"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert f"min_tokens must lie in [0, max_tokens=8], got {min_tokens}" in body["error"]["message"]
+    assert client.submits == []
+
+
+def test_text_stream_finds_no_stop_string_before_min_tokens():
+    tok = ByteTokenizer()
+    one = TextStream(tok, ["b"], tok.eos_ids, min_tokens=3)
+    assert [one.add([i]) for i in b"abcb"] == ["a", "b", "c", ""]
+    assert one.stopped and one.text == "abc" and one.used == 4
+    together = TextStream(tok, ["b"], tok.eos_ids, min_tokens=3)
+    assert together.add(list(b"abcbd")) == "abc"  # one delta across min_tokens
+    assert together.stopped and together.used == 4
+    short = TextStream(tok, ["b"], tok.eos_ids, min_tokens=5)
+    short.add(list(b"ab"))
+    assert short.close() == "" and not short.stopped and short.text == "ab"
