@@ -98,9 +98,9 @@ class Rounds:
         self.quick_wait_s = quick_wait_s
         self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
         self.waiting: list[StoreWait] = []
-        # what a client said of its round while the round was being admitted:
-        # request -> (the client, "cancel" or "finish")
-        self.admission_says: dict[str, tuple[bytes, str]] = {}
+        # rounds being admitted: request -> the admission's ticket (gone once it is cancelled)
+        self.tickets: dict[str, object] = {}
+        self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
 
@@ -226,32 +226,31 @@ class Rounds:
         keys = block_keys(prompt, self.bt, self.params.fingerprint)
         session = self.table[msg.session]
         self.table.begin_admission(ident, msg)
+        ticket = self.tickets[msg.request] = object()
 
         def looked_up(hit: int) -> None:
-            if self._admission_ended(ident, msg, session):
+            if self._admission_ended(ident, msg, session, ticket):
                 return
             self._admit(ident, msg, prompt, keys, hit)
 
         def failed(e: Exception) -> None:  # store failures become the request's error
-            if not self._admission_ended(ident, msg, session):
+            if not self._admission_ended(ident, msg, session, ticket):
                 fail(ident, msg.request, f"store unavailable: {e}", kind="store")
 
         self.after_store(self.store.lookup(keys), looked_up, failed)
 
-    def _admission_ended(self, ident: bytes, msg: messages.Submit, session: Any) -> bool:
-        """The lookup of `msg` answered: True if the round ends here (its session was closed,
-        or its client cancelled it meanwhile), the client told so."""
-        s = self.table.end_admission(msg.request)
-        said = self.admission_says.get(msg.request, (ident, ""))
-        if s is None or s is not session or said[1] == "cancel":
-            self.admission_says.pop(msg.request, None)
-        if s is None or s is not session:
-            self.out.fail(ident, msg.request, f"session {msg.session!r} was closed")
+    def _admission_ended(
+        self, ident: bytes, msg: messages.Submit, session: Any, ticket: object
+    ) -> bool:
+        """The lookup of `msg` answered: True if the round ends here (cancelled meanwhile, its
+        client answered then; or its session closed, the client told so now)."""
+        if self.tickets.get(msg.request) is not ticket:
             return True
-        if said[1] == "cancel":
-            self.out.count("cancelled")
-            self.out.event("cancel", request=msg.request)
-            self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
+        del self.tickets[msg.request]
+        s = self.table.end_admission(msg.request)
+        if s is None or s is not session:
+            self.finish_asked.discard(msg.request)
+            self.out.fail(ident, msg.request, f"session {msg.session!r} was closed")
             return True
         return False
 
@@ -259,7 +258,8 @@ class Rounds:
         self, ident: bytes, msg: messages.Submit, prompt: list[int], keys: list[str], hit: int
     ) -> None:
         """Queues `msg`'s round, whose stored prefix is `hit` blocks of `keys`."""
-        finish = self.admission_says.pop(msg.request, (ident, ""))[1] == "finish"
+        finish = msg.request in self.finish_asked
+        self.finish_asked.discard(msg.request)
         if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
             hit -= 1
         req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
@@ -334,9 +334,14 @@ class Rounds:
     # ------------------------------------------------------------------ the client's say
 
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
-        if msg.request in self.table.admitting:  # it ends when its lookup answers
+        if msg.request in self.table.admitting:  # ends now; its lookup's answer is ignored
             if self.table.admitting_client(msg.request) == ident:
-                self.admission_says[msg.request] = (ident, "cancel")
+                del self.tickets[msg.request]
+                self.table.end_admission(msg.request)
+                self.finish_asked.discard(msg.request)
+                self.out.count("cancelled")
+                self.out.event("cancel", request=msg.request)
+                self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
             return
         st = self.table.requests.get(msg.request)
         if st is None or st.client != ident:
@@ -351,7 +356,7 @@ class Rounds:
         soon as its first token is there (the request is remembered for every attempt)."""
         if msg.request in self.table.admitting:
             if self.table.admitting_client(msg.request) == ident:
-                self.admission_says.setdefault(msg.request, (ident, "finish"))
+                self.finish_asked.add(msg.request)
             return
         st = self.table.requests.get(msg.request)
         if st is None or st.client != ident or st.finish_requested:
