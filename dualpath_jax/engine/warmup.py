@@ -17,7 +17,9 @@ The buckets (what `PrefillEngine.run_batch` and the decoder pad to):
   Each runs through `prefill_engine.forward` (layerwise or not, as the policy prefills) over
   host rows, with the new rows turned into what the PE sends its DE, and its first tokens
   sampled greedily and with a temperature; hit blocks pulled from a DE (the DE read path) are
-  placed as `DevicePages` of every power of two of blocks a table holds.
+  placed as `DevicePages` of every power of two of blocks a table holds. The layers are
+  compiled ahead of time, not run (`ModelRunner.compile_only`: zeros stand for their outputs),
+  so a restart from the compilation cache costs the tracing and loading, not the forwards.
 - decode: `Decoder.warmup` (each table width a step passes, each page count a write takes).
 
 `jax.monitoring` counts the backend compiles (`CompileCounter`), so an engine logs how many
@@ -207,7 +209,8 @@ def warm_prefill(cfg: ExperimentConfig, runner, buffer=None) -> Warmup:
             if runner.mesh is None:  # what `PrefillLoad` offers the DE (one array per layer)
                 _row_bytes(out, 0)
 
-        res = forward(runner, m.num_layers, batch, layerwise, load_layer, emit_layer)
+        with runner.compile_only():  # the layers compiled, not run: zeros come out
+            res = forward(runner, m.num_layers, batch, layerwise, load_layer, emit_layer)
         logits = np.asarray(jax.device_get(res.last_logits))
         sample_at(logits, [GREEDY] * b, [n] * b)
         sample_at(logits, [sampled] * b, [n] * b)

@@ -134,6 +134,14 @@ class PrefillResult:
 # ----------------------------------------------------------------------------- jitted pieces
 
 
+def _zero_outputs(compiled):
+    """Zeros where `compiled`'s outputs would be, placed as they would be (no program runs:
+    host zeros put on the devices)."""
+    return jax.tree.map(
+        lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding), compiled.out_info
+    )
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _embed(gd, state, tokens):
     return nnx.merge(gd, state)(tokens)
@@ -263,6 +271,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, min_bucket: int = 16, *, mesh: Mesh | None = None):
         self.cfg: ModelConfig = model.cfg
         self.min_bucket = min_bucket
+        self._compile_only = False  # `compile_only`
         # The mesh the parameters live on (given, or found on them; None: one device). Every
         # entry point traces under it (`jax.set_mesh`), so the model's `sharding.constrain`
         # calls pin activations and the KV to their shardings.
@@ -401,19 +410,27 @@ class ModelRunner:
     def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
         """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`) -> (h,
         new rows `[B, N, W]`)."""
+        gd, state = self.layer_gds[i], self.layer_states[i]
         if isinstance(cached_rows, LayerPages):
-            return _layer_paged(
-                self.layer_gds[i],
-                self.layer_states[i],
-                h,
-                positions,
-                cached_rows.pages,
-                cached_rows.table,
-                cached_lens,
-            )
-        return _layer(
-            self.layer_gds[i], self.layer_states[i], h, positions, cached_rows, cached_lens
-        )
+            fn = _layer_paged
+            args = (gd, state, h, positions, cached_rows.pages, cached_rows.table, cached_lens)
+        else:
+            fn, args = _layer, (gd, state, h, positions, cached_rows, cached_lens)
+        if self._compile_only:
+            return _zero_outputs(fn.lower(*args).compile())
+        return fn(*args)
+
+    @contextlib.contextmanager
+    def compile_only(self):
+        """Within it `layer` compiles its program for its arguments ahead of time (JAX reuses
+        that executable when a call of the same shapes comes) and returns zeros shaped as its
+        outputs instead of running it: a warm-up reaches every layer shape without the
+        forwards' compute (engine/warmup.py). Everything else runs as usual."""
+        self._compile_only = True
+        try:
+            yield self
+        finally:
+            self._compile_only = False
 
     @runs_on_mesh
     def head(self, h: Array, new_lens: Array, all_logits: bool = False):
