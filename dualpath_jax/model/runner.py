@@ -422,10 +422,11 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def compile_only(self):
-        """Within it `layer` compiles its program for its arguments ahead of time (JAX reuses
-        that executable when a call of the same shapes comes) and returns zeros shaped as its
-        outputs instead of running it: a warm-up reaches every layer shape without the
-        forwards' compute (engine/warmup.py). Everything else runs as usual."""
+        """Within it `layer` and `prefill_program` compile their program for their arguments
+        ahead of time (JAX reuses that executable when a call of the same shapes comes) and
+        return zeros shaped as their outputs instead of running it: a warm-up reaches every
+        forward shape without the forwards' compute (engine/warmup.py). Everything else runs
+        as usual."""
         self._compile_only = True
         try:
             yield self
@@ -516,7 +517,7 @@ class ModelRunner:
                 f" {batch.batch_size}"
             )
         treedef, leaves = self.stacked_leaves
-        last, logits, new = _prefill_program(
+        args = (
             self.embed_gd,
             self.layer_runs,
             self.head_gd,
@@ -530,6 +531,10 @@ class ModelRunner:
             jnp.asarray(batch.cached_lens),
             jnp.asarray(batch.new_lens),
         )
+        if self._compile_only:
+            last, logits, new = _zero_outputs(_prefill_program.lower(*args).compile())
+        else:
+            last, logits, new = _prefill_program(*args)
         return PrefillResult(last, logits), new
 
     @runs_on_mesh

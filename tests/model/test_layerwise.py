@@ -165,14 +165,17 @@ def test_bucket_len():
     ]
 
 
-def _cached_pages(cfg, refs, cached, page_size=16):
-    layers = [
+def _layer_pages(cfg, refs, cached, page_size=16) -> list[LayerPages]:
+    return [
         LayerPages.from_rows(
             [kv[i, :c] for (_, kv), c in zip(refs, cached)], page_size, cfg.kv_width, cfg.kv_dtype
         )
         for i in range(cfg.num_layers)
     ]
-    return CachedPages.from_layers(layers)
+
+
+def _cached_pages(cfg, refs, cached, page_size=16):
+    return CachedPages.from_layers(_layer_pages(cfg, refs, cached, page_size))
 
 
 @pytest.mark.parametrize("where", ["pinned_host", "device"])
@@ -234,3 +237,39 @@ def test_one_program_prefill_copies_each_layer_inside_the_program(tiny_runner):
     assert len(placements) == len(tiny_runner.layer_runs) == text.count("stablehlo.while")
     _, p, ps, w = kv.pages.shape
     assert all(f"(tensor<{p}x{ps}x{w}x" in line for line in placements), placements
+
+
+def test_compile_only_compiles_without_running_and_the_real_call_reuses_it(family_runner):
+    """Under `compile_only` a forward's layers (and the one-program prefill) are compiled, not
+    run: zeros of the right shapes come out; the same shapes run for real afterwards compile
+    nothing more and give the forward's values (the warm-up's premise, engine/warmup.py)."""
+    from dualpath_jax.engine.warmup import CompileCounter
+
+    cfg = family_runner.cfg
+    rs = np.random.RandomState(11)
+    lengths = [(20, 7), (0, 3)]
+    seqs = [rs.randint(0, cfg.vocab_size, c + n).tolist() for c, n in lengths]
+    refs = [reference(family_runner, s) for s in seqs]
+    cached = [c for c, _ in lengths]
+    batch = PrefillBatch.build(cfg, [s[c:] for s, c in zip(seqs, cached)], cached)
+    layers = _layer_pages(cfg, refs, cached)
+    pages = CachedPages.from_layers(layers).to_device()
+    with family_runner.compile_only():
+        emitted = []
+        dry = family_runner.prefill_layerwise(
+            batch, layers.__getitem__, lambda i, r: emitted.append(r)
+        )
+        dry_program, dry_new = family_runner.prefill_program(batch, pages)
+    assert not np.asarray(dry.last_logits).any() and not np.asarray(dry_new).any()
+    assert len(emitted) == cfg.num_layers and not any(np.asarray(r).any() for r in emitted)
+    counter = CompileCounter()
+    res = family_runner.prefill_layerwise(batch, layers.__getitem__)
+    full, new = family_runner.prefill_program(batch, pages)
+    layer_programs = counter.programs
+    assert res.last_logits.shape == dry.last_logits.shape and new.shape == dry_new.shape
+    for b, (logits, _) in enumerate(refs):
+        np.testing.assert_allclose(np.asarray(res.last_logits[b]), logits[-1], atol=ATOL, rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(full.last_logits[b]), logits[-1], atol=ATOL, rtol=1e-5
+        )
+    assert layer_programs == 0
