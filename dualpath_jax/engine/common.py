@@ -213,3 +213,17 @@ class HeartbeatThread(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+
+
+def rejoin(engine, why: str) -> None:
+    """The router declared `engine` (a prefill or decode engine) dead and requeued its rounds:
+    every request it holds is dropped and it registers again, its staged params load dropped
+    too. Orders that answer messages sent before that `Register` (they arrive before its `Ack`)
+    are ignored (`engine.registering`)."""
+    if engine.registering:
+        return
+    log.warning("%s: %s (dropping %d requests)", engine.who.name, why, len(engine.reqs))
+    for rid in list(engine.reqs):
+        engine.drop(rid)
+    engine.params.drop_staged()
+    engine.register()

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
+from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register, rejoin
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
@@ -121,13 +121,7 @@ class DecodeEngine:
         answer messages sent before that `Register` (they arrive before its `Ack`) are ignored;
         a persist already running still reports, with its old attempt, which the router
         ignores."""
-        if self.registering:
-            return
-        log.warning("%s: %s (dropping %d requests)", self.who.name, why, len(self.reqs))
-        for rid in list(self.reqs):
-            self.drop(rid)
-        self.params.drop_staged()
-        self.register()
+        rejoin(self, why)
 
     def busy(self) -> bool:
         return bool(self.slot_req)

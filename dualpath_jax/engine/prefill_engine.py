@@ -25,7 +25,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register
+from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register, rejoin
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.engine.span import MirrorLeader
@@ -126,13 +126,7 @@ class PrefillEngine:
         """The router declared this engine dead and requeued its rounds: every request is
         dropped and the engine registers again. Orders that answer messages sent before that
         `Register` (they arrive before its `Ack`) are ignored."""
-        if self.registering:
-            return
-        log.warning("%s: %s (dropping %d requests)", self.who.name, why, len(self.reqs))
-        for rid in list(self.reqs):
-            self.drop(rid)
-        self.params.drop_staged()
-        self.register()
+        rejoin(self, why)
 
     def busy(self) -> bool:
         return bool(len(self.queue))
