@@ -222,6 +222,7 @@ def main(argv):
             "--port=0",
             f"--workdir={workdir}",
             *[f"--set={s}" for s in f.set],
+            *f.server_flag,
         ]
         log = open(pathlib.Path(tmp) / "server.log", "wb")  # noqa: SIM115 - the child's
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -284,6 +285,9 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("config", "configs/cpu_1p1d.py", "config file[:arg]")
     flags.DEFINE_multi_string("set", [], "config overrides (key=value)")
+    flags.DEFINE_multi_string(
+        "server_flag", [], "a flag for launch/api_server.py, e.g. --server_flag=--session_idle_s=60"
+    )
     flags.DEFINE_float("duration_s", 600.0, "seconds of load")
     flags.DEFINE_float("warmup_s", 120.0, "slopes are fitted after this many seconds")
     flags.DEFINE_float("sample_s", 10.0, "seconds between samples")
