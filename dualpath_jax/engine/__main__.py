@@ -1,13 +1,16 @@
 """Child-process entry used by `LocalCluster`: `python -m dualpath_jax.engine SPEC_JSON CONFIG_JSON`.
 
 Both arguments are JSON texts (a ProcessSpec and an ExperimentConfig); people start processes
-with `launch/engine.py`, which has flags.
+with `launch/engine.py`, which has flags. `kill -USR1 PID` writes every thread's Python stack to
+the process's log (faulthandler), to see where a process is stuck or what its threads are.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
+import signal
 import sys
 
 from dualpath_jax.config import ExperimentConfig, from_json
@@ -25,6 +28,7 @@ def main(argv: list[str]) -> None:
         format=f"%(asctime)s {spec.role}{'' if spec.role == 'router' else spec.engine} %(levelname)s %(name)s: %(message)s",
     )
     install_rate_limit()  # a flood of garbage frames must not flood the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     run_process(cfg, spec)
 
 

@@ -15,6 +15,7 @@ their rate is > 0; `HardwareConfig.emulated` only labels the snapshot.
 
 from __future__ import annotations
 
+import array
 import concurrent.futures
 import logging
 import math
@@ -36,6 +37,10 @@ from dualpath_jax.transfer.links import (
     link_rate,
     link_record,
 )
+
+# Windows a link's series keeps before it merges neighbours (16,384 of 0.1 s: the first 27
+# minutes at the base step, then 0.2 s, 0.4 s, ...; 256 KiB a link at most).
+MAX_WINDOWS = 16384
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], None]
@@ -76,7 +81,11 @@ class Link:
         self._origin = clock() if origin is None else origin
         self._cond = threading.Condition(threading.Lock())
         self._bytes = [0, 0]  # by TrafficClass value
-        self._win: dict[int, list[float]] = {}  # window index -> bytes [HIGH, LOW]
+        # bytes per window and class (HIGH, LOW), dense from `origin`: 16 bytes a window; past
+        # `max_windows` neighbours are merged and the window doubles, so a server running for
+        # days keeps a bounded series at a coarser step
+        self._win = (array.array("d"), array.array("d"))
+        self.max_windows = MAX_WINDOWS
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -136,15 +145,30 @@ class Link:
         self._bytes[cls] += n
         if n == 0:
             return
-        w = self.window_s
         a, b = start - self._origin, end - self._origin
+        while max(a, b) // self.window_s >= self.max_windows:
+            self._fold()
+        w, series = self.window_s, self._win[cls]
+        last = int(max(a, b) // w)
+        if len(series) <= last:
+            grow = last + 1 - len(series)
+            for col in self._win:
+                col.extend(array.array("d", bytes(8 * grow)))
         if b <= a:
-            self._win.setdefault(int(a // w), [0.0, 0.0])[cls] += n
+            series[int(a // w)] += n
             return
         for i in range(int(a // w), int(math.ceil(b / w))):
             overlap = min(b, (i + 1) * w) - max(a, i * w)
             if overlap > 0:
-                self._win.setdefault(i, [0.0, 0.0])[cls] += n * overlap / (b - a)
+                series[min(i, last)] += n * overlap / (b - a)
+
+    def _fold(self) -> None:
+        """Merges each pair of windows into one of twice the length (lock held)."""
+        for col in self._win:
+            merged = array.array("d", (sum(col[i : i + 2]) for i in range(0, len(col), 2)))
+            del col[:]
+            col.extend(merged)
+        self.window_s *= 2
 
     def bytes(self, cls: TrafficClass | None = None) -> int:
         """Bytes granted so far, of one class or of both."""
@@ -162,7 +186,8 @@ class Link:
     ) -> list[tuple[float, float]]:
         """`[(t_start, bytes)]` per window from `origin` up to now (or the last busy window).
 
-        `window_s` must be a whole multiple of the link's base window (default: the base window).
+        `window_s` must be a whole multiple of the link's base window (default: the base window,
+        which doubles each time the series reaches `max_windows`).
         A chunk's bytes are spread over the time it occupies the link.
         """
         k = 1 if window_s is None else round(window_s / self.window_s)
@@ -171,10 +196,8 @@ class Link:
         with self._cond:
             now_i = int((self._clock() - self._origin) // self.window_s)
             cols = (0, 1) if cls is None else (int(TrafficClass(cls)),)
-            per = [
-                sum(self._win.get(i, (0.0, 0.0))[c] for c in cols)
-                for i in range(max([now_i, *self._win]) + 1)
-            ]
+            n = max(now_i + 1, len(self._win[0]))
+            per = [sum(self._win[c][i] for c in cols if i < len(self._win[c])) for i in range(n)]
         return [(j * self.window_s, sum(per[j : j + k])) for j in range(0, len(per), k)]
 
     def utilisation(

@@ -276,6 +276,25 @@ def test_unlimited_links_never_wait_but_count():
         assert snap["utilisation"] is None and snap["rate_bytes_per_s"] == 0
 
 
+def test_a_long_run_keeps_a_bounded_series_at_a_coarser_step():
+    """A server running for days: past `max_windows` the link merges neighbouring windows
+    (the step doubles), so its series stays bounded and every byte stays counted."""
+    clock = FakeClock()
+    with TrafficManager(HardwareConfig(), clock, no_sleep) as tm:
+        path = store_read_path("n0")
+        link = tm.link(path[0])
+        link.max_windows = 64
+        step = link.window_s
+        for k in range(1000):  # 1,000 windows' worth of time, 7 bytes in each
+            clock.t += step
+            tm.transfer(path, 7, LOW)
+        series = link.window_bytes()
+        assert len(series) <= 64 and link.window_s == step * 16  # folded four times
+        assert sum(b for _, b in series) == 7000 == tm.bytes(path[0])
+        t = [t for t, _ in series]
+        assert t == sorted(t) and t[1] - t[0] == link.window_s
+
+
 def test_real_time_link_never_runs_faster_than_its_rate():
     # On the real clock only the ceiling is checked (a loaded host makes it slower, never faster);
     # that a saturated link grants exactly its rate is test_paced_link_on_a_fake_clock_is_exact.
