@@ -285,7 +285,7 @@ def test_a_long_run_keeps_a_bounded_series_at_a_coarser_step():
         link = tm.link(path[0])
         link.max_windows = 64
         step = link.window_s
-        for k in range(1000):  # 1,000 windows' worth of time, 7 bytes in each
+        for _ in range(1000):  # 1,000 windows' worth of time, 7 bytes in each
             clock.t += step
             tm.transfer(path, 7, LOW)
         series = link.window_bytes()
