@@ -222,6 +222,7 @@ def main(argv):
             "--port=0",
             f"--workdir={workdir}",
             *[f"--set={s}" for s in f.set],
+            *([f"--session_idle_s={f.session_idle_s}"] if f.session_idle_s else []),
             *f.server_flag,
         ]
         log = open(pathlib.Path(tmp) / "server.log", "wb")  # noqa: SIM115 - the child's
@@ -285,6 +286,7 @@ if __name__ == "__main__":
 
     flags.DEFINE_string("config", "configs/cpu_1p1d.py", "config file[:arg]")
     flags.DEFINE_multi_string("set", [], "config overrides (key=value)")
+    flags.DEFINE_float("session_idle_s", 0.0, "the API server's --session_idle_s (0: its default)")
     flags.DEFINE_multi_string(
         "server_flag", [], "a flag for launch/api_server.py, e.g. --server_flag=--session_idle_s=60"
     )
