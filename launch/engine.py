@@ -29,9 +29,11 @@ variables are set here, before JAX starts in this process (`dualpath_jax.engine.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import pathlib
+import signal
 import sys
 
 from absl import app, flags
@@ -79,6 +81,7 @@ def main(argv):
     del argv
     cfg = validate(apply_overrides(load_config(_CONFIG.value), _SET.value))
     install_rate_limit()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1: every thread's stack
     wd = pathlib.Path(_WORKDIR.value)
     wd.mkdir(parents=True, exist_ok=True)
     if _ROLE.value == "router":
