@@ -173,6 +173,10 @@ class DecodeEngine:
                     r.finish = True
                     if r.slot >= 0:
                         self.complete(r, "finished")
+            case messages.Retain(session=session, state="ended"):
+                # the session is closed: its claims on the blocks this engine persisted go too
+                # (the blocks stay), or the index would remember every session ever served
+                self.ctx.store.disown(session)
             case messages.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
             case messages.LoadParams() | messages.CommitParams():

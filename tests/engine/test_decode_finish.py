@@ -23,3 +23,25 @@ def test_a_stop_token_ends_the_round_only_after_min_tokens():
     assert DecodeEngine.finish_reason(_req([4, 9], min_tokens=2)) == ""  # the 2nd token
     assert DecodeEngine.finish_reason(_req([4, 5, 9], min_tokens=2)) == "stop"
     assert DecodeEngine.finish_reason(_req([4, 9], min_tokens=2, gen=2)) == "length"
+
+
+def test_a_closed_session_leaves_the_decode_engines_index():
+    """`Retain(ended)` (its session closed or expired): the DE's store forgets the session's
+    claims on the blocks it persisted and keeps the blocks; other states set its retention."""
+    import types
+
+    from dualpath_jax.config import StoreConfig
+    from dualpath_jax.kvstore.store import open_block_store
+    from dualpath_jax.presets import TINY_QWEN2
+
+    store = open_block_store(StoreConfig(kind="memory", eviction="retention"), TINY_QWEN2)
+    try:
+        de = DecodeEngine.__new__(DecodeEngine)
+        de.ctx = types.SimpleNamespace(store=store)
+        store.claim("s", ["1" * 32, "2" * 32])
+        de.handle(messages.Retain(session="s", state="idle", priority=1, ttl_s=60.0))
+        assert store.index.claims() == 2 and store.index.retained("s")
+        de.handle(messages.Retain(session="s", state="ended"))
+        assert store.index.claims() == 0 and not store.index.retained("s")
+    finally:
+        store.close()
