@@ -274,12 +274,21 @@ class BlockIndex:
     def release(self, owner: str) -> list[str]:
         """Ends trajectory `owner`: keys no other owner claims are doomed. Returns keys to delete
         now (pinned ones are deleted at their last unpin)."""
+        return self.doom(self._forget(owner), "released")
+
+    def disown(self, owner: str) -> None:
+        """Forgets trajectory `owner` and its claims, deleting nothing: its keys stay stored,
+        evictable like any other unclaimed key (a session closed without release, or expired).
+        Without this the index would remember every closed session's keys for ever."""
+        self._forget(owner)
+
+    def _forget(self, owner: str) -> list[str]:
+        """Drops `owner`'s retention and claims; returns the keys no owner claims any more."""
         with self._lock:
             self._set_retained(owner, False)
             self._retention.pop(owner, None)
-            keys = self._owned.pop(owner, {})
             orphans = []
-            for key in keys:
+            for key in self._owned.pop(owner, {}):
                 owners = self._owners.get(key)
                 if owners is None:
                     continue
@@ -287,21 +296,7 @@ class BlockIndex:
                 if not owners:
                     del self._owners[key]
                     orphans.append(key)
-        return self.doom(orphans, "released")
-
-    def disown(self, owner: str) -> None:
-        """Forgets trajectory `owner` and its claims, deleting nothing: its keys stay stored,
-        evictable like any other unclaimed key (a session closed without release, or expired).
-        Without this the index would remember every closed session's keys for ever."""
-        with self._lock:
-            self._set_retained(owner, False)
-            self._retention.pop(owner, None)
-            for key in self._owned.pop(owner, {}):
-                owners = self._owners.get(key)
-                if owners is not None:
-                    owners.discard(owner)
-                    if not owners:
-                        del self._owners[key]
+        return orphans
 
     def claims(self) -> int:
         """(owner, key) claims recorded: bounded by the live trajectories' keys."""
