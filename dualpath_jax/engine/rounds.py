@@ -98,8 +98,6 @@ class Rounds:
         self.quick_wait_s = quick_wait_s
         self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
         self.waiting: list[StoreWait] = []
-        # rounds being admitted: request -> the admission's ticket (gone once it is cancelled)
-        self.tickets: dict[str, object] = {}
         self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
@@ -225,8 +223,7 @@ class Rounds:
             )
         keys = block_keys(prompt, self.bt, self.params.fingerprint)
         session = self.table[msg.session]
-        self.table.begin_admission(ident, msg)
-        ticket = self.tickets[msg.request] = object()
+        ticket = self.table.begin_admission(ident, msg)
 
         def looked_up(hit: int) -> None:
             if self._admission_ended(ident, msg, session, ticket):
@@ -240,13 +237,12 @@ class Rounds:
         self.after_store(self.store.lookup(keys), looked_up, failed)
 
     def _admission_ended(
-        self, ident: bytes, msg: messages.Submit, session: Any, ticket: object
+        self, ident: bytes, msg: messages.Submit, session: Any, ticket: tuple
     ) -> bool:
         """The lookup of `msg` answered: True if the round ends here (cancelled meanwhile, its
         client answered then; or its session closed, the client told so now)."""
-        if self.tickets.get(msg.request) is not ticket:
+        if self.table.admitting.get(msg.request) is not ticket:
             return True
-        del self.tickets[msg.request]
         s = self.table.end_admission(msg.request)
         if s is None or s is not session:
             self.finish_asked.discard(msg.request)
@@ -336,7 +332,6 @@ class Rounds:
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
         if msg.request in self.table.admitting:  # ends now; its lookup's answer is ignored
             if self.table.admitting_client(msg.request) == ident:
-                del self.tickets[msg.request]
                 self.table.end_admission(msg.request)
                 self.finish_asked.discard(msg.request)
                 self.out.count("cancelled")

@@ -165,11 +165,14 @@ class SessionTable:
         got = self.admitting.get(request)
         return None if got is None else got[1]
 
-    def begin_admission(self, client: bytes, msg: messages.Submit) -> None:
+    def begin_admission(self, client: bytes, msg: messages.Submit) -> tuple[str, bytes]:
         """`msg` passed its checks and waits for its store lookup: its session is busy and its
-        request id taken until `end_admission`."""
+        request id taken until `end_admission`. Returns this admission's entry: a new object
+        each time, so `admitting.get(request) is entry` tells whether it is still the one
+        waiting (not ended, e.g. cancelled, and not another under the same id since)."""
         self.sessions[msg.session].busy = True
-        self.admitting[msg.request] = (msg.session, client)
+        entry = self.admitting[msg.request] = (msg.session, client)
+        return entry
 
     def end_admission(self, request: str) -> SessionState | None:
         """The lookup answered (or failed): the session (None if it was closed meanwhile) is
