@@ -23,7 +23,9 @@ from dualpath_jax.config import ModelConfig
 Array = jax.Array
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= `n` (1 for n <= 1): page counts, table widths and batch
+    sizes are padded to these, so few shapes compile."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -34,7 +36,7 @@ def _page_count(needed: int, batch: int, table_width: int, pad_to_table: bool) -
     no compiled shape of its own. For attention that gathers the pages into dense rows of
     `[batch, table_width * page_size]` anyway (every backend but the paged kernel), where each
     distinct page count was one more layer program to trace, lower and compile."""
-    return _pow2(batch * table_width + 2) if pad_to_table else _pow2(needed)
+    return pow2(batch * table_width + 2) if pad_to_table else pow2(needed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +62,7 @@ class LayerPages:
         blocks of `page_size` rows become pages as they are; page and table counts are padded
         to powers of two (few shapes; `pad_to_table`: see `_page_count`)."""
         counts = [-(-len(r) // page_size) for r in rows]
-        table = np.zeros((len(rows), _pow2(max(max(counts), 1))), np.int32)
+        table = np.zeros((len(rows), pow2(max(max(counts), 1))), np.int32)
         total = _page_count(sum(counts) + 1, *table.shape, pad_to_table)
         pages = np.zeros((total, 1, page_size, width), dtype)
         start = 1
@@ -129,10 +131,10 @@ class LayerPages:
             counts.append((row, dev, -(-t // page_size)))
         row_pages = sum(c[0] for c in counts)
         dev_pages = sum(c[1] for c in counts)
-        table = np.zeros((len(segments), _pow2(max(max(c[2] for c in counts), 1))), np.int32)
+        table = np.zeros((len(segments), pow2(max(max(c[2] for c in counts), 1))), np.int32)
         total = _page_count(1 + row_pages + dev_pages + 1, *table.shape, pad_to_table)
         scratch = total - 1
-        host_pages = total if pad_to_table else _pow2(1 + row_pages)
+        host_pages = total if pad_to_table else pow2(1 + row_pages)
         host = np.zeros((host_pages, 1, page_size, width), dtype)
         page_scatters, row_scatters = [], []
         any_host = False

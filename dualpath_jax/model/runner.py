@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import sharding
-from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, scatter_pages
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, pow2, scatter_pages
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.transformer import Transformer, shard_model
 
@@ -49,7 +49,7 @@ def bucket_len(n: int, minimum: int = 16, step: int = 1024) -> int:
 
 def batch_bucket(n: int, max_batch: int) -> int:
     """Requests a prefill batch of `n` is padded to: a power of two, at most `max_batch`."""
-    return min(1 << max(0, n - 1).bit_length(), max(max_batch, n))
+    return min(pow2(n), max(max_batch, n))
 
 
 def batch_buckets(max_batch: int) -> list[int]:
