@@ -12,7 +12,9 @@ Sampling: each round is drawn with one `SamplingParams` (`dualpath_jax.model.sam
 the keywords `temperature`, `top_p` and `key` build (`round_sampling`): `temperature=0` is
 greedy; above 0 pass an explicit JAX key (`Session.step(..., temperature=1.0, key=key)`), which
 gives the round's seed; a round's tokens depend only on the params, the context and the key.
-Every round's outcome is a `RoundResult`. RL loops push new params between iterations with
+Every round's outcome is a `RoundResult`; with `logprobs=True` (or k, for k alternatives per
+token) it carries each token's log-probabilities (`RoundResult.logprobs`, a `Logprobs`), and
+`Session.step` returns a `Step` (tokens and logprobs) instead of the bare ids. RL loops push new params between iterations with
 `update_params(params)` or `update_params_from_checkpoint(path)` on either backend (see
 docs/rl.md).
 """
@@ -39,17 +41,19 @@ from dualpath_jax.engine.client import (
     new_version,
 )
 from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.rounds import Logprobs, RoundResult
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "Backend",
     "InProcessEngine",
+    "Logprobs",
     "RolloutError",
     "RoundResult",
     "SamplingParams",
     "Session",
+    "Step",
     "TrajectoryOutput",
     "round_sampling",
     "run_trajectories",
@@ -57,17 +61,35 @@ __all__ = [
 ]
 
 
-def round_sampling(temperature: float = 0.0, top_p: float = 1.0, key: Any = None) -> SamplingParams:
+def round_sampling(
+    temperature: float = 0.0, top_p: float = 1.0, key: Any = None, logprobs: bool | int = False
+) -> SamplingParams:
     """The `SamplingParams` the rollout keywords describe: `temperature` and `top_p` as given,
     the seed drawn from the JAX `key` (`key_to_seed`). Sampling (temperature > 0) needs a key,
-    so that no round samples with a seed nobody chose. Raises ValueError (a `SamplingError`
-    for a field out of range)."""
-    params = SamplingParams(temperature=temperature, top_p=top_p)
+    so that no round samples with a seed nobody chose. `logprobs`: False (none), True (each
+    token's) or k (and its k most likely alternatives; `SamplingParams.logprobs`). Raises
+    ValueError (a `SamplingError` for a field out of range)."""
+    asked = None if logprobs is False else (0 if logprobs is True else logprobs)
+    params = SamplingParams(temperature=temperature, top_p=top_p, logprobs=asked)
     if key is None:
         if not params.greedy:
             raise ValueError("sampling with temperature > 0 needs a PRNG key")
         return params
-    return SamplingParams(temperature=temperature, top_p=top_p, seed=key_to_seed(key))
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, seed=key_to_seed(key), logprobs=asked
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What `Session.step(..., logprobs=...)` returns: the round's generated `tokens`, their
+    `logprobs` (`Logprobs`: under the sampling distribution, under the model, the top-k asked
+    for), why it ended and the whole `RoundResult`."""
+
+    tokens: list[int]
+    logprobs: Logprobs
+    finish_reason: str
+    result: RoundResult
 
 
 def workload_trajectories(
@@ -113,11 +135,13 @@ class Session:
         temperature: float = 0.0,
         key: Any = None,
         top_p: float = 1.0,
+        logprobs: bool | int = False,
     ) -> futures.Future[RoundResult]:
-        """Submits one round, drawn with `round_sampling(temperature, top_p, key)`: sampling
-        with `temperature > 0` needs an explicit JAX `key` (`top_p < 1`: from the nucleus of
-        that probability mass). Bad sampling keywords raise ValueError here."""
-        sampling = round_sampling(temperature, top_p, key)
+        """Submits one round, drawn with `round_sampling(temperature, top_p, key, logprobs)`:
+        sampling with `temperature > 0` needs an explicit JAX `key` (`top_p < 1`: from the
+        nucleus of that probability mass); `logprobs` puts the tokens' log-probabilities in the
+        result. Bad sampling keywords raise ValueError here."""
+        sampling = round_sampling(temperature, top_p, key, logprobs)
         fut = self.backend.submit(self.id, append, gen, sampling=sampling)
         fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
         return fut
@@ -131,13 +155,20 @@ class Session:
         temperature: float = 0.0,
         key: Any = None,
         top_p: float = 1.0,
-    ) -> list[int]:
-        """Appends `append`, generates exactly `gen` tokens and returns them. A round that takes
-        longer than `timeout_s` is cancelled (the session can step again) and raises
+        logprobs: bool | int = False,
+    ) -> list[int] | Step:
+        """Appends `append`, generates exactly `gen` tokens and returns them; with `logprobs`
+        (True, or k alternatives per token) a `Step` with their log-probabilities. A round that
+        takes longer than `timeout_s` is cancelled (the session can step again) and raises
         TimeoutError."""
-        fut = self.step_async(append, gen, temperature=temperature, key=key, top_p=top_p)
+        fut = self.step_async(
+            append, gen, temperature=temperature, key=key, top_p=top_p, logprobs=logprobs
+        )
         try:
-            return list(fut.result(timeout_s).tokens)
+            res = fut.result(timeout_s)
+            if logprobs is False:
+                return list(res.tokens)
+            return Step(list(res.tokens), res.logprobs or Logprobs(), res.finish_reason, res)
         except futures.TimeoutError:
             cancel = getattr(self.backend, "cancel", None)
             if cancel is not None and getattr(fut, "request", ""):
@@ -167,6 +198,7 @@ def run_trajectories(
     temperature: float = 0.0,
     key: Any = None,
     top_p: float = 1.0,
+    logprobs: bool | int = False,
     release: bool = False,
     priority: int | Sequence[int] = 0,
     ttl_s: float = -1.0,
@@ -178,7 +210,8 @@ def run_trajectories(
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
     With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
-    (and `top_p`; `round_sampling`). `priority` (one for all, or one per trajectory)
+    (and `top_p`; `round_sampling`); with `logprobs` each round's result carries its tokens'
+    log-probabilities (`RoundResult.logprobs`). `priority` (one for all, or one per trajectory)
     and `ttl_s` set each session's KV retention (`Session`).
     Each trajectory's session is closed when it ends (its stored blocks are the first to go
     under capacity pressure). With `release=True` the sessions are closed together at the end
@@ -186,7 +219,7 @@ def run_trajectories(
     share with earlier ones). Returns one output per trajectory, in input order; a failed round
     ends its trajectory with `error` set.
     """
-    round_sampling(temperature, top_p, key)  # bad keywords fail the call, not each round
+    round_sampling(temperature, top_p, key, logprobs)  # bad keywords fail the call
     from tqdm.auto import tqdm
 
     trajs = list(trajectories)
@@ -269,7 +302,12 @@ def run_trajectories(
 
         try:
             fut = session.step_async(
-                append, gen, temperature=temperature, key=round_key(k, i), top_p=top_p
+                append,
+                gen,
+                temperature=temperature,
+                key=round_key(k, i),
+                top_p=top_p,
+                logprobs=logprobs,
             )
         except Exception as e:  # noqa: BLE001 - e.g. bad input in a later round
             outputs[k].error = str(e)
@@ -465,14 +503,22 @@ class InProcessEngine:
         prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
         if cached:
             prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
-        tok = int(sample_at(res.last_logits, [sampling], [len(prompt)])[0])
+        lps = Logprobs() if sampling.logprobs is not None else None
+
+        def draw(logits, pos: int) -> int:
+            tokens, entries = sample_at(logits, [sampling], [pos], logprobs=True)
+            if lps is not None:
+                lps.extend(entries[0])
+            return int(tokens[0])
+
+        tok = draw(res.last_logits, len(prompt))
         t_first = time.monotonic()
         dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
         dec.insert(0, prompt_kv, len(prompt), tok)
         out, t_second = [tok], t_first
         for k in range(gen - 1):
             pos = len(prompt) + len(out)
-            tok = int(sample_at(dec.step()[:1], [sampling], [pos])[0])
+            tok = draw(dec.step()[:1], pos)
             out.append(tok)
             dec.set_next(np.array([tok]))
             if k == 0:
@@ -492,4 +538,5 @@ class InProcessEngine:
             cached_tokens=cached,
             prompt_tokens=len(prompt),
             read_path="none",
+            logprobs=lps,
         )

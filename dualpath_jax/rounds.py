@@ -22,6 +22,67 @@ from typing import Any
 import msgspec
 
 
+class Logprobs(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Log-probabilities of a round's generated tokens (`SamplingParams.logprobs`), one entry per
+    token, in f32 from the logits that drew it: `sampled` under the distribution it was drawn
+    from (temperature and top-p applied; a greedy round's is the model's), `model` under the
+    model (its plain log-softmax), and with top-k asked the k most likely tokens under the model
+    (`top_ids`, `top`: ids and log-probabilities, most likely first).
+
+    >>> lp = Logprobs()
+    >>> lp.append(-0.5, -0.75, [3, 1], [-0.25, -0.75])
+    >>> lp.append(-1.0, -1.5)
+    >>> lp.head(1)
+    Logprobs(sampled=[-0.5], model=[-0.75], top_ids=[[3, 1]], top=[[-0.25, -0.75]])
+    """
+
+    sampled: list[float] = []
+    model: list[float] = []
+    top_ids: list[list[int]] = []
+    top: list[list[float]] = []
+
+    def __len__(self) -> int:
+        return len(self.sampled)
+
+    def append(
+        self,
+        sampled: float,
+        model: float,
+        top_ids: Sequence[int] = (),
+        top: Sequence[float] = (),
+    ) -> None:
+        """One more token's entry (`top_ids`/`top` only when the round asked for top-k)."""
+        self.sampled.append(float(sampled))
+        self.model.append(float(model))
+        if len(top_ids):
+            self.top_ids.append([int(t) for t in top_ids])
+            self.top.append([float(v) for v in top])
+
+    def extend(self, other: Logprobs) -> None:
+        self.sampled += other.sampled
+        self.model += other.model
+        self.top_ids += other.top_ids
+        self.top += other.top
+
+    def head(self, n: int) -> Logprobs:
+        """The first `n` tokens' entries (a round cut at a stop string keeps its tokens')."""
+        return Logprobs(
+            sampled=self.sampled[:n],
+            model=self.model[:n],
+            top_ids=self.top_ids[:n],
+            top=self.top[:n],
+        )
+
+    def tail(self, start: int) -> Logprobs:
+        """The entries from token `start` on (a stream's newest)."""
+        return Logprobs(
+            sampled=self.sampled[start:],
+            model=self.model[start:],
+            top_ids=self.top_ids[start:],
+            top=self.top[start:],
+        )
+
+
 class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     """One finished round: its generated tokens and where its time went (seconds).
 
@@ -30,9 +91,13 @@ class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     engines. `cached_tokens` of its `prompt_tokens` came from stored KV (`read_path`: which
     engine's node read them, "pe", "de" or "none"; `recomputed_blocks` of the hit were
     recomputed instead). `finish_reason`: "length" (all the tokens asked for), "stop" (a stop
-    token, its last token) or "finished" (`Client.finish`). `persist_error` is non-empty when the
-    DE could not store the round's new blocks (e.g. the store is full): the tokens are right; the
-    next round recomputes what was not stored.
+    token, its last token), "finished" (`Client.finish`) or "abort" (`Client.abort`, a pause or
+    params update with `pause="abort"`: the tokens generated until then, maybe none).
+    `persist_error` is non-empty when the DE could not store the round's new blocks (e.g. the
+    store is full): the tokens are right; the next round recomputes what was not stored.
+
+    `logprobs`: the tokens' log-probabilities when the round asked for them
+    (`SamplingParams.logprobs`), else None.
 
     Optional timings (NaN where not known; fields left at their defaults are not sent):
     `submit_s` is when the round was submitted; `read_s` (assignment -> hit KV read) and
@@ -54,6 +119,7 @@ class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     recomputed_blocks: int = 0
     finish_reason: str = "length"
     persist_error: str = ""
+    logprobs: Logprobs | None = None
     submit_s: float = math.nan
     read_s: float = math.nan
     prefill_s: float = math.nan

@@ -201,7 +201,10 @@ class Client:
                 on_tokens = self._streams.get(reply.request)
                 if on_tokens is not None:
                     try:
-                        on_tokens(reply.start, list(reply.tokens))
+                        if reply.logprobs is None:
+                            on_tokens(reply.start, list(reply.tokens))
+                        else:
+                            on_tokens(reply.start, list(reply.tokens), reply.logprobs)
                     except Exception:  # noqa: BLE001 - a caller's callback must not stop the loop
                         log.exception("the token callback of %s failed", reply.request)
                 continue
@@ -265,6 +268,42 @@ class Client:
         frame = messages.encode(messages.FinishRound(request=request), self._token)
         self._out.put((frame, "", None, False))
 
+    def abort(
+        self,
+        requests: str | Sequence[str] = (),
+        *,
+        sessions: str | Sequence[str] = (),
+        all: bool = False,  # noqa: A002 - the natural name
+        timeout_s: float = 30.0,
+    ) -> list[str]:
+        """Ends rounds now with the tokens they have (partial rollouts): those of `requests`
+        (a `RoundFuture.request`, or several), of `sessions`, or with `all=True` every round in
+        flight or held, any client's. Their futures resolve to `RoundResult`s with
+        `finish_reason="abort"`: a round already decoding returns the tokens it generated (and
+        its KV is persisted), one not yet there returns none; either way the round's append and
+        tokens join its session's context, which can step again. Returns the request ids that
+        were ended (unknown or finished ones are ignored)."""
+        ref = f"abort:{uuid.uuid4().hex}"
+        msg = messages.AbortRounds(
+            ref=ref,
+            requests=[requests] if isinstance(requests, str) else [str(r) for r in requests],
+            sessions=[sessions] if isinstance(sessions, str) else [str(s) for s in sessions],
+            all=bool(all),
+        )
+        return list(self._check(self._call(msg, ref).result(timeout_s)).requests)
+
+    def pause(self, mode: str = "wait", timeout_s: float = 600.0) -> None:
+        """Pauses generation: rounds submitted from now on are held (not refused) until
+        `resume`. `mode` "wait" returns once the rounds in flight finished; "abort" ends them at
+        once (as `abort(all=True)`) and returns when their partial results are out."""
+        ref = f"pause:{uuid.uuid4().hex}"
+        self._check(self._call(messages.Pause(ref=ref, mode=mode), ref).result(timeout_s))
+
+    def resume(self, timeout_s: float = 30.0) -> None:
+        """Resumes generation after `pause`: the held rounds start, in the order submitted."""
+        ref = f"resume:{uuid.uuid4().hex}"
+        self._check(self._call(messages.Resume(ref=ref), ref).result(timeout_s))
+
     def cancel(self, request: str) -> None:
         """Abandons a round: its future fails with kind `cancelled` and its session is free for
         the next round. A round that already finished is not affected."""
@@ -327,7 +366,9 @@ class Client:
         it). The round ends after any of `stop_tokens`, which `sampling.min_tokens` masks until
         the round has that many tokens. `on_tokens(start, tokens)` streams the
         generated tokens from position `start` as they come (on the client's thread: keep it
-        short); a retried round streams positions again, with the same tokens. `priority` and
+        short); a retried round streams positions again, with the same tokens. A round whose
+        `sampling.logprobs` asks for log-probabilities calls it with a third argument, those
+        tokens' `Logprobs`; the result's `logprobs` holds every token's. `priority` and
         `ttl_s` change the session's retention (`open_session`) from this round on."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out: RoundFuture = RoundFuture()
@@ -375,8 +416,11 @@ class Client:
         *,
         directory: str | pathlib.Path | None = None,
         timeout_s: float = 600.0,
+        pause: str = "wait",
     ) -> str:
-        """Serves new parameters on every engine; returns the new params version.
+        """Serves new parameters on every engine; returns the new params version. `pause`: what
+        the rounds in flight do meanwhile ("wait": finish on the old params; "abort": end now
+        with what they generated, `finish_reason="abort"`; see `update_params_from_checkpoint`).
 
         `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`). They
         are written as an orbax checkpoint to `directory` (default `params_dir/<version>`), which
@@ -395,20 +439,29 @@ class Client:
                 )
             directory = self.params_dir / version
         path = save_params_tree(params, directory)
-        return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s)
+        return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s, pause=pause)
 
     def update_params_from_checkpoint(
-        self, path: str | pathlib.Path, version: str | None = None, *, timeout_s: float = 600.0
+        self,
+        path: str | pathlib.Path,
+        version: str | None = None,
+        *,
+        timeout_s: float = 600.0,
+        pause: str = "wait",
     ) -> str:
         """Serves the parameters of a checkpoint directory (orbax, as written by
         `model.checkpoint.save_params_tree`/`save_params`, or Hugging Face) as `version` (default:
         a fresh name). The router waits for the rounds already submitted to finish with the old
         params, holds new ones, and answers once every engine loaded and checked the new params;
-        from then on block keys use the new version, so no KV of older params is reused."""
+        from then on block keys use the new version, so no KV of older params is reused. With
+        `pause="abort"` the rounds in flight end at once instead, returning what they generated
+        (`finish_reason="abort"`; `abort`)."""
         from dualpath_jax.engine.params import check_version
 
         version = check_version(version or new_version())
-        msg = messages.UpdateParams(version=version, path=str(pathlib.Path(path).absolute()))
+        msg = messages.UpdateParams(
+            version=version, path=str(pathlib.Path(path).absolute()), pause=pause
+        )
         self._check(self._call(msg, f"params:{version}").result(timeout_s))
         return version
 

@@ -29,7 +29,9 @@ from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.page_pool import budget_pages, pages_for
+from dualpath_jax.model.sampler import row_logprobs
 from dualpath_jax.model.sharding import host_value
+from dualpath_jax.rounds import Logprobs
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.decode_load import DecodeLoad
 from dualpath_jax.transfer.loader import LoaderContext
@@ -45,7 +47,9 @@ class _Req:
     hit: int = 0
     slot: int = -1
     tokens: list[int] = dataclasses.field(default_factory=list)
-    finish: bool = False  # the router asked to complete it with the tokens it has (Finish)
+    finish: str = ""  # the router asked to complete it with the tokens it has (Finish's reason)
+    first_logprobs: Logprobs | None = None  # the first token's (FirstToken), if asked for
+    logprobs: Logprobs | None = None  # every token's so far, if the round asked for them
 
 
 def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
@@ -162,17 +166,18 @@ class DecodeEngine:
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
                 self.start_waiting()
-            case messages.FirstToken(request=r, token=t, hit_blocks=h):
+            case messages.FirstToken(request=r, token=t, hit_blocks=h, logprobs=lp):
                 if r in self.reqs:
                     self.reqs[r].first, self.reqs[r].hit = t, h
+                    self.reqs[r].first_logprobs = lp
             case messages.Cancel(request=r):
                 self.drop(r)
-            case messages.Finish(request=rid):
+            case messages.Finish(request=rid, reason=reason):
                 r = self.reqs.get(rid)
                 if r is not None:
-                    r.finish = True
+                    r.finish = reason or "finished"
                     if r.slot >= 0:
-                        self.complete(r, "finished")
+                        self.complete(r, r.finish)
             case messages.Retain(session=session, state="ended"):
                 # the session is closed: its claims on the blocks this engine persisted go too
                 # (the blocks stay), or the index would remember every session ever served
@@ -293,6 +298,10 @@ class DecodeEngine:
             r.load.close()
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
+            if r.msg.sampling.logprobs is not None:
+                r.logprobs = Logprobs()
+                if r.first_logprobs is not None:  # (a PE always sends it when asked)
+                    r.logprobs.extend(r.first_logprobs)
             reason = self.finish_reason(r)
             if reason:
                 self.complete(r, reason)
@@ -305,7 +314,7 @@ class DecodeEngine:
             return "stop"
         if len(r.tokens) >= r.msg.gen:
             return "length"
-        return "finished" if r.finish else ""
+        return r.finish
 
     def decode(self) -> None:
         """Dispatches the next decode step, then takes the tokens of the step before it: the
@@ -313,7 +322,12 @@ class DecodeEngine:
         request's sampling params) while the host reads step t's tokens. A request done at
         step t has ridden step t + 1 too; that extra token is dropped."""
         tokens = self.dec.advance()
-        prev, self.inflight = self.inflight, (tokens, self._riders())
+        riders = self._riders()
+        asked = [r.msg.sampling.logprobs for r in riders.values() if r.logprobs is not None]
+        # the drawn tokens' log-probabilities come with every step; the top-k only when asked
+        chosen = self.dec.logprobs if asked else None
+        top = self.dec.top_logprobs() if any(asked) else None
+        prev, self.inflight = self.inflight, (tokens, riders, chosen, top)
         if prev is not None:
             self.consume(*prev)
 
@@ -326,16 +340,25 @@ class DecodeEngine:
         if prev is not None:
             self.consume(*prev)
 
-    def consume(self, tokens, riders: dict[int, _Req]) -> None:
+    def consume(self, tokens, riders: dict[int, _Req], chosen=None, top=None) -> None:
         nxt = host_value(tokens)  # replicated: on a mesh over processes, this one's copy
+        if chosen is not None:
+            chosen = host_value(chosen)
+            top = tuple(host_value(a) for a in top) if top is not None else None
         for slot, r in riders.items():
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
                 continue  # finished (or dropped) since that step was dispatched
             r.tokens.append(int(nxt[slot]))
             n = len(r.tokens)
+            entry = None
+            if r.logprobs is not None and chosen is not None:
+                entry = row_logprobs(r.msg.sampling, chosen, top, slot)
+                r.logprobs.extend(entry)
             if r.msg.stream or n == 2:  # the router times the second token; streams get all
                 self.control.send(
-                    messages.TokensOut(request=r.msg.request, tokens=r.tokens[-1:], start=n - 1)
+                    messages.TokensOut(
+                        request=r.msg.request, tokens=r.tokens[-1:], start=n - 1, logprobs=entry
+                    )
                 )
             reason = self.finish_reason(r)
             if reason:
@@ -395,5 +418,6 @@ class DecodeEngine:
                 persist_error=error,
                 finish_reason=reason,
                 attempt=r.msg.attempt,
+                logprobs=r.logprobs.head(len(r.tokens)) if r.logprobs is not None else None,
             )
         )

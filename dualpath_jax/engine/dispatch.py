@@ -192,7 +192,7 @@ class Dispatch:
         st.job = job
         self.out.send(de.ident, messages.Work(jobs=[job]))
         if st.finish_requested:
-            self.out.send(de.ident, messages.Finish(request=st.id))
+            self.out.send(de.ident, messages.Finish(request=st.id, reason=st.finish_as))
 
     def on_de_ready(self, ident: bytes, msg: messages.DeReady) -> None:
         """The DE half of a job runs: now the PE may start (it never waits on a DE that is not

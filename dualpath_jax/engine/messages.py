@@ -20,9 +20,9 @@ import msgspec
 
 from dualpath_jax.kv_events import KVEvent
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.rounds import Logprobs, RoundResult
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAX_FRAME_BYTES = 64 * 2**20
 
 
@@ -93,6 +93,7 @@ class Partial(Msg):
     request: str
     start: int
     tokens: list[int]
+    logprobs: Logprobs | None = None  # the tokens' (when the round asked for logprobs)
 
 
 class CancelRound(Msg):
@@ -100,6 +101,46 @@ class CancelRound(Msg):
     may submit again at once. Unknown or finished requests are ignored."""
 
     request: str
+
+
+class AbortRounds(Msg):
+    """Client -> router: end rounds now with the tokens they have, `finish_reason="abort"`
+    (partial rollouts): the rounds named in `requests`, those of `sessions`, with `all` every
+    round in flight (any client's: aborting is an operator's act, as pausing is). A round already
+    at its decode engine returns what it generated (its KV up to there persisted); one not yet
+    there, none (its append still joins the session's context). Answered with `Aborted`."""
+
+    ref: str  # the answer's
+    requests: list[str] = []
+    sessions: list[str] = []
+    all: bool = False
+
+
+class Aborted(Msg):
+    """Router -> client: the rounds an `AbortRounds` ended (their own results follow)."""
+
+    ref: str
+    requests: list[str]
+
+
+# What in-flight rounds do while the router is paused (`Pause.mode`), as RL frameworks name it:
+# "abort" ends them now (`AbortRounds`), "wait" lets them finish.
+PAUSE_MODES = ("abort", "wait")
+
+
+class Pause(Msg):
+    """Client -> router: start no more rounds; new ones are held (they count against
+    `scheduler.max_queue`) until `Resume`. `mode` (`PAUSE_MODES`) says what happens to those in
+    flight. Answered with `Ack(ref)` once no round is in flight."""
+
+    ref: str
+    mode: str = "wait"
+
+
+class Resume(Msg):
+    """Client -> router: the held rounds start, in order; answered with `Ack(ref)`."""
+
+    ref: str
 
 
 class Ping(Msg):
@@ -132,10 +173,13 @@ class UpdateParams(Msg):
     """Client -> router: serve the parameters in `path` (an orbax checkpoint directory every
     engine can read) as `version`. Answered `Ack(ref="params:<version>")` once every live engine
     loaded and checked them, or `Error` (the old params stay). KV of older versions is never
-    reused because the version enters the block-key fingerprint."""
+    reused because the version enters the block-key fingerprint. `pause`: what the rounds in
+    flight do meanwhile (`PAUSE_MODES`: "wait" lets them finish on the old params, "abort" ends
+    them now with what they generated)."""
 
     version: str
     path: str
+    pause: str = "wait"
 
 
 class Shutdown(Msg):
@@ -275,6 +319,7 @@ class PrefillDone(Msg):
     prefill_s: float
     lead_blocks: int = 0  # leading hit blocks recomputed by choice (before the loaded ones)
     attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
+    first_logprobs: Logprobs | None = None  # the first token's (when the round asked for them)
 
 
 class ReadsDone(Msg):
@@ -294,6 +339,7 @@ class FirstToken(Msg):
     request: str
     token: int
     hit_blocks: int
+    logprobs: Logprobs | None = None  # the token's (when the round asked for logprobs)
 
 
 class TokensOut(Msg):
@@ -303,6 +349,7 @@ class TokensOut(Msg):
     request: str
     tokens: list[int]
     start: int = 0
+    logprobs: Logprobs | None = None  # the tokens' (when the round asked for logprobs)
 
 
 class DecodeDone(Msg):
@@ -313,6 +360,7 @@ class DecodeDone(Msg):
     persist_error: str = ""  # see RoundResult.persist_error
     finish_reason: str = "length"  # see RoundResult.finish_reason
     attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
+    logprobs: Logprobs | None = None  # every token's (when the round asked for logprobs)
 
 
 class KVEvents(Msg):
@@ -343,9 +391,11 @@ class Cancel(Msg):
 
 
 class Finish(Msg):
-    """Router -> DE: complete `request` now with the tokens it has (see `FinishRound`)."""
+    """Router -> DE: complete `request` now with the tokens it has (see `FinishRound`), its
+    `finish_reason` being `reason` ("finished", or "abort": `AbortRounds`)."""
 
     request: str
+    reason: str = "finished"
 
 
 class Stop(Msg):
@@ -368,6 +418,10 @@ Body = (
     | Submit
     | CancelRound
     | FinishRound
+    | AbortRounds
+    | Aborted
+    | Pause
+    | Resume
     | Partial
     | Ping
     | RoundResult

@@ -41,6 +41,8 @@ COUNTERS = (
     "recompute_lead_hits",
     "recompute_hit_blocks",
     "sessions_expired",  # closed for being idle cluster.session_idle_timeout_s
+    "aborted",  # rounds ended by AbortRounds (a pause or params update with pause="abort")
+    "pauses",
 )
 
 

@@ -145,6 +145,14 @@ class ParamsCoordinator:
                 return True
         return False
 
+    def take_held(
+        self, chosen: Callable[[messages.Submit], bool]
+    ) -> list[tuple[bytes, messages.Submit]]:
+        """Removes and returns the held rounds `chosen` picks (to be aborted)."""
+        out = [(who, sub) for who, sub in self.held if chosen(sub)]
+        self.held = [(who, sub) for who, sub in self.held if not chosen(sub)]
+        return out
+
     def take_released(self) -> list[tuple[bytes, messages.Submit]]:
         """The rounds held during the update that just ended, in order (once)."""
         released, self.released = self.released, []

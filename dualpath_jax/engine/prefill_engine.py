@@ -346,12 +346,13 @@ class PrefillEngine:
         try:
             res = forward(self.runner, c.model.num_layers, batch, layerwise, load_layer, emit_layer)
             logits = host_value(res.last_logits)
-            first = sample_at(  # the first generated token sits at position len(prompt)
+            first, first_lp = sample_at(  # the first generated token sits at len(prompt)
                 logits,
                 [r.msg.sampling for r in reqs] + [GREEDY] * pad,
                 [len(r.msg.prompt) for r in reqs] + [0] * pad,
                 # with min_tokens > 0 the first token is no stop token
                 [held_back(r.msg.sampling, r.msg.stop_tokens, 0) for r in reqs] + [[]] * pad,
+                logprobs=True,
             )
         except Exception as e:  # noqa: BLE001
             if span is not None:
@@ -374,6 +375,7 @@ class PrefillEngine:
                     prefill_s=dt,
                     lead_blocks=r.msg.lead_blocks,
                     attempt=r.msg.attempt,
+                    first_logprobs=first_lp[b],
                 )
             )
             del self.reqs[ch.request_id]

@@ -45,6 +45,7 @@ from dualpath_jax.engine.retention import Retention, retention_problem
 from dualpath_jax.engine.sessions import RequestState, SessionTable
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.rounds import Logprobs
 from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import Request
 
@@ -99,6 +100,7 @@ class Rounds:
         self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
         self.waiting: list[StoreWait] = []
         self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
+        self.abort_asked: set[str] = set()  # AbortRounds came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
 
@@ -201,7 +203,8 @@ class Rounds:
 
     # ------------------------------------------------------------------ admission
 
-    def on_submit(self, ident: bytes, msg: messages.Submit) -> None:
+    def on_submit(self, ident: bytes, msg: messages.Submit) -> bool:
+        """Admits a round (True), or refuses it, its client told why."""
         fail = self.out.fail
         problem = self.table.session_problem(msg)
         if problem:
@@ -232,9 +235,11 @@ class Rounds:
 
         def failed(e: Exception) -> None:  # store failures become the request's error
             if not self._admission_ended(ident, msg, session, ticket):
+                self.abort_asked.discard(msg.request)
                 fail(ident, msg.request, f"store unavailable: {e}", kind="store")
 
         self.after_store(self.store.lookup(keys), looked_up, failed)
+        return True
 
     def _admission_ended(
         self, ident: bytes, msg: messages.Submit, session: Any, ticket: tuple
@@ -246,6 +251,7 @@ class Rounds:
         s = self.table.end_admission(msg.request)
         if s is None or s is not session:
             self.finish_asked.discard(msg.request)
+            self.abort_asked.discard(msg.request)
             self.out.fail(ident, msg.request, f"session {msg.session!r} was closed")
             return True
         return False
@@ -259,6 +265,11 @@ class Rounds:
         if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
             hit -= 1
         req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
+        if msg.request in self.abort_asked:  # aborted while admitted: it ends with no token
+            self.abort_asked.discard(msg.request)
+            st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
+            self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
+            return self.finish(st, [], finish_reason="abort")
         try:
             self.scheduler.submit(req)
         except QueueFull as e:
@@ -301,11 +312,15 @@ class Rounds:
                     request=st.id,
                     token=msg.first_token,
                     hit_blocks=msg.lead_blocks + msg.hit_blocks,
+                    logprobs=msg.first_logprobs,
                 ),
             )
         if st.stream:
             self.out.send(
-                st.client, messages.Partial(request=st.id, start=0, tokens=[msg.first_token])
+                st.client,
+                messages.Partial(
+                    request=st.id, start=0, tokens=[msg.first_token], logprobs=msg.first_logprobs
+                ),
             )
 
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
@@ -317,7 +332,10 @@ class Rounds:
             st.t_second = self.clock()
         if st.stream:
             self.out.send(
-                st.client, messages.Partial(request=st.id, start=msg.start, tokens=msg.tokens)
+                st.client,
+                messages.Partial(
+                    request=st.id, start=msg.start, tokens=msg.tokens, logprobs=msg.logprobs
+                ),
             )
 
     def on_decode_done(self, ident: bytes, msg: messages.DecodeDone) -> None:
@@ -325,7 +343,7 @@ class Rounds:
         if st is None or st.de != msg.engine or (msg.attempt and msg.attempt != st.attempts):
             return  # a cancelled attempt (also of an engine that was declared dead, then rejoined)
         self.out.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
-        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason)
+        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason, msg.logprobs)
 
     # ------------------------------------------------------------------ the client's say
 
@@ -334,6 +352,7 @@ class Rounds:
             if self.table.admitting_client(msg.request) == ident:
                 self.table.end_admission(msg.request)
                 self.finish_asked.discard(msg.request)
+                self.abort_asked.discard(msg.request)
                 self.out.count("cancelled")
                 self.out.event("cancel", request=msg.request)
                 self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
@@ -363,6 +382,42 @@ class Rounds:
         if de is not None:
             self.out.send(de.ident, messages.Finish(request=st.id))
 
+    def on_abort(self, ident: bytes, msg: messages.AbortRounds) -> list[str]:
+        """Ends the rounds `msg` names (`abort`); those being admitted end once their lookup
+        answers. Returns their request ids."""
+        named, sessions = set(msg.requests), set(msg.sessions)
+
+        def chosen(request: str, session: str) -> bool:
+            return msg.all or request in named or session in sessions
+
+        out = []
+        for rid, (session, _) in self.table.admitting.items():
+            if chosen(rid, session):
+                self.abort_asked.add(rid)
+                out.append(rid)
+        for st in list(self.table.requests.values()):
+            if chosen(st.id, st.session):
+                self.abort(st)
+                out.append(st.id)
+        return out
+
+    def abort(self, st: RequestState) -> None:
+        """Ends a round now with the tokens it has (`finish_reason="abort"`): one whose first
+        token is at its live DE completes there (the DE reports its tokens, KV persisted);
+        any other ends here with none (its engines drop it)."""
+        if st.finish_as == "abort":
+            return  # asked before
+        self.out.count("aborted")
+        self.out.event("abort", request=st.id)
+        de = self.registry.live_one(st.de) if st.de >= 0 else None
+        if st.first_token >= 0 and de is not None:
+            st.finish_requested, st.finish_as = True, "abort"
+            self.out.send(de.ident, messages.Finish(request=st.id, reason="abort"))
+            return
+        self.cancel_on_engines(st)
+        self.scheduler.withdraw([st.id])
+        self.finish(st, [], finish_reason="abort")
+
     # ------------------------------------------------------------------ how rounds leave
 
     def finish(
@@ -371,6 +426,7 @@ class Rounds:
         tokens: list[int],
         persist_error: str = "",
         finish_reason: str = "length",
+        logprobs: Logprobs | None = None,
     ) -> None:
         now = self.clock()
         self.table.complete(st, tokens)
@@ -378,16 +434,26 @@ class Rounds:
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
         # with release=True can delete them (a session closed meanwhile claims nothing).
         if st.session in self.table:
-            keys = block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
+            # with no token (aborted early) only its hit is stored
+            keys = (
+                block_keys(st.prompt + tokens[:-1], self.bt, self.params.fingerprint)
+                if tokens
+                else st.keys
+            )
             self.store.claim(st.session, keys)
-        res = st.result(tokens, now, self.bt, persist_error, finish_reason)
+        res = st.result(tokens, now, self.bt, persist_error, finish_reason, logprobs)
         if persist_error:
             self.out.count("persist_errors")
             log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
             self.out.event("persist_failed", request=st.id, engine=st.de, message=persist_error)
         self.out.count("requests_done")
         self.out.event(
-            "done", **{k: v for k, v in msgspec.structs.asdict(res).items() if k != "tokens"}
+            "done",
+            **{
+                k: v
+                for k, v in msgspec.structs.asdict(res).items()
+                if k not in ("tokens", "logprobs")
+            },
         )
         self.out.send(st.client, res)
 

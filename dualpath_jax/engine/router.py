@@ -19,6 +19,9 @@ parts it hands over to), never the router:
   rounds submitted during an update wait there, and the router hands them to the sessions part
   once it is over. Which engines are in rotation (serve the cluster's params, and so get work)
   is its doing: an engine with other params is caught up before it gets any.
+- pause (engine/pause.py, `PauseGate`): `Pause` / `Resume`; the rounds submitted while
+  paused wait there. `AbortRounds` ends rounds wherever they are: held (here or in the params
+  part) or in flight (the sessions part).
 - retention (engine/retention.py, `Retention`): which sessions' blocks the stores keep.
 - KV events (engine/kv_publisher.py, `KVEventRelay`, docs/kv_events.md): the engines'
   `KVEvents` and the router's own store's, published on one PUB socket as soon as the router
@@ -49,6 +52,7 @@ from dualpath_jax.engine.kv_publisher import KVEventPublisher, KVEventRelay
 from dualpath_jax.engine.liveness import EngineRegistry, Liveness
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params_update import ParamsCoordinator
+from dualpath_jax.engine.pause import PauseGate
 from dualpath_jax.engine.retention import Retention
 from dualpath_jax.engine.rounds import QUICK_WAIT_S, Rounds
 from dualpath_jax.engine.rpc import RpcServer
@@ -107,6 +111,12 @@ class Router:
             max_queue=scheduler.max_queue,
             left_rotation=lambda e: self.dispatch.engine_left(e),
         )
+        self.pause = PauseGate(
+            self.out,
+            in_flight=lambda: len(table.requests) + len(table.admitting),
+            queued=lambda: len(scheduler),
+            max_queue=scheduler.max_queue,
+        )
         self.rounds = Rounds(
             cfg,
             table,
@@ -160,7 +170,10 @@ class Router:
             messages.Failed: self.dispatch.on_failed,
             messages.Register: self.liveness.on_register,
             messages.Heartbeat: self.liveness.on_heartbeat,
-            messages.UpdateParams: self.params.on_update,
+            messages.UpdateParams: self.on_update_params,
+            messages.Pause: self.on_pause,
+            messages.Resume: self.on_resume,
+            messages.AbortRounds: self.on_abort,
             messages.ParamsLoaded: self.params.on_loaded,
             messages.KVEvents: self.kv.on_kv_events,
             messages.Ping: self.on_ping,
@@ -225,13 +238,15 @@ class Router:
             self._last_expiry = now
 
     def move_on(self) -> None:
-        """A params update drains, loads or ends; rounds held during one run once it is over."""
+        """A params update drains, loads or ends; rounds held during one (or a pause) run once
+        it is over; a pause is answered once no round is in flight."""
         self.params.advance()
+        self.pause.advance()
         self.resume_held()
 
     def resume_held(self) -> None:
-        for ident, msg in self.params.take_released():
-            self.rounds.on_submit(ident, msg)
+        for ident, msg in self.params.take_released() + self.pause.take_released():
+            self.on_submit(ident, msg)  # (held again if paused or updating meanwhile)
 
     def refuse(self, ident: bytes, msg: messages.Msg, why: str) -> None:
         """Drops a message its sender may not send (wrong role, another engine's id)."""
@@ -242,13 +257,51 @@ class Router:
     # ------------------------------------------------------------------ routes of its own
 
     def on_submit(self, ident: bytes, msg: messages.Submit) -> None:
-        """A round runs now, or waits in the params part while an update is in progress."""
-        if not self.params.hold(ident, msg):
+        """A round runs now, or waits while generation is paused or a params update is in
+        progress."""
+        if not self.pause.hold(ident, msg) and not self.params.hold(ident, msg):
             self.rounds.on_submit(ident, msg)
 
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
-        if not self.params.cancel_held(ident, msg):
+        if not self.pause.cancel_held(ident, msg) and not self.params.cancel_held(ident, msg):
             self.rounds.on_cancel(ident, msg)
+
+    def on_pause(self, ident: bytes, msg: messages.Pause) -> None:
+        if self.pause.on_pause(ident, msg) and msg.mode == "abort":
+            self.rounds.on_abort(ident, messages.AbortRounds(ref="", all=True))
+
+    def on_resume(self, ident: bytes, msg: messages.Resume) -> None:
+        self.pause.on_resume(ident, msg)
+
+    def on_update_params(self, ident: bytes, msg: messages.UpdateParams) -> None:
+        """A params update; with `pause="abort"` the rounds in flight end now."""
+        if msg.pause not in messages.PAUSE_MODES:
+            why = f"pause must be one of {messages.PAUSE_MODES}, got {msg.pause!r}"
+            return self.out.fail(ident, f"params:{msg.version}", why)
+        self.params.on_update(ident, msg)
+        u = self.params.update
+        if msg.pause == "abort" and u is not None and (u.client, u.version) == (ident, msg.version):
+            self.rounds.on_abort(ident, messages.AbortRounds(ref="", all=True))
+
+    def on_abort(self, ident: bytes, msg: messages.AbortRounds) -> None:
+        """Ends the rounds `msg` names (engine/rounds.py `Rounds.abort`); held ones are
+        admitted to end at once with no token (their append joins the session's context, as
+        any aborted round's does)."""
+        named, sessions = set(msg.requests), set(msg.sessions)
+
+        def chosen(sub: messages.Submit) -> bool:
+            return msg.all or sub.request in named or sub.session in sessions
+
+        ended = []
+        for who, sub in self.pause.take(chosen) + self.params.take_held(chosen):
+            self.rounds.abort_asked.add(sub.request)
+            if self.rounds.on_submit(who, sub):
+                ended.append(sub.request)
+            else:  # refused (e.g. its session closed meanwhile)
+                self.rounds.abort_asked.discard(sub.request)
+        ended = list(dict.fromkeys(ended + self.rounds.on_abort(ident, msg)))
+        if msg.ref:
+            self.out.send(ident, messages.Aborted(ref=msg.ref, requests=ended))
 
     def on_ping(self, ident: bytes, msg: messages.Ping) -> None:
         self.out.send(ident, messages.Ack(ref="ping"))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from dualpath_jax.engine import messages
 from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
+from dualpath_jax.rounds import Logprobs
 from dualpath_jax.sched.types import Assignment, Request
 
 
@@ -59,6 +60,7 @@ class RequestState:
     stop_tokens: list[int] = dataclasses.field(default_factory=list)
     stream: bool = False  # its client gets `Partial` tokens as they come
     finish_requested: bool = False  # FinishRound: each attempt's DE is told to finish now
+    finish_as: str = "finished"  # ... with this finish_reason ("abort": AbortRounds)
     job: messages.LoadJobMsg | None = (
         None  # the current attempt's job, sent to the PE once the DE is ready
     )
@@ -88,6 +90,7 @@ class RequestState:
         block_tokens: int,
         persist_error: str = "",
         finish_reason: str = "length",
+        logprobs: Logprobs | None = None,
     ) -> messages.RoundResult:
         """The client's answer: the round's tokens and its timings."""
         return messages.RoundResult.timed(
@@ -104,6 +107,7 @@ class RequestState:
             recomputed_blocks=self.recomputed_blocks,
             finish_reason=finish_reason,
             persist_error=persist_error,
+            logprobs=logprobs,
         )
 
 

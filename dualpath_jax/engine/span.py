@@ -51,6 +51,7 @@ MIRRORED = frozenset(
         "advance",
         "step",
         "set_next",
+        "top_logprobs",
         "full_blocks",
         "rows",
         "warmup",

@@ -33,7 +33,7 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
-from dualpath_jax.model.sampler import mask_held, sample, sample_rows
+from dualpath_jax.model.sampler import chosen_logprobs, draw_rows, mask_held, sample, top_logprobs
 from dualpath_jax.model.sampling import (
     GREEDY,
     MAX_HELD_STOP_TOKENS,
@@ -70,7 +70,8 @@ def _decode_step(
     `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
     over the slot's cached pages and the token's own row, and writes that row into the slot's
     page. Returns (logits `[S, V]` (the model's, before masking), the next tokens `[S]` (sampled
-    as `sample_at` samples; idle slots keep theirs), pages, lengths + active)."""
+    as `sample_at` samples; idle slots keep theirs), their log-probabilities `[S, 2]`
+    (`chosen_logprobs`), pages, lengths + active)."""
     embed_state, stacked, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
     h = embed(pending[:, None])
@@ -91,8 +92,9 @@ def _decode_step(
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
     lengths = lengths + write
     drawable = mask_held(logits, stop_ids, held_until, lengths)
-    tokens = sample_rows(drawable, seeds, lengths, temps, top_ps)  # drawn at position `lengths`
-    return logits, jnp.where(active, tokens, pending), pages, lengths
+    tokens, processed = draw_rows(drawable, seeds, lengths, temps, top_ps)  # at `lengths`
+    chosen = chosen_logprobs(logits, processed, tokens)
+    return logits, jnp.where(active, tokens, pending), chosen, pages, lengths
 
 
 # Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).
@@ -203,6 +205,7 @@ class Decoder:
         self.held_until = np.zeros((slots,), np.int32)
         self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
         self._pending = jnp.zeros((slots,), jnp.int32)  # device-side: the tokens fed next
+        self.logits = self.logprobs = None  # the latest step's (`top_logprobs`)
         self._dev: dict[str, Array] = {}
         self._dirty = True
         self._width = -1  # table columns on the device
@@ -421,7 +424,7 @@ class Decoder:
             }
             self._dirty, self._width = False, width
         d = self._dev
-        logits, self._pending, self.pages, d["lengths"] = _step_fn(self.runner)(
+        logits, self._pending, self.logprobs, self.pages, d["lengths"] = _step_fn(self.runner)(
             self.runner.stacked_leaves[1],
             self.pages,
             d["table"],
@@ -435,6 +438,7 @@ class Decoder:
             d["held_until"],
         )
         self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
+        self.logits = logits
         return logits
 
     def _prepare(self) -> int:
@@ -472,6 +476,14 @@ class Decoder:
         return self._pending
 
     @runs_on_mesh
+    def top_logprobs(self) -> tuple[Array, Array]:
+        """The model's `MAX_TOP_LOGPROBS` most likely tokens after the latest step, per slot (ids,
+        log-probabilities `[S, K]`, device arrays; `sampler.top_logprobs`). The drawn tokens' own
+        log-probabilities are `self.logprobs` (`[S, 2]`: under the sampling distribution and
+        under the model), set by every step."""
+        return top_logprobs(self.logits)
+
+    @runs_on_mesh
     def warmup(self) -> int:
         """Compiles every shape this decoder runs (each table width a step may pass, each page
         count `insert` writes) by running them on idle slots, which changes nothing. Returns the
@@ -483,6 +495,7 @@ class Decoder:
         )
         for w in sorted(widths):
             self._run(w)
+        self.top_logprobs()
         nbs = {self._write_bucket(n) for n in range(1, self.max_pages + 1)}
         cfg = self.runner.cfg
         for nb in sorted(nbs):

@@ -2,6 +2,12 @@
 sampling params and position: what the engines use) and `greedy_tokens`; `sample_rows` is
 `sample_at` inside a traced program (the decode step's), `mask_held` its `min_tokens` masking.
 
+Log-probabilities (`SamplingParams.logprobs`): `draw_rows` returns the drawn tokens with the
+logits they were drawn from, `chosen_logprobs` the drawn tokens' log-probabilities under those and
+under the model, `top_logprobs` the model's most likely tokens; `sample_at(..., logprobs=True)`
+is all of it on the host's side (the prefill engine's first token, the in-process engine), from
+the same functions as the decode step's, so every engine reports the same numbers.
+
 How a round samples is a `SamplingParams` (sampling.py, which imports no JAX).
 """
 
@@ -14,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.model.sampling import GREEDY, MAX_TOP_LOGPROBS, SamplingParams
+from dualpath_jax.rounds import Logprobs
 
 Array = jax.Array
 
@@ -72,7 +79,9 @@ def sample_at(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     held: Sequence[Sequence[int]] | None = None,
-) -> np.ndarray:
+    *,
+    logprobs: bool = False,
+):
     """Per-row sampling keyed by position: logits `[B, V]` -> token ids `[B]` (numpy int32).
 
     Row b is greedy when `params[b].temperature == 0`, else drawn from softmax(logits / t) with
@@ -83,11 +92,19 @@ def sample_at(
     most likely tokens whose probability reaches it (nucleus sampling). All-greedy batches take
     `greedy_tokens`. `held[b]`: tokens row b may not draw (`sampling.held_back`: a round's stop
     tokens before its `min_tokens`), masked before anything else; rows with none are untouched.
+
+    `logprobs=True` returns `(tokens, entries)`: `entries[b]` is row b's token's `Logprobs` (one
+    entry) when `params[b].logprobs` asks for them, else None.
     """
+    raw = logits
     if held is not None and any(len(h) for h in held):
         logits = np.array(logits)  # a copy in its dtype: the caller's logits stay
         for b, ids in enumerate(held):
             logits[b, np.asarray(ids, np.int64)] = -np.inf
+    if logprobs and any(p.logprobs is not None for p in params):
+        return _sample_logprobs(raw, logits, params, positions)
+    if logprobs:
+        return sample_at(logits, params, positions), [None] * len(params)
     if all(p.greedy for p in params):
         return greedy_tokens(logits)
     out = _sample_at(
@@ -98,6 +115,67 @@ def sample_at(
         jnp.asarray(np.array([p.top_p for p in params], np.float32)),
     )
     return np.asarray(out)
+
+
+@jax.jit
+def _draw_logprobs(raw, drawable, seeds, positions, temperatures, top_ps):
+    tokens, processed = draw_rows(drawable, seeds, positions, temperatures, top_ps)
+    return tokens, chosen_logprobs(raw, processed, tokens)
+
+
+def _sample_logprobs(raw, drawable, params, positions):
+    """`sample_at(..., logprobs=True)` for a batch where some row asks for logprobs."""
+    tokens, chosen = _draw_logprobs(
+        jnp.asarray(raw),
+        jnp.asarray(drawable),
+        jnp.asarray(np.array([p.seed for p in params], np.uint32)),
+        jnp.asarray(np.asarray(positions, np.int32)),
+        jnp.asarray(np.array([p.temperature for p in params], np.float32)),
+        jnp.asarray(np.array([p.top_p for p in params], np.float32)),
+    )
+    top = None
+    if any(p.top_logprobs for p in params):
+        top = tuple(np.asarray(a) for a in top_logprobs(jnp.asarray(raw)))
+    chosen = np.asarray(chosen)
+    return np.asarray(tokens), [
+        row_logprobs(p, chosen, top, b) if p.logprobs is not None else None
+        for b, p in enumerate(params)
+    ]
+
+
+def row_logprobs(
+    params: SamplingParams,
+    chosen: np.ndarray,
+    top: tuple[np.ndarray, np.ndarray] | None,
+    row: int,
+) -> Logprobs:
+    """Row `row`'s token's entry from `chosen_logprobs` `[B, 2]` and `top_logprobs` (ids, values)
+    `[B, MAX_TOP_LOGPROBS]` read on the host, keeping the alternatives `params` asks for."""
+    out = Logprobs()
+    k = params.top_logprobs
+    if k and top is not None:
+        out.append(chosen[row, 0], chosen[row, 1], top[0][row, :k], top[1][row, :k])
+    else:
+        out.append(chosen[row, 0], chosen[row, 1])
+    return out
+
+
+def chosen_logprobs(logits: Array, processed: Array, tokens: Array) -> Array:
+    """`[S, 2]` f32: each row's `tokens` log-probability under `processed` (the logits it was
+    drawn from, `draw_rows`) and under `logits` (the model's)."""
+    idx = tokens[:, None].astype(jnp.int32)
+    drawn = jnp.take_along_axis(jax.nn.log_softmax(processed.astype(jnp.float32)), idx, axis=-1)
+    model = jnp.take_along_axis(jax.nn.log_softmax(logits.astype(jnp.float32)), idx, axis=-1)
+    return jnp.concatenate([drawn, model], axis=-1)
+
+
+@jax.jit
+def top_logprobs(logits: Array) -> tuple[Array, Array]:
+    """The `MAX_TOP_LOGPROBS` most likely tokens of each row under the model: (ids `[S, K]`
+    int32, their log-probabilities `[S, K]` f32), most likely first (ties: the lower id)."""
+    k = min(MAX_TOP_LOGPROBS, logits.shape[-1])
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32)), k)
+    return ids.astype(jnp.int32), values
 
 
 def _nucleus(scaled: Array, top_ps: Array) -> Array:
@@ -133,9 +211,17 @@ def mask_held(logits: Array, stop_ids: Array, held_until: Array, positions: Arra
 def sample_rows(logits, seeds, positions, temperatures, top_ps):
     """`sample_at` in a traced program: greedy rows where the temperature is 0. The nucleus
     sort runs only when some row has top-p below 1."""
-    scaled = logits / jnp.where(temperatures > 0, temperatures, 1.0)[:, None]
+    return draw_rows(logits, seeds, positions, temperatures, top_ps)[0]
+
+
+def draw_rows(logits, seeds, positions, temperatures, top_ps):
+    """`sample_rows`, returning (tokens `[S]`, the logits each row was drawn from `[S, V]`: scaled
+    by its temperature and cut to its top-p nucleus; a greedy row's are its logits)."""
+    sampled = temperatures > 0
+    scaled = logits / jnp.where(sampled, temperatures, 1.0)[:, None]
+    cut = (top_ps < 1.0) & sampled
     scaled = jax.lax.cond(
-        jnp.any((top_ps < 1.0) & (temperatures > 0)), _nucleus, lambda s, p: s, scaled, top_ps
+        jnp.any(cut), _nucleus, lambda s, p: s, scaled, jnp.where(cut, top_ps, 1.0)
     )
 
     def one(row, seed, pos):
@@ -143,4 +229,4 @@ def sample_rows(logits, seeds, positions, temperatures, top_ps):
         return jax.random.categorical(key, row)
 
     drawn = jax.vmap(one)(scaled, seeds, positions)
-    return jnp.where(temperatures > 0, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32)
+    return jnp.where(sampled, drawn, jnp.argmax(logits, axis=-1)).astype(jnp.int32), scaled

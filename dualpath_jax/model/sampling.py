@@ -7,6 +7,12 @@ softmax(logits / temperature), restricted to the smallest set of most likely tok
 reaches `top_p`, with the key `fold_in(key(seed), p)`: a round's tokens depend only on the
 params, the context and the seed, never on batching, engine or retries.
 
+`logprobs` (as vLLM's): None reports no log-probabilities; 0 reports, for each generated token,
+its log-probability under the distribution it was drawn from (temperature and top-p applied, stop
+tokens held back by `min_tokens` excluded; a greedy round's is the model's) and under the model
+(the plain log-softmax of its logits); k > 0 adds the k most likely tokens under the model with
+their log-probabilities (at most `MAX_TOP_LOGPROBS`). It changes no token.
+
 `min_tokens` (as vLLM's): the round's stop tokens (`Submit.stop_tokens`, e.g. the end-of-turn
 ids) cannot end it before it has `min_tokens` tokens. While fewer have been generated their
 logits are -inf before any other step of sampling (`held_back` says which a draw masks), so
@@ -16,7 +22,7 @@ Its fields are checked when it is made, here and nowhere else, also when it arri
 (msgspec runs `__post_init__` while decoding, so a bad value never enters a process):
 
 >>> SamplingParams(temperature=0.7, top_p=0.9, seed=5)
-SamplingParams(temperature=0.7, top_p=0.9, seed=5, min_tokens=0)
+SamplingParams(temperature=0.7, top_p=0.9, seed=5, min_tokens=0, logprobs=None)
 >>> SamplingParams(top_p=0.0)
 Traceback (most recent call last):
 ...
@@ -38,6 +44,9 @@ TOKEN_LIMIT = 2**31  # min_tokens, like token counts, is an int32
 # The most stop tokens a round with min_tokens > 0 may have: the decode step masks them from a
 # fixed table per slot (one compiled shape), this wide.
 MAX_HELD_STOP_TOKENS = 16
+# The most alternatives `logprobs` may ask for per token (OpenAI's `top_logprobs` limit): the
+# engines compute this many for every row that asks (one compiled shape) and keep what it asked.
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingError(ValueError):
@@ -56,6 +65,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     top_p: float = 1.0  # nucleus sampling (with temperature > 0)
     seed: int = 0  # uint32
     min_tokens: int = 0  # stop tokens cannot end the round before it has this many tokens
+    logprobs: int | None = None  # None: none; 0: the drawn tokens'; k: and the top k (see above)
 
     def __post_init__(self) -> None:
         # Plain Python numbers (numpy scalars are accepted and converted), so the value encodes.
@@ -67,6 +77,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral):
             raise SamplingError("min_tokens", f"min_tokens must be an int, got {self.min_tokens!r}")
         msgspec.structs.force_setattr(self, "min_tokens", int(self.min_tokens))
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral):
+                raise SamplingError(
+                    "logprobs", f"logprobs must be None or an int, got {self.logprobs!r}"
+                )
+            msgspec.structs.force_setattr(self, "logprobs", int(self.logprobs))
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                raise SamplingError(
+                    "logprobs",
+                    f"logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+                )
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise SamplingError(
                 "temperature", f"temperature must be a finite number >= 0, got {self.temperature}"
@@ -83,6 +104,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def top_logprobs(self) -> int:
+        """How many alternatives each token reports (0: none, also without `logprobs`)."""
+        return self.logprobs or 0
 
 
 def held_back(params: SamplingParams, stop_tokens: Sequence[int], generated: int) -> list[int]:

@@ -31,6 +31,7 @@ _OUTCOMES = {
     "failed": "engine_failed",
     "requeued": "requeued",
     "finished_early": "finished_early",
+    "aborted": "aborted",
 }
 
 
@@ -106,7 +107,8 @@ class ServerMetrics:
         self.rounds.labels(res.finish_reason).inc()
         if res.cached_tokens:
             self.cached_tokens.labels("store", res.read_path or "none").inc(res.cached_tokens)
-        self.ttft.observe(res.ttft_s)
+        if res.tokens:  # (a round aborted before its first token has no TTFT)
+            self.ttft.observe(res.ttft_s)
         if len(res.tokens) > 1:
             self.tpot.observe(res.tpot_s)
         self.jct.observe(res.jct_s)

@@ -1,7 +1,9 @@
 """The OpenAI request bodies the server takes (msgspec structs), and its error responses.
 
-Only what the server implements is accepted: `n=1`, no logprobs, no echo, no tools. Unknown
-fields are ignored, as OpenAI clients send many. Three extensions, as vLLM names them:
+Only what the server implements is accepted: `n=1`, no echo, no tools. Unknown fields are
+ignored, as OpenAI clients send many. Log-probabilities as OpenAI asks for them: completions'
+`logprobs` (an integer: that many alternatives per token), chat's `logprobs` (true) with
+`top_logprobs`, at most `MAX_TOP_LOGPROBS` alternatives. Three extensions, as vLLM names them:
 `ignore_eos` (generate exactly `max_tokens` tokens), `return_token_ids` (each choice carries
 `token_ids`, the generated ids, and the response `prompt_token_ids`) and `min_tokens` (neither
 an end-of-turn token nor a stop string ends the answer before it has this many tokens).
@@ -62,7 +64,6 @@ class _Common(msgspec.Struct, kw_only=True):
     n: int = 1
     user: str | None = None
     conversation_id: str | None = None  # a session id, as some clients send it
-    logprobs: Any = None
     # extensions
     ignore_eos: bool = False
     return_token_ids: bool = False
@@ -74,6 +75,7 @@ class CompletionRequest(_Common, kw_only=True):
     prompt: str | list[Any]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None  # each token's log-probability, with this many alternatives
 
 
 class ChatRequest(_Common, kw_only=True):
@@ -81,6 +83,8 @@ class ChatRequest(_Common, kw_only=True):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: Any = None
+    logprobs: bool | None = None  # each token's log-probability ...
+    top_logprobs: int | None = None  # ... with this many alternatives
 
 
 def parse(body: bytes, kind: type[msgspec.Struct]) -> Any:

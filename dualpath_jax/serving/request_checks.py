@@ -46,7 +46,7 @@ def bearer(request: web.Request) -> str:
 
 def check_common(req: Any, model: str) -> None:
     """What completions and chat requests both must be: for `model` (or naming none), one
-    choice, no logprobs. Another model is a 404 `model_not_found`, as OpenAI answers it."""
+    choice. Another model is a 404 `model_not_found`, as OpenAI answers it."""
     if req.model is not None and req.model != model:
         raise ApiError(
             404,
@@ -56,8 +56,19 @@ def check_common(req: Any, model: str) -> None:
         )
     if req.n != 1:
         raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n")
-    if req.logprobs not in (None, False):
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
+
+
+def logprobs_asked(req: Any) -> tuple[int | None, str]:
+    """`SamplingParams.logprobs` for a request (None: none asked) and the field that asked:
+    a completion's `logprobs` (alternatives per token), or chat's `logprobs: true` with
+    `top_logprobs` (which needs it, as OpenAI checks)."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs, "logprobs"
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    if not req.logprobs:
+        return None, "logprobs"
+    return (req.top_logprobs or 0), "top_logprobs" if req.top_logprobs else "logprobs"
 
 
 def completion_prompt(prompt: Any, tok: Tokenizer, vocab_size: int) -> list[int]:
@@ -121,15 +132,17 @@ def round_params(
             param="min_tokens",
         )  # fmt: skip
     seed = req.seed if req.seed is not None else int.from_bytes(os.urandom(4), "little")
+    logprobs, field = logprobs_asked(req)
     try:
         sampling = SamplingParams(
             temperature=t,
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=seed,
             min_tokens=req.min_tokens,  # the end-of-turn ids' logits are masked until then
+            logprobs=logprobs,
         )
     except SamplingError as e:
-        raise ApiError(400, str(e), param=e.field) from None
+        raise ApiError(400, str(e), param=field if e.field == "logprobs" else e.field) from None
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > 4:
         raise ApiError(400, "at most 4 stop sequences", param="stop")

@@ -1,6 +1,11 @@
 """How the server answers a round: its generated tokens as they come (`RoundStream`), and the
-OpenAI response pieces built from them: stream chunks sent as server-sent events, `usage`, and
-the `dualpath` extension (the read path and the router's timings)."""
+OpenAI response pieces built from them: stream chunks sent as server-sent events, `usage`,
+`logprobs` in OpenAI's chat and completion shapes, and the `dualpath` extension (the read path
+and the router's timings).
+
+Log-probabilities are the model's (its log-softmax, as vLLM reports them by default), and each
+token also carries `sampling_logprob`, its log-probability under the distribution it was drawn
+from (temperature and top-p applied), for trainers that want that one."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from concurrent import futures
 from typing import Any
 
 from dualpath_jax.engine import messages
+from dualpath_jax.rounds import Logprobs
+from dualpath_jax.serving.tokenizer import Tokenizer
 
 READ_PATH_HEADER = "X-DualPath-Read-Path"
 
@@ -21,20 +28,26 @@ class RoundStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.queue: asyncio.Queue[tuple[int, list[int]]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, list[int], Logprobs | None]] = asyncio.Queue()
         self.fut: futures.Future | None = None
         self.have = 0  # generated tokens passed on so far
+        self.logprobs = Logprobs()  # theirs, when the round asked for them
         self.one_off: str | None = None  # the round's own router session, if it has one
         self.opening: asyncio.Future | None = None  # ... and its open (closed after it)
 
-    def on_tokens(self, start: int, tokens: list[int]) -> None:  # the client's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens))
+    def on_tokens(
+        self, start: int, tokens: list[int], logprobs: Logprobs | None = None
+    ) -> None:  # the client's thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (start, tokens, logprobs))
 
-    def _new(self, start: int, tokens: list[int]) -> list[int]:
-        """The tokens past what was passed on (a retried round streams positions again)."""
+    def _new(self, start: int, tokens: list[int], logprobs: Logprobs | None = None) -> list[int]:
+        """The tokens past what was passed on (a retried round streams positions again); their
+        log-probabilities join `logprobs`."""
         if start + len(tokens) <= self.have or start > self.have:
             return []
         out = tokens[self.have - start :]
+        if logprobs is not None:
+            self.logprobs.extend(logprobs.tail(self.have - start))
         self.have += len(out)
         return out
 
@@ -63,7 +76,8 @@ class RoundStream:
             if new:
                 yield new
         if not done.exception():
-            rest = self._new(0, list(done.result().tokens))
+            res = done.result()
+            rest = self._new(0, list(res.tokens), res.logprobs)
             if rest:
                 yield rest
 
@@ -79,13 +93,17 @@ def chunk(
     delta: Any,
     token_ids: list[int] | None = None,
     finish: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One stream chunk of response `ident`: a chat delta (a dict, or text) or completion text."""
+    """One stream chunk of response `ident`: a chat delta (a dict, or text) or completion text,
+    with its tokens' `logprobs` (`logprobs_field`) when the request asked for them."""
     if chat:
         content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
         choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
+        if logprobs is not None:
+            choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {
@@ -127,4 +145,49 @@ def extension(res: messages.RoundResult, sid: str | None) -> dict[str, Any]:
         "jct_s": res.jct_s,
         "queue_s": res.queue_s,
         "recomputed_blocks": res.recomputed_blocks,
+    }
+
+
+def logprobs_field(
+    tok: Tokenizer, chat: bool, ids: list[int], lp: Logprobs, offset: int = 0
+) -> dict[str, Any]:
+    """A choice's `logprobs` for the generated `ids` with their entries `lp`, in OpenAI's shape:
+    chat's `{"content": [{token, logprob, bytes, top_logprobs}]}` or a completion's `{tokens,
+    token_logprobs, top_logprobs, text_offset}` (`offset`: where the first token's text starts
+    in the completion). Each token's text is its own decoding; `sampling_logprob(s)` is the
+    extension (see the module docstring)."""
+    text = [tok.decode([i]) for i in ids]
+    tops = lp.top_ids[: len(ids)] if lp.top_ids else [[] for _ in ids]
+    top_vals = lp.top[: len(ids)] if lp.top else [[] for _ in ids]
+    if chat:
+        content = []
+        for k, t in enumerate(text):
+            alts = [
+                {"token": a, "logprob": v, "bytes": list(a.encode())}
+                for a, v in zip((tok.decode([j]) for j in tops[k]), top_vals[k])
+            ]
+            content.append(
+                {
+                    "token": t,
+                    "logprob": lp.model[k],
+                    "bytes": list(t.encode()),
+                    "top_logprobs": alts,
+                    "sampling_logprob": lp.sampled[k],
+                }
+            )
+        return {"content": content}
+    offsets, at = [], offset
+    for t in text:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": text,
+        "token_logprobs": lp.model[: len(ids)],
+        "top_logprobs": (
+            [{tok.decode([j]): v for j, v in zip(tops[k], top_vals[k])} for k in range(len(ids))]
+            if lp.top_ids
+            else None
+        ),
+        "text_offset": offsets,
+        "sampling_logprobs": lp.sampled[: len(ids)],
     }

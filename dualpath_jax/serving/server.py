@@ -4,7 +4,8 @@
     port = await server.start("127.0.0.1", 8000)
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream`), `GET
-/v1/models`, `GET /health`, `GET /metrics` (Prometheus). Requests run as rounds of router
+/v1/models`, `GET /health`, `GET /metrics` (Prometheus), and the admin plane of RL trainers
+(serving/admin.py: pause, resume, abort, weight updates, model info). Requests run as rounds of router
 sessions:
 
 - A request with a session id (`request_checks.session_id`: `X-Session-Id` or a peer's session
@@ -41,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.serving import connections, request_checks, responses
+from dualpath_jax.serving import admin, connections, request_checks, responses
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from dualpath_jax.serving.request_checks import RoundParams
@@ -132,6 +133,7 @@ class ApiServer:
         self.site: connections.GuardedSite | None = None
         self._reaper: asyncio.Task | None = None
         self._closing: set[asyncio.Task] = set()  # one-off sessions being closed
+        self.running: dict[str, str] = {}  # response id -> its round's request (abort_requests)
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ lifecycle
@@ -143,6 +145,7 @@ class ApiServer:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.scrape)
+        admin.Admin(self).add_routes(app)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
@@ -209,15 +212,16 @@ class ApiServer:
         endpoint = request.path
         t0 = time.monotonic()
         api = endpoint.startswith("/v1/")
+        guarded = api or endpoint in admin.PATHS  # behind the key
         if api:  # a scrape or a health check is not a request being served
             self.metrics.running.inc()
         try:
-            if endpoint.startswith("/v1/") and self.cfg.api_key:
+            if guarded and self.cfg.api_key:
                 if not hmac.compare_digest(
                     request_checks.bearer(request).encode(), self.cfg.api_key.encode()
                 ):
                     raise ApiError(401, "invalid API key", code="invalid_api_key")
-            if api and endpoint != "/v1/models" and not self.ready():
+            if guarded and endpoint not in ("/v1/models", "/get_model_info") and not self.ready():
                 raise ApiError(
                     503,
                     "the server is starting (engines are compiling); GET /health answers 200"
@@ -433,6 +437,7 @@ class ApiServer:
         )
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         resp: web.StreamResponse | None = None
+        self.running[ident] = rnd.fut.request
         try:
             if p.stream:
                 resp = web.StreamResponse(
@@ -445,18 +450,27 @@ class ApiServer:
                     )
                     await self._send(request, resp, first)
             finishing = False
-            streamed = 0  # generated ids streamed so far (return_token_ids)
+            asked = p.sampling.logprobs is not None
+            streamed = 0  # generated ids of the answer streamed so far
+            shown = 0  # characters of its text streamed so far (a completion's text_offset)
             async for new in rnd.deltas(self.cfg.round_timeout_s):
                 was_stopped = text.stopped
                 delta = text.add(new)
                 if text.stopped and not finishing and rnd.fut is not None:
                     finishing = True  # the round completes now and keeps its KV
                     self.client.finish(rnd.fut.request)
-                ids = new[: max(0, text.used - streamed)] if p.token_ids else None
-                streamed += len(ids or ())
-                if resp is not None and not was_stopped and (delta or ids):
-                    chunk = responses.chunk(ident, self.cfg.model, chat, delta, ids)
+                used = new[: max(0, text.used - streamed)]  # the answer's ids among them
+                ids = used if p.token_ids else None
+                lp = None
+                if asked and used:
+                    lp = responses.logprobs_field(
+                        self.tok, chat, used, rnd.logprobs.tail(streamed), shown
+                    )
+                streamed += len(used)
+                if resp is not None and not was_stopped and (delta or ids or lp):
+                    chunk = responses.chunk(ident, self.cfg.model, chat, delta, ids, logprobs=lp)
                     await self._send(request, resp, chunk)
+                shown += len(delta)
             try:
                 res = await rnd.result()
             except RolloutError as e:
@@ -466,6 +480,8 @@ class ApiServer:
             self.metrics.observe(res)
             rest = text.close()
             finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
+            if res.finish_reason == "abort" and not text.stopped:
+                finish = "abort"  # (as vLLM answers an aborted request)
             # a stop string bills the tokens up to it: those decoded before the finish took
             # effect still extend the session (and its KV), not the answer
             answer = list(res.tokens[: text.used]) if text.stopped else list(res.tokens)
@@ -481,6 +497,10 @@ class ApiServer:
                 await self._send(request, resp, responses.DONE)
                 return resp
             choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if asked and res.logprobs is not None:
+                choice["logprobs"] = responses.logprobs_field(
+                    self.tok, chat, answer, res.logprobs.head(len(answer))
+                )
             if chat:
                 choice["message"] = {"role": "assistant", "content": text.text}
             else:
@@ -521,6 +541,7 @@ class ApiServer:
             await self._send(request, resp, responses.DONE)
             return resp
         finally:
+            self.running.pop(ident, None)
             await self._close_one_off(rnd)
 
     async def _close_one_off(self, rnd: RoundStream) -> None:

@@ -1,0 +1,114 @@
+"""The router's pause part: `Pause` / `Resume` (RL trainers pause generation around a weight
+update, then resume it).
+
+While paused, new rounds are held here (counted with the queued ones against `max_queue`, one
+over it refused as `overloaded`) and released in order on `Resume`; a held round its client
+cancels ends here. A `Pause` is answered once no round is in flight: with mode "wait" the
+running rounds finish first, with "abort" the router ends them at once (`Rounds.on_abort`) and
+the answer comes when their partial results are out. Pausing twice changes nothing but the
+mode; resuming an unpaused router is answered at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from dualpath_jax.engine import messages
+from dualpath_jax.engine.outbox import Outbox
+
+
+class PauseGate:
+    """Whether the router starts rounds (`paused`), the rounds `held` meanwhile and the clients
+    whose `Pause` waits for the rounds in flight (`in_flight()`) to end."""
+
+    def __init__(
+        self,
+        out: Outbox,
+        in_flight: Callable[[], int],
+        *,
+        queued: Callable[[], int] = lambda: 0,
+        max_queue: int = 1 << 30,
+    ):
+        self.out = out
+        self.in_flight = in_flight
+        self.queued = queued
+        self.max_queue = max_queue
+        self.mode = ""  # "": not paused, else the Pause's mode
+        self.held: list[tuple[bytes, messages.Submit]] = []
+        self.released: list[tuple[bytes, messages.Submit]] = []
+        self.waiting: list[tuple[bytes, str]] = []  # (client, ref) of Pauses not yet answered
+
+    @property
+    def paused(self) -> bool:
+        return bool(self.mode)
+
+    def on_pause(self, ident: bytes, msg: messages.Pause) -> bool:
+        """Pauses; False (the client told why) for an unknown mode."""
+        if msg.mode not in messages.PAUSE_MODES:
+            self.out.fail(
+                ident,
+                msg.ref,
+                f"pause mode must be one of {messages.PAUSE_MODES}, got {msg.mode!r}",
+            )
+            return False
+        self.mode = msg.mode
+        self.out.count("pauses")
+        self.out.event("pause", mode=msg.mode, in_flight=self.in_flight())
+        self.waiting.append((ident, msg.ref))
+        return True
+
+    def on_resume(self, ident: bytes, msg: messages.Resume) -> None:
+        if self.paused:
+            self.out.event("resume", held=len(self.held))
+        self.mode = ""
+        for who, ref in self.waiting:  # a pause never reached: it ends here
+            self.out.fail(who, ref, "resumed before the rounds in flight ended", kind="cancelled")
+        self.waiting = []
+        self.released += self.held
+        self.held = []
+        self.out.send(ident, messages.Ack(ref=msg.ref))
+
+    def advance(self) -> None:
+        """Answers the pending `Pause`s once no round is in flight."""
+        if self.waiting and not self.in_flight():
+            for who, ref in self.waiting:
+                self.out.send(who, messages.Ack(ref=ref))
+            self.waiting = []
+
+    def hold(self, ident: bytes, msg: messages.Submit) -> bool:
+        """Holds a round submitted while paused (True; one beyond `max_queue` is refused as
+        `overloaded`, True too); False when not paused."""
+        if not self.paused:
+            return False
+        queued = self.queued() + len(self.held)
+        if queued >= self.max_queue:
+            self.out.count("overloaded")
+            why = (
+                f"overloaded: {queued} requests queued (max_queue={self.max_queue}), "
+                f"{len(self.held)} of them held while generation is paused"
+            )
+            self.out.fail(ident, msg.request, why, kind="overloaded")
+            return True
+        self.held.append((ident, msg))
+        return True
+
+    def cancel_held(self, ident: bytes, msg: messages.CancelRound) -> bool:
+        for i, (who, sub) in enumerate(self.held):
+            if sub.request == msg.request and who == ident:
+                del self.held[i]
+                self.out.count("cancelled")
+                self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
+                return True
+        return False
+
+    def take(
+        self, chosen: Callable[[messages.Submit], bool]
+    ) -> list[tuple[bytes, messages.Submit]]:
+        """Removes and returns the held rounds `chosen` picks (to be aborted)."""
+        out = [(who, sub) for who, sub in self.held if chosen(sub)]
+        self.held = [(who, sub) for who, sub in self.held if not chosen(sub)]
+        return out
+
+    def take_released(self) -> list[tuple[bytes, messages.Submit]]:
+        released, self.released = self.released, []
+        return released
