@@ -57,6 +57,7 @@ __all__ = [
     "TrajectoryOutput",
     "round_sampling",
     "run_trajectories",
+    "step_group",
     "workload_trajectories",
 ]
 
@@ -120,10 +121,13 @@ class Session:
         resume: bool = False,
         priority: int = 0,
         ttl_s: float = -1.0,
+        fork_of: str = "",
     ):
         self.backend = backend
         self.id = session_id or uuid.uuid4().hex
         retention = {"priority": priority, "ttl_s": ttl_s} if (priority, ttl_s) != (0, -1) else {}
+        if fork_of:
+            retention["fork_of"] = fork_of
         backend.open_session(self.id, resume=resume, **retention)
         self.results: list[RoundResult] = []
 
@@ -177,6 +181,52 @@ class Session:
 
     def close(self, release: bool = False) -> None:
         self.backend.close_session(self.id, release)
+
+    def fork(self, n: int) -> list[Session]:
+        """`n` new sessions that start with this one's context (an idle session's), each its
+        own trajectory from then on: the continuations of a group (`step_group`). Nothing is
+        computed: they share the context's stored KV."""
+        n = _check_int(n, "n", 1, 1 << 16)
+        return [Session(self.backend, f"{self.id}/{i}-{uuid.uuid4().hex[:6]}", fork_of=self.id)
+                for i in range(n)]  # fmt: skip
+
+
+def step_group(
+    sessions: Sequence[Session],
+    append: Sequence[int],
+    gen: int,
+    *,
+    temperature: float = 0.0,
+    key: Any = None,
+    top_p: float = 1.0,
+    logprobs: bool | int = False,
+    timeout_s: float | None = None,
+) -> list[list[int] | Step]:
+    """One round in each of `sessions` (forks of one session, `Session.fork`), all appending
+    `append` and generating `gen` tokens: GRPO's group of G samples of one prompt. Choice i is
+    drawn with `fold_in(key, i)` (distinct and reproducible). On a cluster the prompt is
+    prefilled once and its KV stored once (`Client.submit_group`); elsewhere the rounds run one
+    by one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
+    import jax
+
+    if not sessions:
+        return []
+    keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(sessions))]
+    samplings = [round_sampling(temperature, top_p, k, logprobs) for k in keys]
+    backend = sessions[0].backend
+    if hasattr(backend, "submit_group"):
+        futs = backend.submit_group([x.id for x in sessions], append, gen, samplings=samplings)
+    else:
+        futs = [backend.submit(x.id, append, gen, sampling=p) for x, p in zip(sessions, samplings)]
+    out = []
+    for x, fut in zip(sessions, futs):
+        res = fut.result(timeout_s)
+        x.results.append(res)
+        if logprobs is False:
+            out.append(list(res.tokens))
+        else:
+            out.append(Step(list(res.tokens), res.logprobs or Logprobs(), res.finish_reason, res))
+    return out
 
 
 @dataclasses.dataclass
@@ -412,16 +462,26 @@ class InProcessEngine:
                 self._sessions[sid] = (context, None)
 
     def open_session(
-        self, session: str, resume: bool = False, *, priority: int = 0, ttl_s: float = -1.0
+        self,
+        session: str,
+        resume: bool = False,
+        *,
+        priority: int = 0,
+        ttl_s: float = -1.0,
+        fork_of: str = "",
     ) -> None:
         """Opens a session (`priority` and `ttl_s` are accepted for the `Backend` interface; the
-        in-process engine keeps every session's KV until it is closed)."""
+        in-process engine keeps every session's KV until it is closed); `fork_of`: it starts
+        with that session's context and KV."""
         with self._lock:
             if session in self._sessions and not resume:
                 raise RolloutError(
                     f"session {session!r} exists; pass resume=True to continue it", "bad_request"
                 )
-            self._sessions.setdefault(session, ([], None))
+            if fork_of and fork_of not in self._sessions:
+                raise RolloutError(f"cannot fork unknown session {fork_of!r}", "bad_request")
+            start = self._sessions[fork_of] if fork_of else ([], None)
+            self._sessions.setdefault(session, (list(start[0]), start[1]))
 
     def close_session(self, session: str, release: bool = False) -> None:  # noqa: ARG002 - KV lives here
         with self._lock:

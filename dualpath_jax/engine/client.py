@@ -95,7 +95,13 @@ def _check_int(value: Any, name: str, low: int, high: int) -> int:
 
 class Backend(Protocol):
     def open_session(
-        self, session: str, resume: bool = False, *, priority: int = 0, ttl_s: float = -1.0
+        self,
+        session: str,
+        resume: bool = False,
+        *,
+        priority: int = 0,
+        ttl_s: float = -1.0,
+        fork_of: str = "",
     ) -> None: ...
     def submit(
         self,
@@ -123,6 +129,24 @@ def key_to_seed(key: Any) -> int:
 def new_version() -> str:
     """A fresh, unique params version name."""
     return f"v-{uuid.uuid4().hex[:16]}"
+
+
+class GroupFutures(list):
+    """`Client.submit_group`'s futures, one per session, and `prefix`: the prompt's round."""
+
+    prefix: futures.Future
+
+
+def _chain(src: futures.Future, dst: futures.Future) -> None:
+    """Resolves `dst` as `src` resolves."""
+
+    def done(f: futures.Future) -> None:
+        if f.exception() is not None:
+            dst.set_exception(f.exception())
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(done)
 
 
 class RoundFuture(futures.Future):
@@ -268,6 +292,57 @@ class Client:
         frame = messages.encode(messages.FinishRound(request=request), self._token)
         self._out.put((frame, "", None, False))
 
+    def submit_group(
+        self,
+        sessions: Sequence[str],
+        append: Sequence[int],
+        gen: int,
+        *,
+        samplings: Sequence[SamplingParams],
+        stop_tokens: Sequence[int] = (),
+        timeout_s: float = 600.0,
+    ) -> GroupFutures:
+        """One round in each of `sessions` (open, idle, with one context: forks of one session,
+        `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
+        tokens, round i drawn with `samplings[i]` (group sampling: GRPO's G completions of one
+        prompt). The prompt is prefilled once: a first round on a fork of `sessions[0]` computes
+        it and stores its KV (one generated token, discarded; the fork is closed, its blocks
+        stay), then the group's rounds read its whole blocks from the store and compute only the
+        tail (what follows the last whole block, at least one token) themselves, each sampling
+        its own first token. Returns one future per session (`RoundFuture`s, as `submit`'s),
+        with the prefix round's future as `.prefix`; a failed prefix round fails them all."""
+        sessions = [check_session(x) for x in sessions]
+        if not sessions or len(samplings) != len(sessions):
+            raise RolloutError(
+                f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
+            )
+        append = check_tokens(append)
+        outs = GroupFutures(RoundFuture() for _ in sessions)
+        outs.prefix = futures.Future()
+
+        def run() -> None:
+            fork = f"{sessions[0]}~group-{uuid.uuid4().hex[:8]}"
+            try:
+                self.open_session(fork, fork_of=sessions[0])
+                try:
+                    res = self.submit(fork, append, 1).result(timeout_s)
+                finally:
+                    self.close_session(fork)  # its blocks stay for the group to read
+                outs.prefix.set_result(res)
+            except BaseException as e:  # noqa: BLE001 - the group fails with it
+                err = e if isinstance(e, RolloutError) else RolloutError(str(e), "engine")
+                outs.prefix.set_exception(err)
+                for out in outs:
+                    out.set_exception(err)
+                return
+            for sid, sampling, out in zip(sessions, samplings, outs):
+                fut = self.submit(sid, append, gen, sampling=sampling, stop_tokens=stop_tokens)
+                out.request = fut.request
+                _chain(fut, out)
+
+        threading.Thread(target=run, name="submit-group", daemon=True).start()
+        return outs
+
     def abort(
         self,
         requests: str | Sequence[str] = (),
@@ -324,17 +399,21 @@ class Client:
         *,
         priority: int = 0,
         ttl_s: float = -1.0,
+        fork_of: str = "",
     ) -> None:
         """Opens a session; an existing one is an error unless `resume=True` (continue it).
 
         `priority` and `ttl_s` set the retention of its stored blocks under capacity pressure
         (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after each
-        (-1: `store.retention_ttl_s`), lower priorities evicted first."""
+        (-1: `store.retention_ttl_s`), lower priorities evicted first. `fork_of`: the session
+        starts with that (open, idle) session's context; its stored KV is shared through the
+        store, nothing is computed or copied."""
         msg = messages.OpenSession(
             session=check_session(session),
             resume=bool(resume),
             priority=_check_int(priority, "priority", -(2**31), 2**31),
             ttl_s=_check_ttl(ttl_s),
+            fork_of=check_session(fork_of) if fork_of else "",
         )
         self._check(self._call(msg, session).result(timeout_s))
 

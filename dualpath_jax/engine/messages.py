@@ -39,12 +39,15 @@ class OpenSession(Msg):
 
     `priority` and `ttl_s` set the retention of its stored blocks (`store.eviction="retention"`,
     docs/kv_events.md): kept while a round runs and for `ttl_s` seconds after each (-1:
-    `store.retention_ttl_s`), lower priorities evicted first. A resume with them changes them."""
+    `store.retention_ttl_s`), lower priorities evicted first. A resume with them changes them.
+    `fork_of`: the new session starts with that session's context (the continuations of a group,
+    `Client.submit_group`); it must exist with no round running."""
 
     session: str
     resume: bool = False
     priority: int = 0
     ttl_s: float = -1.0
+    fork_of: str = ""
 
 
 class CloseSession(Msg):

@@ -165,7 +165,16 @@ class Rounds:
         problem = retention_problem(msg.priority, msg.ttl_s)
         if problem:
             return self.out.fail(ident, s, problem)
-        if not self.table.open(s, msg.resume):
+        source = None
+        if msg.fork_of:
+            source = self.table.get(msg.fork_of)
+            if source is None:
+                return self.out.fail(ident, s, f"cannot fork unknown session {msg.fork_of!r}")
+            if source.busy:
+                return self.out.fail(
+                    ident, s, f"cannot fork session {msg.fork_of!r}: it has a round running"
+                )
+        if not self.table.open(s, msg.resume, source):
             return self.out.fail(ident, s, f"session {s!r} exists; pass resume=True to continue it")
         self.retention.opened(s, msg.priority, msg.ttl_s, resume=msg.resume)
         self.out.send(ident, messages.Ack(ref=s))

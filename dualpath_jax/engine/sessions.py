@@ -141,11 +141,15 @@ class SessionTable:
 
     # ------------------------------------------------------------------ sessions
 
-    def open(self, session: str, resume: bool) -> bool:
-        """Opens `session`, or continues it if `resume`; False if it exists and not `resume`."""
+    def open(self, session: str, resume: bool, fork_of: SessionState | None = None) -> bool:
+        """Opens `session` (with `fork_of`'s context), or continues it if `resume`; False if it
+        exists and not `resume`."""
         if session in self.sessions and not resume:
             return False
-        self.sessions.setdefault(session, SessionState(session)).last_active = self.clock()
+        state = self.sessions.setdefault(session, SessionState(session))
+        if fork_of is not None:
+            state.context = list(fork_of.context)
+        state.last_active = self.clock()
         self.expired.pop(session, None)
         return True
 

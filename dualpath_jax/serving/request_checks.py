@@ -23,6 +23,7 @@ PRIORITY_HEADER = "X-Session-Priority"
 TTL_HEADER = "X-Session-TTL"
 MAX_SESSION_ID = 256
 MAX_TTL_S = 1e9  # the router's bound (engine.retention.retention_problem)
+MAX_N = 64  # choices per request (group sampling)
 
 
 @dataclasses.dataclass
@@ -45,8 +46,9 @@ def bearer(request: web.Request) -> str:
 
 
 def check_common(req: Any, model: str) -> None:
-    """What completions and chat requests both must be: for `model` (or naming none), one
-    choice. Another model is a 404 `model_not_found`, as OpenAI answers it."""
+    """What completions and chat requests both must be: for `model` (or naming none), at most
+    `MAX_N` choices, not streamed when more than one. Another model is a 404 `model_not_found`,
+    as OpenAI answers it."""
     if req.model is not None and req.model != model:
         raise ApiError(
             404,
@@ -54,8 +56,10 @@ def check_common(req: Any, model: str) -> None:
             param="model",
             code="model_not_found",
         )
-    if req.n != 1:
-        raise ApiError(400, f"only n=1 is supported, got n={req.n}", param="n")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(400, f"n must lie in [1, {MAX_N}], got {req.n}", param="n")
+    if req.n > 1 and req.stream:
+        raise ApiError(400, "streaming with n > 1 is not supported", param="stream")
 
 
 def logprobs_asked(req: Any) -> tuple[int | None, str]:

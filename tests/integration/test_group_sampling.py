@@ -1,0 +1,121 @@
+"""Group sampling (GRPO's G completions of one prompt) on an in-process 1P1D cluster: the
+prompt is prefilled once and its KV stored once, the G continuations read it from the store and
+compute only the tail after its last whole block; they are distinct, reproducible, equal to the
+in-process engine's, and each is a session of its own for later turns. Over HTTP: `n`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import jax
+import numpy as np
+import pytest
+
+from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
+from dualpath_jax.model.transformer import init_model
+from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.rollout import InProcessEngine, Session, Step, step_group
+
+MAX_LEN = 512
+BT = 16
+
+
+def _config() -> ExperimentConfig:
+    return ExperimentConfig(
+        model=TINY_QWEN2,
+        cluster=ClusterConfig(
+            prefill_nodes=1, decode_nodes=1, decode_max_len=MAX_LEN, runtime="thread"
+        ),
+        store=StoreConfig(block_tokens=BT),
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, start_cluster):
+    with start_cluster(_config(), tmp_path_factory.mktemp("group"), "thread") as c:
+        yield c
+
+
+def test_a_group_prefills_its_prompt_once(cluster):
+    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    client = cluster.client()
+    rs = np.random.RandomState(0)
+    first, append = rs.randint(0, 256, 37).tolist(), rs.randint(0, 256, 150).tolist()
+    key = jax.random.key(42)
+    try:
+        parent, mine = Session(client, "g"), Session(local, "g")
+        assert parent.step(first, 3) == mine.step(first, 3)
+        kids = parent.fork(4)
+        futs = client.submit_group(
+            [k.id for k in kids],
+            append,
+            6,
+            samplings=_samplings(4, key),  # those step_group uses
+        )
+        results = [f.result(120) for f in futs]
+        prefix = futs.prefix.result(1)
+        prompt = len(first) + 3 + len(append)
+        assert prefix.prompt_tokens == prompt
+        computed = [r.prompt_tokens - r.cached_tokens for r in results]
+        # each continuation computes the tail after the prompt's last whole block, no more
+        assert all(1 <= c <= BT for c in computed), computed
+        separate = 4 * (prompt - parent.results[-1].prompt_tokens - 3)  # what 4 new turns cost
+        group = (prefix.prompt_tokens - prefix.cached_tokens) + sum(computed)
+        assert group < separate / 2
+        tokens = [list(r.tokens) for r in results]
+        assert len({tuple(t) for t in tokens}) == 4  # distinct
+        # the same as the in-process engine's group, and reproducible
+        local_kids = mine.fork(4)
+        want = step_group(local_kids, append, 6, temperature=1.0, key=key)
+        assert tokens == want
+        again = step_group(parent.fork(4), append, 6, temperature=1.0, key=key, logprobs=True)
+        assert [s.tokens for s in again] == tokens and all(isinstance(s, Step) for s in again)
+        # each continuation is a session of its own
+        nxt = kids[1].step([9, 9], 4)
+        assert nxt == local_kids[1].step([9, 9], 4)
+    finally:
+        client.close()
+
+
+def _samplings(n, key):
+    from dualpath_jax.rollout import round_sampling
+
+    return [round_sampling(1.0, 1.0, jax.random.fold_in(key, i)) for i in range(n)]
+
+
+pytest.importorskip("aiohttp")
+
+
+def test_http_n_choices(cluster):
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from dualpath_jax.serving.server import ApiServer, ServerConfig
+    from dualpath_jax.serving.tokenizer import ByteTokenizer
+
+    client = cluster.client()
+    prompt = np.random.RandomState(1).randint(0, 256, 70).tolist()
+
+    async def run():
+        server = ApiServer(
+            client, ByteTokenizer(), ServerConfig("tiny", MAX_LEN, TINY_QWEN2.vocab_size)
+        )
+        async with TestClient(TestServer(server.app())) as tc:
+            body = {"prompt": prompt, "n": 3, "max_tokens": 5, "temperature": 1.0, "seed": 3,
+                    "return_token_ids": True, "ignore_eos": True, "logprobs": 1}  # fmt: skip
+            a = await (await tc.post("/v1/completions", json=body)).json()
+            b = await (await tc.post("/v1/completions", json=body)).json()
+            r = await tc.post("/v1/completions", json={**body, "stream": True})
+            big = await tc.post("/v1/completions", json={**body, "n": 1000})
+            return a, b, r.status, big.status
+
+    try:
+        a, b, streamed, big = asyncio.run(run())
+    finally:
+        client.close()
+    ids = [c["token_ids"] for c in a["choices"]]
+    assert [c["index"] for c in a["choices"]] == [0, 1, 2]
+    assert len({tuple(i) for i in ids}) == 3 and all(len(i) == 5 for i in ids)
+    assert ids == [c["token_ids"] for c in b["choices"]]  # the same seed: the same choices
+    assert all(len(c["logprobs"]["token_logprobs"]) == 5 for c in a["choices"])
+    assert a["usage"]["completion_tokens"] == 15 and a["usage"]["prompt_tokens"] == 70
+    assert streamed == 400 and big == 400
