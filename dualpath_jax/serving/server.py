@@ -582,9 +582,9 @@ class ApiServer:
                 for f in futs:
                     if getattr(f, "request", ""):
                         self.client.cancel(f.request)
-                raise ApiError(503, "the round timed out", retry_after=self.cfg.retry_after_s)
-            except RolloutError as e:
-                raise self._rollout_error(e) from None
+                raise ApiError(
+                    503, "the round timed out", retry_after=self.cfg.retry_after_s
+                ) from None
         except RolloutError as e:
             raise self._rollout_error(e) from None
         finally:
