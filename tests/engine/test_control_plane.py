@@ -23,6 +23,7 @@ from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
 from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.rounds import Logprobs
 from dualpath_jax.sched.scheduler import GlobalScheduler
 
 WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test
@@ -70,6 +71,17 @@ SAMPLES: list[messages.Msg] = [
         submit_s=12.5,
     ),
     messages.Ack(ref="s1"),
+    messages.AbortRounds(ref="abort:1", requests=["r1"], sessions=["s2"]),
+    messages.AbortRounds(ref="abort:2", all=True),
+    messages.Aborted(ref="abort:1", requests=["r1"]),
+    messages.Pause(ref="pause:1", mode="abort"),
+    messages.Resume(ref="resume:1"),
+    messages.Partial(
+        request="r1",
+        start=1,
+        tokens=[4],
+        logprobs=Logprobs(sampled=[-0.5], model=[-0.75], top_ids=[[4, 2]], top=[[-0.75, -1.0]]),
+    ),
     messages.Error(ref="r1", message="boom", kind="frame"),
     messages.GetStats(),
     messages.Stats(json='{"counters": {}}'),
@@ -118,6 +130,9 @@ SAMPLES: list[messages.Msg] = [
     ),
     messages.ReadsDone(request="r1", engine=0, attempt=1),
     messages.FirstToken(request="r1", token=9, hit_blocks=2),
+    messages.FirstToken(
+        request="r1", token=9, hit_blocks=2, logprobs=Logprobs(sampled=[-0.1], model=[-0.2])
+    ),
     messages.TokensOut(request="r1", tokens=[9, 10]),
     messages.TokensOut(request="r1", tokens=[11], start=2),
     messages.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
@@ -134,6 +149,7 @@ SAMPLES: list[messages.Msg] = [
     messages.Failed(request="r1", engine=1, message="peer vanished", kind="transfer", attempt=3),
     messages.Cancel(request="r1"),
     messages.Finish(request="r1"),
+    messages.Finish(request="r1", reason="abort"),
     messages.Stop(),
     messages.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
 ]
