@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
+import msgspec
+
 from dualpath_jax.engine.client import (
     TOKEN_LIMIT,
     Backend,
@@ -72,13 +74,9 @@ def round_sampling(
     ValueError (a `SamplingError` for a field out of range)."""
     asked = None if logprobs is False else (0 if logprobs is True else logprobs)
     params = SamplingParams(temperature=temperature, top_p=top_p, logprobs=asked)
-    if key is None:
-        if not params.greedy:
-            raise ValueError("sampling with temperature > 0 needs a PRNG key")
-        return params
-    return SamplingParams(
-        temperature=temperature, top_p=top_p, seed=key_to_seed(key), logprobs=asked
-    )
+    if key is None and not params.greedy:
+        raise ValueError("sampling with temperature > 0 needs a PRNG key")
+    return params if key is None else msgspec.structs.replace(params, seed=key_to_seed(key))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,7 +97,9 @@ class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     store is full): the tokens are right; the next round recomputes what was not stored.
 
     `logprobs`: the tokens' log-probabilities when the round asked for them
-    (`SamplingParams.logprobs`), else None.
+    (`SamplingParams.logprobs`), else None. `params_versions`: which params drew which tokens,
+    as (index of the first token, params version) spans: one span, unless a params update with
+    `pause="keep"` landed while the round decoded (empty where not known: the simulator).
 
     Optional timings (NaN where not known; fields left at their defaults are not sent):
     `submit_s` is when the round was submitted; `read_s` (assignment -> hit KV read) and
@@ -120,6 +122,7 @@ class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     finish_reason: str = "length"
     persist_error: str = ""
     logprobs: Logprobs | None = None
+    params_versions: list[tuple[int, str]] = []
     submit_s: float = math.nan
     read_s: float = math.nan
     prefill_s: float = math.nan

@@ -370,7 +370,10 @@ class Client:
     def pause(self, mode: str = "wait", timeout_s: float = 600.0) -> None:
         """Pauses generation: rounds submitted from now on are held (not refused) until
         `resume`. `mode` "wait" returns once the rounds in flight finished; "abort" ends them at
-        once (as `abort(all=True)`) and returns when their partial results are out."""
+        once (as `abort(all=True)`) and returns when their partial results are out; "keep"
+        halts their decoding where it is (their slots and KV stay) and returns at once: an
+        `update_params` then lands under them, and they decode on with the new params after
+        `resume` (`RoundResult.params_versions` records which params drew which tokens)."""
         ref = f"pause:{uuid.uuid4().hex}"
         self._check(self._call(messages.Pause(ref=ref, mode=mode), ref).result(timeout_s))
 
@@ -499,7 +502,8 @@ class Client:
     ) -> str:
         """Serves new parameters on every engine; returns the new params version. `pause`: what
         the rounds in flight do meanwhile ("wait": finish on the old params; "abort": end now
-        with what they generated, `finish_reason="abort"`; see `update_params_from_checkpoint`).
+        with what they generated, `finish_reason="abort"`; "keep": halt, then decode on with the
+        new params over their KV; see `update_params_from_checkpoint`).
 
         `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`). They
         are written as an orbax checkpoint to `directory` (default `params_dir/<version>`), which

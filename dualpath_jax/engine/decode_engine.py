@@ -49,6 +49,10 @@ class _Req:
     tokens: list[int] = dataclasses.field(default_factory=list)
     finish: str = ""  # the router asked to complete it with the tokens it has (Finish's reason)
     first_logprobs: Logprobs | None = None  # the first token's (FirstToken), if asked for
+    first_version: str = ""  # the params that drew the first token (FirstToken)
+    versions: list[tuple[int, str]] = dataclasses.field(
+        default_factory=list
+    )  # spans, see DecodeDone
     logprobs: Logprobs | None = None  # every token's so far, if the round asked for them
 
 
@@ -105,7 +109,8 @@ class DecodeEngine:
         self.stopped = False
         self.registering = False  # a Register not yet answered (rejoin orders are ignored)
         self.last_fetch = -1e9
-        self.inflight = None  # (tokens, {slot: request}) of the step dispatched last
+        self.inflight = None  # (tokens, {slot: request}, ...) of the step dispatched last
+        self.decode_paused = False  # PauseDecode: the slots stay, no step runs
 
     # ------------------------------------------------------------------ loop (engine.core.drive)
 
@@ -136,10 +141,10 @@ class DecodeEngine:
             self.fetch(now)
         self.start_waiting()
         self.admit()
-        if self.slot_req:
+        if self.slot_req and not self.decode_paused:
             self.decode()
         else:
-            self.drain()
+            self.drain()  # (halted: the step in flight is taken, the slots stay)
 
     def fetch(self, now: float) -> None:
         self.last_fetch = now
@@ -166,10 +171,15 @@ class DecodeEngine:
                     self.reqs[m.request] = _Req(m, None)
                     self.waiting.append(m.request)
                 self.start_waiting()
-            case messages.FirstToken(request=r, token=t, hit_blocks=h, logprobs=lp):
+            case messages.FirstToken(
+                request=r, token=t, hit_blocks=h, logprobs=lp, params_version=version
+            ):
                 if r in self.reqs:
                     self.reqs[r].first, self.reqs[r].hit = t, h
                     self.reqs[r].first_logprobs = lp
+                    self.reqs[r].first_version = version or self.reqs[r].msg.params_version
+            case messages.PauseDecode(paused=paused):
+                self.decode_paused = paused
             case messages.Cancel(request=r):
                 self.drop(r)
             case messages.Finish(request=rid, reason=reason):
@@ -298,6 +308,7 @@ class DecodeEngine:
             r.load.close()
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
+            r.versions = [(0, r.first_version or r.msg.params_version)]
             if r.msg.sampling.logprobs is not None:
                 r.logprobs = Logprobs()
                 if r.first_logprobs is not None:  # (a PE always sends it when asked)
@@ -327,7 +338,7 @@ class DecodeEngine:
         # the drawn tokens' log-probabilities come with every step; the top-k only when asked
         chosen = self.dec.logprobs if asked else None
         top = self.dec.top_logprobs() if any(asked) else None
-        prev, self.inflight = self.inflight, (tokens, riders, chosen, top)
+        prev, self.inflight = self.inflight, (tokens, riders, chosen, top, self.params.version)
         if prev is not None:
             self.consume(*prev)
 
@@ -340,7 +351,9 @@ class DecodeEngine:
         if prev is not None:
             self.consume(*prev)
 
-    def consume(self, tokens, riders: dict[int, _Req], chosen=None, top=None) -> None:
+    def consume(self, tokens, riders: dict[int, _Req], chosen=None, top=None, version="") -> None:
+        """Takes a dispatched step's tokens (`chosen`/`top`: their log-probabilities, when some
+        rider asked; `version`: the params the step ran with) into its riders."""
         nxt = host_value(tokens)  # replicated: on a mesh over processes, this one's copy
         if chosen is not None:
             chosen = host_value(chosen)
@@ -348,6 +361,8 @@ class DecodeEngine:
         for slot, r in riders.items():
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
                 continue  # finished (or dropped) since that step was dispatched
+            if version and r.versions and r.versions[-1][1] != version:
+                r.versions.append((len(r.tokens), version))  # an update landed under it
             r.tokens.append(int(nxt[slot]))
             n = len(r.tokens)
             entry = None
@@ -419,5 +434,6 @@ class DecodeEngine:
                 finish_reason=reason,
                 attempt=r.msg.attempt,
                 logprobs=r.logprobs.head(len(r.tokens)) if r.logprobs is not None else None,
+                params_versions=[v for v in r.versions if v[0] < len(r.tokens)],
             )
         )

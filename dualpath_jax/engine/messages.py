@@ -127,14 +127,17 @@ class Aborted(Msg):
 
 
 # What in-flight rounds do while the router is paused (`Pause.mode`), as RL frameworks name it:
-# "abort" ends them now (`AbortRounds`), "wait" lets them finish.
-PAUSE_MODES = ("abort", "wait")
+# "abort" ends them now (`AbortRounds`), "wait" lets them finish, "keep" halts their decoding
+# where it is (`PauseDecode`): a params update then lands under them and they decode on with the
+# new params over their old KV (`RoundResult.params_versions` says which params drew which token).
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class Pause(Msg):
     """Client -> router: start no more rounds; new ones are held (they count against
     `scheduler.max_queue`) until `Resume`. `mode` (`PAUSE_MODES`) says what happens to those in
-    flight. Answered with `Ack(ref)` once no round is in flight."""
+    flight. Answered with `Ack(ref)` once no round is in flight ("keep": at once, the decode
+    engines told to halt)."""
 
     ref: str
     mode: str = "wait"
@@ -144,6 +147,13 @@ class Resume(Msg):
     """Client -> router: the held rounds start, in order; answered with `Ack(ref)`."""
 
     ref: str
+
+
+class PauseDecode(Msg):
+    """Router -> DE: halt decoding (`paused`; the slots and their KV stay, the step in flight
+    is taken) or go on (`Pause(mode="keep")`, `Resume`)."""
+
+    paused: bool
 
 
 class Ping(Msg):
@@ -178,7 +188,8 @@ class UpdateParams(Msg):
     loaded and checked them, or `Error` (the old params stay). KV of older versions is never
     reused because the version enters the block-key fingerprint. `pause`: what the rounds in
     flight do meanwhile (`PAUSE_MODES`: "wait" lets them finish on the old params, "abort" ends
-    them now with what they generated)."""
+    them now with what they generated, "keep" halts their decoding, serves the new params under
+    them, and lets them decode on)."""
 
     version: str
     path: str
@@ -323,6 +334,7 @@ class PrefillDone(Msg):
     lead_blocks: int = 0  # leading hit blocks recomputed by choice (before the loaded ones)
     attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
     first_logprobs: Logprobs | None = None  # the first token's (when the round asked for them)
+    params_version: str = ""  # the params the PE's forward ran with ("": the job's)
 
 
 class ReadsDone(Msg):
@@ -343,6 +355,7 @@ class FirstToken(Msg):
     token: int
     hit_blocks: int
     logprobs: Logprobs | None = None  # the token's (when the round asked for logprobs)
+    params_version: str = ""  # the params that drew it (PrefillDone's)
 
 
 class TokensOut(Msg):
@@ -364,6 +377,7 @@ class DecodeDone(Msg):
     finish_reason: str = "length"  # see RoundResult.finish_reason
     attempt: int = 0  # the job's attempt (0: unknown; a stale attempt's report is ignored)
     logprobs: Logprobs | None = None  # every token's (when the round asked for logprobs)
+    params_versions: list[tuple[int, str]] = []  # see RoundResult.params_versions
 
 
 class KVEvents(Msg):
@@ -454,6 +468,7 @@ Body = (
     | Failed
     | Cancel
     | Finish
+    | PauseDecode
     | Stop
     | Retain
 )

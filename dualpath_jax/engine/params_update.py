@@ -54,6 +54,7 @@ class ParamsUpdate:
     version: str
     path: str
     loading: bool = False
+    keep: bool = False  # pause="keep": the rounds in flight stay (halted), no drain
     t_load: float = 0.0  # when the engines were told to load
     asked: set[int] = dataclasses.field(default_factory=set)  # engines told to load (the commit's)
     waiting: set[int] = dataclasses.field(default_factory=set)  # engines yet to answer
@@ -193,7 +194,7 @@ class ParamsCoordinator:
         """Moves an update on: once no round is in flight, every engine in rotation loads the
         params (the others are caught up once it ends)."""
         u = self.update
-        if u is None or u.loading or self.in_flight():
+        if u is None or u.loading or (self.in_flight() and not u.keep):
             return
         u.loading, u.t_load = True, self.clock()
         asked = self.registry.serving()

@@ -5,8 +5,9 @@ While paused, new rounds are held here (counted with the queued ones against `ma
 over it refused as `overloaded`) and released in order on `Resume`; a held round its client
 cancels ends here. A `Pause` is answered once no round is in flight: with mode "wait" the
 running rounds finish first, with "abort" the router ends them at once (`Rounds.on_abort`) and
-the answer comes when their partial results are out. Pausing twice changes nothing but the
-mode; resuming an unpaused router is answered at once.
+the answer comes when their partial results are out; with "keep" at once, the router having
+told the decode engines to halt (`PauseDecode`: the rounds stay, with their KV, until resumed).
+Pausing twice changes nothing but the mode; resuming an unpaused router is answered at once.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class PauseGate:
         self.mode = msg.mode
         self.out.count("pauses")
         self.out.event("pause", mode=msg.mode, in_flight=self.in_flight())
-        self.waiting.append((ident, msg.ref))
+        if msg.mode == "keep":  # the rounds stay in flight, halted: answered at once
+            self.out.send(ident, messages.Ack(ref=msg.ref))
+        else:
+            self.waiting.append((ident, msg.ref))
         return True
 
     def on_resume(self, ident: bytes, msg: messages.Resume) -> None:

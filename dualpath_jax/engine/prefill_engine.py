@@ -376,6 +376,7 @@ class PrefillEngine:
                     lead_blocks=r.msg.lead_blocks,
                     attempt=r.msg.attempt,
                     first_logprobs=first_lp[b],
+                    params_version=self.params.version,
                 )
             )
             del self.reqs[ch.request_id]

@@ -322,6 +322,7 @@ class Rounds:
                     token=msg.first_token,
                     hit_blocks=msg.lead_blocks + msg.hit_blocks,
                     logprobs=msg.first_logprobs,
+                    params_version=msg.params_version,
                 ),
             )
         if st.stream:
@@ -352,7 +353,14 @@ class Rounds:
         if st is None or st.de != msg.engine or (msg.attempt and msg.attempt != st.attempts):
             return  # a cancelled attempt (also of an engine that was declared dead, then rejoined)
         self.out.event("decoded", request=st.id, persisted_blocks=msg.persisted_blocks)
-        self.finish(st, list(msg.tokens), msg.persist_error, msg.finish_reason, msg.logprobs)
+        self.finish(
+            st,
+            list(msg.tokens),
+            msg.persist_error,
+            msg.finish_reason,
+            msg.logprobs,
+            [tuple(v) for v in msg.params_versions],
+        )
 
     # ------------------------------------------------------------------ the client's say
 
@@ -436,6 +444,7 @@ class Rounds:
         persist_error: str = "",
         finish_reason: str = "length",
         logprobs: Logprobs | None = None,
+        params_versions: list[tuple[int, str]] | None = None,
     ) -> None:
         now = self.clock()
         self.table.complete(st, tokens)
@@ -451,6 +460,8 @@ class Rounds:
             )
             self.store.claim(st.session, keys)
         res = st.result(tokens, now, self.bt, persist_error, finish_reason, logprobs)
+        if params_versions:
+            res.params_versions = params_versions
         if persist_error:
             self.out.count("persist_errors")
             log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)
@@ -461,7 +472,7 @@ class Rounds:
             **{
                 k: v
                 for k, v in msgspec.structs.asdict(res).items()
-                if k not in ("tokens", "logprobs")
+                if k not in ("tokens", "logprobs", "params_versions")
             },
         )
         self.out.send(st.client, res)

@@ -92,6 +92,7 @@ class Router:
         self.scheduler = scheduler
         self.clock = clock
         self._last_expiry = clock()
+        self._kept_update = False  # a params update with pause="keep" halted decoding
         self.stopping = False
         self.out = Outbox(server, events, clock)
         # the engines in rotation are those serving the params part's version
@@ -147,6 +148,7 @@ class Router:
             self.out,
             # in this order, after the engine's Ack: beta, a DE's Retains, an engine's LoadParams
             joined=[
+                self.halt_if_kept,
                 self.dispatch.engine_joined,
                 self.retention.engine_joined,
                 self.params.engine_joined,
@@ -239,10 +241,25 @@ class Router:
 
     def move_on(self) -> None:
         """A params update drains, loads or ends; rounds held during one (or a pause) run once
-        it is over; a pause is answered once no round is in flight."""
+        it is over; a pause is answered once no round is in flight; decoding halted for a
+        `pause="keep"` update goes on once it ended (unless generation is paused so)."""
         self.params.advance()
         self.pause.advance()
+        if self._kept_update and self.params.update is None:
+            self._kept_update = False
+            if self.pause.mode != "keep":
+                self.halt_decode(False)
         self.resume_held()
+
+    def halt_decode(self, paused: bool) -> None:
+        """Tells every live DE to halt decoding (`paused`) or go on."""
+        for e in self.liveness.registry.live("decode"):
+            self.out.send(e.ident, messages.PauseDecode(paused=paused))
+
+    def halt_if_kept(self, e, msg: messages.Register) -> None:
+        """A DE that registers while decoding is halted halts too."""
+        if e.role == "decode" and (self.pause.mode == "keep" or self._kept_update):
+            self.out.send(e.ident, messages.PauseDecode(paused=True))
 
     def resume_held(self) -> None:
         for ident, msg in self.params.take_released() + self.pause.take_released():
@@ -267,10 +284,17 @@ class Router:
             self.rounds.on_cancel(ident, msg)
 
     def on_pause(self, ident: bytes, msg: messages.Pause) -> None:
-        if self.pause.on_pause(ident, msg) and msg.mode == "abort":
+        was = self.pause.mode
+        if not self.pause.on_pause(ident, msg):
+            return
+        if msg.mode == "abort":
             self.rounds.on_abort(ident, messages.AbortRounds(ref="", all=True))
+        if (msg.mode == "keep") != (was == "keep") and not self._kept_update:
+            self.halt_decode(msg.mode == "keep")
 
     def on_resume(self, ident: bytes, msg: messages.Resume) -> None:
+        if self.pause.mode == "keep" and not self._kept_update:
+            self.halt_decode(False)
         self.pause.on_resume(ident, msg)
 
     def on_update_params(self, ident: bytes, msg: messages.UpdateParams) -> None:
@@ -280,8 +304,15 @@ class Router:
             return self.out.fail(ident, f"params:{msg.version}", why)
         self.params.on_update(ident, msg)
         u = self.params.update
-        if msg.pause == "abort" and u is not None and (u.client, u.version) == (ident, msg.version):
+        if u is None or (u.client, u.version) != (ident, msg.version):
+            return  # refused
+        if msg.pause == "abort":
             self.rounds.on_abort(ident, messages.AbortRounds(ref="", all=True))
+        elif msg.pause == "keep":  # the rounds stay, halted, and decode on with the new params
+            u.keep = True
+            if self.pause.mode != "keep":
+                self.halt_decode(True)
+            self._kept_update = True
 
     def on_abort(self, ident: bytes, msg: messages.AbortRounds) -> None:
         """Ends the rounds `msg` names (engine/rounds.py `Rounds.abort`); held ones are

@@ -22,7 +22,7 @@ Every call goes to the router through the server's `Client` (`pause`, `resume`, 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -30,9 +30,6 @@ from aiohttp import web
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.client import RolloutError
 from dualpath_jax.serving.protocol import ApiError, parse
-
-if TYPE_CHECKING:
-    from dualpath_jax.serving.server import ApiServer
 
 PATHS = frozenset(
     {
@@ -63,9 +60,9 @@ class UpdateWeightsRequest(msgspec.Struct, kw_only=True):
 
 
 class Admin:
-    """The admin endpoints of `server` (`add_routes`)."""
+    """The admin endpoints of `server` (a `server.ApiServer`; `add_routes`)."""
 
-    def __init__(self, server: ApiServer):
+    def __init__(self, server: Any):
         self.server = server
 
     def add_routes(self, app: web.Application) -> None:

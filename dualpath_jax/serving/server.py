@@ -38,12 +38,11 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.serving import admin, connections, request_checks, responses
+from dualpath_jax.serving import admin, connections, group, request_checks, responses
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from dualpath_jax.serving.request_checks import RoundParams
@@ -52,10 +51,6 @@ from dualpath_jax.serving.text import TextStream
 from dualpath_jax.serving.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
-
-# Choice i of a request with n > 1 samples with the request's seed plus i times this (mod 2**32):
-# distinct seeds, the same for the same request seed.
-_SEED_STEP = 0x9E3779B1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -403,7 +398,7 @@ class ApiServer:
         self, request: web.Request, req: Any, prompt: list[int], p: RoundParams, chat: bool
     ) -> web.StreamResponse:
         if req.n > 1:
-            return await self._group(req.n, prompt, p, chat)
+            return await group.respond(self, req.n, prompt, p, chat)
         sid = request_checks.session_id(request, req)
         retention = request_checks.retention(
             request, self.cfg.max_session_priority, self.cfg.max_session_ttl_s
@@ -550,86 +545,6 @@ class ApiServer:
         finally:
             self.running.pop(ident, None)
             await self._close_one_off(rnd)
-
-    async def _group(self, n: int, prompt: list[int], p: RoundParams, chat: bool) -> web.Response:
-        """`n` choices of one prompt (`Client.submit_group`: the prompt is prefilled once), each
-        in a one-off session (an agent session is not advanced by a request with n > 1). Choice
-        i samples with the request's seed advanced by i (reproducible with a `seed`)."""
-        samplings = [
-            msgspec.structs.replace(p.sampling, seed=(p.sampling.seed + i * _SEED_STEP) % 2**32)
-            for i in range(n)
-        ]
-        sids = [f"http-{uuid.uuid4().hex}" for _ in range(n)]
-        opened: list[str] = []
-        try:
-            for sid in sids:
-                await self._call(self.client.open_session, sid)
-                opened.append(sid)
-            futs = self.client.submit_group(
-                sids,
-                prompt,
-                p.max_tokens,
-                samplings=samplings,
-                stop_tokens=[] if p.ignore_eos else self.tok.eos_ids,
-                timeout_s=self.cfg.round_timeout_s,
-            )
-            try:
-                results = await asyncio.wait_for(
-                    asyncio.gather(*(asyncio.wrap_future(f) for f in futs)),
-                    self.cfg.round_timeout_s,
-                )
-            except TimeoutError:
-                for f in futs:
-                    if getattr(f, "request", ""):
-                        self.client.cancel(f.request)
-                raise ApiError(
-                    503, "the round timed out", retry_after=self.cfg.retry_after_s
-                ) from None
-        except RolloutError as e:
-            raise self._rollout_error(e) from None
-        finally:
-            for sid in opened:
-                task = asyncio.ensure_future(self._call(self.client.close_session, sid))
-                self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
-        choices, generated = [], 0
-        for i, res in enumerate(results):
-            self.metrics.observe(res)
-            text = TextStream(
-                self.tok, p.stops, [] if p.ignore_eos else self.tok.eos_ids, p.sampling.min_tokens
-            )
-            text.add(list(res.tokens))
-            text.close()
-            answer = list(res.tokens[: text.used]) if text.stopped else list(res.tokens)
-            generated += len(answer)
-            finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
-            choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
-            if p.sampling.logprobs is not None and res.logprobs is not None:
-                choice["logprobs"] = responses.logprobs_field(
-                    self.tok, chat, answer, res.logprobs.head(len(answer))
-                )
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text.text}
-            else:
-                choice["text"] = text.text
-            if p.token_ids:
-                choice["token_ids"] = answer
-            choices.append(choice)
-        first = results[0]
-        usage = responses.usage(first, generated)
-        usage["prompt_tokens_details"]["cached_tokens"] = min(r.cached_tokens for r in results)
-        body = {
-            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": self.cfg.model,
-            "choices": choices,
-            "usage": usage,
-            "dualpath": responses.extension(first, None),
-        }
-        if p.token_ids:
-            body["prompt_token_ids"] = prompt
-        return web.json_response(body)
 
     async def _close_one_off(self, rnd: RoundStream) -> None:
         """Closes the round's one-off session (if it opened one) after its open completes, in a

@@ -150,6 +150,14 @@ SAMPLES: list[messages.Msg] = [
     messages.Cancel(request="r1"),
     messages.Finish(request="r1"),
     messages.Finish(request="r1", reason="abort"),
+    messages.PauseDecode(paused=True),
+    messages.DecodeDone(
+        request="r1",
+        engine=1,
+        tokens=[9, 10, 11],
+        persisted_blocks=1,
+        params_versions=[(0, "v1"), (2, "v2")],
+    ),
     messages.Stop(),
     messages.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
 ]

@@ -2,7 +2,9 @@
 an aborted round returns the tokens it generated so far (a prefix of the unaborted round's),
 marked `finish_reason="abort"`, and its session steps on from there; a paused router holds new
 rounds until resumed and `pause("abort")` ends the running ones; `update_params(pause="abort")`
-ends them and serves the new params; the HTTP admin endpoints do the same over HTTP."""
+ends them and serves the new params; `pause="keep"` halts them, serves the new params under
+them and lets them decode on (the result records which params drew which tokens); the HTTP
+admin endpoints do the same over HTTP."""
 
 from __future__ import annotations
 
@@ -177,3 +179,33 @@ def test_admin_endpoints(cluster, tmp_path):
     assert out["info"]["weight_version"] == "w1" and out["info"]["max_model_len"] == MAX_LEN
     assert out["bad_update"][0] == 400 and not out["bad_update"][1]["success"]
     assert out["bad_mode"] == 400
+
+
+def test_update_params_with_pause_keep_decodes_on_with_the_new_params(cluster):
+    client = cluster.client()
+    try:
+        old, new = init_model(TINY_QWEN2, seed=5), init_model(TINY_QWEN2, seed=9)
+        client.update_params(old, version="keep-old")
+        client.open_session("k")
+        prompt = np.random.RandomState(3).randint(0, 256, 20).tolist()
+        running = _started(client, "k", prompt, LONG)
+        client.update_params(new, version="keep-new", pause="keep")
+        res = running.result(120)
+        assert res.finish_reason == "length" and len(res.tokens) == LONG  # not ended
+        (start, v0), (k, v1) = res.params_versions
+        assert (start, v0, v1) == (0, "keep-old", "keep-new") and 0 < k < LONG
+        ref = Session(InProcessEngine(old, max_len=MAX_LEN), "ref").step(prompt, LONG)
+        assert list(res.tokens[:k]) == ref[:k]  # the old params' tokens up to the update
+        assert list(res.tokens[k:]) != ref[k:]  # the new params' after it
+        nxt = client.submit("k", [1, 2], 3).result(60)
+        assert nxt.params_versions == [(0, "keep-new")]
+        # pause("keep") halts decoding until resume
+        client.open_session("k2")
+        held = _started(client, "k2", prompt, LONG)
+        client.pause("keep")
+        with pytest.raises(futures.TimeoutError):
+            held.result(1.5)
+        client.resume()
+        assert len(held.result(120).tokens) == LONG
+    finally:
+        client.close()
