@@ -210,7 +210,12 @@ class ParamsCoordinator:
         for e, copy in zip(asked, copies):
             self.out.send(
                 e.ident,
-                messages.LoadParams(version=u.version, path=u.path, offer=u.offer, copy=copy),
+                messages.LoadParams(
+                    version=u.version,
+                    path=u.path,
+                    offer=u.offer,
+                    copy=copy if u.offer is not None else 0,
+                ),
             )
         self._end_if_answered()
 
