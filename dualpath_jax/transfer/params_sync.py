@@ -231,7 +231,9 @@ def place_like(a: Any, like: Any) -> Any:
     spans processes each process builds its own shards from its copy."""
     import jax
 
-    target = like.sharding
+    target = getattr(like, "sharding", None)
+    if target is None:  # served from host arrays (an orbax restore without a mesh): as pulled
+        return a
     if target.is_fully_addressable:
         return a if a.sharding == target else jax.device_put(a, target)
     return jax.make_array_from_callback(a.shape, target, lambda idx: a[idx])
