@@ -251,3 +251,20 @@ def test_an_engine_dying_or_restarting_mid_pull_fails_the_update_everywhere(rig,
     assert "still serving ''" in err.message
     assert rig.router.params.version == ""
     assert all(e.params_version == "" for e in rig.router.liveness.registry.live())
+
+
+def test_a_streamed_update_after_a_checkpoint_one(runner, fabric, tmp_path):
+    """Params an orbax checkpoint restored (host arrays, no sharding) are replaced alike."""
+    from dualpath_jax.model.checkpoint import save_params_tree
+
+    save_params_tree(init_model(TINY_QWEN2, seed=5), tmp_path / "ckpt")
+    slot = _slot(runner, fabric)
+    assert slot.stage(messages.LoadParams(version="v1", path=str(tmp_path / "ckpt"))).ok
+    slot.commit(messages.CommitParams(version="v1", commit=True))
+    new = init_model(TINY_QWEN2, seed=6)
+    with offer_params(new, InProcessChannel(fabric, "client"), 1, bucket_bytes=BUCKET) as h:
+        assert slot.stage(messages.LoadParams(version="v2", offer=h.offer)).ok
+    slot.commit(messages.CommitParams(version="v2", commit=True))
+    prompt = list(range(2, 30))
+    assert reference_generate(runner, prompt, 3) == reference_generate(ModelRunner(new), prompt, 3)
+    runner.update_params(init_model(TINY_QWEN2, seed=0))
