@@ -80,8 +80,8 @@ def main(argv):
     nbytes = sum(int(x.nbytes) for x in jax.tree.leaves(nnx.state(params[0])))
     samples: dict[str, list[dict]] = {"transfer": [], "orbax": []}
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(cfg, f"{tmp}/run") as cluster:
-        streamed = cluster.client(params_dir=None)
-        written = cluster.client(params_dir=f"{tmp}/params")
+        streamed = cluster.client(params_dir=None, dead_after_s=300.0)
+        written = cluster.client(params_dir=f"{tmp}/params", dead_after_s=300.0)
         k = 0
         for _ in range(_REPEATS.value):
             for name, client in (("transfer", streamed), ("orbax", written)):
