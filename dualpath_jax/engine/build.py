@@ -143,7 +143,12 @@ def build_engine(
     runner = ModelRunner(load_served_model(cfg, mesh))
     check_transfer_bind(c.transfer_host, c.transfer_untrusted_network_ok)
     closers: list[Callable[[], None]] = []
-    params = ParamsSlot(runner, initial_params_version(c), who.engine)
+    params = ParamsSlot(
+        runner,
+        initial_params_version(c),
+        who.engine,
+        load_timeout_s=c.params_load_timeout_s,
+    )
     layout = BlockLayout.for_model(cfg.model, cfg.store.block_tokens)
     faults = fault_injection(c.fault_file, who.name)
     # Messages from the engine's other threads; the store's KV events go there too, so they
@@ -160,6 +165,8 @@ def build_engine(
     )
     channel = faults.channel(transport.channel(host_port(c.transfer_host, 0)))
     closers.append(channel.close)
+    # A streamed params update (transfer/params_sync.py) is pulled over the KV channel.
+    params.channel, params.corrupt_bucket = channel, faults.params_bucket
     traffic = TrafficManager(cfg.hardware)
     closers.append(traffic.close)
     closers.append(

@@ -126,6 +126,14 @@ def key_to_seed(key: Any) -> int:
     return int(jax.random.bits(key, dtype=jnp.uint32))
 
 
+def _tree_nbytes(params: Any) -> int:
+    import jax
+
+    from dualpath_jax.model.checkpoint import params_state
+
+    return sum(int(x.nbytes) for x in jax.tree.leaves(params_state(params)))
+
+
 def new_version() -> str:
     """A fresh, unique params version name."""
     return f"v-{uuid.uuid4().hex[:16]}"
@@ -160,7 +168,10 @@ class Client:
 
     `token` is the client secret (`LocalCluster.client()` passes it). `params_dir` is where
     `update_params` writes checkpoints (a directory every engine can read; `LocalCluster.client()`
-    passes `workdir/params`). The client pings the router every `ping_s`; calls that have heard
+    passes `workdir/params`); without one `update_params` streams the params over the transfer
+    layer, offered from a transfer server of this process: `params_channel()` opens it (default:
+    a `JaxTransferChannel` listening on `transfer_host`, which every engine must reach; the
+    cluster's `cluster.transfer_host`). The client pings the router every `ping_s`; calls that have heard
     nothing from it for `dead_after_s` fail with kind `connection` (the router died or is
     unreachable), and a rejected secret fails every pending call with kind `auth`.
     """
@@ -173,11 +184,17 @@ class Client:
         *,
         ping_s: float = 1.0,
         dead_after_s: float = 5.0,
+        transfer_host: str = "127.0.0.1",
+        params_channel: Callable[[], Any] | None = None,
     ):
         from dualpath_jax.engine.rpc import RpcClient
 
         self.address = address
         self.params_dir = pathlib.Path(params_dir) if params_dir else None
+        self.transfer_host = transfer_host
+        self._params_channel = params_channel
+        # What the last `update_params` moved: via, bytes, buckets, prepare_s, total_s.
+        self.last_params_update: dict[str, Any] = {}
         self.ping_s, self.dead_after_s = ping_s, dead_after_s
         self._token = token
         self._rpc = RpcClient(address, token)
@@ -497,6 +514,8 @@ class Client:
         version: str | None = None,
         *,
         directory: str | pathlib.Path | None = None,
+        via: str | None = None,
+        bucket_bytes: int | None = None,
         timeout_s: float = 600.0,
         pause: str = "wait",
     ) -> str:
@@ -505,24 +524,102 @@ class Client:
         with what they generated, `finish_reason="abort"`; "keep": halt, then decode on with the
         new params over their KV; see `update_params_from_checkpoint`).
 
-        `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`). They
-        are written as an orbax checkpoint to `directory` (default `params_dir/<version>`), which
-        every engine must be able to read, then `update_params_from_checkpoint` runs. Raises
-        RolloutError if any engine refuses them (wrong tree, shapes or dtypes); the cluster then
-        keeps serving the old params.
+        `params` is a `Transformer`, its `nnx.State` or a nested dict (`nnx.to_pure_dict`).
+        `via` is how they travel (None: "checkpoint" when a directory is known, `directory` or
+        the client's `params_dir`, else "transfer"):
+        - "checkpoint": written as an orbax checkpoint to `directory` (default
+          `params_dir/<version>`), which every engine must be able to read, then
+          `update_params_from_checkpoint` runs; the directory stays as a record, and an engine
+          restarted later is caught up from it;
+        - "transfer": streamed from this process to every engine process over the transfer
+          layer (transfer/params_sync.py): offered in buckets of at most `bucket_bytes`
+          (default 256 MiB), each engine pulls, checks (tree, shapes, dtypes, each bucket's
+          checksum) and stages them, and every engine commits at once or none does. No disk is
+          involved; an engine restarted later cannot be caught up from the offer (it stays out
+          of rotation until it restarts with `cluster.params_path` of these params).
+        Raises RolloutError if any engine refuses them, fails or dies while pulling them; the
+        cluster then keeps serving the old params everywhere.
         """
+        import time
+
         from dualpath_jax.engine.params import check_version
-        from dualpath_jax.model.checkpoint import save_params_tree
 
         version = check_version(version or new_version())
+        if via is None:
+            via = "checkpoint" if directory is not None or self.params_dir else "transfer"
+        t0 = time.monotonic()
+        if via == "transfer":
+            if directory is not None:
+                raise RolloutError("via='transfer' writes no directory", "bad_request")
+            return self._stream_params(params, version, bucket_bytes, timeout_s)
+        if via != "checkpoint":
+            raise RolloutError(
+                f"via must be 'checkpoint' or 'transfer', got {via!r}", "bad_request"
+            )
+        from dualpath_jax.model.checkpoint import save_params_tree
+
         if directory is None:
             if self.params_dir is None:
                 raise RolloutError(
-                    "update_params needs a directory (or a Client with params_dir)", "bad_request"
+                    "update_params via='checkpoint' needs a directory (or a Client with "
+                    "params_dir)",
+                    "bad_request",
                 )
             directory = self.params_dir / version
         path = save_params_tree(params, directory)
-        return self.update_params_from_checkpoint(path, version, timeout_s=timeout_s, pause=pause)
+        t_saved = time.monotonic()
+        self.update_params_from_checkpoint(path, version, timeout_s=timeout_s, pause=pause)
+        self.last_params_update = {
+            "via": "checkpoint",
+            "bytes": _tree_nbytes(params),
+            "prepare_s": t_saved - t0,
+            "total_s": time.monotonic() - t0,
+        }
+        return version
+
+    def _stream_params(
+        self,
+        params: Any,
+        version: str,
+        bucket_bytes: int | None,
+        timeout_s: float,
+        pause: str = "wait",
+    ) -> str:
+        """`update_params(via="transfer")`: offers the params (one copy per engine process the
+        router counts in rotation, plus one for an engine joining meanwhile) for as long as the
+        update runs, then drops the offers."""
+        import time
+
+        from dualpath_jax.transfer.params_sync import DEFAULT_BUCKET_BYTES, offer_params
+
+        t0 = time.monotonic()
+        copies = int(self.stats(timeout_s).get("params_pullers", 1)) + 1
+        handle = offer_params(
+            params,
+            self._open_params_channel(),
+            copies,
+            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
+        )
+        with handle:
+            msg = messages.UpdateParams(version=version, offer=handle.offer, pause=pause)
+            self._check(self._call(msg, f"params:{version}").result(timeout_s))
+        self.last_params_update = {
+            "via": "transfer",
+            "bytes": handle.offer.nbytes,
+            "buckets": len(handle.offer.buckets),
+            "prepare_s": handle.offer_s,
+            "total_s": time.monotonic() - t0,
+        }
+        return version
+
+    def _open_params_channel(self):
+        if self._params_channel is not None:
+            return self._params_channel()
+        from dualpath_jax.engine.rpc import host_port
+        from dualpath_jax.transfer.jax_channel import JaxTransferChannel
+
+        bind = host_port(self.transfer_host, 0)
+        return JaxTransferChannel(bind=bind, transport_addresses=[bind], offer_ttl_s=None)
 
     def update_params_from_checkpoint(
         self,

@@ -257,8 +257,12 @@ class LocalCluster(ClusterLifecycle):
                 raise ClusterError(f"{name} exited with {p.returncode} during start:\n{tail}")
 
     def client(self, **kw) -> Client:
-        """A client holding the client secret (`Client` keyword arguments pass through)."""
-        c = Client(self.address, self.credentials.client, params_dir=self.workdir / "params", **kw)
+        """A client holding the client secret (`Client` keyword arguments pass through; by
+        default `params_dir` is `workdir/params`: `update_params` writes checkpoints there;
+        `params_dir=None` streams them over the transfer layer instead)."""
+        kw.setdefault("params_dir", self.workdir / "params")
+        kw.setdefault("transfer_host", self.cfg.cluster.transfer_host)
+        c = Client(self.address, self.credentials.client, **kw)
         self._clients.append(c)
         return c
 

@@ -2,12 +2,13 @@
 
 Without a fault plan (`fault_file` "", every deployment) a process uses the store and the channel
 it opens as they are and never imports the testing wing; with one, both are wrapped so they obey
-the plan (`dualpath_jax.testing`: `FaultyStore`, `FaultyChannel`, one `FaultPlan` per process).
+the plan, as is each bucket of a streamed params update it pulls (`params_bucket`) (`dualpath_jax.testing`: `FaultyStore`, `FaultyChannel`, one `FaultPlan` per process).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from dualpath_jax.kvstore.api import BlockStore
@@ -21,6 +22,8 @@ class Faults(Protocol):
 
     def channel(self, channel: KVChannel) -> KVChannel: ...
 
+    params_bucket: Callable[[list[Any]], list[Any]] | None
+
 
 class NoFaults:
     """No fault plan: the store and the channel as they are."""
@@ -30,6 +33,8 @@ class NoFaults:
 
     def channel(self, channel: KVChannel) -> KVChannel:
         return channel
+
+    params_bucket = None  # each pulled bucket of a streamed params update as it is
 
 
 def fault_injection(fault_file: str, who: str) -> Faults:

@@ -215,8 +215,14 @@ class InProcessCluster(ClusterLifecycle):
         self._log_handler = handler
 
     def client(self, **kw) -> Client:
-        """A client holding the client secret (`Client` keyword arguments pass through)."""
-        c = Client(self.address, self.credentials.client, params_dir=self.workdir / "params", **kw)
+        """A client holding the client secret (`Client` keyword arguments pass through; by
+        default `params_dir` is `workdir/params`: `update_params` writes checkpoints there;
+        `params_dir=None` streams them over the transfer layer instead)."""
+        kw.setdefault("params_dir", self.workdir / "params")
+        kw.setdefault(
+            "params_channel", lambda: InProcessChannel(self.fabric, "client", offer_ttl_s=None)
+        )
+        c = Client(self.address, self.credentials.client, **kw)
         self._clients.append(c)
         return c
 

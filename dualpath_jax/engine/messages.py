@@ -182,17 +182,56 @@ class Stats(Msg):
     json: str
 
 
+class ParamsLeaf(msgspec.Struct, frozen=True, kw_only=True):
+    """One parameter of a `ParamsOffer`: its tree path (`layers/0/mlp/up_proj/kernel`), shape and
+    dtype name."""
+
+    path: str
+    shape: list[int]
+    dtype: str
+
+
+class ParamsBucket(msgspec.Struct, frozen=True, kw_only=True):
+    """A group of parameters pulled as one transfer: their leaves (in the offer's array order),
+    total bytes and the checksum of their bytes (`transfer.params_sync.bucket_checksum`)."""
+
+    leaves: list[ParamsLeaf]
+    nbytes: int
+    checksum: str
+
+
+class ParamsOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """New parameters offered over the transfer layer (`transfer.params_sync`) instead of a
+    checkpoint directory: the trainer's transfer server `address` offers every bucket `copies`
+    times, copy `c` of bucket `b` under uuid `uuid + c * len(buckets) + b` (an offer is pulled
+    once; each pulling process takes its own copy)."""
+
+    address: str
+    uuid: int
+    copies: int
+    buckets: list[ParamsBucket]
+
+    def uuid_of(self, copy: int, bucket: int) -> int:
+        return self.uuid + copy * len(self.buckets) + bucket
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
 class UpdateParams(Msg):
-    """Client -> router: serve the parameters in `path` (an orbax checkpoint directory every
-    engine can read) as `version`. Answered `Ack(ref="params:<version>")` once every live engine
-    loaded and checked them, or `Error` (the old params stay). KV of older versions is never
-    reused because the version enters the block-key fingerprint. `pause`: what the rounds in
-    flight do meanwhile (`PAUSE_MODES`: "wait" lets them finish on the old params, "abort" ends
-    them now with what they generated, "keep" halts their decoding, serves the new params under
-    them, and lets them decode on)."""
+    """Client -> router: serve new parameters as `version`: those in `path` (an orbax checkpoint
+    directory every engine can read) or, without a path, those of `offer` (streamed from the
+    client's process). Answered `Ack(ref="params:<version>")` once every live engine loaded and
+    checked them, or `Error` (the old params stay). KV of older versions is never reused because
+    the version enters the block-key fingerprint. `pause`: what the rounds in flight do meanwhile
+    (`PAUSE_MODES`: "wait" lets them finish on the old params, "abort" ends them now with what
+    they generated, "keep" halts their decoding, serves the new params under them, and lets them
+    decode on)."""
 
     version: str
-    path: str
+    path: str = ""
+    offer: ParamsOffer | None = None
     pause: str = "wait"
 
 
@@ -242,10 +281,13 @@ class Register(Msg):
 
 
 class LoadParams(Msg):
-    """Router -> engine: load and check the parameters in `path` (staged, not yet served)."""
+    """Router -> engine: load and check the parameters in `path`, or pull those of `offer`
+    (its process k takes copy `copy + k`), staged, not yet served."""
 
     version: str
-    path: str
+    path: str = ""
+    offer: ParamsOffer | None = None
+    copy: int = 0
 
 
 class ParamsLoaded(Msg):

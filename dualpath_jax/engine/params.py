@@ -27,6 +27,8 @@ import os
 import re
 from collections.abc import Sequence
 
+import msgspec
+
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
 from dualpath_jax.engine import messages
 
@@ -100,25 +102,49 @@ class ParamsSlot:
     arguments) or drops them. `check_job` refuses a job of another version (`ParamsMismatch`).
     """
 
-    def __init__(self, runner, version: str, engine: int, mirror=None):
+    def __init__(
+        self,
+        runner,
+        version: str,
+        engine: int,
+        mirror=None,
+        *,
+        channel=None,
+        open_channel=None,
+        load_timeout_s: float = 600.0,
+        corrupt_bucket=None,
+    ):
         """`mirror`: an engine spanning processes (`span.MirrorLeader`): each load and commit
         is sent to its followers first (`replay_params`). A load places each process's shards
-        onto the runner's mesh, as the engine's first params were."""
+        onto the runner's mesh, as the engine's first params were.
+
+        A streamed update (`LoadParams.offer`, transfer/params_sync.py) is pulled over `channel`
+        (the engine's KV channel) or, without one, over a channel `open_channel()` opens for
+        the load (a follower of a spanning engine); every bucket within `load_timeout_s`.
+        `corrupt_bucket`: a test hook applied to each pulled bucket (`engine.fault_hook`)."""
         self.runner, self.version, self.engine = runner, version, engine
         self.mirror = mirror
+        self.channel, self.open_channel = channel, open_channel
+        self.load_timeout_s = load_timeout_s
+        self.corrupt_bucket = corrupt_bucket
         self._staged: tuple[str, object] | None = None
 
     def stage(self, msg: messages.LoadParams) -> messages.ParamsLoaded:
         from dualpath_jax.model.checkpoint import load_params
 
         self._staged = None
+        source = msg.path if msg.offer is None else f"the offer of {msg.offer.address}"
         try:
             if self.mirror is not None:
-                self.mirror.send("_params_stage", (msg.version, msg.path))
-            model = load_params(msg.path, self.runner.cfg, mesh=self.runner.mesh)
+                offer = "" if msg.offer is None else msgspec.json.encode(msg.offer).decode()
+                self.mirror.send("_params_stage", (msg.version, msg.path, offer, msg.copy))
+            if msg.offer is not None:
+                model = self._pull(msg.offer, msg.copy)
+            else:
+                model = load_params(msg.path, self.runner.cfg, mesh=self.runner.mesh)
             check_finite(model)
         except Exception as e:  # noqa: BLE001 - any failure is reported; the old params stay
-            log.warning("params %s from %s refused: %s", msg.version, msg.path, e)
+            log.warning("params %s from %s refused: %s", msg.version, source, e)
             return messages.ParamsLoaded(
                 engine=self.engine,
                 version=msg.version,
@@ -127,6 +153,36 @@ class ParamsSlot:
             )
         self._staged = (msg.version, model)
         return messages.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
+
+    def _pull(self, offer: messages.ParamsOffer, copy: int):
+        """The model of a streamed update: this process pulls copy `copy + its rank` of every
+        bucket (transfer/params_sync.py), placed as the served params are."""
+        import jax
+
+        from dualpath_jax.model.checkpoint import model_from_params
+        from dualpath_jax.model.sharding import _path
+        from dualpath_jax.transfer.params_sync import ParamsTransferError, flat_params, pull_params
+
+        served_tree = served_params(self.runner)
+        channel, opened = self.channel, None
+        if channel is None:
+            if self.open_channel is None:
+                raise ParamsTransferError("this engine has no transfer channel to pull params over")
+            channel = opened = self.open_channel()
+        try:
+            flat = pull_params(
+                offer,
+                copy + jax.process_index(),
+                channel,
+                dict(flat_params(served_tree)),
+                self.load_timeout_s,
+                corrupt=self.corrupt_bucket or (lambda arrays: arrays),
+            )
+        finally:
+            if opened is not None:
+                opened.close()
+        tree = jax.tree_util.tree_map_with_path(lambda k, _: flat[_path(k)], served_tree)
+        return model_from_params(tree, self.runner.cfg)
 
     def commit(self, msg: messages.CommitParams) -> None:
         if self.mirror is not None:
@@ -167,6 +223,17 @@ class ParamsSlot:
         return False
 
 
+def served_params(runner) -> dict:
+    """The params a `ModelRunner` serves, as a pure dict (`nnx.to_pure_dict` layout)."""
+    from flax import nnx
+
+    return {
+        "embed": nnx.to_pure_dict(runner.embed_state),
+        "head": nnx.to_pure_dict(runner.head_state),
+        "layers": {i: nnx.to_pure_dict(s) for i, s in enumerate(runner.layer_states)},
+    }
+
+
 def check_finite(model) -> None:
     """Raises ValueError naming the first parameters that hold a NaN or an infinity (a diverged
     training step): an engine refuses them and keeps serving the old ones. One compiled
@@ -201,8 +268,9 @@ def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:
     """A follower's side of a spanning engine's params update (`ParamsSlot.mirror`): loads or
     commits as its leader does. True if `method` was one of these."""
     if method == "_params_stage":
-        version, path = args
-        got = slot.stage(messages.LoadParams(version=version, path=path))
+        version, path, offer, copy = args
+        offer = msgspec.json.decode(offer, type=messages.ParamsOffer) if offer else None
+        got = slot.stage(messages.LoadParams(version=version, path=path, offer=offer, copy=copy))
         if not got.ok:
             log.warning("params %s not loaded here either: %s", version, got.message)
         return True

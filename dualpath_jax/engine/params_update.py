@@ -53,6 +53,7 @@ class ParamsUpdate:
     client: bytes
     version: str
     path: str
+    offer: messages.ParamsOffer | None = None  # a streamed update (transfer/params_sync.py)
     loading: bool = False
     keep: bool = False  # pause="keep": the rounds in flight stay (halted), no drain
     t_load: float = 0.0  # when the engines were told to load
@@ -168,9 +169,12 @@ class ParamsCoordinator:
             check_version(msg.version)
         except ValueError as e:
             return self.out.fail(ident, ref, str(e))
-        if not msg.path:
+        if bool(msg.path) == (msg.offer is not None):
             return self.out.fail(
-                ident, ref, "UpdateParams needs the path of a parameter checkpoint"
+                ident,
+                ref,
+                "UpdateParams needs the path of a parameter checkpoint or a transfer offer "
+                "(one of them)",
             )
         if self.update is not None:
             return self.out.fail(
@@ -185,9 +189,13 @@ class ParamsCoordinator:
                 ref,
                 f"params version {msg.version!r} is already served; name updates uniquely",
             )
-        self.update = ParamsUpdate(ident, msg.version, msg.path)
+        self.update = ParamsUpdate(ident, msg.version, msg.path, msg.offer)
         self.out.event(
-            "params_update", version=msg.version, path=msg.path, in_flight=self.in_flight()
+            "params_update",
+            version=msg.version,
+            path=msg.path,
+            offer_bytes=0 if msg.offer is None else msg.offer.nbytes,
+            in_flight=self.in_flight(),
         )
 
     def advance(self) -> None:
@@ -198,11 +206,45 @@ class ParamsCoordinator:
             return
         u.loading, u.t_load = True, self.clock()
         asked = self.registry.serving()
+        copies = self._copies(asked)
+        if u.offer is not None and copies[-1] > u.offer.copies:
+            u.errors.append(
+                f"the offer holds {u.offer.copies} copies of the params, the {len(asked)} "
+                f"engines in rotation pull {copies[-1]} (engines joined meanwhile?): "
+                "offer again"
+            )
+            return self._end_if_answered()
         u.asked = {e.engine for e in asked}
         u.waiting = set(u.asked)
-        for e in asked:
-            self.out.send(e.ident, messages.LoadParams(version=u.version, path=u.path))
+        for e, copy in zip(asked, copies):
+            self.out.send(
+                e.ident,
+                messages.LoadParams(
+                    version=u.version,
+                    path=u.path,
+                    offer=u.offer,
+                    copy=copy if u.offer is not None else 0,
+                ),
+            )
         self._end_if_answered()
+
+    def _processes(self, e: EngineInfo) -> int:
+        """How many processes engine `e` spans (each pulls its own copy of a streamed update)."""
+        c = self.cluster
+        return c.prefill_processes if e.role == "prefill" else c.decode_processes
+
+    def _copies(self, engines: list[EngineInfo]) -> list[int]:
+        """The first copy of a streamed update each of `engines` pulls, then the copies all of
+        them pull."""
+        out = [0]
+        for e in engines:
+            out.append(out[-1] + self._processes(e))
+        return out
+
+    def pullers(self) -> int:
+        """The copies of a streamed update the engines in rotation pull now: how many a client
+        offers (`Client.update_params`, in `GetStats` as `params_pullers`)."""
+        return self._copies(self.registry.serving())[-1]
 
     def on_loaded(self, ident: bytes, msg: messages.ParamsLoaded) -> None:
         u = self.update
@@ -348,6 +390,8 @@ class ParamsCoordinator:
             u.asked.discard(e.engine)
             if e.engine in u.waiting:
                 u.waiting.discard(e.engine)
+                if u.offer is not None:  # restarted mid-pull: as engine_gone
+                    u.errors.append(f"engine {e.engine}: restarted while pulling the params")
                 self._end_if_answered()
         self._catch_up(e)
 
@@ -363,7 +407,9 @@ class ParamsCoordinator:
         self._catch_up(e)
 
     def engine_gone(self, e: EngineInfo) -> None:
-        """A dead engine is not waited for (nor committed to, nor caught up)."""
+        """A dead engine is not waited for (nor committed to, nor caught up). A streamed update
+        fails if it dies before it answered: it could not catch up (no checkpoint), so no
+        engine serves the new params (fail-stop)."""
         self.catching_up.pop(e.engine, None)
         u = self.update
         if u is None:
@@ -371,4 +417,6 @@ class ParamsCoordinator:
         u.asked.discard(e.engine)
         if e.engine in u.waiting:
             u.waiting.discard(e.engine)
+            if u.offer is not None:
+                u.errors.append(f"engine {e.engine}: died while pulling the params")
             self._end_if_answered()

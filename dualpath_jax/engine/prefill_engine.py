@@ -477,10 +477,12 @@ class PrefillReplay:
     """A prefill engine's follower: replays each forward batch of its leader on the same mesh,
     with the cached rows the leader sends layer by layer and the rows it keeps itself."""
 
-    def __init__(self, cfg: ExperimentConfig, runner: ModelRunner):
+    def __init__(
+        self, cfg: ExperimentConfig, runner: ModelRunner, params: ParamsSlot | None = None
+    ):
         self.cfg, self.runner = cfg, runner
         self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
-        self.params = ParamsSlot(runner, "", -1)
+        self.params = params or ParamsSlot(runner, "", -1)
 
     def __call__(self, follower, method: str, args: list, kwargs: dict) -> None:
         if replay_params(self.params, method, args):

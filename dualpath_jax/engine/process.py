@@ -123,8 +123,9 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
 
     from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.devices import role_mesh
-    from dualpath_jax.engine.params import load_served_model
+    from dualpath_jax.engine.params import ParamsSlot, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillReplay
+    from dualpath_jax.engine.rpc import host_port
     from dualpath_jax.engine.span import DecoderReplay, follow
     from dualpath_jax.model import sharding
     from dualpath_jax.model.runner import ModelRunner
@@ -132,11 +133,19 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
     mesh = sharding.make_mesh(role_mesh(cfg.cluster, spec.role), jax.devices())
     runner = ModelRunner(load_served_model(cfg, mesh))
     log.info("%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size)
+    # A streamed params update: this process pulls its own copy over a channel of its own.
+    params = ParamsSlot(
+        runner,
+        "",
+        -1,
+        open_channel=lambda: _transfer_channel(host_port(cfg.cluster.transfer_host, 0)),
+        load_timeout_s=cfg.cluster.params_load_timeout_s,
+    )
     if spec.role == "prefill":
         prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
-        replay = PrefillReplay(cfg, runner)
+        replay = PrefillReplay(cfg, runner, params)
     else:
-        replay = DecoderReplay(runner, _follower_decoder)
+        replay = DecoderReplay(runner, _follower_decoder, params)
     follow(replay, timeout_s=cfg.cluster.heartbeat_timeout_s)
 
 

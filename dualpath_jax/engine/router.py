@@ -361,6 +361,7 @@ class Router:
             "read_queue_tokens": self.dispatch.read_queues(),
             "loads": self.dispatch.loads(),
             "params_version": self.params.version,
+            "params_pullers": self.params.pullers(),
             "alpha": self.scheduler.alpha,
             "beta": self.scheduler.beta,
             "prefill_costs": {

@@ -330,12 +330,12 @@ class DecoderReplay:
     """A decode engine's follower: builds the `Decoder` the leader's first call describes
     (`make_decoder(runner, **shape)`) and replays its calls."""
 
-    def __init__(self, runner, make_decoder):
+    def __init__(self, runner, make_decoder, params=None):
         from dualpath_jax.engine.params import ParamsSlot
 
         self.runner, self.make_decoder = runner, make_decoder
         self.decoder = None
-        self.params = ParamsSlot(runner, "", -1)
+        self.params = params or ParamsSlot(runner, "", -1)
 
     def __call__(self, follower: Follower, method: str, args: list, kwargs: dict) -> None:
         from dualpath_jax.engine.params import replay_params

@@ -17,19 +17,24 @@ File format:
      "rules": [
        {"op": "store.write", "error": "ENOSPC", "count": 3, "prob": 1.0},
        {"op": "store.read", "delay_s": 2.0},
-       {"op": "channel.pull", "hang": true, "engines": ["de1"]}]}
+       {"op": "channel.pull", "hang": true, "engines": ["de1"]},
+       {"op": "params.bucket", "corrupt": true, "count": 1}]}
 
 Top-level keys: `rules` (required list) and `seed` (int, default 0). Rule fields:
   op       store.lookup | store.read (read_full and read_layers) | store.write | store.delete |
-           channel.offer | channel.pull (required)
+           channel.offer | channel.pull | params.bucket (a bucket of a streamed params update,
+           as an engine pulled it, before its checksum is checked; transfer/params_sync.py)
+           (required)
   error    an errno name (ENOSPC, EROFS, EIO, ...): fail with OSError(errno, strerror) wrapped
            in the operation's own error type
   delay_s  sleep this long, then do the real operation (or fail, with `error`)
-  hang     true: block until the operation's own timeout, then fail as a timeout
+  hang     true: block until the operation's own timeout, then fail as a timeout (not for
+           params.bucket)
+  corrupt  true: flip the first bytes of the bucket's first array (params.bucket only)
   count    fault at most this many operations (per process), then the rule is spent
   prob     probability per operation, from a random stream seeded by `seed` and the rule index
   engines  only wrappers whose `who` is listed (e.g. ["de1", "pe0"]) obey the rule
-A rule needs `error`, `delay_s` or `hang` (`hang` goes alone). Rules are tried in order and the
+A rule needs `error`, `delay_s`, `hang` or `corrupt` (`hang` goes alone). Rules are tried in order and the
 first that fires applies: one fault per operation. Store calls on an empty batch of keys are
 never faulted (they do no I/O).
 Each rule's first fault is logged at WARNING ("injected ENOSPC into store.write (rule 0)"); every
@@ -62,8 +67,9 @@ OPS = (
     "store.delete",
     "channel.offer",
     "channel.pull",
+    "params.bucket",
 )
-_RULE_FIELDS = ("op", "error", "delay_s", "hang", "count", "prob", "engines")
+_RULE_FIELDS = ("op", "error", "delay_s", "hang", "corrupt", "count", "prob", "engines")
 _PLAN_FIELDS = ("rules", "seed")
 DEFAULT_CHECK_EVERY_S = 0.05
 
@@ -86,6 +92,7 @@ class FaultRule:
     count: int | None = None  # None: unlimited
     prob: float = 1.0
     engines: tuple[str, ...] | None = None  # None: every engine
+    corrupt: bool = False
 
     @property
     def errno(self) -> int | None:
@@ -104,6 +111,8 @@ class FaultRule:
         parts = [f"delay {self.delay_s:g}s"] if self.delay_s else []
         if self.error:
             parts.append(self.error)
+        if self.corrupt:
+            parts.append("corruption")
         return " + ".join(parts)
 
     def applies_to(self, op: str, who: str) -> bool:
@@ -145,11 +154,18 @@ def _parse_rule(i: int, raw: Any, source: str) -> FaultRule:
         if not isinstance(engines, list) or not all(isinstance(e, str) and e for e in engines):
             raise ValueError(f"{where}: engines must be a list of engine names, got {engines!r}")
         engines = tuple(engines)
+    corrupt = raw.get("corrupt", False)
+    if not isinstance(corrupt, bool):
+        raise ValueError(f"{where}: corrupt must be true or false, got {corrupt!r}")
+    if corrupt and op != "params.bucket":
+        raise ValueError(f"{where}: corrupt is for op params.bucket only")
+    if hang and op == "params.bucket":
+        raise ValueError(f"{where}: hang is not for op params.bucket (give delay_s)")
     if hang and (error is not None or delay_s):
         raise ValueError(f"{where}: hang cannot be combined with error or delay_s")
-    if not (hang or error is not None or delay_s):
-        raise ValueError(f"{where}: says nothing to inject (give error, delay_s or hang)")
-    return FaultRule(op, error, delay_s, hang, count, prob, engines)
+    if not (hang or error is not None or delay_s or corrupt):
+        raise ValueError(f"{where}: says nothing to inject (give error, delay_s, hang or corrupt)")
+    return FaultRule(op, error, delay_s, hang, count, prob, engines, corrupt)
 
 
 def parse_plan(text: str | bytes, source: str = "fault plan") -> tuple[tuple[FaultRule, ...], int]:

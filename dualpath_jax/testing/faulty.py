@@ -330,3 +330,31 @@ class Injector:
 
     def channel(self, channel: KVChannel) -> KVChannel:
         return FaultyChannel(channel, self.plan, self.who)
+
+    def params_bucket(self, arrays: list[Any]) -> list[Any]:
+        """A pulled bucket of a streamed params update, as the plan's `params.bucket` rules
+        leave it: delayed, failed (OSError) or with its first bytes flipped (`corrupt`)."""
+        hit = self.plan.pick("params.bucket", self.who)
+        if hit is None:
+            return arrays
+        i, rule = hit
+        if rule.delay_s:
+            self.plan.sleep(rule.delay_s)
+        if rule.error is not None:
+            cause = rule.oserror()
+            raise OSError(
+                cause.errno, f"injected {rule.describe()} into params.bucket (rule {i})"
+            ) from cause
+        if rule.corrupt and arrays:
+            arrays = [_flip_bytes(arrays[0]), *arrays[1:]]
+        return arrays
+
+
+def _flip_bytes(a: Any, n: int = 8) -> Any:
+    """A copy of array `a` (on its device) with its first `n` bytes inverted."""
+    import jax
+
+    host = np.array(a)  # a copy
+    raw = host.reshape(-1).view(np.uint8)
+    raw[:n] ^= 0xFF
+    return jax.device_put(host, a.sharding) if isinstance(a, jax.Array) else host

@@ -44,18 +44,26 @@ def experiment(model=TINY_QWEN2, **cluster) -> ExperimentConfig:
 # ----------------------------------------------------------------------------- calibration
 
 
-def test_calibration_predicts_its_own_samples(tiny_runner_gqa_first):
+def test_calibration_times_its_shapes_and_fits_them(tiny_runner_gqa_first):
     cfg = experiment(tiny_runner_gqa_first.cfg)
-    cal = calibrate(tiny_runner_gqa_first, cfg)
+    cal = calibrate(tiny_runner_gqa_first, cfg)  # the real clock: only what noise cannot move
     assert [(c, n) for c, n, _ in cal.samples] == list(calibration_shapes(cfg))
     assert all(math.isfinite(v) and v >= 0 for v in cal.model.prefill)
-    assert cal.model.prefill[0] > 0  # every forward costs something
     assert cal.seconds >= sum(s for *_, s in cal.samples)
-    # Four samples, three terms: the fit passes near each (timings on a shared host are noisy,
-    # so the slack is generous; a broken fit is off by orders of magnitude).
-    top = max(s for *_, s in cal.samples)
+    # A clock whose forwards last exactly a known cost model's time: the fit recovers it.
+    want = FittedCostModel(prefill=(2e-3, 4e-5, 1e-7))
+    shapes = list(calibration_shapes(cfg))
+    t, values = 0.0, [0.0]
+    for c, n in shapes:
+        for d in [100.0] + [want.prefill_time([(c, n)])] * 3:
+            values += [t, t + d]
+            t += d
+    values.append(t)
+    it = iter(values)
+    cal = calibrate(tiny_runner_gqa_first, cfg, shapes=shapes, clock=lambda: next(it))
+    assert cal.model.prefill == pytest.approx(want.prefill, rel=1e-6)
     for c, n, s in cal.samples:
-        assert cal.model.prefill_time([(c, n)]) == pytest.approx(s, abs=0.5 * s + 0.25 * top)
+        assert cal.model.prefill_time([(c, n)]) == pytest.approx(s, rel=1e-6)
 
 
 def test_each_sample_is_the_median_of_its_timed_runs(tiny_runner_gqa_first):

@@ -125,7 +125,7 @@ def test_a_spanning_engines_params_updates_reach_its_followers_first(tmp_path):
     leader = _Recorder()
     slot = ParamsSlot(Runner(), "v0", 1, mirror=leader)
     got = slot.stage(messages.LoadParams(version="v1", path=str(tmp_path)))
-    assert not got.ok and leader.sent == [("_params_stage", ("v1", str(tmp_path)), {})]
+    assert not got.ok and leader.sent == [("_params_stage", ("v1", str(tmp_path), "", 0), {})]
     slot.commit(messages.CommitParams(version="v1", commit=True))
     assert leader.sent[-1] == ("_params_commit", ("v1", True), {}) and slot.version == "v0"
     follower = ParamsSlot(Runner(), "v0", -1)
