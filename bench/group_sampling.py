@@ -1,0 +1,218 @@
+"""Group sampling (GRPO's G samples of one prompt) against G separate sessions, side by side.
+
+    python bench/group_sampling.py                       # G=8 samples of one 4,096-token prompt
+    python bench/group_sampling.py --json
+    python bench/group_sampling.py --config=configs/cpu_1p1d.py --set cluster.decode_max_len=8192
+
+Both modes draw the same G samples (sample i with `fold_in(key, i)`, temperature 1) of one
+random prompt on a 1P1D cluster (the tiny Qwen2 model by default, engines as threads of this
+process; `--runtime=process` for a LocalCluster), each mode in a cluster of its own:
+
+- `group`: `Client.submit_group` (what `rollout.step_group` runs) on G forks of one session: a
+  prefix round prefills the prompt once and stores its KV once, then the G rounds read its whole
+  blocks from the store and compute only the tail;
+- `separate`: G fresh sessions, each submitting the whole prompt at once (concurrently).
+
+For each mode: the prompt tokens computed (the sum of `prompt_tokens - cached_tokens` over every
+round, the prefix round included), the KV stored (bytes and block files in the store directory
+once the rounds are done) and the wall time from the first submit to the last result. A warm-up
+of the same mode on another prompt runs first in each cluster, so that neither pays compiles in
+the measured run. The tokens of both modes must be equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import shutil
+import time
+
+from absl import app, flags
+
+_CONFIG = flags.DEFINE_string(
+    "config", "", "config file[:arg] (default: the tiny Qwen2 model on a 1P1D cluster)"
+)
+_SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
+_RUNTIME = flags.DEFINE_enum(
+    "runtime", "thread", ["thread", "process"], "engines as threads or processes"
+)
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 4096, "tokens of the prompt")
+_GROUP = flags.DEFINE_integer("group", 8, "samples of the prompt (G)")
+_GEN = flags.DEFINE_integer("gen", 16, "tokens generated per sample")
+_WORKDIR = flags.DEFINE_string("workdir", "bench_out/group_sampling", "Output directory.")
+_JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
+
+MODES = ("group", "separate")
+
+
+def default_config(prompt_tokens: int, gen: int, group: int):
+    """The tiny Qwen2 model on a 1P1D cluster whose decode engine holds G sequences of the
+    prompt and the generated tokens; 64-token blocks."""
+    from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
+    from dualpath_jax.presets import TINY_QWEN2
+
+    return ExperimentConfig(
+        name="group-sampling",
+        model=TINY_QWEN2,
+        cluster=ClusterConfig(
+            prefill_nodes=1,
+            decode_nodes=1,
+            decode_slots=group,
+            decode_max_len=prompt_tokens + gen + 64,
+        ),
+        store=StoreConfig(block_tokens=64),
+    )
+
+
+def store_usage(root: pathlib.Path) -> tuple[int, int]:
+    """(bytes, files) under a file store's directory."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files), len(files)
+
+
+def run_once(client, mode: str, tag: str, prompt: list[int], gen: int, group: int, key):
+    """One group of samples of `prompt`; returns (wall seconds, the rounds' results with the
+    prefix round first in group mode, the samples' tokens, the sessions to close)."""
+    import jax
+
+    from dualpath_jax.rollout import round_sampling
+
+    samplings = [round_sampling(1.0, 1.0, jax.random.fold_in(key, i)) for i in range(group)]
+    if mode == "group":
+        parent = f"{tag}-parent"
+        client.open_session(parent)
+        sessions = [f"{tag}-{i}" for i in range(group)]
+        for s in sessions:
+            client.open_session(s, fork_of=parent)
+        t0 = time.monotonic()
+        futs = client.submit_group(sessions, prompt, gen, samplings=samplings)
+        results = [f.result() for f in futs]
+        wall = time.monotonic() - t0
+        return (
+            wall,
+            [futs.prefix.result(), *results],
+            [r.tokens for r in results],
+            [parent, *sessions],
+        )
+    sessions = [f"{tag}-{i}" for i in range(group)]
+    for s in sessions:
+        client.open_session(s)
+    t0 = time.monotonic()
+    futs = [client.submit(s, prompt, gen, sampling=p) for s, p in zip(sessions, samplings)]
+    results = [f.result() for f in futs]
+    wall = time.monotonic() - t0
+    return wall, results, [r.tokens for r in results], sessions
+
+
+def measure(
+    cfg, mode: str, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int
+) -> dict:
+    """Starts a cluster, warms `mode` up on one prompt, measures it on another."""
+    import jax
+    import numpy as np
+
+    from dualpath_jax.cluster import InProcessCluster, LocalCluster
+
+    shutil.rmtree(workdir, ignore_errors=True)
+    vocab = cfg.model.vocab_size
+    rs = np.random.RandomState(0)
+    warm, prompt = (rs.randint(0, vocab, prompt_tokens).tolist() for _ in range(2))
+    cls = InProcessCluster if runtime == "thread" else LocalCluster
+    with cls(cfg, workdir) as cluster:
+        client = cluster.client()
+        try:
+            *_, opened = run_once(client, mode, "warm", warm, gen, group, jax.random.key(1))
+            for s in opened:
+                client.close_session(s, release=True)
+            root = pathlib.Path(cfg.store.root or workdir / "store")
+            before = store_usage(root)
+            wall, results, tokens, opened = run_once(
+                client, mode, "run", prompt, gen, group, jax.random.key(0)
+            )
+            after = store_usage(root)
+            for s in opened:
+                client.close_session(s)
+        finally:
+            client.close()
+    computed = [r.prompt_tokens - r.cached_tokens for r in results]
+    return {
+        "wall_s": wall,
+        "rounds": len(results),
+        "prefill_tokens_computed": sum(computed),
+        "prompt_tokens": sum(r.prompt_tokens for r in results),
+        "cached_tokens": sum(r.cached_tokens for r in results),
+        "computed_per_round": computed,
+        "kv_bytes_stored": after[0] - before[0],
+        "kv_block_files": after[1] - before[1],
+        "tokens": [list(t) for t in tokens],
+    }
+
+
+def run(cfg, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int) -> dict:
+    """Both modes, each in a cluster of its own; the report (JSON-ready)."""
+    out = {
+        "model": cfg.model.name,
+        "runtime": runtime,
+        "prompt_tokens": prompt_tokens,
+        "gen": gen,
+        "group": group,
+        "block_tokens": cfg.store.block_tokens,
+    }
+    for mode in MODES:
+        out[mode] = measure(cfg, mode, workdir / mode, runtime, prompt_tokens, gen, group)
+    g, s = out["group"], out["separate"]
+    out["identical_tokens"] = g.pop("tokens") == s.pop("tokens")
+    out["prefill_ratio"] = s["prefill_tokens_computed"] / max(1, g["prefill_tokens_computed"])
+    out["kv_bytes_ratio"] = s["kv_bytes_stored"] / max(1, g["kv_bytes_stored"])
+    out["wall_ratio"] = s["wall_s"] / g["wall_s"]
+    return out
+
+
+def main(argv):
+    del argv
+    from dualpath_jax import apply_overrides, load_config
+
+    prompt_tokens, gen, group = _PROMPT.value, _GEN.value, _GROUP.value
+    if _CONFIG.value:
+        cfg = load_config(_CONFIG.value)
+    else:
+        cfg = default_config(prompt_tokens, gen, group)
+    cfg = apply_overrides(cfg, list(_SET.value))
+    if cfg.cluster.decode_max_len < prompt_tokens + gen + 1:
+        raise app.UsageError(
+            f"cluster.decode_max_len={cfg.cluster.decode_max_len} cannot hold a "
+            f"{prompt_tokens}-token prompt and {gen} generated tokens: --set cluster.decode_max_len=..."
+        )
+    if cfg.store.kind != "file":
+        raise app.UsageError("the KV bytes are measured in a file store: store.kind=file")
+    workdir = pathlib.Path(_WORKDIR.value).absolute()
+    cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=""))
+    out = run(cfg, workdir, _RUNTIME.value, prompt_tokens, gen, group)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "group_sampling.json").write_text(json.dumps(out, indent=1))
+    if _JSON.value:
+        print(json.dumps(out))
+        return
+    print(
+        f"{out['model']}, {group} samples of a {prompt_tokens}-token prompt, {gen} tokens each,"
+        f" {out['block_tokens']}-token blocks, engines as {out['runtime']}s"
+    )
+    head = f"{'mode':>9} {'rounds':>6} {'prefill computed':>16} {'cached':>8} {'KV stored':>12} {'blocks':>7} {'wall s':>7}"
+    print(head)
+    print("-" * len(head))
+    for mode in MODES:
+        r = out[mode]
+        print(
+            f"{mode:>9} {r['rounds']:>6} {r['prefill_tokens_computed']:>16,} {r['cached_tokens']:>8,}"
+            f" {r['kv_bytes_stored'] / 1e6:>10.2f}MB {r['kv_block_files']:>7} {r['wall_s']:>7.2f}"
+        )
+    print(
+        f"separate / group: prefill {out['prefill_ratio']:.2f}x, KV stored"
+        f" {out['kv_bytes_ratio']:.2f}x, wall {out['wall_ratio']:.2f}x; tokens identical:"
+        f" {'yes' if out['identical_tokens'] else 'NO'}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
