@@ -17,7 +17,10 @@ For each mode: the prompt tokens computed (the sum of `prompt_tokens - cached_to
 round, the prefix round included), the KV stored (bytes and block files in the store directory
 once the rounds are done) and the wall time from the first submit to the last result. A warm-up
 of the same mode on another prompt runs first in each cluster, so that neither pays compiles in
-the measured run. The tokens of both modes must be equal.
+the measured runs; then `--repeats` groups, each on a prompt of its own (medians reported). The
+store keys blocks by content, so G sessions writing the same prompt store it once: "KV written"
+(the bytes the decode engine sent to the store over its storage NIC) shows what they cost. The
+tokens of both modes must be equal.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ _PROMPT = flags.DEFINE_integer("prompt_tokens", 4096, "tokens of the prompt")
 _GROUP = flags.DEFINE_integer("group", 8, "samples of the prompt (G)")
 _GEN = flags.DEFINE_integer("gen", 16, "tokens generated per sample")
 _WORKDIR = flags.DEFINE_string("workdir", "bench_out/group_sampling", "Output directory.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "measured groups per mode (medians reported)")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
 MODES = ("group", "separate")
@@ -69,6 +73,17 @@ def store_usage(root: pathlib.Path) -> tuple[int, int]:
     """(bytes, files) under a file store's directory."""
     files = [p for p in root.rglob("*") if p.is_file()]
     return sum(p.stat().st_size for p in files), len(files)
+
+
+def storage_nic_bytes(stats: dict) -> dict[str, int]:
+    """Bytes the engines moved over their nodes' storage NICs: "snic_tx" (KV written to the
+    store, even when the block was there already) and "snic_rx" (KV read from it)."""
+    out = {"snic_tx": 0, "snic_rx": 0}
+    for engine in stats.get("engines", {}).values():
+        for link in engine.get("links", {}).get("links", {}).values():
+            if link["kind"] in out:
+                out[link["kind"]] += int(link["bytes"])
+    return out
 
 
 def run_once(client, mode: str, tag: str, prompt: list[int], gen: int, group: int, key):
@@ -106,50 +121,79 @@ def run_once(client, mode: str, tag: str, prompt: list[int], gen: int, group: in
 
 
 def measure(
-    cfg, mode: str, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int
-) -> dict:
-    """Starts a cluster, warms `mode` up on one prompt, measures it on another."""
+    cfg,
+    mode: str,
+    workdir: pathlib.Path,
+    runtime: str,
+    prompt_tokens: int,
+    gen: int,
+    group: int,
+    repeats: int,
+) -> list[dict]:
+    """Starts a cluster, warms `mode` up on one prompt, then measures it `repeats` times, each
+    on a prompt of its own (prompt r is the same in both modes); one record per repeat."""
     import jax
     import numpy as np
 
     from dualpath_jax.cluster import InProcessCluster, LocalCluster
 
     shutil.rmtree(workdir, ignore_errors=True)
-    vocab = cfg.model.vocab_size
     rs = np.random.RandomState(0)
-    warm, prompt = (rs.randint(0, vocab, prompt_tokens).tolist() for _ in range(2))
+    prompts = [
+        rs.randint(0, cfg.model.vocab_size, prompt_tokens).tolist() for _ in range(repeats + 1)
+    ]
     cls = InProcessCluster if runtime == "thread" else LocalCluster
+    root = pathlib.Path(cfg.store.root or workdir / "store")
+    records = []
     with cls(cfg, workdir) as cluster:
         client = cluster.client()
         try:
-            *_, opened = run_once(client, mode, "warm", warm, gen, group, jax.random.key(1))
+            *_, opened = run_once(client, mode, "warm", prompts[0], gen, group, jax.random.key(1))
             for s in opened:
                 client.close_session(s, release=True)
-            root = pathlib.Path(cfg.store.root or workdir / "store")
-            before = store_usage(root)
-            wall, results, tokens, opened = run_once(
-                client, mode, "run", prompt, gen, group, jax.random.key(0)
-            )
-            after = store_usage(root)
-            for s in opened:
-                client.close_session(s)
+            for r, prompt in enumerate(prompts[1:]):
+                before, nic_before = store_usage(root), storage_nic_bytes(client.stats())
+                wall, results, tokens, opened = run_once(
+                    client, mode, f"run{r}", prompt, gen, group, jax.random.key(r)
+                )
+                after, nic_after = store_usage(root), storage_nic_bytes(client.stats())
+                for s in opened:
+                    client.close_session(s, release=True)
+                computed = [x.prompt_tokens - x.cached_tokens for x in results]
+                records.append(
+                    {
+                        "wall_s": wall,
+                        "rounds": len(results),
+                        "prefill_tokens_computed": sum(computed),
+                        "prompt_tokens": sum(x.prompt_tokens for x in results),
+                        "cached_tokens": sum(x.cached_tokens for x in results),
+                        "computed_per_round": computed,
+                        "kv_bytes_stored": after[0] - before[0],
+                        "kv_block_files": after[1] - before[1],
+                        "kv_bytes_written": nic_after["snic_tx"] - nic_before["snic_tx"],
+                        "kv_bytes_read": nic_after["snic_rx"] - nic_before["snic_rx"],
+                        "tokens": [list(t) for t in tokens],
+                    }
+                )
         finally:
             client.close()
-    computed = [r.prompt_tokens - r.cached_tokens for r in results]
-    return {
-        "wall_s": wall,
-        "rounds": len(results),
-        "prefill_tokens_computed": sum(computed),
-        "prompt_tokens": sum(r.prompt_tokens for r in results),
-        "cached_tokens": sum(r.cached_tokens for r in results),
-        "computed_per_round": computed,
-        "kv_bytes_stored": after[0] - before[0],
-        "kv_block_files": after[1] - before[1],
-        "tokens": [list(t) for t in tokens],
-    }
+    return records
 
 
-def run(cfg, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int) -> dict:
+def summarize(records: list[dict]) -> dict:
+    """The median of every numeric figure over the repeats; the last repeat's per-round list."""
+    import statistics
+
+    out = {k: statistics.median(r[k] for r in records) for k, v in records[0].items()
+           if isinstance(v, int | float)}  # fmt: skip
+    out["wall_s_all"] = [r["wall_s"] for r in records]
+    out["computed_per_round"] = records[-1]["computed_per_round"]
+    return out
+
+
+def run(
+    cfg, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int, repeats: int
+) -> dict:
     """Both modes, each in a cluster of its own; the report (JSON-ready)."""
     out = {
         "model": cfg.model.name,
@@ -157,14 +201,22 @@ def run(cfg, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, 
         "prompt_tokens": prompt_tokens,
         "gen": gen,
         "group": group,
+        "repeats": repeats,
         "block_tokens": cfg.store.block_tokens,
     }
+    records = {}
     for mode in MODES:
-        out[mode] = measure(cfg, mode, workdir / mode, runtime, prompt_tokens, gen, group)
+        records[mode] = measure(
+            cfg, mode, workdir / mode, runtime, prompt_tokens, gen, group, repeats
+        )
+        out[mode] = summarize(records[mode])
     g, s = out["group"], out["separate"]
-    out["identical_tokens"] = g.pop("tokens") == s.pop("tokens")
+    out["identical_tokens"] = all(
+        a["tokens"] == b["tokens"] for a, b in zip(records["group"], records["separate"])
+    )
     out["prefill_ratio"] = s["prefill_tokens_computed"] / max(1, g["prefill_tokens_computed"])
     out["kv_bytes_ratio"] = s["kv_bytes_stored"] / max(1, g["kv_bytes_stored"])
+    out["kv_written_ratio"] = s["kv_bytes_written"] / max(1, g["kv_bytes_written"])
     out["wall_ratio"] = s["wall_s"] / g["wall_s"]
     return out
 
@@ -188,7 +240,7 @@ def main(argv):
         raise app.UsageError("the KV bytes are measured in a file store: store.kind=file")
     workdir = pathlib.Path(_WORKDIR.value).absolute()
     cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=""))
-    out = run(cfg, workdir, _RUNTIME.value, prompt_tokens, gen, group)
+    out = run(cfg, workdir, _RUNTIME.value, prompt_tokens, gen, group, _REPEATS.value)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "group_sampling.json").write_text(json.dumps(out, indent=1))
     if _JSON.value:
@@ -198,19 +250,24 @@ def main(argv):
         f"{out['model']}, {group} samples of a {prompt_tokens}-token prompt, {gen} tokens each,"
         f" {out['block_tokens']}-token blocks, engines as {out['runtime']}s"
     )
-    head = f"{'mode':>9} {'rounds':>6} {'prefill computed':>16} {'cached':>8} {'KV stored':>12} {'blocks':>7} {'wall s':>7}"
+    head = (
+        f"{'mode':>9} {'rounds':>6} {'prefill computed':>16} {'cached':>8} {'KV stored':>12}"
+        f" {'blocks':>7} {'KV written':>12} {'KV read':>12} {'wall s':>7}"
+    )
     print(head)
     print("-" * len(head))
     for mode in MODES:
         r = out[mode]
         print(
             f"{mode:>9} {r['rounds']:>6} {r['prefill_tokens_computed']:>16,} {r['cached_tokens']:>8,}"
-            f" {r['kv_bytes_stored'] / 1e6:>10.2f}MB {r['kv_block_files']:>7} {r['wall_s']:>7.2f}"
+            f" {r['kv_bytes_stored'] / 1e6:>10.2f}MB {r['kv_block_files']:>7}"
+            f" {r['kv_bytes_written'] / 1e6:>10.2f}MB {r['kv_bytes_read'] / 1e6:>10.2f}MB"
+            f" {r['wall_s']:>7.2f}"
         )
     print(
         f"separate / group: prefill {out['prefill_ratio']:.2f}x, KV stored"
-        f" {out['kv_bytes_ratio']:.2f}x, wall {out['wall_ratio']:.2f}x; tokens identical:"
-        f" {'yes' if out['identical_tokens'] else 'NO'}"
+        f" {out['kv_bytes_ratio']:.2f}x, KV written {out['kv_written_ratio']:.2f}x,"
+        f" wall {out['wall_ratio']:.2f}x; tokens identical: {'yes' if out['identical_tokens'] else 'NO'}"
     )
 
 
