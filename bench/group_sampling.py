@@ -33,20 +33,6 @@ import time
 
 from absl import app, flags
 
-_CONFIG = flags.DEFINE_string(
-    "config", "", "config file[:arg] (default: the tiny Qwen2 model on a 1P1D cluster)"
-)
-_SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
-_RUNTIME = flags.DEFINE_enum(
-    "runtime", "thread", ["thread", "process"], "engines as threads or processes"
-)
-_PROMPT = flags.DEFINE_integer("prompt_tokens", 4096, "tokens of the prompt")
-_GROUP = flags.DEFINE_integer("group", 8, "samples of the prompt (G)")
-_GEN = flags.DEFINE_integer("gen", 16, "tokens generated per sample")
-_WORKDIR = flags.DEFINE_string("workdir", "bench_out/group_sampling", "Output directory.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "measured groups per mode (medians reported)")
-_JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
-
 MODES = ("group", "separate")
 
 
@@ -225,25 +211,23 @@ def main(argv):
     del argv
     from dualpath_jax import apply_overrides, load_config
 
-    prompt_tokens, gen, group = _PROMPT.value, _GEN.value, _GROUP.value
-    if _CONFIG.value:
-        cfg = load_config(_CONFIG.value)
-    else:
-        cfg = default_config(prompt_tokens, gen, group)
-    cfg = apply_overrides(cfg, list(_SET.value))
+    f = flags.FLAGS
+    prompt_tokens, gen, group = f.prompt_tokens, f.gen, f.group
+    cfg = load_config(f.config) if f.config else default_config(prompt_tokens, gen, group)
+    cfg = apply_overrides(cfg, list(f.set))
     if cfg.cluster.decode_max_len < prompt_tokens + gen + 1:
         raise app.UsageError(
-            f"cluster.decode_max_len={cfg.cluster.decode_max_len} cannot hold a "
-            f"{prompt_tokens}-token prompt and {gen} generated tokens: --set cluster.decode_max_len=..."
+            f"cluster.decode_max_len={cfg.cluster.decode_max_len} cannot hold a {prompt_tokens}"
+            f"-token prompt and {gen} generated tokens: --set cluster.decode_max_len=..."
         )
     if cfg.store.kind != "file":
         raise app.UsageError("the KV bytes are measured in a file store: store.kind=file")
-    workdir = pathlib.Path(_WORKDIR.value).absolute()
+    workdir = pathlib.Path(f.workdir).absolute()
     cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, root=""))
-    out = run(cfg, workdir, _RUNTIME.value, prompt_tokens, gen, group, _REPEATS.value)
+    out = run(cfg, workdir, f.runtime, prompt_tokens, gen, group, f.repeats)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "group_sampling.json").write_text(json.dumps(out, indent=1))
-    if _JSON.value:
+    if f.json:
         print(json.dumps(out))
         return
     print(
@@ -272,4 +256,14 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    # Flags exist only when run as a script: tests import several bench modules at once.
+    flags.DEFINE_string("config", "", "config file[:arg] (default: tiny Qwen2 on 1P1D)")
+    flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
+    flags.DEFINE_enum("runtime", "thread", ["thread", "process"], "engines as threads or processes")
+    flags.DEFINE_integer("prompt_tokens", 4096, "tokens of the prompt")
+    flags.DEFINE_integer("group", 8, "samples of the prompt (G)")
+    flags.DEFINE_integer("gen", 16, "tokens generated per sample")
+    flags.DEFINE_integer("repeats", 3, "measured groups per mode (medians reported)")
+    flags.DEFINE_string("workdir", "bench_out/group_sampling", "Output directory.")
+    flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
     app.run(main)
