@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import numbers
 import pathlib
 import queue
 import threading
@@ -21,76 +20,18 @@ from concurrent import futures
 from typing import Any, Protocol
 
 from dualpath_jax.engine import messages
+from dualpath_jax.engine.client_checks import (  # noqa: F401 - re-exported: the client's API
+    TOKEN_LIMIT,
+    RolloutError,
+    RoundFuture,
+    _check_int,
+    _check_ttl,
+    check_session,
+    check_tokens,
+)
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class RolloutError(RuntimeError):
-    """A round was refused or failed. `kind`: bad_request (the input), overloaded (queue full),
-    store, transfer or engine (the cluster failed it; `str(e)` carries the cause), cancelled,
-    auth (wrong secret), connection (the router stopped answering)."""
-
-    def __init__(self, message: str, kind: str = "error"):
-        super().__init__(message)
-        self.kind = kind
-
-
-TOKEN_LIMIT = 2**31  # token ids are int32 on the device
-
-
-def check_tokens(tokens: Sequence[int], what: str = "token id") -> list[int]:
-    """Token ids as plain ints; anything but an integer (numpy integers are fine; bool, float and
-    str are not) or a value outside [0, 2**31) raises RolloutError(kind="bad_request")."""
-    if isinstance(tokens, str | bytes):
-        raise RolloutError(
-            f"{what}s must be a sequence of ints, got {type(tokens).__name__}", "bad_request"
-        )
-    out = []
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise RolloutError(f"{what} {t!r} is not an int ({type(t).__name__})", "bad_request")
-        v = int(t)
-        if not 0 <= v < TOKEN_LIMIT:
-            raise RolloutError(f"{what} {v} is out of range [0, 2**31)", "bad_request")
-        out.append(v)
-    return out
-
-
-MAX_SESSION_NAME = 1024
-
-
-def check_session(session: Any) -> str:
-    """A session name: a non-empty str of at most `MAX_SESSION_NAME` characters; anything else
-    raises RolloutError(kind="bad_request") before a message is sent (the router would drop a
-    message it cannot decode, and the call would wait out its timeout)."""
-    if not isinstance(session, str) or not session:
-        raise RolloutError(f"a session must be a non-empty str, got {session!r}", "bad_request")
-    if len(session) > MAX_SESSION_NAME:
-        raise RolloutError(
-            f"a session name is at most {MAX_SESSION_NAME} characters, got {len(session)}",
-            "bad_request",
-        )
-    return session
-
-
-def _check_ttl(value: Any) -> float:
-    """A retention TTL in seconds: a real number (the router bounds its range)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RolloutError(f"ttl_s must be a number of seconds, got {value!r}", "bad_request")
-    return float(value)
-
-
-def _check_int(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
-    v = int(value)
-    if v < low:
-        bound = "> 0" if low == 1 else f">= {low}"
-        raise RolloutError(f"{name} must be {bound}, got {v}", "bad_request")
-    if v >= high:
-        raise RolloutError(f"{name} must be < {high}, got {v}", "bad_request")
-    return v
 
 
 class Backend(Protocol):
@@ -126,41 +67,9 @@ def key_to_seed(key: Any) -> int:
     return int(jax.random.bits(key, dtype=jnp.uint32))
 
 
-def _tree_nbytes(params: Any) -> int:
-    import jax
-
-    from dualpath_jax.model.checkpoint import params_state
-
-    return sum(int(x.nbytes) for x in jax.tree.leaves(params_state(params)))
-
-
 def new_version() -> str:
     """A fresh, unique params version name."""
     return f"v-{uuid.uuid4().hex[:16]}"
-
-
-class GroupFutures(list):
-    """`Client.submit_group`'s futures, one per session, and `prefix`: the prompt's round."""
-
-    prefix: futures.Future
-
-
-def _chain(src: futures.Future, dst: futures.Future) -> None:
-    """Resolves `dst` as `src` resolves."""
-
-    def done(f: futures.Future) -> None:
-        if f.exception() is not None:
-            dst.set_exception(f.exception())
-        else:
-            dst.set_result(f.result())
-
-    src.add_done_callback(done)
-
-
-class RoundFuture(futures.Future):
-    """The future of one round; `request` is its id (for `Client.cancel`)."""
-
-    request: str = ""
 
 
 class Client:
@@ -318,7 +227,7 @@ class Client:
         samplings: Sequence[SamplingParams],
         stop_tokens: Sequence[int] = (),
         timeout_s: float = 600.0,
-    ) -> GroupFutures:
+    ) -> Any:
         """One round in each of `sessions` (open, idle, with one context: forks of one session,
         `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
         tokens, round i drawn with `samplings[i]` (group sampling: GRPO's G completions of one
@@ -328,37 +237,12 @@ class Client:
         tail (what follows the last whole block, at least one token) themselves, each sampling
         its own first token. Returns one future per session (`RoundFuture`s, as `submit`'s),
         with the prefix round's future as `.prefix`; a failed prefix round fails them all."""
-        sessions = [check_session(x) for x in sessions]
-        if not sessions or len(samplings) != len(sessions):
-            raise RolloutError(
-                f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
-            )
-        append = check_tokens(append)
-        outs = GroupFutures(RoundFuture() for _ in sessions)
-        outs.prefix = futures.Future()
+        from dualpath_jax.engine.groups import submit_group
 
-        def run() -> None:
-            fork = f"{sessions[0]}~group-{uuid.uuid4().hex[:8]}"
-            try:
-                self.open_session(fork, fork_of=sessions[0])
-                try:
-                    res = self.submit(fork, append, 1).result(timeout_s)
-                finally:
-                    self.close_session(fork)  # its blocks stay for the group to read
-                outs.prefix.set_result(res)
-            except BaseException as e:  # noqa: BLE001 - the group fails with it
-                err = e if isinstance(e, RolloutError) else RolloutError(str(e), "engine")
-                outs.prefix.set_exception(err)
-                for out in outs:
-                    out.set_exception(err)
-                return
-            for sid, sampling, out in zip(sessions, samplings, outs):
-                fut = self.submit(sid, append, gen, sampling=sampling, stop_tokens=stop_tokens)
-                out.request = fut.request
-                _chain(fut, out)
-
-        threading.Thread(target=run, name="submit-group", daemon=True).start()
-        return outs
+        return submit_group(
+            self, sessions, append, gen, samplings=samplings, stop_tokens=stop_tokens,
+            timeout_s=timeout_s,
+        )  # fmt: skip
 
     def abort(
         self,
@@ -551,11 +435,14 @@ class Client:
         if via == "transfer":
             if directory is not None:
                 raise RolloutError("via='transfer' writes no directory", "bad_request")
-            return self._stream_params(params, version, bucket_bytes, timeout_s)
+            from dualpath_jax.engine.params_push import stream_params
+
+            return stream_params(self, params, version, bucket_bytes, timeout_s, pause)
         if via != "checkpoint":
             raise RolloutError(
                 f"via must be 'checkpoint' or 'transfer', got {via!r}", "bad_request"
             )
+        from dualpath_jax.engine.params_push import tree_nbytes
         from dualpath_jax.model.checkpoint import save_params_tree
 
         if directory is None:
@@ -571,55 +458,11 @@ class Client:
         self.update_params_from_checkpoint(path, version, timeout_s=timeout_s, pause=pause)
         self.last_params_update = {
             "via": "checkpoint",
-            "bytes": _tree_nbytes(params),
+            "bytes": tree_nbytes(params),
             "prepare_s": t_saved - t0,
             "total_s": time.monotonic() - t0,
         }
         return version
-
-    def _stream_params(
-        self,
-        params: Any,
-        version: str,
-        bucket_bytes: int | None,
-        timeout_s: float,
-        pause: str = "wait",
-    ) -> str:
-        """`update_params(via="transfer")`: offers the params (one copy per engine process the
-        router counts in rotation, plus one for an engine joining meanwhile) for as long as the
-        update runs, then drops the offers."""
-        import time
-
-        from dualpath_jax.transfer.params_sync import DEFAULT_BUCKET_BYTES, offer_params
-
-        t0 = time.monotonic()
-        copies = int(self.stats(timeout_s).get("params_pullers", 1)) + 1
-        handle = offer_params(
-            params,
-            self._open_params_channel(),
-            copies,
-            bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES,
-        )
-        with handle:
-            msg = messages.UpdateParams(version=version, offer=handle.offer, pause=pause)
-            self._check(self._call(msg, f"params:{version}").result(timeout_s))
-        self.last_params_update = {
-            "via": "transfer",
-            "bytes": handle.offer.nbytes,
-            "buckets": len(handle.offer.buckets),
-            "prepare_s": handle.offer_s,
-            "total_s": time.monotonic() - t0,
-        }
-        return version
-
-    def _open_params_channel(self):
-        if self._params_channel is not None:
-            return self._params_channel()
-        from dualpath_jax.engine.rpc import host_port
-        from dualpath_jax.transfer.jax_channel import JaxTransferChannel
-
-        bind = host_port(self.transfer_host, 0)
-        return JaxTransferChannel(bind=bind, transport_addresses=[bind], offer_ttl_s=None)
 
     def update_params_from_checkpoint(
         self,

@@ -4,9 +4,10 @@
 parameters over `jax.experimental.transfer` (a `KVChannel`) instead of a shared disk:
 
 - the client (`offer_params`) splits the parameter tree into buckets of at most `bucket_bytes`
-  (whole leaves, in tree order), computes each bucket's checksum, and offers each bucket `copies` times from its own transfer server (an offer is pulled
-  once: every pulling process takes its own copy; offering a copy costs no memory, the arrays
-  are shared). The `messages.ParamsOffer` manifest (address, uuids, leaves, checksums) travels
+  (whole leaves, in tree order), computes each bucket's checksum, and offers each bucket
+  `copies` times from its own transfer server (an offer is pulled once: every pulling process
+  takes its own copy; offering a copy costs no memory, the arrays are shared). The
+  `ParamsOffer` manifest (transfer/params_offer.py: address, uuids, leaves, checksums) travels
   in `UpdateParams` and the router's `LoadParams`;
 - each engine process (`pull_params`) first checks the manifest's paths, shapes and dtypes
   against its model (nothing is pulled for a wrong tree), then pulls one bucket at a time onto
@@ -32,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from dualpath_jax.engine import messages
 from dualpath_jax.transfer.channel import UUID_BITS, KVChannel
+from dualpath_jax.transfer.params_offer import ParamsBucket, ParamsLeaf, ParamsOffer
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ def bucket_checksum(paths: Sequence[str], arrays: Sequence[Any]) -> str:
     return f"{crc:08x}"
 
 
-def manifest_spec(offer: messages.ParamsOffer) -> dict[str, tuple[tuple[int, ...], str]]:
+def manifest_spec(offer: ParamsOffer) -> dict[str, tuple[tuple[int, ...], str]]:
     """`path -> (shape, dtype)` of every leaf an offer holds (`checkpoint.check_params_tree`)."""
     return {leaf.path: (tuple(leaf.shape), leaf.dtype) for b in offer.buckets for leaf in b.leaves}
 
@@ -90,7 +91,7 @@ def manifest_spec(offer: messages.ParamsOffer) -> dict[str, tuple[tuple[int, ...
 class ParamsOfferHandle:
     """The offers of one update, served from `channel` until `close()` (which drops them)."""
 
-    def __init__(self, offer: messages.ParamsOffer, channel: KVChannel, seconds: float):
+    def __init__(self, offer: ParamsOffer, channel: KVChannel, seconds: float):
         self.offer, self.channel, self.offer_s = offer, channel, seconds
 
     def close(self) -> None:
@@ -129,20 +130,18 @@ def offer_params(
             paths = [flat[i][0] for i in idx]
             arrays = [flat[i][1] for i in idx]
             leaves = [
-                messages.ParamsLeaf(path=p, shape=list(a.shape), dtype=str(np.dtype(a.dtype)))
+                ParamsLeaf(path=p, shape=list(a.shape), dtype=str(np.dtype(a.dtype)))
                 for p, a in zip(paths, arrays)
             ]
             buckets.append(
-                messages.ParamsBucket(
+                ParamsBucket(
                     leaves=leaves,
                     nbytes=sum(int(a.nbytes) for a in arrays),
                     checksum=bucket_checksum(paths, arrays),
                 )
             )
         base = 1 + secrets.randbelow((1 << UUID_BITS) - 1 - copies * len(plan))
-        offer = messages.ParamsOffer(
-            address=channel.address, uuid=base, copies=copies, buckets=buckets
-        )
+        offer = ParamsOffer(address=channel.address, uuid=base, copies=copies, buckets=buckets)
         for c in range(copies):
             for b, idx in enumerate(plan):
                 channel.offer(offer.uuid_of(c, b), [flat[i][1] for i in idx])
@@ -173,7 +172,7 @@ def _single_device(x: Any) -> Any:
 
 
 def pull_params(
-    offer: messages.ParamsOffer,
+    offer: ParamsOffer,
     copy: int,
     channel: KVChannel,
     served: dict[str, Any],

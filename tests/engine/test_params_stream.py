@@ -17,6 +17,7 @@ from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
+from dualpath_jax.transfer.params_offer import ParamsBucket, ParamsLeaf, ParamsOffer
 from dualpath_jax.transfer.params_sync import (
     bucket_checksum,
     flat_params,
@@ -188,10 +189,10 @@ def test_the_fault_plan_corrupts_delays_or_fails_params_buckets(tmp_path):
 # ----------------------------------------------------------------------------- the router
 
 
-def _offer(copies: int = 3) -> messages.ParamsOffer:
-    leaf = messages.ParamsLeaf(path="embed/embedding", shape=[4], dtype="float32")
-    bucket = messages.ParamsBucket(leaves=[leaf], nbytes=16, checksum="0")
-    return messages.ParamsOffer(address="a:1", uuid=5, copies=copies, buckets=[bucket])
+def _offer(copies: int = 3) -> ParamsOffer:
+    leaf = ParamsLeaf(path="embed/embedding", shape=[4], dtype="float32")
+    bucket = ParamsBucket(leaves=[leaf], nbytes=16, checksum="0")
+    return ParamsOffer(address="a:1", uuid=5, copies=copies, buckets=[bucket])
 
 
 @pytest.fixture()

@@ -1,0 +1,87 @@
+"""Group sampling on a cluster (`Client.submit_group`): one round in each of G sessions of one
+context, the prompt prefilled once.
+
+A first round on a fork of the first session computes the prompt and stores its KV (it
+generates one token, discarded; the fork is closed and its blocks stay); then each session's
+round reads the prompt's whole blocks from the store (the block keys are the same: a hash chain
+of the tokens) and computes only the tail after the last whole block and its own first token.
+The orchestration runs on a thread of its own, so the call returns the futures at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent import futures
+from typing import Any
+
+from dualpath_jax.engine.client_checks import (
+    RolloutError,
+    RoundFuture,
+    check_session,
+    check_tokens,
+)
+from dualpath_jax.model.sampling import SamplingParams
+
+
+class GroupFutures(list):
+    """`Client.submit_group`'s futures, one per session, and `prefix`: the prompt's round."""
+
+    prefix: futures.Future
+
+
+def _chain(src: futures.Future, dst: futures.Future) -> None:
+    """Resolves `dst` as `src` resolves."""
+
+    def done(f: futures.Future) -> None:
+        if f.exception() is not None:
+            dst.set_exception(f.exception())
+        else:
+            dst.set_result(f.result())
+
+    src.add_done_callback(done)
+
+
+def submit_group(
+    client: Any,
+    sessions: Sequence[str],
+    append: Sequence[int],
+    gen: int,
+    *,
+    samplings: Sequence[SamplingParams],
+    stop_tokens: Sequence[int] = (),
+    timeout_s: float = 600.0,
+) -> GroupFutures:
+    """`Client.submit_group` (see there) on `client`."""
+    sessions = [check_session(x) for x in sessions]
+    if not sessions or len(samplings) != len(sessions):
+        raise RolloutError(
+            f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
+        )
+    append = check_tokens(append)
+    outs = GroupFutures(RoundFuture() for _ in sessions)
+    outs.prefix = futures.Future()
+
+    def run() -> None:
+        fork = f"{sessions[0]}~group-{uuid.uuid4().hex[:8]}"
+        try:
+            client.open_session(fork, fork_of=sessions[0])
+            try:
+                res = client.submit(fork, append, 1).result(timeout_s)
+            finally:
+                client.close_session(fork)  # its blocks stay for the group to read
+            outs.prefix.set_result(res)
+        except BaseException as e:  # noqa: BLE001 - the group fails with it
+            err = e if isinstance(e, RolloutError) else RolloutError(str(e), "engine")
+            outs.prefix.set_exception(err)
+            for out in outs:
+                out.set_exception(err)
+            return
+        for sid, sampling, out in zip(sessions, samplings, outs):
+            fut = client.submit(sid, append, gen, sampling=sampling, stop_tokens=stop_tokens)
+            out.request = fut.request
+            _chain(fut, out)
+
+    threading.Thread(target=run, name="submit-group", daemon=True).start()
+    return outs
