@@ -247,9 +247,9 @@ def _check_fields(obj: Any, where: str) -> None:
         key, value = f"{where}.{name}" if where else name, getattr(obj, name)
         args = typing.get_args(tp)
         if type(None) in args and len(args) == 2:  # `X | None`: None means "not set"
-            if value is None:
-                continue
             tp = next(a for a in args if a is not type(None))
+            if value is None or tp not in (int, float):  # others: checked by a relation
+                continue
         why = _type_error(tp, value)
         if why:
             raise ConfigError(f"{key}: {why}")
