@@ -20,18 +20,19 @@ from collections.abc import Callable, Sequence
 from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import read_link_reports, summarize
-from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
+from dualpath_jax.workload.arrivals import (
+    as_rounds,
+    build_trajectories,  # noqa: F401 (re-exported: bench/overload.py)
+    build_workload,
+    check_context,
+)
 from dualpath_jax.workload.trace import Trajectory
 
 
 def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:
-    limit = min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
-    longest = max(t.total_len for t in trajs)
-    if longest > limit:
-        raise ValueError(
-            f"a trajectory reaches {longest} tokens but decode slots hold {limit}: raise "
-            "cluster.decode_max_len or lower workload.length_scale / workload.max_len"
-        )
+    """Raises `ConfigError` naming the longest request when it needs more context than the
+    cluster holds (`workload.arrivals.check_context`)."""
+    check_context(cfg, trajs)
 
 
 def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
@@ -42,8 +43,9 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     from dualpath_jax.rollout import run_trajectories
 
     workdir = pathlib.Path(workdir)
-    trajs, arrivals = build_trajectories(cfg)
-    check_fits(cfg, trajs)
+    plan = build_workload(cfg)
+    trajs, arrivals = plan.trajectories, plan.arrivals
+    check_context(cfg, trajs)
     rounds = as_rounds(trajs)
     runtime = InProcessCluster if cfg.cluster.runtime == "thread" else LocalCluster
     with runtime(cfg, workdir) as cluster:
@@ -81,6 +83,7 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
         tpot_slo_s=cfg.workload.tpot_slo_s,
     )
     summary["config"] = cfg.name
+    summary["workload"] = plan.record
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -9,9 +9,17 @@ import json
 import logging
 import pathlib
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from dualpath_jax.config import ExperimentConfig, Policy, apply_overrides, to_json, validate
+from dualpath_jax.config import (
+    SOURCE_KNOBS,
+    ExperimentConfig,
+    Policy,
+    WorkloadConfig,
+    apply_overrides,
+    to_json,
+    validate,
+)
 
 
 def run_config(
@@ -27,7 +35,13 @@ def run_config(
 ) -> ExperimentConfig:
     """`cfg` with the `section.key=value` overrides, then the convenience options (each None:
     unchanged) and `workload.mode = mode`; validated, so a bad value fails here with its key
-    named. `workload`: more `WorkloadConfig` fields (None values are skipped)."""
+    named. `workload`: more `WorkloadConfig` fields (None values are skipped).
+
+    A run that switches the workload to a trace (`trace`, or an override of `workload.trace`,
+    naming another source than the config file's) replays it as recorded: the config file's
+    `SOURCE_KNOBS` (agents, length_scale, max_len, max_turns: its synthetic workload's) are reset
+    to their as-recorded values unless this run sets them too (`recorded_workload`)."""
+    base = cfg.workload
     cfg = apply_overrides(cfg, overrides)
     w = dict(mode=mode, **{k: v for k, v in workload.items() if v is not None})
     if agents is not None:
@@ -36,12 +50,27 @@ def run_config(
         w["max_turns"] = max_turns
     if trace:
         w["trace"] = trace
-    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **w))
+    run_keys = set(w) | {
+        key.split("=", 1)[0].strip().removeprefix("workload.")
+        for key in overrides
+        if key.split("=", 1)[0].strip().startswith("workload.")
+    }
+    new = dataclasses.replace(cfg.workload, **w)
+    if new.trace and new.trace != base.trace:
+        new = recorded_workload(new, keep=run_keys)
+    cfg = dataclasses.replace(cfg, workload=new)
     if policy:
         cfg = dataclasses.replace(
             cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
         )
     return validate(cfg)
+
+
+def recorded_workload(w: WorkloadConfig, keep: Iterable[str] = ()) -> WorkloadConfig:
+    """`w` with every `SOURCE_KNOBS` field not named in `keep` at its as-recorded value: no
+    agent expansion (one agent per trajectory), no length scale, no `max_len` cut, every round."""
+    keep = set(keep)
+    return dataclasses.replace(w, **{k: v for k, v in SOURCE_KNOBS.items() if k not in keep})
 
 
 def prepare_workdir(cfg: ExperimentConfig, workdir: str | pathlib.Path) -> pathlib.Path:

@@ -27,13 +27,20 @@ AGENTS = flags.DEFINE_integer(
 MAX_TURNS = flags.DEFINE_integer(
     "max_turns", None, "Rounds kept per trajectory (overrides workload.max_turns; 0: every round)."
 )
-TRACE = flags.DEFINE_string("trace", None, "Trace file (overrides the synthetic preset).")
+TRACE = flags.DEFINE_string(
+    "trace",
+    None,
+    "Trace file or directory (overrides the synthetic preset). It replays as recorded: the"
+    " config file's agents, length_scale, max_len and max_turns apply only when set for this run"
+    " (--agents, --max_turns, --set workload.KEY=...).",
+)
 TRACE_FORMAT = flags.DEFINE_enum(
     "trace_format",
     None,
-    ["jsonl", "mooncake", "conversation"],
+    ["jsonl", "mooncake", "conversation", "weka", "tracelab"],
     "Format of --trace (overrides workload.trace_format): this project's JSONL, a Mooncake"
-    " request trace, or a ShareGPT/OpenAI conversation file (docs/traces.md).",
+    " request trace, a ShareGPT/OpenAI conversation file, Weka coding-agent sessions (a file or a"
+    " directory) or a TraceLab round trace (docs/traces.md).",
 )
 
 

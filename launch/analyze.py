@@ -6,6 +6,7 @@ Examples:
   python launch/analyze.py --table1 --contexts=16384,32721,65536
   python launch/analyze.py --trace_stats=64k                 # synthetic 64K set vs Table 2
   python launch/analyze.py --trace_stats=/path/trace.jsonl
+  python launch/analyze.py --trace_stats=/path/sessions_dir --trace_format=weka
 
 Only the sections asked for are printed; with no section flag, P/D range and Table 1.
 `--workdir=DIR` also writes `DIR/summary.json` with the numbers.
@@ -20,7 +21,8 @@ import sys
 from absl import app, flags
 
 from dualpath_jax.analysis import format_pd_range, format_table1, pd_range, table1
-from dualpath_jax.workload import load_trace, trace_stats
+from dualpath_jax.config import WorkloadConfig
+from dualpath_jax.workload import FORMATS, TraceError, read_trace, trace_stats
 from dualpath_jax.workload.synthetic import PRESETS, generate
 
 _G = flags.DEFINE_integer("g", 8, "GPUs (engines) per node.")
@@ -31,7 +33,21 @@ _TABLE1 = flags.DEFINE_bool("table1", False, "Print the cache-compute ratios of 
 _CONTEXTS = flags.DEFINE_list("contexts", ["16384", "65536"], "Context lengths for Table 1.")
 _APPEND = flags.DEFINE_integer("append", 429, "Appended tokens per turn for Table 1.")
 _TRACE = flags.DEFINE_string(
-    "trace_stats", None, f"A synthetic preset ({', '.join(PRESETS)}) or a trace JSONL path."
+    "trace_stats",
+    None,
+    f"A synthetic preset ({', '.join(PRESETS)}) or a trace path in --trace_format (a directory"
+    " of session files for weka).",
+)
+_FORMAT = flags.DEFINE_enum(
+    "trace_format", "jsonl", list(FORMATS), "Format of the --trace_stats trace (docs/traces.md)."
+)
+_SCALE = flags.DEFINE_float(
+    "length_scale", 1.0, "Scale the trace's lengths (as workload.length_scale)."
+)
+_BLOCK = flags.DEFINE_integer(
+    "trace_block_tokens",
+    512,
+    "Tokens per hash id of a Mooncake trace (workload.trace_block_tokens).",
 )
 _TRAJ = flags.DEFINE_integer("trajectories", 500, "Synthetic trajectories (Table 2 uses 500).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the synthetic trace.")
@@ -47,9 +63,22 @@ def _trace_section(spec: str) -> dict:
         target = preset.target
         label = f"synthetic {preset.name} ({stats.trajectories} trajectories, seed {_SEED.value})"
     else:
-        stats = trace_stats(load_trace(spec))
+        w = WorkloadConfig(
+            trace=spec,
+            trace_format=_FORMAT.value,
+            length_scale=_SCALE.value,
+            trace_block_tokens=_BLOCK.value,
+        )
+        trajs, starts = read_trace(w)
+        stats = trace_stats(trajs)
         target = None
-        label = f"{spec} ({stats.trajectories} trajectories)"
+        label = f"{spec}, {_FORMAT.value} ({stats.trajectories} trajectories)"
+        gaps = [r.gap_s for t in trajs for r in t.rounds[1:]]
+        extra = {
+            "rounds": sum(len(t.rounds) for t in trajs),
+            "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0,
+            "last_start_s": max(starts) if starts else 0.0,
+        }
     print(f"trace statistics: {label}")
     print(f"{'':<10}{'ours':>10}{'Table 2':>10}{'ratio':>8}")
     rows = stats.row()
@@ -70,7 +99,14 @@ def _trace_section(spec: str) -> dict:
             print(f"{k:<10}{v:>10.1f}")
     limit = f" (MaxLen {preset.max_len})" if target is not None else ""
     print(f"longest trajectory: {stats.max_total} tokens{limit}")
-    return {"stats": rows, "table2": want, "max_total": stats.max_total}
+    out = {"stats": rows, "table2": want, "max_total": stats.max_total}
+    if target is None:
+        print(
+            f"rounds: {extra['rounds']}, mean gap before a later round {extra['gap_s_mean']:.1f} s,"
+            f" last trajectory starts at {extra['last_start_s']:.1f} s"
+        )
+        out.update(extra)
+    return out
 
 
 def _fail(msg: str) -> None:
@@ -119,9 +155,12 @@ def main(argv: list[str]) -> None:
         if want_pd or want_t1:
             print()
         spec = _TRACE.value
-        if spec.lower() not in PRESETS and not os.path.isfile(spec):
+        if spec.lower() not in PRESETS and not os.path.exists(spec):
             _fail(f"--trace_stats={spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
-        summary["trace_stats"] = _trace_section(spec)
+        try:
+            summary["trace_stats"] = _trace_section(spec)
+        except TraceError as e:
+            _fail(str(e))
     if _WORKDIR.value:
         os.makedirs(_WORKDIR.value, exist_ok=True)
         with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:

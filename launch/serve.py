@@ -12,6 +12,7 @@ from absl import app, flags
 
 from dualpath_jax import launcher
 from dualpath_jax.experiment import run_local
+from dualpath_jax.workload.formats import TIMED_FORMATS
 
 _APS = flags.DEFINE_float("aps", None, "Agent arrivals per second.")
 _DURATION = flags.DEFINE_float(
@@ -23,8 +24,11 @@ def main(argv):
     del argv
     cfg = _flags.build_config("online", aps=_APS.value, duration_s=_DURATION.value)
     w = cfg.workload
-    if w.aps <= 0 and not (w.trace and w.trace_format == "mooncake"):
-        raise app.UsageError("online runs need --aps > 0 (or workload.aps, or a Mooncake trace)")
+    if w.aps <= 0 and not (w.trace and w.trace_format in TIMED_FORMATS):
+        raise app.UsageError(
+            "online runs need --aps > 0 (or workload.aps, or a timed trace: mooncake, weka,"
+            " tracelab)"
+        )
     wd = _flags.prepare_workdir(cfg)
     launcher.print_summary(run_local(cfg, wd))
 

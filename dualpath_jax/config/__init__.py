@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dualpath_jax.config.schema import (
     KV_SCALE_TILE,
+    SOURCE_KNOBS,
     ClusterConfig,
     ConfigError,
     ExperimentConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "KV_SCALE_TILE",
     "MESH_AXES",
     "ROLES",
+    "SOURCE_KNOBS",
     "ClusterConfig",
     "ConfigError",
     "ExperimentConfig",

@@ -359,13 +359,20 @@ class WorkloadConfig:
     """Which trajectories to run and when they arrive."""
 
     preset: str = "64k"  # synthetic preset (Table 2), unless `trace` is set
-    trace: str = ""  # trace file path (format: trace_format)
-    trace_format: str = "jsonl"  # jsonl | mooncake | conversation (docs/traces.md)
+    # Trace file path (a directory of session files for `weka`), in `trace_format`: jsonl |
+    # mooncake | conversation | weka | tracelab (docs/traces.md). A run that switches to a trace
+    # (`launcher.run_config`: --trace, or a --set of workload.trace) replays it as recorded: the
+    # source's knobs (`SOURCE_KNOBS`: agents, length_scale, max_len, max_turns) of the config
+    # file are reset unless the run sets them too.
+    trace: str = ""
+    trace_format: str = "jsonl"
     trace_block_tokens: int = 512  # tokens per hash id in a Mooncake trace (before length_scale)
     trace_sessions: bool = True  # Mooncake: group continuing requests into trajectories
     trace_bytes_per_token: float = 4.0  # conversation files: UTF-8 bytes per token
     trajectories: int = 8
-    agents: int = 8
+    # Agents replaying the trajectories: more than there are expands them (appendix A.3 copies
+    # with a synthetic first round), fewer keeps the first ones. None: one agent per trajectory.
+    agents: int | None = 8
     mode: str = "offline"  # offline | online
     aps: float = 0.0
     duration_s: float = 0.0
@@ -381,6 +388,17 @@ class WorkloadConfig:
     seed: int = 0
     ttft_slo_s: float = 4.0
     tpot_slo_s: float = 0.05
+
+
+# The workload fields that shape a workload source rather than the run: what a trace replayed as
+# recorded takes (`launcher.run_config` resets the config file's values to these when a run
+# switches the source to a trace and does not set them itself).
+SOURCE_KNOBS: dict[str, object] = {
+    "agents": None,
+    "length_scale": 1.0,
+    "max_len": 0,
+    "max_turns": 0,
+}
 
 
 @dataclasses.dataclass(frozen=True)

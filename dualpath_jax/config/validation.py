@@ -55,6 +55,9 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
 _BOUND_OF = {key: (rule, ok) for rule, ok, keys in _BOUNDS for key in keys.split()}
 _DEFAULT_BOUND = ("must be >= 0", lambda v: v >= 0)
 
+# Trace formats whose files carry arrival times (workload.formats.TIMED_FORMATS).
+TIMED_FORMATS = ("mooncake", "weka", "tracelab")
+
 # String fields with a fixed set of values (the enum-typed fields are checked by their type).
 _CHOICES = {
     "model.attention_impl": ("auto", "reference", "xla", "pallas"),  # layers.ATTENTION_IMPLS
@@ -78,7 +81,8 @@ _CHOICES = {
         "float8_e4m3fn",
         "float8_e5m2",
     ),
-    "workload.trace_format": ("jsonl", "mooncake", "conversation"),  # workload.formats.FORMATS
+    # workload.formats.FORMATS
+    "workload.trace_format": ("jsonl", "mooncake", "conversation", "weka", "tracelab"),
 }
 
 
@@ -160,8 +164,8 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ),
         (
             "workload.aps",
-            # a Mooncake trace brings its own arrival times
-            w.mode != "online" or w.aps > 0 or (bool(w.trace) and w.trace_format == "mooncake"),
+            # a timed trace (Mooncake, Weka, TraceLab) brings its own arrival times
+            w.mode != "online" or w.aps > 0 or (bool(w.trace) and w.trace_format in TIMED_FORMATS),
             "must be > 0 in online mode",
         ),
         (
@@ -171,7 +175,7 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         ),
         (
             "workload.agents",
-            w.agents >= 1 or (w.mode == "online" and w.duration_s > 0),
+            w.agents is None or w.agents >= 1 or (w.mode == "online" and w.duration_s > 0),
             "must be >= 1 unless an online run ends after workload.duration_s",
         ),
         (
@@ -241,6 +245,11 @@ def _type_error(tp: Any, value: Any) -> str | None:
 def _check_fields(obj: Any, where: str) -> None:
     for name, tp in typing.get_type_hints(type(obj)).items():
         key, value = f"{where}.{name}" if where else name, getattr(obj, name)
+        args = typing.get_args(tp)
+        if type(None) in args and len(args) == 2:  # `X | None`: None means "not set"
+            tp = next(a for a in args if a is not type(None))
+            if value is None or tp not in (int, float):  # others: checked by a relation
+                continue
         why = _type_error(tp, value)
         if why:
             raise ConfigError(f"{key}: {why}")

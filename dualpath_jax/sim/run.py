@@ -33,7 +33,7 @@ from dualpath_jax.sched.cost import CostModel
 from dualpath_jax.sim.agents import reference_request, schedule_agents
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.state import SimOptions
-from dualpath_jax.workload.arrivals import plan_agents
+from dualpath_jax.workload.arrivals import plan_agents, plan_workload
 from dualpath_jax.workload.trace import Trajectory
 
 
@@ -95,9 +95,11 @@ def _simulate(
     arrivals: Sequence[float] | None,
     scheduler: Any,
 ) -> SimRun:
+    record = None
     if trajectories is None:
-        trajectories, default_arrivals = build_agents(cfg)
-        arrivals = default_arrivals if arrivals is None else arrivals
+        plan = plan_workload(cfg)
+        trajectories, record = plan.trajectories, plan.record
+        arrivals = plan.arrivals if arrivals is None else arrivals
     if arrivals is None:
         arrivals = [0.0] * len(trajectories)
     if len(arrivals) != len(trajectories):
@@ -131,6 +133,8 @@ def _simulate(
         window_s=options.window_s,
     )
     summary["config"] = cfg.name
+    if record is not None:
+        summary["workload"] = record
     summary["simulated"] = True
     summary["sim"] = {
         "events": cluster.loop.events,

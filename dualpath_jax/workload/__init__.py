@@ -1,22 +1,34 @@
-"""Workloads: the trace formats (this project's JSONL, Mooncake request traces, conversation files)
-and the replay rule, shared prefixes and their hits, synthetic Table 2 traces, arrivals."""
+"""Workloads: the trace formats (this project's JSONL, Mooncake request traces, conversation files,
+Weka and TraceLab coding-agent sessions) and the replay rule, shared prefixes and their hits,
+synthetic Table 2 traces, arrivals."""
 
 from dualpath_jax.workload.arrivals import (
     Arrival,
+    WorkloadPlan,
     agent_trajectories,
+    check_context,
     offline_arrivals,
     plan_agents,
+    plan_workload,
     poisson_arrivals,
     schedule,
     trace_arrivals,
 )
 from dualpath_jax.workload.formats import (
     FORMATS,
+    TIMED_FORMATS,
     load_conversations,
     load_mooncake,
     parse_conversations,
     parse_mooncake,
     read_trace,
+)
+from dualpath_jax.workload.sessions import (
+    load_tracelab,
+    load_weka,
+    parse_tracelab,
+    parse_weka,
+    parse_weka_session,
 )
 from dualpath_jax.workload.sharing import PrefixIndex, common_prefix, prefix_hit, replay_hits
 from dualpath_jax.workload.synthetic import (
@@ -46,18 +58,21 @@ from dualpath_jax.workload.trace import (
 )
 
 __all__ = [
+    "Arrival",
     "FORMATS",
     "PRESETS",
-    "Arrival",
     "PrefixIndex",
     "Round",
     "SyntheticPreset",
+    "TIMED_FORMATS",
     "Table2Row",
     "TraceError",
     "TraceStats",
     "Trajectory",
     "TurnSpec",
+    "WorkloadPlan",
     "agent_trajectories",
+    "check_context",
     "common_prefix",
     "content_tokens",
     "dump_trace",
@@ -66,14 +81,20 @@ __all__ = [
     "load_conversations",
     "load_mooncake",
     "load_trace",
+    "load_tracelab",
+    "load_weka",
     "load_workload",
     "materialize",
     "offline_arrivals",
     "parse_conversations",
     "parse_mooncake",
     "parse_trace",
+    "parse_tracelab",
     "parse_trajectory",
+    "parse_weka",
+    "parse_weka_session",
     "plan_agents",
+    "plan_workload",
     "poisson_arrivals",
     "prefix_hit",
     "prompt_tokens",

@@ -14,9 +14,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from dualpath_jax.config import ExperimentConfig, WorkloadConfig
-from dualpath_jax.workload.synthetic import load_workload
-from dualpath_jax.workload.trace import Trajectory, expand, materialize
+from dualpath_jax.config import ConfigError, ExperimentConfig, WorkloadConfig
+from dualpath_jax.workload.synthetic import read_workload
+from dualpath_jax.workload.trace import Trajectory, expand, materialize, turn_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +69,23 @@ def agent_trajectories(
     return expand(trajectories, n_agents, rng, max_len=max_len)
 
 
-def schedule(cfg: WorkloadConfig, rng: np.random.Generator) -> Iterator[Arrival]:
+def schedule(
+    cfg: WorkloadConfig, rng: np.random.Generator, trajectories: int | None = None
+) -> Iterator[Arrival]:
     """The arrival schedule a `WorkloadConfig` asks for: offline `agents`, or online Poisson
-    arrivals at `aps` for `duration_s` (or `agents` arrivals if `duration_s` is 0)."""
+    arrivals at `aps` for `duration_s` (or `agents` arrivals if `duration_s` is 0). `agents`
+    None: one per trajectory (`trajectories`, the workload's count)."""
+    agents = cfg.agents if cfg.agents is not None else trajectories
+    if agents is None:
+        raise ValueError("workload.agents is None (one per trajectory): pass the trajectory count")
     if cfg.mode == "offline":
-        return offline_arrivals(cfg.agents)
+        return offline_arrivals(agents)
     if cfg.mode == "online":
         return poisson_arrivals(
             cfg.aps,
             rng,
             duration_s=cfg.duration_s or None,
-            count=None if cfg.duration_s else cfg.agents,
+            count=None if cfg.duration_s else agents,
         )
     raise ValueError(f"workload.mode must be 'offline' or 'online', got {cfg.mode!r}")
 
@@ -94,24 +100,87 @@ def trace_arrivals(start_s: Sequence[float], cfg: WorkloadConfig) -> list[float]
         times = [t * k for t in times]
     if cfg.duration_s:
         return [t for t in times if t <= cfg.duration_s]
-    return times[: cfg.agents]
+    return times if cfg.agents is None else times[: cfg.agents]
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadPlan:
+    """What `plan_workload` made: every agent's trajectory (not materialized), its start time in
+    seconds, and `record`: how the source was turned into them (what `summary.json` keeps under
+    `workload`: the source, how many trajectories it held, the agents run and how many of them
+    are synthetic copies, the scaling and cuts applied, how they arrive)."""
+
+    trajectories: list[Trajectory]
+    arrivals: list[float]
+    record: dict
+
+
+def plan_workload(cfg: ExperimentConfig, *, vocab_size: int | None = None) -> WorkloadPlan:
+    """Every agent's trajectory and start time: a timed trace online arrives at its own times
+    (`trace_arrivals`); otherwise agents arrive by `schedule` and replay the workload's
+    trajectories, expanded to one per agent (`agent_trajectories`) when `agents` asks for more."""
+    w = cfg.workload
+    rng = np.random.default_rng(w.seed)
+    base, start_s, truncated = read_workload(w, vocab_size=vocab_size)
+    if start_s is not None and w.mode == "online":
+        arrivals = trace_arrivals(start_s, w)
+        agents = tool_gaps(base[: len(arrivals)], w)
+        how = "recorded" if w.aps <= 0 else f"recorded, clock scaled to {w.aps:g} agents/s"
+    else:
+        arrivals = [a.time_s for a in schedule(w, rng, len(base))]
+        agents = tool_gaps(
+            agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None), w
+        )
+        how = "offline" if w.mode == "offline" else f"poisson at {w.aps:g} agents/s"
+    record = {
+        "source": w.trace_format if w.trace else f"synthetic {w.preset}",
+        **({"trace": w.trace} if w.trace else {}),
+        "trajectories": len(base),
+        "agents": len(agents),
+        "expanded": max(0, len(agents) - len(base)),
+        "length_scale": w.length_scale,
+        "max_len": w.max_len,
+        "truncated": truncated,
+        "max_turns": w.max_turns,
+        "arrivals": how,
+        "longest_request": max((t.total_len for t in agents), default=0),
+    }
+    return WorkloadPlan(agents, arrivals, record)
 
 
 def plan_agents(
     cfg: ExperimentConfig, *, vocab_size: int | None = None
 ) -> tuple[list[Trajectory], list[float]]:
-    """Every agent's trajectory (not materialized) and its start time in seconds: a timed trace
-    online arrives at its own times (`trace_arrivals`); otherwise agents arrive by `schedule` and
-    replay the workload's trajectories, expanded to one per agent (`agent_trajectories`)."""
+    """Every agent's trajectory (not materialized) and its start time in seconds
+    (`plan_workload` without the record)."""
+    plan = plan_workload(cfg, vocab_size=vocab_size)
+    return plan.trajectories, plan.arrivals
+
+
+def check_context(cfg: ExperimentConfig, trajs: Sequence[Trajectory]) -> None:
+    """Raises `ConfigError` naming the longest request (trajectory, round, tokens) when it needs
+    more context than the cluster holds (`model.max_seq_len`, `cluster.decode_max_len`), and the
+    settings that would make it fit."""
+    limit = min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
+    if not trajs:
+        return
+    t = max(trajs, key=lambda t: t.total_len)
+    if t.total_len <= limit:
+        return
+    last = turn_specs(t)[-1]
+    which = (
+        "cluster.decode_max_len"
+        if cfg.cluster.decode_max_len <= cfg.model.max_seq_len
+        else "model.max_seq_len"
+    )
     w = cfg.workload
-    rng = np.random.default_rng(w.seed)
-    base, start_s = load_workload(w, vocab_size=vocab_size)
-    if start_s is not None and w.mode == "online":
-        arrivals = trace_arrivals(start_s, w)
-        return tool_gaps(base[: len(arrivals)], w), arrivals
-    arrivals = [a.time_s for a in schedule(w, rng)]
-    agents = agent_trajectories(base, len(arrivals), rng, max_len=w.max_len or None)
-    return tool_gaps(agents, w), arrivals
+    raise ConfigError(
+        f"the longest request, round {last.turn} of trajectory {t.id!r}, needs {t.total_len}"
+        f" tokens ({last.prompt} prompt + {last.gen} generated) but the cluster holds {limit}"
+        f" ({which}): raise {which}, or scale the workload down with --set"
+        f" workload.length_scale=... (now {w.length_scale:g}) or cut it with --set"
+        f" workload.max_len=... (now {w.max_len or 'none'})"
+    )
 
 
 def tool_gaps(trajs: Sequence[Trajectory], cfg: WorkloadConfig) -> list[Trajectory]:
@@ -133,11 +202,17 @@ def tool_gaps(trajs: Sequence[Trajectory], cfg: WorkloadConfig) -> list[Trajecto
     return out
 
 
+def build_workload(cfg: ExperimentConfig) -> WorkloadPlan:
+    """`plan_workload` with every trajectory materialized (token ids)."""
+    plan = plan_workload(cfg, vocab_size=cfg.model.vocab_size)
+    trajs = [materialize(t, cfg.model.vocab_size, cfg.workload.seed) for t in plan.trajectories]
+    return dataclasses.replace(plan, trajectories=trajs)
+
+
 def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[float]]:
     """The materialized trajectory of every agent and its start time (seconds)."""
-    trajs, arrivals = plan_agents(cfg, vocab_size=cfg.model.vocab_size)
-    w = cfg.workload
-    return [materialize(t, cfg.model.vocab_size, w.seed) for t in trajs], arrivals
+    plan = build_workload(cfg)
+    return plan.trajectories, plan.arrivals
 
 
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:

@@ -1,5 +1,6 @@
 """Trace formats the field uses, read into trajectories: Mooncake request traces and multi-turn
-conversation files (ShareGPT or OpenAI messages). docs/traces.md has the rules; in short:
+conversation files (ShareGPT or OpenAI messages) here, coding-agent sessions (Weka, TraceLab) in
+`workload.sessions`. docs/traces.md has the rules; in short:
 
 Mooncake (`workload.trace_format="mooncake"`): JSONL, one request a line, `{"timestamp": ms,
 "input_length": int, "output_length": int, "hash_ids": [int, ...]}`; hash id `i` names the
@@ -40,9 +41,11 @@ import os
 from collections.abc import Iterable, Sequence
 
 from dualpath_jax.config import WorkloadConfig
+from dualpath_jax.workload.sessions import load_tracelab, load_weka
 from dualpath_jax.workload.trace import Round, TraceError, Trajectory, json_object, load_trace
 
-FORMATS = ("jsonl", "mooncake", "conversation")
+FORMATS = ("jsonl", "mooncake", "conversation", "weka", "tracelab")
+TIMED_FORMATS = ("mooncake", "weka", "tracelab")  # formats whose traces carry start times
 ASSISTANT_ROLES = frozenset({"gpt", "assistant", "chatgpt", "bing", "bard", "model"})
 _USER_ROLES = frozenset({"human", "user"})
 _MOONCAKE_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -406,8 +409,8 @@ def read_trace(
     cfg: WorkloadConfig, *, vocab_size: int | None = None
 ) -> tuple[list[Trajectory], list[float] | None]:
     """The trajectories of `cfg.trace` in `cfg.trace_format`, and their start times in seconds
-    when the format has them (Mooncake), else None. `vocab_size` checks the explicit token ids
-    of the JSONL format."""
+    when the format has them (Mooncake, Weka, TraceLab: `TIMED_FORMATS`), else None.
+    `vocab_size` checks the explicit token ids of the JSONL format."""
     if cfg.trace_format == "jsonl":
         return load_trace(cfg.trace, vocab_size=vocab_size), None
     if cfg.trace_format == "mooncake":
@@ -422,6 +425,10 @@ def read_trace(
             cfg.trace, bytes_per_token=cfg.trace_bytes_per_token, length_scale=cfg.length_scale
         )
         return trajs, None
+    if cfg.trace_format == "weka":
+        return load_weka(cfg.trace, length_scale=cfg.length_scale)
+    if cfg.trace_format == "tracelab":
+        return load_tracelab(cfg.trace, length_scale=cfg.length_scale)
     raise ValueError(
         f"workload.trace_format must be one of {list(FORMATS)}, got {cfg.trace_format!r}"
     )

@@ -190,14 +190,24 @@ def load_workload(
     cfg: WorkloadConfig, *, vocab_size: int | None = None
 ) -> tuple[list[Trajectory], list[float] | None]:
     """The trajectories a `WorkloadConfig` asks for, and their start times in seconds when the
-    trace has them (a Mooncake trace; else None): the file `trace` in `trace_format` if set
-    (validated, JSONL token ids checked against `vocab_size`, truncated at `max_len` if set),
+    trace has them (Mooncake, Weka, TraceLab; else None): the file `trace` in `trace_format` if
+    set (validated, JSONL token ids checked against `vocab_size`, truncated at `max_len` if set),
     else `trajectories` synthetic ones of `preset` with the three scales and `max_len`; then at
     most `max_turns` rounds each (if set)."""
+    trajs, times, _ = read_workload(cfg, vocab_size=vocab_size)
+    return trajs, times
+
+
+def read_workload(
+    cfg: WorkloadConfig, *, vocab_size: int | None = None
+) -> tuple[list[Trajectory], list[float] | None, int]:
+    """`load_workload`, and how many trace trajectories `max_len` cut."""
     times = None
+    truncated = 0
     if cfg.trace:
         trajs, times = read_trace(cfg, vocab_size=vocab_size)
         if cfg.max_len:
+            truncated = sum(1 for t in trajs if t.total_len > cfg.max_len)
             trajs = [truncate(t, cfg.max_len) if t.total_len > cfg.max_len else t for t in trajs]
     else:
         trajs = generate(
@@ -211,4 +221,4 @@ def load_workload(
         )
     if cfg.max_turns:
         trajs = [Trajectory(t.id, t.rounds[: cfg.max_turns]) for t in trajs]
-    return trajs, times
+    return trajs, times, truncated
