@@ -6,11 +6,12 @@ store's bytes and the event log's size sampled over time and fitted to slopes.
 by a random append per turn, streamed completions with `X-Session-Id`), then start a new
 session; `--vanish` of the rounds close their connection after the first streamed chunk (a
 client that leaves mid-round: the server cancels the round). Every `--sample_s` seconds it
-records, per process of the server's tree (the API server, the router and each engine): RSS,
-open fds and threads (from /proc), plus the block store's bytes on disk and the size of
-`events.jsonl` (rotated files included), and the router's session count. The report gives each
-series' first and last value and its least-squares slope per minute after `--warmup_s`.
-Loopback only; bounded by `--duration_s`; the server it starts is stopped.
+records, per process of the server's tree (the API server, the router and each engine): RSS and
+its anonymous part (RSS less mapped files' pages, which the kernel drops and reads back as the
+host's memory requires), open fds and threads (from /proc), plus the block store's bytes on
+disk and the size of `events.jsonl` (rotated files included), and the router's session count.
+The report gives each series' first and last value and its least-squares slope per minute after
+`--warmup_s`. Loopback only; bounded by `--duration_s`; the server it starts is stopped.
 
     python bench/soak.py --config=configs/cpu_1p1d.py --duration_s=600 --json
 """
@@ -76,6 +77,9 @@ def _proc_sample(pid: int) -> dict[str, float] | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {
         "rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
+        # its own memory: RSS less the pages of mapped files (libraries), which the kernel drops
+        # and reads back as the host's other work needs memory (RSS moves with them)
+        "rss_anon_mib": int(fields["RssAnon"].split()[0]) / 1024,
         "fds": fds,
         "threads": int(fields["Threads"]),
     }

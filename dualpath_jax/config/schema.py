@@ -259,6 +259,11 @@ class ClusterConfig:
     # (query, key) pair. Empty: each PE fits its own at start (`engine.calibrate`).
     prefill_cost_json: str = ""
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
+    # The C heap of the router's and engines' processes (engine/malloc.py, glibc only): malloc
+    # arenas at most (0: glibc's default, 8 per core; each thread's arena keeps what it frees),
+    # and how often free heap pages are handed back to the system (malloc_trim; 0: never).
+    malloc_arena_max: int = 2
+    malloc_trim_s: float = 60.0
     # Compile before registering (engine/warmup.py): every prefill shape bucket (batch sizes
     # padded to powers of two, new-token and cached-context buckets) and every decode step
     # width, so the serving path compiles nothing; the HTTP server reports ready only after.

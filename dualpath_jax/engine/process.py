@@ -19,6 +19,7 @@ from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine.build import Transport, build_engine, build_router
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import credentials_for
+from dualpath_jax.engine.malloc import tune
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,8 @@ def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
     _install_sigterm(stop)
     if spec.parent_pid:
         _watch_parent(spec.parent_pid)
+    # before JAX and the store start their threads: they share the capped arenas
+    trimmer = tune(cfg.cluster.malloc_arena_max, cfg.cluster.malloc_trim_s)
     try:
         if spec.role == "router":
             run_router(cfg, spec)
@@ -170,3 +173,6 @@ def run_process(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
             raise ValueError(f"unknown role {spec.role!r}; expected router, prefill or decode")
     except KeyboardInterrupt:
         log.info("%s stopped by signal", spec.role)
+    finally:
+        if trimmer is not None:
+            trimmer.stop()

@@ -4,6 +4,13 @@
 the deletions. It is this process's view: blocks written by another process on a shared root join
 it when this process sees them (a lookup or read hit). All methods are atomic (one lock).
 
+Keys that joined by being seen (`touch`), not written here (`admit`) nor found at open, are
+*seen* keys: blocks another process wrote and enforces its capacity on. Past `capacity_bytes`,
+the least recently used seen keys leave the view (forgotten: nothing is deleted, and their claims,
+pins and retention stay); a later hit brings them back. So a process that only reads a shared
+store (the router's lookups, a prefill engine's reads) remembers at most its capacity's worth of
+blocks, not every block it ever found.
+
 Lifecycle of a key: admitted (bytes reserved before the write) -> touched by lookups and reads
 (LRU) -> evicted (capacity), deleted, or released with its last owner. A pinned key is never
 evicted, and a delete or release of a pinned key is deferred to its last unpin ("doomed"), which
@@ -77,6 +84,7 @@ class BlockIndex:
         self.clock = clock
         self._lock = threading.Lock()
         self._lru: collections.OrderedDict[str, int] = collections.OrderedDict()  # oldest first
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()  # ditto
         self._used = 0
         self._pins: collections.Counter[str] = collections.Counter()
         self._doomed: dict[str, str] = {}  # pinned key -> why it goes at its last unpin
@@ -158,8 +166,10 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ updates
 
-    def touch(self, keys: Iterable[str], nbytes: int) -> None:
-        """Marks `keys` (a chain, prefix first) as used; unknown keys join with size `nbytes`.
+    def touch(self, keys: Iterable[str], nbytes: int, *, found: bool = False) -> None:
+        """Marks `keys` (a chain, prefix first) as used; unknown keys join with size `nbytes`,
+        as seen keys (module docstring: past capacity the least recently used seen keys are
+        forgotten), or with `found` (keys listed when the store opens) as if written here.
 
         Keys are touched back to front so a chain's prefix ends most recently used: eviction then
         takes the tail of a chain first, which keeps the surviving prefix useful.
@@ -168,9 +178,15 @@ class BlockIndex:
             for key in reversed(list(keys)):
                 if key in self._lru:
                     self._lru.move_to_end(key)
+                    if key in self._seen:
+                        self._seen.move_to_end(key)
                     self._use(key)
                 else:
                     self._add(key, nbytes)
+                    if not found:
+                        self._seen[key] = None
+            while self.capacity_bytes and self._used > self.capacity_bytes and self._seen:
+                self._forget(next(iter(self._seen)))
 
     def admit(self, keys: list[str], nbytes: int) -> tuple[list[str], list[str]]:
         """Reserves room for new blocks `keys` (chain order), evicting unpinned blocks in
@@ -187,7 +203,7 @@ class BlockIndex:
             evicted: list[str] = []
             admitted_set: set[str] = set()  # never a victim of its own batch
             victims = self._victims(admitted_set)
-            # Blocks found on a shared root (`touch`) may have pushed usage over the limit.
+            # Keys found at open (`touch(found=True)`) may have pushed usage over the limit.
             while self.capacity_bytes and self._used > self.capacity_bytes:
                 victim = next(victims, None)
                 if victim is None:
@@ -274,15 +290,15 @@ class BlockIndex:
     def release(self, owner: str) -> list[str]:
         """Ends trajectory `owner`: keys no other owner claims are doomed. Returns keys to delete
         now (pinned ones are deleted at their last unpin)."""
-        return self.doom(self._forget(owner), "released")
+        return self.doom(self._forget_owner(owner), "released")
 
     def disown(self, owner: str) -> None:
         """Forgets trajectory `owner` and its claims, deleting nothing: its keys stay stored,
         evictable like any other unclaimed key (a session closed without release, or expired).
         Without this the index would remember every closed session's keys for ever."""
-        self._forget(owner)
+        self._forget_owner(owner)
 
-    def _forget(self, owner: str) -> list[str]:
+    def _forget_owner(self, owner: str) -> list[str]:
         """Drops `owner`'s retention and claims; returns the keys no owner claims any more."""
         with self._lock:
             self._set_retained(owner, False)
@@ -417,10 +433,18 @@ class BlockIndex:
                     ):
                         yield key
 
+    def _forget(self, key: str) -> None:
+        """Takes a seen key out of the view, deleting nothing: its claims, pins and retention
+        stay (a release still dooms it, a hit brings it back)."""
+        del self._seen[key]
+        self._used -= self._lru.pop(key)
+        self._used_at.pop(key, None)  # its heap entries are stale now
+
     def _drop(self, key: str) -> None:
         nbytes = self._lru.pop(key, None)
         if nbytes is not None:
             self._used -= nbytes
+        self._seen.pop(key, None)
         self._used_at.pop(key, None)
         self._held.pop(key, None)
         for owner in self._owners.pop(key, ()):

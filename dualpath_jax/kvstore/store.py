@@ -72,7 +72,9 @@ class TensorStoreBlockStore(BlockStore):
     Block sizes come from `fmt`; capacity (`StoreConfig.capacity_bytes`, or by default a
     fraction of the disk: `capacity.store_capacity`, logged at open, `disk_usage` as
     `shutil.disk_usage`) is enforced on this process's view, evicting least recently used
-    unpinned blocks; keys found at open (`list`) join that view as the oldest.
+    unpinned blocks; keys found at open (`list`) join that view as the oldest. Blocks other
+    processes wrote, seen by lookups and reads, are only remembered up to that capacity
+    (`BlockIndex`: the least recently used are forgotten, never deleted).
 
     `on_events(events)` (optional) receives this store's KV events (module docstring); it runs on
     the store's threads, one call at a time, and must neither block for long nor call the store.
@@ -113,7 +115,7 @@ class TensorStoreBlockStore(BlockStore):
             self.capacity.why,
         )
         self.index = BlockIndex(self.capacity.nbytes, cfg.eviction)
-        self.index.touch(found, fmt.encoded_bytes)
+        self.index.touch(found, fmt.encoded_bytes, found=True)
         self._pool = futures.ThreadPoolExecutor(
             max_workers=self._window, thread_name_prefix="blockstore"
         )

@@ -62,9 +62,12 @@ class RoundStream:
         while True:
             get = asyncio.ensure_future(self.queue.get())
             left = deadline - time.monotonic()
-            await asyncio.wait({get, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():
-                get.cancel()
+            try:
+                await asyncio.wait({get, done}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when the handler is cancelled (its client left) in this wait
+                if not get.done():
+                    get.cancel()
+            if not get.done() or get.cancelled():
                 if not done.done():
                     raise TimeoutError
                 break

@@ -71,3 +71,5 @@ def test_a_short_soak_reports_every_process(tmp_path):
     names = {k.split(".")[0] for k in report["series"]}
     assert {"api_server", "router", "prefill0", "decode1", "store_mib"} <= names
     assert report["series"]["router.fds"]["last"] > 0
+    anon, rss = report["series"]["decode1.rss_anon_mib"], report["series"]["decode1.rss_mib"]
+    assert 0 < anon["last"] < rss["last"]

@@ -118,3 +118,57 @@ def test_random_operations_keep_the_invariants():
         # Admission never evicts a pinned key: any pinned key that was indexed stays indexed.
         if op == 0:
             assert idx.used_bytes <= 50 or all(idx.pinned(x) for x in idx.lru_order())
+
+
+def test_a_view_that_only_reads_remembers_at_most_its_capacity():
+    # A process that never writes (the router's lookups, a prefill engine's reads) sees ever new
+    # blocks on a shared root: past its capacity the least recently seen are forgotten.
+    idx = BlockIndex(capacity_bytes=40)
+    for n in range(0, 1000, 2):
+        idx.touch([k(n), k(n + 1)], 10)
+        assert idx.used_bytes <= 40 and idx.blocks <= 4
+    assert idx.lru_order() == [k(997), k(996), k(999), k(998)]
+
+
+def test_forgetting_a_seen_key_deletes_nothing_and_keeps_its_claims_and_pins():
+    idx = BlockIndex(capacity_bytes=20)
+    idx.touch([k(0)], 10)
+    idx.claim("s", [k(0)])
+    idx.pin([k(0)])
+    idx.touch([k(1), k(2)], 10)  # k(0) is forgotten, not evicted (nothing to delete)
+    assert k(0) not in idx and idx.blocks == 2
+    assert idx.owned_by("s") == {k(0)} and idx.pinned(k(0))
+    assert idx.unpin([k(0)]) == []
+    assert idx.release("s") == [k(0)]  # still the session's to delete
+    idx.touch([k(0)], 10)  # seen again: back in the view, the oldest seen key forgotten
+    assert k(0) in idx and idx.blocks == 2
+
+
+def test_written_and_found_keys_are_evicted_not_forgotten():
+    idx = BlockIndex(capacity_bytes=30)
+    idx.touch([k(0), k(1)], 10, found=True)  # listed at open: this process's to evict
+    assert idx.admit([k(2)], 10) == ([k(2)], [])
+    idx.touch([k(3)], 10)  # a seen key over capacity: forgotten at once
+    assert k(3) not in idx and idx.blocks == 3
+    admitted, evicted = idx.admit([k(4)], 10)
+    assert admitted == [k(4)] and evicted == [k(1)]  # the found chain's tail, deleted
+
+
+def test_seen_keys_admission_and_eviction_keep_the_invariants():
+    rng = np.random.default_rng(1)
+    idx = BlockIndex(capacity_bytes=50, policy="retention")
+    for _ in range(3000):
+        op = rng.integers(5)
+        key = k(int(rng.integers(60)))
+        if op == 0:
+            idx.admit([key], 10)
+        elif op == 1:
+            idx.touch([key, k(int(rng.integers(60)))], 10)
+        elif op == 2:
+            idx.claim(f"s{rng.integers(4)}", [key])
+        elif op == 3:
+            idx.retain(f"s{rng.integers(4)}", "idle", ttl_s=10.0)
+        else:
+            idx.disown(f"s{rng.integers(4)}")
+        assert idx.used_bytes == 10 * idx.blocks <= 50
+        assert set(idx.eviction_order()) <= set(idx.lru_order())
