@@ -52,6 +52,7 @@ def test_a_stream_yields_its_tokens_then_the_rest_of_its_result():
 
         class Res:
             tokens = [1, 2, 3]
+            logprobs = None
 
         rnd.fut.set_result(Res())
         await task
