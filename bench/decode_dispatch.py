@@ -74,7 +74,7 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
         """A call of a compiled step `fn` on the decoder's state, as `advance` calls its own."""
 
         def call():
-            logits, dec._pending, dec.pages, lengths = fn(
+            logits, dec._pending, dec.logprobs, dec.pages, lengths = fn(
                 params, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
                 d["seeds"], d["temps"], d["top_ps"], d["stop_ids"], d["held_until"],
             )  # fmt: skip

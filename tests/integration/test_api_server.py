@@ -268,7 +268,7 @@ def test_stop_strings_end_the_text_and_the_round(api, reference):
         ({"model": MODEL, "prompt": "x", "max_tokens": MAX_LEN}, "exceeds this model's context"),
         ({"model": MODEL, "prompt": [5, 300]}, r"token id 300 is out of range"),
         ({"model": MODEL, "prompt": "x", "temperature": 3}, "temperature must lie in"),
-        ({"model": MODEL, "prompt": "x", "n": 2}, "only n=1"),
+        ({"model": MODEL, "prompt": "x", "n": 0}, r"n must lie in \[1, 64\]"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens must be >= 1"),
         ({"model": MODEL, "prompt": []}, "prompt must be"),
     ],
