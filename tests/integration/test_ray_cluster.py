@@ -3,11 +3,12 @@ advertising a custom resource that names it (`head`, `pool_a`, `pool_b`), so whe
 actor is observable: the config puts the router on `head`, the PE on `pool_a`, the DE on
 `pool_b`.
 
-One DualPath cluster: placement as configured, tokens equal to the reference model's, an
-`update_params` by checkpoint and one streamed over the transfer layer, what the processes wrote
-(events, link reports) in the workdir, and no process left after `stop`. One Basic cluster: the
-DE's node is removed while the DE holds a request; no trajectory is lost (requeued, the
-reference tokens), and the DE comes back on the node that replaces it.
+One cluster (a Ray cluster and a RayCluster take a minute to start on a small host) goes through
+its life: placement as configured; the DE's node is removed while the DE holds a request, and no
+trajectory is lost (requeued, the reference model's tokens); the DE comes back on the node that
+replaces it; an `update_params` by checkpoint and one streamed over the transfer layer reach
+every engine, the restarted one included; what the processes wrote (events, link reports) is in
+the workdir, and no process is left after `stop`.
 
 Full tier (multiprocess); skipped without the `ray` extra.
 """
@@ -106,12 +107,29 @@ def wait_gone(pids: list[int]) -> list[int]:
     return [p for p in pids if running(p)]
 
 
-SWEEP = make_trajectories("ray", n=3, rounds=3, seed=1)
+FAULT = make_trajectories("ray-fault", n=4, rounds=3, seed=2, gen=(8, 16))
 
 
-def test_placement_tokens_and_params_updates(ray_nodes, tmp_path, reference_tokens):
-    _, nodes = ray_nodes
-    cfg = ray_config("dualpath")
+def freeze_busy_decode(workdir: pathlib.Path, pid: int, runner: threading.Thread) -> None:
+    """Once two rounds are answered, freezes the DE (SIGSTOP) while it holds a request, so it
+    cannot finish the request behind the test's back."""
+    while True:
+        events = read_events(workdir)
+        if sum(e["kind"] == "done" for e in events) >= 2 and busy_engines(events, "decode"):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.2)  # what it sent before the freeze reaches the router's log
+            if busy_engines(read_events(workdir), "decode"):
+                return
+            os.kill(pid, signal.SIGCONT)
+        assert runner.is_alive(), "the run ended before the DE held a request"
+        time.sleep(0.005)
+
+
+def test_a_ray_cluster_places_survives_a_node_and_updates_params(
+    ray_nodes, tmp_path, reference_tokens
+):
+    ray_cluster, nodes = ray_nodes
+    cfg = ray_config("dualpath", heartbeat_timeout_s=5.0)
     with RayCluster(cfg, tmp_path) as cluster:
         where = cluster.where()
         assert {name: w["node_id"] for name, w in where.items()} == {
@@ -120,9 +138,28 @@ def test_placement_tokens_and_params_updates(ray_nodes, tmp_path, reference_toke
             "de1": nodes["pool_b"].node_id,
         }
         client = cluster.client()
-        outs = run_trajectories(client, SWEEP, progress=False, timeout_s=RESULT_TIMEOUT_S)
-        assert [o.error for o in outs] == [""] * len(SWEEP)
-        assert [o.rounds for o in outs] == [reference_tokens(t) for t in SWEEP]
+        box: dict[str, list] = {}
+        runner = threading.Thread(
+            target=lambda: box.setdefault(
+                "out", run_trajectories(client, FAULT, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            )
+        )
+        runner.start()
+        try:
+            de_pid = where["de1"]["pid"]
+            freeze_busy_decode(tmp_path, de_pid, runner)
+            # The node goes (raylet, workers, and the engine process with them) ...
+            ray_cluster.remove_node(nodes["pool_b"], allow_graceful=False)
+            os.kill(de_pid, signal.SIGKILL)
+            # ... and a node of the same pool replaces it: Ray places the DE's bundle there.
+            replacement = ray_cluster.add_node(**NODE, resources={"pool_b": 1})
+        finally:
+            runner.join(RESULT_TIMEOUT_S + 10)
+        outputs = box["out"]
+        assert [o.error for o in outputs] == [""] * len(FAULT)
+        assert [o.rounds for o in outputs] == [reference_tokens(t) for t in FAULT]
+        cluster.restart("de1")  # returns once the restarted DE has registered
+        assert cluster.where()["de1"]["node_id"] == replacement.node_id
 
         # An update by checkpoint (workdir/params, on the shared file system) ...
         b = init_model(TINY_QWEN2, seed=32)
@@ -135,67 +172,16 @@ def test_placement_tokens_and_params_updates(ray_nodes, tmp_path, reference_toke
         streamed = cluster.client(params_dir=None)
         a = init_model(TINY_QWEN2, seed=cfg.seed)
         assert streamed.update_params(a, version="step-2") == "step-2"
-        assert streamed.last_params_update["via"] != "checkpoint"
-        again = make_trajectories("ray-again", n=1, rounds=2, seed=5)
-        outs = run_trajectories(streamed, again, progress=False, timeout_s=RESULT_TIMEOUT_S)
-        assert [o.rounds for o in outs] == [reference_tokens(t) for t in again]
-        stats = client.stats()
-        assert stats["params_version"] == "step-2"
-        assert stats["counters"]["errors"] == 0
-
-    assert any(e["kind"] == "done" for e in read_events(tmp_path))
-    assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
-    assert wait_gone([w["pid"] for w in where.values()]) == []
-
-
-FAULT = make_trajectories("ray-fault", n=4, rounds=3, seed=2, gen=(8, 16))
-
-
-def test_a_node_that_dies_loses_no_trajectory_and_its_engine_comes_back(
-    ray_nodes, tmp_path, reference_tokens
-):
-    ray_cluster, nodes = ray_nodes
-    cfg = ray_config("basic", heartbeat_timeout_s=5.0)
-    with RayCluster(cfg, tmp_path) as cluster:
-        client = cluster.client()
-        box: dict[str, list] = {}
-        runner = threading.Thread(
-            target=lambda: box.setdefault(
-                "out", run_trajectories(client, FAULT, progress=False, timeout_s=RESULT_TIMEOUT_S)
-            )
-        )
-        runner.start()
-        try:
-            # Once two rounds are answered, freeze the DE while it holds a request (so it
-            # cannot finish it behind our back), then take its node away: raylet, workers and
-            # the engine process with them.
-            de_pid = cluster.where()["de1"]["pid"]
-            while True:
-                events = read_events(tmp_path)
-                if sum(e["kind"] == "done" for e in events) >= 2 and busy_engines(events, "decode"):
-                    os.kill(de_pid, signal.SIGSTOP)
-                    time.sleep(0.2)
-                    if busy_engines(read_events(tmp_path), "decode"):
-                        break
-                    os.kill(de_pid, signal.SIGCONT)
-                assert runner.is_alive(), "the run ended before the DE held a request"
-                time.sleep(0.005)
-            ray_cluster.remove_node(nodes["pool_b"], allow_graceful=False)
-            os.kill(de_pid, signal.SIGKILL)  # it dies with its node
-            # A node of the same pool replaces it: Ray places the DE's bundle and actor there.
-            replacement = ray_cluster.add_node(**NODE, resources={"pool_b": 1})
-        finally:
-            runner.join(RESULT_TIMEOUT_S + 10)
-        cluster.restart("de1")  # returns once the restarted DE has registered
-        assert cluster.where()["de1"]["node_id"] == replacement.node_id
-        after = make_trajectories("ray-after", n=1, rounds=2, seed=6)
-        outs_after = run_trajectories(client, after, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        assert streamed.last_params_update["via"] == "transfer"
+        after = make_trajectories("ray-after", n=2, rounds=2, seed=5)
+        outs = run_trajectories(streamed, after, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        assert [o.rounds for o in outs] == [reference_tokens(t) for t in after]
         stats = client.stats()
 
-    outputs = box["out"]
-    assert [o.error for o in outputs] == [""] * len(FAULT)
-    assert [o.rounds for o in outputs] == [reference_tokens(t) for t in FAULT]
-    assert [o.rounds for o in outs_after] == [reference_tokens(t) for t in after]
+    assert stats["params_version"] == "step-2"
     assert stats["counters"]["engine_deaths"] == 1
     assert stats["counters"]["requeued"] >= 1, stats["counters"]
+    assert stats["counters"]["errors"] == 0
     assert stats["engines"]["1"]["alive"] is True
+    assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
+    assert wait_gone([w["pid"] for w in where.values()]) == []
