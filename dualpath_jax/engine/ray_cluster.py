@@ -220,6 +220,8 @@ class RayCluster(ClusterLifecycle):
                 f"Ray could not place the cluster's bundles {bundles} ({self.cfg.ray.strategy}) "
                 f"in {self.start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
             )
+        # Held here for the cluster's life: a restarted actor fetches it again (Ray warns that
+        # an actor's arguments in the object store must outlive it; this one does).
         self._secrets_ref = ray.put(
             {"engine": self.credentials.engine, "client": self.credentials.client}
         )
