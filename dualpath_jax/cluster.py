@@ -1,7 +1,8 @@
 """A disaggregated cluster from Python: `LocalCluster` starts a router and its prefill and decode
 engine processes on this host; `InProcessCluster` runs the same router and engines as threads of
-this process (tests, sweeps, first experiments: one JAX runtime, identical tokens); `Client`
-talks to any router (local or multi-host).
+this process (tests, sweeps, first experiments: one JAX runtime, identical tokens); `RayCluster`
+runs them as Ray actors placed by resources on a Ray cluster of any size (the `ray` extra;
+Ray is imported only when one starts); `Client` talks to any router (local or multi-host).
 
     from dualpath_jax import cluster, rollout
 
@@ -22,6 +23,7 @@ from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.engine.cluster import ClusterError, LocalCluster
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.engine.inprocess import InProcessCluster
+from dualpath_jax.engine.ray_cluster import RayCluster
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import link_totals, read_link_reports
 
@@ -31,6 +33,7 @@ __all__ = [
     "Credentials",
     "InProcessCluster",
     "LocalCluster",
+    "RayCluster",
     "RolloutError",
     "link_totals",
     "read_credentials",

@@ -29,6 +29,9 @@ print(json.dumps({
     "active": active(),
     "compiled_files": [m for m in MODULES if m in sys.modules
                        and not str(sys.modules[m].__file__).endswith(".py")],
+    # RayCluster is in the namespace, Ray is not imported until one starts
+    "ray_cluster": cluster.RayCluster.__name__,
+    "ray_modules": [m for m in sys.modules if m == "ray" or m.startswith("ray.")],
 }))
 """
 
@@ -51,7 +54,14 @@ def test_importing_the_package_installs_nothing(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out == {"native_modules": [], "finders": [], "active": False, "compiled_files": []}
+    assert out == {
+        "native_modules": [],
+        "finders": [],
+        "active": False,
+        "compiled_files": [],
+        "ray_cluster": "RayCluster",
+        "ray_modules": [],
+    }
 
 
 # The process boundaries that read the environment (STYLE.md habit 1), each at most this often.

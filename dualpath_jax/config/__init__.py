@@ -24,6 +24,7 @@ from dualpath_jax.config.schema import (
     ModelConfig,
     ModelFamily,
     Policy,
+    RayConfig,
     SchedulerConfig,
     StoreConfig,
     WorkloadConfig,
@@ -35,7 +36,14 @@ from dualpath_jax.config.serialize import (
     to_dict,
     to_json,
 )
-from dualpath_jax.config.specs import MESH_AXES, ROLES, mesh_size, parse_endpoint, parse_mesh
+from dualpath_jax.config.specs import (
+    MESH_AXES,
+    ROLES,
+    mesh_size,
+    parse_endpoint,
+    parse_mesh,
+    parse_resources,
+)
 from dualpath_jax.config.validation import validate
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "ModelConfig",
     "ModelFamily",
     "Policy",
+    "RayConfig",
     "SchedulerConfig",
     "StoreConfig",
     "WorkloadConfig",
@@ -59,6 +68,7 @@ __all__ = [
     "mesh_size",
     "parse_endpoint",
     "parse_mesh",
+    "parse_resources",
     "to_dict",
     "to_json",
     "validate",

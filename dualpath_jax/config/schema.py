@@ -407,6 +407,28 @@ SOURCE_KNOBS: dict[str, object] = {
 
 
 @dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """How `RayCluster` places the router and the engines as Ray actors (docs/multihost.md, "On
+    Ray"): one placement group per cluster, a bundle per actor of its role's resources."""
+
+    # Each actor's bundle, "NAME=AMOUNT,..." as Ray names resources: CPU, GPU, TPU or a custom
+    # one a node pool advertises (`ray start --resources`), which pins a role to those nodes.
+    router_resources: str = "CPU=1"
+    prefill_resources: str = "CPU=1"
+    decode_resources: str = "CPU=1"
+    strategy: str = "PACK"  # the placement group's: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # Times Ray restarts an engine actor that died (its node, its process); the router is not
+    # restarted.
+    max_restarts: int = 3
+    # The store root and the workdir are on a file system every node mounts at the same path
+    # (NFS, gcsfuse): a "file" store is refused on a multi-node Ray cluster without it.
+    shared_filesystem: bool = False
+    # The router and each engine's transfer server bind the address of the node their actor runs
+    # on (instead of cluster.host / cluster.transfer_host): on for a cluster of several hosts.
+    bind_node_ip: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "default"
     model: ModelConfig = ModelConfig()
@@ -415,4 +437,5 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     store: StoreConfig = StoreConfig()
     workload: WorkloadConfig = WorkloadConfig()
+    ray: RayConfig = RayConfig()
     seed: int = 0

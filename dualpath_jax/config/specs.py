@@ -1,5 +1,6 @@
 """The config strings with a grammar of their own: mesh shapes (`cluster.prefill_mesh`,
-`"data=2,tensor=4"`) and ZeroMQ endpoints (`cluster.kv_events_address`, `tcp://HOST:PORT`)."""
+`"data=2,tensor=4"`), ZeroMQ endpoints (`cluster.kv_events_address`, `tcp://HOST:PORT`) and Ray
+resource requests (`ray.prefill_resources`, `"GPU=1,pool_a=1"`)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,36 @@ def endpoint_problem(address: str) -> str:
     try:
         if address:
             parse_endpoint(address)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def parse_resources(spec: str) -> dict[str, float]:
+    """A Ray resource request from `"CPU=1,GPU=1,pool_a=0.5"` (names as Ray spells them,
+    amounts > 0, each name once); "" is no request."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, amount = part.partition("=")
+        name = name.strip()
+        try:
+            value = float(amount) if sep else math.nan
+        except ValueError:
+            value = math.nan
+        if not name or not math.isfinite(value):
+            raise ValueError(f"resources {spec!r}: expected 'NAME=AMOUNT,...', e.g. 'GPU=1,pool=1'")
+        if value <= 0:
+            raise ValueError(f"resources {spec!r}: {name} must be > 0, got {value:g}")
+        if name in out:
+            raise ValueError(f"resources {spec!r} names {name} twice")
+        out[name] = value
+    return out
+
+
+def resources_problem(spec: str) -> str:
+    """Why `spec` is not a resource request ("" if it is one)."""
+    try:
+        parse_resources(spec)
     except ValueError as e:
         return str(e)
     return ""

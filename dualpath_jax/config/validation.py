@@ -11,7 +11,13 @@ import typing
 from typing import Any
 
 from dualpath_jax.config.schema import ConfigError, ExperimentConfig
-from dualpath_jax.config.specs import ROLES, endpoint_problem, mesh_problem, mesh_size
+from dualpath_jax.config.specs import (
+    ROLES,
+    endpoint_problem,
+    mesh_problem,
+    mesh_size,
+    resources_problem,
+)
 
 # Bounds of the numeric fields: (rule, test, keys). A numeric field not named here must be >= 0
 # (where 0 has a meaning, it is documented at the field: unlimited, derived, unbounded, off).
@@ -70,6 +76,7 @@ _CHOICES = {
     "cluster.host_buffer_memory": ("pinned_host", "pageable"),  # kvstore.buffers.MEMORIES
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
+    "ray.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "scheduler.recompute": ("never", "auto", "always"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (
@@ -115,7 +122,16 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     cost_problem = _cost_json_problem(cl.prefill_cost_json) if cl.prefill_cost_json else ""
     mesh_problems = {role: mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
     events_problem = endpoint_problem(cl.kv_events_address)
+    resource_problems = {
+        f"ray.{who}_resources": resources_problem(spec)
+        or (
+            "" if spec.strip() else "must name a resource (a Ray bundle is not empty), e.g. 'CPU=1'"
+        )
+        for who in ("router", *ROLES)
+        for spec in (getattr(c.ray, f"{who}_resources"),)
+    }
     return [
+        *((key, not why, why) for key, why in resource_problems.items()),
         ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
         (

@@ -124,6 +124,35 @@ def wait_registered(
         time.sleep(0.1)
 
 
+def spawn_process(
+    python: str,
+    cfg: ExperimentConfig,
+    spec: ProcessSpec,
+    log_path: pathlib.Path,
+    env: Mapping[str, str] | None,
+) -> subprocess.Popen:
+    """Starts one cluster process, `python -m dualpath_jax.engine SPEC CONFIG`, its output
+    appended to `log_path`, in `env` (None: this process's environment)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")  # noqa: SIM115 - owned by the child
+    try:
+        return subprocess.Popen(
+            [python, "-m", "dualpath_jax.engine", json.dumps(spec.__dict__), to_json(cfg)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=None if env is None else dict(env),
+            start_new_session=True,  # Ctrl-C in the parent reaches only the parent; we stop them
+        )
+    finally:
+        log.close()
+
+
+def log_tail(path: pathlib.Path, chars: int = 2000) -> str:
+    """The last `chars` characters of a process log ("" before it exists)."""
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
 class LocalCluster(ClusterLifecycle):
     def __init__(
         self,
@@ -180,24 +209,7 @@ class LocalCluster(ClusterLifecycle):
             env = self.router_env
         else:
             env = self.engine_envs[spec.engine][spec.span_rank]
-        logs = self.workdir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        log = open(logs / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
-        p = subprocess.Popen(
-            [
-                self.python,
-                "-m",
-                "dualpath_jax.engine",
-                json.dumps(spec.__dict__),
-                to_json(self.cfg),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # Ctrl-C in the parent reaches only the parent; we stop them
-        )
-        log.close()
+        p = spawn_process(self.python, self.cfg, spec, self.workdir / "logs" / f"{name}.log", env)
         self.procs[name] = p
         self.specs[name] = spec
         return p
@@ -253,7 +265,7 @@ class LocalCluster(ClusterLifecycle):
             if names is not None and name not in names:
                 continue
             if p.poll() is not None:
-                tail = (self.workdir / "logs" / f"{name}.log").read_text(errors="replace")[-2000:]
+                tail = log_tail(self.workdir / "logs" / f"{name}.log")
                 raise ClusterError(f"{name} exited with {p.returncode} during start:\n{tail}")
 
     def client(self, **kw) -> Client:

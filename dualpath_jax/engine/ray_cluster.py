@@ -1,0 +1,352 @@
+"""RayCluster: the router and every engine as Ray actors, placed by resources, on a running Ray
+cluster (`address`: "auto", "ray://HOST:10001", ...) or a local one.
+
+    with RayCluster(cfg, workdir, address="auto") as cluster:
+        client = cluster.client()
+        ...
+
+The same surface as `LocalCluster` (`client()`, `kill`, `restart`, a context manager), and the
+same processes: each actor (`engine.ray_host.ProcessHost`) runs one `python -m
+dualpath_jax.engine` process, its own JAX runtime. KV moves over the transfer layer as
+everywhere else, never through Ray's object store; Ray places, restarts and stops.
+
+Placement (`cfg.ray`): one placement group per cluster, a bundle per actor (the router first,
+then the engines in id order) of its role's resources (`ray.router_resources`,
+`prefill_resources`, `decode_resources`: CPU, GPU, TPU or a node pool's custom resource), with
+the group's `ray.strategy`. An actor asking for GPUs or TPU chips gets the ones Ray assigns it.
+
+Failures: a node that dies takes its actors and their processes with it; the router requeues
+what its engines held (as for any engine death) and Ray restarts the engine actors (up to
+`ray.max_restarts` times each), which register again under their ids. The router is not
+restarted.
+
+What the processes write (`logs/`, `events.jsonl`, `links/`) lands in `workdir` on each actor's
+node; `stop()` copies what is missing here from the others (a driver on another node).
+
+Nothing here imports Ray until a `RayCluster` starts (the `ray` extra: pip install
+'dualpath_jax[ray]').
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dualpath_jax.config import ConfigError, ExperimentConfig, parse_resources, to_json
+from dualpath_jax.engine import devices
+from dualpath_jax.engine.client import Client
+from dualpath_jax.engine.cluster import (
+    START_TIMEOUT_S,
+    WARMUP_START_TIMEOUT_S,
+    ClusterError,
+    ClusterLifecycle,
+    engine_plan,
+    wait_registered,
+)
+from dualpath_jax.engine.credentials import Credentials, new_credentials, read_credentials
+from dualpath_jax.engine.params import check_params_config
+from dualpath_jax.engine.process import ProcessSpec
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_ray_nodes(cfg: ExperimentConfig, nodes: Sequence[Mapping[str, Any]]) -> None:
+    """Refuses a config that cannot work on these Ray nodes (`ray.nodes()`, the alive ones): a
+    block store on local files, or one in memory, when there are several nodes (unless
+    `ray.shared_filesystem` says every node mounts the root), and loopback addresses when the
+    nodes are on several hosts (unless `ray.bind_node_ip`)."""
+    alive = [n for n in nodes if n.get("Alive", True)]
+    if len(alive) > 1:
+        if cfg.store.kind == "memory":
+            raise ConfigError(
+                f"store.kind='memory' on a Ray cluster of {len(alive)} nodes: each engine would "
+                "hold its own store; use a file root every node mounts or a gcs/s3 spec"
+            )
+        if cfg.store.kind == "file" and not cfg.ray.shared_filesystem:
+            root = cfg.store.root or "<workdir>/store"
+            raise ConfigError(
+                f"store.root={root!r} is a local file root on a Ray cluster of {len(alive)} "
+                "nodes, which do not share it: use a gcs/s3 store (store.kind='spec'), or a "
+                "root every node mounts at the same path with ray.shared_filesystem=true"
+            )
+    hosts = {n.get("NodeManagerAddress") for n in alive}
+    c = cfg.cluster
+    if len(hosts) > 1 and not cfg.ray.bind_node_ip:
+        for key, host in (("cluster.host", c.host), ("cluster.transfer_host", c.transfer_host)):
+            if _loopback(host):
+                raise ConfigError(
+                    f"{key}={host!r} is loopback on a Ray cluster of {len(hosts)} hosts: set "
+                    "ray.bind_node_ip=true (each actor binds its node's address)"
+                )
+
+
+def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
+    """The actor options asking for a whole bundle of `resources`."""
+    r = dict(resources)
+    out: dict[str, Any] = {"num_cpus": r.pop("CPU", 0), "num_gpus": r.pop("GPU", 0)}
+    if "memory" in r:
+        out["memory"] = r.pop("memory")
+    out["resources"] = r
+    return out
+
+
+class RayCluster(ClusterLifecycle):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        workdir: str | os.PathLike,
+        *,
+        address: str | None = None,
+        init_kwargs: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        start_timeout_s: float | None = None,
+    ):
+        """`address`: the Ray cluster to join ("auto", "ray://HOST:10001", a GCS address;
+        None: the one this process is connected to, else a local one, started with
+        `init_kwargs` and shut down with the cluster). `env`: variables added to every actor's
+        environment (through Ray's runtime env; the engines' device variables are set on top).
+        `start_timeout_s` as for `LocalCluster`."""
+        if cfg.hardware.engines_per_node != 1:
+            raise ValueError("RayCluster runs one engine per actor (hardware.engines_per_node=1)")
+        c = cfg.cluster
+        if c.prefill_processes != 1 or c.decode_processes != 1:
+            raise ConfigError(
+                "RayCluster runs engines of one process each (cluster.prefill_processes and "
+                "decode_processes = 1); an engine spanning processes needs LocalCluster or "
+                "launch/engine.py"
+            )
+        check_params_config(c)
+        self.cfg = cfg
+        self.workdir = pathlib.Path(workdir).absolute()
+        self.ray_address = address
+        self.init_kwargs = dict(init_kwargs or {})
+        self.env = dict(env or {})
+        if start_timeout_s is None:
+            start_timeout_s = WARMUP_START_TIMEOUT_S if c.warmup else START_TIMEOUT_S
+        self.start_timeout_s = start_timeout_s
+        self.credentials = Credentials()
+        self.address = ""
+        self.actors: dict[str, Any] = {}  # name -> actor handle ("router", "pe0", "de1", ...)
+        self.engine_ids: dict[str, int] = {}
+        self.bundles: dict[str, int] = {}  # name -> its bundle of the placement group
+        self.placement_group = None
+        self.multinode = False
+        self._owns_ray = False
+        self._secrets_ref = None
+        self._clients: list[Client] = []
+        self._deadline = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _resources(self, role: str) -> dict[str, float]:
+        return parse_resources(getattr(self.cfg.ray, f"{role}_resources"))
+
+    def _env(self, role: str, engine: int) -> dict[str, str]:
+        c = self.cfg.cluster
+        if role == "router":
+            extra = devices.router_env(c)
+        else:
+            port = devices.TPU_PORT_BASE + engine
+            extra = devices.device_env(c, role, None, self.env, port=port)
+        return {**self.env, **extra}
+
+    def _start_actor(self, name: str, spec: ProcessSpec, role: str, engine: int = 0):
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from dualpath_jax.engine.ray_host import ProcessHost
+
+        env = self._env(role, engine)
+        options: dict[str, Any] = {
+            **actor_options(self._resources(role)),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=self.bundles[name]
+            ),
+            "max_restarts": 0 if role == "router" else self.cfg.ray.max_restarts,
+            "max_concurrency": 4,  # `where` / `stop` while `address` waits
+        }
+        if env:
+            options["runtime_env"] = {"env_vars": env}
+        fields = {k: v for k, v in spec.__dict__.items() if k not in ("workdir", "parent_pid")}
+        actor = (
+            ray.remote(ProcessHost)
+            .options(**options)
+            .remote(
+                name,
+                fields,
+                to_json(self.cfg),
+                str(self.workdir),
+                [self._secrets_ref],
+                self.cfg.ray.bind_node_ip,
+            )
+        )
+        self.actors[name] = actor
+        return actor
+
+    def start(self, wait: bool = True) -> None:
+        """Joins (or starts) Ray, places the cluster's placement group, starts the router's
+        actor, then the engines'; `wait`: until every engine has registered."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            kw = {"include_dashboard": False, **self.init_kwargs}
+            ray.init(address=self.ray_address, **kw)
+            self._owns_ray = True
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        check_ray_nodes(self.cfg, nodes)
+        self.multinode = len(nodes) > 1
+        c = self.cfg.cluster
+        self.credentials = read_credentials(c.secrets_file) if c.secrets_file else new_credentials()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
+        plan = engine_plan(c)
+        self.bundles = {"router": 0, **{name: i + 1 for i, (name, _) in enumerate(plan)}}
+        bundles = [self._resources("router"), *(self._resources(who.role) for _, who in plan)]
+        self._deadline = time.monotonic() + self.start_timeout_s
+        self.placement_group = placement_group(bundles, strategy=self.cfg.ray.strategy)
+        ready = self.placement_group.wait(timeout_seconds=self.start_timeout_s)
+        if not ready:
+            raise ClusterError(
+                f"Ray could not place the cluster's bundles {bundles} ({self.cfg.ray.strategy}) "
+                f"in {self.start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+            )
+        # Held here for the cluster's life: a restarted actor fetches it again (Ray warns that
+        # an actor's arguments in the object store must outlive it; this one does).
+        self._secrets_ref = ray.put(
+            {"engine": self.credentials.engine, "client": self.credentials.client}
+        )
+        router = self._start_actor("router", ProcessSpec("router", str(self.workdir)), "router")
+        try:
+            self.address = ray.get(router.address.remote(self.start_timeout_s))
+        except Exception as e:  # noqa: BLE001 - the actor's error, as a start failure
+            raise ClusterError(f"the router did not start: {e}") from e
+        for name, who in plan:
+            spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
+            self._start_actor(name, spec, who.role, who.engine)
+            self.engine_ids[name] = who.engine
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Returns once every engine has registered; raises ClusterError when an actor died
+        for good or the start timed out."""
+        wait_registered(self.client(), len(self.engine_ids), self._check_alive, self._deadline)
+
+    def _check_alive(self, names: Sequence[str] | None = None) -> None:
+        import ray
+
+        for name in names or list(self.actors):
+            try:
+                ray.get(self.actors[name].where.remote(), timeout=60)
+            except ray.exceptions.RayActorError as e:
+                raise ClusterError(f"{name}'s actor died during start: {e}") from e
+
+    def where(self) -> dict[str, dict[str, Any]]:
+        """Each actor's node (`node_id`, `ip`) and process (`pid`, `returncode`), by name."""
+        import ray
+
+        names = list(self.actors)
+        found = ray.get([self.actors[n].where.remote() for n in names], timeout=60)
+        return dict(zip(names, found))
+
+    def client(self, **kw) -> Client:
+        """A client holding the client secret (`Client` keyword arguments pass through). By
+        default `update_params` writes checkpoints to `workdir/params` on one node or a shared
+        file system, and streams them over the transfer layer (`params_dir=None`) otherwise."""
+        shared = not self.multinode or self.cfg.ray.shared_filesystem
+        kw.setdefault("params_dir", self.workdir / "params" if shared else None)
+        kw.setdefault("transfer_host", self._driver_host())
+        c = Client(self.address, self.credentials.client, **kw)
+        self._clients.append(c)
+        return c
+
+    def _driver_host(self) -> str:
+        if not self.cfg.ray.bind_node_ip:
+            return self.cfg.cluster.transfer_host
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def kill(self, name: str) -> None:
+        """Kills engine `name`'s actor and its process (fault injection); Ray restarts it
+        (within `ray.max_restarts`)."""
+        import ray
+
+        if name not in self.engine_ids:
+            raise ValueError(f"kill takes an engine name, one of {sorted(self.engine_ids)}")
+        ray.kill(self.actors[name], no_restart=False)
+
+    def restart(self, name: str, timeout_s: float | None = None) -> None:
+        """Waits until engine `name` serves again: Ray restarts an actor that died; one out of
+        restarts is started afresh (in its bundle). Returns once it has registered."""
+        import ray
+
+        if name not in self.engine_ids:
+            raise ValueError(f"restart takes an engine name, one of {sorted(self.engine_ids)}")
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        try:
+            ray.get(self.actors[name].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:  # dead for good: a fresh actor, a fresh budget
+            who = dict(engine_plan(self.cfg.cluster))[name]
+            spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
+            self._start_actor(name, spec, who.role, who.engine)
+        engine = str(self.engine_ids[name])
+        client = self.client()
+        while not client.stats()["engines"].get(engine, {}).get("alive"):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{name} did not register again in time")
+            time.sleep(0.1)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Shuts the router down, waits for every process to end (copying what it wrote here
+        when it ran on another node), then ends the actors, the placement group and a Ray this
+        cluster started."""
+        try:
+            import ray
+        except ImportError:
+            return
+        if self.address and "router" in self.actors:
+            try:
+                c = Client(self.address, self.credentials.engine)  # Shutdown is the admin's
+                c.shutdown(timeout_s=5.0)
+                c.close()
+            except Exception:  # noqa: BLE001 - the actors end below anyway
+                pass
+        for c in self._clients:
+            c.close()
+        self._clients.clear()
+        names = [n for n in self.actors if n != "router"] + (
+            ["router"] if "router" in self.actors else []
+        )
+        refs = [self.actors[n].stop.remote(timeout_s) for n in names]
+        for ref in refs:
+            try:
+                out = ray.get(ref, timeout=timeout_s + 15)
+            except Exception:  # noqa: BLE001 - a dead actor has nothing to hand over
+                continue
+            for rel, data in out["files"].items():
+                path = self.workdir / rel
+                if not path.exists():  # another node's: a driver elsewhere gets a copy
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(data)
+        for actor in self.actors.values():
+            ray.kill(actor, no_restart=True)
+        self.actors.clear()
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._owns_ray:
+            ray.shutdown()
+            self._owns_ray = False

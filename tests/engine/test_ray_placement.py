@@ -1,0 +1,80 @@
+"""RayCluster's checks that need no Ray: resource requests (`ray.*_resources`), the actor
+options a bundle becomes, and the configs refused on a Ray cluster of several nodes or hosts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dualpath_jax.config import (
+    ConfigError,
+    ExperimentConfig,
+    RayConfig,
+    StoreConfig,
+    apply_overrides,
+    parse_resources,
+    validate,
+)
+from dualpath_jax.engine.ray_cluster import RayCluster, actor_options, check_ray_nodes
+
+
+def test_resources_parse_and_bad_ones_name_their_key():
+    assert parse_resources("CPU=1, GPU=2,pool_a=0.5") == {"CPU": 1.0, "GPU": 2.0, "pool_a": 0.5}
+    cfg = apply_overrides(ExperimentConfig(), ["ray.decode_resources=TPU=4,tpu_pool=1"])
+    assert validate(cfg).ray.decode_resources == "TPU=4,tpu_pool=1"
+    for value, message in [
+        ("GPU", "ray.prefill_resources: resources 'GPU': expected"),
+        ("GPU=0", "ray.prefill_resources: resources 'GPU=0': GPU must be > 0"),
+        ("GPU=1,GPU=2", "ray.prefill_resources: resources 'GPU=1,GPU=2' names GPU twice"),
+        ("", "ray.prefill_resources: must name a resource"),
+    ]:
+        cfg = dataclasses.replace(ExperimentConfig(), ray=RayConfig(prefill_resources=value))
+        with pytest.raises(ConfigError) as e:
+            validate(cfg)
+        assert str(e.value).startswith(message), str(e.value)
+    with pytest.raises(ConfigError, match="ray.strategy: must be one of"):
+        validate(apply_overrides(ExperimentConfig(), ["ray.strategy=pack"]))
+
+
+def test_a_bundle_becomes_the_actor_options_that_ask_for_all_of_it():
+    assert actor_options({"CPU": 2, "GPU": 1, "TPU": 4, "pool": 1, "memory": 1e9}) == {
+        "num_cpus": 2,
+        "num_gpus": 1,
+        "memory": 1e9,
+        "resources": {"TPU": 4, "pool": 1},
+    }
+    assert actor_options({"pool": 1}) == {"num_cpus": 0, "num_gpus": 0, "resources": {"pool": 1}}
+
+
+def node(ip: str, alive: bool = True) -> dict:
+    return {"NodeManagerAddress": ip, "Alive": alive}
+
+
+def test_a_local_store_on_several_nodes_is_refused():
+    cfg = ExperimentConfig()
+    check_ray_nodes(cfg, [node("10.0.0.1")])  # one node: its own files are everyone's
+    check_ray_nodes(cfg, [node("10.0.0.1"), node("10.0.0.2", alive=False)])
+    with pytest.raises(ConfigError, match="local file root on a Ray cluster of 2 nodes"):
+        check_ray_nodes(cfg, [node("10.0.0.1"), node("10.0.0.1")])
+    shared = dataclasses.replace(cfg, ray=RayConfig(shared_filesystem=True))
+    check_ray_nodes(shared, [node("10.0.0.1"), node("10.0.0.1")])
+    memory = dataclasses.replace(shared, store=StoreConfig(kind="memory"))
+    with pytest.raises(ConfigError, match="store.kind='memory' on a Ray cluster of 2 nodes"):
+        check_ray_nodes(memory, [node("10.0.0.1"), node("10.0.0.1")])
+
+
+def test_loopback_addresses_on_several_hosts_are_refused():
+    cfg = dataclasses.replace(ExperimentConfig(), ray=RayConfig(shared_filesystem=True))
+    hosts = [node("10.0.0.1"), node("10.0.0.2")]
+    with pytest.raises(ConfigError, match="cluster.host='127.0.0.1' is loopback .* 2 hosts"):
+        check_ray_nodes(cfg, hosts)
+    check_ray_nodes(
+        dataclasses.replace(cfg, ray=RayConfig(shared_filesystem=True, bind_node_ip=True)), hosts
+    )
+
+
+def test_engines_spanning_processes_are_refused_before_ray_starts(tmp_path):
+    cfg = apply_overrides(ExperimentConfig(), ["cluster.decode_processes=2"])
+    with pytest.raises(ConfigError, match="engines of one process each"):
+        RayCluster(cfg, tmp_path)

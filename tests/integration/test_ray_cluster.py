@@ -1,0 +1,187 @@
+"""RayCluster on a local Ray cluster of three emulated nodes (`ray.cluster_utils.Cluster`), each
+advertising a custom resource that names it (`head`, `pool_a`, `pool_b`), so where Ray placed an
+actor is observable: the config puts the router on `head`, the PE on `pool_a`, the DE on
+`pool_b`.
+
+One cluster (a Ray cluster and a RayCluster take a minute to start on a small host) goes through
+its life: placement as configured; the DE's node is removed while the DE holds a request, and no
+trajectory is lost (requeued, the reference model's tokens); the DE comes back on the node that
+replaces it; an `update_params` by checkpoint and one streamed over the transfer layer reach
+every engine, the restarted one included; what the processes wrote (events, link reports) is in
+the workdir, and no process is left after `stop`.
+
+Full tier (multiprocess); skipped without the `ray` extra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import signal
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from test_cluster import (  # noqa: E402
+    RESULT_TIMEOUT_S,
+    busy_engines,
+    cluster_config,
+    make_trajectories,
+    read_events,
+)
+
+from dualpath_jax.cluster import RayCluster  # noqa: E402
+from dualpath_jax.config import RayConfig  # noqa: E402
+from dualpath_jax.model.decode import reference_generate  # noqa: E402
+from dualpath_jax.model.runner import ModelRunner  # noqa: E402
+from dualpath_jax.model.transformer import init_model  # noqa: E402
+from dualpath_jax.presets import TINY_QWEN2  # noqa: E402
+from dualpath_jax.rollout import Session, run_trajectories  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+# Each emulated node: one CPU, a small object store (nothing large goes through it).
+NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
+# A dead node is noticed within about two seconds (Ray's default takes longer).
+HEALTH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 4,
+}
+PLACED = RayConfig(
+    router_resources="CPU=1,head=1",
+    prefill_resources="CPU=1,pool_a=1",
+    decode_resources="CPU=1,pool_b=1",
+    shared_filesystem=True,  # the emulated nodes share this host's file system
+)
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """The Ray cluster (`cluster_utils.Cluster`) and its nodes by the resource each holds."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            **NODE,
+            "resources": {"head": 1},
+            "include_dashboard": False,
+            "_system_config": HEALTH,
+        },
+    )
+    try:
+        nodes = {
+            "head": cluster.head_node,
+            "pool_a": cluster.add_node(**NODE, resources={"pool_a": 1}),
+            "pool_b": cluster.add_node(**NODE, resources={"pool_b": 1}),
+        }
+        ray.init(address=cluster.address)
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def ray_config(policy: str, **cluster: object):
+    return dataclasses.replace(cluster_config(policy, **cluster), ray=PLACED)
+
+
+def wait_gone(pids: list[int]) -> list[int]:
+    """The processes of `pids` still running (not zombies) after up to 30 s."""
+    deadline = time.monotonic() + 30
+
+    def running(pid: int) -> bool:
+        status = pathlib.Path(f"/proc/{pid}/status")
+        try:
+            return "\nState:\tZ" not in status.read_text()
+        except OSError:
+            return False
+
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [p for p in pids if running(p)]
+
+
+FAULT = make_trajectories("ray-fault", n=4, rounds=3, seed=2, gen=(8, 16))
+
+
+def freeze_busy_decode(workdir: pathlib.Path, pid: int, runner: threading.Thread) -> None:
+    """Once two rounds are answered, freezes the DE (SIGSTOP) while it holds a request, so it
+    cannot finish the request behind the test's back."""
+    while True:
+        events = read_events(workdir)
+        if sum(e["kind"] == "done" for e in events) >= 2 and busy_engines(events, "decode"):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.2)  # what it sent before the freeze reaches the router's log
+            if busy_engines(read_events(workdir), "decode"):
+                return
+            os.kill(pid, signal.SIGCONT)
+        assert runner.is_alive(), "the run ended before the DE held a request"
+        time.sleep(0.005)
+
+
+def test_a_ray_cluster_places_survives_a_node_and_updates_params(
+    ray_nodes, tmp_path, reference_tokens
+):
+    ray_cluster, nodes = ray_nodes
+    cfg = ray_config("dualpath", heartbeat_timeout_s=5.0)
+    with RayCluster(cfg, tmp_path) as cluster:
+        where = cluster.where()
+        assert {name: w["node_id"] for name, w in where.items()} == {
+            "router": nodes["head"].node_id,
+            "pe0": nodes["pool_a"].node_id,
+            "de1": nodes["pool_b"].node_id,
+        }
+        client = cluster.client()
+        box: dict[str, list] = {}
+        runner = threading.Thread(
+            target=lambda: box.setdefault(
+                "out", run_trajectories(client, FAULT, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            )
+        )
+        runner.start()
+        try:
+            de_pid = where["de1"]["pid"]
+            freeze_busy_decode(tmp_path, de_pid, runner)
+            # The node goes (raylet, workers, and the engine process with them) ...
+            ray_cluster.remove_node(nodes["pool_b"], allow_graceful=False)
+            os.kill(de_pid, signal.SIGKILL)
+            # ... and a node of the same pool replaces it: Ray places the DE's bundle there.
+            replacement = ray_cluster.add_node(**NODE, resources={"pool_b": 1})
+        finally:
+            runner.join(RESULT_TIMEOUT_S + 10)
+        outputs = box["out"]
+        assert [o.error for o in outputs] == [""] * len(FAULT)
+        assert [o.rounds for o in outputs] == [reference_tokens(t) for t in FAULT]
+        cluster.restart("de1")  # returns once the restarted DE has registered
+        assert cluster.where()["de1"]["node_id"] == replacement.node_id
+
+        # An update by checkpoint (workdir/params, on the shared file system) ...
+        b = init_model(TINY_QWEN2, seed=32)
+        assert client.update_params(b, version="step-1") == "step-1"
+        prompt = list(range(5, 45))
+        assert Session(client, "after-b").step(prompt, 5, RESULT_TIMEOUT_S) == reference_generate(
+            ModelRunner(b), prompt, 5
+        )
+        # ... and one streamed over the transfer layer (a cluster without a shared file system).
+        streamed = cluster.client(params_dir=None)
+        a = init_model(TINY_QWEN2, seed=cfg.seed)
+        assert streamed.update_params(a, version="step-2") == "step-2"
+        assert streamed.last_params_update["via"] == "transfer"
+        after = make_trajectories("ray-after", n=2, rounds=2, seed=5)
+        outs = run_trajectories(streamed, after, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        assert [o.rounds for o in outs] == [reference_tokens(t) for t in after]
+        stats = client.stats()
+
+    assert stats["params_version"] == "step-2"
+    assert stats["counters"]["engine_deaths"] == 1
+    assert stats["counters"]["requeued"] >= 1, stats["counters"]
+    assert stats["counters"]["errors"] == 0
+    assert stats["engines"]["1"]["alive"] is True
+    assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
+    assert wait_gone([w["pid"] for w in where.values()]) == []
