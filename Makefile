@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+ALL_STAMP := $(VENV)/.installed-all
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 
 .PHONY: demo test test-all bench lint notebooks native clean
@@ -16,6 +17,11 @@ $(STAMP): pyproject.toml
 
 $(TEST_STAMP): pyproject.toml $(STAMP)
 	$(PY) -m pip install -q -e '.[test,hf,serve]'
+	touch $@
+
+# The full tier also runs RayCluster on a local multi-node Ray cluster (the ray extra).
+$(ALL_STAMP): pyproject.toml $(TEST_STAMP)
+	$(PY) -m pip install -q -e '.[test,hf,serve,ray]'
 	touch $@
 
 demo: $(STAMP)
@@ -31,7 +37,7 @@ test: $(TEST_STAMP)
 # Everything (what CI runs), in one run on $(WORKERS) + 1 workers: the tests that start engine
 # processes are one xdist group (tests/conftest.py), run one after the other by one worker (at
 # most three engine processes alive at once) while the others run the rest, and fill its waits.
-test-all: $(TEST_STAMP)
+test-all: $(ALL_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
 	$(PY) -m pytest -q -n $$(( $(WORKERS) + 1 )) --dist loadgroup --durations=30 tests
 
