@@ -81,9 +81,8 @@ def round_sampling(
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What `Session.step(..., logprobs=...)` returns: the round's generated `tokens`, their
-    `logprobs` (`Logprobs`: under the sampling distribution, under the model, the top-k asked
-    for), why it ended and the whole `RoundResult`."""
+    """`Session.step(..., logprobs=...)`'s answer: the round's tokens, their `Logprobs`, why it
+    ended and its `RoundResult`."""
 
     tokens: list[int]
     logprobs: Logprobs
@@ -167,10 +166,7 @@ class Session:
             append, gen, temperature=temperature, key=key, top_p=top_p, logprobs=logprobs
         )
         try:
-            res = fut.result(timeout_s)
-            if logprobs is False:
-                return list(res.tokens)
-            return Step(list(res.tokens), res.logprobs or Logprobs(), res.finish_reason, res)
+            return _answer(fut.result(timeout_s), logprobs)
         except futures.TimeoutError:
             cancel = getattr(self.backend, "cancel", None)
             if cancel is not None and getattr(fut, "request", ""):
@@ -220,11 +216,15 @@ def step_group(
     for x, fut in zip(sessions, futs):
         res = fut.result(timeout_s)
         x.results.append(res)
-        if logprobs is False:
-            out.append(list(res.tokens))
-        else:
-            out.append(Step(list(res.tokens), res.logprobs or Logprobs(), res.finish_reason, res))
+        out.append(_answer(res, logprobs))
     return out
+
+
+def _answer(res: RoundResult, logprobs: bool | int) -> list[int] | Step:
+    """What a step returns: the tokens, or with `logprobs` asked for, their `Step`."""
+    if logprobs is False:
+        return list(res.tokens)
+    return Step(list(res.tokens), res.logprobs or Logprobs(), res.finish_reason, res)
 
 
 @dataclasses.dataclass

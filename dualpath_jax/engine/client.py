@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
-from dualpath_jax.engine import messages
+from dualpath_jax.engine import groups, messages
 from dualpath_jax.engine.client_checks import (  # noqa: F401 - re-exported: the client's API
     TOKEN_LIMIT,
     RolloutError,
@@ -218,31 +218,7 @@ class Client:
         frame = messages.encode(messages.FinishRound(request=request), self._token)
         self._out.put((frame, "", None, False))
 
-    def submit_group(
-        self,
-        sessions: Sequence[str],
-        append: Sequence[int],
-        gen: int,
-        *,
-        samplings: Sequence[SamplingParams],
-        stop_tokens: Sequence[int] = (),
-        timeout_s: float = 600.0,
-    ) -> Any:
-        """One round in each of `sessions` (open, idle, with one context: forks of one session,
-        `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
-        tokens, round i drawn with `samplings[i]` (group sampling: GRPO's G completions of one
-        prompt). The prompt is prefilled once: a first round on a fork of `sessions[0]` computes
-        it and stores its KV (one generated token, discarded; the fork is closed, its blocks
-        stay), then the group's rounds read its whole blocks from the store and compute only the
-        tail (what follows the last whole block, at least one token) themselves, each sampling
-        its own first token. Returns one future per session (`RoundFuture`s, as `submit`'s),
-        with the prefix round's future as `.prefix`; a failed prefix round fails them all."""
-        from dualpath_jax.engine.groups import submit_group
-
-        return submit_group(
-            self, sessions, append, gen, samplings=samplings, stop_tokens=stop_tokens,
-            timeout_s=timeout_s,
-        )  # fmt: skip
+    submit_group = groups.submit_group  # one round per session, the prompt prefilled once
 
     def abort(
         self,

@@ -44,7 +44,7 @@ def _chain(src: futures.Future, dst: futures.Future) -> None:
 
 
 def submit_group(
-    client: Any,
+    client: Any,  # a Client
     sessions: Sequence[str],
     append: Sequence[int],
     gen: int,
@@ -53,7 +53,12 @@ def submit_group(
     stop_tokens: Sequence[int] = (),
     timeout_s: float = 600.0,
 ) -> GroupFutures:
-    """`Client.submit_group` (see there) on `client`."""
+    """One round in each of `sessions` (open, idle, with one context: forks of one session,
+    `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
+    tokens, round i drawn with `samplings[i]` (group sampling: GRPO's G completions of one
+    prompt), the prompt prefilled once (see the module docstring). Returns one future per
+    session (`RoundFuture`s, as `Client.submit`'s), with the prefix round's future as `.prefix`;
+    a failed prefix round fails them all. `Client.submit_group` is this function."""
     sessions = [check_session(x) for x in sessions]
     if not sessions or len(samplings) != len(sessions):
         raise RolloutError(

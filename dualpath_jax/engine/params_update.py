@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
+from dualpath_jax.engine.held import HeldRounds
 from dualpath_jax.engine.liveness import EngineInfo, EngineRegistry
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params import check_version, initial_params_version
@@ -107,7 +108,7 @@ class ParamsCoordinator:
         self.path = cfg.cluster.params_path
         self.fingerprint = model_fingerprint(cfg.model, self.version)
         self.update: ParamsUpdate | None = None
-        self.held: list[tuple[bytes, messages.Submit]] = []  # rounds submitted during an update
+        self.held = HeldRounds(out, queued, self.max_queue)  # rounds submitted during an update
         self.released: list[tuple[bytes, messages.Submit]] = []  # held ones, the update over
         self.catching_up: dict[int, CatchUp] = {}  # engine -> its catch-up
 
@@ -118,42 +119,25 @@ class ParamsCoordinator:
         `max_queue` (held and queued rounds together) is refused as `overloaded` (True too)."""
         if self.update is None:
             return False
-        queued = self.queued() + len(self.held)
-        if queued >= self.max_queue:
-            self.out.count("overloaded")
-            why = (
-                f"overloaded: {queued} requests queued (max_queue={self.max_queue}), "
-                f"{len(self.held)} of them held for params update {self.update.version!r}"
-            )
-            self.out.fail(ident, msg.request, why, kind="overloaded")
-            return True
-        self.held.append((ident, msg))
+        self.held.hold(ident, msg, f"for params update {self.update.version!r}")
         return True
 
     def holds_round_of(self, ident: bytes, session: str) -> bool:
-        return any(i == ident and m.session == session for i, m in self.held)
+        return self.held.holds(session, ident)
 
     def holds_session(self, session: str) -> bool:
         """Whether a round of `session` waits for the update to end."""
-        return any(m.session == session for _, m in self.held)
+        return self.held.holds(session)
 
     def cancel_held(self, ident: bytes, msg: messages.CancelRound) -> bool:
         """Ends `ident`'s held round `msg.request` as cancelled; False if there is none."""
-        for i, (who, sub) in enumerate(self.held):
-            if sub.request == msg.request and who == ident:
-                del self.held[i]
-                self.out.count("cancelled")
-                self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
-                return True
-        return False
+        return self.held.cancel(ident, msg)
 
     def take_held(
         self, chosen: Callable[[messages.Submit], bool]
     ) -> list[tuple[bytes, messages.Submit]]:
         """Removes and returns the held rounds `chosen` picks (to be aborted)."""
-        out = [(who, sub) for who, sub in self.held if chosen(sub)]
-        self.held = [(who, sub) for who, sub in self.held if not chosen(sub)]
-        return out
+        return self.held.take(chosen)
 
     def take_released(self) -> list[tuple[bytes, messages.Submit]]:
         """The rounds held during the update that just ended, in order (once)."""
@@ -287,8 +271,7 @@ class ParamsCoordinator:
             errors = "; ".join(u.errors)
             why = f"params {u.version!r} refused, still serving {self.version!r}: {errors}"
             self.out.fail(u.client, ref, why)
-        self.released += self.held
-        self.held = []
+        self.released += self.held.take_all()
         for e in self.registry.live():  # those the update did not reach: out, caught up
             if e.params_version != self.version:
                 self.left_rotation(e)

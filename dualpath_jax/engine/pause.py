@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from dualpath_jax.engine import messages
+from dualpath_jax.engine.held import HeldRounds
 from dualpath_jax.engine.outbox import Outbox
 
 
@@ -32,10 +33,8 @@ class PauseGate:
     ):
         self.out = out
         self.in_flight = in_flight
-        self.queued = queued
-        self.max_queue = max_queue
         self.mode = ""  # "": not paused, else the Pause's mode
-        self.held: list[tuple[bytes, messages.Submit]] = []
+        self.held = HeldRounds(out, queued, max_queue)
         self.released: list[tuple[bytes, messages.Submit]] = []
         self.waiting: list[tuple[bytes, str]] = []  # (client, ref) of Pauses not yet answered
 
@@ -68,8 +67,7 @@ class PauseGate:
         for who, ref in self.waiting:  # a pause never reached: it ends here
             self.out.fail(who, ref, "resumed before the rounds in flight ended", kind="cancelled")
         self.waiting = []
-        self.released += self.held
-        self.held = []
+        self.released += self.held.take_all()
         self.out.send(ident, messages.Ack(ref=msg.ref))
 
     def advance(self) -> None:
@@ -84,34 +82,17 @@ class PauseGate:
         `overloaded`, True too); False when not paused."""
         if not self.paused:
             return False
-        queued = self.queued() + len(self.held)
-        if queued >= self.max_queue:
-            self.out.count("overloaded")
-            why = (
-                f"overloaded: {queued} requests queued (max_queue={self.max_queue}), "
-                f"{len(self.held)} of them held while generation is paused"
-            )
-            self.out.fail(ident, msg.request, why, kind="overloaded")
-            return True
-        self.held.append((ident, msg))
+        self.held.hold(ident, msg, "while generation is paused")
         return True
 
     def cancel_held(self, ident: bytes, msg: messages.CancelRound) -> bool:
-        for i, (who, sub) in enumerate(self.held):
-            if sub.request == msg.request and who == ident:
-                del self.held[i]
-                self.out.count("cancelled")
-                self.out.fail(ident, msg.request, "cancelled by the client", kind="cancelled")
-                return True
-        return False
+        return self.held.cancel(ident, msg)
 
     def take(
         self, chosen: Callable[[messages.Submit], bool]
     ) -> list[tuple[bytes, messages.Submit]]:
         """Removes and returns the held rounds `chosen` picks (to be aborted)."""
-        out = [(who, sub) for who, sub in self.held if chosen(sub)]
-        self.held = [(who, sub) for who, sub in self.held if not chosen(sub)]
-        return out
+        return self.held.take(chosen)
 
     def take_released(self) -> list[tuple[bytes, messages.Submit]]:
         released, self.released = self.released, []

@@ -59,6 +59,13 @@ class UpdateWeightsRequest(msgspec.Struct, kw_only=True):
     pause: str = "wait"
 
 
+def _check_mode(mode: str, param: str) -> None:
+    """A pause mode (`messages.PAUSE_MODES`), else a 400 naming `param`."""
+    if mode not in messages.PAUSE_MODES:
+        modes = list(messages.PAUSE_MODES)
+        raise ApiError(400, f"{param} must be one of {modes}, got {mode!r}", param=param)
+
+
 class Admin:
     """The admin endpoints of `server` (a `server.ApiServer`; `add_routes`)."""
 
@@ -85,11 +92,7 @@ class Admin:
 
     async def pause(self, request: web.Request) -> web.Response:
         req = await self._body(request, PauseRequest)
-        if req.mode not in messages.PAUSE_MODES:
-            raise ApiError(
-                400, f"mode must be one of {list(messages.PAUSE_MODES)}, got {req.mode!r}",
-                param="mode",
-            )  # fmt: skip
+        _check_mode(req.mode, "mode")
         await self._call(self.server.client.pause, req.mode)
         return web.json_response({"success": True, "mode": req.mode})
 
@@ -113,11 +116,7 @@ class Admin:
 
     async def update_weights(self, request: web.Request) -> web.Response:
         req = await self._body(request, UpdateWeightsRequest)
-        if req.pause not in messages.PAUSE_MODES:
-            raise ApiError(
-                400, f"pause must be one of {list(messages.PAUSE_MODES)}, got {req.pause!r}",
-                param="pause",
-            )  # fmt: skip
+        _check_mode(req.pause, "pause")
         try:
             version = await asyncio.get_running_loop().run_in_executor(
                 None,

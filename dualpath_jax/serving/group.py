@@ -76,18 +76,10 @@ async def respond(
         answer = list(res.tokens[: text.used]) if text.stopped else list(res.tokens)
         generated += len(answer)
         finish = "stop" if res.finish_reason != "length" or text.stopped else "length"
-        choice: dict[str, Any] = {"index": i, "finish_reason": finish, "logprobs": None}
-        if p.sampling.logprobs is not None and res.logprobs is not None:
-            choice["logprobs"] = responses.logprobs_field(
-                server.tok, chat, answer, res.logprobs.head(len(answer))
-            )
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text.text}
-        else:
-            choice["text"] = text.text
-        if p.token_ids:
-            choice["token_ids"] = answer
-        choices.append(choice)
+        lp = res.logprobs if p.sampling.logprobs is not None else None
+        choices.append(
+            responses.choice(server.tok, chat, i, text.text, finish, answer, lp, p.token_ids)
+        )
     first = results[0]
     usage = responses.usage(first, generated)
     usage["prompt_tokens_details"]["cached_tokens"] = min(r.cached_tokens for r in results)

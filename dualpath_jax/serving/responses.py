@@ -151,6 +151,30 @@ def extension(res: messages.RoundResult, sid: str | None) -> dict[str, Any]:
     }
 
 
+def choice(
+    tok: Tokenizer,
+    chat: bool,
+    index: int,
+    text: str,
+    finish: str,
+    answer: list[int],
+    logprobs: Logprobs | None,
+    token_ids: bool,
+) -> dict[str, Any]:
+    """One choice of a whole (not streamed) response: its `text` (chat: the assistant's message),
+    `finish` reason, the `answer`'s ids when `token_ids` and their `logprobs` when given."""
+    out: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+    if logprobs is not None:
+        out["logprobs"] = logprobs_field(tok, chat, answer, logprobs.head(len(answer)))
+    if chat:
+        out["message"] = {"role": "assistant", "content": text}
+    else:
+        out["text"] = text
+    if token_ids:
+        out["token_ids"] = answer
+    return out
+
+
 def logprobs_field(
     tok: Tokenizer, chat: bool, ids: list[int], lp: Logprobs, offset: int = 0
 ) -> dict[str, Any]:

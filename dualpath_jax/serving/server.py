@@ -498,17 +498,8 @@ class ApiServer:
                     await self._send(request, resp, {**tail, "usage": usage, "dualpath": extra})
                 await self._send(request, resp, responses.DONE)
                 return resp
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
-            if asked and res.logprobs is not None:
-                choice["logprobs"] = responses.logprobs_field(
-                    self.tok, chat, answer, res.logprobs.head(len(answer))
-                )
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text.text}
-            else:
-                choice["text"] = text.text
-            if p.token_ids:
-                choice["token_ids"] = answer
+            lp = res.logprobs if asked else None
+            choice = responses.choice(self.tok, chat, 0, text.text, finish, answer, lp, p.token_ids)
             body = {
                 "id": ident,
                 "object": "chat.completion" if chat else "text_completion",

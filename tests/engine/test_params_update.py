@@ -177,7 +177,7 @@ def test_update_waits_for_running_rounds_and_holds_new_ones(rig):
     sent = rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
     assert (b"client", messages.Ack(ref="params:v1")) in sent
     # The held round is submitted now, keyed by the new fingerprint: old blocks are never hit.
-    assert r.params.held == [] and list(r.rounds.table.requests) == ["r2"]
+    assert len(r.params.held) == 0 and list(r.rounds.table.requests) == ["r2"]
     r2 = r.rounds.table.requests["r2"]
     assert r2.keys == [] and r2.request.cached_tokens == 0
     sent = rig.handle(
@@ -478,7 +478,7 @@ def test_held_rounds_count_against_max_queue(monkeypatch):
         assert ident == b"client" and err.kind == "overloaded"
         assert err.message.startswith("overloaded: 2 requests queued (max_queue=2)")
         assert "1 of them held for params update 'v1'" in err.message
-        assert [m.request for _, m in rig.router.params.held] == ["r2"]
+        assert [m.request for _, m in rig.router.params.held.rounds] == ["r2"]
         assert rig.router.stats()["counters"]["overloaded"] == 1
         # the same kind as a submission over the bound with no update in progress
         rig.handle(messages.CancelRound(request="r1"))  # the update loads, then commits
