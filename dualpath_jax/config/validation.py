@@ -39,6 +39,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.params_retry_s"
         " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
+        " scheduler.prefetch_hold_factor"
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s"
         " workload.trace_bytes_per_token",
     ),
@@ -116,6 +117,12 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     mesh_problems = {role: mesh_problem(getattr(cl, f"{role}_mesh")) for role in ROLES}
     events_problem = endpoint_problem(cl.kv_events_address)
     return [
+        (
+            "scheduler.prefetch",
+            not c.scheduler.prefetch
+            or c.scheduler.policy.value in ("dualpath", "dualpath_rr", "split"),
+            "prefetch reads on the DE side: the policy must be dualpath, dualpath_rr or split",
+        ),
         ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
         (
