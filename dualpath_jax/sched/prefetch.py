@@ -56,13 +56,15 @@ class PrefetchRule:
 @dataclasses.dataclass(frozen=True)
 class Held:
     """One session's prefetch on a node: `nbytes` reserved from the node's budget, started at
-    `started_s`, its next turn expected at `due_s`."""
+    `started_s`, its next turn expected at `due_s`; `in_use`: that turn has arrived and waits
+    for its assignment (never evicted)."""
 
     session: str
     node: int
     nbytes: int
     started_s: float
     due_s: float
+    in_use: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +117,15 @@ def make_room(
 ) -> tuple[str, ...] | None:
     """The sessions to evict from a node so that `need` more bytes fit its `budget`, or None
     when they cannot. Candidates go overdue first (their turn should have come: `due_s < now`),
-    then the one needed last; an entry needed before the new one (`due_s`) is kept."""
+    then the one needed last; an entry needed before the new one (`due_s`) is kept, and so is
+    one in use."""
     free = budget - sum(h.nbytes for h in held)
     if need <= free:
         return ()
     if need > budget:
         return None
-    order = sorted(held, key=lambda h: (h.due_s >= now, -h.due_s, h.session))
+    candidates = [h for h in held if not h.in_use]
+    order = sorted(candidates, key=lambda h: (h.due_s >= now, -h.due_s, h.session))
     out: list[str] = []
     for h in order:
         if h.due_s >= now and h.due_s <= due_s:
@@ -133,9 +137,15 @@ def make_room(
     return None
 
 
+def hold_until(h: Held, rule: PrefetchRule) -> float:
+    """When a prefetch whose turn has not come is given up: `hold_factor` x its expected gap
+    (at least `min_gap_s`) after it started."""
+    return h.started_s + rule.hold_factor * max(h.due_s - h.started_s, rule.min_gap_s)
+
+
 def expired(h: Held, now: float, rule: PrefetchRule) -> bool:
-    """The gap ran long: `hold_factor` x its expected length has passed since it started."""
-    return now > h.started_s + rule.hold_factor * max(h.due_s - h.started_s, rule.min_gap_s)
+    """The gap ran long: `hold_until` has passed and the turn has not come."""
+    return not h.in_use and now >= hold_until(h, rule)
 
 
 def honor_affinity(group: int, group_tok: Mapping[int, int], tokens: int, slack: float) -> bool:

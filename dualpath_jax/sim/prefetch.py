@@ -24,7 +24,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from dualpath_jax.sched.prefetch import Held, PrefetchRule, plan_prefetch
+from dualpath_jax.sched.prefetch import Held, PrefetchRule, expired, hold_until, plan_prefetch
 from dualpath_jax.sched.types import Assignment
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimLink
@@ -141,6 +141,10 @@ class _Entry:
     job: BackgroundJob | None = None
     timer: Event | None = None
     read: int = 0  # bytes read so far
+    in_use: bool = False  # its turn arrived (waits for its assignment)
+
+    def held(self) -> Held:
+        return Held(self.session, self.node, self.nbytes, self.started_s, self.due_s, self.in_use)
 
 
 class SimPrefetcher:
@@ -162,9 +166,7 @@ class SimPrefetcher:
         c, now = self.c, self.c.loop.now
         if session in self.entries:
             self._free(session)
-        held = [
-            Held(e.session, e.node, e.nbytes, e.started_s, e.due_s) for e in self.entries.values()
-        ]
+        held = [e.held() for e in self.entries.values()]
         d = plan_prefetch(
             self.rule,
             hit_blocks=hit_tokens // c.bt,
@@ -186,8 +188,7 @@ class SimPrefetcher:
         c.scheduler.hold(session, d.group, d.node, 0)
         e.job = BackgroundJob(e.nbytes, lambda n: self._read(e, n), lambda: None)
         self._link(d.node).add(e.job)
-        hold_s = self.rule.hold_factor * max(expected_s, self.rule.min_gap_s)
-        e.timer = c.loop.after(hold_s, self._expire, session)
+        e.timer = c.loop.at(hold_until(e.held(), self.rule), self._expire, session)
         self.counters["prefetch_started"] += 1
 
     def turn_submitted(self, session: str) -> None:
@@ -195,6 +196,7 @@ class SimPrefetcher:
         e = self.entries.get(session)
         if e is None:
             return
+        e.in_use = True
         if e.job is not None and not e.job.cancelled:
             self._link(e.node).cancel(e.job)
         if e.timer is not None:
@@ -219,8 +221,10 @@ class SimPrefetcher:
         self.c.scheduler.hold(e.session, e.group, e.node, e.read // self.block_bytes)
 
     def _expire(self, session: str) -> None:
-        self.counters["prefetch_cancelled"] += 1
-        self._free(session)
+        e = self.entries.get(session)
+        if e is not None and expired(e.held(), self.c.loop.now, self.rule):
+            self.counters["prefetch_cancelled"] += 1
+            self._free(session)
 
     def _free(self, session: str) -> None:
         e = self.entries.pop(session)

@@ -9,6 +9,7 @@ from dualpath_jax.sched.prefetch import (
     Held,
     PrefetchRule,
     expired,
+    hold_until,
     honor_affinity,
     make_room,
     plan_prefetch,
@@ -61,6 +62,8 @@ def test_make_room_evicts_overdue_first_then_the_one_needed_last():
     assert make_room(held, 700, 1000, now=5.0, due_s=10.0) == ("over", "late")
     assert make_room(held, 1000, 1000, now=5.0, due_s=10.0) is None  # "soon" is needed first
     assert make_room([], 1001, 1000, now=0.0, due_s=1.0) is None
+    in_use = [Held("over", 0, 900, 0.0, 2.0, in_use=True)]  # its turn came: never evicted
+    assert make_room(in_use, 200, 1000, now=5.0, due_s=10.0) is None
 
 
 def test_a_gap_that_runs_long_expires():
@@ -69,6 +72,8 @@ def test_a_gap_that_runs_long_expires():
     assert expired(h, 20.1, RULE)
     short = Held("s", 0, 100, started_s=0.0, due_s=0.1)  # held at least min_gap_s x factor
     assert not expired(short, 1.9, RULE) and expired(short, 2.1, RULE)
+    assert hold_until(h, RULE) == 20.0
+    assert not expired(Held("s", 0, 100, 10.0, 15.0, in_use=True), 99.0, RULE)
 
 
 def test_affinity_holds_unless_the_group_is_far_above_the_mean():

@@ -127,3 +127,37 @@ def test_prefetch_cuts_the_ttft_of_turns_after_a_tool_call_and_keeps_link_priori
         return sorted((r.request, r.prompt_tokens, r.cached_tokens) for r in run.cluster.results)
 
     assert key(on) == key(off)
+
+
+def _cluster(per_engine_bytes: float):
+    from dualpath_jax.sim.cluster import SimCluster
+
+    cfg, cost = paper_experiment("ds660b", 2, 4, policy="dualpath")
+    sched = dataclasses.replace(
+        cfg.scheduler, prefetch=True, prefetch_bytes_per_engine=per_engine_bytes
+    )
+    c = SimCluster(dataclasses.replace(cfg, scheduler=sched), cost)
+    c.router._report_des()  # the DEs' first loads, as the first fetch reports them
+    return c
+
+
+def test_a_gap_that_runs_long_is_cancelled_and_frees_the_memory():
+    c = _cluster(0.0)
+    c.prefetch.tool_call("s", hit_tokens=64_000, expected_s=2.0)
+    assert c.counters["prefetch_started"] == 1 and "s" in c.prefetch.entries
+    c.loop.run()  # no next turn: given up 3 x 2 s after it started
+    assert c.counters["prefetch_cancelled"] == 1 and not c.prefetch.entries
+    assert c.loop.now == pytest.approx(6.0)
+    assert c.scheduler.group_totals() and not c.scheduler._held
+
+
+def test_a_short_budget_evicts_the_prefetch_needed_last_or_refuses():
+    block = _cluster(0.0).bt * _cluster(0.0).kvb
+    c = _cluster(block * 100 / 8)  # 100 blocks per DE node (8 engines); every group ties: node 0
+    c.prefetch.tool_call("late", hit_tokens=60 * c.bt, expected_s=50.0)
+    c.prefetch.tool_call("soon", hit_tokens=60 * c.bt, expected_s=5.0)  # evicts "late"
+    assert set(c.prefetch.entries) == {"soon"} and c.counters["prefetch_evicted"] == 1
+    assert c.prefetch.entries["soon"].nbytes == 60 * block
+    c.prefetch.turn_submitted("soon")  # in use now: a later prefetch cannot evict it
+    c.prefetch.tool_call("other", hit_tokens=60 * c.bt, expected_s=1.0)
+    assert set(c.prefetch.entries) == {"soon"} and c.counters["prefetch_skipped"] == 1
