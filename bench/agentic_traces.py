@@ -104,9 +104,7 @@ def run_all(
                 cfg, trajectories=plan.trajectories, arrivals=plan.arrivals, pause_gc=True
             )
             s = run.summary
-            after = [
-                r.ttft_s for r in run.cluster.results if gap_after.get(_round_key(r.request))
-            ]
+            after = [r.ttft_s for r in run.cluster.results if gap_after.get(_round_key(r.request))]
             rows.append(
                 {
                     "store": store,
