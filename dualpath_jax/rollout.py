@@ -42,26 +42,15 @@ from dualpath_jax.engine.client import (
     key_to_seed,
     new_version,
 )
+from dualpath_jax.engine.hints import apply_hint, parse_hint
 from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
 from dualpath_jax.rounds import Logprobs, RoundResult
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Backend",
-    "InProcessEngine",
-    "Logprobs",
-    "RolloutError",
-    "RoundResult",
-    "SamplingParams",
-    "Session",
-    "Step",
-    "TrajectoryOutput",
-    "round_sampling",
-    "run_trajectories",
-    "step_group",
-    "workload_trajectories",
-]
+__all__ = ["Backend", "InProcessEngine", "Logprobs", "RolloutError", "RoundResult", "SamplingParams",
+           "Session", "Step", "TrajectoryOutput", "round_sampling", "run_trajectories", "step_group",
+           "workload_trajectories"]  # fmt: skip
 
 
 def round_sampling(
@@ -175,6 +164,15 @@ class Session:
 
     def close(self, release: bool = False) -> None:
         self.backend.close_session(self.id, release)
+
+    def hint(self, kind: str, **params: Any) -> Session | None:
+        """A session hint (`engine.hints`): `tool_call(expected_s=)`, `pin`, `ttl(ttl_s=)`,
+        `release`, or `fork(session="")`, which returns the subagent's new `Session`."""
+        h = parse_hint({"kind": kind, **params})
+        if h.kind == "fork":
+            return Session(self.backend, h.session or f"{self.id}/{uuid.uuid4().hex[:6]}", fork_of=self.id)  # fmt: skip
+        apply_hint(self.backend, self.id, h)
+        return None
 
     def fork(self, n: int) -> list[Session]:
         """`n` new sessions that start with this one's context (an idle session's), each its

@@ -45,6 +45,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " cluster.params_retry_s"
         " cluster.prefill_start_timeout_s"
         " scheduler.alpha_s scheduler.beta_s scheduler.compute_quota_ms scheduler.z_factor"
+        " scheduler.prefetch_hold_factor"
         " store.timeout_s workload.length_scale workload.ttft_slo_s workload.tpot_slo_s"
         " workload.trace_bytes_per_token",
     ),
@@ -132,6 +133,12 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
     }
     return [
         *((key, not why, why) for key, why in resource_problems.items()),
+        (
+            "scheduler.prefetch",
+            not c.scheduler.prefetch
+            or c.scheduler.policy.value in ("dualpath", "dualpath_rr", "split"),
+            "prefetch reads on the DE side: the policy must be dualpath, dualpath_rr or split",
+        ),
         ("cluster.kv_events_address", not events_problem, events_problem),
         ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
         (

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any, Protocol
 
-from dualpath_jax.engine import groups, messages
+from dualpath_jax.engine import groups, hints, messages
 from dualpath_jax.engine.client_checks import (  # noqa: F401 - re-exported: the client's API
     TOKEN_LIMIT,
     RolloutError,
@@ -296,6 +296,18 @@ class Client:
             fork_of=check_session(fork_of) if fork_of else "",
         )
         self._check(self._call(msg, session).result(timeout_s))
+
+    def hint(self, session: str, hint: str | dict | hints.SessionHint) -> str:
+        """A session hint (`engine.hints`: `"tool_call:12"`, `"ttl:600"`, `"pin"`, `"release"`,
+        `"fork"`, or their object forms); unknown ones raise RolloutError("bad_request").
+        Returns the session the hint leaves: a fork's new one, else `session`."""
+        h = hints.parse_hint(hint)
+        if h.kind == "fork":
+            child = h.session or f"{session}/{uuid.uuid4().hex[:6]}"
+            self.open_session(child, fork_of=session)
+            return child
+        hints.apply_hint(self, check_session(session), h)
+        return session
 
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
         """Ends a session; `release=True` also deletes its stored KV blocks that no other open

@@ -140,6 +140,7 @@ class InterEnginePolicy:
         de_read_rate: float = 1.0,
         turns: Mapping[int, int] | None = None,
         recompute: inter.RecomputeRule | None = None,
+        held: Mapping[str, tuple[int, int]] | None = None,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,
@@ -152,6 +153,7 @@ class InterEnginePolicy:
             de_read_rate=de_read_rate,
             turns=turns,
             recompute=recompute if self.reads else None,
+            held=held if self.reads else None,
         )
 
 

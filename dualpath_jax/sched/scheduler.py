@@ -35,6 +35,7 @@ from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.inter import GroupTotals, RecomputeRule, fitted_prefill
 from dualpath_jax.sched.policy import InterEnginePolicy, make_policy
+from dualpath_jax.sched.prefetch import honor_affinity
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
 
 
@@ -80,6 +81,10 @@ class GlobalScheduler:
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
         self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
+        # Tool-gap prefetch (`sched.prefetch`): trajectory -> (DE group, node, blocks held), and
+        # the slack of `honor_affinity`. Empty unless a prefetcher holds something.
+        self._held: dict[str, tuple[int, int, int]] = {}
+        self.affinity_slack = 0.5
 
     @classmethod
     def from_config(
@@ -302,9 +307,28 @@ class GlobalScheduler:
 
     def route_de(self) -> tuple[tuple[Request, int], ...]:
         """DE phase 1 alone (every `fetch_de` starts with it): drains the global queue into the
-        private queues of the groups known from DE reports. Returns `(request, group)`."""
+        private queues of the groups known from DE reports. Returns `(request, group)`. A turn
+        whose session holds a prefetch goes to the prefetch's group when `honor_affinity` says so
+        (routed first; the others follow the policy)."""
         if not (self._de_global and self._private_tok):
             return ()
+        pinned: list[tuple[Request, int]] = []
+        if self._held:
+            rest: collections.deque[Request] = collections.deque()
+            for r in self._de_global:
+                h = self._held.get(r.trajectory)
+                tot = self._group_tok
+                if h is not None and honor_affinity(h[0], tot, r.tokens, self.affinity_slack):
+                    pinned.append((r, h[0]))
+                    self._private_tok[h[0]] += r.tokens
+                    self._group_tok[h[0]] += r.tokens
+                    self._de_private[h[0]].append(r)
+                else:
+                    rest.append(r)
+            self._de_global = rest
+            self._n_private += len(pinned)
+            if not rest:
+                return tuple(pinned)
         key = ("de_route", 0)
         routes, self._cursor[key] = self.policy.de_route(
             self._de_global, self._group_tok, cursor=self._cursor.get(key, 0)
@@ -315,7 +339,30 @@ class GlobalScheduler:
             self._private_tok[g] += r.tokens
             self._group_tok[g] += r.tokens
         self._n_private += len(routes)
-        return routes
+        return (*pinned, *routes) if pinned else routes
+
+    # ------------------------------------------------------------------ tool-gap prefetch
+
+    def group_totals(self) -> dict[int, int]:
+        """DE group -> its DEs' `tok_e` plus its private queue's tokens (phase 1's totals)."""
+        return dict(self._group_tok.items())
+
+    def de_group_nodes(self) -> dict[int, int]:
+        """DE group -> the node of its first reported DE."""
+        out: dict[int, int] = {}
+        for x in self._de.values():
+            out.setdefault(x.group, x.node)
+        return out
+
+    def hold(self, trajectory: str, group: int, node: int, blocks: int) -> None:
+        """`trajectory`'s first `blocks` hit blocks are (being) prefetched into `node`, of DE
+        group `group`: its next turn is routed there (`honor_affinity`) and reads them from
+        memory (`assign_paths`' `held`)."""
+        self._held[trajectory] = (group, node, blocks)
+
+    def drop(self, trajectory: str) -> None:
+        """The prefetch of `trajectory` is gone (consumed, cancelled or evicted)."""
+        self._held.pop(trajectory, None)
 
     def _set_de(self, x: EngineLoad) -> None:
         old = self._de.get(x.engine)
@@ -368,6 +415,7 @@ class GlobalScheduler:
             de_read_rate=self.de_read_rate,
             turns=self._path_turns,
             recompute=self.recompute,
+            held={t: (h[1], h[2]) for t, h in self._held.items()} if self._held else None,
         )
         for a in out:  # round robin keeps one PE/DE turn per DE
             if a.pe_read_blocks + a.de_read_blocks > 0:

@@ -169,7 +169,8 @@ class Assignment:
     read: `recompute_blocks + pe_read_blocks + de_read_blocks` == the request's cached blocks,
     except for the Oracle policy (nothing is read or recomputed). The PE reads its blocks first
     in prefix order: after the recomputed lead, `pe_read_blocks` via the PE node, then
-    `de_read_blocks` via the DE node.
+    `de_read_blocks` via the DE node. Of those DE-side blocks, the first `held_blocks` are
+    already in the DE node's memory (a tool-gap prefetch, `sched.prefetch`): not read again.
     """
 
     request: Request
@@ -179,6 +180,7 @@ class Assignment:
     pe_read_blocks: int = 0
     de_read_blocks: int = 0
     recompute_blocks: int = 0
+    held_blocks: int = 0
 
     def __init__(
         self,
@@ -189,6 +191,7 @@ class Assignment:
         pe_read_blocks: int = 0,
         de_read_blocks: int = 0,
         recompute_blocks: int = 0,
+        held_blocks: int = 0,
     ) -> None:
         object.__setattr__(self, "request", request)
         object.__setattr__(self, "pe", pe)
@@ -197,6 +200,7 @@ class Assignment:
         object.__setattr__(self, "pe_read_blocks", pe_read_blocks)
         object.__setattr__(self, "de_read_blocks", de_read_blocks)
         object.__setattr__(self, "recompute_blocks", recompute_blocks)
+        object.__setattr__(self, "held_blocks", held_blocks)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, init=False)

@@ -64,6 +64,7 @@ class _Common(msgspec.Struct, kw_only=True):
     n: int = 1
     user: str | None = None
     conversation_id: str | None = None  # a session id, as some clients send it
+    session_hint: str | dict | None = None  # engine.hints (X-Session-Hint in a header)
     # extensions
     ignore_eos: bool = False
     return_token_ids: bool = False

@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from dualpath_jax.engine import hints
+from dualpath_jax.engine.client_checks import RolloutError
 from dualpath_jax.model.sampling import SamplingError, SamplingParams
 from dualpath_jax.serving.protocol import ApiError, CompletionRequest
 from dualpath_jax.serving.tokenizer import Tokenizer
@@ -21,6 +23,7 @@ SESSION_HEADER = "X-Session-Id"
 SESSION_HEADERS = (SESSION_HEADER, "X-Session-Affinity", "X-Correlation-Id")
 PRIORITY_HEADER = "X-Session-Priority"
 TTL_HEADER = "X-Session-TTL"
+HINT_HEADER = "X-Session-Hint"
 MAX_SESSION_ID = 256
 MAX_TTL_S = 1e9  # the router's bound (engine.retention.retention_problem)
 MAX_N = 64  # choices per request (group sampling)
@@ -212,4 +215,38 @@ def retention(
                 param=TTL_HEADER,
             )
         out["ttl_s"] = ttl
+    return out
+
+
+def session_hint(
+    request: web.Request,
+    req: Any,
+    sid: str | None,
+    max_priority: int = 2**31 - 1,
+    max_ttl_s: float = MAX_TTL_S,
+) -> dict[str, Any]:
+    """The retention keywords of the request's session hint (`X-Session-Hint`, else the body's
+    `session_hint`; `engine.hints`): `tool_call`, `pin` and `ttl` set the session's retention
+    from this round on (`pin` at the server's `max_priority` and `max_ttl_s`, a TTL capped at
+    `max_ttl_s`). A bad or unknown hint, a hint without a session, or `release` / `fork`
+    (a session's own calls: `Client.hint`, `Session.hint`) is a 400."""
+    raw = request.headers.get(HINT_HEADER)
+    param = HINT_HEADER if raw is not None else "session_hint"
+    raw = raw if raw is not None else getattr(req, "session_hint", None)
+    if raw is None:
+        return {}
+    try:
+        hint = hints.parse_hint(raw)
+    except RolloutError as e:
+        raise ApiError(400, str(e), param=param) from None
+    if sid is None:
+        raise ApiError(400, "a session hint needs a session (X-Session-Id)", param=param)
+    if hint.kind in ("release", "fork"):
+        raise ApiError(
+            400, f"{hint.kind!r} is not a per-request hint (Client.hint, Session.hint)", param=param
+        )
+    out = hints.retention_of(hint)
+    if "priority" in out:
+        out["priority"] = min(out["priority"], max_priority)
+    out["ttl_s"] = min(out["ttl_s"], max_ttl_s, MAX_TTL_S)
     return out

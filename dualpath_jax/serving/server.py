@@ -400,9 +400,9 @@ class ApiServer:
         if req.n > 1:
             return await group.respond(self, req.n, prompt, p, chat)
         sid = request_checks.session_id(request, req)
-        retention = request_checks.retention(
-            request, self.cfg.max_session_priority, self.cfg.max_session_ttl_s
-        )
+        caps = (self.cfg.max_session_priority, self.cfg.max_session_ttl_s)
+        retention = request_checks.session_hint(request, req, sid, *caps)
+        retention.update(request_checks.retention(request, *caps))
         if sid is not None:
             if sid not in self.sessions:
                 self.sessions[sid] = _AgentSession(f"http:{sid}")

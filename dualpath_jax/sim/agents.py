@@ -120,6 +120,8 @@ class AgentReplay:
         else:
             hit = 0
         traj = f"{self.ids[agent]}/a{agent}"
+        if self.cluster.prefetch is not None:
+            self.cluster.prefetch.turn_submitted(traj)
         if self.store is not None:
             hit = self.store.begin(agent, traj, self.pieces[agent], hit)
         req = Request(f"{traj}/r{turn}", traj, turn, prompt, hit, gens[turn])
@@ -137,6 +139,11 @@ class AgentReplay:
         if last:
             self.done_at[agent] = self.cluster.loop.now
         elif self.gaps[agent][turn] > 0:  # the agent's tool call runs first
-            self.cluster.loop.after(self.gaps[agent][turn], self.submit, agent, turn)
+            gap = self.gaps[agent][turn]
+            if self.cluster.prefetch is not None:  # the trace says a tool call: prefetch its hit
+                prompts, gens = self.prompts[agent], self.gens[agent]
+                hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
+                self.cluster.prefetch.tool_call(st.request.trajectory, hit, gap)
+            self.cluster.loop.after(gap, self.submit, agent, turn)
         else:
             self.submit(agent, turn)

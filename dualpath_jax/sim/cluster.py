@@ -39,11 +39,13 @@ from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.rounds import RoundResult
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
 from dualpath_jax.sched.intra import PendingPrefill, batch_kv_bound
+from dualpath_jax.sched.prefetch import PrefetchRule
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Assignment, ReadPath, Request
 from dualpath_jax.sim.core import EventLoop
 from dualpath_jax.sim.decode import DecodeSteps
 from dualpath_jax.sim.network import SimLink, SimNetwork
+from dualpath_jax.sim.prefetch import SimPrefetcher
 from dualpath_jax.sim.router import SimRouter
 from dualpath_jax.sim.state import (
     HostBuffer,
@@ -195,6 +197,15 @@ class SimCluster:
         self.router.decode = self.decode
         # The additive form of the cost model's attention time, when it has one (same plans).
         self._terms = MemoTerms(cost) if hasattr(cost, "attention_terms") else None
+        # Tool-gap prefetch (`sim.prefetch`), when the config asks for it and the policy reads.
+        self.prefetch: SimPrefetcher | None = None
+        if cfg.scheduler.prefetch and self.policy.reads:
+            if not options.fast_links:
+                raise ValueError(
+                    "tool-gap prefetch needs SimOptions.fast_links (FIFO storage NICs)"
+                )
+            rule = PrefetchRule.from_config(cfg.scheduler, g, hw.dram_buffer_bytes)
+            self.prefetch = SimPrefetcher(self, rule)
 
     # ------------------------------------------------------------------ router
 
@@ -224,6 +235,7 @@ class SimCluster:
             self._ready_to_prefill(st)
             return
         st.read_pe, st.read_de = a.pe_read_blocks * self.bt, a.de_read_blocks * self.bt
+        st.read_de -= a.held_blocks * self.bt
         self.router.assigned(a, pe, st.read_pe, st.read_de)
         lead = min(r.cached_tokens, a.recompute_blocks * self.bt)
         hit = min(r.cached_tokens - lead, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
@@ -235,6 +247,13 @@ class SimCluster:
             st.lead = lead
         computed = r.prompt_tokens - st.cached + st.lead
         st.nbytes = paths.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
+        if self.prefetch is not None:
+            self.prefetch.assigned(a)
+            if a.held_blocks:  # read during the tool call: in the DE node's memory already
+                held = min(de_hit, a.held_blocks * self.bt)
+                nb = list(st.nbytes)
+                nb[_DE_READ] -= held * self.kvb
+                st.nbytes = tuple(nb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)
         if links is None:

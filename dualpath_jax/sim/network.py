@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from dualpath_jax.sim.core import EventLoop
 from dualpath_jax.transfer.links import (
@@ -100,6 +101,7 @@ class SimLink:
         "_chunk",
         "_cls",
         "fifo",
+        "background",
     )
 
     def __init__(
@@ -137,6 +139,8 @@ class SimLink:
         self._busy = False  # a chunk is on the wire (a pacing event is scheduled)
         self._last: LinkRequest | None = None  # the request of the chunk on the wire
         self._free_at = -math.inf  # end of a chunk granted by `serve_now` (no event of its own)
+        # Reads below LOW that only fill idle time (`sim.prefetch.Background`), or None.
+        self.background: Any = None
 
     def request(self, nbytes: int, cls: TrafficClass, on_done: Callable[..., object]) -> None:
         """Queues `nbytes`; `on_done()` runs (as an event) once the last byte has crossed (it is
@@ -187,6 +191,8 @@ class SimLink:
                 self._cls = c
             start = self._free_at if self._free_at > now else now
             self._free_at = end = start + nbytes / self.rate
+            if self.background is not None:  # background bytes on the wire yield at once
+                self.background.yield_to(now, end)
             w = self.window_s
             a = _window(start, w)
             if a == self._win and a >= _window(end - 1e-9 * w, w):  # `_account`'s common case

@@ -1,0 +1,167 @@
+"""Real coding-agent sessions on the paper's DS 660B 2P4D testbed (simulated): Basic, DualPath,
+DualPath + tool-gap prefetch and Oracle, with the store unlimited and limited.
+
+Run (about a minute on 2 cores):
+  python bench/agentic_traces.py                       # the 28 Weka sessions, recorded arrivals
+  python bench/agentic_traces.py --aps=0.5 --json=/tmp/agentic.json
+
+The sessions (`--trace`, the Weka JSON: `workload.trace_format="weka"`) are public data kept
+beside the repository (`../shared/real_traces/weka_claude_code_sessions`); every session and
+subagent is one trajectory, replayed as recorded (its think times are the tool-call gaps).
+Arrivals: the sessions' own timestamps, or that clock scaled to `--aps` sessions per second.
+Every policy replays the same trajectories. The limited store holds `--capacity_fraction` of
+the KV bytes of every trajectory's longest context (retention eviction). Each engine's DRAM
+buffer is raised to hold the longest request (the preset's 10 GB per engine does not), and the
+prefetch budget is `--prefetch_gb` per DE engine.
+
+Columns: JCT (s, first arrival to last round done), TTFT p50/p99 over every round, TTFT p50 of
+the rounds after a tool call (a gap before them), storage-NIC max/avg (`snic_max_over_avg`),
+hit rate (cached / prompt tokens), and for prefetch the hit tokens it had in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+
+from absl import app, flags
+
+from dualpath_jax.config import Policy
+from dualpath_jax.model.layout import kv_bytes_per_token
+from dualpath_jax.presets import paper_experiment
+from dualpath_jax.sim import simulate
+from dualpath_jax.workload.arrivals import plan_workload
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_TRACE = flags.DEFINE_string(
+    "trace",
+    str(ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"),
+    "A Weka session file or directory.",
+)
+_APS = flags.DEFINE_float("aps", 0.0, "Sessions per second (0: the recorded timestamps).")
+_CAPACITY = flags.DEFINE_float(
+    "capacity_fraction", 0.25, "Limited store: this fraction of every longest context's KV."
+)
+_PREFETCH_GB = flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per DE engine (GB).")
+_SNIC_GBPS = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC per node (Gbps).")
+_JSON = flags.DEFINE_string("json", "", "Also write the rows here.")
+
+RUNS = (
+    ("basic", Policy.BASIC, False),
+    ("dualpath", Policy.DUALPATH, False),
+    ("dualpath+prefetch", Policy.DUALPATH, True),
+    ("oracle", Policy.ORACLE, False),
+)
+
+
+def run_all(
+    trace: str,
+    *,
+    aps: float = 0.0,
+    capacity_fraction: float = 0.25,
+    prefetch_gb: float = 10.0,
+    snic_gbps: float = 400.0,
+    runs=RUNS,
+    stores=("unlimited", "limited"),
+) -> list[dict]:
+    """One row per (store, run)."""
+    base, _ = paper_experiment("ds660b", 2, 4, snic_bytes_per_s=snic_gbps / 8 * 1e9)
+    w = dataclasses.replace(
+        base.workload, trace=trace, trace_format="weka", agents=None, mode="online",
+        aps=aps, max_turns=0, max_len=0, length_scale=1.0,
+    )  # fmt: skip
+    base = dataclasses.replace(base, workload=w)
+    plan = plan_workload(base)
+    kvb = kv_bytes_per_token(base.model, base.hardware.kv_format or None)
+    longest = max(t.total_len for t in plan.trajectories)
+    hw = dataclasses.replace(
+        base.hardware,
+        dram_buffer_bytes=max(base.hardware.dram_buffer_bytes, math.ceil(1.05 * longest * kvb)),
+    )
+    working_set = sum(t.total_len for t in plan.trajectories) * kvb
+    gap_after = {
+        (t.id, i): r.gap_s > 0 for t in plan.trajectories for i, r in enumerate(t.rounds) if i
+    }
+    rows = []
+    for store in stores:
+        cap = int(capacity_fraction * working_set) if store == "limited" else -1
+        for name, policy, prefetch in runs:
+            cfg = dataclasses.replace(
+                base,
+                hardware=hw,
+                scheduler=dataclasses.replace(
+                    base.scheduler,
+                    policy=policy,
+                    prefetch=prefetch,
+                    prefetch_bytes_per_engine=prefetch_gb * 1e9,
+                ),
+                store=dataclasses.replace(base.store, capacity_bytes=max(cap, 0)),
+            )
+            run = simulate(
+                cfg, trajectories=plan.trajectories, arrivals=plan.arrivals, pause_gc=True
+            )
+            s = run.summary
+            after = [r.ttft_s for r in run.cluster.results if gap_after.get(_round_key(r.request))]
+            rows.append(
+                {
+                    "store": store,
+                    "capacity_gb": cap / 1e9 if cap > 0 else None,
+                    "run": name,
+                    "rounds": s["requests"],
+                    "jct_s": run.jct_s,
+                    "ttft_p50_s": s["ttft_s"]["p50"],
+                    "ttft_p99_s": s["ttft_s"]["p99"],
+                    "ttft_after_tool_p50_s": statistics.median(after) if after else math.nan,
+                    "snic_max_over_avg": s["snic_max_over_avg"],
+                    "hit_rate": s["cached_tokens"] / max(1, s["prompt_tokens"]),
+                    "prefetch_hit_tokens": run.cluster.counters.get("prefetch_hit_tokens", 0),
+                    "sessions": len(plan.trajectories),
+                    "arrivals": plan.record["arrivals"],
+                }
+            )
+    return rows
+
+
+def _round_key(request: str) -> tuple[str, int]:
+    """`(trajectory id, round)` of a simulated request id `"<id>/a<agent>/r<round>"`."""
+    head, _, r = request.rpartition("/r")
+    return head.rpartition("/a")[0], int(r)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (
+        "| store | run | JCT (s) | TTFT p50 (s) | TTFT p99 (s) | TTFT p50 after a tool call (s) "
+        "| storage NIC max/avg | hit rate |\n|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"| {r['store']} | {r['run']} | {r['jct_s']:.1f} | {r['ttft_p50_s']:.3f} | "
+            f"{r['ttft_p99_s']:.2f} | {r['ttft_after_tool_p50_s']:.3f} | "
+            f"{r['snic_max_over_avg']:.2f} | {r['hit_rate']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if not pathlib.Path(_TRACE.value).exists():
+        raise SystemExit(f"no sessions at {_TRACE.value} (--trace)")
+    rows = run_all(
+        _TRACE.value,
+        aps=_APS.value,
+        capacity_fraction=_CAPACITY.value,
+        prefetch_gb=_PREFETCH_GB.value,
+        snic_gbps=_SNIC_GBPS.value,
+    )
+    print(f"{rows[0]['sessions']} trajectories, arrivals: {rows[0]['arrivals']}")
+    print(format_table(rows))
+    if _JSON.value:
+        pathlib.Path(_JSON.value).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

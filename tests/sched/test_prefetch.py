@@ -1,0 +1,115 @@
+"""Tool-gap prefetch decisions (`sched.prefetch`): where and how much, the DRAM budget, eviction,
+cancellation of a gap that runs long, routing affinity and the held blocks of the next turn."""
+
+from __future__ import annotations
+
+from dualpath_jax.config import Policy
+from dualpath_jax.sched.inter import assign_paths
+from dualpath_jax.sched.prefetch import (
+    Held,
+    PrefetchRule,
+    expired,
+    hold_until,
+    honor_affinity,
+    make_room,
+    plan_prefetch,
+)
+from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
+
+RULE = PrefetchRule(budget_bytes=1000, min_gap_s=1.0, hold_factor=2.0, affinity_slack=0.5)
+
+
+def plan(hit_blocks=4, expected_s=10.0, held=(), tok=None, now=0.0, rule=RULE):
+    return plan_prefetch(
+        rule,
+        hit_blocks=hit_blocks,
+        block_bytes=100,
+        expected_s=expected_s,
+        now=now,
+        group_tok=tok if tok is not None else {0: 50, 1: 20},
+        group_node={0: 10, 1: 11},
+        held=list(held),
+    )
+
+
+def test_prefetch_goes_to_the_least_loaded_group_and_needs_a_hit_and_a_long_enough_gap():
+    d = plan()
+    assert (d.group, d.node, d.blocks, d.evict) == (1, 11, 4, ())
+    assert plan(hit_blocks=0) is None
+    assert plan(expected_s=0.5) is None  # shorter than min_gap_s
+    assert plan(expected_s=float("inf")) is None
+    assert plan(tok={}) is None
+
+
+def test_the_budget_bounds_the_blocks_and_eviction_makes_room():
+    assert plan(hit_blocks=50).blocks == 10  # 1000 B of 100 B blocks
+    full = [Held("a", 11, 600, 0.0, 30.0), Held("b", 11, 300, 0.0, 5.0), Held("c", 10, 900, 0, 1)]
+    # 100 B free on node 11: "a" (needed at 30 s, after the new one's 10 s) goes; "b" (5 s) stays
+    assert plan(held=full).evict == ("a",)
+    # nothing needed later than the new one: refused
+    assert plan(held=[Held("b", 11, 900, 0.0, 5.0)]) is None
+
+
+def test_make_room_evicts_overdue_first_then_the_one_needed_last():
+    held = [
+        Held("late", 0, 400, 0.0, 50.0),
+        Held("over", 0, 400, 0.0, 2.0),
+        Held("soon", 0, 100, 0, 8),
+    ]
+    assert make_room(held, 100, 1000, now=5.0, due_s=10.0) == ()
+    assert make_room(held, 300, 1000, now=5.0, due_s=10.0) == ("over",)
+    assert make_room(held, 700, 1000, now=5.0, due_s=10.0) == ("over", "late")
+    assert make_room(held, 1000, 1000, now=5.0, due_s=10.0) is None  # "soon" is needed first
+    assert make_room([], 1001, 1000, now=0.0, due_s=1.0) is None
+    in_use = [Held("over", 0, 900, 0.0, 2.0, in_use=True)]  # its turn came: never evicted
+    assert make_room(in_use, 200, 1000, now=5.0, due_s=10.0) is None
+
+
+def test_a_gap_that_runs_long_expires():
+    h = Held("s", 0, 100, started_s=10.0, due_s=15.0)  # expected 5 s, hold factor 2
+    assert not expired(h, 19.9, RULE)
+    assert expired(h, 20.1, RULE)
+    short = Held("s", 0, 100, started_s=0.0, due_s=0.1)  # held at least min_gap_s x factor
+    assert not expired(short, 1.9, RULE) and expired(short, 2.1, RULE)
+    assert hold_until(h, RULE) == 20.0
+    assert not expired(Held("s", 0, 100, 10.0, 15.0, in_use=True), 99.0, RULE)
+
+
+def test_affinity_holds_unless_the_group_is_far_above_the_mean():
+    assert honor_affinity(0, {0: 100, 1: 100}, 10, 0.5)
+    assert not honor_affinity(0, {0: 1000, 1: 0}, 10, 0.5)
+    assert not honor_affinity(2, {0: 0, 1: 0}, 10, 0.5)
+
+
+def req(traj: str, cached=640, prompt=1000) -> Request:
+    return Request(f"{traj}/r1", traj, 1, prompt, cached, 8)
+
+
+def test_held_blocks_read_on_the_de_side_from_memory_and_only_the_rest_is_queued():
+    pairs = [(req("s"), 0, 5), (req("t"), 0, 5)]
+    out, q = assign_paths(
+        pairs, {0: 1}, {5: 2}, {1: 0, 2: 0}, mode="shorter", block_tokens=64,
+        held={"s": (2, 7), "t": (3, 10)},  # t's prefetch sits on another node
+    )  # fmt: skip
+    s, t = out
+    assert (s.path, s.pe_read_blocks, s.de_read_blocks, s.held_blocks) == (ReadPath.DE, 0, 10, 7)
+    assert t.held_blocks == 0 and t.path is ReadPath.PE  # by queue, as without a prefetch
+    assert q == {1: 640, 2: 640 - 7 * 64}
+
+
+def test_the_scheduler_routes_a_held_session_to_its_group_and_reads_it_from_memory():
+    s = GlobalScheduler(Policy.DUALPATH, block_tokens=64)
+    des = [EngineLoad(10 + g, 20 + g, g, free_hbm_tokens=10**6) for g in range(2)]
+    s.report(des, "de")
+    s.report([EngineLoad(0, 1, 0)], "pe")
+    assert s.group_totals() == {0: 0, 1: 0} and s.de_group_nodes() == {0: 20, 1: 21}
+    s.hold("sess", 1, 21, 10)  # group 1 is no lighter than group 0: affinity decides
+    s.submit(req("sess"))
+    assert s.route_de() == ((req("sess"), 1),)
+    assert s.fetch_de(1, [des[1]])
+    (a,) = s.fetch_pe(0, [EngineLoad(0, 1, 0)])
+    assert (a.de, a.path, a.held_blocks) == (11, ReadPath.DE, 10)
+    s.drop("sess")
+    s.submit(req("sess"))
+    assert s.route_de()[0][1] == 0  # dropped: by totals (group 1 has the first turn)
