@@ -133,12 +133,6 @@ class ParamsCoordinator:
         """Ends `ident`'s held round `msg.request` as cancelled; False if there is none."""
         return self.held.cancel(ident, msg)
 
-    def take_held(
-        self, chosen: Callable[[messages.Submit], bool]
-    ) -> list[tuple[bytes, messages.Submit]]:
-        """Removes and returns the held rounds `chosen` picks (to be aborted)."""
-        return self.held.take(chosen)
-
     def take_released(self) -> list[tuple[bytes, messages.Submit]]:
         """The rounds held during the update that just ended, in order (once)."""
         released, self.released = self.released, []

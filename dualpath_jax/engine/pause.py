@@ -85,15 +85,6 @@ class PauseGate:
         self.held.hold(ident, msg, "while generation is paused")
         return True
 
-    def cancel_held(self, ident: bytes, msg: messages.CancelRound) -> bool:
-        return self.held.cancel(ident, msg)
-
-    def take(
-        self, chosen: Callable[[messages.Submit], bool]
-    ) -> list[tuple[bytes, messages.Submit]]:
-        """Removes and returns the held rounds `chosen` picks (to be aborted)."""
-        return self.held.take(chosen)
-
     def take_released(self) -> list[tuple[bytes, messages.Submit]]:
         released, self.released = self.released, []
         return released

@@ -280,7 +280,7 @@ class Router:
             self.rounds.on_submit(ident, msg)
 
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
-        if not self.pause.cancel_held(ident, msg) and not self.params.cancel_held(ident, msg):
+        if not self.pause.held.cancel(ident, msg) and not self.params.cancel_held(ident, msg):
             self.rounds.on_cancel(ident, msg)
 
     def on_pause(self, ident: bytes, msg: messages.Pause) -> None:
@@ -324,7 +324,7 @@ class Router:
             return msg.all or sub.request in named or sub.session in sessions
 
         ended = []
-        for who, sub in self.pause.take(chosen) + self.params.take_held(chosen):
+        for who, sub in self.pause.held.take(chosen) + self.params.held.take(chosen):
             self.rounds.abort_asked.add(sub.request)
             if self.rounds.on_submit(who, sub):
                 ended.append(sub.request)
