@@ -36,18 +36,7 @@ from dualpath_jax.sim import simulate
 from dualpath_jax.workload.arrivals import plan_workload
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-_TRACE = flags.DEFINE_string(
-    "trace",
-    str(ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"),
-    "A Weka session file or directory.",
-)
-_APS = flags.DEFINE_float("aps", 0.0, "Sessions per second (0: the recorded timestamps).")
-_CAPACITY = flags.DEFINE_float(
-    "capacity_fraction", 0.25, "Limited store: this fraction of every longest context's KV."
-)
-_PREFETCH_GB = flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per DE engine (GB).")
-_SNIC_GBPS = flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC per node (Gbps).")
-_JSON = flags.DEFINE_string("json", "", "Also write the rows here.")
+DEFAULT_TRACE = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
 
 RUNS = (
     ("basic", Policy.BASIC, False),
@@ -148,20 +137,30 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> None:
     del argv
-    if not pathlib.Path(_TRACE.value).exists():
-        raise SystemExit(f"no sessions at {_TRACE.value} (--trace)")
+    f = flags.FLAGS
+    if not pathlib.Path(f.trace).exists():
+        raise SystemExit(f"no sessions at {f.trace} (--trace)")
     rows = run_all(
-        _TRACE.value,
-        aps=_APS.value,
-        capacity_fraction=_CAPACITY.value,
-        prefetch_gb=_PREFETCH_GB.value,
-        snic_gbps=_SNIC_GBPS.value,
+        f.trace,
+        aps=f.aps,
+        capacity_fraction=f.capacity_fraction,
+        prefetch_gb=f.prefetch_gb,
+        snic_gbps=f.snic_gbps,
     )
     print(f"{rows[0]['sessions']} trajectories, arrivals: {rows[0]['arrivals']}")
     print(format_table(rows))
-    if _JSON.value:
-        pathlib.Path(_JSON.value).write_text(json.dumps(rows, indent=1))
+    if f.json:
+        pathlib.Path(f.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
+    # Flags exist only when run as a script: tests import several bench modules at once.
+    flags.DEFINE_string("trace", str(DEFAULT_TRACE), "A Weka session file or directory.")
+    flags.DEFINE_float("aps", 0.0, "Sessions per second (0: the recorded timestamps).")
+    flags.DEFINE_float(
+        "capacity_fraction", 0.25, "Limited store: this fraction of every longest context's KV."
+    )
+    flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per DE engine (GB).")
+    flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC per node (Gbps).")
+    flags.DEFINE_string("json", "", "Also write the rows here.")
     app.run(main)
