@@ -26,6 +26,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from dualpath_jax.config import SchedulerConfig
+from dualpath_jax.sched.inter import GroupTotals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,9 @@ def expired(h: Held, now: float, rule: PrefetchRule) -> bool:
     return not h.in_use and now >= hold_until(h, rule)
 
 
-def honor_affinity(group: int, group_tok: Mapping[int, int], tokens: int, slack: float) -> bool:
+def honor_affinity(
+    group: int, group_tok: Mapping[int, int] | GroupTotals, tokens: int, slack: float
+) -> bool:
     """Route a turn to the group holding its prefetch unless that group is loaded beyond
     `(1 + slack)` x the mean total plus the turn's own tokens (then the prefetch is given up)."""
     if group not in group_tok:
