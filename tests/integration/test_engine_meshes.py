@@ -87,13 +87,13 @@ def run_rounds(client) -> list[list]:
     return results
 
 
-def update_and_step(client) -> tuple[list[int], list[int]]:
-    """Updates the params to another model, then runs one round in a new session: (its
-    tokens, the reference model's with the new params)."""
-    new = init_model(MODEL, seed=5)
-    assert client.update_params(new, version="seed5") == "seed5"
+def update_and_step(client, seed: int = 5, via: str | None = None) -> tuple[list[int], list[int]]:
+    """Updates the params to another model (`via`: as `Client.update_params`), then runs one
+    round in a new session: (its tokens, the reference model's with the new params)."""
+    new = init_model(MODEL, seed=seed)
+    assert client.update_params(new, version=f"seed{seed}", via=via) == f"seed{seed}"
     prompt = np.random.RandomState(9).randint(0, MODEL.vocab_size, 37).tolist()
-    s = Session(client, "after-update")
+    s = Session(client, f"after-update-{seed}")
     got = s.step(prompt, 4, RESULT_TIMEOUT_S)
     s.close()
     return got, reference_generate(ModelRunner(new), prompt, 4)
@@ -158,6 +158,7 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
         results = run_rounds(client)
         counters = client.stats()["counters"]
         updated = update_and_step(client)
+        streamed = update_and_step(client, seed=6, via="transfer")  # each process its shards
 
     assert len(engines) == 2  # the follower is not an engine of its own
     de = engines[str(cluster.engine_ids["de1"])]
@@ -166,6 +167,7 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
     assert all(r.cached_tokens >= BLOCK_TOKENS for r in (rr[1] for rr in results))
     assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
     assert updated[0] == updated[1]  # new params, loaded and served by both processes
+    assert streamed[0] == streamed[1]  # streamed over the transfer layer to both processes
     log = (tmp_path / "logs" / "de1.1.log").read_text()
     assert "stopped by the leader" in log, log[-2000:]
 
