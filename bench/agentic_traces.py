@@ -2,12 +2,12 @@
 DualPath + tool-gap prefetch and Oracle, with the store unlimited and limited.
 
 Run (about a minute on 2 cores):
-  python bench/agentic_traces.py                       # the 28 Weka sessions, recorded arrivals
-  python bench/agentic_traces.py --aps=0.5 --json=/tmp/agentic.json
+  python bench/agentic_traces.py --trace=SESSIONS      # e.g. the 28 Weka sessions, recorded arrivals
+  python bench/agentic_traces.py --trace=SESSIONS --aps=0.5 --json=/tmp/agentic.json
 
-The sessions (`--trace`, the Weka JSON: `workload.trace_format="weka"`) are public data kept
-beside the repository (`../shared/real_traces/weka_claude_code_sessions`); every session and
-subagent is one trajectory, replayed as recorded (its think times are the tool-call gaps).
+The sessions (`--trace`, required: a file or directory of the public Weka JSON,
+`workload.trace_format="weka"`; not part of the repository); every session and subagent is one
+trajectory, replayed as recorded (its think times are the tool-call gaps).
 Arrivals: the sessions' own timestamps, or that clock scaled to `--aps` sessions per second.
 Every policy replays the same trajectories. The limited store holds `--capacity_fraction` of
 the KV bytes of every trajectory's longest context (retention eviction). Each engine's DRAM
@@ -34,9 +34,6 @@ from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.presets import paper_experiment
 from dualpath_jax.sim import simulate
 from dualpath_jax.workload.arrivals import plan_workload
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
 
 RUNS = (
     ("basic", Policy.BASIC, False),
@@ -155,7 +152,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     # Flags exist only when run as a script: tests import several bench modules at once.
-    flags.DEFINE_string("trace", str(DEFAULT_TRACE), "A Weka session file or directory.")
+    flags.DEFINE_string("trace", None, "A Weka session file or directory.", required=True)
     flags.DEFINE_float("aps", 0.0, "Sessions per second (0: the recorded timestamps).")
     flags.DEFINE_float(
         "capacity_fraction", 0.25, "Limited store: this fraction of every longest context's KV."
