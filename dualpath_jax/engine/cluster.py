@@ -148,6 +148,22 @@ def spawn_process(
         log.close()
 
 
+def shutdown_router(address: str, credentials: Credentials, clients: list[Client]) -> None:
+    """Asks the router at `address` ("": none running) to shut down, with the engine secret
+    (Shutdown is the admin's), then closes and forgets the cluster's `clients`. A router that
+    does not answer is the caller's to end."""
+    if address:
+        try:
+            c = Client(address, credentials.engine)
+            c.shutdown(timeout_s=5.0)
+            c.close()
+        except Exception:  # noqa: BLE001 - the caller ends it anyway
+            pass
+    for c in clients:
+        c.close()
+    clients.clear()
+
+
 def log_tail(path: pathlib.Path, chars: int = 2000) -> str:
     """The last `chars` characters of a process log ("" before it exists)."""
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
@@ -310,16 +326,8 @@ class LocalCluster(ClusterLifecycle):
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Shuts the router down, then ends every process this cluster started."""
-        if "router" in self.procs and self.procs["router"].poll() is None and self.address:
-            try:
-                c = Client(self.address, self.credentials.engine)  # Shutdown is the admin's
-                c.shutdown(timeout_s=5.0)
-                c.close()
-            except Exception:  # noqa: BLE001 - we kill it below anyway
-                pass
-        for c in self._clients:
-            c.close()
-        self._clients.clear()
+        running = "router" in self.procs and self.procs["router"].poll() is None
+        shutdown_router(self.address if running else "", self.credentials, self._clients)
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
             try:

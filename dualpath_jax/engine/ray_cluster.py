@@ -45,6 +45,7 @@ from dualpath_jax.engine.cluster import (
     ClusterError,
     ClusterLifecycle,
     engine_plan,
+    shutdown_router,
     wait_registered,
 )
 from dualpath_jax.engine.credentials import Credentials, new_credentials, read_credentials
@@ -315,16 +316,9 @@ class RayCluster(ClusterLifecycle):
             import ray
         except ImportError:
             return
-        if self.address and "router" in self.actors:
-            try:
-                c = Client(self.address, self.credentials.engine)  # Shutdown is the admin's
-                c.shutdown(timeout_s=5.0)
-                c.close()
-            except Exception:  # noqa: BLE001 - the actors end below anyway
-                pass
-        for c in self._clients:
-            c.close()
-        self._clients.clear()
+        shutdown_router(
+            self.address if "router" in self.actors else "", self.credentials, self._clients
+        )
         names = [n for n in self.actors if n != "router"] + (
             ["router"] if "router" in self.actors else []
         )
