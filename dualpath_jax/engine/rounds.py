@@ -459,9 +459,9 @@ class Rounds:
                 else st.keys
             )
             self.store.claim(st.session, keys)
-        res = st.result(tokens, now, self.bt, persist_error, finish_reason, logprobs)
-        if params_versions:
-            res.params_versions = params_versions
+        res = st.result(
+            tokens, now, self.bt, persist_error, finish_reason, logprobs, params_versions or []
+        )
         if persist_error:
             self.out.count("persist_errors")
             log.warning("request %s: its blocks were not persisted: %s", st.id, persist_error)

@@ -91,6 +91,7 @@ class RequestState:
         persist_error: str = "",
         finish_reason: str = "length",
         logprobs: Logprobs | None = None,
+        params_versions: list[tuple[int, str]] | None = None,
     ) -> messages.RoundResult:
         """The client's answer: the round's tokens and its timings."""
         return messages.RoundResult.timed(
@@ -108,6 +109,7 @@ class RequestState:
             finish_reason=finish_reason,
             persist_error=persist_error,
             logprobs=logprobs,
+            params_versions=params_versions or [],
         )
 
 
