@@ -56,6 +56,7 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
             rounds,
             arrivals=arrivals if cfg.workload.mode == "online" else None,
             progress=progress,
+            tool_calls=cfg.scheduler.prefetch,
         )
         jct = time.monotonic() - t0
         counters = client.stats().get("counters", {})

@@ -37,7 +37,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("support", ("testing", "presets", "workload", "metrics", "analysis")),
     ("runtimes", ("engine", "sim")),
     ("serving", ("serving",)),
-    ("programs", ("cluster", "rollout", "experiment", "demo", "launcher", "native")),
+    (
+        "programs",
+        ("cluster", "rollout", "inprocess_engine", "experiment", "demo", "launcher", "native"),
+    ),
 )
 
 

@@ -125,6 +125,7 @@ def build_engine(
     from dualpath_jax.model.layout import BlockLayout
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.transfer.loader import LoaderContext
+    from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
     from dualpath_jax.transfer.traffic import TrafficManager
 
     c = cfg.cluster
@@ -225,6 +226,9 @@ def build_engine(
                 log.info("%s warm-up: %s", who.name, warm_decoder(cfg, decoder, buffer).describe())
             if leader is not None:
                 decoder = MirroredDecoder(decoder, leader)
+            if cfg.scheduler.prefetch:
+                ctx.prefetch = PrefetchMemory.for_engine(cfg, who.node, layout, store, traffic)
+                closers.append(ctx.prefetch.close)
             built.engine = DecodeEngine(cfg, who, control, ctx, decoder, params, outbox=outbox)
     except BaseException:
         built.close()

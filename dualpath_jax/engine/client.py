@@ -309,6 +309,16 @@ class Client:
         hints.apply_hint(self, check_session(session), h)
         return session
 
+    def tool_call(self, session: str, expected_s: float, timeout_s: float = 30.0) -> None:
+        """Tells the router that `session`'s last round ended with a tool call expected to take
+        `expected_s` seconds: with `scheduler.prefetch` on, a decode engine may read the
+        session's stored KV into memory meanwhile (engine/prefetch.py). The `tool_call` hint
+        sends it (and keeps the session's KV through the gap)."""
+        msg = messages.ToolCall(
+            session=check_session(session), expected_s=hints.check_seconds(expected_s)
+        )
+        self._check(self._call(msg, session).result(timeout_s))
+
     def close_session(self, session: str, release: bool = False, timeout_s: float = 30.0) -> None:
         """Ends a session; `release=True` also deletes its stored KV blocks that no other open
         session uses."""

@@ -33,6 +33,7 @@ def job_from_msg(m: messages.LoadJobMsg) -> LoadJob:
         attempt=m.attempt,
         pe_pieces=m.pe_pieces,
         lead=m.lead_blocks,
+        session=m.session,
     )
 
 
@@ -225,5 +226,7 @@ def rejoin(engine, why: str) -> None:
     log.warning("%s: %s (dropping %d requests)", engine.who.name, why, len(engine.reqs))
     for rid in list(engine.reqs):
         engine.drop(rid)
+    if getattr(engine.ctx, "prefetch", None) is not None:
+        engine.ctx.prefetch.clear()  # the router forgot what it asked for
     engine.params.drop_staged()
     engine.register()

@@ -194,6 +194,14 @@ class DecodeEngine:
                 self.ctx.store.disown(session)
             case messages.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
+            case messages.Prefetch(session=session, keys=keys, epoch=epoch):
+                if self.ctx.prefetch is None:  # (not configured here: nothing held)
+                    self.prefetched(session, epoch, 0, 0.0)
+                else:
+                    self.ctx.prefetch.start(session, keys, epoch, self.prefetched)
+            case messages.DropPrefetch(session=session, epoch=epoch):
+                if self.ctx.prefetch is not None:
+                    self.ctx.prefetch.drop(session, epoch)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case messages.Error(kind="rejoin", message=why):
@@ -227,18 +235,33 @@ class DecodeEngine:
             if job.de_blocks and not job.oracle:
                 if traffic is not None:
                     traffic.read_queue_add(job.de_node, job.de_blocks * self.bt)
-                load.on_read_done = lambda rid=rid, job=job: self.reads_done(rid, job)
+                load.on_read_done = lambda rid=rid, load=load: self.reads_done(rid, load)
             r.load = load.start()
             self.control.send(
                 messages.DeReady(request=rid, engine=self.engine, attempt=job.attempt)
             )
 
-    def reads_done(self, request: str, job) -> None:
+    def reads_done(self, request: str, load: DecodeLoad) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
+        job = load.job
         if self.ctx.traffic is not None:
             self.ctx.traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
         self.outbox.put(
-            messages.ReadsDone(request=request, engine=self.engine, attempt=job.attempt)
+            messages.ReadsDone(
+                request=request,
+                engine=self.engine,
+                attempt=job.attempt,
+                read_s=load.read_s,
+                held_blocks=load.held_blocks,
+            )
+        )
+
+    def prefetched(self, session: str, epoch: int, blocks: int, read_s: float) -> None:
+        """A tool-gap prefetch's reads ended (on its reader thread): the router is told."""
+        self.outbox.put(
+            messages.Prefetched(
+                engine=self.engine, session=session, epoch=epoch, blocks=blocks, read_s=read_s
+            )
         )
 
     def drop(self, request: str) -> None:

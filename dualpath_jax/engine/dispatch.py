@@ -106,6 +106,7 @@ class Dispatch:
         end: Callable[[RequestState, str, str], None],
         cancel: Callable[[RequestState, int], None],
         stale: Callable[[EngineInfo], None],
+        assigned: Callable[[Assignment], None] | None = None,
     ):
         self.cfg = cfg
         self.bt = cfg.store.block_tokens
@@ -118,6 +119,7 @@ class Dispatch:
         self.end = end
         self.cancel = cancel
         self.stale = stale
+        self.assigned = assigned  # told of each assignment (the tool-gap prefetches)
 
     # ------------------------------------------------------------------ fetches
 
@@ -190,6 +192,8 @@ class Dispatch:
             de_blocks=job.de_blocks,
         )
         st.job = job
+        if self.assigned is not None:
+            self.assigned(a)
         self.out.send(de.ident, messages.Work(jobs=[job]))
         if st.finish_requested:
             self.out.send(de.ident, messages.Finish(request=st.id, reason=st.finish_as))
@@ -213,6 +217,13 @@ class Dispatch:
             st.pe_reads_done = True
         if msg.engine == st.de:
             st.de_reads_done = True
+            self.out.event(
+                "de_reads",
+                request=st.id,
+                engine=msg.engine,
+                read_s=msg.read_s,
+                held_blocks=msg.held_blocks,
+            )
 
     # ------------------------------------------------------------------ loads
 

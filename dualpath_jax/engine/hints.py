@@ -12,8 +12,9 @@ Over HTTP: the `X-Session-Hint` header or the body field `session_hint`, as a st
 HTTP 400).
 
 What each does in the local cluster (`apply_hint`): `tool_call` keeps the session's stored KV
-through the gap (its retention TTL becomes `TOOL_CALL_HOLD` x `expected_s`); the scheduler's
-tool-gap prefetch (`sched.prefetch`) runs in the simulator, not yet in the local cluster.
+through the gap (its retention TTL becomes `TOOL_CALL_HOLD` x `expected_s`) and, with
+`scheduler.prefetch` on, lets a decode engine read that KV into memory during the gap
+(engine/prefetch.py; the simulator does the same, sim/prefetch.py).
 `pin` and `ttl` are the session's retention (`Client.open_session`'s `priority` / `ttl_s`):
 `pin` is the highest priority with the longest TTL. `release` is `close_session(release=True)`.
 `fork` is `open_session(new, fork_of=session)` (`Session.hint` returns the new `Session`).
@@ -58,6 +59,11 @@ class SessionHint:
 
 def _bad(msg: str) -> RolloutError:
     return RolloutError(f"session hint: {msg}", "bad_request")
+
+
+def check_seconds(value: Any, name: str = "expected_s") -> float:
+    """`value` as seconds in [0, PIN_TTL_S]; anything else raises `RolloutError`."""
+    return _seconds(value, name)
 
 
 def _seconds(value: Any, name: str) -> float:
@@ -143,3 +149,5 @@ def apply_hint(backend: Any, session: str, hint: SessionHint) -> None:
         raise _bad("fork opens a new session: use Session.hint('fork')")
     else:
         backend.open_session(session, resume=True, **retention_of(hint))
+        if hint.kind == "tool_call" and hasattr(backend, "tool_call"):
+            backend.tool_call(session, hint.expected_s)  # the router may prefetch its KV

@@ -18,18 +18,15 @@ import hmac
 
 import msgspec
 
+from dualpath_jax.engine.msg_base import Msg
+from dualpath_jax.engine.prefetch_messages import DropPrefetch, Prefetch, Prefetched, ToolCall
 from dualpath_jax.kv_events import KVEvent
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.rounds import Logprobs, RoundResult
 from dualpath_jax.transfer.params_offer import ParamsOffer
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 MAX_FRAME_BYTES = 64 * 2**20
-
-
-class Msg(msgspec.Struct, tag=True, kw_only=True):
-    """Base of every control message (tagged by class name). `RoundResult` is one too, with the
-    same options but not this base: the simulator, which sends nothing, keeps it as well."""
 
 
 # ----------------------------------------------------------------------------- client <-> router
@@ -108,11 +105,10 @@ class CancelRound(Msg):
 
 
 class AbortRounds(Msg):
-    """Client -> router: end rounds now with the tokens they have, `finish_reason="abort"`
-    (partial rollouts): the rounds named in `requests`, those of `sessions`, with `all` every
-    round in flight (any client's: aborting is an operator's act, as pausing is). A round already
-    at its decode engine returns what it generated (its KV up to there persisted); one not yet
-    there, none (its append still joins the session's context). Answered with `Aborted`."""
+    """Client -> router: end rounds now with their tokens, `finish_reason="abort"`: those named
+    in `requests`, those of `sessions`, with `all` every round in flight (any client's). One at
+    its DE returns what it generated (its KV up to there persisted); one not yet there, none
+    (its append still joins the session's context). Answered with `Aborted`."""
 
     ref: str  # the answer's
     requests: list[str] = []
@@ -127,10 +123,8 @@ class Aborted(Msg):
     requests: list[str]
 
 
-# What in-flight rounds do while the router is paused (`Pause.mode`), as RL frameworks name it:
-# "abort" ends them now (`AbortRounds`), "wait" lets them finish, "keep" halts their decoding
-# where it is (`PauseDecode`): a params update then lands under them and they decode on with the
-# new params over their old KV (`RoundResult.params_versions` says which params drew which token).
+# What in-flight rounds do while paused (`Pause.mode`): "abort" ends them now, "wait" lets them
+# finish, "keep" halts their decoding (`PauseDecode`; an update lands under them, docs/rl.md).
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
@@ -344,12 +338,15 @@ class PrefillDone(Msg):
 
 
 class ReadsDone(Msg):
-    """Engine -> router: this engine's share of a request's storage reads has finished, so its
-    node's read queue (the scheduler's `read_q`) no longer holds those tokens."""
+    """Engine -> router: this engine's share of a request's storage reads has finished (its
+    node's `read_q` no longer holds them); a DE's took `read_s` s, `held_blocks` of it from a
+    tool-gap prefetch's memory."""
 
     request: str
     engine: int
     attempt: int = 0
+    read_s: float = 0.0
+    held_blocks: int = 0
 
 
 class FirstToken(Msg):
@@ -477,6 +474,10 @@ Body = (
     | PauseDecode
     | Stop
     | Retain
+    | ToolCall
+    | Prefetch
+    | DropPrefetch
+    | Prefetched
 )
 
 
@@ -494,6 +495,7 @@ ENGINE_ONLY: frozenset[type] = frozenset(
         KVEvents,
         Failed,
         ParamsLoaded,
+        Prefetched,
         Shutdown,
     }
 )

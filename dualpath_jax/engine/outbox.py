@@ -43,6 +43,19 @@ COUNTERS = (
     "sessions_expired",  # closed for being idle cluster.session_idle_timeout_s
     "aborted",  # rounds ended by AbortRounds (a pause or params update with pause="abort")
     "pauses",
+    # tool-gap prefetch (engine/prefetch.py): started; blocks the DEs reported in memory; turns
+    # assigned to the DE holding theirs (and the blocks they took); ended unused
+    "prefetch_started",
+    "prefetch_blocks",
+    "prefetch_used",
+    "prefetch_used_blocks",
+    "prefetch_skipped",  # no hit, no DE, a gap too short or no memory left
+    "prefetch_unused",  # the turn went to another DE
+    "prefetch_cancelled",  # the gap ran past prefetch_hold_factor x its expected length
+    "prefetch_evicted",  # made room for another
+    "prefetch_replaced",  # a new tool call of the same session
+    "prefetch_closed",  # its session closed
+    "prefetch_lost",  # its DE died
 )
 
 

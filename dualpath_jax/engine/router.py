@@ -23,6 +23,8 @@ parts it hands over to), never the router:
   paused wait there. `AbortRounds` ends rounds wherever they are: held (here or in the params
   part) or in flight (the sessions part).
 - retention (engine/retention.py, `Retention`): which sessions' blocks the stores keep.
+- prefetch (engine/prefetch.py, `Prefetches`): `ToolCall`, `Prefetched`; the tool-gap
+  prefetches the decode engines hold for sessions between turns.
 - KV events (engine/kv_publisher.py, `KVEventRelay`, docs/kv_events.md): the engines'
   `KVEvents` and the router's own store's, published on one PUB socket as soon as the router
   handles them: a round's `BlockStored` before its `RoundResult`, a release's `BlockRemoved` before
@@ -53,6 +55,7 @@ from dualpath_jax.engine.liveness import EngineRegistry, Liveness
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params_update import ParamsCoordinator
 from dualpath_jax.engine.pause import PauseGate
+from dualpath_jax.engine.prefetch import Prefetches
 from dualpath_jax.engine.retention import Retention
 from dualpath_jax.engine.rounds import QUICK_WAIT_S, Rounds
 from dualpath_jax.engine.rpc import RpcServer
@@ -142,6 +145,18 @@ class Router:
             end=self.rounds.end,
             cancel=self.rounds.cancel_on_engines,
             stale=params.engine_stale,
+            assigned=lambda a: self.prefetches.assigned(a),
+        )
+        self.prefetches = Prefetches(
+            cfg,
+            scheduler,
+            registry,
+            table,
+            store,
+            self.out,
+            clock,
+            after_store=self.rounds.after_store,
+            fingerprint=lambda: params.fingerprint,
         )
         self.liveness = Liveness(
             registry,
@@ -153,7 +168,7 @@ class Router:
                 self.retention.engine_joined,
                 self.params.engine_joined,
             ],
-            died=[self.dispatch.engine_died, self.params.engine_gone],
+            died=[self.dispatch.engine_died, self.params.engine_gone, self.prefetches.engine_gone],
             no_engine=self.rounds.end_all,
         )
         self.block_bytes = BlockLayout.for_model(cfg.model, cfg.store.block_tokens).nbytes
@@ -178,6 +193,8 @@ class Router:
             messages.AbortRounds: self.on_abort,
             messages.ParamsLoaded: self.params.on_loaded,
             messages.KVEvents: self.kv.on_kv_events,
+            messages.ToolCall: self.prefetches.on_tool_call,
+            messages.Prefetched: self.prefetches.on_prefetched,
             messages.Ping: self.on_ping,
             messages.GetStats: self.on_get_stats,
             messages.Shutdown: self.on_shutdown,
@@ -235,6 +252,7 @@ class Router:
         self.params.check_timeout(now)
         self.params.check_catch_ups(now)
         self.resume_held()
+        self.prefetches.tick(now)
         if now - self._last_expiry >= EXPIRY_EVERY_S:
             self.rounds.expire_idle()
             self._last_expiry = now
@@ -277,7 +295,8 @@ class Router:
         """A round runs now, or waits while generation is paused or a params update is in
         progress."""
         if not self.pause.hold(ident, msg) and not self.params.hold(ident, msg):
-            self.rounds.on_submit(ident, msg)
+            if self.rounds.on_submit(ident, msg):
+                self.prefetches.turn_submitted(msg.session)
 
     def on_cancel(self, ident: bytes, msg: messages.CancelRound) -> None:
         if not self.pause.held.cancel(ident, msg) and not self.params.cancel_held(ident, msg):
@@ -370,4 +389,5 @@ class Router:
             "engines": self.liveness.registry.stats(),
             "read_path_counts": {p.value: counters[f"path_{p.value}"] for p in ReadPath},
             "kv_events": self.kv.stats(),
+            "prefetch": self.prefetches.stats(),
         }

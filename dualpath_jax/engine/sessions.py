@@ -73,7 +73,8 @@ class RequestState:
         self.path = a.path.value
         self.attempts += 1
         self.pe_read_tokens = a.pe_read_blocks * block_tokens
-        self.de_read_tokens = a.de_read_blocks * block_tokens
+        # blocks a tool-gap prefetch holds in the DE's memory are not read (not queued)
+        self.de_read_tokens = (a.de_read_blocks - a.held_blocks) * block_tokens
         self.pe_reads_done = self.de_reads_done = False
 
     def unassign(self) -> None:

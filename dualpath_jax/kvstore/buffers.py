@@ -199,13 +199,9 @@ class HostBufferPool:
         """An engine's buffer: room for `cluster.host_buffer_tokens` tokens of the model, and
         at least `hardware.dram_buffer_bytes` (an `ExperimentConfig`), in the memory
         `cluster.host_buffer_memory` names."""
-        blocks = max(
-            -(-cfg.cluster.host_buffer_tokens // layout.block_tokens),
-            int(cfg.hardware.dram_buffer_bytes // layout.nbytes),
-        )
         return cls(
             layout,
-            blocks,
+            buffer_blocks(cfg, layout),
             name,
             "cluster.host_buffer_tokens / hardware.dram_buffer_bytes",
             memory=cfg.cluster.host_buffer_memory,
@@ -318,3 +314,11 @@ def _slab_layer_to_device(slab, ids, layer):
 
     _, pages = jax.lax.scan(one, None, ids)
     return pages
+
+
+def buffer_blocks(cfg, layout: BlockLayout) -> int:
+    """The Full Blocks of an engine's host buffer (`HostBufferPool.for_config`)."""
+    return max(
+        -(-cfg.cluster.host_buffer_tokens // layout.block_tokens),
+        int(cfg.hardware.dram_buffer_bytes // layout.nbytes),
+    )

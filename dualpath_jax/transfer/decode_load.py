@@ -4,7 +4,9 @@ the PE's rows into the buffer until the prompt's KV is complete."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 
@@ -30,6 +32,8 @@ class DecodeLoad:
         self._done: futures.Future[None] | None = None
         self.de_hits = 0
         self.de_read_bytes = 0
+        self.held_blocks = 0  # of its blocks, taken from the engine's prefetch memory
+        self.read_s = 0.0  # from the start of its half until its store reads ended
         self.on_read_done: Callable[[], None] | None = (
             None  # e.g. the node's read queue bookkeeping
         )
@@ -47,13 +51,26 @@ class DecodeLoad:
         res = self._res
         first = job.lead + p  # the DE's blocks sit at their prompt positions in its buffer
         if d:
-            out = [res.block(first + j) for j in range(d)]
-            got = ctx.store.read_full(job.keys[first : first + d], out=out).result(ctx.timeout_s)
-            self.de_hits = got.hits
-            self.de_read_bytes = got.hits * ctx.layout.nbytes
-            ctx.charge(
-                job, paths.store_read_path(job.de_node), self.de_read_bytes, links.TrafficClass.LOW
-            )
+            t0 = time.monotonic()
+            keys = job.keys[first : first + d]
+            held = ctx.prefetch.take(job.session, keys) if ctx.prefetch and job.session else []
+            for j, block in enumerate(held):  # a tool-gap prefetch read these already
+                res.block(first + j)[...] = block
+            self.held_blocks = h = len(held)
+            self.de_hits = h
+            if h < d:
+                out = [res.block(first + j) for j in range(h, d)]
+                with ctx.prefetch.critical() if ctx.prefetch else contextlib.nullcontext():
+                    got = ctx.store.read_full(keys[h:], out=out).result(ctx.timeout_s)
+                self.de_hits += got.hits
+                self.de_read_bytes = got.hits * ctx.layout.nbytes
+                ctx.charge(
+                    job,
+                    paths.store_read_path(job.de_node),
+                    self.de_read_bytes,
+                    links.TrafficClass.LOW,
+                )
+            self.read_s = time.monotonic() - t0
             if self.on_read_done is not None:
                 self.on_read_done()
             ctx.channel.offer(job.uuid(Part.DE_HITS), [np.array([self.de_hits], np.int32)])

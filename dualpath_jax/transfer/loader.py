@@ -57,6 +57,7 @@ from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.transfer import links
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
+from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
 from dualpath_jax.transfer.traffic import TrafficManager
 
 
@@ -95,6 +96,7 @@ class LoadJob:
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
     pe_pieces: int = 1  # column pieces of the PE's KV rows: the DE offers its hit layers in them
     lead: int = 0
+    session: str = ""  # its session: a DE takes its blocks from that session's prefetch
 
     def __post_init__(self) -> None:
         if (
@@ -131,6 +133,8 @@ class LoaderContext:
     # The engine's mesh (None: one device). A PE on a mesh that splits the KV heads sends each
     # layer's new rows as one piece per split (`row_split`).
     mesh: Mesh | None = None
+    # A DE's tool-gap prefetch memory (None: no prefetch; transfer/prefetch_memory.py).
+    prefetch: PrefetchMemory | None = None
 
     def charge(
         self, job: LoadJob, path: Sequence[links.LinkId], nbytes: int, cls: links.TrafficClass

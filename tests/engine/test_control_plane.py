@@ -160,6 +160,11 @@ SAMPLES: list[messages.Msg] = [
     ),
     messages.Stop(),
     messages.Retain(session="s1", state="idle", priority=2, ttl_s=30.0),
+    messages.ToolCall(session="s1", expected_s=12.5),
+    messages.Prefetch(session="s1", keys=["ab" * 16], epoch=3),
+    messages.DropPrefetch(session="s1", epoch=3),
+    messages.Prefetched(engine=2, session="s1", epoch=3, blocks=1, read_s=0.01),
+    messages.ReadsDone(request="r1", engine=2, attempt=1, read_s=0.2, held_blocks=4),
 ]
 
 

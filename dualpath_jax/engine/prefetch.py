@@ -1,0 +1,256 @@
+"""Tool-gap prefetch in the real cluster, the router's part: `sched.prefetch`'s decisions over
+the live engines, orders to the decode engines (`transfer.prefetch_memory` does their reads).
+
+A client's `tool_call` hint (`ToolCall`; `run_trajectories(tool_calls=True)` sends one before
+each gap of a trace) says that a session's round ended with a tool call expected to last
+`expected_s`. With `scheduler.prefetch` on, the router looks up the session's stored blocks
+(its context's whole blocks: the next turn's hit, whatever it appends) and asks `plan_prefetch`
+where to read them: the DE group phase 1 would route the turn to now (the least total tokens),
+as many leading blocks as one DE's prefetch memory holds after evicting what `make_room`
+allows. That group's least busy DE gets `Prefetch(keys)`; the scheduler `hold`s the session
+there (the turn is routed to that group unless it is loaded beyond the affinity slack) and,
+once the DE reports `Prefetched(blocks)`, counts those blocks as in memory: the turn's
+assignment reads its whole hit on the DE side, those blocks from memory (`held_blocks`), the
+rest from the store.
+
+Lifecycle of one prefetch, as in the simulator (`sim.prefetch`): started -> read (the DE's
+reader, a block at a time, only while no round of that DE reads the store) -> the next turn is
+submitted (`turn_submitted`: never evicted nor expired from then on) -> assigned (`assigned`:
+consumed by its DE's load; a turn assigned to another DE tells the prefetch's DE to drop it) |
+expired (the gap ran past `prefetch_hold_factor` x its expected length) | evicted (room for
+another) | its engine died | its session closed. Correctness never depends on it: a DE's load
+takes only the blocks whose keys it wants from memory and reads the rest from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from dualpath_jax.config import ExperimentConfig
+from dualpath_jax.engine import messages
+from dualpath_jax.engine.liveness import EngineInfo, EngineRegistry
+from dualpath_jax.engine.outbox import Outbox
+from dualpath_jax.engine.sessions import SessionTable
+from dualpath_jax.kvstore.identity import block_keys
+from dualpath_jax.model.layout import BlockLayout
+from dualpath_jax.sched.prefetch import Held, PrefetchRule, expired, plan_prefetch
+from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.sched.types import Assignment
+from dualpath_jax.transfer.prefetch_memory import prefetch_budget_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class _Entry:
+    session: str
+    epoch: int
+    engine: int  # the DE reading it
+    group: int
+    node: int
+    blocks: int  # asked for (reserved from the engine's budget)
+    started_s: float
+    due_s: float
+    held: int = 0  # reported in memory (`Prefetched`)
+    in_use: bool = False  # its turn was submitted
+
+    def as_held(self, block_bytes: int) -> Held:
+        # `Held.node` is the budget's owner: in the real cluster, one DE's memory
+        return Held(
+            self.session,
+            self.engine,
+            self.blocks * block_bytes,
+            self.started_s,
+            self.due_s,
+            self.in_use,
+        )
+
+
+class Prefetches:
+    """The router's tool-gap prefetches (module docstring). `after_store(future, done, failed)`
+    goes on once a store call answers (the sessions part's); `fingerprint()` is the served
+    params' block-key fingerprint."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        scheduler: GlobalScheduler,
+        registry: EngineRegistry,
+        table: SessionTable,
+        store: Any,
+        out: Outbox,
+        clock: Callable[[], float],
+        *,
+        after_store: Callable[..., None],
+        fingerprint: Callable[[], str],
+    ):
+        s = cfg.scheduler
+        self.enabled = bool(s.prefetch) and scheduler.policy.reads
+        self.bt = cfg.store.block_tokens
+        layout = BlockLayout.for_model(cfg.model, self.bt)
+        self.block_bytes = layout.nbytes
+        self.rule = PrefetchRule(
+            budget_bytes=prefetch_budget_bytes(cfg, layout),
+            min_gap_s=s.prefetch_min_gap_s,
+            hold_factor=s.prefetch_hold_factor,
+            affinity_slack=s.prefetch_affinity_slack,
+        )
+        if self.enabled:
+            scheduler.affinity_slack = self.rule.affinity_slack
+        self.scheduler, self.registry, self.table = scheduler, registry, table
+        self.store, self.out, self.clock = store, out, clock
+        self.after_store, self.fingerprint = after_store, fingerprint
+        self.entries: dict[str, _Entry] = {}
+        self._epoch = 0
+
+    # ------------------------------------------------------------------ messages
+
+    def on_tool_call(self, ident: bytes, msg: messages.ToolCall) -> None:
+        """Acknowledges a tool call at once; a prefetch may start once the store answers."""
+        if not (math.isfinite(msg.expected_s) and msg.expected_s >= 0):
+            why = f"expected_s must be a finite number of seconds >= 0, got {msg.expected_s!r}"
+            return self.out.fail(ident, msg.session, why, kind="bad_request")
+        s = self.table.get(msg.session)
+        if s is None:
+            return self.out.fail(ident, msg.session, f"unknown session {msg.session!r}")
+        self.out.send(ident, messages.Ack(ref=msg.session))
+        if not self.enabled or s.busy:
+            return
+        full = len(s.context) // self.bt
+        keys = block_keys(s.context[: full * self.bt], self.bt, self.fingerprint())
+        if not keys:
+            return self.out.count("prefetch_skipped")
+
+        def looked_up(hit: int) -> None:
+            self.plan(msg.session, keys[:hit], msg.expected_s)
+
+        def failed(e: Exception) -> None:
+            log.warning("prefetch of %s: the store lookup failed: %s", msg.session, e)
+
+        self.after_store(self.store.lookup(keys), looked_up, failed)
+
+    def on_prefetched(self, ident: bytes, msg: messages.Prefetched) -> None:
+        e = self.entries.get(msg.session)
+        if e is None or e.epoch != msg.epoch or e.engine != msg.engine:
+            return  # dropped meanwhile (the DE was told)
+        e.held = min(msg.blocks, e.blocks)
+        self.scheduler.hold(e.session, e.group, e.node, e.held)
+        self.out.count("prefetch_blocks", e.held)
+        self.out.event(
+            "prefetched", session=e.session, engine=e.engine, blocks=e.held, read_s=msg.read_s
+        )
+
+    # ------------------------------------------------------------------ decisions
+
+    def plan(self, session: str, keys: list[str], expected_s: float) -> None:
+        """Starts a prefetch of `keys` (the session's stored hit) if `plan_prefetch` says so."""
+        s = self.table.get(session)
+        if s is None or s.busy or not keys:  # closed, or its next turn came meanwhile
+            return self.out.count("prefetch_skipped")
+        now = self.clock()
+        if session in self.entries:
+            self.drop(session, "replaced")
+        des: dict[int, EngineInfo] = {}  # DE group -> its DE with the fewest rounds
+        busy = self._rounds_by_engine()
+        for e in self.registry.serving("decode"):
+            best = des.get(e.group)
+            if best is None or busy.get(e.engine, 0) < busy.get(best.engine, 0):
+                des[e.group] = e
+        totals = self.scheduler.group_totals()
+        group_tok = {g: totals.get(g, 0) for g in des}
+        d = plan_prefetch(
+            self.rule,
+            hit_blocks=len(keys),
+            block_bytes=self.block_bytes,
+            expected_s=expected_s,
+            now=now,
+            group_tok=group_tok,
+            group_node={g: e.engine for g, e in des.items()},
+            held=[x.as_held(self.block_bytes) for x in self.entries.values()],
+        )
+        if d is None:
+            return self.out.count("prefetch_skipped")
+        for other in d.evict:
+            self.drop(other, "evicted")
+        de = des[d.group]
+        self._epoch += 1
+        e = _Entry(
+            session, self._epoch, de.engine, d.group, de.node, d.blocks, now, now + expected_s
+        )
+        self.entries[session] = e
+        self.scheduler.hold(session, e.group, e.node, 0)
+        self.out.send(
+            de.ident, messages.Prefetch(session=session, keys=keys[: d.blocks], epoch=e.epoch)
+        )
+        self.out.count("prefetch_started")
+        self.out.event(
+            "prefetch", session=session, engine=de.engine, blocks=d.blocks, expected_s=expected_s
+        )
+
+    def _rounds_by_engine(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for r in self.table.requests.values():
+            if r.de >= 0:
+                out[r.de] = out.get(r.de, 0) + 1
+        return out
+
+    def drop(self, session: str, why: str) -> None:
+        """Forgets `session`'s prefetch; its DE frees the memory."""
+        e = self.entries.pop(session, None)
+        if e is None:
+            return
+        self.scheduler.drop(session)
+        de = self.registry.live_one(e.engine)
+        if de is not None:
+            self.out.send(de.ident, messages.DropPrefetch(session=session, epoch=e.epoch))
+        self.out.count(f"prefetch_{why}")
+        self.out.event("prefetch_drop", session=session, engine=e.engine, why=why)
+
+    # ------------------------------------------------------------------ the rounds' progress
+
+    def turn_submitted(self, session: str) -> None:
+        """The session's next turn arrived: its prefetch waits for the turn's assignment."""
+        e = self.entries.get(session)
+        if e is not None:
+            e.in_use = True
+
+    def assigned(self, a: Assignment) -> None:
+        """A turn is assigned: its DE's load takes the prefetched blocks (if it is the DE that
+        holds them); the prefetch is over either way."""
+        e = self.entries.get(a.request.trajectory)
+        if e is None:
+            return
+        if a.de != e.engine:
+            return self.drop(e.session, "unused")
+        del self.entries[e.session]  # the DE frees it when its load takes the blocks
+        self.scheduler.drop(e.session)
+        self.out.count("prefetch_used")
+        self.out.count("prefetch_used_blocks", a.held_blocks)
+
+    def tick(self, now: float) -> None:
+        """Expires prefetches whose gap ran long, and those of closed sessions."""
+        for e in list(self.entries.values()):
+            if e.session not in self.table:
+                self.drop(e.session, "closed")
+            elif expired(e.as_held(self.block_bytes), now, self.rule):
+                self.drop(e.session, "cancelled")
+
+    def engine_gone(self, e: EngineInfo) -> None:
+        """A DE died (or left rotation): what it held is gone."""
+        for x in [x for x in self.entries.values() if x.engine == e.engine]:
+            self.entries.pop(x.session)
+            self.scheduler.drop(x.session)
+            self.out.count("prefetch_lost")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "enabled": self.enabled,
+            "held": {
+                s: {"engine": e.engine, "blocks": e.blocks, "held": e.held, "in_use": e.in_use}
+                for s, e in self.entries.items()
+            },
+        }
