@@ -289,14 +289,19 @@ class BuiltRouter:
         self.close()
 
 
-def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> BuiltRouter:
+def build_router(
+    cfg: ExperimentConfig, workdir: str, endpoint: str = "", resume: bool = False
+) -> BuiltRouter:
     """Assembles the router of `cfg`: its scheduler (alpha from the hardware; beta from the
     config until PEs report their cost models), control socket (on `cluster.host` and
     `cluster.router_port`, or on `endpoint`, e.g. an `inproc://` one), store, event log
-    (`workdir/events.jsonl`) and KV-event publisher (`cluster.kv_events_address`)."""
+    (`workdir/events.jsonl`) and KV-event publisher (`cluster.kv_events_address`). `resume`: a
+    router restarted over running engines, serving the params recorded in
+    `workdir/served_params.json` (`SERVED_FILE`) by its predecessor."""
     from dualpath_jax.engine.credentials import credentials_for
     from dualpath_jax.engine.fault_hook import fault_injection
     from dualpath_jax.engine.kv_publisher import KVEventPublisher
+    from dualpath_jax.engine.params import SERVED_FILE
     from dualpath_jax.engine.router import Router
     from dualpath_jax.engine.rpc import RpcServer
     from dualpath_jax.metrics.events import EventLog
@@ -333,7 +338,16 @@ def build_router(cfg: ExperimentConfig, workdir: str, endpoint: str = "") -> Bui
         closers.append(store.close)
         events = EventLog(pathlib.Path(workdir) / "events.jsonl", c.events_max_bytes, c.events_keep)
         closers.append(events.close)
-        router = Router(cfg, server, store, sched, events, kv_events=publisher)
+        router = Router(
+            cfg,
+            server,
+            store,
+            sched,
+            events,
+            kv_events=publisher,
+            served_file=str(pathlib.Path(workdir) / SERVED_FILE),
+            resume=resume,
+        )
     except BaseException:
         BuiltRouter(None, "", closers).close()
         raise

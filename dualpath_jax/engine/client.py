@@ -83,6 +83,11 @@ class Client:
     cluster's `cluster.transfer_host`). The client pings the router every `ping_s`; calls that have heard
     nothing from it for `dead_after_s` fail with kind `connection` (the router died or is
     unreachable), and a rejected secret fails every pending call with kind `auth`.
+
+    A router restarted at the same address (`LocalCluster.restart("router")`) is reconnected
+    to: the client learns of it from the first ping answered by the new one (`router_epoch`
+    changes), fails the calls the old one took with kind `connection` (their rounds are lost,
+    and so are its sessions: open them again; their stored KV is still hit) and goes on.
     """
 
     def __init__(
@@ -113,6 +118,8 @@ class Client:
         self._streams: dict[str, Callable[[int, list[int]], None]] = {}
         self._stats: list[tuple[futures.Future, float]] = []
         self._closed = threading.Event()
+        self.router_epoch = ""  # the router's incarnation, from its ping answers
+        self.router_restarts = 0  # how many times it changed since this client started
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._loop, name="dualpath-client", daemon=True)
         self._thread.start()
@@ -120,7 +127,8 @@ class Client:
     def _loop(self) -> None:
         import time
 
-        heard = last_ping = time.monotonic()
+        heard = time.monotonic()
+        last_ping = heard - self.ping_s  # a ping at once: the router's epoch is known early
         while not self._closed.is_set():
             now = time.monotonic()
             while True:
@@ -162,6 +170,9 @@ class Client:
                 if self._stats:
                     self._stats.pop(0)[0].set_result(reply)
                 continue
+            if isinstance(reply, messages.Ack) and reply.epoch:
+                self._heard_epoch(reply.epoch)
+                continue
             if isinstance(reply, messages.Error) and not reply.ref and reply.kind == "auth":
                 self._fail_all(
                     RolloutError(f"the router refused this client: {reply.message}", "auth")
@@ -174,6 +185,21 @@ class Client:
                 item[0].set_result(reply)
         self._fail_all(RolloutError("client is closed", "connection"))
         self._rpc.close()
+
+    def _heard_epoch(self, epoch: str) -> None:
+        """A ping's answer names the router's incarnation: another one than before means the
+        router restarted, and every call the old one took is lost."""
+        if self.router_epoch and epoch != self.router_epoch:
+            log.warning("the router at %s restarted: failing the calls in flight", self.address)
+            self.router_restarts += 1
+            self._fail_all(
+                RolloutError(
+                    f"the router at {self.address} restarted: this call was lost (its "
+                    "sessions too: open them again)",
+                    "connection",
+                )
+            )
+        self.router_epoch = epoch
 
     def _expire(self, now: float, heard: float) -> None:
         """Fails calls that have heard nothing from the router for `dead_after_s`."""

@@ -36,7 +36,7 @@ from dualpath_jax.engine import devices
 from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
-from dualpath_jax.engine.params import check_params_config
+from dualpath_jax.engine.params import SERVED_FILE, check_params_config
 from dualpath_jax.engine.process import ProcessSpec
 
 
@@ -220,12 +220,15 @@ class LocalCluster(ClusterLifecycle):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _spawn(self, name: str, spec: ProcessSpec) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, spec: ProcessSpec, cfg: ExperimentConfig | None = None
+    ) -> subprocess.Popen:
         if spec.role == "router":
             env = self.router_env
         else:
             env = self.engine_envs[spec.engine][spec.span_rank]
-        p = spawn_process(self.python, self.cfg, spec, self.workdir / "logs" / f"{name}.log", env)
+        log_path = self.workdir / "logs" / f"{name}.log"
+        p = spawn_process(self.python, cfg or self.cfg, spec, log_path, env)
         self.procs[name] = p
         self.specs[name] = spec
         return p
@@ -234,21 +237,9 @@ class LocalCluster(ClusterLifecycle):
         """Starts the router and the engines; `wait`: until every engine has registered (else
         call `wait_ready`, e.g. while a server reports that it is starting)."""
         self.cfg, self.credentials = prepare_workdir(self.cfg, self.workdir)
-        addr_file = self.workdir / "router.address"
-        addr_file.unlink(missing_ok=True)
-        self._spawn(
-            "router",
-            ProcessSpec(
-                "router", str(self.workdir), address_file=str(addr_file), parent_pid=os.getpid()
-            ),
-        )
+        (self.workdir / SERVED_FILE).unlink(missing_ok=True)  # a fresh cluster's params
         deadline = time.monotonic() + self.start_timeout_s
-        while not addr_file.exists():
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise ClusterError("the router did not start in time; see logs/router.log")
-            time.sleep(0.05)
-        self.address = addr_file.read_text().strip()
+        self.address = self._start_router(deadline)
         c = self.cfg.cluster
         for name, who in engine_plan(c):
             span = devices.processes(c, who.role)
@@ -270,6 +261,31 @@ class LocalCluster(ClusterLifecycle):
         self._deadline = deadline
         if wait:
             self.wait_ready()
+
+    def _start_router(self, deadline: float, port: int = 0) -> str:
+        """Starts the router process (on `port`, 0: the configured one); returns its address.
+        With a port it is a restart over running engines (`ProcessSpec.resume`)."""
+        addr_file = self.workdir / "router.address"
+        addr_file.unlink(missing_ok=True)
+        cfg = self.cfg
+        if port:
+            cfg = dataclasses.replace(
+                cfg, cluster=dataclasses.replace(cfg.cluster, router_port=port)
+            )
+        spec = ProcessSpec(
+            "router",
+            str(self.workdir),
+            address_file=str(addr_file),
+            parent_pid=os.getpid(),
+            resume=bool(port),
+        )
+        self._spawn("router", spec, cfg)
+        while not addr_file.exists():
+            self._check_alive(["router"])
+            if time.monotonic() > deadline:
+                raise ClusterError("the router did not start in time; see logs/router.log")
+            time.sleep(0.05)
+        return addr_file.read_text().strip()
 
     def wait_ready(self) -> None:
         """Returns once every engine has registered (warm, with `cluster.warmup`); raises
@@ -302,9 +318,19 @@ class LocalCluster(ClusterLifecycle):
 
     def restart(self, name: str, timeout_s: float | None = None) -> None:
         """Starts engine `name` again (after `kill`, or after it died) under its old id, once
-        the router has declared the old process dead; waits until it has registered."""
-        if name == "router" or name not in self.engine_ids:
-            raise ValueError(f"restart takes an engine name, one of {sorted(self.engine_ids)}")
+        the router has declared the old process dead; waits until it has registered.
+
+        `restart("router")` starts the router again (after `kill("router")`, or after it died)
+        at its old address, serving the params its predecessor served; the engines register
+        with it again (within `cluster.heartbeat_timeout_s` of the old one's end, else they
+        stop themselves), and clients reconnect by themselves: the rounds the old router had
+        taken fail with kind `connection`, its sessions are gone (their stored KV stays)."""
+        if name == "router":
+            return self._restart_router(timeout_s)
+        if name not in self.engine_ids:
+            raise ValueError(
+                f"restart takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
+            )
         if self.specs[name].span_size > 1:
             raise ClusterError(f"{name} spans several processes; restart the cluster instead")
         p = self.procs[name]
@@ -323,6 +349,17 @@ class LocalCluster(ClusterLifecycle):
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} did not register again in time")
             time.sleep(0.1)
+
+    def _restart_router(self, timeout_s: float | None) -> None:
+        p = self.procs["router"]
+        if p.poll() is None:
+            raise ClusterError(f"the router is still running (pid {p.pid}); kill it first")
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        port = int(self.address.rsplit(":", 1)[1])
+        if self._start_router(deadline, port) != self.address:
+            raise ClusterError(f"the restarted router does not listen on {self.address}")
+        self._deadline = deadline
+        self.wait_ready()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Shuts the router down, then ends every process this cluster started."""

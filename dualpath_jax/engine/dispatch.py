@@ -125,13 +125,8 @@ class Dispatch:
 
     def on_fetch(self, ident: bytes, msg: messages.Fetch) -> None:
         e = self.registry.live_one(msg.engine)
-        if e is None:
-            if msg.engine in self.registry:  # declared dead, yet it fetches: it was paused
-                return self.rejoin(ident, msg.engine)
-            why = "engine not registered"
-            return self.out.send(
-                ident, messages.Error(ref=str(msg.engine), message=why, kind="stop")
-            )
+        if e is None:  # declared dead, yet it fetches (it was paused), or this router restarted
+            return self.rejoin(ident, msg.engine)
         self.registry.report(e, msg.load, msg.links)
         if e.params_version != self.params_version():
             return  # out of rotation: no work until it serves the cluster's params
@@ -149,14 +144,19 @@ class Dispatch:
     def rejoin(self, ident: bytes, engine: int) -> None:
         """Tells engine `engine`, declared dead but fetching (the connection that registered
         it: `EngineRegistry.heard_from` checked), to drop its work and register again: its
-        rounds were requeued when it was declared dead."""
+        rounds were requeued when it was declared dead. An engine this router never registered
+        registered with its predecessor (the router restarted): it registers again too, and
+        whatever it holds belongs to rounds that failed with the old router."""
         timeout = self.cfg.cluster.heartbeat_timeout_s
         self.out.count("rejoin_orders")
         self.out.event("rejoin_order", engine=engine)
-        why = (
-            f"engine {engine} was declared dead (silent for over {timeout:g} s) and its rounds"
-            " requeued: drop them and register again"
-        )
+        if engine in self.registry:
+            why = (
+                f"engine {engine} was declared dead (silent for over {timeout:g} s) and its "
+                "rounds requeued: drop them and register again"
+            )
+        else:
+            why = f"engine {engine} is not registered here (the router restarted): register again"
         self.out.send(ident, messages.Error(ref=str(engine), message=why, kind="rejoin"))
 
     def assign(self, a: Assignment) -> None:

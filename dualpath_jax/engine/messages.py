@@ -2,9 +2,9 @@
 
 Nothing on the wire is pickled: every message is a msgspec struct encoded as msgpack (a round's
 answer is the `rounds.RoundResult` record, its sampling a `model.sampling.SamplingParams`, both
-checked as they are decoded). Each frame
-is `Envelope(v=SCHEMA_VERSION, token=..., body=<message>)`; receivers reject frames with another
-version, a wrong token, an unknown tag or over the size limit, answering with `Error`.
+checked as they are decoded). Each frame is `Envelope(v=SCHEMA_VERSION, token=..., body=...)`;
+receivers reject frames with another version, a wrong token, an unknown tag or over the size
+limit, answering with `Error`.
 
 Two credentials: the engine secret (engines, and the admin who may `Shutdown`) and the client
 secret (sessions, stats, params updates). A frame's token says which role sent it; the router
@@ -25,7 +25,7 @@ from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.rounds import Logprobs, RoundResult
 from dualpath_jax.transfer.params_offer import ParamsOffer
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 MAX_FRAME_BYTES = 64 * 2**20
 
 
@@ -38,8 +38,7 @@ class OpenSession(Msg):
     `priority` and `ttl_s` set the retention of its stored blocks (`store.eviction="retention"`,
     docs/kv_events.md): kept while a round runs and for `ttl_s` seconds after each (-1:
     `store.retention_ttl_s`), lower priorities evicted first. A resume with them changes them.
-    `fork_of`: the new session starts with that session's context (the continuations of a group,
-    `Client.submit_group`); it must exist with no round running."""
+    `fork_of`: the new session starts with that (existing, idle) session's context."""
 
     session: str
     resume: bool = False
@@ -152,11 +151,12 @@ class PauseDecode(Msg):
 
 
 class Ping(Msg):
-    """Client -> router liveness probe, answered `Ack(ref="ping")`."""
+    """Client -> router liveness probe, answered `Ack(ref="ping", epoch=<the router's>)`."""
 
 
 class Ack(Msg):
     ref: str = ""
+    epoch: str = ""  # a ping's answer: the router's incarnation (another one: it restarted)
 
 
 class Error(Msg):

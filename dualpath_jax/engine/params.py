@@ -34,6 +34,9 @@ from dualpath_jax.engine import messages
 
 log = logging.getLogger(__name__)
 
+# The router's record of the params it serves, in the workdir (what a restarted one serves).
+SERVED_FILE = "served_params.json"
+
 _VERSION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}")
 
 

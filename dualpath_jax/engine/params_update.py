@@ -27,13 +27,20 @@ first ends). One that cannot load them stays out and is asked again every
 `cluster.params_retry_s`. An engine that leaves rotation is handed to `left_rotation` (the
 dispatch part forgets it in the scheduler). Liveness tells the coordinator which engine
 registered (`engine_joined`) or died (`engine_gone`).
+
+`served_file` (the workdir's `served_params.json`) records each committed version and its
+checkpoint path, so a router restarted over a running cluster (`resume`) serves what its engines
+serve instead of going back to the configured params.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import os
+import pathlib
 from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
@@ -94,6 +101,8 @@ class ParamsCoordinator:
         queued: Callable[[], int] = lambda: 0,
         max_queue: int | None = None,
         left_rotation: Callable[[EngineInfo], None] = lambda e: None,
+        served_file: str | os.PathLike = "",
+        resume: bool = False,
     ):
         self.model = cfg.model
         self.cluster = cfg.cluster
@@ -106,6 +115,11 @@ class ParamsCoordinator:
         self.left_rotation = left_rotation
         self.version = initial_params_version(cfg.cluster)
         self.path = cfg.cluster.params_path
+        self.served_file = pathlib.Path(served_file) if served_file else None
+        if resume and self.served_file is not None and self.served_file.exists():
+            served = json.loads(self.served_file.read_text())
+            self.version, self.path = check_version(served["version"]), served["path"]
+            log.info("resuming with the served params %r", self.version)
         self.fingerprint = model_fingerprint(cfg.model, self.version)
         self.update: ParamsUpdate | None = None
         self.held = HeldRounds(out, queued, self.max_queue)  # rounds submitted during an update
@@ -259,6 +273,7 @@ class ParamsCoordinator:
         if ok:
             self.version, self.path = u.version, u.path
             self.fingerprint = model_fingerprint(self.model, self.version)
+            self._record_served()
             self.out.event("params_served", version=u.version)
             self.out.send(u.client, messages.Ack(ref=ref))
         else:
@@ -270,6 +285,13 @@ class ParamsCoordinator:
             if e.params_version != self.version:
                 self.left_rotation(e)
                 self._catch_up(e)
+
+    def _record_served(self) -> None:
+        if self.served_file is None:
+            return
+        tmp = self.served_file.with_name(self.served_file.name + ".tmp")
+        tmp.write_text(json.dumps({"version": self.version, "path": self.path}))
+        os.replace(tmp, self.served_file)
 
     # ------------------------------------------------------------------ catching up
 

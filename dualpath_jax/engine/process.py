@@ -41,6 +41,7 @@ class ProcessSpec:
     span_rank: int = 0
     span_size: int = 1
     coordinator: str = ""
+    resume: bool = False  # router: restarted over running engines (serve what they serve)
 
 
 def _install_sigterm(stop: threading.Event) -> None:
@@ -65,7 +66,7 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 
 
 def run_router(cfg: ExperimentConfig, spec: ProcessSpec) -> None:
-    with build_router(cfg, spec.workdir) as built:
+    with build_router(cfg, spec.workdir, resume=spec.resume) as built:
         if spec.address_file:
             tmp = spec.address_file + ".tmp"
             pathlib.Path(tmp).write_text(built.address)

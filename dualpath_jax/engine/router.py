@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -88,8 +89,13 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         kv_events: KVEventPublisher | None = None,
         store_wait_s: float = QUICK_WAIT_S,
+        served_file: str = "",
+        resume: bool = False,
     ):
         self.cfg = cfg
+        # This router's incarnation, in every ping's answer: a client that hears another one
+        # learns that the router restarted and fails the calls the old one took (engine/client.py).
+        self.epoch = uuid.uuid4().hex[:16]
         self.server = server
         self.store = store
         self.scheduler = scheduler
@@ -114,6 +120,8 @@ class Router:
             queued=lambda: len(scheduler),  # held rounds count against max_queue too
             max_queue=scheduler.max_queue,
             left_rotation=lambda e: self.dispatch.engine_left(e),
+            served_file=served_file,
+            resume=resume,
         )
         self.pause = PauseGate(
             self.out,
@@ -354,7 +362,7 @@ class Router:
             self.out.send(ident, messages.Aborted(ref=msg.ref, requests=ended))
 
     def on_ping(self, ident: bytes, msg: messages.Ping) -> None:
-        self.out.send(ident, messages.Ack(ref="ping"))
+        self.out.send(ident, messages.Ack(ref="ping", epoch=self.epoch))
 
     def on_get_stats(self, ident: bytes, msg: messages.GetStats) -> None:
         self.out.send(ident, messages.Stats(json=json.dumps(self.stats())))
@@ -380,6 +388,7 @@ class Router:
             "read_queue_tokens": self.dispatch.read_queues(),
             "loads": self.dispatch.loads(),
             "params_version": self.params.version,
+            "epoch": self.epoch,
             "params_pullers": self.params.pullers(),
             "alpha": self.scheduler.alpha,
             "beta": self.scheduler.beta,

@@ -274,7 +274,9 @@ def test_a_second_engine_with_a_live_id_is_refused(rig):
 
 def test_heartbeats_and_pings_are_answered(rig):
     assert rig.handle(messages.Heartbeat(engine=PE), b"hb-socket") == [messages.Ack(ref="hb")]
-    assert rig.handle(messages.Ping(), role=messages.CLIENT) == [messages.Ack(ref="ping")]
+    (ack,) = rig.handle(messages.Ping(), role=messages.CLIENT)
+    assert ack == messages.Ack(ref="ping", epoch=rig.router.epoch) and len(ack.epoch) == 16
+    assert rig.router.stats()["epoch"] == rig.router.epoch
 
 
 def test_existing_session_needs_resume(rig):
@@ -354,6 +356,17 @@ def test_a_paused_engine_declared_dead_is_told_to_rejoin_and_serves_again(rig):
     assert list(res.tokens) == [5, 6, 7]
 
 
-def test_a_fetch_of_an_engine_never_registered_is_still_told_to_stop(rig):
+def test_an_engine_of_a_restarted_router_is_told_to_register_again(rig):
+    """A router restarted over running engines never registered them: what they report of
+    rounds it does not know is ignored, and their next fetch tells them to register again."""
+    reports = [
+        messages.DecodeDone(request="old", engine=9, tokens=[1], persisted_blocks=0),
+        messages.Heartbeat(engine=9),
+    ]
+    assert [rig.handle(m, b"de9") for m in reports] == [[], [messages.Ack(ref="hb")]]
     (order,) = rig.handle(messages.Fetch(engine=9, load=messages.Load()), b"de9")
-    assert order.kind == "stop"
+    assert order.kind == "rejoin" and "router restarted" in order.message
+    assert rig.handle(messages.Register(role="decode", engine=9, node=9, group=0,
+                                        address="inproc://9", pid=109), b"de9") == [
+        messages.Ack(ref="9")]  # fmt: skip
+    assert rig.router.liveness.registry[9].alive

@@ -165,11 +165,11 @@ def test_the_de_gets_the_job_first_and_the_pe_once_the_de_is_ready():
     assert rig.server.to(PE_ID) == [messages.Work(jobs=[job])] and st.job is None
 
 
-def test_a_fetch_from_an_unknown_engine_is_told_to_stop():
-    rig = dispatch_rig()
+def test_a_fetch_from_an_unknown_engine_is_told_to_register_again():
+    rig = dispatch_rig()  # an engine of a router that restarted
     rig.dispatch.on_fetch(b"who", messages.Fetch(engine=9, load=messages.Load()))
     (err,) = rig.server.to(b"who")
-    assert err.kind == "stop" and err.ref == "9"
+    assert err.kind == "rejoin" and err.ref == "9" and "router restarted" in err.message
 
 
 def test_reads_count_against_the_node_until_they_are_done():

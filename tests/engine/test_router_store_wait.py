@@ -53,7 +53,7 @@ def test_a_slow_lookup_leaves_the_loop_serving_everything_else(slow):
     table = slow.router.rounds.table
     assert open_and_submit(slow, "a", "ra") == []  # waits for its lookup
     assert "ra" in table.admitting and "ra" not in table.requests and table["a"].busy
-    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping")]
+    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping", epoch=slow.router.epoch)]
     assert open_and_submit(slow, "b", "rb") == []
     slow.answers[1].set_result(0)  # b's lookup answers first: b runs, a still waits
     assert poll(slow) == []
@@ -114,7 +114,7 @@ def test_a_round_whose_session_closed_while_looked_up_fails(slow):
 def test_a_slow_release_acks_when_the_store_answers(slow):
     assert client(slow, messages.OpenSession(session="a")) == [messages.Ack(ref="a")]
     assert client(slow, messages.CloseSession(session="a", release=True)) == []
-    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping")]
+    assert client(slow, messages.Ping()) == [messages.Ack(ref="ping", epoch=slow.router.epoch)]
     slow.answers[0].set_result(3)
     assert poll(slow) == [messages.Ack(ref="a")]
 
