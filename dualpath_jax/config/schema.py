@@ -220,6 +220,9 @@ class ClusterConfig:
     kv_events_address: str = ""
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
+    # How long an engine waits for a silent router before it stops itself (0: heartbeat_
+    # timeout_s); longer lets engines outlive a router restart (docs/failures.md).
+    router_timeout_s: float = 0.0
     # Rounds fail with kind `engine` once no live engine of a role has been seen for this long.
     no_engine_timeout_s: float = 30.0
     # A session with no round running for this long is closed by the router, as a CloseSession

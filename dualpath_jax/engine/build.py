@@ -198,7 +198,7 @@ def build_engine(
         transport.token,
         who.engine,
         c.heartbeat_s,
-        router_timeout_s=c.heartbeat_timeout_s,
+        router_timeout_s=c.router_timeout_s or c.heartbeat_timeout_s,
         on_router_lost=transport.on_router_lost,
     )
     built = BuiltEngine(_Unbuilt(who), heartbeat, closers)  # type: ignore[arg-type]
