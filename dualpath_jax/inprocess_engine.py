@@ -86,8 +86,8 @@ class InProcessEngine:
         session: str,
         resume: bool = False,
         *,
-        priority: int = 0,
-        ttl_s: float = -1.0,
+        priority: int | None = None,
+        ttl_s: float | None = None,
         fork_of: str = "",
     ) -> None:
         """Opens a session (`priority` and `ttl_s` are accepted for the `Backend` interface; the

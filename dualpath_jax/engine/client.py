@@ -40,8 +40,8 @@ class Backend(Protocol):
         session: str,
         resume: bool = False,
         *,
-        priority: int = 0,
-        ttl_s: float = -1.0,
+        priority: int | None = None,
+        ttl_s: float | None = None,
         fork_of: str = "",
     ) -> None: ...
     def submit(
@@ -303,22 +303,25 @@ class Client:
         resume: bool = False,
         timeout_s: float = 30.0,
         *,
-        priority: int = 0,
-        ttl_s: float = -1.0,
+        priority: int | None = None,
+        ttl_s: float | None = None,
         fork_of: str = "",
     ) -> None:
         """Opens a session; an existing one is an error unless `resume=True` (continue it).
 
         `priority` and `ttl_s` set the retention of its stored blocks under capacity pressure
         (`store.eviction="retention"`): kept while a round runs and `ttl_s` seconds after each
-        (-1: `store.retention_ttl_s`), lower priorities evicted first. `fork_of`: the session
+        (-1: `store.retention_ttl_s`), lower priorities evicted first. None: a new session's
+        defaults (0, -1); a resumed session keeps what it had. `fork_of`: the session
         starts with that (open, idle) session's context; its stored KV is shared through the
         store, nothing is computed or copied."""
         msg = messages.OpenSession(
             session=check_session(session),
             resume=bool(resume),
-            priority=_check_int(priority, "priority", -(2**31), 2**31),
-            ttl_s=_check_ttl(ttl_s),
+            priority=None
+            if priority is None
+            else _check_int(priority, "priority", -(2**31), 2**31),
+            ttl_s=None if ttl_s is None else _check_ttl(ttl_s),
             fork_of=check_session(fork_of) if fork_of else "",
         )
         self._check(self._call(msg, session).result(timeout_s))

@@ -37,13 +37,13 @@ class OpenSession(Msg):
 
     `priority` and `ttl_s` set the retention of its stored blocks (`store.eviction="retention"`,
     docs/kv_events.md): kept while a round runs and for `ttl_s` seconds after each (-1:
-    `store.retention_ttl_s`), lower priorities evicted first. A resume with them changes them.
+    `store.retention_ttl_s`), lower priorities evicted first; None: unchanged on a resume.
     `fork_of`: the new session starts with that (existing, idle) session's context."""
 
     session: str
     resume: bool = False
-    priority: int = 0
-    ttl_s: float = -1.0
+    priority: int | None = None  # a new session: 0
+    ttl_s: float | None = None  # a new session: -1
     fork_of: str = ""
 
 

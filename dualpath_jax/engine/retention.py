@@ -65,10 +65,16 @@ class Retention:
 
     # ------------------------------------------------------------------ sessions
 
-    def opened(self, session: str, priority: int, ttl_s: float, resume: bool) -> None:
-        """A session opened, or resumed with new settings (its blocks' retention takes them)."""
+    def opened(
+        self, session: str, priority: int | None, ttl_s: float | None, resume: bool
+    ) -> None:
+        """A session opened, or resumed with new settings (its blocks' retention takes them;
+        None keeps a resumed session's, a new one's default)."""
         r = self.sessions.setdefault(session, SessionRetention())
-        r.priority, r.ttl_s = priority, ttl_s
+        if priority is not None:
+            r.priority = priority
+        if ttl_s is not None:
+            r.ttl_s = ttl_s
         if resume:
             self._tell(self._current(session, r))
 

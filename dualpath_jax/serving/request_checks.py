@@ -224,29 +224,26 @@ def session_hint(
     sid: str | None,
     max_priority: int = 2**31 - 1,
     max_ttl_s: float = MAX_TTL_S,
-) -> dict[str, Any]:
-    """The retention keywords of the request's session hint (`X-Session-Hint`, else the body's
-    `session_hint`; `engine.hints`): `tool_call`, `pin` and `ttl` set the session's retention
-    from this round on (`pin` at the server's `max_priority` and `max_ttl_s`, a TTL capped at
-    `max_ttl_s`). A bad or unknown hint, a hint without a session, or `release` / `fork`
-    (a session's own calls: `Client.hint`, `Session.hint`) is a 400."""
+) -> tuple[hints.SessionHint | None, dict[str, Any]]:
+    """The request's session hint (`X-Session-Hint`, else the body's `session_hint`;
+    `engine.hints`; None: none) and the retention keywords it sets: `tool_call`, `pin` and `ttl`
+    set the session's retention from this round on (`pin` at the server's `max_priority` and
+    `max_ttl_s`, a TTL capped at `max_ttl_s`); `release` and `fork` act around the round
+    (serving/session_hints.py). A bad or unknown hint, or one without a session, is a 400."""
     raw = request.headers.get(HINT_HEADER)
     param = HINT_HEADER if raw is not None else "session_hint"
     raw = raw if raw is not None else getattr(req, "session_hint", None)
     if raw is None:
-        return {}
+        return None, {}
     try:
         hint = hints.parse_hint(raw)
     except RolloutError as e:
         raise ApiError(400, str(e), param=param) from None
     if sid is None:
         raise ApiError(400, "a session hint needs a session (X-Session-Id)", param=param)
-    if hint.kind in ("release", "fork"):
-        raise ApiError(
-            400, f"{hint.kind!r} is not a per-request hint (Client.hint, Session.hint)", param=param
-        )
     out = hints.retention_of(hint)
     if "priority" in out:
         out["priority"] = min(out["priority"], max_priority)
-    out["ttl_s"] = min(out["ttl_s"], max_ttl_s, MAX_TTL_S)
-    return out
+    if "ttl_s" in out:
+        out["ttl_s"] = min(out["ttl_s"], max_ttl_s, MAX_TTL_S)
+    return hint, out

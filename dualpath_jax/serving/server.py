@@ -42,7 +42,14 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.serving import admin, connections, group, request_checks, responses
+from dualpath_jax.serving import (
+    admin,
+    connections,
+    group,
+    request_checks,
+    responses,
+    session_hints,
+)
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
 from dualpath_jax.serving.request_checks import RoundParams
@@ -191,6 +198,8 @@ class ApiServer:
     async def _call(fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
+    call = _call  # what serving/session_hints.py uses of the server
+
     # ------------------------------------------------------------------ plumbing
 
     def _closed_at_limit(self, reason: str) -> None:
@@ -281,6 +290,8 @@ class ApiServer:
                 return ApiError(503, str(e), code=e.kind, retry_after=retry)
             case _:
                 return ApiError(500, f"{e.kind}: {e}", code=e.kind)
+
+    rollout_error = _rollout_error  # serving/session_hints.py's
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -401,19 +412,29 @@ class ApiServer:
             return await group.respond(self, req.n, prompt, p, chat)
         sid = request_checks.session_id(request, req)
         caps = (self.cfg.max_session_priority, self.cfg.max_session_ttl_s)
-        retention = request_checks.session_hint(request, req, sid, *caps)
+        hint, retention = request_checks.session_hint(request, req, sid, *caps)
         retention.update(request_checks.retention(request, *caps))
         if sid is not None:
+            if hint is not None and hint.kind == "fork":
+                sid = await session_hints.fork(self, sid, hint.session)
             if sid not in self.sessions:
-                self.sessions[sid] = _AgentSession(f"http:{sid}")
+                self.sessions[sid] = self.new_session(sid)
             agent = self.sessions[sid]
             agent.last_used = time.monotonic()
             async with agent.lock:
                 try:
-                    return await self._round(request, sid, prompt, p, chat, retention)
+                    resp = await self._round(request, sid, prompt, p, chat, retention)
                 finally:
                     agent.last_used = time.monotonic()
+                if hint is not None:
+                    await session_hints.after_round(self, agent, hint)
+                return resp
         return await self._round(request, None, prompt, p, chat, retention)
+
+    @staticmethod
+    def new_session(sid: str) -> _AgentSession:
+        """The server's copy of the agent session `sid` (not opened at the router yet)."""
+        return _AgentSession(f"http:{sid}")
 
     async def _round(
         self,
@@ -442,9 +463,10 @@ class ApiServer:
         self.running[ident] = rnd.fut.request
         try:
             if p.stream:
-                resp = web.StreamResponse(
-                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-                )
+                headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                if sid is not None:  # a fork's new session is named here
+                    headers[request_checks.SESSION_HEADER] = sid
+                resp = web.StreamResponse(headers=headers)
                 await resp.prepare(request)
                 if chat:
                     first = responses.chunk(
@@ -511,10 +533,10 @@ class ApiServer:
             }
             if p.token_ids:
                 body["prompt_token_ids"] = prompt
-            return web.json_response(
-                body,
-                headers={responses.READ_PATH_HEADER: res.read_path or "none"},
-            )
+            headers = {responses.READ_PATH_HEADER: res.read_path or "none"}
+            if sid is not None:  # a fork's new session is named here
+                headers[request_checks.SESSION_HEADER] = sid
+            return web.json_response(body, headers=headers)
         except TimeoutError:
             self.client.cancel(rnd.fut.request)
             e = ApiError(503, "the round timed out", retry_after=self.cfg.retry_after_s)

@@ -95,16 +95,21 @@ class Body:
 
 
 def test_http_hints_set_retention_capped_by_the_server_and_reject_the_rest():
-    hint = request_checks.session_hint
+    def hint(*args):
+        return request_checks.session_hint(*args)[1]
+
     assert hint(FakeHttp({}), Body(), "a") == {}
+    assert request_checks.session_hint(FakeHttp({}), Body(), "a")[0] is None
     assert hint(FakeHttp({"X-Session-Hint": "tool_call:5"}), Body(), "a") == {"ttl_s": 15.0}
     body = Body()
     body.session_hint = {"kind": "pin"}
     assert hint(FakeHttp({}), body, "a", 100, 3600.0) == {"priority": 100, "ttl_s": 3600.0}
+    for raw, kind in (("release", "release"), ("fork:a/sub", "fork")):  # act around the round
+        h, retention = request_checks.session_hint(FakeHttp({"X-Session-Hint": raw}), Body(), "a")
+        assert h.kind == kind and retention == {}
     for headers, sid in (
         ({"X-Session-Hint": "warp"}, "a"),
-        ({"X-Session-Hint": "release"}, "a"),
-        ({"X-Session-Hint": "fork"}, "a"),
+        ({"X-Session-Hint": "fork"}, None),
         ({"X-Session-Hint": "pin"}, None),
     ):
         with pytest.raises(ApiError) as e:

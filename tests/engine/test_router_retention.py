@@ -219,6 +219,18 @@ def test_a_resume_changes_the_sessions_retention_from_its_next_round(rig):
     assert retains(rig) == [messages.Retain(session="s", state="active", priority=8, ttl_s=5.0)]
 
 
+def test_a_resume_keeps_what_it_does_not_name(rig):
+    """A `ttl` hint (a resume with a TTL only) keeps a pinned session's priority."""
+    open_session(rig, "s", priority=9, ttl_s=LONG)
+    open_session(rig, "s", resume=True, ttl_s=5.0)
+    submit(rig, "s", "r1")
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=9, ttl_s=5.0)]
+    complete(rig, "r1")
+    open_session(rig, "s", resume=True, priority=3)
+    submit(rig, "s", "r2")
+    assert retains(rig) == [messages.Retain(session="s", state="active", priority=3, ttl_s=5.0)]
+
+
 def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig):
     open_session(rig, "s", priority=1, ttl_s=50.0)
     submit(rig, "s", "r1")

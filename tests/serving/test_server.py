@@ -46,12 +46,21 @@ class FakeClient:
         self.finished: list[str] = []
         self.cancelled: list[str] = []
         self.contexts: dict[str, list[int]] = {}
+        self.calls: list[tuple] = []  # sessions' calls other than rounds, in order
 
-    def open_session(self, session, resume=False):
+    def open_session(self, session, resume=False, *, fork_of=""):
+        if fork_of:
+            self.calls.append(("fork", session, fork_of))
+            self.contexts[session] = list(self.contexts[fork_of])
         self.contexts.setdefault(session, [])
 
     def close_session(self, session, release=False):
+        if release:
+            self.calls.append(("release", session))
         self.contexts.pop(session, None)
+
+    def tool_call(self, session, expected_s):
+        self.calls.append(("tool_call", session, expected_s))
 
     def stats(self, timeout_s=30.0):
         return {"counters": {}, "queued": {}, "in_flight": 0}
@@ -784,3 +793,55 @@ def test_text_stream_finds_no_stop_string_before_min_tokens():
     short = TextStream(tok, ["b"], tok.eos_ids, min_tokens=5)
     short.add(list(b"ab"))
     assert short.close() == "" and not short.stopped and short.text == "ab"
+
+
+def test_session_hints_over_http_prefetch_fork_and_release():
+    """`tool_call` reaches the router after its round; `fork` runs the round on a new session
+    with the parent's context, named in X-Session-Id; `release` closes the session after its
+    round, and the next request under its id starts afresh."""
+    client = FakeClient()
+    agent = {"X-Session-Id": "agent"}
+    out = _post(
+        client,
+        _completion(prompt="hi", max_tokens=2, headers=agent),
+        _completion(
+            prompt="hiab more", max_tokens=2, headers={**agent, "X-Session-Hint": "tool_call:7"}
+        ),
+        _completion(
+            prompt="hiab moreab sub",
+            max_tokens=2,
+            headers={**agent, "X-Session-Hint": "fork:agent/sub"},
+        ),  # fmt: skip
+        _completion(
+            prompt="hiab moreab sub ab next", max_tokens=2, headers={"X-Session-Id": "agent/sub"}
+        ),  # fmt: skip
+        _completion(
+            prompt="hiab moreab again",
+            max_tokens=2,
+            headers={**agent, "X-Session-Hint": '{"kind": "release"}'},
+        ),  # fmt: skip
+        _completion(prompt="fresh", max_tokens=2, headers=agent),
+        _completion(prompt="x", max_tokens=2, headers={"X-Session-Hint": "fork"}),  # no session
+        _completion(
+            prompt="x",
+            max_tokens=2,
+            headers={"X-Session-Id": "agent", "X-Session-Hint": "fork:agent/sub"},
+        ),  # fmt: skip
+    )
+    assert [s for s, _, _ in out] == [200] * 6 + [400, 400]
+    assert [h.get("X-Session-Id") for _, h, _ in out[:6]] == ["agent", "agent", "agent/sub",
+                                                              "agent/sub", "agent", "agent"]  # fmt: skip
+    assert "exists" in out[7][2]["error"]["message"]
+    assert client.calls == [
+        ("tool_call", "http:agent", 7.0),
+        ("fork", "http:agent/sub", "http:agent"),
+        ("release", "http:agent"),
+    ]
+    subs = client.submits
+    assert [s["session"] for s in subs] == ["http:agent"] * 2 + ["http:agent/sub"] * 2 + [
+        "http:agent"
+    ] * 2
+    # the fork's round sends only what follows the parent's context; so does its next one
+    assert bytes(subs[2]["append"]) == b" sub" and bytes(subs[3]["append"]) == b" ab next"
+    assert subs[1]["retention"] == {"ttl_s": 21.0}  # the tool call's hold
+    assert bytes(subs[5]["append"]) == b"fresh"  # after the release: a new context
