@@ -65,9 +65,7 @@ class Retention:
 
     # ------------------------------------------------------------------ sessions
 
-    def opened(
-        self, session: str, priority: int | None, ttl_s: float | None, resume: bool
-    ) -> None:
+    def opened(self, session: str, priority: int | None, ttl_s: float | None, resume: bool) -> None:
         """A session opened, or resumed with new settings (its blocks' retention takes them;
         None keeps a resumed session's, a new one's default)."""
         r = self.sessions.setdefault(session, SessionRetention())
