@@ -17,8 +17,11 @@ the group's `ray.strategy`. An actor asking for GPUs or TPU chips gets the ones 
 
 Failures: a node that dies takes its actors and their processes with it; the router requeues
 what its engines held (as for any engine death) and Ray restarts the engine actors (up to
-`ray.max_restarts` times each), which register again under their ids. The router is not
-restarted.
+`ray.max_restarts` times each), which register again under their ids. A router whose process
+or actor died is restarted by Ray too, in its bundle, at its old address, serving the params it
+served; engines register with it again and clients reconnect (the rounds it had taken fail with
+kind `connection`). That holds while its bundle stays on its node: a router whose node is gone
+comes back elsewhere, at an address clients do not know.
 
 What the processes write (`logs/`, `events.jsonl`, `links/`) lands in `workdir` on each actor's
 node; `stop()` copies what is missing here from the others (a driver on another node).
@@ -172,7 +175,7 @@ class RayCluster(ClusterLifecycle):
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=self.bundles[name]
             ),
-            "max_restarts": 0 if role == "router" else self.cfg.ray.max_restarts,
+            "max_restarts": self.cfg.ray.max_restarts,
             "max_concurrency": 4,  # `where` / `stop` while `address` waits
         }
         if env:
@@ -249,6 +252,8 @@ class RayCluster(ClusterLifecycle):
         for name in names or list(self.actors):
             try:
                 ray.get(self.actors[name].where.remote(), timeout=60)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # being restarted (or the driver's connection to it is): not dead
             except ray.exceptions.RayActorError as e:
                 raise ClusterError(f"{name}'s actor died during start: {e}") from e
 
@@ -279,12 +284,14 @@ class RayCluster(ClusterLifecycle):
         return ray.util.get_node_ip_address()
 
     def kill(self, name: str) -> None:
-        """Kills engine `name`'s actor and its process (fault injection); Ray restarts it
-        (within `ray.max_restarts`)."""
+        """Kills the actor of engine `name`, or of the router (`"router"`), and its process
+        (fault injection); Ray restarts it (within `ray.max_restarts`)."""
         import ray
 
-        if name not in self.engine_ids:
-            raise ValueError(f"kill takes an engine name, one of {sorted(self.engine_ids)}")
+        if name != "router" and name not in self.engine_ids:
+            raise ValueError(
+                f"kill takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
+            )
         ray.kill(self.actors[name], no_restart=False)
 
     def restart(self, name: str, timeout_s: float | None = None) -> None:
@@ -292,8 +299,12 @@ class RayCluster(ClusterLifecycle):
         restarts is started afresh (in its bundle). Returns once it has registered."""
         import ray
 
+        if name == "router":
+            return self._restart_router(timeout_s)
         if name not in self.engine_ids:
-            raise ValueError(f"restart takes an engine name, one of {sorted(self.engine_ids)}")
+            raise ValueError(
+                f"restart takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
+            )
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
         try:
             ray.get(self.actors[name].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
@@ -307,6 +318,32 @@ class RayCluster(ClusterLifecycle):
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} did not register again in time")
             time.sleep(0.1)
+
+    def _restart_router(self, timeout_s: float | None) -> None:
+        """Waits until Ray has restarted the router's actor, which starts the router again at
+        its address (engine/ray_host.py), and every engine has registered with it."""
+        import ray
+
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        while True:
+            try:
+                address = ray.get(
+                    self.actors["router"].address.remote(self.start_timeout_s),
+                    timeout=max(1.0, deadline - time.monotonic()),
+                )
+                break
+            except ray.exceptions.ActorUnavailableError:  # being restarted: ask again
+                if time.monotonic() > deadline:
+                    raise ClusterError("the router's actor did not come back in time") from None
+                time.sleep(0.2)
+            except ray.exceptions.RayActorError as e:
+                raise ClusterError(
+                    f"the router's actor is gone for good (ray.max_restarts): {e}"
+                ) from None
+        if address != self.address:
+            raise ClusterError(f"the restarted router listens on {address}, not {self.address}")
+        self._deadline = deadline
+        self.wait_ready()
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """Shuts the router down, waits for every process to end (copying what it wrote here

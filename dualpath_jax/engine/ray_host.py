@@ -8,10 +8,13 @@ secrets arrive as a constructor argument (a Ray object), and the host writes the
 of its node's workdir that only its process reads: never a command line.
 
 Failures: the process watches its parent (the actor's worker) and stops when it is gone, so a
-node or actor that dies takes its engine with it. An engine that dies on its own (exit status
-not 0) ends its actor too, so Ray restarts it (`ray.max_restarts`). A restarted host waits until
-the router has declared the old engine dead before it starts the new one under the same id,
-which then registers with a fresh transfer address.
+node or actor that dies takes its engine with it. An engine or router that dies on its own (exit
+status not 0) ends its actor too, so Ray restarts it (`ray.max_restarts`). A restarted engine's
+host waits until the router has declared the old engine dead before it starts the new one under
+the same id, which then registers with a fresh transfer address. A restarted router's host
+starts the router again at the old one's address (its port, from `workdir/router.address`),
+serving the params it served (`ProcessSpec.resume`): the engines register with it again and
+clients reconnect (docs/failures.md, "A router started again").
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 from dualpath_jax.config import ExperimentConfig, from_json
@@ -33,6 +38,21 @@ from dualpath_jax.engine.credentials import Credentials, write_credentials
 from dualpath_jax.engine.process import ProcessSpec
 
 log = logging.getLogger(__name__)
+
+
+def wait_port_free(host: str, port: int, timeout_s: float = 15.0) -> None:
+    """Returns once `port` of `host` can be bound (or after `timeout_s`: the bind's own error
+    then says why)."""
+    deadline = time.monotonic() + timeout_s
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    while time.monotonic() < deadline:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 class ProcessHost:
@@ -66,6 +86,13 @@ class ProcessHost:
         write_credentials(secrets_file, creds)
         c = dataclasses.replace(cfg.cluster, secrets_file=str(secrets_file))
         role = spec["role"]
+        with warnings.catch_warnings():  # deprecated, without a replacement yet
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ctx.was_current_actor_reconstructed
+        old_address = ""
+        if role == "router" and restarted and (self.workdir / "router.address").exists():
+            old_address = (self.workdir / "router.address").read_text().strip()
+            c = dataclasses.replace(c, router_port=int(old_address.rsplit(":", 1)[1]))
         if bind_node_ip:
             ip = ray.util.get_node_ip_address()
             c = dataclasses.replace(c, **{"host" if role == "router" else "transfer_host": ip})
@@ -74,7 +101,11 @@ class ProcessHost:
         if role == "router":
             self.address_file = self.workdir / "router.address"
             self.address_file.unlink(missing_ok=True)
-            self.spec = dataclasses.replace(self.spec, address_file=str(self.address_file))
+            self.spec = dataclasses.replace(
+                self.spec, address_file=str(self.address_file), resume=bool(old_address)
+            )
+            if old_address:  # the old router may still hold its port for a moment
+                wait_port_free(c.host, c.router_port)
         else:  # a restarted engine: its old process may still be registered
             self._wait_declared_dead(creds.engine)
         self.proc = spawn_process(sys.executable, self.cfg, self.spec, self.log_path, None)

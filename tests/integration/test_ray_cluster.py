@@ -7,8 +7,9 @@ One cluster (a Ray cluster and a RayCluster take a minute to start on a small ho
 its life: placement as configured; the DE's node is removed while the DE holds a request, and no
 trajectory is lost (requeued, the reference model's tokens); the DE comes back on the node that
 replaces it; an `update_params` by checkpoint and one streamed over the transfer layer reach
-every engine, the restarted one included; what the processes wrote (events, link reports) is in
-the workdir, and no process is left after `stop`.
+every engine, the restarted one included; the router's actor killed is restarted by Ray at its
+address and serves on (the engines rejoin it, the client reconnects); what the processes wrote
+(events, link reports) is in the workdir, and no process is left after `stop`.
 
 Full tier (multiprocess); skipped without the `ray` extra.
 """
@@ -129,7 +130,9 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
     ray_nodes, tmp_path, reference_tokens
 ):
     ray_cluster, nodes = ray_nodes
-    cfg = ray_config("dualpath", heartbeat_timeout_s=5.0)
+    # Engines wait longer for a silent router than the router for a silent engine: they
+    # outlive its restart.
+    cfg = ray_config("dualpath", heartbeat_timeout_s=5.0, router_timeout_s=60.0)
     with RayCluster(cfg, tmp_path) as cluster:
         where = cluster.where()
         assert {name: w["node_id"] for name, w in where.items()} == {
@@ -178,10 +181,22 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
         assert [o.rounds for o in outs] == [reference_tokens(t) for t in after]
         stats = client.stats()
 
+        # The router's actor is killed: Ray restarts it, at its address, serving step-2; the
+        # engines register with it again and the client reconnects.
+        cluster.kill("router")
+        cluster.restart("router")
+        restarted = client.stats()
+        assert restarted["epoch"] != stats["epoch"] and client.router_restarts >= 1
+        assert restarted["params_version"] == "step-2"
+        later = make_trajectories("ray-restarted", n=2, rounds=2, seed=6)
+        outs = run_trajectories(client, later, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        assert [o.rounds for o in outs] == [reference_tokens(t) for t in later]
+        router_pid = cluster.where()["router"]["pid"]
+
     assert stats["params_version"] == "step-2"
     assert stats["counters"]["engine_deaths"] == 1
     assert stats["counters"]["requeued"] >= 1, stats["counters"]
     assert stats["counters"]["errors"] == 0
     assert stats["engines"]["1"]["alive"] is True
     assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
-    assert wait_gone([w["pid"] for w in where.values()]) == []
+    assert wait_gone([w["pid"] for w in where.values()] + [router_pid]) == []
