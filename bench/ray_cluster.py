@@ -5,9 +5,11 @@ actors of a local Ray, started by this script) and each policy, in one run: star
 replay the config's workload offline, stop it. Reports start seconds, each policy's JCT, the
 JCT ratio of the first policy over the second per runtime (Ray adds nothing on the data path,
 so the ratios should agree within noise) and whether every runtime gave the same tokens. A
-first, unmeasured replay per runtime fills the compilation cache (`--warmup`).
+first, unmeasured replay per runtime fills the compilation cache (`--warmup`). `--repeats=N`
+measures N rounds, each running both runtimes back to back (so drift of a shared machine
+reaches both alike), and reports each round's ratios and their range.
 
-    python bench/ray_cluster.py --config=configs/cpu_1p2d.py:tiny --json
+    python bench/ray_cluster.py --config=configs/cpu_1p2d.py:tiny --repeats=3 --json
 
 Needs the `ray` extra.
 """
@@ -26,6 +28,7 @@ _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repea
 _POLICIES = flags.DEFINE_list("policies", ["basic", "dualpath"], "two policies, compared")
 _NUM_CPUS = flags.DEFINE_integer("num_cpus", 4, "CPUs of the local Ray (one per actor)")
 _WARMUP = flags.DEFINE_bool("warmup", True, "one unmeasured replay per runtime first")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "measured rounds, both runtimes in each")
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
 
@@ -67,38 +70,51 @@ def main(argv):
     check_context(cfg, plan.trajectories)
     rounds = as_rounds(plan.trajectories)
     ray.init(num_cpus=_NUM_CPUS.value, include_dashboard=False, object_store_memory=200 << 20)
+    runtimes = {"local": LocalCluster, "ray": RayCluster}
+    first, second = _POLICIES.value[:2]
+    runs: list[dict] = []  # one per measured round: runtime -> policy -> figures
+    tokens: dict = {}
     try:
-        runtimes = {"local": LocalCluster, "ray": RayCluster}
-        out: dict = {}
-        tokens: dict = {}
-        for name, cls in runtimes.items():
-            if _WARMUP.value:
+        if _WARMUP.value:
+            for cls in runtimes.values():
                 one_run(cls, cfg, rounds)
-            for policy in _POLICIES.value:
-                c = dataclasses.replace(
-                    cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
-                )
-                r = one_run(cls, c, rounds)
-                tokens[(name, policy)] = r.pop("tokens")
-                out.setdefault(name, {})[policy] = r
-            first, second = _POLICIES.value[:2]
-            out[name]["jct_ratio"] = out[name][first]["jct_s"] / out[name][second]["jct_s"]
+        for _ in range(_REPEATS.value):
+            run: dict = {}
+            for name, cls in runtimes.items():
+                for policy in _POLICIES.value:
+                    c = dataclasses.replace(
+                        cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
+                    )
+                    r = one_run(cls, c, rounds)
+                    tokens[(name, policy, len(runs))] = r.pop("tokens")
+                    run.setdefault(name, {})[policy] = r
+                run[name]["jct_ratio"] = run[name][first]["jct_s"] / run[name][second]["jct_s"]
+            runs.append(run)
     finally:
         ray.shutdown()
+    out: dict = dict(runs[0])  # the first round's figures, as before
+    out["runs"] = runs
+    for name in runtimes:
+        ratios = [r[name]["jct_ratio"] for r in runs]
+        out[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
     out["identical_tokens"] = len({json.dumps(t, sort_keys=True) for t in tokens.values()}) == 1
     out["config"] = cfg.name
     out["trajectories"] = len(rounds)
     if _JSON.value:
         print(json.dumps(out))
         return
-    first, second = _POLICIES.value[:2]
-    print(f"{'runtime':8} {'policy':9} {'start s':>8} {'JCT s':>8} {'errors':>7}")
+    print(f"{'round':5} {'runtime':8} {'policy':9} {'start s':>8} {'JCT s':>8} {'errors':>7}")
+    for i, run in enumerate(runs):
+        for name in runtimes:
+            for policy in _POLICIES.value:
+                r = run[name][policy]
+                print(
+                    f"{i:5d} {name:8} {policy:9} {r['start_s']:8.2f} {r['jct_s']:8.2f} "
+                    f"{r['errors']:7d}"
+                )
     for name in runtimes:
-        for policy in _POLICIES.value:
-            r = out[name][policy]
-            print(f"{name:8} {policy:9} {r['start_s']:8.2f} {r['jct_s']:8.2f} {r['errors']:7d}")
-    for name in runtimes:
-        print(f"{name}: JCT {first} / {second} = {out[name]['jct_ratio']:.2f}")
+        ratios = ", ".join(f"{r[name]['jct_ratio']:.2f}" for r in runs)
+        print(f"{name}: JCT {first} / {second} per round = {ratios}")
     print(f"tokens identical across runtimes and policies: {out['identical_tokens']}")
 
 
