@@ -5,6 +5,13 @@ Run (about a minute on 2 cores):
   python bench/agentic_traces.py --trace=SESSIONS      # e.g. the 28 Weka sessions, recorded arrivals
   python bench/agentic_traces.py --trace=SESSIONS --aps=0.5 --json=/tmp/agentic.json
 
+`--cluster`: the same sessions scaled down and replayed on the local `cpu_1p2d` cluster (tiny
+model, emulated storage links) under the same four runs, every trajectory at once: lengths x
+`--length_scale`, the first `--max_turns` requests of each (0: all), think times x `--gap_scale`
+(at most `--max_gap_s`), in-process (`--runtime=thread`) or as processes. Columns as above
+(measured), the prefetch's blocks from memory, and whether every run gave the same tokens.
+  python bench/agentic_traces.py --trace=SESSIONS --cluster --max_turns=6 --json=/tmp/c.json
+
 The sessions (`--trace`, required: a file or directory of the public Weka JSON,
 `workload.trace_format="weka"`; not part of the repository); every session and subagent is one
 trajectory, replayed as recorded (its think times are the tool-call gaps).
@@ -26,6 +33,8 @@ import json
 import math
 import pathlib
 import statistics
+import tempfile
+import time
 
 from absl import app, flags
 
@@ -111,6 +120,92 @@ def run_all(
     return rows
 
 
+def run_cluster(
+    trace: str,
+    workdir: str,
+    *,
+    length_scale: float = 1 / 512,
+    max_turns: int = 6,
+    gap_scale: float = 0.05,
+    max_gap_s: float = 3.0,
+    runtime: str = "thread",
+    runs=RUNS,
+) -> tuple[list[dict], bool]:
+    """The sessions on the local `cpu_1p2d` cluster under each run: one row per run, and
+    whether every run generated the same tokens."""
+    from dualpath_jax import load_config
+    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.engine.inprocess import InProcessCluster
+    from dualpath_jax.rollout import run_trajectories
+    from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
+
+    base = load_config(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "cpu_1p2d.py"))
+    w = dataclasses.replace(
+        base.workload, trace=trace, trace_format="weka", agents=None, mode="offline",
+        length_scale=length_scale, max_turns=max_turns, max_len=0,
+    )  # fmt: skip
+    base = dataclasses.replace(
+        base, workload=w, cluster=dataclasses.replace(base.cluster, decode_max_len=8192)
+    )
+    plan = build_workload(base)  # materialized: token ids
+    trajs = [
+        dataclasses.replace(
+            t,
+            rounds=tuple(
+                dataclasses.replace(r, gap_s=min(max_gap_s, r.gap_s * gap_scale)) for r in t.rounds
+            ),
+        )
+        for t in plan.trajectories
+    ]
+    check_context(base, trajs)
+    rounds = as_rounds(trajs)
+    cls = InProcessCluster if runtime == "thread" else LocalCluster
+    rows, tokens = [], []
+    for name, policy, prefetch in runs:
+        cfg = dataclasses.replace(
+            base,
+            scheduler=dataclasses.replace(base.scheduler, policy=policy, prefetch=prefetch),
+        )
+        with cls(cfg, pathlib.Path(workdir) / name) as cluster:
+            client = cluster.client()
+            t0 = time.monotonic()
+            outs = run_trajectories(client, rounds, progress=False, tool_calls=prefetch)
+            jct = time.monotonic() - t0
+            counters = client.stats()["counters"]
+        tokens.append([o.rounds for o in outs])
+        results = [r for o in outs for r in o.results]
+        ttft = sorted(r.ttft_s for r in results)
+        after = [r.ttft_s for o in outs for i, r in enumerate(o.results) if i and rounds_gap(
+            rounds, o.id, i)]  # fmt: skip
+        rows.append(
+            {
+                "store": "unlimited",
+                "run": name,
+                "rounds": len(results),
+                "errors": sum(1 for o in outs if o.error),
+                "jct_s": jct,
+                "ttft_p50_s": statistics.median(ttft),
+                "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+                "ttft_after_tool_p50_s": statistics.median(after) if after else math.nan,
+                "snic_max_over_avg": math.nan,
+                "hit_rate": sum(r.cached_tokens for r in results)
+                / max(1, sum(r.prompt_tokens for r in results)),
+                "prefetch_blocks_used": counters.get("prefetch_used_blocks", 0),
+                "sessions": len(trajs),
+                "arrivals": "all at once",
+            }
+        )
+    return rows, all(t == tokens[0] for t in tokens)
+
+
+def rounds_gap(rounds: list[tuple[str, list[tuple]]], tid: str, i: int) -> bool:
+    """Whether round `i` of trajectory `tid` follows a tool call (a gap before it)."""
+    for t, rr in rounds:
+        if t == tid:
+            return len(rr[i]) > 2 and rr[i][2] > 0
+    return False
+
+
 def _round_key(request: str) -> tuple[str, int]:
     """`(trajectory id, round)` of a simulated request id `"<id>/a<agent>/r<round>"`."""
     head, _, r = request.rpartition("/r")
@@ -137,6 +232,24 @@ def main(argv: list[str]) -> None:
     f = flags.FLAGS
     if not pathlib.Path(f.trace).exists():
         raise SystemExit(f"no sessions at {f.trace} (--trace)")
+    if f.cluster:
+        with tempfile.TemporaryDirectory() as workdir:
+            rows, same = run_cluster(
+                f.trace,
+                workdir,
+                length_scale=f.length_scale,
+                max_turns=f.max_turns,
+                gap_scale=f.gap_scale,
+                max_gap_s=f.max_gap_s,
+                runtime=f.runtime,
+            )
+        print(f"{rows[0]['sessions']} trajectories on cpu_1p2d ({f.runtime}), {rows[0]['rounds']}"
+              f" rounds each; tokens identical across runs: {same}")  # fmt: skip
+        print(format_table(rows))
+        print("prefetched blocks used:", {r["run"]: r["prefetch_blocks_used"] for r in rows})
+        if f.json:
+            pathlib.Path(f.json).write_text(json.dumps({"rows": rows, "same_tokens": same}))
+        return
     rows = run_all(
         f.trace,
         aps=f.aps,
@@ -160,4 +273,10 @@ if __name__ == "__main__":
     flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per DE engine (GB).")
     flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC per node (Gbps).")
     flags.DEFINE_string("json", "", "Also write the rows here.")
+    flags.DEFINE_bool("cluster", False, "Replay on the local cpu_1p2d cluster instead.")
+    flags.DEFINE_float("length_scale", 1 / 512, "--cluster: lengths x this.")
+    flags.DEFINE_integer("max_turns", 6, "--cluster: each trajectory's first requests (0: all).")
+    flags.DEFINE_float("gap_scale", 0.05, "--cluster: think times x this.")
+    flags.DEFINE_float("max_gap_s", 3.0, "--cluster: longest gap (s).")
+    flags.DEFINE_enum("runtime", "thread", ["thread", "process"], "--cluster: how it runs.")
     app.run(main)

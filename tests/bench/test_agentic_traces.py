@@ -54,3 +54,20 @@ def test_the_28_weka_sessions_turns_after_a_tool_call_start_sooner_with_prefetch
     assert len(list(REAL.glob("*.json"))) == 28
     assert pf["ttft_after_tool_p50_s"] < dp["ttft_after_tool_p50_s"]
     assert pf["jct_s"] <= dp["jct_s"] * (1 + 1e-6)
+
+
+@pytest.mark.slow  # four in-process clusters
+def test_the_cluster_mode_gives_every_run_the_same_tokens_and_prefetches(tmp_path, bench_modules):
+    with bench_modules("agentic_traces") as (at,):
+        rows, same = at.run_cluster(
+            str(_sessions(tmp_path)), str(tmp_path / "runs"), length_scale=1 / 64,
+            max_turns=3, gap_scale=0.1,
+        )  # fmt: skip
+        table = at.format_table(rows)
+    assert same
+    assert [r["run"] for r in rows] == [name for name, _, _ in at.RUNS]
+    assert table.count("\n") == len(rows) + 1
+    assert all(r["errors"] == 0 and r["rounds"] == 9 for r in rows)
+    by = {r["run"]: r for r in rows}
+    assert by["dualpath+prefetch"]["prefetch_blocks_used"] > 0
+    assert by["dualpath"]["prefetch_blocks_used"] == 0
