@@ -242,7 +242,66 @@ plt.show()
 # %% [markdown]
 # Basic needs many prefill nodes because only their storage NICs read KV; DualPath reads
 # through every node, so it stays fast with few prefill nodes and frees nodes for decode.
+
+# %% [markdown]
+# ## Coding-agent sessions and tool-gap prefetch (beyond the paper)
 #
+# Coding agents (Claude Code, Codex) send long, growing contexts with a short append per turn
+# and a **tool call** between turns: the next turn's hit KV is known during the gap, yet it is
+# read only when the turn arrives. With `scheduler.prefetch` the scheduler reads it into a
+# decode engine's DRAM during the gap, at the storage links' low priority, so the turn starts
+# with its hit in memory. `bench/agentic_traces.py` replays sessions in the Weka/AIPerf JSON
+# format (hash-id blocks, think times, subagents) under Basic, DualPath, DualPath + prefetch and
+# Oracle. Here it runs on a few sessions of that format built in the cell; point `WEKA_SESSIONS`
+# at a directory of real ones (e.g. the public 28-session corpus) to replay those instead.
+
+# %%
+import json
+import pathlib
+import tempfile
+
+import dualpath_jax
+
+# The bench script's functions (its flags exist only as a script), from this clone.
+agentic = runpy.run_path(str(pathlib.Path(dualpath_jax.__file__).parents[1] / "bench" / "agentic_traces.py"))
+
+
+def build_sessions(n=4, turns=5, first=20_000, append=900, think=12.0):
+    """`n` Weka-format sessions: growing contexts of 64-token blocks, one tool call per turn."""
+    out = pathlib.Path(tempfile.mkdtemp()) / "weka"
+    out.mkdir()
+    for s in range(n):
+        reqs, ids, ctx = [], [], first + 640 * s
+        for i in range(turns):
+            ids = ids + list(range(s * 10_000 + len(ids), s * 10_000 + ctx // 64))
+            reqs.append({"t": 3.0 * s + 30.0 * i, "type": "n", "in": ctx, "out": 150, "hash_ids": ids,
+                         "think_time": think if i else 0.0, "stop": "tool_use"})
+            ctx += append
+        (out / f"s{s}.json").write_text(json.dumps({"id": f"s{s}", "block_size": 64, "requests": reqs}))
+    return out
+
+
+trace = os.environ.get("WEKA_SESSIONS") or str(build_sessions())
+rows = agentic["run_all"](trace, capacity_fraction=0.5, snic_gbps=16.0, stores=("unlimited",))
+print(agentic["format_table"](rows))
+
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.bar([r["run"] for r in rows], [r["ttft_after_tool_p50_s"] for r in rows], color=["#999", "#36c", "#e94", "#6a6"])
+ax.set_ylabel("TTFT p50 after a tool call (s)")
+ax.set_title("DS 660B 2P4D, 16 Gbps storage NICs (simulated)")
+fig.tight_layout()
+plt.show()
+by = {r["run"]: r for r in rows}
+assert by["dualpath+prefetch"]["ttft_after_tool_p50_s"] < by["dualpath"]["ttft_after_tool_p50_s"]
+
+# %% [markdown]
+# The turns after a tool call start sooner with prefetch: their hit was read during the gap,
+# on links the rounds in flight did not need, so it is in a decode engine's memory when the
+# turn arrives. The hit rate is the same in every run (prefetch moves reads earlier, it adds no
+# hits), and JCT is no worse. docs/results.md has the 28 public sessions at the paper's 400 Gbps
+# storage NIC and at 50 Gbps.
+
+# %% [markdown]
 # ## From the command line
 #
 # The same simulator behind absl flags (writes `summary.json` and per-node link series to the

@@ -36,8 +36,10 @@ def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:
 
 
 def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
-    """Runs the configured workload on a cluster of this host and returns the summary (also
-    written): a `LocalCluster`, or an `InProcessCluster` with `cluster.runtime="thread"`."""
+    """Runs the configured workload on a cluster and returns the summary (also written): a
+    `LocalCluster` on this host, an `InProcessCluster` with `cluster.runtime="thread"`, or a
+    `RayCluster` with `"ray"` (on `RAY_ADDRESS`'s Ray or the one this process joined, else a
+    local one)."""
     from dualpath_jax.engine.cluster import LocalCluster
     from dualpath_jax.engine.inprocess import InProcessCluster
     from dualpath_jax.rollout import run_trajectories
@@ -47,7 +49,12 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     trajs, arrivals = plan.trajectories, plan.arrivals
     check_context(cfg, trajs)
     rounds = as_rounds(trajs)
-    runtime = InProcessCluster if cfg.cluster.runtime == "thread" else LocalCluster
+    if cfg.cluster.runtime == "ray":
+        from dualpath_jax.engine.ray_cluster import RayCluster
+
+        runtime = RayCluster
+    else:
+        runtime = InProcessCluster if cfg.cluster.runtime == "thread" else LocalCluster
     with runtime(cfg, workdir) as cluster:
         client = cluster.client()
         t0 = time.monotonic()

@@ -140,10 +140,14 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             "prefetch reads on the DE side: the policy must be dualpath, dualpath_rr or split",
         ),
         ("cluster.kv_events_address", not events_problem, events_problem),
-        ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
         (
             "cluster.runtime",
-            cl.runtime == "process" or (cl.prefill_processes == cl.decode_processes == 1),
+            cl.runtime in ("process", "thread", "ray"),
+            'must be "process", "thread" or "ray"',
+        ),
+        (
+            "cluster.runtime",
+            cl.runtime != "thread" or (cl.prefill_processes == cl.decode_processes == 1),
             "thread runs every engine in one process: cluster.*_processes must be 1",
         ),
         ("cluster.prefill_cost_json", not cost_problem, cost_problem),

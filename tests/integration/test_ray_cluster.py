@@ -200,3 +200,25 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
     assert stats["engines"]["1"]["alive"] is True
     assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
     assert wait_gone([w["pid"] for w in where.values()] + [router_pid]) == []
+
+
+def test_run_local_with_the_ray_runtime_replays_as_the_thread_runtime_does(ray_nodes, tmp_path):
+    """`cluster.runtime="ray"`: `run_local` (launch/rollout.py, make demo) on the connected Ray,
+    under Basic, with the tokens and summary.json of the same run in-process."""
+    from dualpath_jax import apply_overrides, load_config
+    from dualpath_jax.experiment import run_local
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    base = apply_overrides(
+        load_config(str(root / "configs" / "cpu_1p2d.py") + ":tiny"),
+        ["scheduler.policy=basic", "workload.agents=3", "workload.max_turns=2"],
+    )
+    base = dataclasses.replace(base, ray=PLACED)
+    outputs = {}
+    for runtime in ("ray", "thread"):
+        cfg = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, runtime=runtime))
+        summary = run_local(cfg, tmp_path / runtime, progress=False)
+        assert summary["errors"] == 0 and summary["policy"] == "basic"
+        assert (tmp_path / runtime / "summary.json").is_file()
+        outputs[runtime] = (tmp_path / runtime / "outputs.jsonl").read_text()
+    assert outputs["ray"] == outputs["thread"]
