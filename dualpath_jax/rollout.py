@@ -26,7 +26,7 @@ import logging
 import numbers
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -249,7 +249,11 @@ def run_trajectories(
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
     A round `(append tokens, gen, gap_s)` is submitted `gap_s` seconds after the previous one
     finished (a tool call); with `tool_calls` the session gets a `tool_call` hint of `gap_s`
-    as the gap begins (its KV may be prefetched meanwhile, `scheduler.prefetch`).
+    as the gap begins (its KV may be prefetched meanwhile, `scheduler.prefetch`). A round
+    `(append tokens, gen, gap_s, after)` waits first for the trajectories named in `after` (ids
+    of this call's: the subagents its turn waits for, `workload.Round.after`) to end, however
+    they end; with `max_concurrent`, one that has not started is not waited for (it may need the
+    slot the waiting trajectory holds).
 
     `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
@@ -284,6 +288,9 @@ def run_trajectories(
     stopped = threading.Event()  # timed out: no new round starts, late rounds are dropped
     remaining = [len(trajs)]
     sessions: dict[int, Session] = {}
+    index = {tid: k for k, (tid, _) in enumerate(trajs)}
+    ended: set[int] = set()  # trajectories that ended (their waiters go on)
+    waiters: dict[int, list[Callable[[], None]]] = {}  # trajectory -> rounds waiting for it
     # Closing blocks on the router's answer: never on the client's thread (the callbacks').
     closer = futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-close")
     timers: list[threading.Timer] = []
@@ -301,6 +308,11 @@ def run_trajectories(
             log.warning("trajectory %s: the tool_call hint failed: %s", trajs[k][0], e)
 
     def finish_one(k: int) -> None:
+        with lock:
+            ended.add(k)
+            woken = waiters.pop(k, [])
+        for wake in woken:
+            wake()
         if k in sessions:
             if stopped.is_set():
                 return  # timed out: the call closes every session
@@ -323,6 +335,38 @@ def run_trajectories(
             finish_one(k)
             return
         append, gen, *gap = rounds[i]
+        if stopped.is_set():
+            return
+        if i and len(gap) > 1 and gap[1]:  # the subagents it waits for end first
+            with lock:
+                pending = {
+                    index[a]
+                    for a in gap[1]
+                    if a in index and (not max_concurrent or index[a] in sessions)
+                } - ended
+            if pending:
+                return wait_for(pending, lambda: gap_then_step(k, session, i, append, gen, gap))
+        gap_then_step(k, session, i, append, gen, gap)
+
+    def wait_for(pending: set[int], then: Callable[[], None]) -> None:
+        """Runs `then` once every trajectory of `pending` has ended."""
+        left = [len(pending)]
+
+        def one_ended() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                then()
+
+        with lock:
+            gone = {j for j in pending if j in ended}
+            for j in pending - gone:
+                waiters.setdefault(j, []).append(one_ended)
+        for _ in gone:  # ended meanwhile
+            one_ended()
+
+    def gap_then_step(k, session, i, append, gen, gap) -> None:
         if stopped.is_set():
             return
         if i and gap and gap[0] > 0:  # the tool call runs first

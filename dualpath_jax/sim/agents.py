@@ -1,7 +1,8 @@
 """Agents replaying their trajectories on a simulated cluster (appendix A.3).
 
-Round i+1 of an agent is submitted when its round i is done and its tool call (`Round.gap_s`)
-is over, with prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what the DE persisted for the
+Round i+1 of an agent is submitted when its round i is done, the agents it waits for
+(`Round.after`: subagents) have finished, and then its tool call (`Round.gap_s`) is over, with
+prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what the DE persisted for the
 previous round (`round_hit`); a first round given as content pieces (`Round.pieces`: Mooncake
 and conversation traces) hits the longest prefix it shares with the first rounds finished so
 far, as the content-addressed store finds it (`workload.sharing`). With a store capacity, the
@@ -76,6 +77,11 @@ class AgentReplay:
         self.prompts: list[list[int]] = []
         self.gens: list[list[int]] = []
         self.gaps: list[list[float]] = []
+        # Each agent's rounds' waits (agent indices; `Round.after`), and the rounds waiting on
+        # an agent: (waiting agent, its turn).
+        self.after: list[list[tuple[int, ...]]] = []
+        self.waiting: dict[int, list[tuple[int, int]]] = {}
+        index = {t.id: k for k, t in enumerate(trajectories)}
         # Each agent's first-round pieces (empty: private tokens) and those finished so far.
         self.pieces: list[tuple[tuple[int, int], ...]] = []
         self.shared = PrefixIndex()
@@ -84,17 +90,20 @@ class AgentReplay:
             prompts: list[int] = []
             gens: list[int] = []
             gaps: list[float] = []
+            after: list[tuple[int, ...]] = []
             context = 0
             for r in t.rounds:
                 append = r.append_len
                 prompts.append(context + append)
                 gens.append(r.gen)
                 gaps.append(float(r.gap_s))
+                after.append(tuple(index[a] for a in r.after if a in index))
                 context += append + r.gen
             self.ids.append(t.id)
             self.prompts.append(prompts)
             self.gens.append(gens)
             self.gaps.append(gaps)
+            self.after.append(after)
         self.done_at: list[float] = [math.nan] * len(self.ids)
         self.store: SimBlockStore | None = None
         st = cluster.cfg.store
@@ -138,12 +147,24 @@ class AgentReplay:
             self.store.end(agent, r.trajectory, self.pieces[agent], n_full, last)
         if last:
             self.done_at[agent] = self.cluster.loop.now
-        elif self.gaps[agent][turn] > 0:  # the agent's tool call runs first
+            for waiter, wturn in self.waiting.pop(agent, []):
+                self._next(waiter, wturn)
+            return
+        self._next(agent, turn)
+
+    def _next(self, agent: int, turn: int) -> None:
+        """Round `turn` of `agent` once its previous round is done: after the agents it waits
+        for (still running: it waits on the first of them and comes back), then its tool call."""
+        for other in self.after[agent][turn]:
+            if math.isnan(self.done_at[other]):
+                self.waiting.setdefault(other, []).append((agent, turn))
+                return
+        if self.gaps[agent][turn] > 0:  # the agent's tool call runs first
             gap = self.gaps[agent][turn]
             if self.cluster.prefetch is not None:  # the trace says a tool call: prefetch its hit
                 prompts, gens = self.prompts[agent], self.gens[agent]
                 hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
-                self.cluster.prefetch.tool_call(st.request.trajectory, hit, gap)
+                self.cluster.prefetch.tool_call(f"{self.ids[agent]}/a{agent}", hit, gap)
             self.cluster.loop.after(gap, self.submit, agent, turn)
         else:
             self.submit(agent, turn)

@@ -21,9 +21,15 @@ own `t`, it runs beside its parent and shares the parent's hash-id namespace.
   compacted or rebuilt context), the session goes on as a new trajectory `<id>:<k>` (k = 2, 3,
   ...) starting at that request's time, its first round the whole input as pieces again.
 - Start times: a session starts at 0 (the format has no absolute times), a subagent at its
-  parent's start + its `t`, a continuation at its request's `t`. The round model has no "wait
-  for a child": subagents and continuations are trajectories of their own that arrive at those
-  times (in the recorded traces a parent's next turn does not wait for its subagents either).
+  parent's start + its `t`, a continuation at its request's `t`. Subagents and continuations
+  are trajectories of their own that arrive at those times and run beside their parent.
+- Waiting for subagents: a subagent ends at its `t` + `duration_ms` (else its last request's
+  `t` + `api_time`). The parent's first own request after it in the file whose `t` is at or
+  after that end waited for it (the trace's timing says so): its round gets the subagent in
+  `Round.after` and, as its gap, the time from the subagent's end to the request (instead of
+  its `think_time`). A request sent before its subagents ended (they ran in the background)
+  waits for nothing. A round that starts a continuation waits for nothing either (it arrives at
+  its recorded time).
   Ids: the session's `id` (the file's stem without one), a subagent `<parent>:<agent_id>`.
 
 TraceLab (`workload.trace_format="tracelab"`): JSONL, one round a line, `{"session_id",
@@ -89,6 +95,8 @@ class WekaRequest:
     output_len: int
     hash_ids: tuple[int, ...]
     think_s: float
+    api_s: float = 0.0
+    after: tuple[str, ...] = ()  # the subagents it waited for (`walk`)
 
 
 def _field(obj: dict, key: str, where: str, *, integer: bool, default: object = None) -> float:
@@ -127,6 +135,7 @@ def _weka_request(obj: object, where: str, block: int) -> WekaRequest:
         output_len=int(_field(obj, "out", where, integer=True)),
         hash_ids=tuple(ids),
         think_s=float(_field(obj, "think_time", where, integer=False, default=0.0)),
+        api_s=float(_field(obj, "api_time", where, integer=False, default=0.0)),
     )
 
 
@@ -180,7 +189,8 @@ def _chain(
         )
         if rounds and kept:
             app = max(1, scaled_in - prompt - gen)
-            rounds.append(Round(app, _scaled(r.output_len, length_scale), gap_s=r.think_s))
+            gen_r = _scaled(r.output_len, length_scale)
+            rounds.append(Round(app, gen_r, gap_s=r.think_s, after=r.after))
             prompt += gen + app
         else:
             if rounds:
@@ -220,23 +230,41 @@ def parse_weka_session(
     namespace = sid if scope == "local" else None
     out: list[tuple[Trajectory, float]] = []
 
-    def walk(requests: object, tid: str, start: float) -> None:
+    def walk(requests: object, tid: str, start: float) -> float:
+        """Parses a (sub)session starting at `start`; returns when it ended (s)."""
         if not isinstance(requests, list) or not requests:
             raise TraceError(f"{tid}: 'requests' must be a non-empty list")
         own: list[WekaRequest] = []
-        children: list[tuple[str, float, object]] = []
+        children: list[tuple[str, float, object, float | None]] = []
+        running: list[int] = []  # children not yet waited for, by index
+        ends: dict[int, float] = {}
         for k, r in enumerate(requests):
             where = f"{tid} request {k}"
             if isinstance(r, dict) and r.get("type") == "subagent":
                 agent = r.get("agent_id", f"sub{k}")
                 t = float(_field(r, "t", where, integer=False))
-                children.append((f"{tid}:{agent}", start + t, r.get("requests")))
+                dur = r.get("duration_ms")
+                dur_s = float(dur) / 1000 if isinstance(dur, int | float) and dur >= 0 else None
+                running.append(len(children))
+                children.append((f"{tid}:{agent}", start + t, r.get("requests"), dur_s))
+                ends[running[-1]] = walk(r.get("requests"), f"{tid}:{agent}", start + t)
+                if dur_s is not None:
+                    ends[running[-1]] = start + t + dur_s
             else:
-                own.append(_weka_request(r, where, block))
+                req = _weka_request(r, where, block)
+                at = start + req.t
+                done = [c for c in running if ends[c] <= at]
+                if done and own:  # it waited for them: its gap runs from the last one's end
+                    running = [c for c in running if c not in done]
+                    gap = max(0.0, at - max(ends[c] for c in done))
+                    after = tuple(children[c][0] for c in done)
+                    req = dataclasses.replace(req, think_s=gap, after=after)
+                own.append(req)
         if own:
             out.extend(_chain(own, tid, start, namespace, sid, block, length_scale))
-        for child, t, reqs in children:
-            walk(reqs, child, t)
+        last = own[-1] if own else None
+        end = start + (last.t + last.api_s if last is not None else 0.0)
+        return max([end, *ends.values()])
 
     walk(obj.get("requests"), sid, 0.0)
     return out

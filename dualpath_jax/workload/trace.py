@@ -2,7 +2,8 @@
 
 Trace JSONL (docs/traces.md), one trajectory per line:
 `{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float}, ...]}`
-(`gap_s` optional: the tool call's seconds before the round). An int append means that many
+(`gap_s` optional: the tool call's seconds before the round; `after` optional: ids of other
+trajectories, subagents, that must end before the round's gap begins). An int append means that many
 seeded random token ids (`materialize`); a list gives the ids themselves. Other trace
 formats (Mooncake, conversations) are read by `workload.formats`; their appends are content
 pieces (`Round.pieces`), so equal content gives equal tokens in every trajectory.
@@ -40,17 +41,23 @@ class Round:
     and a shorter piece of a content is a prefix of a longer one (`workload.sharing`).
 
     `gap_s`: seconds the agent spends between the end of the previous round and the submission of
-    this one (a tool call; 0 for a first round)."""
+    this one (a tool call; 0 for a first round).
+
+    `after`: ids of other trajectories (the subagents this turn waits for) that must have ended
+    before the round's gap begins: it is submitted `gap_s` after the later of its previous
+    round's end and theirs. Empty for a first round."""
 
     append: int | tuple[int, ...]
     gen: int
     pieces: tuple[tuple[int, int], ...] = ()
     gap_s: float = 0.0
+    after: tuple[str, ...] = ()
 
-    def __repr__(self) -> str:  # pieces and gap only when there are some
+    def __repr__(self) -> str:  # pieces, gap and waits only when there are some
         pieces = f", pieces={self.pieces!r}" if self.pieces else ""
         gap = f", gap_s={self.gap_s!r}" if self.gap_s else ""
-        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap})"
+        after = f", after={self.after!r}" if self.after else ""
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap}{after})"
 
     def __post_init__(self) -> None:
         if not (self.gap_s >= 0 and math.isfinite(self.gap_s)):
@@ -94,7 +101,7 @@ class TurnSpec:
 # --------------------------------------------------------------------------- parsing
 
 
-_ROUND_KEYS = frozenset({"append", "gen", "gap_s"})
+_ROUND_KEYS = frozenset({"append", "gen", "gap_s", "after"})
 
 
 def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
@@ -137,8 +144,13 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
         if not isinstance(rd, dict) or not {"append", "gen"} <= set(rd) <= _ROUND_KEYS:
             raise TraceError(
                 f"line {lineno}: {where} must be an object with 'append' and 'gen'"
-                " (and optionally 'gap_s')"
+                " (and optionally 'gap_s', 'after')"
             )
+        after = rd.get("after", [])
+        if i == 0 and after:
+            raise TraceError(f"line {lineno}: {where}: a first round waits for nothing ('after')")
+        if not isinstance(after, list) or not all(isinstance(a, str) and a for a in after):
+            raise TraceError(f"line {lineno}: {where}: 'after' must be a list of trajectory ids")
         gen = _check_int(rd["gen"], f"{where}: 'gen'", lineno, 1)
         gap = rd.get("gap_s", 0.0)
         if (
@@ -157,11 +169,10 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
                     raise TraceError(
                         f"line {lineno}: {where}: token id {t} >= vocab size {vocab_size}"
                     )
-            out.append(Round(tuple(app), gen, gap_s=float(gap)))
+            out.append(Round(tuple(app), gen, gap_s=float(gap), after=tuple(after)))
         else:
-            out.append(
-                Round(_check_int(app, f"{where}: 'append'", lineno, 1), gen, gap_s=float(gap))
-            )
+            n = _check_int(app, f"{where}: 'append'", lineno, 1)
+            out.append(Round(n, gen, gap_s=float(gap), after=tuple(after)))
     return Trajectory(tid, tuple(out))
 
 
@@ -179,6 +190,14 @@ def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[
         out.append(t)
     if not out:
         raise TraceError("the trace has no trajectories")
+    for t in out:
+        for i, r in enumerate(t.rounds):
+            unknown = [a for a in r.after if a not in seen or a == t.id]
+            if unknown:
+                raise TraceError(
+                    f"line {seen[t.id]}: round {i} of {t.id!r} waits for unknown or own "
+                    f"trajectories {unknown} ('after')"
+                )
     return out
 
 

@@ -138,3 +138,27 @@ def test_the_public_claude_code_sessions_replay_with_the_same_tokens_and_hits(
         assert cached[policy] == expected, policy
     subagent_hits = [h[0] for t, h in zip(trajs, expected, strict=True) if ":agent_" in t.id]
     assert sum(subagent_hits) > 0  # subagents start from their parents' prefixes
+
+
+def test_a_turn_that_waits_for_its_subagent_is_submitted_after_it_ends(tmp_path, start_cluster):
+    """`Round.after` on the cluster: the parent's second round starts once its subagent's last
+    round is done (plus its gap), though the parent was ready long before; the tokens are
+    those of the same trajectories run without waiting."""
+    from dualpath_jax.workload.arrivals import as_rounds
+    from dualpath_jax.workload.trace import Round, Trajectory, materialize
+
+    parent = Trajectory("p", (Round(40, 3), Round(20, 3, gap_s=0.2, after=("p:sub",))))
+    child = Trajectory(
+        "p:sub", tuple(Round(30 if i == 0 else 16, 6, gap_s=0.3 * bool(i)) for i in range(3))
+    )
+    trajs = [materialize(t, TINY_QWEN2.vocab_size, seed=5) for t in (parent, child)]
+    cfg = config(tmp_path / "unused", "dualpath")
+    with start_cluster(cfg, tmp_path / "run", "thread") as cluster:
+        client = cluster.client()
+        outs = run_trajectories(client, as_rounds(trajs), progress=False, timeout_s=300)
+        free = [(t.id + "-free", [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
+        alone = run_trajectories(client, free, progress=False, timeout_s=300)
+    assert [o.error for o in outs] == ["", ""]
+    child_done = max(r.submit_s + r.jct_s for r in outs[1].results)
+    assert outs[0].results[1].submit_s >= child_done + 0.2
+    assert [o.rounds for o in outs] == [o.rounds for o in alone]

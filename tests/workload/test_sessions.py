@@ -271,3 +271,48 @@ def test_the_public_weka_sessions_simulate_scaled_down():
     assert s["requests"] == sum(len(t.rounds) for t in trajs) == 917
     assert s["workload"]["expanded"] == 0 and s["workload"]["length_scale"] == 1 / 64
     assert WorkloadConfig().agents == 8  # the synthetic default is unchanged
+
+
+# A parent that runs two subagents: one in the background (its next request comes before the
+# subagent ends) and one it waits for (its next request comes after the subagent's end).
+WAITING = {
+    "id": "w",
+    "block_size": 4,
+    "requests": [
+        req(0.0, 10, 3, [1, 2]),
+        {"t": 5.0, "type": "subagent", "agent_id": "bg", "duration_ms": 60_000,
+         "requests": [req(0.0, 9, 1, [1, 7]), req(20.0, 12, 1, [1, 7, 8], think=5.0)]},
+        req(10.0, 16, 2, [1, 2, 3], think=4.0),  # at 10 s: "bg" runs until 65 s
+        {"t": 12.0, "type": "subagent", "agent_id": "fg",
+         "requests": [req(0.0, 9, 1, [1, 9]), {**req(3.0, 12, 1, [1, 9, 10], think=1.0), "api_time": 2.0}]},
+        req(20.0, 22, 2, [1, 2, 3, 4], think=9.0),  # "fg" ended at 12 + 3 + 2 = 17 s
+        req(70.0, 26, 2, [1, 2, 3, 4, 5], think=40.0),  # "bg" ended at 65 s
+    ],
+}  # fmt: skip
+
+
+def test_a_turn_after_its_subagents_end_waits_for_them():
+    by_id = {t.id: t for t, _ in parse_weka_session(WAITING)}
+    assert sorted(by_id) == ["w", "w:bg", "w:fg"]
+    rounds = by_id["w"].rounds
+    assert [r.after for r in rounds] == [(), (), ("w:fg",), ("w:bg",)]
+    # a waiting round's gap runs from the subagent's end, not from its own think time
+    assert [r.gap_s for r in rounds] == [0.0, 4.0, 3.0, 5.0]
+    assert all(not r.after for t in ("w:bg", "w:fg") for r in by_id[t].rounds)
+
+
+def test_the_simulator_starts_a_waiting_turn_after_its_subagent_ends():
+    """The parent's waiting round is submitted after the subagent's last round is done, however
+    long the subagent takes."""
+    parent = Trajectory("p", (Round(40, 4), Round(8, 4, gap_s=0.5, after=("p:sub",))))
+    child = Trajectory(
+        "p:sub", tuple(Round(30 if i == 0 else 8, 40, gap_s=2.0 * bool(i)) for i in range(4))
+    )
+    cfg = emulated_cpu_experiment(1, 1)
+    run = simulate(cfg, cost=CPU_COST, trajectories=[parent, child], arrivals=[0.0, 0.1])
+    res = {r.request: r for r in run.cluster.results}
+    child_done = max(r.submit_s + r.jct_s for k, r in res.items() if k.startswith("p:sub/"))
+    assert res["p/a0/r1"].submit_s >= child_done + 0.5 - 1e-9
+    alone = simulate(cfg, cost=CPU_COST, trajectories=[parent], arrivals=[0.0])
+    (r1,) = [r for r in alone.cluster.results if r.request == "p/a0/r1"]
+    assert r1.submit_s < child_done  # without the subagent it would have gone much sooner
