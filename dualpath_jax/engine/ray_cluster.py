@@ -14,6 +14,9 @@ Placement (`cfg.ray`): one placement group per cluster, a bundle per actor (the 
 then the engines in id order) of its role's resources (`ray.router_resources`,
 `prefill_resources`, `decode_resources`: CPU, GPU, TPU or a node pool's custom resource), with
 the group's `ray.strategy`. An actor asking for GPUs or TPU chips gets the ones Ray assigns it.
+An engine spanning processes has an actor and a bundle per process, gang-scheduled with the
+rest (the group is placed whole or not at all); its leader names the group's `jax.distributed`
+coordinator and the followers start with it.
 
 Failures: a node that dies takes its actors and their processes with it; the router requeues
 what its engines held (as for any engine death) and Ray restarts the engine actors (up to
@@ -32,6 +35,7 @@ Nothing here imports Ray until a `RayCluster` starts (the `ray` extra: pip insta
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import pathlib
@@ -93,6 +97,11 @@ def check_ray_nodes(cfg: ExperimentConfig, nodes: Sequence[Mapping[str, Any]]) -
                 )
 
 
+def span_name(name: str, rank: int) -> str:
+    """The actor of process `rank` of engine `name` (as `LocalCluster` names its processes)."""
+    return name if rank == 0 else f"{name}.{rank}"
+
+
 def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
     """The actor options asking for a whole bundle of `resources`."""
     r = dict(resources)
@@ -122,11 +131,14 @@ class RayCluster(ClusterLifecycle):
         if cfg.hardware.engines_per_node != 1:
             raise ValueError("RayCluster runs one engine per actor (hardware.engines_per_node=1)")
         c = cfg.cluster
-        if c.prefill_processes != 1 or c.decode_processes != 1:
+        if (c.prefill_processes > 1 or c.decode_processes > 1) and c.platform not in (
+            "cpu",
+            "gpu",
+            "tpu",
+        ):
             raise ConfigError(
-                "RayCluster runs engines of one process each (cluster.prefill_processes and "
-                "decode_processes = 1); an engine spanning processes needs LocalCluster or "
-                "launch/engine.py"
+                "an engine spanning processes under Ray needs cluster.platform cpu, gpu or tpu "
+                "(each process gets its share of the engine's devices)"
             )
         check_params_config(c)
         self.cfg = cfg
@@ -175,7 +187,9 @@ class RayCluster(ClusterLifecycle):
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=self.bundles[name]
             ),
-            "max_restarts": self.cfg.ray.max_restarts,
+            # The processes of a spanning engine share one jax.distributed world: one alone
+            # cannot rejoin it, so Ray does not restart them (`restart` starts the group).
+            "max_restarts": self.cfg.ray.max_restarts if spec.span_size == 1 else 0,
             "max_concurrency": 4,  # `where` / `stop` while `address` waits
         }
         if env:
@@ -214,8 +228,15 @@ class RayCluster(ClusterLifecycle):
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
         plan = engine_plan(c)
-        self.bundles = {"router": 0, **{name: i + 1 for i, (name, _) in enumerate(plan)}}
-        bundles = [self._resources("router"), *(self._resources(who.role) for _, who in plan)]
+        # One bundle per process: an engine spanning processes has one per process, placed
+        # with the others in the one placement group (all at once, or not at all).
+        names = ["router"]
+        bundles = [self._resources("router")]
+        for name, who in plan:
+            for rank in range(devices.processes(c, who.role)):
+                names.append(span_name(name, rank))
+                bundles.append(self._resources(who.role))
+        self.bundles = {n: i for i, n in enumerate(names)}
         self._deadline = time.monotonic() + self.start_timeout_s
         self.placement_group = placement_group(bundles, strategy=self.cfg.ray.strategy)
         ready = self.placement_group.wait(timeout_seconds=self.start_timeout_s)
@@ -235,11 +256,27 @@ class RayCluster(ClusterLifecycle):
         except Exception as e:  # noqa: BLE001 - the actor's error, as a start failure
             raise ClusterError(f"the router did not start: {e}") from e
         for name, who in plan:
-            spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
-            self._start_actor(name, spec, who.role, who.engine)
+            self._start_engine(name, who)
             self.engine_ids[name] = who.engine
         if wait:
             self.wait_ready()
+
+    def _start_engine(self, name: str, who) -> None:
+        """Starts engine `name`'s actor, or its processes' actors: the leader picks its group's
+        `jax.distributed` coordinator on its node, then the followers start with it."""
+        import ray
+
+        span = devices.processes(self.cfg.cluster, who.role)
+        spec = ProcessSpec(
+            who.role, "", self.address, who.engine, who.node, who.group, span_size=span
+        )
+        leader = self._start_actor(name, spec, who.role, who.engine)
+        if span == 1:
+            return
+        coordinator = ray.get(leader.coordinator.remote(), timeout=self.start_timeout_s)
+        for rank in range(1, span):
+            follower = dataclasses.replace(spec, span_rank=rank, coordinator=coordinator)
+            self._start_actor(span_name(name, rank), follower, who.role, who.engine)
 
     def wait_ready(self) -> None:
         """Returns once every engine has registered; raises ClusterError when an actor died
@@ -306,12 +343,17 @@ class RayCluster(ClusterLifecycle):
                 f"restart takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
             )
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        who = dict(engine_plan(self.cfg.cluster))[name]
+        group = [span_name(name, r) for r in range(devices.processes(self.cfg.cluster, who.role))]
         try:
-            ray.get(self.actors[name].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
-        except ray.exceptions.RayActorError:  # dead for good: a fresh actor, a fresh budget
-            who = dict(engine_plan(self.cfg.cluster))[name]
-            spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
-            self._start_actor(name, spec, who.role, who.engine)
+            for n in group:
+                ray.get(
+                    self.actors[n].where.remote(), timeout=max(1.0, deadline - time.monotonic())
+                )
+        except ray.exceptions.RayActorError:  # dead for good: fresh actors, a fresh budget
+            for n in group:  # a spanning engine's processes start again together
+                ray.kill(self.actors[n], no_restart=True)
+            self._start_engine(name, who)
         engine = str(self.engine_ids[name])
         client = self.client()
         while not client.stats()["engines"].get(engine, {}).get("alive"):

@@ -106,8 +106,15 @@ class ProcessHost:
             )
             if old_address:  # the old router may still hold its port for a moment
                 wait_port_free(c.host, c.router_port)
-        else:  # a restarted engine: its old process may still be registered
+        elif self.spec.span_rank == 0:  # a restarted engine: its old process may be registered
             self._wait_declared_dead(creds.engine)
+        if self.spec.span_size > 1 and self.spec.span_rank == 0:
+            # the jax.distributed coordinator of this engine's processes, served by this one
+            from dualpath_jax.engine.cluster import free_port
+            from dualpath_jax.engine.rpc import host_port
+
+            host = c.transfer_host
+            self.spec = dataclasses.replace(self.spec, coordinator=host_port(host, free_port(host)))
         self.proc = spawn_process(sys.executable, self.cfg, self.spec, self.log_path, None)
         threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
 
@@ -151,6 +158,11 @@ class ProcessHost:
                 )
             time.sleep(0.05)
         return self.address_file.read_text().strip()
+
+    def coordinator(self) -> str:
+        """The `host:port` of this engine's `jax.distributed` coordinator (a spanning engine's
+        leader; its followers start with it)."""
+        return self.spec.coordinator
 
     def where(self) -> dict[str, Any]:
         """The node this host runs on and its process."""

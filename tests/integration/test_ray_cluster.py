@@ -222,3 +222,31 @@ def test_run_local_with_the_ray_runtime_replays_as_the_thread_runtime_does(ray_n
         assert (tmp_path / runtime / "summary.json").is_file()
         outputs[runtime] = (tmp_path / runtime / "outputs.jsonl").read_text()
     assert outputs["ray"] == outputs["thread"]
+
+
+def test_a_decode_engine_spanning_two_processes_is_placed_and_serves(ray_nodes, tmp_path):
+    """A DE over two processes (one `jax.distributed` world, a mesh of two CPU devices): two
+    actors in two bundles of the placement group (placed together or not at all) on the
+    decode pool; the tokens equal those of the same cluster in-process with one device."""
+    from test_engine_meshes import MODEL, TRAJECTORIES, mesh_config, run_rounds
+
+    from dualpath_jax.model.decode import reference_rounds
+
+    runner = ModelRunner(init_model(MODEL, seed=0))
+    expected = [reference_rounds(runner, rounds) for _, rounds in TRAJECTORIES]
+    _, nodes = ray_nodes
+    cfg = dataclasses.replace(
+        mesh_config("dualpath", prefill_mesh="", decode_mesh="tensor=2", decode_processes=2),
+        ray=dataclasses.replace(PLACED, decode_resources="CPU=0.5,pool_b=0.5"),
+    )
+    with RayCluster(cfg, tmp_path) as cluster:
+        where = cluster.where()
+        client = cluster.client()
+        stats = client.stats()
+        results = run_rounds(client)
+    assert sorted(where) == ["de1", "de1.1", "pe0", "router"]
+    assert where["de1"]["node_id"] == where["de1.1"]["node_id"] == nodes["pool_b"].node_id
+    de = stats["engines"][str(cluster.engine_ids["de1"])]
+    assert (de["mesh"], len(de["devices"])) == ("tensor=2", 2), de
+    assert [[list(r.tokens) for r in rr] for rr in results] == expected
+    assert "stopped by the leader" in (tmp_path / "logs" / "de1.1.log").read_text()
