@@ -6,6 +6,7 @@ Regenerate the twins after editing a source with `make notebooks`.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import runpy
@@ -30,7 +31,21 @@ def cells(path: pathlib.Path) -> list[tuple[str, str]]:
 
 
 def starts_engines(path: pathlib.Path) -> bool:
-    return "LocalCluster" in path.read_text()
+    text = path.read_text()
+    return "LocalCluster" in text or "RayCluster" in text
+
+
+def needs_ray(path: pathlib.Path) -> bool:
+    """The notebook runs on Ray (the `ray` extra, which the full tier installs)."""
+    return "\nimport ray\n" in path.read_text()
+
+
+def run_marks(path: pathlib.Path) -> list:
+    marks = [pytest.mark.multiprocess] if starts_engines(path) else []
+    if needs_ray(path):
+        no_ray = importlib.util.find_spec("ray") is None
+        marks.append(pytest.mark.skipif(no_ray, reason="needs the ray extra"))
+    return marks
 
 
 def engine_pids(marker: str) -> list[int]:
@@ -97,10 +112,7 @@ def test_kernel_is_this_interpreter():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source",
-    [
-        pytest.param(p, marks=[pytest.mark.multiprocess] if starts_engines(p) else [])
-        for p in NOTEBOOKS
-    ],
+    [pytest.param(p, marks=run_marks(p)) for p in NOTEBOOKS],
     ids=lambda p: p.stem,
 )
 def test_notebook_runs_top_to_bottom(source, tmp_path, monkeypatch):
