@@ -300,9 +300,10 @@ class ClusterConfig:
     prefill_processes: int = 1
     decode_processes: int = 1
     # How `run_local` (launch/rollout.py, make demo, bench/compare_policies.py) runs the cluster:
-    # "process" (`LocalCluster`: the router and each engine a process of its own) or "thread"
+    # "process" (`LocalCluster`: the router and each engine a process of its own), "thread"
     # (`InProcessCluster`: the same code as threads of one process; fast to start, one JAX
-    # runtime; identical tokens).
+    # runtime; identical tokens) or "ray" (`RayCluster`: each process owned by a Ray actor, on
+    # the Ray the process is connected to or a local one; placed as the `ray` section says).
     runtime: str = "process"
     # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,

@@ -140,7 +140,11 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             "prefetch reads on the DE side: the policy must be dualpath, dualpath_rr or split",
         ),
         ("cluster.kv_events_address", not events_problem, events_problem),
-        ("cluster.runtime", cl.runtime in ("process", "thread"), 'must be "process" or "thread"'),
+        (
+            "cluster.runtime",
+            cl.runtime in ("process", "thread", "ray"),
+            'must be "process", "thread" or "ray"',
+        ),
         (
             "cluster.runtime",
             cl.runtime == "process" or (cl.prefill_processes == cl.decode_processes == 1),

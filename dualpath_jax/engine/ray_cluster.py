@@ -30,6 +30,7 @@ Nothing here imports Ray until a `RayCluster` starts (the `ray` extra: pip insta
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import pathlib
 import time
@@ -100,6 +101,27 @@ def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
     return out
 
 
+# A local Ray's object store: the cluster puts only its secrets there (KV and params move over
+# the transfer layer or the file system), and Ray's default takes 30% of the host's memory.
+LOCAL_OBJECT_STORE_BYTES = 128 << 20
+
+
+def local_ray_kwargs(bundles: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """`ray.init` arguments for a local Ray of one node that holds `bundles`: as many logical
+    CPUs and custom resources as they ask for in all (GPUs and TPU chips are the host's, as Ray
+    detects them), and a small object store."""
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU", "TPU", "memory")}
+    return {
+        "num_cpus": max(1, math.ceil(total.get("CPU", 0))),
+        "resources": custom,
+        "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+    }
+
+
 class RayCluster(ClusterLifecycle):
     def __init__(
         self,
@@ -112,8 +134,10 @@ class RayCluster(ClusterLifecycle):
         start_timeout_s: float | None = None,
     ):
         """`address`: the Ray cluster to join ("auto", "ray://HOST:10001", a GCS address;
-        None: the one this process is connected to, else a local one, started with
-        `init_kwargs` and shut down with the cluster). `env`: variables added to every actor's
+        None: the one this process is connected to, else as `ray.init()` finds one; "local": the
+        one this process is connected to, else a new one of this host sized for the cluster's
+        bundles, `local_ray_kwargs`). A Ray it starts is started with `init_kwargs` (over those
+        defaults) and shut down with the cluster. `env`: variables added to every actor's
         environment (through Ray's runtime env; the engines' device variables are set on top).
         `start_timeout_s` as for `LocalCluster`."""
         if cfg.hardware.engines_per_node != 1:
@@ -199,20 +223,22 @@ class RayCluster(ClusterLifecycle):
         import ray
         from ray.util.placement_group import placement_group
 
+        c = self.cfg.cluster
+        plan = engine_plan(c)
+        self.bundles = {"router": 0, **{name: i + 1 for i, (name, _) in enumerate(plan)}}
+        bundles = [self._resources("router"), *(self._resources(who.role) for _, who in plan)]
         if not ray.is_initialized():
-            kw = {"include_dashboard": False, **self.init_kwargs}
-            ray.init(address=self.ray_address, **kw)
+            kw: dict[str, Any] = {"include_dashboard": False}
+            if self.ray_address == "local":
+                kw.update(local_ray_kwargs(bundles))
+            ray.init(address=self.ray_address, **{**kw, **self.init_kwargs})
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         check_ray_nodes(self.cfg, nodes)
         self.multinode = len(nodes) > 1
-        c = self.cfg.cluster
         self.credentials = read_credentials(c.secrets_file) if c.secrets_file else new_credentials()
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
-        plan = engine_plan(c)
-        self.bundles = {"router": 0, **{name: i + 1 for i, (name, _) in enumerate(plan)}}
-        bundles = [self._resources("router"), *(self._resources(who.role) for _, who in plan)]
         self._deadline = time.monotonic() + self.start_timeout_s
         self.placement_group = placement_group(bundles, strategy=self.cfg.ray.strategy)
         ready = self.placement_group.wait(timeout_seconds=self.start_timeout_s)

@@ -16,7 +16,12 @@ from dualpath_jax.config import (
     parse_resources,
     validate,
 )
-from dualpath_jax.engine.ray_cluster import RayCluster, actor_options, check_ray_nodes
+from dualpath_jax.engine.ray_cluster import (
+    RayCluster,
+    actor_options,
+    check_ray_nodes,
+    local_ray_kwargs,
+)
 
 
 def test_resources_parse_and_bad_ones_name_their_key():
@@ -45,6 +50,21 @@ def test_a_bundle_becomes_the_actor_options_that_ask_for_all_of_it():
         "resources": {"TPU": 4, "pool": 1},
     }
     assert actor_options({"pool": 1}) == {"num_cpus": 0, "num_gpus": 0, "resources": {"pool": 1}}
+
+
+def test_a_local_ray_holds_the_bundles_it_is_started_for():
+    bundles = [{"CPU": 1.0}, {"CPU": 1.0, "pool_a": 1.0}, {"CPU": 0.5, "GPU": 1.0, "pool_a": 1.0}]
+    assert local_ray_kwargs(bundles) == {
+        "num_cpus": 3,
+        "resources": {"pool_a": 2.0},
+        "object_store_memory": 128 << 20,
+    }
+
+
+def test_the_runtimes_are_named_when_one_is_not_known():
+    assert validate(apply_overrides(ExperimentConfig(), ["cluster.runtime=ray"]))
+    with pytest.raises(ConfigError, match='cluster.runtime: must be "process", "thread" or "ray"'):
+        validate(apply_overrides(ExperimentConfig(), ["cluster.runtime=actors"]))
 
 
 def node(ip: str, alive: bool = True) -> dict:

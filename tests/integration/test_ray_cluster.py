@@ -27,6 +27,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from test_cluster import (  # noqa: E402
+    PINNED_COST,
     RESULT_TIMEOUT_S,
     busy_engines,
     cluster_config,
@@ -34,8 +35,10 @@ from test_cluster import (  # noqa: E402
     read_events,
 )
 
+from dualpath_jax import apply_overrides, load_config  # noqa: E402
 from dualpath_jax.cluster import RayCluster  # noqa: E402
 from dualpath_jax.config import RayConfig  # noqa: E402
+from dualpath_jax.experiment import read_outputs, run_local  # noqa: E402
 from dualpath_jax.model.decode import reference_generate  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 from dualpath_jax.model.transformer import init_model  # noqa: E402
@@ -43,6 +46,8 @@ from dualpath_jax.presets import TINY_QWEN2  # noqa: E402
 from dualpath_jax.rollout import Session, run_trajectories  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Each emulated node: one CPU, a small object store (nothing large goes through it).
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
@@ -185,3 +190,34 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
     assert stats["engines"]["1"]["alive"] is True
     assert {p.name for p in (tmp_path / "links").glob("*.json")} == {"pe0.json", "de1.json"}
     assert wait_gone([w["pid"] for w in where.values()]) == []
+
+
+def test_run_local_on_ray_replays_a_trace_with_the_thread_runtimes_tokens(ray_nodes, tmp_path):
+    """`cluster.runtime=ray`: `run_local` (launch/rollout.py, bench/compare_policies.py) runs
+    its cluster as a `RayCluster` on the Ray this process is connected to, writes the run's
+    files, and replays the trace with the tokens of `cluster.runtime=thread`."""
+    cfg = apply_overrides(
+        load_config(str(ROOT / "configs/cpu_1p1d.py:tiny")),
+        [
+            f"cluster.prefill_cost_json={PINNED_COST}",
+            "workload.agents=2",
+            "workload.trajectories=2",
+            "workload.max_turns=2",
+            "workload.max_len=256",
+            "ray.shared_filesystem=true",  # the emulated nodes share this host's file system
+        ],
+    )
+    summary = run_local(
+        apply_overrides(cfg, ["cluster.runtime=ray"]), tmp_path / "ray", progress=False
+    )
+    assert ray.is_initialized()  # the driver's Ray: joined, not shut down
+    run_local(apply_overrides(cfg, ["cluster.runtime=thread"]), tmp_path / "thread", progress=False)
+
+    assert summary["errors"] == 0
+    assert sorted(p.name for p in (tmp_path / "ray" / "links").glob("*.json")) == [
+        "de1.json",
+        "pe0.json",
+    ]
+    on_ray = read_outputs(tmp_path / "ray" / "outputs.jsonl")
+    assert len(on_ray) == 2
+    assert on_ray == read_outputs(tmp_path / "thread" / "outputs.jsonl")
