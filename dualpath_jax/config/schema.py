@@ -426,6 +426,10 @@ class RayConfig:
     prefill_resources: str = "CPU=1"
     decode_resources: str = "CPU=1"
     strategy: str = "PACK"  # the placement group's: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # An engine spanning processes (`cluster.*_processes` > 1) gets a placement group of its own,
+    # a bundle of its role's resources per process, with this strategy: STRICT_PACK keeps its
+    # processes on one node; STRICT_SPREAD puts each on its own (then ray.bind_node_ip).
+    span_strategy: str = "STRICT_PACK"
     # Times Ray restarts an engine actor that died (its node, its process); the router is not
     # restarted.
     max_restarts: int = 3

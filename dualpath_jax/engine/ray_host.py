@@ -12,6 +12,10 @@ node or actor that dies takes its engine with it. An engine that dies on its own
 not 0) ends its actor too, so Ray restarts it (`ray.max_restarts`). A restarted host waits until
 the router has declared the old engine dead before it starts the new one under the same id,
 which then registers with a fresh transfer address.
+
+A process of an engine spanning several (`engine.ray_span`): the leader's host (rank 0) picks
+the group's `jax.distributed` coordinator, a free port of its node (`coordinator()`); each
+follower's host gets it as a Ray object of the leader's answer and starts its process with it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 from dualpath_jax.config import ExperimentConfig, from_json
 from dualpath_jax.engine.client import Client
-from dualpath_jax.engine.cluster import log_tail, spawn_process
+from dualpath_jax.engine.cluster import free_port, log_tail, spawn_process
 from dualpath_jax.engine.credentials import Credentials, write_credentials
 from dualpath_jax.engine.process import ProcessSpec
 
@@ -46,9 +50,11 @@ class ProcessHost:
         workdir: str,
         secrets: list,
         bind_node_ip: bool = False,
+        coordinator: list | None = None,
     ):
         """`secrets`: `[ref]`, a Ray object holding `{"engine": ..., "client": ...}` (nested in
-        a list, so this host fetches it, also when Ray restarts it)."""
+        a list, so this host fetches it, also when Ray restarts it). `coordinator`: for a
+        follower of a spanning engine, `[ref]` of its leader's `coordinator()`."""
         import ray
 
         ctx = ray.get_runtime_context()
@@ -66,17 +72,26 @@ class ProcessHost:
         write_credentials(secrets_file, creds)
         c = dataclasses.replace(cfg.cluster, secrets_file=str(secrets_file))
         role = spec["role"]
-        if bind_node_ip:
+        if bind_node_ip:  # an engine's `host` is where a spanning leader publishes its calls
             ip = ray.util.get_node_ip_address()
-            c = dataclasses.replace(c, **{"host" if role == "router" else "transfer_host": ip})
+            c = dataclasses.replace(
+                c, **({"host": ip} if role == "router" else {"host": ip, "transfer_host": ip})
+            )
         self.cfg = dataclasses.replace(cfg, cluster=c)
         self.spec = ProcessSpec(**{**spec, "workdir": str(self.workdir), "parent_pid": os.getpid()})
         if role == "router":
             self.address_file = self.workdir / "router.address"
             self.address_file.unlink(missing_ok=True)
             self.spec = dataclasses.replace(self.spec, address_file=str(self.address_file))
-        else:  # a restarted engine: its old process may still be registered
+        elif self.spec.span_rank == 0:  # a restarted engine: its old process may be registered
             self._wait_declared_dead(creds.engine)
+        if self.spec.span_size > 1:
+            if self.spec.span_rank == 0:  # the group's coordinator: a port of this node
+                host = c.transfer_host if bind_node_ip else "127.0.0.1"  # as LocalCluster
+                address = f"{host}:{free_port(host)}"
+            else:
+                address = ray.get(coordinator[0])
+            self.spec = dataclasses.replace(self.spec, coordinator=address)
         self.proc = spawn_process(sys.executable, self.cfg, self.spec, self.log_path, None)
         threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
 
@@ -121,6 +136,15 @@ class ProcessHost:
             time.sleep(0.05)
         return self.address_file.read_text().strip()
 
+    def coordinator(self) -> str:
+        """The `jax.distributed` coordinator (host:port) of this leader's engine group."""
+        return self.spec.coordinator
+
+    def wait_exit(self) -> int:
+        """Returns the process's exit status once it has ended (an engine group's supervisor
+        waits on each of its processes)."""
+        return self.proc.wait()
+
     def where(self) -> dict[str, Any]:
         """The node this host runs on and its process."""
         import ray
@@ -135,9 +159,14 @@ class ProcessHost:
     def log_tail(self, chars: int = 2000) -> str:
         return log_tail(self.log_path, chars)
 
-    def kill_process(self) -> None:
-        """Kills the process (fault injection): its actor ends with it and Ray restarts it."""
+    def kill_process(self, quiet: bool = False) -> None:
+        """Kills the process (fault injection): its actor ends with it and Ray restarts it.
+        `quiet`: the actor stays (its group is being stopped)."""
+        if quiet:
+            self.stopping.set()
         self.proc.kill()
+        if quiet:
+            self.proc.wait()
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, Any]:
         """Waits for the process to end (the router stops its engines), ends it if it does not,

@@ -94,7 +94,18 @@ def test_loopback_addresses_on_several_hosts_are_refused():
     )
 
 
-def test_engines_spanning_processes_are_refused_before_ray_starts(tmp_path):
-    cfg = apply_overrides(ExperimentConfig(), ["cluster.decode_processes=2"])
-    with pytest.raises(ConfigError, match="engines of one process each"):
-        RayCluster(cfg, tmp_path)
+def test_what_a_spanning_engine_cannot_have_is_refused_before_ray_starts(tmp_path):
+    span = ["cluster.decode_mesh=tensor=4", "cluster.decode_processes=2"]
+    RayCluster(apply_overrides(ExperimentConfig(), [*span, "cluster.platform=cpu"]), tmp_path)
+    tpu = apply_overrides(ExperimentConfig(), [*span, "cluster.platform=tpu"])
+    with pytest.raises(ConfigError, match="with cluster.platform cpu or gpu, not 'tpu'"):
+        RayCluster(tpu, tmp_path)
+    # on GPUs each process's bundle asks for its share of the engine's devices
+    gpu = apply_overrides(
+        ExperimentConfig(), [*span, "cluster.platform=gpu", "ray.prefill_resources=GPU=1"]
+    )
+    with pytest.raises(ConfigError, match="decode_resources asks for GPU=0; .* ask for GPU=2"):
+        RayCluster(gpu, tmp_path)
+    RayCluster(apply_overrides(gpu, ["ray.decode_resources=GPU=2"]), tmp_path)
+    with pytest.raises(ConfigError, match="ray.span_strategy: must be one of"):
+        validate(apply_overrides(ExperimentConfig(), ["ray.span_strategy=gang"]))

@@ -221,3 +221,65 @@ def test_run_local_on_ray_replays_a_trace_with_the_thread_runtimes_tokens(ray_no
     on_ray = read_outputs(tmp_path / "ray" / "outputs.jsonl")
     assert len(on_ray) == 2
     assert on_ray == read_outputs(tmp_path / "thread" / "outputs.jsonl")
+
+
+# A node for an engine spanning two processes: two CPUs, and a resource pinning the gang there.
+SPAN_NODE = {"num_cpus": 2, "object_store_memory": 80 << 20, "resources": {"pool_c": 2}}
+SPANNED = make_trajectories("ray-span", n=2, rounds=2, seed=3)
+RESPANNED = make_trajectories("ray-respan", n=2, rounds=2, seed=4)
+
+
+def test_a_decode_engine_spanning_two_processes_is_placed_and_restarted_as_one(
+    ray_nodes, tmp_path, reference_tokens
+):
+    """`cluster.decode_processes=2`: the DE is two actors (`de1`, the engine the router knows,
+    and `de1.1`, its follower) in a placement group of their own, STRICT_PACK on one node, each
+    with one CPU device of the `tensor=2` mesh, one `jax.distributed` world. Its tokens are the
+    reference model's; when the follower dies the whole engine is restarted (both processes
+    anew) and serves the reference tokens again; a params update reaches both processes."""
+    ray_cluster, _ = ray_nodes
+    pool_c = ray_cluster.add_node(**SPAN_NODE)
+    cfg = ray_config(
+        "dualpath",
+        heartbeat_timeout_s=5.0,
+        platform="cpu",
+        decode_mesh="tensor=2",
+        decode_processes=2,
+    )
+    cfg = dataclasses.replace(
+        cfg, ray=dataclasses.replace(PLACED, decode_resources="CPU=1,pool_c=1")
+    )
+    env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}  # the tests' compile flags
+    try:
+        with RayCluster(cfg, tmp_path, env=env) as cluster:
+            where = cluster.where()
+            assert sorted(where) == ["de1", "de1.1", "pe0", "router"]
+            assert where["de1"]["node_id"] == where["de1.1"]["node_id"] == pool_c.node_id
+            client = cluster.client()
+            engines = client.stats()["engines"]
+            first = run_trajectories(client, SPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            cluster.kill("de1.1")  # the follower dies: the engine's every process restarts
+            cluster.restart("de1")  # returns once the new leader has registered
+            again = cluster.where()
+            second = run_trajectories(client, RESPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            b = init_model(TINY_QWEN2, seed=32)
+            assert client.update_params(b, version="span-1") == "span-1"
+            prompt = list(range(5, 45))
+            after_b = Session(client, "span-after-b").step(prompt, 5, RESULT_TIMEOUT_S)
+            stats = client.stats()
+    finally:
+        ray_cluster.remove_node(pool_c)
+
+    assert len(engines) == 2  # the follower is no engine of its own
+    de = engines[str(cluster.engine_ids["de1"])]
+    assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", "tensor=2", 2), de
+    assert [o.error for o in first + second] == [""] * 4
+    assert [o.rounds for o in first] == [reference_tokens(t) for t in SPANNED]
+    assert [o.rounds for o in second] == [reference_tokens(t) for t in RESPANNED]
+    for name in ("de1", "de1.1"):  # both processes anew, in the gang's bundles
+        assert again[name]["pid"] != where[name]["pid"]
+        assert again[name]["node_id"] == pool_c.node_id
+    assert after_b == reference_generate(ModelRunner(b), prompt, 5)
+    assert stats["counters"]["engine_deaths"] == 1
+    assert stats["counters"]["errors"] == 0
+    assert wait_gone([w["pid"] for w in [*where.values(), *again.values()]]) == []
