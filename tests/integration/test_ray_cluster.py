@@ -3,12 +3,14 @@ advertising a custom resource that names it (`head`, `pool_a`, `pool_b`), so whe
 actor is observable: the config puts the router on `head`, the PE on `pool_a`, the DE on
 `pool_b`.
 
-One cluster (a Ray cluster and a RayCluster take a minute to start on a small host) goes through
-its life: placement as configured; the DE's node is removed while the DE holds a request, and no
-trajectory is lost (requeued, the reference model's tokens); the DE comes back on the node that
-replaces it; an `update_params` by checkpoint and one streamed over the transfer layer reach
-every engine, the restarted one included; what the processes wrote (events, link reports) is in
-the workdir, and no process is left after `stop`.
+One Ray cluster serves the module (it takes a while to start on a small host). The first
+RayCluster goes through its life: placement as configured; the DE's node is removed while the DE
+holds a request, and no trajectory is lost (requeued, the reference model's tokens); the DE
+comes back on the node that replaces it; an `update_params` by checkpoint and one streamed over
+the transfer layer reach every engine, the restarted one included; what the processes wrote
+(events, link reports) is in the workdir, and no process is left after `stop`. Then
+`run_local` with `cluster.runtime=ray` gives the thread runtime's tokens, and a decode engine
+spanning two processes runs as one gang of actors on a node added for it.
 
 Full tier (multiprocess); skipped without the `ray` extra.
 """
