@@ -12,28 +12,28 @@
 # ---
 
 # %% [markdown]
-# # 06: RL rollouts on Ray: the trainer as the Ray driver, the engines as actors
+# # 06: RL with Ray: the trainer is the Ray driver
 #
-# The RL frameworks dualpath_jax is paired with (veRL, OpenRLHF, slime, SkyRL, NeMo-RL) place
-# their inference engines with Ray and drive them from the trainer's Ray driver. `RayCluster`
-# runs the router and every engine as a Ray actor (each owning its own process and JAX
-# runtime), placed by resources in one placement group, restarted by Ray when they die; the
-# client API is the one of `LocalCluster`. This notebook is that loop in miniature:
+# RL frameworks built on Ray (veRL, OpenRLHF, SkyRL) run the trainer as the Ray driver (or one
+# of its actors) and the rollout engines as Ray actors it places. `RayCluster` is dualpath_jax's
+# cluster in that shape: the router and every engine are Ray actors in one placement group, each
+# owning one engine process with its own JAX runtime; KV moves between engines over the transfer
+# layer as always, never through Ray's object store. This notebook:
 #
-# 1. this process joins Ray (a local one here; `ray.init(address="auto")` on a real cluster)
-#    and starts a `RayCluster` of one prefill and one decode engine on it;
-# 2. each iteration samples G completions of a few prompts through the cluster
-#    (`run_trajectories`, temperature 1, the engines' log-probabilities of the sampled tokens);
-# 3. the trainer (this process) takes a policy-gradient step in JAX on a toy reward and pushes
-#    the new weights to every engine with `client.update_params`, streamed over the transfer
-#    layer (no shared disk needed, as across Ray nodes);
-# 4. every round of the next iteration reports the params version that drew its tokens
-#    (`RoundResult.params_versions`), and the reward goes up.
+# 1. starts a local Ray (`ray.init` with 4 logical CPUs) and a `RayCluster` on it: a router, one
+#    prefill engine and one decode engine, each an actor of its bundle;
+# 2. runs a few REINFORCE steps (the toy task of `04_rl_rollout`): rollouts through
+#    `cluster.client()` and `run_trajectories`, a learning step in JAX here in the driver, then
+#    `client.update_params(model)` pushes the new weights to every engine;
+# 3. checks after every push that the next rollouts were drawn by the new parameters (each
+#    round's `params_versions`), and at the end that the cluster's tokens equal the final model's
+#    run in this process.
 #
-# It takes about two minutes on a laptop CPU. **Install.** From a clone of the repository:
-# `pip install -e '.[ray]'`, and open this notebook with that Python. On Colab, upload a copy of
-# the repository and `%cd` into it first. The next cell installs that clone
-# (`colab/setup/install.py`) only when the package is not importable.
+# It takes about a minute on a laptop CPU. **Install.** From a clone of the repository:
+# `pip install -e .` with the Ray extra, `pip install -e '.[ray]'`, and open this notebook with
+# that Python. On Colab, upload a copy of the repository and `%cd` into it first. The next cell
+# installs that clone (`colab/setup/install.py`) only when the package is not importable; Ray
+# comes with the extra.
 
 # %%
 import importlib.util
@@ -51,7 +51,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import matplotlib.pyplot as plt
 import numpy as np
 import optax
 import ray
@@ -62,18 +61,21 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, RayConfig, Stor
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import run_trajectories
+from dualpath_jax.rollout import InProcessEngine, Session, run_trajectories
 
 # %% [markdown]
-# ## Ray and the cluster
+# ## Ray, the policy and the cluster's placement
 #
-# `ray.init` starts a local Ray here (4 CPUs: one per actor, the router's included). The
-# `ray` config section says what each actor asks of Ray: `CPU=1` here; on GPU nodes
-# `prefill_resources="GPU=8"`, or a node pool's custom resource (docs/multihost.md, "On Ray").
-# The policy is the tiny Qwen2 model with random weights, saved as the checkpoint the engines
-# start from (on several nodes that path must be on storage every node reads).
+# A local Ray of 4 logical CPUs stands in for a Ray cluster (`ray.init(address="auto")` joins a
+# real one; the rest of the notebook is the same). The cluster asks Ray for one bundle per actor,
+# of its role's resources (`RayConfig`: the router's, each prefill engine's, each decode
+# engine's; `GPU=1`, `TPU=4` or a node pool's custom resource on a real cluster), placed together
+# with `ray.strategy`. The policy is the tiny Qwen2 model (random weights), saved as an orbax
+# checkpoint the engines start from.
 
 # %%
+ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+
 WORKDIR = pathlib.Path("runs/06_ray_rl").absolute()
 shutil.rmtree(WORKDIR, ignore_errors=True)
 model = init_model(TINY_QWEN2, seed=0)
@@ -84,47 +86,57 @@ cfg = ExperimentConfig(
     model=TINY_QWEN2,
     cluster=ClusterConfig(decode_slots=16, decode_max_len=128, params_path=str(init_ckpt)),
     store=StoreConfig(block_tokens=16),
-    ray=RayConfig(router_resources="CPU=1", prefill_resources="CPU=1", decode_resources="CPU=1"),
+    ray=RayConfig(router_resources="CPU=1", prefill_resources="CPU=1", decode_resources="CPU=1", strategy="PACK"),
 )
-ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 << 20)
-cluster = RayCluster(cfg, WORKDIR / "cluster")
-t0 = time.monotonic()
-cluster.start()
-print(f"RayCluster up in {time.monotonic() - t0:.1f} s; where each actor runs:")
-for name, where in cluster.where().items():
-    print(f"  {name:6s} node {where['node_id'][:8]}  pid {where['pid']}")
 
 # %% [markdown]
-# ## The task and the update
+# ## The task and the learning step
 #
-# A prompt is 16 random tokens none of which is a target (ids below 32). The policy generates 8
-# tokens; the reward is the share of them that are targets (about 1/8 at random). Each
-# iteration samples G = 4 completions of 4 prompts (16 trajectories, concurrently) and takes
-# two Adam steps of the clipped policy-gradient objective with the group-normalised reward as
-# the advantage; the behaviour log-probs are the engines' (`logprobs=True`).
+# As in `04_rl_rollout`: two turns of 6 generated tokens after "observation" tokens that never
+# come from the target set `{0, ..., 31}`; the reward is the share of generated tokens that do.
+# REINFORCE with the batch-normalised reward as advantage, log-probabilities from one forward
+# of each whole trajectory in JAX, Adam on the `nnx.Param` leaves.
 
 # %%
-TARGET, PROMPTS, G, GEN, PROMPT_LEN = 32, 4, 4, 8, 16
-ITERATIONS, EPOCHS, LR, CLIP = 6, 2, 1e-2, 0.2
+TARGET = 32
+BATCH, ITERATIONS, GEN, LR = 8, 4, 6, 1e-2
 env = np.random.RandomState(0)
+
+
+def make_trajectories(iteration):
+    def obs(n):
+        return env.randint(TARGET, TINY_QWEN2.vocab_size, n).tolist()
+
+    return [(f"it{iteration}-{k}", [(obs(12), GEN), (obs(4), GEN)]) for k in range(BATCH)]
+
+
+def batch_of(trajs, outputs):
+    """Token ids [B, T], the generated positions [B, T], rewards [B]."""
+    tokens, gen_mask, rewards = [], [], []
+    for (_, rounds), out in zip(trajs, outputs):
+        assert not out.error, out.error
+        seq, mask = [], []
+        for (append, _), generated in zip(rounds, out.rounds):
+            seq += append + generated
+            mask += [0] * len(append) + [1] * len(generated)
+        tokens.append(seq)
+        gen_mask.append(mask)
+        rewards.append(np.mean([t < TARGET for g in out.rounds for t in g]))
+    return jnp.array(tokens), jnp.array(gen_mask, jnp.float32), np.array(rewards)
+
+
 graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 tx = optax.adam(LR)
 opt_state = tx.init(params)
 
 
 @jax.jit
-def token_logprobs(params, tokens):
-    logits, _ = nnx.merge(graphdef, params, rest)(tokens)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-
-
-@jax.jit
-def train_step(params, opt_state, tokens, old_logp, advantage):
+def train_step(params, opt_state, tokens, gen_mask, advantage):
     def loss_fn(p):
-        ratio = jnp.exp(token_logprobs(p, tokens)[:, -GEN:] - old_logp)
-        adv = advantage[:, None]
-        return -jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - CLIP, 1 + CLIP) * adv).mean()
+        logits, _ = nnx.merge(graphdef, p, rest)(tokens)  # [B, T, V]
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
+        return -(advantage * (token_logp * gen_mask[:, 1:]).sum(-1)).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -132,77 +144,83 @@ def train_step(params, opt_state, tokens, old_logp, advantage):
 
 
 # %% [markdown]
-# ## The loop
+# ## The loop, with the cluster on Ray
 #
-# `cluster.client(params_dir=None)` makes `update_params` stream the weights from this process
-# to every engine over the transfer layer (each engine pulls, checks and commits them together;
-# the weights never pass through Ray's object store). `pause="abort"` would end rounds still in
-# flight at once (an asynchronous trainer); here nothing is in flight when it pushes.
+# Everything that needs the cluster runs in one cell: leaving the `with` block shuts the router
+# down, ends every actor and removes the placement group (also when the cell fails). Per step:
+# rollouts with `run_trajectories` (sampled at temperature 1 with explicit keys), a learning
+# step, then `client.update_params(model, version=...)`: on one node (or with
+# `ray.shared_filesystem`) it writes an orbax checkpoint under `WORKDIR/params/<version>` that
+# every engine loads; across nodes without a shared file system it streams the weights over
+# the transfer layer instead. The router drains the running rounds, every engine loads and
+# checks the new weights, and they are served together. Each round's result names the params
+# version that drew its tokens (`params_versions`), which is how the loop checks that the
+# rollouts after a push come from the pushed weights.
 
 # %%
-client = cluster.client(params_dir=None)
-history, version = [], client.stats()["params_version"]
-key = jax.random.key(7)
-try:
+history = []
+key = jax.random.key(42)
+with RayCluster(cfg, WORKDIR) as cluster:
+    for name, w in cluster.where().items():
+        print(f"{name:6s} actor on node {w['node_id'][:8]}, engine process {w['pid']}")
+    client = cluster.client()
+    serving = initial = client.stats()["params_version"]  # the checkpoint the engines started from
     for it in range(ITERATIONS):
-        key, k = jax.random.split(key)
-        prompts = [env.randint(TARGET, 250, PROMPT_LEN).tolist() for _ in range(PROMPTS)]
-        trajs = [(f"it{it}-p{j}-g{i}", [(prompts[j], GEN)]) for j in range(PROMPTS) for i in range(G)]
         t0 = time.monotonic()
-        outs = run_trajectories(client, trajs, temperature=1.0, key=k, logprobs=True, progress=False, release=True)
-        rollout_s = time.monotonic() - t0
-        results = [o.results[0] for o in outs]
-        assert all(o.error == "" for o in outs)
-        # every token of this iteration was drawn by the params pushed last
-        assert {v for r in results for _, v in r.params_versions} == {version}
-        tokens = jnp.asarray([p + list(r.tokens) for (_, [(p, _)]), r in zip(trajs, results)], jnp.int32)
-        old_logp = jnp.asarray([r.logprobs.sampled for r in results], jnp.float32)
-        rewards = np.array([np.mean([t < TARGET for t in r.tokens]) for r in results]).reshape(PROMPTS, G)
-        adv = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-6)
-        for _ in range(EPOCHS):
-            params, opt_state, loss = train_step(params, opt_state, tokens, old_logp, jnp.asarray(adv.reshape(-1)))
+        trajs = make_trajectories(it)
+        key, rollout_key = jax.random.split(key)
+        outputs = run_trajectories(client, trajs, temperature=1.0, key=rollout_key, progress=False, release=True)
+        drawn_by = {v for o in outputs for r in o.results for _, v in r.params_versions}
+        assert drawn_by == {serving}, (drawn_by, serving)  # every token from the served weights
         t1 = time.monotonic()
-        version = client.update_params(nnx.merge(graphdef, params, rest), version=f"step-{it + 1}")
-        push_s = time.monotonic() - t1
-        history.append(dict(reward=rewards.mean(), rollout_s=rollout_s, push_s=push_s))
-        print(f"iteration {it + 1}: reward {rewards.mean():.3f}; rollout {rollout_s:.1f} s, push "
-              f"{push_s:.2f} s ({client.last_params_update['via']}) -> {version!r}")
-    serving = client.stats()["params_version"]
-finally:
-    cluster.stop()
-    ray.shutdown()
+        tokens, gen_mask, rewards = batch_of(trajs, outputs)
+        advantage = jnp.asarray((rewards - rewards.mean()) / (rewards.std() + 1e-6), jnp.float32)
+        params, opt_state, loss = train_step(params, opt_state, tokens, gen_mask, advantage)
+        model = nnx.merge(graphdef, params, rest)
+        t2 = time.monotonic()
+        serving = client.update_params(model, version=f"step-{it + 1}")
+        t3 = time.monotonic()
+        history.append(dict(reward=rewards.mean(), drawn_by=drawn_by.pop(), pushed=serving))
+        print(f"step {it + 1}: rollouts drawn by {history[-1]['drawn_by']!r}, reward {rewards.mean():.3f}; "
+              f"rollout {t1 - t0:.1f} s, learn {t2 - t1:.1f} s, push {t3 - t2:.2f} s "
+              f"({client.last_params_update['via']}) -> serving {serving!r}")
 
-assert serving == f"step-{ITERATIONS}"
+    # After the last push: the cluster's rollouts come from the pushed weights, and its tokens
+    # (greedy and sampled) equal the same model run in this process.
+    prompt = make_trajectories(ITERATIONS)[0][1][0][0]
+    after = Session(client)
+    cluster_greedy = after.step(prompt, 8)
+    last_versions = after.results[-1].params_versions
+    cluster_sampled = Session(client).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
+    stats = client.stats()
+
+local = InProcessEngine(model, max_len=128)
+local_greedy = Session(local).step(prompt, 8)
+local_sampled = Session(local).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
+ray.shutdown()
+
+print("drawn by        :", last_versions, "(serving", repr(stats["params_version"]) + ")")
+print("cluster greedy  :", cluster_greedy, "\nin-process      :", local_greedy)
+print("cluster sampled :", cluster_sampled, "\nin-process      :", local_sampled)
+assert [h["drawn_by"] for h in history] == [initial] + [f"step-{i}" for i in range(1, ITERATIONS)]
+assert last_versions == [(0, f"step-{ITERATIONS}")] and stats["params_version"] == f"step-{ITERATIONS}"
+assert cluster_greedy == local_greedy and cluster_sampled == local_sampled
+assert stats["counters"]["errors"] == 0
 
 # %% [markdown]
-# ## The reward went up
-
-# %%
-r = [h["reward"] for h in history]
-fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(range(1, len(r) + 1), r, "o-")
-ax.axhline(TARGET / TINY_QWEN2.vocab_size, color="grey", ls="--", label="uniform random policy")
-ax.set_xlabel("iteration")
-ax.set_ylabel("mean reward")
-ax.set_ylim(0, 1)
-ax.legend()
-ax.set_title(f"policy gradient through RayCluster, {PROMPTS} prompts x G={G}")
-fig.tight_layout()
-plt.show()
-print(f"reward: first 2 iterations {np.mean(r[:2]):.3f}, last 2 {np.mean(r[-2:]):.3f}")
-assert np.mean(r[-2:]) > np.mean(r[:2])
-
-# %% [markdown]
-# ## On a real Ray cluster
+# ## In a Ray RL framework
 #
-# - Join it: `ray.init(address="auto")` (or `RayCluster(cfg, workdir, address="auto")`); give
-#   the engines their accelerators with `RayConfig(prefill_resources="GPU=8", ...)` or a node
-#   pool's custom resource, and `strategy="SPREAD"` to put them on different nodes.
-# - The store root (`store.root`) must be one every node reads (gcs://, s3://, a shared file
-#   system); a local path on a multi-node Ray cluster is refused.
-# - `launch/ray_cluster.py --config=... --address=auto --serve` runs the cluster as a service
-#   (an OpenAI-compatible server in front); `deploy/kuberay-raycluster.yaml` is a KubeRay
-#   manifest with GPU and TPU node pools.
-# - A node that dies takes its engines with it: the router requeues their rounds (no
-#   trajectory is lost) and Ray restarts the actors; a router that dies is restarted at its
-#   address and clients reconnect (docs/failures.md).
+# The pieces map one to one onto a veRL/OpenRLHF-style driver:
+#
+# - **placement**: `cfg.ray` says what each actor needs (`prefill_resources="GPU=1"`,
+#   `decode_resources="TPU=4,tpu_pool=1"`, ...) and how the placement group packs them;
+#   `cluster.where()` says where they landed;
+# - **rollouts**: `cluster.client()` is a plain client of the router (it may be handed to any
+#   process that reaches it); `run_trajectories`, `Session.step`, `step_group` as elsewhere;
+# - **weights**: `client.update_params(model)` after each learning step (`pause="abort"` to end
+#   rollouts still in flight at once);
+# - **shutdown**: leaving the `with` block (or `cluster.stop()`); Ray itself stays up when the
+#   cluster joined one the driver started.
+#
+# `docs/rl.md` ("With Ray") and `docs/multihost.md` ("On Ray") have the details: failures,
+# secrets, what each node must see, KubeRay.

@@ -35,13 +35,27 @@ def check_fits(cfg: ExperimentConfig, trajs: list[Trajectory]) -> None:
     check_context(cfg, trajs)
 
 
-def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
-    """Runs the configured workload on a cluster and returns the summary (also written): a
-    `LocalCluster` on this host, an `InProcessCluster` with `cluster.runtime="thread"`, or a
-    `RayCluster` with `"ray"` (on `RAY_ADDRESS`'s Ray or the one this process joined, else a
-    local one)."""
+def local_cluster(cfg: ExperimentConfig, workdir: str | pathlib.Path):
+    """The cluster `run_local` runs on, as `cluster.runtime` says (not started): "process", a
+    `LocalCluster`; "thread", an `InProcessCluster`; "ray", a `RayCluster` on the Ray this
+    process is connected to, else on a local Ray it starts (and stops) for itself."""
+    runtime = cfg.cluster.runtime
+    if runtime == "thread":
+        from dualpath_jax.engine.inprocess import InProcessCluster
+
+        return InProcessCluster(cfg, workdir)
+    if runtime == "ray":  # the only branch that may import Ray (when the cluster starts)
+        from dualpath_jax.engine.ray_cluster import RayCluster
+
+        return RayCluster(cfg, workdir, address="local")
     from dualpath_jax.engine.cluster import LocalCluster
-    from dualpath_jax.engine.inprocess import InProcessCluster
+
+    return LocalCluster(cfg, workdir)
+
+
+def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: bool = True) -> dict:
+    """Runs the configured workload on a cluster of this host and returns the summary (also
+    written): the cluster is `local_cluster(cfg, workdir)`."""
     from dualpath_jax.rollout import run_trajectories
 
     workdir = pathlib.Path(workdir)
@@ -49,13 +63,7 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     trajs, arrivals = plan.trajectories, plan.arrivals
     check_context(cfg, trajs)
     rounds = as_rounds(trajs)
-    if cfg.cluster.runtime == "ray":
-        from dualpath_jax.engine.ray_cluster import RayCluster
-
-        runtime = RayCluster
-    else:
-        runtime = InProcessCluster if cfg.cluster.runtime == "thread" else LocalCluster
-    with runtime(cfg, workdir) as cluster:
+    with local_cluster(cfg, workdir) as cluster:
         client = cluster.client()
         t0 = time.monotonic()
         outs = run_trajectories(

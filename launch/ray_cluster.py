@@ -9,7 +9,7 @@ Ray"). Needs the `ray` extra.
 Prints the router's address and the file holding the cluster's secrets (mode 0600, in
 --workdir: clients need its client secret); with --serve, also the OpenAI-compatible HTTP
 server's address (launch/api_server.py's, attached to this router). `--address=local` starts a
-Ray of this host instead (sized by --num_cpus).
+Ray of this host instead (as many logical CPUs as the cluster's bundles ask for, or --num_cpus).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from absl import app, flags
 _ADDRESS = flags.DEFINE_string(
     "address", "auto", "The Ray cluster: auto, ray://HOST:10001, a GCS address, or local."
 )
-_NUM_CPUS = flags.DEFINE_integer("num_cpus", 4, "CPUs of a local Ray (--address=local).")
+_NUM_CPUS = flags.DEFINE_integer(
+    "num_cpus", 0, "CPUs of a local Ray (--address=local); 0: as many as the cluster's bundles."
+)
 _SERVE = flags.DEFINE_bool("serve", False, "Also serve the OpenAI-compatible HTTP API.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "With --serve: the address to listen on.")
 _PORT = flags.DEFINE_integer("port", 8000, "With --serve: the port (0: any free port).")
@@ -39,11 +41,11 @@ def main(argv):
         raise app.UsageError(f"serving on {_HOST.value!r} (not loopback) needs --api_key")
     cfg = _flags.build_config("offline")
     wd = _flags.prepare_workdir(cfg)
-    local = _ADDRESS.value == "local"
+    local = _ADDRESS.value == "local" and _NUM_CPUS.value > 0
     cluster = RayCluster(
         cfg,
         wd,
-        address=None if local else _ADDRESS.value,
+        address=_ADDRESS.value,
         init_kwargs={"num_cpus": _NUM_CPUS.value} if local else None,
     )
     with cluster:

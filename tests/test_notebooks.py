@@ -35,6 +35,19 @@ def starts_engines(path: pathlib.Path) -> bool:
     return "LocalCluster" in text or "RayCluster" in text
 
 
+def needs_ray(path: pathlib.Path) -> bool:
+    """The notebook runs on Ray (the `ray` extra, which the full tier installs)."""
+    return "\nimport ray\n" in path.read_text()
+
+
+def run_marks(path: pathlib.Path) -> list:
+    marks = [pytest.mark.multiprocess] if starts_engines(path) else []
+    if needs_ray(path):
+        no_ray = importlib.util.find_spec("ray") is None
+        marks.append(pytest.mark.skipif(no_ray, reason="needs the ray extra"))
+    return marks
+
+
 def engine_pids(marker: str) -> list[int]:
     """PIDs of live processes whose command line mentions `marker` (a run's own directory)."""
     out = []
@@ -99,17 +112,12 @@ def test_kernel_is_this_interpreter():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "source",
-    [
-        pytest.param(p, marks=[pytest.mark.multiprocess] if starts_engines(p) else [])
-        for p in NOTEBOOKS
-    ],
+    [pytest.param(p, marks=run_marks(p)) for p in NOTEBOOKS],
     ids=lambda p: p.stem,
 )
 def test_notebook_runs_top_to_bottom(source, tmp_path, monkeypatch):
     """Executes the notebook in `tmp_path` (its working directory: runs write there); afterwards
     no process it started may still be alive."""
-    if "\nimport ray\n" in source.read_text() and importlib.util.find_spec("ray") is None:
-        pytest.skip("needs the ray extra")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv(
         "JAX_COMPILATION_CACHE_DIR",

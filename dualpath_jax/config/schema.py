@@ -305,8 +305,8 @@ class ClusterConfig:
     # How `run_local` (launch/rollout.py, make demo, bench/compare_policies.py) runs the cluster:
     # "process" (`LocalCluster`: the router and each engine a process of its own), "thread"
     # (`InProcessCluster`: the same code as threads of one process; fast to start, one JAX
-    # runtime; identical tokens) or "ray" (`RayCluster`: those processes as Ray actors, on the
-    # Ray this process is connected to or `RAY_ADDRESS`'s, else a local one; the `ray` extra).
+    # runtime; identical tokens) or "ray" (`RayCluster`: each process owned by a Ray actor, on
+    # the Ray the process is connected to or a local one; placed as the `ray` section says).
     runtime: str = "process"
     # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
@@ -429,6 +429,10 @@ class RayConfig:
     prefill_resources: str = "CPU=1"
     decode_resources: str = "CPU=1"
     strategy: str = "PACK"  # the placement group's: PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # An engine spanning processes (`cluster.*_processes` > 1) gets a placement group of its own,
+    # a bundle of its role's resources per process, with this strategy: STRICT_PACK keeps its
+    # processes on one node; STRICT_SPREAD puts each on its own (then ray.bind_node_ip).
+    span_strategy: str = "STRICT_PACK"
     # Times Ray restarts an engine actor that died (its node, its process); the router is not
     # restarted.
     max_restarts: int = 3

@@ -78,6 +78,7 @@ _CHOICES = {
     "cluster.platform": ("", "cpu", "gpu", "tpu"),  # engine.devices.PLATFORMS
     "workload.mode": ("offline", "online"),
     "ray.strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "ray.span_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
     "scheduler.recompute": ("never", "auto", "always"),
     "hardware.calibration": ("hopper", "none"),  # presets.CALIBRATIONS
     "hardware.kv_format": (

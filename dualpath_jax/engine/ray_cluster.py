@@ -14,17 +14,18 @@ Placement (`cfg.ray`): one placement group per cluster, a bundle per actor (the 
 then the engines in id order) of its role's resources (`ray.router_resources`,
 `prefill_resources`, `decode_resources`: CPU, GPU, TPU or a node pool's custom resource), with
 the group's `ray.strategy`. An actor asking for GPUs or TPU chips gets the ones Ray assigns it.
-An engine spanning processes has an actor and a bundle per process, gang-scheduled with the
-rest (the group is placed whole or not at all); its leader names the group's `jax.distributed`
-coordinator and the followers start with it.
+An engine spanning several processes (`cluster.*_processes` > 1) is a gang of actors, one per
+process, in a placement group of its own (`engine.ray_span`: `ray.span_strategy`; its bundles
+are each process's share of the engine's devices).
 
 Failures: a node that dies takes its actors and their processes with it; the router requeues
 what its engines held (as for any engine death) and Ray restarts the engine actors (up to
-`ray.max_restarts` times each), which register again under their ids. A router whose process
-or actor died is restarted by Ray too, in its bundle, at its old address, serving the params it
-served; engines register with it again and clients reconnect (the rounds it had taken fail with
-kind `connection`). That holds while its bundle stays on its node: a router whose node is gone
-comes back elsewhere, at an address clients do not know.
+`ray.max_restarts` times each), which register again under their ids; a spanning engine is
+restarted whole, by its gang's supervisor. A router whose process or actor died is restarted by
+Ray too, in its bundle, at its old address, serving the params it served; engines register with
+it again and clients reconnect (the rounds it had taken fail with kind `connection`). That holds
+while its bundle stays on its node: a router whose node is gone comes back elsewhere, at an
+address clients do not know.
 
 What the processes write (`logs/`, `events.jsonl`, `links/`) lands in `workdir` on each actor's
 node; `stop()` copies what is missing here from the others (a driver on another node).
@@ -35,15 +36,21 @@ Nothing here imports Ray until a `RayCluster` starts (the `ray` extra: pip insta
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
+import math
 import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dualpath_jax.config import ConfigError, ExperimentConfig, parse_resources, to_json
+from dualpath_jax.config import (
+    ConfigError,
+    ExperimentConfig,
+    mesh_size,
+    parse_resources,
+    to_json,
+)
 from dualpath_jax.engine import devices
 from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.cluster import (
@@ -58,6 +65,7 @@ from dualpath_jax.engine.cluster import (
 from dualpath_jax.engine.credentials import Credentials, new_credentials, read_credentials
 from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
+from dualpath_jax.engine.ray_span import SpanGroup
 
 
 def _loopback(host: str) -> bool:
@@ -97,11 +105,6 @@ def check_ray_nodes(cfg: ExperimentConfig, nodes: Sequence[Mapping[str, Any]]) -
                 )
 
 
-def span_name(name: str, rank: int) -> str:
-    """The actor of process `rank` of engine `name` (as `LocalCluster` names its processes)."""
-    return name if rank == 0 else f"{name}.{rank}"
-
-
 def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
     """The actor options asking for a whole bundle of `resources`."""
     r = dict(resources)
@@ -110,6 +113,27 @@ def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
         out["memory"] = r.pop("memory")
     out["resources"] = r
     return out
+
+
+# A local Ray's object store: the cluster puts only its secrets there (KV and params move over
+# the transfer layer or the file system), and Ray's default takes 30% of the host's memory.
+LOCAL_OBJECT_STORE_BYTES = 128 << 20
+
+
+def local_ray_kwargs(bundles: Sequence[Mapping[str, float]]) -> dict[str, Any]:
+    """`ray.init` arguments for a local Ray of one node that holds `bundles`: as many logical
+    CPUs and custom resources as they ask for in all (GPUs and TPU chips are the host's, as Ray
+    detects them), and a small object store."""
+    total: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            total[k] = total.get(k, 0.0) + v
+    custom = {k: v for k, v in total.items() if k not in ("CPU", "GPU", "TPU", "memory")}
+    return {
+        "num_cpus": max(1, math.ceil(total.get("CPU", 0))),
+        "resources": custom,
+        "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+    }
 
 
 class RayCluster(ClusterLifecycle):
@@ -124,22 +148,29 @@ class RayCluster(ClusterLifecycle):
         start_timeout_s: float | None = None,
     ):
         """`address`: the Ray cluster to join ("auto", "ray://HOST:10001", a GCS address;
-        None: the one this process is connected to, else a local one, started with
-        `init_kwargs` and shut down with the cluster). `env`: variables added to every actor's
+        None: the one this process is connected to, else as `ray.init()` finds one; "local": the
+        one this process is connected to, else a new one of this host sized for the cluster's
+        bundles, `local_ray_kwargs`). A Ray it starts is started with `init_kwargs` (over those
+        defaults) and shut down with the cluster. `env`: variables added to every actor's
         environment (through Ray's runtime env; the engines' device variables are set on top).
         `start_timeout_s` as for `LocalCluster`."""
         if cfg.hardware.engines_per_node != 1:
             raise ValueError("RayCluster runs one engine per actor (hardware.engines_per_node=1)")
         c = cfg.cluster
-        if (c.prefill_processes > 1 or c.decode_processes > 1) and c.platform not in (
-            "cpu",
-            "gpu",
-            "tpu",
-        ):
-            raise ConfigError(
-                "an engine spanning processes under Ray needs cluster.platform cpu, gpu or tpu "
-                "(each process gets its share of the engine's devices)"
-            )
+        for role in ("prefill", "decode"):
+            span = devices.processes(c, role)
+            if span > 1 and c.platform not in ("cpu", "gpu"):
+                raise ConfigError(
+                    f"cluster.{role}_processes={span}: RayCluster runs an engine over several "
+                    f"processes with cluster.platform cpu or gpu, not {c.platform!r}"
+                )
+            share = mesh_size(devices.role_mesh(c, role)) // span
+            gpus = parse_resources(getattr(cfg.ray, f"{role}_resources")).get("GPU", 0)
+            if c.platform == "gpu" and gpus != share:
+                raise ConfigError(
+                    f"ray.{role}_resources asks for GPU={gpus:g}; each process of a {role} "
+                    f"engine holds {share} GPU(s) of cluster.{role}_mesh: ask for GPU={share}"
+                )
         check_params_config(c)
         self.cfg = cfg
         self.workdir = pathlib.Path(workdir).absolute()
@@ -153,8 +184,12 @@ class RayCluster(ClusterLifecycle):
         self.address = ""
         self.actors: dict[str, Any] = {}  # name -> actor handle ("router", "pe0", "de1", ...)
         self.engine_ids: dict[str, int] = {}
-        self.bundles: dict[str, int] = {}  # name -> its bundle of the placement group
+        # name -> (placement group, bundle index): the cluster's group holds the router and the
+        # one-process engines; an engine spanning processes has a group of its own (`groups`)
+        self.bundles: dict[str, tuple[Any, int]] = {}
         self.placement_group = None
+        self.groups: dict[str, SpanGroup] = {}  # engine name -> its processes' gang
+        self._killed: dict[str, int] = {}  # a group's generation when `kill` ended it
         self.multinode = False
         self._owns_ray = False
         self._secrets_ref = None
@@ -175,22 +210,36 @@ class RayCluster(ClusterLifecycle):
             extra = devices.device_env(c, role, None, self.env, port=port)
         return {**self.env, **extra}
 
-    def _start_actor(self, name: str, spec: ProcessSpec, role: str, engine: int = 0):
+    def _start_actor(
+        self,
+        name: str,
+        spec: ProcessSpec,
+        role: str,
+        engine: int = 0,
+        *,
+        bundle: tuple[Any, int] | None = None,
+        max_restarts: int | None = None,
+        coordinator: list | None = None,
+    ):
+        """Starts the actor `name` owning the process `spec`, in `bundle` (placement group,
+        index; default: its bundle of the cluster's group). Ray restarts it `max_restarts`
+        times (default: `ray.max_restarts`)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from dualpath_jax.engine.ray_host import ProcessHost
 
         env = self._env(role, engine)
+        group, index = bundle or self.bundles[name]
+        if max_restarts is None:
+            max_restarts = self.cfg.ray.max_restarts
         options: dict[str, Any] = {
             **actor_options(self._resources(role)),
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=self.bundles[name]
+                group, placement_group_bundle_index=index
             ),
-            # The processes of a spanning engine share one jax.distributed world: one alone
-            # cannot rejoin it, so Ray does not restart them (`restart` starts the group).
-            "max_restarts": self.cfg.ray.max_restarts if spec.span_size == 1 else 0,
-            "max_concurrency": 4,  # `where` / `stop` while `address` waits
+            "max_restarts": max_restarts,
+            "max_concurrency": 6,  # `where`, `stop`, `wait_exit` while `address` waits
         }
         if env:
             options["runtime_env"] = {"env_vars": env}
@@ -205,6 +254,7 @@ class RayCluster(ClusterLifecycle):
                 str(self.workdir),
                 [self._secrets_ref],
                 self.cfg.ray.bind_node_ip,
+                coordinator,
             )
         )
         self.actors[name] = actor
@@ -216,35 +266,42 @@ class RayCluster(ClusterLifecycle):
         import ray
         from ray.util.placement_group import placement_group
 
+        c = self.cfg.cluster
+        plan = engine_plan(c)
+        self.groups = {
+            n: SpanGroup(self, n, who, devices.processes(c, who.role))
+            for n, who in plan
+            if devices.processes(c, who.role) > 1
+        }
+        # the cluster's placement group: the router's bundle, then each one-process engine's
+        names = ["router", *(n for n, _ in plan if n not in self.groups)]
+        roles = {"router": "router", **{n: who.role for n, who in plan}}
+        bundles = [self._resources(roles[n]) for n in names]
         if not ray.is_initialized():
-            kw = {"include_dashboard": False, **self.init_kwargs}
-            ray.init(address=self.ray_address, **kw)
+            kw: dict[str, Any] = {"include_dashboard": False}
+            if self.ray_address == "local":
+                gangs = [b for g in self.groups.values() for b in g.bundles()]
+                kw.update(local_ray_kwargs(bundles + gangs))
+            ray.init(address=self.ray_address, **{**kw, **self.init_kwargs})
             self._owns_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         check_ray_nodes(self.cfg, nodes)
         self.multinode = len(nodes) > 1
-        c = self.cfg.cluster
         self.credentials = read_credentials(c.secrets_file) if c.secrets_file else new_credentials()
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.json").write_text(to_json(self.cfg, indent=1))
-        plan = engine_plan(c)
-        # One bundle per process: an engine spanning processes has one per process, placed
-        # with the others in the one placement group (all at once, or not at all).
-        names = ["router"]
-        bundles = [self._resources("router")]
-        for name, who in plan:
-            for rank in range(devices.processes(c, who.role)):
-                names.append(span_name(name, rank))
-                bundles.append(self._resources(who.role))
-        self.bundles = {n: i for i, n in enumerate(names)}
         self._deadline = time.monotonic() + self.start_timeout_s
         self.placement_group = placement_group(bundles, strategy=self.cfg.ray.strategy)
-        ready = self.placement_group.wait(timeout_seconds=self.start_timeout_s)
-        if not ready:
-            raise ClusterError(
-                f"Ray could not place the cluster's bundles {bundles} ({self.cfg.ray.strategy}) "
-                f"in {self.start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
-            )
+        self.bundles = {n: (self.placement_group, i) for i, n in enumerate(names)}
+        wanted = [(self.placement_group, bundles, self.cfg.ray.strategy, "the cluster's")]
+        for name, g in self.groups.items():  # placed meanwhile: each is all or nothing
+            wanted.append((g.place(), g.bundles(), self.cfg.ray.span_strategy, f"{name}'s"))
+        for group, asked, strategy, whose in wanted:
+            if not group.wait(timeout_seconds=max(1.0, self._deadline - time.monotonic())):
+                raise ClusterError(
+                    f"Ray could not place {whose} bundles {asked} ({strategy}) in "
+                    f"{self.start_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+                )
         # Held here for the cluster's life: a restarted actor fetches it again (Ray warns that
         # an actor's arguments in the object store must outlive it; this one does).
         self._secrets_ref = ray.put(
@@ -256,27 +313,14 @@ class RayCluster(ClusterLifecycle):
         except Exception as e:  # noqa: BLE001 - the actor's error, as a start failure
             raise ClusterError(f"the router did not start: {e}") from e
         for name, who in plan:
-            self._start_engine(name, who)
+            if name in self.groups:
+                self.groups[name].start()
+            else:
+                spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
+                self._start_actor(name, spec, who.role, who.engine)
             self.engine_ids[name] = who.engine
         if wait:
             self.wait_ready()
-
-    def _start_engine(self, name: str, who) -> None:
-        """Starts engine `name`'s actor, or its processes' actors: the leader picks its group's
-        `jax.distributed` coordinator on its node, then the followers start with it."""
-        import ray
-
-        span = devices.processes(self.cfg.cluster, who.role)
-        spec = ProcessSpec(
-            who.role, "", self.address, who.engine, who.node, who.group, span_size=span
-        )
-        leader = self._start_actor(name, spec, who.role, who.engine)
-        if span == 1:
-            return
-        coordinator = ray.get(leader.coordinator.remote(), timeout=self.start_timeout_s)
-        for rank in range(1, span):
-            follower = dataclasses.replace(spec, span_rank=rank, coordinator=coordinator)
-            self._start_actor(span_name(name, rank), follower, who.role, who.engine)
 
     def wait_ready(self) -> None:
         """Returns once every engine has registered; raises ClusterError when an actor died
@@ -298,9 +342,9 @@ class RayCluster(ClusterLifecycle):
         """Each actor's node (`node_id`, `ip`) and process (`pid`, `returncode`), by name."""
         import ray
 
-        names = list(self.actors)
-        found = ray.get([self.actors[n].where.remote() for n in names], timeout=60)
-        return dict(zip(names, found))
+        actors = dict(self.actors)
+        found = ray.get([a.where.remote() for a in actors.values()], timeout=60)
+        return dict(zip(actors, found))
 
     def client(self, **kw) -> Client:
         """A client holding the client secret (`Client` keyword arguments pass through). By
@@ -321,19 +365,27 @@ class RayCluster(ClusterLifecycle):
         return ray.util.get_node_ip_address()
 
     def kill(self, name: str) -> None:
-        """Kills the actor of engine `name`, or of the router (`"router"`), and its process
-        (fault injection); Ray restarts it (within `ray.max_restarts`)."""
+        """Kills engine `name`'s actor, or the router's (`"router"`), and its process (fault
+        injection); Ray restarts it (within `ray.max_restarts`). For a process of an engine
+        spanning several (`de1`, `de1.1`, ...), the cluster restarts the engine's every process
+        together."""
         import ray
 
-        if name != "router" and name not in self.engine_ids:
-            raise ValueError(
-                f"kill takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
-            )
-        ray.kill(self.actors[name], no_restart=False)
+        if name == "router":
+            ray.kill(self.actors[name], no_restart=False)
+            return
+        group = next((g for g in self.groups.values() if name in g.names), None)
+        if name not in self.engine_ids and group is None:
+            names = sorted({*self.engine_ids, *(n for g in self.groups.values() for n in g.names)})
+            raise ValueError(f"kill takes 'router' or an engine's process name, one of {names}")
+        if group is not None:
+            self._killed[group.name] = group.generation
+        ray.kill(self.actors[name], no_restart=group is not None)
 
     def restart(self, name: str, timeout_s: float | None = None) -> None:
-        """Waits until engine `name` serves again: Ray restarts an actor that died; one out of
-        restarts is started afresh (in its bundle). Returns once it has registered."""
+        """Waits until engine `name` serves again: Ray restarts an actor that died (the gang's
+        supervisor a spanning engine's processes); one out of restarts is started afresh (in its
+        bundle). Returns once it has registered."""
         import ray
 
         if name == "router":
@@ -343,17 +395,20 @@ class RayCluster(ClusterLifecycle):
                 f"restart takes 'router' or an engine name, one of {sorted(self.engine_ids)}"
             )
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        who = dict(engine_plan(self.cfg.cluster))[name]
-        group = [span_name(name, r) for r in range(devices.processes(self.cfg.cluster, who.role))]
+        group = self.groups.get(name)
+        if group is not None:  # its supervisor restarts it; one out of restarts is revived
+            # after `kill`, or when out of restarts: a start after this one; else the current one
+            running = group.generation - (0 if group.given_up else 1)
+            if not group.wait_started(self._killed.pop(name, running), deadline):
+                raise ClusterError(f"{name}'s processes were not started again in time")
         try:
-            for n in group:
-                ray.get(
-                    self.actors[n].where.remote(), timeout=max(1.0, deadline - time.monotonic())
-                )
-        except ray.exceptions.RayActorError:  # dead for good: fresh actors, a fresh budget
-            for n in group:  # a spanning engine's processes start again together
-                ray.kill(self.actors[n], no_restart=True)
-            self._start_engine(name, who)
+            ray.get(self.actors[name].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.RayActorError:  # dead for good: a fresh actor, a fresh budget
+            if group is not None:
+                raise ClusterError(f"{name} died again while it started") from None
+            who = dict(engine_plan(self.cfg.cluster))[name]
+            spec = ProcessSpec(who.role, "", self.address, who.engine, who.node, who.group)
+            self._start_actor(name, spec, who.role, who.engine)
         engine = str(self.engine_ids[name])
         client = self.client()
         while not client.stats()["engines"].get(engine, {}).get("alive"):
@@ -395,6 +450,8 @@ class RayCluster(ClusterLifecycle):
             import ray
         except ImportError:
             return
+        for group in self.groups.values():  # before the engines stop: no restarts now
+            group.halt()
         shutdown_router(
             self.address if "router" in self.actors else "", self.credentials, self._clients
         )
@@ -415,11 +472,14 @@ class RayCluster(ClusterLifecycle):
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
         self.actors.clear()
-        if self.placement_group is not None:
-            from ray.util.placement_group import remove_placement_group
+        from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self.placement_group)
-            self.placement_group = None
+        for group in [self.placement_group, *(g.placement_group for g in self.groups.values())]:
+            if group is not None:
+                remove_placement_group(group)
+        self.placement_group = None
+        for g in self.groups.values():
+            g.placement_group = None
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False

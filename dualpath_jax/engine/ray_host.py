@@ -15,6 +15,10 @@ the same id, which then registers with a fresh transfer address. A restarted rou
 starts the router again at the old one's address (its port, from `workdir/router.address`),
 serving the params it served (`ProcessSpec.resume`): the engines register with it again and
 clients reconnect (docs/failures.md, "A router started again").
+
+A process of an engine spanning several (`engine.ray_span`): the leader's host (rank 0) picks
+the group's `jax.distributed` coordinator, a free port of its node (`coordinator()`); each
+follower's host gets it as a Ray object of the leader's answer and starts its process with it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 
 from dualpath_jax.config import ExperimentConfig, from_json
 from dualpath_jax.engine.client import Client
-from dualpath_jax.engine.cluster import log_tail, spawn_process
+from dualpath_jax.engine.cluster import free_port, log_tail, spawn_process
 from dualpath_jax.engine.credentials import Credentials, write_credentials
 from dualpath_jax.engine.process import ProcessSpec
 
@@ -66,9 +70,11 @@ class ProcessHost:
         workdir: str,
         secrets: list,
         bind_node_ip: bool = False,
+        coordinator: list | None = None,
     ):
         """`secrets`: `[ref]`, a Ray object holding `{"engine": ..., "client": ...}` (nested in
-        a list, so this host fetches it, also when Ray restarts it)."""
+        a list, so this host fetches it, also when Ray restarts it). `coordinator`: for a
+        follower of a spanning engine, `[ref]` of its leader's `coordinator()`."""
         import ray
 
         ctx = ray.get_runtime_context()
@@ -93,9 +99,11 @@ class ProcessHost:
         if role == "router" and restarted and (self.workdir / "router.address").exists():
             old_address = (self.workdir / "router.address").read_text().strip()
             c = dataclasses.replace(c, router_port=int(old_address.rsplit(":", 1)[1]))
-        if bind_node_ip:
+        if bind_node_ip:  # an engine's `host` is where a spanning leader publishes its calls
             ip = ray.util.get_node_ip_address()
-            c = dataclasses.replace(c, **{"host" if role == "router" else "transfer_host": ip})
+            c = dataclasses.replace(
+                c, **({"host": ip} if role == "router" else {"host": ip, "transfer_host": ip})
+            )
         self.cfg = dataclasses.replace(cfg, cluster=c)
         self.spec = ProcessSpec(**{**spec, "workdir": str(self.workdir), "parent_pid": os.getpid()})
         if role == "router":
@@ -108,13 +116,13 @@ class ProcessHost:
                 wait_port_free(c.host, c.router_port)
         elif self.spec.span_rank == 0:  # a restarted engine: its old process may be registered
             self._wait_declared_dead(creds.engine)
-        if self.spec.span_size > 1 and self.spec.span_rank == 0:
-            # the jax.distributed coordinator of this engine's processes, served by this one
-            from dualpath_jax.engine.cluster import free_port
-            from dualpath_jax.engine.rpc import host_port
-
-            host = c.transfer_host
-            self.spec = dataclasses.replace(self.spec, coordinator=host_port(host, free_port(host)))
+        if self.spec.span_size > 1:
+            if self.spec.span_rank == 0:  # the group's coordinator: a port of this node
+                host = c.transfer_host if bind_node_ip else "127.0.0.1"  # as LocalCluster
+                address = f"{host}:{free_port(host)}"
+            else:
+                address = ray.get(coordinator[0])
+            self.spec = dataclasses.replace(self.spec, coordinator=address)
         self.proc = spawn_process(sys.executable, self.cfg, self.spec, self.log_path, None)
         threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True).start()
 
@@ -160,9 +168,13 @@ class ProcessHost:
         return self.address_file.read_text().strip()
 
     def coordinator(self) -> str:
-        """The `host:port` of this engine's `jax.distributed` coordinator (a spanning engine's
-        leader; its followers start with it)."""
+        """The `jax.distributed` coordinator (host:port) of this leader's engine group."""
         return self.spec.coordinator
+
+    def wait_exit(self) -> int:
+        """Returns the process's exit status once it has ended (an engine group's supervisor
+        waits on each of its processes)."""
+        return self.proc.wait()
 
     def where(self) -> dict[str, Any]:
         """The node this host runs on and its process."""
@@ -178,9 +190,14 @@ class ProcessHost:
     def log_tail(self, chars: int = 2000) -> str:
         return log_tail(self.log_path, chars)
 
-    def kill_process(self) -> None:
-        """Kills the process (fault injection): its actor ends with it and Ray restarts it."""
+    def kill_process(self, quiet: bool = False) -> None:
+        """Kills the process (fault injection): its actor ends with it and Ray restarts it.
+        `quiet`: the actor stays (its group is being stopped)."""
+        if quiet:
+            self.stopping.set()
         self.proc.kill()
+        if quiet:
+            self.proc.wait()
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, Any]:
         """Waits for the process to end (the router stops its engines), ends it if it does not,

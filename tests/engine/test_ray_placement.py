@@ -16,7 +16,12 @@ from dualpath_jax.config import (
     parse_resources,
     validate,
 )
-from dualpath_jax.engine.ray_cluster import RayCluster, actor_options, check_ray_nodes
+from dualpath_jax.engine.ray_cluster import (
+    RayCluster,
+    actor_options,
+    check_ray_nodes,
+    local_ray_kwargs,
+)
 
 
 def test_resources_parse_and_bad_ones_name_their_key():
@@ -47,6 +52,21 @@ def test_a_bundle_becomes_the_actor_options_that_ask_for_all_of_it():
     assert actor_options({"pool": 1}) == {"num_cpus": 0, "num_gpus": 0, "resources": {"pool": 1}}
 
 
+def test_a_local_ray_holds_the_bundles_it_is_started_for():
+    bundles = [{"CPU": 1.0}, {"CPU": 1.0, "pool_a": 1.0}, {"CPU": 0.5, "GPU": 1.0, "pool_a": 1.0}]
+    assert local_ray_kwargs(bundles) == {
+        "num_cpus": 3,
+        "resources": {"pool_a": 2.0},
+        "object_store_memory": 128 << 20,
+    }
+
+
+def test_the_runtimes_are_named_when_one_is_not_known():
+    assert validate(apply_overrides(ExperimentConfig(), ["cluster.runtime=ray"]))
+    with pytest.raises(ConfigError, match='cluster.runtime: must be "process", "thread" or "ray"'):
+        validate(apply_overrides(ExperimentConfig(), ["cluster.runtime=actors"]))
+
+
 def node(ip: str, alive: bool = True) -> dict:
     return {"NodeManagerAddress": ip, "Alive": alive}
 
@@ -74,8 +94,18 @@ def test_loopback_addresses_on_several_hosts_are_refused():
     )
 
 
-def test_engines_spanning_processes_need_a_platform_before_ray_starts(tmp_path):
-    cfg = apply_overrides(ExperimentConfig(), ["cluster.decode_processes=2"])
-    with pytest.raises(ConfigError, match="needs cluster.platform cpu, gpu or tpu"):
-        RayCluster(cfg, tmp_path)
-    RayCluster(apply_overrides(cfg, ["cluster.platform=cpu"]), tmp_path)  # starts nothing yet
+def test_what_a_spanning_engine_cannot_have_is_refused_before_ray_starts(tmp_path):
+    span = ["cluster.decode_mesh=tensor=4", "cluster.decode_processes=2"]
+    RayCluster(apply_overrides(ExperimentConfig(), [*span, "cluster.platform=cpu"]), tmp_path)
+    tpu = apply_overrides(ExperimentConfig(), [*span, "cluster.platform=tpu"])
+    with pytest.raises(ConfigError, match="with cluster.platform cpu or gpu, not 'tpu'"):
+        RayCluster(tpu, tmp_path)
+    # on GPUs each process's bundle asks for its share of the engine's devices
+    gpu = apply_overrides(
+        ExperimentConfig(), [*span, "cluster.platform=gpu", "ray.prefill_resources=GPU=1"]
+    )
+    with pytest.raises(ConfigError, match="decode_resources asks for GPU=0; .* ask for GPU=2"):
+        RayCluster(gpu, tmp_path)
+    RayCluster(apply_overrides(gpu, ["ray.decode_resources=GPU=2"]), tmp_path)
+    with pytest.raises(ConfigError, match="ray.span_strategy: must be one of"):
+        validate(apply_overrides(ExperimentConfig(), ["ray.span_strategy=gang"]))

@@ -3,13 +3,15 @@ advertising a custom resource that names it (`head`, `pool_a`, `pool_b`), so whe
 actor is observable: the config puts the router on `head`, the PE on `pool_a`, the DE on
 `pool_b`.
 
-One cluster (a Ray cluster and a RayCluster take a minute to start on a small host) goes through
-its life: placement as configured; the DE's node is removed while the DE holds a request, and no
-trajectory is lost (requeued, the reference model's tokens); the DE comes back on the node that
-replaces it; an `update_params` by checkpoint and one streamed over the transfer layer reach
-every engine, the restarted one included; the router's actor killed is restarted by Ray at its
-address and serves on (the engines rejoin it, the client reconnects); what the processes wrote
-(events, link reports) is in the workdir, and no process is left after `stop`.
+One Ray cluster serves the module (it takes a while to start on a small host). The first
+RayCluster goes through its life: placement as configured; the DE's node is removed while the DE
+holds a request, and no trajectory is lost (requeued, the reference model's tokens); the DE
+comes back on the node that replaces it; an `update_params` by checkpoint and one streamed over
+the transfer layer reach every engine, the restarted one included; the router's actor killed is
+restarted by Ray at its address and serves on (the engines rejoin it, the client reconnects);
+what the processes wrote (events, link reports) is in the workdir, and no process is left after
+`stop`. Then `run_local` with `cluster.runtime=ray` gives the thread runtime's tokens, and a
+decode engine spanning two processes runs as one gang of actors on a node added for it.
 
 Full tier (multiprocess); skipped without the `ray` extra.
 """
@@ -28,6 +30,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from test_cluster import (  # noqa: E402
+    PINNED_COST,
     RESULT_TIMEOUT_S,
     busy_engines,
     cluster_config,
@@ -35,8 +38,10 @@ from test_cluster import (  # noqa: E402
     read_events,
 )
 
+from dualpath_jax import apply_overrides, load_config  # noqa: E402
 from dualpath_jax.cluster import RayCluster  # noqa: E402
 from dualpath_jax.config import RayConfig  # noqa: E402
+from dualpath_jax.experiment import read_outputs, run_local  # noqa: E402
 from dualpath_jax.model.decode import reference_generate  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 from dualpath_jax.model.transformer import init_model  # noqa: E402
@@ -44,6 +49,8 @@ from dualpath_jax.presets import TINY_QWEN2  # noqa: E402
 from dualpath_jax.rollout import Session, run_trajectories  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Each emulated node: one CPU, a small object store (nothing large goes through it).
 NODE = {"num_cpus": 1, "object_store_memory": 80 << 20}
@@ -202,51 +209,94 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
     assert wait_gone([w["pid"] for w in where.values()] + [router_pid]) == []
 
 
-def test_run_local_with_the_ray_runtime_replays_as_the_thread_runtime_does(ray_nodes, tmp_path):
-    """`cluster.runtime="ray"`: `run_local` (launch/rollout.py, make demo) on the connected Ray,
-    under Basic, with the tokens and summary.json of the same run in-process."""
-    from dualpath_jax import apply_overrides, load_config
-    from dualpath_jax.experiment import run_local
-
-    root = pathlib.Path(__file__).resolve().parents[2]
-    base = apply_overrides(
-        load_config(str(root / "configs" / "cpu_1p2d.py") + ":tiny"),
-        ["scheduler.policy=basic", "workload.agents=3", "workload.max_turns=2"],
+def test_run_local_on_ray_replays_a_trace_with_the_thread_runtimes_tokens(ray_nodes, tmp_path):
+    """`cluster.runtime=ray`: `run_local` (launch/rollout.py, bench/compare_policies.py) runs
+    its cluster as a `RayCluster` on the Ray this process is connected to, writes the run's
+    files, and replays the trace with the tokens of `cluster.runtime=thread`."""
+    cfg = apply_overrides(
+        load_config(str(ROOT / "configs/cpu_1p1d.py:tiny")),
+        [
+            f"cluster.prefill_cost_json={PINNED_COST}",
+            "workload.agents=2",
+            "workload.trajectories=2",
+            "workload.max_turns=2",
+            "workload.max_len=256",
+            "ray.shared_filesystem=true",  # the emulated nodes share this host's file system
+        ],
     )
-    base = dataclasses.replace(base, ray=PLACED)
-    outputs = {}
-    for runtime in ("ray", "thread"):
-        cfg = dataclasses.replace(base, cluster=dataclasses.replace(base.cluster, runtime=runtime))
-        summary = run_local(cfg, tmp_path / runtime, progress=False)
-        assert summary["errors"] == 0 and summary["policy"] == "basic"
-        assert (tmp_path / runtime / "summary.json").is_file()
-        outputs[runtime] = (tmp_path / runtime / "outputs.jsonl").read_text()
-    assert outputs["ray"] == outputs["thread"]
+    summary = run_local(
+        apply_overrides(cfg, ["cluster.runtime=ray"]), tmp_path / "ray", progress=False
+    )
+    assert ray.is_initialized()  # the driver's Ray: joined, not shut down
+    run_local(apply_overrides(cfg, ["cluster.runtime=thread"]), tmp_path / "thread", progress=False)
+
+    assert summary["errors"] == 0
+    assert sorted(p.name for p in (tmp_path / "ray" / "links").glob("*.json")) == [
+        "de1.json",
+        "pe0.json",
+    ]
+    on_ray = read_outputs(tmp_path / "ray" / "outputs.jsonl")
+    assert len(on_ray) == 2
+    assert on_ray == read_outputs(tmp_path / "thread" / "outputs.jsonl")
 
 
-def test_a_decode_engine_spanning_two_processes_is_placed_and_serves(ray_nodes, tmp_path):
-    """A DE over two processes (one `jax.distributed` world, a mesh of two CPU devices): two
-    actors in two bundles of the placement group (placed together or not at all) on the
-    decode pool; the tokens equal those of the same cluster in-process with one device."""
-    from test_engine_meshes import MODEL, TRAJECTORIES, mesh_config, run_rounds
+# A node for an engine spanning two processes: two CPUs, and a resource pinning the gang there.
+SPAN_NODE = {"num_cpus": 2, "object_store_memory": 80 << 20, "resources": {"pool_c": 2}}
+SPANNED = make_trajectories("ray-span", n=2, rounds=2, seed=3)
+RESPANNED = make_trajectories("ray-respan", n=2, rounds=2, seed=4)
 
-    from dualpath_jax.model.decode import reference_rounds
 
-    runner = ModelRunner(init_model(MODEL, seed=0))
-    expected = [reference_rounds(runner, rounds) for _, rounds in TRAJECTORIES]
-    _, nodes = ray_nodes
+def test_a_decode_engine_spanning_two_processes_is_placed_and_restarted_as_one(
+    ray_nodes, tmp_path, reference_tokens
+):
+    """`cluster.decode_processes=2`: the DE is two actors (`de1`, the engine the router knows,
+    and `de1.1`, its follower) in a placement group of their own, STRICT_PACK on one node, each
+    with one CPU device of the `tensor=2` mesh, one `jax.distributed` world. Its tokens are the
+    reference model's; when the follower dies the whole engine is restarted (both processes
+    anew) and serves the reference tokens again; a params update reaches both processes."""
+    ray_cluster, _ = ray_nodes
+    pool_c = ray_cluster.add_node(**SPAN_NODE)
+    cfg = ray_config(
+        "dualpath",
+        heartbeat_timeout_s=5.0,
+        platform="cpu",
+        decode_mesh="tensor=2",
+        decode_processes=2,
+    )
     cfg = dataclasses.replace(
-        mesh_config("dualpath", prefill_mesh="", decode_mesh="tensor=2", decode_processes=2),
-        ray=dataclasses.replace(PLACED, decode_resources="CPU=0.5,pool_b=0.5"),
+        cfg, ray=dataclasses.replace(PLACED, decode_resources="CPU=1,pool_c=1")
     )
-    with RayCluster(cfg, tmp_path) as cluster:
-        where = cluster.where()
-        client = cluster.client()
-        stats = client.stats()
-        results = run_rounds(client)
-    assert sorted(where) == ["de1", "de1.1", "pe0", "router"]
-    assert where["de1"]["node_id"] == where["de1.1"]["node_id"] == nodes["pool_b"].node_id
-    de = stats["engines"][str(cluster.engine_ids["de1"])]
-    assert (de["mesh"], len(de["devices"])) == ("tensor=2", 2), de
-    assert [[list(r.tokens) for r in rr] for rr in results] == expected
-    assert "stopped by the leader" in (tmp_path / "logs" / "de1.1.log").read_text()
+    env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "")}  # the tests' compile flags
+    try:
+        with RayCluster(cfg, tmp_path, env=env) as cluster:
+            where = cluster.where()
+            assert sorted(where) == ["de1", "de1.1", "pe0", "router"]
+            assert where["de1"]["node_id"] == where["de1.1"]["node_id"] == pool_c.node_id
+            client = cluster.client()
+            engines = client.stats()["engines"]
+            first = run_trajectories(client, SPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            cluster.kill("de1.1")  # the follower dies: the engine's every process restarts
+            cluster.restart("de1")  # returns once the new leader has registered
+            again = cluster.where()
+            second = run_trajectories(client, RESPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            b = init_model(TINY_QWEN2, seed=32)
+            assert client.update_params(b, version="span-1") == "span-1"
+            prompt = list(range(5, 45))
+            after_b = Session(client, "span-after-b").step(prompt, 5, RESULT_TIMEOUT_S)
+            stats = client.stats()
+    finally:
+        ray_cluster.remove_node(pool_c)
+
+    assert len(engines) == 2  # the follower is no engine of its own
+    de = engines[str(cluster.engine_ids["de1"])]
+    assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", "tensor=2", 2), de
+    assert [o.error for o in first + second] == [""] * 4
+    assert [o.rounds for o in first] == [reference_tokens(t) for t in SPANNED]
+    assert [o.rounds for o in second] == [reference_tokens(t) for t in RESPANNED]
+    for name in ("de1", "de1.1"):  # both processes anew, in the gang's bundles
+        assert again[name]["pid"] != where[name]["pid"]
+        assert again[name]["node_id"] == pool_c.node_id
+    assert after_b == reference_generate(ModelRunner(b), prompt, 5)
+    assert stats["counters"]["engine_deaths"] == 1
+    assert stats["counters"]["errors"] == 0
+    assert wait_gone([w["pid"] for w in [*where.values(), *again.values()]]) == []
