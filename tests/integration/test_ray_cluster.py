@@ -212,11 +212,12 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
 def test_run_local_on_ray_replays_a_trace_with_the_thread_runtimes_tokens(ray_nodes, tmp_path):
     """`cluster.runtime=ray`: `run_local` (launch/rollout.py, bench/compare_policies.py) runs
     its cluster as a `RayCluster` on the Ray this process is connected to, writes the run's
-    files, and replays the trace with the tokens of `cluster.runtime=thread`."""
+    files, and replays the trace with the tokens of `cluster.runtime=thread`, under Basic."""
     cfg = apply_overrides(
         load_config(str(ROOT / "configs/cpu_1p1d.py:tiny")),
         [
             f"cluster.prefill_cost_json={PINNED_COST}",
+            "scheduler.policy=basic",  # the first test replays under dualpath
             "workload.agents=2",
             "workload.trajectories=2",
             "workload.max_turns=2",
