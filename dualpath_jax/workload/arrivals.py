@@ -16,7 +16,7 @@ import numpy as np
 
 from dualpath_jax.config import ConfigError, ExperimentConfig, WorkloadConfig
 from dualpath_jax.workload.synthetic import read_workload
-from dualpath_jax.workload.trace import Trajectory, expand, materialize, turn_specs
+from dualpath_jax.workload.trace import Round, Trajectory, expand, materialize, turn_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +217,12 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
 
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
     """Materialized trajectories as `rollout.run_trajectories` takes them:
-    `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`."""
-    return [
-        (t.id, [(list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ())) for r in t.rounds])
-        for t in trajs
-    ]
+    `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`, one
+    that waits for other trajectories `(ids, gen, gap_s, waits_for)`."""
+    return [(t.id, [_round_tuple(r) for r in t.rounds]) for t in trajs]
+
+
+def _round_tuple(r: Round) -> tuple:
+    if r.waits_for:
+        return (list(r.append), r.gen, r.gap_s, r.waits_for)
+    return (list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ()))

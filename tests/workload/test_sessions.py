@@ -32,7 +32,8 @@ def req(t, n_in, n_out, ids, think=0.0):
 
 
 # A session of 4-token blocks: a continuation (r1), a subagent sharing the parent's first block,
-# and a rebuilt context (r2 keeps 1 of the previous request's 4 blocks: under half).
+# and a rebuilt context (r2 keeps 1 of the previous request's 4 blocks: under half), which comes
+# after the subagent's end and so waits for it.
 SESSION = {
     "id": "s1",
     "block_size": 4,
@@ -41,7 +42,8 @@ SESSION = {
         req(0.0, 10, 3, [1, 2]),
         req(5.0, 18, 2, [1, 2, 3, 4], think=4.0),
         {
-            "t": 6.0,
+            "t": 9.0,  # when it returned, after 3 s: it started at 6
+            "duration_ms": 3000,
             "type": "subagent",
             "agent_id": "agent_001",
             "requests": [req(0.0, 9, 1, [1, 7]), req(2.0, 12, 1, [1, 7, 8], think=1.0)],
@@ -74,10 +76,11 @@ def test_a_weka_session_is_a_trajectory_with_its_subagent_and_continuation():
     assert [(r.append, r.gen, r.gap_s) for r in parent.rounds] == [(10, 3, 0.0), (5, 2, 4.0)]
     assert [n for _, n in parent.rounds[0].pieces] == [4, 4, 2]
     child, start = by_id["s1:agent_001"]
-    assert start == 6.0  # the parent's time of the subagent entry
+    assert start == 6.0  # the entry's time less its duration
     assert [(r.append, r.gen, r.gap_s) for r in child.rounds] == [(9, 1, 0.0), (2, 1, 1.0)]
     cont, start = by_id["s1:2"]
     assert start == 30.0 and [(r.append, r.gen) for r in cont.rounds] == [(13, 2)]
+    assert cont.rounds[0].waits_for == ("s1:agent_001",) and cont.rounds[0].gap_s == 21.0
     # Equal hash ids, equal content; the parent's first block heads all three.
     assert pieces_of(parent)[0] == pieces_of(child)[0] == pieces_of(cont)[0]
     assert pieces_of(parent)[1] != pieces_of(child)[1]
