@@ -1,21 +1,17 @@
 """Rounds that wait for other trajectories (`Round.waits_for`): which Weka rounds wait for their
 subagents (the parent's next request came at or after the subagent's end) and with what gap, the
-JSONL field, `submit_time`, cycles; the simulator submits a waiting round only after the
-trajectories it waits for finished, and the public sessions' parents wait for all 12 of their
-subagents."""
+JSONL field, `submit_time`, cycles; the public sessions' parents wait for all 12 of their
+subagents. The simulator's side: tests/sim/test_sim_waits.py; the local cluster's:
+tests/test_rollout_waits.py and tests/integration/test_subagent_waits_cluster.py."""
 
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 
 import pytest
 
-from dualpath_jax import launcher
-from dualpath_jax.presets import emulated_cpu_experiment
 from dualpath_jax.sched.cost import FittedCostModel
-from dualpath_jax.sim import simulate
 from dualpath_jax.workload.sessions import load_weka, parse_weka, parse_weka_session
 from dualpath_jax.workload.trace import (
     Round,
@@ -149,74 +145,6 @@ def test_copies_of_a_waiting_trajectory_wait_for_nobody():
     assert copies[0] is t and all(not r.waits_for for c in copies[1:] for r in c.rounds)
 
 
-# ----------------------------------------------------------------------------- simulator
-
-
-def sim_rounds(trajs, arrivals=None, cfg=None):
-    cfg = cfg or emulated_cpu_experiment(1, 1)
-    run = simulate(cfg, cost=CPU_COST, trajectories=trajs, arrivals=arrivals)
-    out: dict[str, list] = {}
-    for r in run.cluster.results:
-        head, _, k = r.request.rpartition("/r")
-        out.setdefault(head.rpartition("/a")[0], []).append((int(k), r))
-    return run, {k: [r for _, r in sorted(v, key=lambda x: x[0])] for k, v in out.items()}
-
-
-def end_of(results) -> float:
-    return max(r.submit_s + r.jct_s for r in results)
-
-
-CHILD = Trajectory("child", tuple(Round(200, 40, gap_s=1.0 if i else 0.0) for i in range(6)))
-
-
-def parent(**waits):
-    return Trajectory("parent", (Round(100, 8), Round(30, 8, gap_s=0.5, **waits), Round(30, 8)))
-
-
-def test_the_simulator_submits_a_waiting_round_after_the_child_ends():
-    _, free = sim_rounds([parent(), CHILD])
-    run, waited = sim_rounds([parent(waits_for=("child",)), CHILD])
-    child_end = end_of(waited["child"])
-    # without the wait the parent's second round goes long before the child is done
-    assert free["parent"][1].submit_s < end_of(free["child"]) - 1.0
-    assert waited["parent"][1].submit_s == pytest.approx(child_end + 0.5)
-    assert waited["parent"][2].submit_s >= waited["parent"][1].submit_s
-    assert run.summary["errors"] == 0 and run.summary["requests"] == 9
-    assert [len(r.tokens) for r in waited["parent"]] == [8, 8, 8]
-
-
-def test_the_simulator_holds_a_waiting_first_round_and_ignores_ids_not_in_the_run():
-    late = Trajectory("late", (Round(50, 4, gap_s=3.0, waits_for=("child", "gone")),))
-    _, got = sim_rounds([CHILD, late], arrivals=[0.0, 1.0])
-    assert got["late"][0].submit_s == pytest.approx(end_of(got["child"]) + 3.0)
-    _, got = sim_rounds([CHILD, late], arrivals=[0.0, 1e4])  # it arrives after the child ended
-    assert got["late"][0].submit_s == pytest.approx(1e4)
-    with pytest.raises(TraceError, match="cycle"):
-        a = Trajectory("a", (Round(5, 1, waits_for=("b",)),))
-        sim_rounds([a, Trajectory("b", (Round(5, 1, waits_for=("a",)),))])
-
-
-def test_a_weka_session_simulated_online_waits_for_its_subagents(tmp_path):
-    d = tmp_path / "sessions"
-    d.mkdir()
-    (d / "p.json").write_text(json.dumps(SESSION))
-    cfg = launcher.run_config(
-        emulated_cpu_experiment(1, 1), "online", trace=str(d), trace_format="weka", aps=0.0
-    )
-    run = simulate(cfg, cost=CPU_COST)
-    by = {}
-    for r in run.cluster.results:
-        head, _, k = r.request.rpartition("/r")
-        by[head.rpartition("/a")[0], int(k)] = r
-    assert run.summary["errors"] == 0 and run.summary["requests"] == 9
-    a_end, c_end = (max(r.submit_s + r.jct_s for (t, _), r in by.items() if t == c) for c in ("p:a", "p:c"))  # fmt: skip
-    p0_end = by["p", 0].submit_s + by["p", 0].jct_s
-    # round 1 waits for a (and not b), round 2 for c; both with their gaps after the end
-    assert by["p", 1].submit_s == pytest.approx(max(a_end, p0_end) + 2.5)
-    assert by["p", 2].submit_s == pytest.approx(c_end + 1.0)
-    assert by["p:b", 0].submit_s == pytest.approx(2.5)  # arrivals: the recorded starts
-
-
 # ----------------------------------------------------------------------------- public sessions
 
 
@@ -235,32 +163,3 @@ def test_the_public_sessions_parents_wait_for_every_subagent():
     # trace_0274's three start together just after its first request ended (t 0 + api 19 s),
     # not at their entries' t (161, 173 and 300 s: when each returned)
     assert [round(by_id[f"trace_0274:agent_00{k}"], 1) for k in (1, 2, 3)] == [19.5] * 3
-
-
-@pytest.mark.skipif(not REAL.is_dir(), reason="the public traces are not beside the repository")
-def test_the_public_sessions_simulated_waiting_rounds_go_after_their_subagents():
-    cfg = launcher.run_config(
-        emulated_cpu_experiment(1, 2),
-        "offline",
-        overrides=["workload.length_scale=0.015625"],
-        trace=str(REAL),
-        trace_format="weka",
-    )
-    run = simulate(cfg, cost=CPU_COST)
-    assert run.summary["errors"] == 0 and run.summary["requests"] == 917
-    ends: dict[str, float] = {}
-    by: dict[tuple[str, int], object] = {}
-    for r in run.cluster.results:
-        head, _, k = r.request.rpartition("/r")
-        tid = head.rpartition("/a")[0]
-        by[tid, int(k)] = r
-        ends[tid] = max(ends.get(tid, -math.inf), r.submit_s + r.jct_s)
-    trajs, _ = load_weka(REAL, length_scale=1 / 64)
-    n = 0
-    for t in trajs:
-        for i, rd in enumerate(t.rounds):
-            if rd.waits_for:
-                last = max(ends[w] for w in rd.waits_for)
-                assert by[t.id, i].submit_s >= last + rd.gap_s - 1e-9
-                n += 1
-    assert n == 5
