@@ -27,7 +27,7 @@ parent and shares the parent's hash-id namespace.
   and continuations are trajectories of their own that arrive at those times. Ids: the
   session's `id` (the file's stem without one), a subagent `<parent>:<agent_id>`.
 - Waiting for subagents: the parent's first request after a subagent's start waits for it when
-  its recorded `t` is at or after the subagent's end (the parent blocked on the Task tool);
+  its recorded `t` is at or after the subagent's end (it blocked on the tool that ran it);
   its round then has the subagent's trajectories in `Round.waits_for` and, as its gap, the
   time from the last such end to the request (not its `think_time`, which includes the wait).
   Where the parent's next request came before the subagent's end, it went on without it.
@@ -221,12 +221,12 @@ def _chain(
     seg_start = start + reqs[0].t
     prompt = gen = 0
     prev: WekaRequest | None = None
-    for k, r in enumerate(reqs):
+    for j, r in enumerate(reqs):
         scaled_in = sum(n for _, n in _pieces(r, namespace, tail_ns, block, bt))
         kept = prev is not None and 2 * _shared_blocks(prev.hash_ids, r.hash_ids) * block >= (
             prev.input_len
         )
-        waits_for, end = waits.get(k, ((), 0.0))
+        waits_for, end = waits.get(j, ((), 0.0))
         wait = {"waits_for": waits_for, "gap_s": round(max(0.0, start + r.t - end), 6)}
         if rounds and kept:
             app = max(1, scaled_in - prompt - gen)
