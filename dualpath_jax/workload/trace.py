@@ -42,7 +42,7 @@ class Round:
     and a shorter piece of a content is a prefix of a longer one (`workload.sharing`).
 
     `gap_s`: seconds the agent spends between the end of the previous round and the submission of
-    this one (a tool call; 0 for a first round).
+    this one (a tool call; a first round's counts only after the trajectories it waits for).
 
     `waits_for`: ids of other trajectories (subagents the agent waits for) that must have
     finished, every round of them, before this round is submitted; the gap then counts from the
@@ -64,8 +64,9 @@ class Round:
     def __post_init__(self) -> None:
         if not (self.gap_s >= 0 and math.isfinite(self.gap_s)):
             raise ValueError(f"gap_s must be a finite number >= 0, got {self.gap_s}")
-        if not isinstance(self.waits_for, tuple) or not all(
-            isinstance(w, str) and w for w in self.waits_for
+        if self.waits_for and (  # (checked only when set: most rounds have none)
+            not isinstance(self.waits_for, tuple)
+            or not all(isinstance(w, str) and w for w in self.waits_for)
         ):
             raise ValueError(f"waits_for must be a tuple of ids, got {self.waits_for!r}")
         if self.pieces and sum(n for _, n in self.pieces) != self.append_len:
