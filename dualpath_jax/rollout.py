@@ -25,8 +25,9 @@ import dataclasses
 import logging
 import numbers
 import threading
+import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -250,12 +251,13 @@ def run_trajectories(
     A round `(append tokens, gen, gap_s)` is submitted `gap_s` seconds after the previous one
     finished (a tool call); with `tool_calls` the session gets a `tool_call` hint of `gap_s`
     as the gap begins (its KV may be prefetched meanwhile, `scheduler.prefetch`). A round
-    `(append tokens, gen, gap_s, after)` waits first for the trajectories named in `after` (ids
-    of this call's: the subagents its turn waits for, `workload.Round.after`) to end, however
-    they end; with `max_concurrent`, one that has not started is not waited for (it may need the
-    slot the waiting trajectory holds).
+    `(append tokens, gen, gap_s, waits_for)` also waits until every trajectory of this call
+    whose id is in `waits_for` has ended (its subagents; finished or failed), and its gap then
+    counts from the last of those ends (`workload.trace.submit_time`; ids not in the call are
+    ignored, a cycle of waits is a ValueError).
 
-    `max_concurrent` bounds how many trajectories run at once (0: all); `arrivals` gives each
+    `max_concurrent` bounds how many trajectories run at once (0: all; with it, a trajectory may
+    wait only for earlier ones, which hold their slots first); `arrivals` gives each
     trajectory's start time in seconds after the call (online replay; default: all at once).
     With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
     (and `top_p`; `round_sampling`); with `logprobs` each round's result carries its tokens'
@@ -280,6 +282,11 @@ def run_trajectories(
         priorities = [int(p) for p in priority]
     if len(priorities) != len(trajs):
         raise ValueError(f"{len(priorities)} priorities for {len(trajs)} trajectories")
+    waits_of = _waits(trajs, max_concurrent)
+    # When each trajectory ended (monotonic s), and the rounds waiting for ones still running.
+    ended: list[float | None] = [None] * len(trajs)
+    waiting: dict[int, list[tuple[int, int]]] = {}
+    pending: dict[tuple[int, int], list] = {}  # (k, i) -> [ends awaited, ready at]
     total = sum(len(r) for _, r in trajs)
     bar = tqdm(total=total, desc="rounds", disable=not progress, unit="round")
     lock = threading.Lock()
@@ -288,9 +295,6 @@ def run_trajectories(
     stopped = threading.Event()  # timed out: no new round starts, late rounds are dropped
     remaining = [len(trajs)]
     sessions: dict[int, Session] = {}
-    index = {tid: k for k, (tid, _) in enumerate(trajs)}
-    ended: set[int] = set()  # trajectories that ended (their waiters go on)
-    waiters: dict[int, list[Callable[[], None]]] = {}  # trajectory -> rounds waiting for it
     # Closing blocks on the router's answer: never on the client's thread (the callbacks').
     closer = futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-close")
     timers: list[threading.Timer] = []
@@ -308,11 +312,16 @@ def run_trajectories(
             log.warning("trajectory %s: the tool_call hint failed: %s", trajs[k][0], e)
 
     def finish_one(k: int) -> None:
+        now = time.monotonic()
+        go = []
         with lock:
-            ended.add(k)
-            woken = waiters.pop(k, [])
-        for wake in woken:
-            wake()
+            ended[k] = now
+            for w, i in waiting.pop(k, ()):
+                pending[w, i][0] -= 1
+                if pending[w, i][0] == 0:
+                    go.append((w, i, pending.pop((w, i))[1]))
+        for w, i, ready in go:  # every trajectory they wait for has ended
+            submit_after(w, i, _delay(trajs[w][1], w, i, ready, now, waits_of, ended))
         if k in sessions:
             if stopped.is_set():
                 return  # timed out: the call closes every session
@@ -330,55 +339,40 @@ def run_trajectories(
         return None if key is None else jax.random.fold_in(jax.random.fold_in(key, k), i)
 
     def advance(k: int, session: Session, i: int) -> None:
+        """Round i of trajectory k is ready: its previous round ended (or it arrived)."""
         rounds = trajs[k][1]
         if i == len(rounds):
             finish_one(k)
             return
-        append, gen, *gap = rounds[i]
         if stopped.is_set():
             return
-        if i and len(gap) > 1 and gap[1]:  # the subagents it waits for end first
-            with lock:
-                pending = {
-                    index[a]
-                    for a in gap[1]
-                    if a in index and (not max_concurrent or index[a] in sessions)
-                } - ended
-            if pending:
-                return wait_for(pending, lambda: gap_then_step(k, session, i, append, gen, gap))
-        gap_then_step(k, session, i, append, gen, gap)
-
-    def wait_for(pending: set[int], then: Callable[[], None]) -> None:
-        """Runs `then` once every trajectory of `pending` has ended."""
-        left = [len(pending)]
-
-        def one_ended() -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                then()
-
+        now = time.monotonic()
         with lock:
-            gone = {j for j in pending if j in ended}
-            for j in pending - gone:
-                waiters.setdefault(j, []).append(one_ended)
-        for _ in gone:  # ended meanwhile
-            one_ended()
+            running = [w for w in waits_of.get((k, i), ()) if ended[w] is None]
+            if running:  # it goes when the last of them ends (`finish_one`)
+                pending[k, i] = [len(running), now]
+                for w in running:
+                    waiting.setdefault(w, []).append((k, i))
+                return
+            delay = _delay(rounds, k, i, now, now, waits_of, ended)
+        submit_after(k, i, delay)
 
-    def gap_then_step(k, session, i, append, gen, gap) -> None:
+    def submit_after(k: int, i: int, delay: float) -> None:
+        """Submits round i of trajectory k after `delay` seconds: on a timer, the gap before it
+        a tool call (with `tool_calls`, hinted as it begins), or at once."""
         if stopped.is_set():
             return
-        if i and gap and gap[0] > 0:  # the tool call runs first
-            if tool_calls:  # (its answer is awaited on the helper thread, not this one)
-                closer.submit(hint_tool_call, k, session, gap[0])
-            timer = threading.Timer(gap[0], step, (k, session, i, append, gen))
-            timer.daemon = True
-            with lock:
-                timers.append(timer)
-            timer.start()
-        else:
+        session, (append, gen, *_) = sessions[k], trajs[k][1][i]
+        if delay <= 0:
             step(k, session, i, append, gen)
+            return
+        if tool_calls and i:  # (its answer is awaited on the helper thread, not this one)
+            closer.submit(hint_tool_call, k, session, delay)
+        timer = threading.Timer(delay, step, (k, session, i, append, gen))
+        timer.daemon = True
+        with lock:
+            timers.append(timer)
+        timer.start()
 
     def step(k: int, session: Session, i: int, append: Sequence[int], gen: int) -> None:
         def on_done(f: futures.Future) -> None:
@@ -413,8 +407,6 @@ def run_trajectories(
 
     if not trajs:
         return outputs
-    import time
-
     t0 = time.monotonic()
     for k, (tid, _) in enumerate(trajs):
         if arrivals is not None:
@@ -447,6 +439,57 @@ def run_trajectories(
         if k in sessions and (release or timed_out):
             close(k)
     return outputs
+
+
+def _waits(trajs: Sequence[tuple[str, Sequence[tuple]]], max_concurrent: int) -> dict:
+    """`(trajectory k, round i) -> [indices of the trajectories it waits for]` of
+    `run_trajectories`' rounds (their fourth field), checked: no cycle, and with
+    `max_concurrent` only earlier trajectories."""
+    from dualpath_jax.workload.trace import wait_cycle
+
+    index: dict[str, list[int]] = {}
+    for k, (tid, _) in enumerate(trajs):
+        index.setdefault(tid, []).append(k)
+    out: dict[tuple[int, int], list[int]] = {}
+    edges: dict[str, set[str]] = {tid: set() for tid in index}
+    for k, (tid, rounds) in enumerate(trajs):
+        for i, rd in enumerate(rounds):
+            named = rd[3] if len(rd) > 3 else ()
+            if isinstance(named, str):
+                raise ValueError(f"round {i} of {tid!r}: waits_for must be a sequence of ids")
+            ws = sorted({w for name in named for w in index.get(name, ())})
+            if not ws:
+                continue
+            if max_concurrent and ws[-1] >= k:
+                raise ValueError(
+                    f"round {i} of {tid!r} waits for a later trajectory; with max_concurrent"
+                    " the one it waits for might never get a slot"
+                )
+            out[k, i] = ws
+            edges[tid].update(trajs[w][0] for w in ws)
+    cycle = wait_cycle(edges)
+    if cycle:
+        raise ValueError(f"trajectories wait for each other in a cycle: {' -> '.join(cycle)}")
+    return out
+
+
+def _delay(
+    rounds: Sequence[tuple],
+    k: int,
+    i: int,
+    ready: float,
+    now: float,
+    waits_of: dict,
+    ended: list,
+) -> float:
+    """Seconds from `now` until round i of trajectory k goes, ready (its previous round ended,
+    or it arrived) at `ready` and every trajectory it waits for ended
+    (`workload.trace.submit_time`; counted from `now` so that a plain gap stays exact)."""
+    from dualpath_jax.workload.trace import submit_time
+
+    gap = float(rounds[i][2]) if len(rounds[i]) > 2 else 0.0
+    ends = [ended[w] - now for w in waits_of.get((k, i), ())]
+    return submit_time(ready - now, gap, ends, first=i == 0)
 
 
 # (defined in its own module; part of this API)

@@ -78,6 +78,7 @@ def _trace_section(spec: str) -> dict:
             "rounds": sum(len(t.rounds) for t in trajs),
             "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0,
             "last_start_s": max(starts) if starts else 0.0,
+            "waiting_rounds": sum(1 for t in trajs for r in t.rounds if r.waits_for),
         }
     print(f"trace statistics: {label}")
     print(f"{'':<10}{'ours':>10}{'Table 2':>10}{'ratio':>8}")
@@ -103,7 +104,8 @@ def _trace_section(spec: str) -> dict:
     if target is None:
         print(
             f"rounds: {extra['rounds']}, mean gap before a later round {extra['gap_s_mean']:.1f} s,"
-            f" last trajectory starts at {extra['last_start_s']:.1f} s"
+            f" last trajectory starts at {extra['last_start_s']:.1f} s,"
+            f" {extra['waiting_rounds']} waiting for other trajectories (subagents)"
         )
         out.update(extra)
     return out

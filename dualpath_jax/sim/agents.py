@@ -1,8 +1,9 @@
 """Agents replaying their trajectories on a simulated cluster (appendix A.3).
 
-Round i+1 of an agent is submitted when its round i is done, the agents it waits for
-(`Round.after`: subagents) have finished, and then its tool call (`Round.gap_s`) is over, with
-prompt `A_1 G_1 ... A_{i+1}`. The hit of a round is what the DE persisted for the
+Round i+1 of an agent is submitted when its round i is done and its tool call (`Round.gap_s`)
+is over, with prompt `A_1 G_1 ... A_{i+1}`; a round that waits for other agents' trajectories
+(`Round.waits_for`: subagents) also not before they finished, its gap counting from the last
+of their ends (`workload.trace.submit_time`). The hit of a round is what the DE persisted for the
 previous round (`round_hit`); a first round given as content pieces (`Round.pieces`: Mooncake
 and conversation traces) hits the longest prefix it shares with the first rounds finished so
 far, as the content-addressed store finds it (`workload.sharing`). With a store capacity, the
@@ -20,7 +21,7 @@ from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.kvcache import SimBlockStore
 from dualpath_jax.sim.state import RoundState
 from dualpath_jax.workload.sharing import PrefixIndex, prefix_hit
-from dualpath_jax.workload.trace import Trajectory, TurnSpec
+from dualpath_jax.workload.trace import Trajectory, TurnSpec, check_waits, submit_time
 
 
 def round_hit(prev: TurnSpec | None, spec: TurnSpec, block_tokens: int) -> int:
@@ -61,7 +62,8 @@ def schedule_agents(
     agents = AgentReplay(cluster, trajectories)
     for agent, t0 in enumerate(arrivals):
         if agents.prompts[agent]:
-            cluster.loop.at(t0, agents.submit, agent, 0)
+            first = agents.ready if (agent, 0) in agents.waits else agents.submit
+            cluster.loop.at(t0, first, agent, 0)
     return agents.done_at
 
 
@@ -77,34 +79,38 @@ class AgentReplay:
         self.prompts: list[list[int]] = []
         self.gens: list[list[int]] = []
         self.gaps: list[list[float]] = []
-        # Each agent's rounds' waits (agent indices; `Round.after`), and the rounds waiting on
-        # an agent: (waiting agent, its turn).
-        self.after: list[list[tuple[int, ...]]] = []
-        self.waiting: dict[int, list[tuple[int, int]]] = {}
-        index = {t.id: k for k, t in enumerate(trajectories)}
         # Each agent's first-round pieces (empty: private tokens) and those finished so far.
         self.pieces: list[tuple[tuple[int, int], ...]] = []
         self.shared = PrefixIndex()
+        named: list[tuple[int, int, tuple[str, ...]]] = []  # rounds with `waits_for`
         for t in trajectories:
             self.pieces.append(t.rounds[0].pieces if t.rounds else ())
             prompts: list[int] = []
             gens: list[int] = []
             gaps: list[float] = []
-            after: list[tuple[int, ...]] = []
             context = 0
             for r in t.rounds:
+                if r.waits_for:
+                    named.append((len(self.ids), len(gens), r.waits_for))
                 append = r.append_len
                 prompts.append(context + append)
                 gens.append(r.gen)
                 gaps.append(float(r.gap_s))
-                after.append(tuple(index[a] for a in r.after if a in index))
                 context += append + r.gen
             self.ids.append(t.id)
             self.prompts.append(prompts)
             self.gens.append(gens)
             self.gaps.append(gaps)
-            self.after.append(after)
         self.done_at: list[float] = [math.nan] * len(self.ids)
+        # Rounds that wait for other agents (`Round.waits_for`): (agent, turn) -> those agents
+        # (empty for most workloads: their rounds take the paths below without a lookup); the
+        # rounds waiting for each agent still running, and how many agents each still awaits
+        # since it was ready.
+        self.waits: dict[tuple[int, int], list[int]] = {}
+        if named:
+            self.waits = _wait_table(trajectories, named)
+        self.waiting: dict[int, list[tuple[int, int]]] = {}
+        self.pending: dict[tuple[int, int], tuple[int, float]] = {}
         self.store: SimBlockStore | None = None
         st = cluster.cfg.store
         if st.capacity_bytes > 0:
@@ -147,24 +153,70 @@ class AgentReplay:
             self.store.end(agent, r.trajectory, self.pieces[agent], n_full, last)
         if last:
             self.done_at[agent] = self.cluster.loop.now
-            for waiter, wturn in self.waiting.pop(agent, []):
-                self._next(waiter, wturn)
-            return
-        self._next(agent, turn)
-
-    def _next(self, agent: int, turn: int) -> None:
-        """Round `turn` of `agent` once its previous round is done: after the agents it waits
-        for (still running: it waits on the first of them and comes back), then its tool call."""
-        for other in self.after[agent][turn]:
-            if math.isnan(self.done_at[other]):
-                self.waiting.setdefault(other, []).append((agent, turn))
-                return
-        if self.gaps[agent][turn] > 0:  # the agent's tool call runs first
+            if self.waiting:
+                self._ended(agent)
+        elif self.waits and (agent, turn) in self.waits:
+            self.ready(agent, turn)
+        elif self.gaps[agent][turn] > 0:  # the agent's tool call runs first
             gap = self.gaps[agent][turn]
             if self.cluster.prefetch is not None:  # the trace says a tool call: prefetch its hit
                 prompts, gens = self.prompts[agent], self.gens[agent]
                 hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
-                self.cluster.prefetch.tool_call(f"{self.ids[agent]}/a{agent}", hit, gap)
+                self.cluster.prefetch.tool_call(st.request.trajectory, hit, gap)
             self.cluster.loop.after(gap, self.submit, agent, turn)
         else:
             self.submit(agent, turn)
+
+    def ready(self, agent: int, turn: int) -> None:
+        """Round `turn` of `agent`, which waits for other agents, is ready (the previous round
+        ended, or the agent arrived): it goes once they have all finished."""
+        running = [w for w in self.waits[(agent, turn)] if math.isnan(self.done_at[w])]
+        now = self.cluster.loop.now
+        if not running:
+            self._go(agent, turn, now)
+            return
+        self.pending[(agent, turn)] = (len(running), now)
+        for w in running:
+            self.waiting.setdefault(w, []).append((agent, turn))
+
+    def _ended(self, agent: int) -> None:
+        for key in self.waiting.pop(agent, []):
+            left, ready = self.pending[key]
+            if left > 1:
+                self.pending[key] = (left - 1, ready)
+            else:
+                del self.pending[key]
+                self._go(key[0], key[1], ready)
+
+    def _go(self, agent: int, turn: int, ready: float) -> None:
+        ends = [self.done_at[w] for w in self.waits[(agent, turn)]]
+        gap = self.gaps[agent][turn]
+        loop = self.cluster.loop
+        at = submit_time(ready, gap, ends, first=turn == 0)
+        if at <= loop.now:
+            self.submit(agent, turn)
+            return
+        if turn and self.cluster.prefetch is not None:  # the rest of the wait is a tool call
+            prompts, gens = self.prompts[agent], self.gens[agent]
+            hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
+            self.cluster.prefetch.tool_call(f"{self.ids[agent]}/a{agent}", hit, at - loop.now)
+        loop.at(at, self.submit, agent, turn)
+
+
+def _wait_table(
+    trajectories: Sequence[Trajectory], named: list[tuple[int, int, tuple[str, ...]]]
+) -> dict[tuple[int, int], list[int]]:
+    """`(agent, turn) -> [agents it waits for]` of the rounds `named` (agent, turn, their
+    `waits_for`): the agents with rounds of those ids (other ids are not in the run). Raises
+    `TraceError` on a cycle."""
+    check_waits(trajectories)
+    index: dict[str, list[int]] = {}
+    for agent, t in enumerate(trajectories):
+        if t.rounds:
+            index.setdefault(t.id, []).append(agent)
+    out: dict[tuple[int, int], list[int]] = {}
+    for agent, turn, ids in named:
+        ws = sorted({w for name in ids for w in index.get(name, [])})
+        if ws:
+            out[(agent, turn)] = ws
+    return out

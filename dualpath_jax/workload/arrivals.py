@@ -218,11 +218,11 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
     """Materialized trajectories as `rollout.run_trajectories` takes them:
     `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`, one
-    that waits for other trajectories `(ids, gen, gap_s, after ids)`."""
+    that waits for other trajectories `(ids, gen, gap_s, waits_for)`."""
+    return [(t.id, [_round_tuple(r) for r in t.rounds]) for t in trajs]
 
-    def one(r: Round) -> tuple:
-        if r.after:
-            return (list(r.append), r.gen, r.gap_s, r.after)
-        return (list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ()))
 
-    return [(t.id, [one(r) for r in t.rounds]) for t in trajs]
+def _round_tuple(r: Round) -> tuple:
+    if r.waits_for:
+        return (list(r.append), r.gen, r.gap_s, r.waits_for)
+    return (list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ()))

@@ -7,8 +7,10 @@ or a directory of `*.json` files, one session each): `{"id", "block_size", "hash
 "think_time": s, "api_time": s, ...}`; its hash ids name its input's full `block_size`-token
 blocks in order (a `"local"` scope: per session, so ids are namespaced by the session; `"global"`:
 as they are), and the input's tokens past them are the request's own. A `{"type": "subagent",
-"t", "agent_id", "requests": [...]}` entry is a child session: its requests' `t` count from its
-own `t`, it runs beside its parent and shares the parent's hash-id namespace.
+"t", "duration_ms", "agent_id", "requests": [...]}` entry is a child session that returned at
+`t` after running `duration_ms` (without it: the span of its requests, `t + api_time` of the
+last); its requests' `t` count from its start, `t - duration_ms / 1000`. It runs beside its
+parent and shares the parent's hash-id namespace.
 
 - A session (and each subagent) is a trajectory whose rounds are its requests in order. The first
   round's append is its input as content pieces (`(hash id, block tokens)`, then the unhashed
@@ -21,16 +23,14 @@ own `t`, it runs beside its parent and shares the parent's hash-id namespace.
   compacted or rebuilt context), the session goes on as a new trajectory `<id>:<k>` (k = 2, 3,
   ...) starting at that request's time, its first round the whole input as pieces again.
 - Start times: a session starts at 0 (the format has no absolute times), a subagent at its
-  parent's start + its `t`, a continuation at its request's `t`. Subagents and continuations
-  are trajectories of their own that arrive at those times and run beside their parent.
-- Waiting for subagents: a subagent ends at its `t` + `duration_ms` (else its last request's
-  `t` + `api_time`). The parent's first own request after it in the file whose `t` is at or
-  after that end waited for it (the trace's timing says so): its round gets the subagent in
-  `Round.after` and, as its gap, the time from the subagent's end to the request (instead of
-  its `think_time`). A request sent before its subagents ended (they ran in the background)
-  waits for nothing. A round that starts a continuation waits for nothing either (it arrives at
-  its recorded time).
-  Ids: the session's `id` (the file's stem without one), a subagent `<parent>:<agent_id>`.
+  parent's start + its `t - duration_ms / 1000`, a continuation at its request's `t`. Subagents
+  and continuations are trajectories of their own that arrive at those times. Ids: the
+  session's `id` (the file's stem without one), a subagent `<parent>:<agent_id>`.
+- Waiting for subagents: the parent's first request after a subagent's start waits for it when
+  its recorded `t` is at or after the subagent's end (it blocked on the tool that ran it);
+  its round then has the subagent's trajectories in `Round.waits_for` and, as its gap, the
+  time from the last such end to the request (not its `think_time`, which includes the wait).
+  Where the parent's next request came before the subagent's end, it went on without it.
 
 TraceLab (`workload.trace_format="tracelab"`): JSONL, one round a line, `{"session_id",
 "round_index", "input_tokens_total" (or "prefix_tokens" + "newly_append_tokens"),
@@ -95,8 +95,20 @@ class WekaRequest:
     output_len: int
     hash_ids: tuple[int, ...]
     think_s: float
-    api_s: float = 0.0
-    after: tuple[str, ...] = ()  # the subagents it waited for (`walk`)
+    api_s: float = 0.0  # the recorded time to its answer
+
+
+@dataclasses.dataclass(frozen=True)
+class WekaSubagent:
+    """A subagent entry, unscaled: it returned at `t` seconds from its parent's origin after
+    running `duration_s` (its `duration_ms`, else the span of its own requests); its requests'
+    times count from its start, `t - duration_s`."""
+
+    tid: str
+    t: float
+    duration_s: float
+    own: tuple[WekaRequest, ...]
+    subagents: tuple[WekaSubagent, ...]
 
 
 def _field(obj: dict, key: str, where: str, *, integer: bool, default: object = None) -> float:
@@ -139,6 +151,30 @@ def _weka_request(obj: object, where: str, block: int) -> WekaRequest:
     )
 
 
+def _weka_requests(
+    requests: object, tid: str, block: int
+) -> tuple[list[WekaRequest], list[WekaSubagent]]:
+    """A (sub)session's `requests` list -> its own requests and its subagents, validated."""
+    if not isinstance(requests, list) or not requests:
+        raise TraceError(f"{tid}: 'requests' must be a non-empty list")
+    own: list[WekaRequest] = []
+    subagents: list[WekaSubagent] = []
+    for k, r in enumerate(requests):
+        where = f"{tid} request {k}"
+        if isinstance(r, dict) and r.get("type") == "subagent":
+            child = f"{tid}:{r.get('agent_id', f'sub{k}')}"
+            t = float(_field(r, "t", where, integer=False))
+            c_own, c_subs = _weka_requests(r.get("requests"), child, block)
+            if "duration_ms" in r:
+                duration = float(_field(r, "duration_ms", where, integer=False)) / 1000
+            else:
+                duration = max((q.t + q.api_s for q in c_own), default=0.0)
+            subagents.append(WekaSubagent(child, t, duration, tuple(c_own), tuple(c_subs)))
+        else:
+            own.append(_weka_request(r, where, block))
+    return own, subagents
+
+
 def _pieces(
     r: WekaRequest, namespace: str | None, tail_ns: str, block: int, bt: int
 ) -> tuple[tuple[int, int], ...]:
@@ -173,24 +209,29 @@ def _chain(
     tail_ns: str,
     block: int,
     length_scale: float,
+    waits: dict[int, tuple[tuple[str, ...], float]],
 ) -> list[tuple[Trajectory, float]]:
     """One (sub)session's requests (`start`: its origin, seconds) -> its trajectory and the
-    continuations after rebuilt contexts, each with its start time."""
+    continuations after rebuilt contexts, each with its start time. `waits`: request index ->
+    the subagent trajectories its round waits for and their last recorded end (seconds); its
+    gap is then the time from that end to the request."""
     bt = max(1, round(block * length_scale))
     out: list[tuple[Trajectory, float]] = []
     rounds: list[Round] = []
     seg_start = start + reqs[0].t
     prompt = gen = 0
     prev: WekaRequest | None = None
-    for r in reqs:
+    for j, r in enumerate(reqs):
         scaled_in = sum(n for _, n in _pieces(r, namespace, tail_ns, block, bt))
         kept = prev is not None and 2 * _shared_blocks(prev.hash_ids, r.hash_ids) * block >= (
             prev.input_len
         )
+        waits_for, end = waits.get(j, ((), 0.0))
+        wait = {"waits_for": waits_for, "gap_s": round(max(0.0, start + r.t - end), 6)}
         if rounds and kept:
             app = max(1, scaled_in - prompt - gen)
-            gen_r = _scaled(r.output_len, length_scale)
-            rounds.append(Round(app, gen_r, gap_s=r.think_s, after=r.after))
+            gap = wait if waits_for else {"gap_s": r.think_s}
+            rounds.append(Round(app, _scaled(r.output_len, length_scale), **gap))
             prompt += gen + app
         else:
             if rounds:
@@ -198,7 +239,8 @@ def _chain(
                 out.append((Trajectory(tid if k == 1 else f"{tid}:{k}", tuple(rounds)), seg_start))
                 seg_start = start + r.t
             pieces = _pieces(r, namespace, tail_ns, block, bt)
-            rounds = [Round(scaled_in, _scaled(r.output_len, length_scale), pieces)]
+            gap = wait if waits_for else {}
+            rounds = [Round(scaled_in, _scaled(r.output_len, length_scale), pieces, **gap)]
             prompt = scaled_in
         gen = rounds[-1].gen
         prev = r
@@ -228,46 +270,31 @@ def parse_weka_session(
     if scope not in ("local", "global"):
         raise TraceError(f"{sid}: 'hash_id_scope' must be 'local' or 'global', got {scope!r}")
     namespace = sid if scope == "local" else None
-    out: list[tuple[Trajectory, float]] = []
 
-    def walk(requests: object, tid: str, start: float) -> float:
-        """Parses a (sub)session starting at `start`; returns when it ended (s)."""
-        if not isinstance(requests, list) or not requests:
-            raise TraceError(f"{tid}: 'requests' must be a non-empty list")
-        own: list[WekaRequest] = []
-        children: list[tuple[str, float, object, float | None]] = []
-        running: list[int] = []  # children not yet waited for, by index
-        ends: dict[int, float] = {}
-        for k, r in enumerate(requests):
-            where = f"{tid} request {k}"
-            if isinstance(r, dict) and r.get("type") == "subagent":
-                agent = r.get("agent_id", f"sub{k}")
-                t = float(_field(r, "t", where, integer=False))
-                dur = r.get("duration_ms")
-                dur_s = float(dur) / 1000 if isinstance(dur, int | float) and dur >= 0 else None
-                running.append(len(children))
-                children.append((f"{tid}:{agent}", start + t, r.get("requests"), dur_s))
-                ends[running[-1]] = walk(r.get("requests"), f"{tid}:{agent}", start + t)
-                if dur_s is not None:
-                    ends[running[-1]] = start + t + dur_s
-            else:
-                req = _weka_request(r, where, block)
-                at = start + req.t
-                done = [c for c in running if ends[c] <= at]
-                if done and own:  # it waited for them: its gap runs from the last one's end
-                    running = [c for c in running if c not in done]
-                    gap = max(0.0, at - max(ends[c] for c in done))
-                    after = tuple(children[c][0] for c in done)
-                    req = dataclasses.replace(req, think_s=gap, after=after)
-                own.append(req)
-        if own:
-            out.extend(_chain(own, tid, start, namespace, sid, block, length_scale))
-        last = own[-1] if own else None
-        end = start + (last.t + last.api_s if last is not None else 0.0)
-        return max([end, *ends.values()])
+    def walk(
+        own: list[WekaRequest], subagents: Sequence[WekaSubagent], tid: str, start: float
+    ) -> tuple[list[str], list[tuple[Trajectory, float]]]:
+        """The trajectories of a (sub)session whose origin is `start` (seconds), its own first,
+        and the ids of its own (not its subagents')."""
+        below: list[tuple[Trajectory, float]] = []
+        waits: dict[int, tuple[tuple[str, ...], float]] = {}
+        for c in subagents:
+            c_start, c_end = start + max(0.0, c.t - c.duration_s), start + c.t
+            ids, pairs = walk(list(c.own), c.subagents, c.tid, c_start)
+            below.extend(pairs)
+            # The parent's next request after the spawn waits for the child when it came after
+            # the child's end; else the parent went on without it.
+            k = next((k for k, r in enumerate(own) if start + r.t > c_start), None)
+            if ids and k is not None and start + own[k].t >= c_end:
+                before, end = waits.get(k, ((), c_end))
+                waits[k] = (before + tuple(ids), max(end, c_end))
+        if not own:
+            return [], below
+        mine = _chain(own, tid, start, namespace, sid, block, length_scale, waits)
+        return [t.id for t, _ in mine], mine + below
 
-    walk(obj.get("requests"), sid, 0.0)
-    return out
+    own, subagents = _weka_requests(obj.get("requests"), sid, block)
+    return walk(own, subagents, sid, 0.0)[1]
 
 
 def _sorted(pairs: list[tuple[Trajectory, float]]) -> tuple[list[Trajectory], list[float]]:

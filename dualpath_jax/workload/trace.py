@@ -1,12 +1,13 @@
 """Agent traces: the JSONL format, validation, the appendix A.3 replay rule, expansion, stats.
 
 Trace JSONL (docs/traces.md), one trajectory per line:
-`{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float}, ...]}`
-(`gap_s` optional: the tool call's seconds before the round; `after` optional: ids of other
-trajectories, subagents, that must end before the round's gap begins). An int append means that many
-seeded random token ids (`materialize`); a list gives the ids themselves. Other trace
-formats (Mooncake, conversations) are read by `workload.formats`; their appends are content
-pieces (`Round.pieces`), so equal content gives equal tokens in every trajectory.
+`{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float,
+"waits_for": [str, ...]}, ...]}` (`gap_s` optional: the tool call's seconds before the round;
+`waits_for` optional: ids of trajectories, such as subagents, that must finish first). An int
+append means that many seeded random token ids (`materialize`); a list gives the ids
+themselves. Other trace formats (Mooncake, conversations) are read by `workload.formats`; their
+appends are content pieces (`Round.pieces`), so equal content gives equal tokens in every
+trajectory.
 
 Replay (appendix A.3): round i+1 of a trajectory sends the prompt `A_1 G_1 ... A_i G_i A_{i+1}`
 and generates exactly `g_{i+1}` tokens `G_{i+1}`. Everything before `A_{i+1}` was computed in
@@ -41,27 +42,33 @@ class Round:
     and a shorter piece of a content is a prefix of a longer one (`workload.sharing`).
 
     `gap_s`: seconds the agent spends between the end of the previous round and the submission of
-    this one (a tool call; 0 for a first round).
+    this one (a tool call; a first round's counts only after the trajectories it waits for).
 
-    `after`: ids of other trajectories (the subagents this turn waits for) that must have ended
-    before the round's gap begins: it is submitted `gap_s` after the later of its previous
-    round's end and theirs. Empty for a first round."""
+    `waits_for`: ids of other trajectories (subagents the agent waits for) that must have
+    finished, every round of them, before this round is submitted; the gap then counts from the
+    later of the previous round's end and their last end (`submit_time`). Ids of trajectories
+    that are not in a run are ignored by it."""
 
     append: int | tuple[int, ...]
     gen: int
     pieces: tuple[tuple[int, int], ...] = ()
     gap_s: float = 0.0
-    after: tuple[str, ...] = ()
+    waits_for: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # pieces, gap and waits only when there are some
         pieces = f", pieces={self.pieces!r}" if self.pieces else ""
         gap = f", gap_s={self.gap_s!r}" if self.gap_s else ""
-        after = f", after={self.after!r}" if self.after else ""
-        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap}{after})"
+        waits = f", waits_for={self.waits_for!r}" if self.waits_for else ""
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap}{waits})"
 
     def __post_init__(self) -> None:
         if not (self.gap_s >= 0 and math.isfinite(self.gap_s)):
             raise ValueError(f"gap_s must be a finite number >= 0, got {self.gap_s}")
+        if self.waits_for and (  # (checked only when set: most rounds have none)
+            not isinstance(self.waits_for, tuple)
+            or not all(isinstance(w, str) and w for w in self.waits_for)
+        ):
+            raise ValueError(f"waits_for must be a tuple of ids, got {self.waits_for!r}")
         if self.pieces and sum(n for _, n in self.pieces) != self.append_len:
             raise ValueError(
                 f"pieces hold {sum(n for _, n in self.pieces)} tokens, the append {self.append_len}"
@@ -101,7 +108,7 @@ class TurnSpec:
 # --------------------------------------------------------------------------- parsing
 
 
-_ROUND_KEYS = frozenset({"append", "gen", "gap_s", "after"})
+_ROUND_KEYS = frozenset({"append", "gen", "gap_s", "waits_for"})
 
 
 def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
@@ -144,13 +151,8 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
         if not isinstance(rd, dict) or not {"append", "gen"} <= set(rd) <= _ROUND_KEYS:
             raise TraceError(
                 f"line {lineno}: {where} must be an object with 'append' and 'gen'"
-                " (and optionally 'gap_s', 'after')"
+                " (and optionally 'gap_s', 'waits_for')"
             )
-        after = rd.get("after", [])
-        if i == 0 and after:
-            raise TraceError(f"line {lineno}: {where}: a first round waits for nothing ('after')")
-        if not isinstance(after, list) or not all(isinstance(a, str) and a for a in after):
-            raise TraceError(f"line {lineno}: {where}: 'after' must be a list of trajectory ids")
         gen = _check_int(rd["gen"], f"{where}: 'gen'", lineno, 1)
         gap = rd.get("gap_s", 0.0)
         if (
@@ -159,6 +161,11 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
             or not (gap >= 0 and math.isfinite(gap))
         ):
             raise TraceError(f"line {lineno}: {where}: 'gap_s' must be a number >= 0, got {gap!r}")
+        waits = rd.get("waits_for", [])
+        if not isinstance(waits, list) or not all(isinstance(w, str) and w for w in waits):
+            raise TraceError(
+                f"line {lineno}: {where}: 'waits_for' must be a list of trajectory ids, got {waits!r}"
+            )
         app = rd["append"]
         if isinstance(app, list):
             if not app:
@@ -169,10 +176,10 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
                     raise TraceError(
                         f"line {lineno}: {where}: token id {t} >= vocab size {vocab_size}"
                     )
-            out.append(Round(tuple(app), gen, gap_s=float(gap), after=tuple(after)))
+            app = tuple(app)
         else:
-            n = _check_int(app, f"{where}: 'append'", lineno, 1)
-            out.append(Round(n, gen, gap_s=float(gap), after=tuple(after)))
+            app = _check_int(app, f"{where}: 'append'", lineno, 1)
+        out.append(Round(app, gen, gap_s=float(gap), waits_for=tuple(waits)))
     return Trajectory(tid, tuple(out))
 
 
@@ -192,12 +199,13 @@ def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[
         raise TraceError("the trace has no trajectories")
     for t in out:
         for i, r in enumerate(t.rounds):
-            unknown = [a for a in r.after if a not in seen or a == t.id]
-            if unknown:
-                raise TraceError(
-                    f"line {seen[t.id]}: round {i} of {t.id!r} waits for unknown or own "
-                    f"trajectories {unknown} ('after')"
-                )
+            for w in r.waits_for:
+                if w not in seen:
+                    raise TraceError(
+                        f"line {seen[t.id]}: round {i} of {t.id!r} waits for {w!r}, which is not"
+                        " in the trace"
+                    )
+    check_waits(out)
     return out
 
 
@@ -215,6 +223,7 @@ def trajectory_to_json(t: Trajectory) -> str:
             "append": r.append if isinstance(r.append, int) else list(r.append),
             "gen": r.gen,
             **({"gap_s": r.gap_s} if r.gap_s else {}),
+            **({"waits_for": list(r.waits_for)} if r.waits_for else {}),
         }
         for r in t.rounds
     ]
@@ -319,7 +328,9 @@ def truncate(t: Trajectory, max_len: int) -> Trajectory:
         gen = min(first.gen, max_len // 2)
         n = max_len - gen
         app = n if isinstance(first.append, int) else first.append[:n]
-        kept.append(Round(app, gen, cut_pieces(first.pieces, n), first.gap_s))
+        kept.append(
+            dataclasses.replace(first, append=app, gen=gen, pieces=cut_pieces(first.pieces, n))
+        )
     return Trajectory(t.id, tuple(kept))
 
 
@@ -344,7 +355,8 @@ def expand(
 ) -> list[Trajectory]:
     """`n` agent trajectories: the originals first, then (appendix A.3) copies of sampled ones
     with a synthetic first round of `randint(1, max_first_append)` random tokens and `g_1 = 1`,
-    truncated to `max_len` if given. New ids are `"{id}+x{k}"`."""
+    truncated to `max_len` if given. New ids are `"{id}+x{k}"`. A copy waits for no other
+    trajectory (`Round.waits_for`): the subagents it would wait for are the original's."""
     if not trajectories:
         raise ValueError("expand needs at least one trajectory")
     out = list(trajectories[:n])
@@ -352,10 +364,61 @@ def expand(
     while len(out) < n:
         src = trajectories[int(rng.integers(len(trajectories)))]
         first = Round(int(rng.integers(1, max_first_append + 1)), 1)
-        t = Trajectory(f"{src.id}+x{k}", (first, *src.rounds))
+        rounds = tuple(
+            dataclasses.replace(r, waits_for=()) if r.waits_for else r for r in src.rounds
+        )
+        t = Trajectory(f"{src.id}+x{k}", (first, *rounds))
         out.append(truncate(t, max_len) if max_len else t)
         k += 1
     return out
+
+
+def submit_time(
+    ready_s: float, gap_s: float, waited_ends: Iterable[float], *, first: bool
+) -> float:
+    """When a round is submitted (`Round.gap_s`, `Round.waits_for`): `gap_s` after `ready_s`, the
+    end of the previous round (a first round: at its arrival `ready_s`, with no gap), and not
+    before `gap_s` after the end of each trajectory it waits for (`waited_ends`). The simulator
+    and `rollout.run_trajectories` both follow it."""
+    t = ready_s if first else ready_s + gap_s
+    for end in waited_ends:
+        t = max(t, end + gap_s)
+    return t
+
+
+def check_waits(trajectories: Sequence[Trajectory]) -> None:
+    """Raises `TraceError` when trajectories wait for each other in a cycle (`Round.waits_for`;
+    a trajectory waiting for itself included): none of them could ever finish. Ids of
+    trajectories not among them are ignored."""
+    waits: dict[str, set[str]] = {}
+    for t in trajectories:
+        waits.setdefault(t.id, set()).update(w for r in t.rounds for w in r.waits_for)
+    cycle = wait_cycle(waits)
+    if cycle:
+        raise TraceError(f"trajectories wait for each other in a cycle: {' -> '.join(cycle)}")
+
+
+def wait_cycle(waits: dict[str, Iterable[str]]) -> list[str]:
+    """A cycle of `waits` (trajectory id -> the ids it waits for; ids that are not keys are
+    ignored) as `[a, b, ..., a]`, or `[]` when there is none."""
+    edges = {k: sorted(w for w in v if w in waits) for k, v in waits.items()}
+    done: set[str] = set()
+    for root in sorted(edges):
+        if root in done:
+            continue
+        path = [root]
+        stack = [iter(edges[root])]
+        while stack:
+            child = next(stack[-1], None)
+            if child is None:
+                stack.pop()
+                done.add(path.pop())
+            elif child in path:
+                return [*path[path.index(child) :], child]
+            elif child not in done:
+                path.append(child)
+                stack.append(iter(edges[child]))
+    return []
 
 
 # --------------------------------------------------------------------------- stats

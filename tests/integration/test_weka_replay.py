@@ -26,7 +26,6 @@ from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, cpu_emulated
 from dualpath_jax.rollout import run_trajectories
 from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
-from dualpath_jax.workload.trace import Round, Trajectory, materialize
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REAL = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
@@ -270,27 +269,6 @@ def test_weka_sessions_with_a_subagent_hit_what_their_hash_ids_imply(
     assert hits == [[0, 64], [48], [0, 160, 272], [96, 112], [48]]
     rounds = as_rounds(plan.trajectories)
     assert tokens == [reference_tokens((tid, [r[:2] for r in rs])) for tid, rs in rounds]
-
-
-def test_a_turn_that_waits_for_its_subagent_is_submitted_after_it_ends(tmp_path, start_cluster):
-    """`Round.after` on the cluster: the parent's second round starts once its subagent's last
-    round is done (plus its gap), though the parent was ready long before; the tokens are
-    those of the same trajectories run without waiting."""
-    parent = Trajectory("p", (Round(40, 3), Round(20, 3, gap_s=0.2, after=("p:sub",))))
-    child = Trajectory(
-        "p:sub", tuple(Round(30 if i == 0 else 16, 6, gap_s=0.3 * bool(i)) for i in range(3))
-    )
-    cfg = replay_config(tmp_path / "unused", "dualpath")
-    trajs = [materialize(t, cfg.model.vocab_size, seed=5) for t in (parent, child)]
-    with start_cluster(cfg, tmp_path / "run", "thread") as cluster:
-        client = cluster.client()
-        outs = run_trajectories(client, as_rounds(trajs), progress=False, timeout_s=300)
-        free = [(t.id + "-free", [(list(r.append), r.gen) for r in t.rounds]) for t in trajs]
-        alone = run_trajectories(client, free, progress=False, timeout_s=300)
-    assert [o.error for o in outs] == ["", ""]
-    child_done = max(r.submit_s + r.jct_s for r in outs[1].results)
-    assert outs[0].results[1].submit_s >= child_done + 0.2
-    assert [o.rounds for o in outs] == [o.rounds for o in alone]
 
 
 @pytest.mark.slow

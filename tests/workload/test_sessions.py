@@ -32,7 +32,8 @@ def req(t, n_in, n_out, ids, think=0.0):
 
 
 # A session of 4-token blocks: a continuation (r1), a subagent sharing the parent's first block,
-# and a rebuilt context (r2 keeps 1 of the previous request's 4 blocks: under half).
+# and a rebuilt context (r2 keeps 1 of the previous request's 4 blocks: under half), which comes
+# after the subagent's end and so waits for it.
 SESSION = {
     "id": "s1",
     "block_size": 4,
@@ -41,7 +42,8 @@ SESSION = {
         req(0.0, 10, 3, [1, 2]),
         req(5.0, 18, 2, [1, 2, 3, 4], think=4.0),
         {
-            "t": 6.0,
+            "t": 9.0,  # when it returned, after 3 s: it started at 6
+            "duration_ms": 3000,
             "type": "subagent",
             "agent_id": "agent_001",
             "requests": [req(0.0, 9, 1, [1, 7]), req(2.0, 12, 1, [1, 7, 8], think=1.0)],
@@ -74,10 +76,11 @@ def test_a_weka_session_is_a_trajectory_with_its_subagent_and_continuation():
     assert [(r.append, r.gen, r.gap_s) for r in parent.rounds] == [(10, 3, 0.0), (5, 2, 4.0)]
     assert [n for _, n in parent.rounds[0].pieces] == [4, 4, 2]
     child, start = by_id["s1:agent_001"]
-    assert start == 6.0  # the parent's time of the subagent entry
+    assert start == 6.0  # the entry's time less its duration
     assert [(r.append, r.gen, r.gap_s) for r in child.rounds] == [(9, 1, 0.0), (2, 1, 1.0)]
     cont, start = by_id["s1:2"]
     assert start == 30.0 and [(r.append, r.gen) for r in cont.rounds] == [(13, 2)]
+    assert cont.rounds[0].waits_for == ("s1:agent_001",) and cont.rounds[0].gap_s == 21.0
     # Equal hash ids, equal content; the parent's first block heads all three.
     assert pieces_of(parent)[0] == pieces_of(child)[0] == pieces_of(cont)[0]
     assert pieces_of(parent)[1] != pieces_of(child)[1]
@@ -271,48 +274,3 @@ def test_the_public_weka_sessions_simulate_scaled_down():
     assert s["requests"] == sum(len(t.rounds) for t in trajs) == 917
     assert s["workload"]["expanded"] == 0 and s["workload"]["length_scale"] == 1 / 64
     assert WorkloadConfig().agents == 8  # the synthetic default is unchanged
-
-
-# A parent that runs two subagents: one in the background (its next request comes before the
-# subagent ends) and one it waits for (its next request comes after the subagent's end).
-WAITING = {
-    "id": "w",
-    "block_size": 4,
-    "requests": [
-        req(0.0, 10, 3, [1, 2]),
-        {"t": 5.0, "type": "subagent", "agent_id": "bg", "duration_ms": 60_000,
-         "requests": [req(0.0, 9, 1, [1, 7]), req(20.0, 12, 1, [1, 7, 8], think=5.0)]},
-        req(10.0, 16, 2, [1, 2, 3], think=4.0),  # at 10 s: "bg" runs until 65 s
-        {"t": 12.0, "type": "subagent", "agent_id": "fg",
-         "requests": [req(0.0, 9, 1, [1, 9]), {**req(3.0, 12, 1, [1, 9, 10], think=1.0), "api_time": 2.0}]},
-        req(20.0, 22, 2, [1, 2, 3, 4], think=9.0),  # "fg" ended at 12 + 3 + 2 = 17 s
-        req(70.0, 26, 2, [1, 2, 3, 4, 5], think=40.0),  # "bg" ended at 65 s
-    ],
-}  # fmt: skip
-
-
-def test_a_turn_after_its_subagents_end_waits_for_them():
-    by_id = {t.id: t for t, _ in parse_weka_session(WAITING)}
-    assert sorted(by_id) == ["w", "w:bg", "w:fg"]
-    rounds = by_id["w"].rounds
-    assert [r.after for r in rounds] == [(), (), ("w:fg",), ("w:bg",)]
-    # a waiting round's gap runs from the subagent's end, not from its own think time
-    assert [r.gap_s for r in rounds] == [0.0, 4.0, 3.0, 5.0]
-    assert all(not r.after for t in ("w:bg", "w:fg") for r in by_id[t].rounds)
-
-
-def test_the_simulator_starts_a_waiting_turn_after_its_subagent_ends():
-    """The parent's waiting round is submitted after the subagent's last round is done, however
-    long the subagent takes."""
-    parent = Trajectory("p", (Round(40, 4), Round(8, 4, gap_s=0.5, after=("p:sub",))))
-    child = Trajectory(
-        "p:sub", tuple(Round(30 if i == 0 else 8, 40, gap_s=2.0 * bool(i)) for i in range(4))
-    )
-    cfg = emulated_cpu_experiment(1, 1)
-    run = simulate(cfg, cost=CPU_COST, trajectories=[parent, child], arrivals=[0.0, 0.1])
-    res = {r.request: r for r in run.cluster.results}
-    child_done = max(r.submit_s + r.jct_s for k, r in res.items() if k.startswith("p:sub/"))
-    assert res["p/a0/r1"].submit_s >= child_done + 0.5 - 1e-9
-    alone = simulate(cfg, cost=CPU_COST, trajectories=[parent], arrivals=[0.0])
-    (r1,) = [r for r in alone.cluster.results if r.request == "p/a0/r1"]
-    assert r1.submit_s < child_done  # without the subagent it would have gone much sooner
