@@ -215,10 +215,9 @@ def req(t, n_in, n_out, ids, think=0.0, stop="tool_use"):
 # 64-token blocks scaled by 3/8: 24-token trace blocks over the config's 16-token store blocks
 # (a shared run of n trace blocks hits floor(24 n / 16) store blocks). The parent's hash ids grow
 # round by round; its subagent starts with the parent's first 4 blocks (96 tokens) and a partial
-# block of its own, and ends (19.7 s) before the parent's third request, which so waits for it
-# (`Round.after`, a 0.3 s gap; one trajectory at a time, a subagent not started yet is not
-# waited for); the parent's last request keeps 2 of its 13 blocks (a rebuilt context): the
-# continuation `s:2`, whose first round hits those 2 blocks (48 tokens).
+# block of its own (its `t` is when it returned; no later request of the parent waits for it
+# here, `waits_for` is empty); the parent's last request keeps 2 of its 13 blocks (a rebuilt
+# context): the continuation `s:2`, whose first round hits those 2 blocks (48 tokens).
 SESSION = {
     "id": "s",
     "block_size": 64,
