@@ -36,7 +36,7 @@ from dualpath_jax.engine import devices
 from dualpath_jax.engine.client import Client
 from dualpath_jax.engine.core import EngineId
 from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
-from dualpath_jax.engine.params import SERVED_FILE, check_params_config
+from dualpath_jax.engine.params import check_params_config
 from dualpath_jax.engine.process import ProcessSpec
 
 
@@ -237,7 +237,6 @@ class LocalCluster(ClusterLifecycle):
         """Starts the router and the engines; `wait`: until every engine has registered (else
         call `wait_ready`, e.g. while a server reports that it is starting)."""
         self.cfg, self.credentials = prepare_workdir(self.cfg, self.workdir)
-        (self.workdir / SERVED_FILE).unlink(missing_ok=True)  # a fresh cluster's params
         deadline = time.monotonic() + self.start_timeout_s
         self.address = self._start_router(deadline)
         c = self.cfg.cluster
@@ -322,8 +321,8 @@ class LocalCluster(ClusterLifecycle):
 
         `restart("router")` starts the router again (after `kill("router")`, or after it died)
         at its old address, serving the params its predecessor served; the engines register
-        with it again (within `cluster.heartbeat_timeout_s` of the old one's end, else they
-        stop themselves), and clients reconnect by themselves: the rounds the old router had
+        with it again (within `cluster.router_timeout_s` of the old one's end, else they stop
+        themselves), and clients reconnect by themselves: the rounds the old router had
         taken fail with kind `connection`, its sessions are gone (their stored KV stays)."""
         if name == "router":
             return self._restart_router(timeout_s)

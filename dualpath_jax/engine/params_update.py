@@ -30,7 +30,8 @@ registered (`engine_joined`) or died (`engine_gone`).
 
 `served_file` (the workdir's `served_params.json`) records each committed version and its
 checkpoint path, so a router restarted over a running cluster (`resume`) serves what its engines
-serve instead of going back to the configured params.
+serve instead of going back to the configured params; a router that is not resuming removes an
+earlier cluster's record.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ class ParamsCoordinator:
         self.version = initial_params_version(cfg.cluster)
         self.path = cfg.cluster.params_path
         self.served_file = pathlib.Path(served_file) if served_file else None
-        if resume and self.served_file is not None and self.served_file.exists():
+        if self.served_file is not None and not resume:
+            self.served_file.unlink(missing_ok=True)  # an earlier cluster's record
+        elif self.served_file is not None and self.served_file.exists():
             served = json.loads(self.served_file.read_text())
             self.version, self.path = check_version(served["version"]), served["path"]
             log.info("resuming with the served params %r", self.version)

@@ -430,6 +430,25 @@ def test_a_silent_engine_dies_and_a_role_with_none_fails_rounds_after_its_timeou
 # ----------------------------------------------------------------------------- params
 
 
+def test_a_resuming_router_serves_the_recorded_params_and_a_fresh_one_forgets_them(tmp_path):
+    cfg = config()
+    clock = Clock()
+    out = Outbox(Server(), None, clock)  # type: ignore[arg-type]
+    registry = EngineRegistry(cfg.cluster, clock)
+    record = tmp_path / "served_params.json"
+    record.write_text('{"version": "step-3", "path": "/ckpt/step-3"}')
+
+    def coordinator(resume: bool) -> ParamsCoordinator:
+        return ParamsCoordinator(
+            cfg, registry, out, clock, in_flight=lambda: 0, served_file=record, resume=resume
+        )
+
+    resumed = coordinator(resume=True)
+    assert (resumed.version, resumed.path) == ("step-3", "/ckpt/step-3")
+    fresh = coordinator(resume=False)  # a new cluster in the same workdir
+    assert fresh.version == "" and not record.exists()
+
+
 def test_rounds_held_during_an_update_are_released_in_order_once_it_ends():
     cfg = config()
     clock = Clock()
