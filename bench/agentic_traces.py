@@ -175,8 +175,12 @@ def run_cluster(
         tokens.append([o.rounds for o in outs])
         results = [r for o in outs for r in o.results]
         ttft = sorted(r.ttft_s for r in results)
-        after = [r.ttft_s for o in outs for i, r in enumerate(o.results) if i and rounds_gap(
-            rounds, o.id, i)]  # fmt: skip
+        after = [  # the rounds after a tool call (outputs come in the input's order)
+            r.ttft_s
+            for t, o in zip(trajs, outs, strict=True)
+            for i, r in enumerate(o.results)
+            if i and t.rounds[i].gap_s > 0
+        ]
         rows.append(
             {
                 "store": "unlimited",
@@ -196,14 +200,6 @@ def run_cluster(
             }
         )
     return rows, all(t == tokens[0] for t in tokens)
-
-
-def rounds_gap(rounds: list[tuple[str, list[tuple]]], tid: str, i: int) -> bool:
-    """Whether round `i` of trajectory `tid` follows a tool call (a gap before it)."""
-    for t, rr in rounds:
-        if t == tid:
-            return len(rr[i]) > 2 and rr[i][2] > 0
-    return False
 
 
 def _round_key(request: str) -> tuple[str, int]:
