@@ -174,9 +174,15 @@ def session_id(request: web.Request, req: Any) -> str | None:
             field, sid = name, getattr(req, name)
     if sid is None:
         return None
+    return check_session_id(sid, field)
+
+
+def check_session_id(sid: str, param: str) -> str:
+    """`sid` if it is a usable session id (at most MAX_SESSION_ID printable characters), else a
+    400 naming `param`."""
     if len(sid) > MAX_SESSION_ID or not sid.isprintable():
         raise ApiError(
-            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param=field
+            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param=param
         )
     return sid
 

@@ -22,7 +22,7 @@ from typing import Any
 from dualpath_jax.engine import hints
 from dualpath_jax.engine.client import RolloutError
 from dualpath_jax.serving.protocol import ApiError
-from dualpath_jax.serving.request_checks import HINT_HEADER, MAX_SESSION_ID
+from dualpath_jax.serving.request_checks import HINT_HEADER, check_session_id
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,7 @@ async def fork(server: Any, sid: str, child: str) -> str:
         raise ApiError(
             400, f"cannot fork session {sid!r}: it has no context yet", param=HINT_HEADER
         )
-    child = child or f"{sid}/{uuid.uuid4().hex[:6]}"
-    if len(child) > MAX_SESSION_ID or not child.isprintable():
-        raise ApiError(
-            400, f"a session id is at most {MAX_SESSION_ID} printable characters", param=HINT_HEADER
-        )
+    child = check_session_id(child or f"{sid}/{uuid.uuid4().hex[:6]}", HINT_HEADER)
     if child in server.sessions:
         raise ApiError(400, f"cannot fork into session {child!r}: it exists", param=HINT_HEADER)
     agent = server.new_session(child)
