@@ -41,7 +41,7 @@ import math
 import os
 import pathlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from dualpath_jax.config import (
@@ -103,6 +103,21 @@ def check_ray_nodes(cfg: ExperimentConfig, nodes: Sequence[Mapping[str, Any]]) -
                     f"{key}={host!r} is loopback on a Ray cluster of {len(hosts)} hosts: set "
                     "ray.bind_node_ip=true (each actor binds its node's address)"
                 )
+
+
+def through_restarts(call: Callable[[], Any], deadline: float) -> Any:
+    """`ray.get` of `call()` (an actor method's remote call), asked again while the actor is
+    being restarted (`ActorUnavailableError`) until `deadline`, when that error is raised; an
+    actor dead for good raises `RayActorError`."""
+    import ray
+
+    while True:
+        try:
+            return ray.get(call(), timeout=max(1.0, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def actor_options(resources: Mapping[str, float]) -> dict[str, Any]:
@@ -402,7 +417,7 @@ class RayCluster(ClusterLifecycle):
             if not group.wait_started(self._killed.pop(name, running), deadline):
                 raise ClusterError(f"{name}'s processes were not started again in time")
         try:
-            ray.get(self.actors[name].where.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            through_restarts(lambda: self.actors[name].where.remote(), deadline)
         except ray.exceptions.RayActorError:  # dead for good: a fresh actor, a fresh budget
             if group is not None:
                 raise ClusterError(f"{name} died again while it started") from None
@@ -422,21 +437,17 @@ class RayCluster(ClusterLifecycle):
         import ray
 
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while True:
-            try:
-                address = ray.get(
-                    self.actors["router"].address.remote(self.start_timeout_s),
-                    timeout=max(1.0, deadline - time.monotonic()),
-                )
-                break
-            except ray.exceptions.ActorUnavailableError:  # being restarted: ask again
-                if time.monotonic() > deadline:
-                    raise ClusterError("the router's actor did not come back in time") from None
-                time.sleep(0.2)
-            except ray.exceptions.RayActorError as e:
-                raise ClusterError(
-                    f"the router's actor is gone for good (ray.max_restarts): {e}"
-                ) from None
+        router = self.actors["router"]
+        try:
+            address = through_restarts(
+                lambda: router.address.remote(self.start_timeout_s), deadline
+            )
+        except ray.exceptions.ActorUnavailableError:
+            raise ClusterError("the router's actor did not come back in time") from None
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(
+                f"the router's actor is gone for good (ray.max_restarts): {e}"
+            ) from None
         if address != self.address:
             raise ClusterError(f"the restarted router listens on {address}, not {self.address}")
         self._deadline = deadline
