@@ -1,12 +1,13 @@
-"""Real coding-agent sessions on the paper's DS 660B 2P4D testbed (simulated): Basic, DualPath,
-DualPath + tool-gap prefetch and Oracle, with the store unlimited and limited.
+"""Real coding-agent sessions on the paper's DS 660B 2P4D testbed (simulated): Basic, Basic +
+tool-gap prefetch (PE side), DualPath, DualPath + prefetch and Oracle, with the store unlimited
+and limited.
 
 Run (about a minute on 2 cores):
   python bench/agentic_traces.py --trace=SESSIONS      # e.g. the 28 Weka sessions, recorded arrivals
   python bench/agentic_traces.py --trace=SESSIONS --aps=0.5 --json=/tmp/agentic.json
 
 `--cluster`: the same sessions scaled down and replayed on the local `cpu_1p2d` cluster (tiny
-model, emulated storage links) under the same four runs, every trajectory at once: lengths x
+model, emulated storage links) under the same five runs, every trajectory at once: lengths x
 `--length_scale`, the first `--max_turns` requests of each (0: all), think times x `--gap_scale`
 (at most `--max_gap_s`), in-process (`--runtime=thread`) or as processes. Columns as above
 (measured), the prefetch's blocks from memory, and whether every run gave the same tokens.
@@ -19,7 +20,7 @@ Arrivals: the sessions' own timestamps, or that clock scaled to `--aps` sessions
 Every policy replays the same trajectories. The limited store holds `--capacity_fraction` of
 the KV bytes of every trajectory's longest context (retention eviction). Each engine's DRAM
 buffer is raised to hold the longest request (the preset's 10 GB per engine does not), and the
-prefetch budget is `--prefetch_gb` per DE engine.
+prefetch budget is `--prefetch_gb` per engine.
 
 Columns: JCT (s, first arrival to last round done), TTFT p50/p99 over every round, TTFT p50 of
 the rounds after a tool call (a gap before them), storage-NIC max/avg (`snic_max_over_avg`),
@@ -46,6 +47,7 @@ from dualpath_jax.workload.arrivals import plan_workload
 
 RUNS = (
     ("basic", Policy.BASIC, False),
+    ("basic+prefetch", Policy.BASIC, True),
     ("dualpath", Policy.DUALPATH, False),
     ("dualpath+prefetch", Policy.DUALPATH, True),
     ("oracle", Policy.ORACLE, False),
@@ -266,7 +268,7 @@ if __name__ == "__main__":
     flags.DEFINE_float(
         "capacity_fraction", 0.25, "Limited store: this fraction of every longest context's KV."
     )
-    flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per DE engine (GB).")
+    flags.DEFINE_float("prefetch_gb", 10.0, "Prefetch DRAM per engine (GB).")
     flags.DEFINE_float("snic_gbps", 400.0, "Storage NIC per node (Gbps).")
     flags.DEFINE_string("json", "", "Also write the rows here.")
     flags.DEFINE_bool("cluster", False, "Replay on the local cpu_1p2d cluster instead.")

@@ -340,10 +340,11 @@ class SchedulerConfig:
     # is read. With "always": recompute exactly the first min(hit, this) blocks.
     recompute_max_blocks: int = 0
     # Tool-gap prefetch (beyond the paper; docs/policies.md#tool-gap-prefetch): during a tool
-    # call's gap, read the session's hit into a DE node's memory at the storage NIC's lowest
-    # priority. Needs a policy that reads on the DE side (dualpath, dualpath_rr, split).
+    # call's gap, read the session's hit into a node's memory, on the side the policy would read
+    # it (PE for basic/layerwise; for dualpath, dualpath_rr and split the side with the
+    # shorter read queue), at the storage NIC's lowest priority. Not with oracle (no reads).
     prefetch: bool = False
-    prefetch_bytes_per_engine: float = 0.0  # DRAM per DE engine for it; 0: dram_buffer_bytes
+    prefetch_bytes_per_engine: float = 0.0  # DRAM per engine for it; 0: dram_buffer_bytes
     prefetch_min_gap_s: float = 0.5  # shorter expected gaps are not prefetched
     prefetch_hold_factor: float = 3.0  # cancelled past this x the expected gap
     prefetch_affinity_slack: float = 0.5  # see sched.prefetch.honor_affinity

@@ -136,9 +136,8 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
         *((key, not why, why) for key, why in resource_problems.items()),
         (
             "scheduler.prefetch",
-            not c.scheduler.prefetch
-            or c.scheduler.policy.value in ("dualpath", "dualpath_rr", "split"),
-            "prefetch reads on the DE side: the policy must be dualpath, dualpath_rr or split",
+            not c.scheduler.prefetch or c.scheduler.policy.value != "oracle",
+            "prefetch reads the hit ahead of its turn: the oracle policy reads nothing",
         ),
         ("cluster.kv_events_address", not events_problem, events_problem),
         (

@@ -214,6 +214,9 @@ def build_engine(
         warm = c.warmup and leader is None
         if c.warmup and leader is not None:
             log.warning("%s spans processes: cluster.warmup is not supported there", who.name)
+        if cfg.scheduler.prefetch:  # a tool-gap prefetch may read into either role's memory
+            ctx.prefetch = PrefetchMemory.for_engine(cfg, who.node, layout, store, traffic)
+            closers.append(ctx.prefetch.close)
         if who.role == "prefill":
             if warm:
                 log.info("%s warm-up: %s", who.name, warm_prefill(cfg, runner, buffer).describe())
@@ -226,9 +229,6 @@ def build_engine(
                 log.info("%s warm-up: %s", who.name, warm_decoder(cfg, decoder, buffer).describe())
             if leader is not None:
                 decoder = MirroredDecoder(decoder, leader)
-            if cfg.scheduler.prefetch:
-                ctx.prefetch = PrefetchMemory.for_engine(cfg, who.node, layout, store, traffic)
-                closers.append(ctx.prefetch.close)
             built.engine = DecodeEngine(cfg, who, control, ctx, decoder, params, outbox=outbox)
     except BaseException:
         built.close()

@@ -215,6 +215,13 @@ class Dispatch:
             return  # a finished request or an older attempt
         if msg.engine == st.pe:
             st.pe_reads_done = True
+            self.out.event(
+                "pe_reads",
+                request=st.id,
+                engine=msg.engine,
+                read_s=msg.read_s,
+                held_blocks=msg.held_blocks,
+            )
         if msg.engine == st.de:
             st.de_reads_done = True
             self.out.event(

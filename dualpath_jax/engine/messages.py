@@ -339,7 +339,7 @@ class PrefillDone(Msg):
 
 class ReadsDone(Msg):
     """Engine -> router: this engine's share of a request's storage reads has finished (its
-    node's `read_q` no longer holds them); a DE's took `read_s` s, `held_blocks` of it from a
+    node's `read_q` no longer holds them); they took `read_s` s, `held_blocks` of them from a
     tool-gap prefetch's memory."""
 
     request: str

@@ -1,25 +1,27 @@
 """Tool-gap prefetch in the real cluster, the router's part: `sched.prefetch`'s decisions over
-the live engines, orders to the decode engines (`transfer.prefetch_memory` does their reads).
+the live engines, orders to the engines (`transfer.prefetch_memory` does their reads).
 
 A client's `tool_call` hint (`ToolCall`; `run_trajectories(tool_calls=True)` sends one before
 each gap of a trace) says that a session's round ended with a tool call expected to last
 `expected_s`. With `scheduler.prefetch` on, the router looks up the session's stored blocks
 (its context's whole blocks: the next turn's hit, whatever it appends) and asks `plan_prefetch`
-where to read them: the DE group phase 1 would route the turn to now (the least total tokens),
-as many leading blocks as one DE's prefetch memory holds after evicting what `make_room`
-allows. That group's least busy DE gets `Prefetch(keys)`; the scheduler `hold`s the session
-there (the turn is routed to that group unless it is loaded beyond the affinity slack) and,
-once the DE reports `Prefetched(blocks)`, counts those blocks as in memory: the turn's
-assignment reads its whole hit on the DE side, those blocks from memory (`held_blocks`), the
-rest from the store.
+where to read them, on the side the policy reads (`prefetch_sides`): the DE group phase 1 would
+route the turn to now (the least total tokens; that group's DE with the fewest rounds), or the
+PE node with the least tokens (its PE with the fewest rounds); as many leading blocks as that
+engine's prefetch memory holds after evicting what `make_room` allows. The engine gets
+`Prefetch(keys)`; the scheduler `hold`s the session there (the turn is pinned to that DE group
+or PE node unless it is loaded beyond the affinity slack) and, once the engine reports
+`Prefetched(blocks)`, counts those blocks as in memory: the turn's assignment reads its whole
+hit on that side, those blocks from memory (`held_blocks`), the rest from the store.
 
-Lifecycle of one prefetch, as in the simulator (`sim.prefetch`): started -> read (the DE's
-reader, a block at a time, only while no round of that DE reads the store) -> the next turn is
-submitted (`turn_submitted`: never evicted nor expired from then on) -> assigned (`assigned`:
-consumed by its DE's load; a turn assigned to another DE tells the prefetch's DE to drop it) |
-expired (the gap ran past `prefetch_hold_factor` x its expected length) | evicted (room for
-another) | its engine died | its session closed. Correctness never depends on it: a DE's load
-takes only the blocks whose keys it wants from memory and reads the rest from the store.
+Lifecycle of one prefetch, as in the simulator (`sim.prefetch`): started -> read (the engine's
+reader, a block at a time, only while no round of that engine reads the store) -> the next turn
+is submitted (`turn_submitted`: never evicted nor expired from then on) -> assigned
+(`assigned`: consumed by its engine's load; a turn assigned to another engine tells the
+prefetch's engine to drop it) | expired (the gap ran past `prefetch_hold_factor` x its expected
+length) | evicted (room for another) | its engine died | its session closed. Correctness never
+depends on it: a load takes only the blocks whose keys it wants from memory and reads the rest
+from the store.
 """
 
 from __future__ import annotations
@@ -37,9 +39,15 @@ from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.sessions import SessionTable
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.sched.prefetch import Held, PrefetchRule, expired, plan_prefetch
+from dualpath_jax.sched.prefetch import (
+    Held,
+    PrefetchRule,
+    expired,
+    plan_prefetch,
+    prefetch_sides,
+)
 from dualpath_jax.sched.scheduler import GlobalScheduler
-from dualpath_jax.sched.types import Assignment
+from dualpath_jax.sched.types import Assignment, ReadPath
 from dualpath_jax.transfer.prefetch_memory import prefetch_budget_bytes
 
 log = logging.getLogger(__name__)
@@ -49,7 +57,8 @@ log = logging.getLogger(__name__)
 class _Entry:
     session: str
     epoch: int
-    engine: int  # the DE reading it
+    engine: int  # the engine reading it
+    side: ReadPath  # DE: `engine` is a DE of group `group`; PE: a PE (`group` -1)
     group: int
     node: int
     blocks: int  # asked for (reserved from the engine's budget)
@@ -59,7 +68,7 @@ class _Entry:
     in_use: bool = False  # its turn was submitted
 
     def as_held(self, block_bytes: int) -> Held:
-        # `Held.node` is the budget's owner: in the real cluster, one DE's memory
+        # `Held.node` is the budget's owner: in the real cluster, one engine's memory
         return Held(
             self.session,
             self.engine,
@@ -89,7 +98,8 @@ class Prefetches:
         fingerprint: Callable[[], str],
     ):
         s = cfg.scheduler
-        self.enabled = bool(s.prefetch) and scheduler.policy.reads
+        self.sides = prefetch_sides(scheduler.policy.spec.path_mode.value)
+        self.enabled = bool(s.prefetch) and bool(self.sides)
         self.bt = cfg.store.block_tokens
         layout = BlockLayout.for_model(cfg.model, self.bt)
         self.block_bytes = layout.nbytes
@@ -136,9 +146,9 @@ class Prefetches:
     def on_prefetched(self, ident: bytes, msg: messages.Prefetched) -> None:
         e = self.entries.get(msg.session)
         if e is None or e.epoch != msg.epoch or e.engine != msg.engine:
-            return  # dropped meanwhile (the DE was told)
+            return  # dropped meanwhile (the engine was told)
         e.held = min(msg.blocks, e.blocks)
-        self.scheduler.hold(e.session, e.group, e.node, e.held)
+        self.scheduler.hold(e.session, e.group, e.node, e.held, e.side)
         self.out.count("prefetch_blocks", e.held)
         self.out.event(
             "prefetched", session=e.session, engine=e.engine, blocks=e.held, read_s=msg.read_s
@@ -154,59 +164,78 @@ class Prefetches:
         now = self.clock()
         if session in self.entries:
             self.drop(session, "replaced")
-        des: dict[int, EngineInfo] = {}  # DE group -> its DE with the fewest rounds
         busy = self._rounds_by_engine()
-        for e in self.registry.serving("decode"):
-            best = des.get(e.group)
-            if best is None or busy.get(e.engine, 0) < busy.get(best.engine, 0):
-                des[e.group] = e
+
+        def idlest(role: str, key) -> dict[int, EngineInfo]:
+            out: dict[int, EngineInfo] = {}
+            for e in self.registry.serving(role):
+                best = out.get(key(e))
+                if best is None or busy.get(e.engine, 0) < busy.get(best.engine, 0):
+                    out[key(e)] = e
+            return out
+
+        des = idlest("decode", lambda e: e.group)  # DE group -> its DE with the fewest rounds
+        pes = idlest("prefill", lambda e: e.node)  # PE node -> its PE with the fewest rounds
         totals = self.scheduler.group_totals()
-        group_tok = {g: totals.get(g, 0) for g in des}
+        pe_tok = self.scheduler.pe_node_totals()
+        read_q = self.scheduler.read_queues()
+        # candidates by engine (each engine's memory is its own budget)
+        by_engine = {e.engine: e for e in (*des.values(), *pes.values())}
         d = plan_prefetch(
             self.rule,
             hit_blocks=len(keys),
             block_bytes=self.block_bytes,
             expected_s=expected_s,
             now=now,
-            group_tok=group_tok,
+            group_tok={g: totals.get(g, 0) for g in des},
             group_node={g: e.engine for g, e in des.items()},
             held=[x.as_held(self.block_bytes) for x in self.entries.values()],
+            pe_node_tok={e.engine: pe_tok[n] for n, e in pes.items() if n in pe_tok},
+            read_q={x: read_q.get(e.node, 0) for x, e in by_engine.items()},
+            sides=self.sides,
         )
         if d is None:
             return self.out.count("prefetch_skipped")
         for other in d.evict:
             self.drop(other, "evicted")
-        de = des[d.group]
+        eng = by_engine[d.node]
         self._epoch += 1
         e = _Entry(
-            session, self._epoch, de.engine, d.group, de.node, d.blocks, now, now + expected_s
-        )
+            session, self._epoch, eng.engine, d.side, d.group, eng.node, d.blocks, now,
+            now + expected_s,
+        )  # fmt: skip
         self.entries[session] = e
-        self.scheduler.hold(session, e.group, e.node, 0)
+        self.scheduler.hold(session, e.group, e.node, 0, e.side)
         self.out.send(
-            de.ident, messages.Prefetch(session=session, keys=keys[: d.blocks], epoch=e.epoch)
+            eng.ident, messages.Prefetch(session=session, keys=keys[: d.blocks], epoch=e.epoch)
         )
         self.out.count("prefetch_started")
         self.out.event(
-            "prefetch", session=session, engine=de.engine, blocks=d.blocks, expected_s=expected_s
+            "prefetch",
+            session=session,
+            engine=eng.engine,
+            side=d.side.value,
+            blocks=d.blocks,
+            expected_s=expected_s,
         )
 
     def _rounds_by_engine(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for r in self.table.requests.values():
-            if r.de >= 0:
-                out[r.de] = out.get(r.de, 0) + 1
+            for e in (r.pe, r.de):
+                if e >= 0:
+                    out[e] = out.get(e, 0) + 1
         return out
 
     def drop(self, session: str, why: str) -> None:
-        """Forgets `session`'s prefetch; its DE frees the memory."""
+        """Forgets `session`'s prefetch; its engine frees the memory."""
         e = self.entries.pop(session, None)
         if e is None:
             return
         self.scheduler.drop(session)
-        de = self.registry.live_one(e.engine)
-        if de is not None:
-            self.out.send(de.ident, messages.DropPrefetch(session=session, epoch=e.epoch))
+        eng = self.registry.live_one(e.engine)
+        if eng is not None:
+            self.out.send(eng.ident, messages.DropPrefetch(session=session, epoch=e.epoch))
         self.out.count(f"prefetch_{why}")
         self.out.event("prefetch_drop", session=session, engine=e.engine, why=why)
 
@@ -219,14 +248,18 @@ class Prefetches:
             e.in_use = True
 
     def assigned(self, a: Assignment) -> None:
-        """A turn is assigned: its DE's load takes the prefetched blocks (if it is the DE that
-        holds them); the prefetch is over either way."""
+        """A turn is assigned: its engine's load takes the prefetched blocks (if it is the engine
+        that holds them, on the side that reads them); the prefetch is over either way."""
         e = self.entries.get(a.request.trajectory)
         if e is None:
             return
-        if a.de != e.engine:
+        if e.side is ReadPath.PE:
+            used = a.pe == e.engine and a.pe_read_blocks > 0
+        else:
+            used = a.de == e.engine and a.de_read_blocks > 0
+        if not used:  # its engine's load would not take the blocks: freed now
             return self.drop(e.session, "unused")
-        del self.entries[e.session]  # the DE frees it when its load takes the blocks
+        del self.entries[e.session]  # the engine frees it when its load takes the blocks
         self.scheduler.drop(e.session)
         self.out.count("prefetch_used")
         self.out.count("prefetch_used_blocks", a.held_blocks)
@@ -240,7 +273,7 @@ class Prefetches:
                 self.drop(e.session, "cancelled")
 
     def engine_gone(self, e: EngineInfo) -> None:
-        """A DE died (or left rotation): what it held is gone."""
+        """An engine died (or left rotation): what it held is gone."""
         for x in [x for x in self.entries.values() if x.engine == e.engine]:
             self.entries.pop(x.session)
             self.scheduler.drop(x.session)
@@ -250,7 +283,13 @@ class Prefetches:
         return {
             "enabled": self.enabled,
             "held": {
-                s: {"engine": e.engine, "blocks": e.blocks, "held": e.held, "in_use": e.in_use}
+                s: {
+                    "engine": e.engine,
+                    "side": e.side.value,
+                    "blocks": e.blocks,
+                    "held": e.held,
+                    "in_use": e.in_use,
+                }
                 for s, e in self.entries.items()
             },
         }

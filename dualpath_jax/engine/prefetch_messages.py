@@ -1,7 +1,7 @@
 """Control messages of the tool-gap prefetch (engine/prefetch.py, docs/policies.md).
 
-Client -> router `ToolCall`; router -> DE `Prefetch` / `DropPrefetch`; DE -> router
-`Prefetched`. They are members of the control plane's one union (engine/messages.py).
+Client -> router `ToolCall`; router -> engine (a DE or a PE) `Prefetch` / `DropPrefetch`;
+engine -> router `Prefetched`. They are members of the control plane's one union (engine/messages.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class ToolCall(Msg):
 
 
 class Prefetch(Msg):
-    """Router -> DE: read the blocks `keys` (the session's leading hit, chain order) from the
+    """Router -> engine: read the blocks `keys` (the session's leading hit, chain order) from the
     store into the engine's prefetch memory while nothing more urgent reads; `epoch` names this
     prefetch in the `Prefetched` answer."""
 
@@ -30,7 +30,7 @@ class Prefetch(Msg):
 
 
 class DropPrefetch(Msg):
-    """Router -> DE: forget the prefetch `epoch` of `session` (cancelled, evicted, or its turn
+    """Router -> engine: forget the prefetch `epoch` of `session` (cancelled, evicted, or its turn
     went to another engine): stop reading and free its memory."""
 
     session: str
@@ -38,7 +38,7 @@ class DropPrefetch(Msg):
 
 
 class Prefetched(Msg):
-    """DE -> router: prefetch `epoch` of `session` holds its first `blocks` blocks in memory
+    """Engine -> router: prefetch `epoch` of `session` holds its first `blocks` blocks in memory
     (its reads ended: all read, a block missing from the store, memory short, or stopped),
     after `read_s` seconds of reading."""
 

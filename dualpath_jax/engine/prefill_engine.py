@@ -159,6 +159,14 @@ class PrefillEngine:
                     self.start(m)
             case messages.Cancel(request=r):
                 self.drop(r)
+            case messages.Prefetch(session=session, keys=keys, epoch=epoch):
+                if self.ctx.prefetch is None:  # (not configured here: nothing held)
+                    self.prefetched(session, epoch, 0, 0.0)
+                else:
+                    self.ctx.prefetch.start(session, keys, epoch, self.prefetched)
+            case messages.DropPrefetch(session=session, epoch=epoch):
+                if self.ctx.prefetch is not None:
+                    self.ctx.prefetch.drop(session, epoch)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case messages.Error(kind="rejoin", message=why):
@@ -170,6 +178,14 @@ class PrefillEngine:
                 if stop is None:
                     log.warning("unexpected %s", type(msg).__name__)
                 self.stopped |= bool(stop)
+
+    def prefetched(self, session: str, epoch: int, blocks: int, read_s: float) -> None:
+        """A tool-gap prefetch's reads ended (on its reader thread): the router is told."""
+        self.outbox.put(
+            messages.Prefetched(
+                engine=self.engine, session=session, epoch=epoch, blocks=blocks, read_s=read_s
+            )
+        )
 
     def start(self, m: messages.LoadJobMsg) -> None:
         try:
@@ -212,7 +228,13 @@ class PrefillEngine:
                 if self.ctx.traffic is not None:
                     self.ctx.traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
                 self.control.send(
-                    messages.ReadsDone(request=rid, engine=self.engine, attempt=job.attempt)
+                    messages.ReadsDone(
+                        request=rid,
+                        engine=self.engine,
+                        attempt=job.attempt,
+                        read_s=r.load.read_s,
+                        held_blocks=r.load.held_blocks,
+                    )
                 )
             try:
                 r.hit = r.load.hit_blocks()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dualpath_jax.engine import messages
 from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
 from dualpath_jax.rounds import Logprobs
-from dualpath_jax.sched.types import Assignment, Request
+from dualpath_jax.sched.types import Assignment, ReadPath, Request
 
 
 @dataclasses.dataclass
@@ -72,9 +72,10 @@ class RequestState:
         self.pe, self.de, self.t_assign = a.pe, a.de, now
         self.path = a.path.value
         self.attempts += 1
-        self.pe_read_tokens = a.pe_read_blocks * block_tokens
-        # blocks a tool-gap prefetch holds in the DE's memory are not read (not queued)
-        self.de_read_tokens = (a.de_read_blocks - a.held_blocks) * block_tokens
+        # blocks a tool-gap prefetch holds in the reading side's memory are not read (not queued)
+        on_pe = a.path is ReadPath.PE
+        self.pe_read_tokens = (a.pe_read_blocks - (a.held_blocks if on_pe else 0)) * block_tokens
+        self.de_read_tokens = (a.de_read_blocks - (0 if on_pe else a.held_blocks)) * block_tokens
         self.pe_reads_done = self.de_reads_done = False
 
     def unassign(self) -> None:

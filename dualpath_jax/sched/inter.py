@@ -441,7 +441,7 @@ def assign_paths(
     de_read_rate: float = 1.0,
     turns: Mapping[int, int] | None = None,
     recompute: RecomputeRule | None = None,
-    held: Mapping[str, tuple[int, int]] | None = None,
+    held: Mapping[str, tuple[int, int, ReadPath]] | None = None,
 ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
     """Chooses the read side of each `(request, PE, DE)` in order, then how much of the hit to
     recompute rather than read (`recompute`: `recompute_blocks` leading blocks are computed and
@@ -456,10 +456,11 @@ def assign_paths(
     `read_q`: node -> read queue in tokens; each decision adds the request's hit tokens to the
     queue of the node that reads them, so later requests see it. Returns the assignments and the
     updated queues.
-    `held`: trajectory -> `(node, blocks)` of its hit already in a node's memory (a tool-gap
-    prefetch). A request whose DE is on that node reads its whole hit on the DE side, the first
-    `blocks` of it from memory (`held_blocks`; only the rest joins the read queue), and
-    recomputes none of it.
+    `held`: trajectory -> `(node, blocks, side)` of its hit already in a node's memory (a
+    tool-gap prefetch on the DE or the PE side). A request whose engine of that side is on that
+    node reads its whole hit on that side, the first `blocks` of it from memory (`held_blocks`;
+    only the rest joins the read queue), and recomputes none of it. A DE-side hold counts under
+    every mode that reads on the DE side (not "pe"), a PE-side one under every mode that reads.
     """
     if mode not in ("shorter", "pe", "alternate", "split", "none"):
         raise ValueError(f"unknown read path mode {mode!r}")
@@ -474,11 +475,17 @@ def assign_paths(
             continue
         qp, qd = q.get(pn, 0), q.get(dn, 0)
         h = held.get(r.trajectory) if held else None
-        if h is not None and h[0] == dn and h[1] > 0 and mode != "pe":
+        if h is not None and h[1] > 0:
             hb = min(h[1], n)
-            q[dn] = qd + max(0, r.cached_tokens - hb * block_tokens)
-            out.append(Assignment(r, pe, de, ReadPath.DE, 0, n, held_blocks=hb))
-            continue
+            rest = max(0, r.cached_tokens - hb * block_tokens)
+            if h[2] is ReadPath.PE and h[0] == pn:
+                q[pn] = qp + rest
+                out.append(Assignment(r, pe, de, ReadPath.PE, n, 0, held_blocks=hb))
+                continue
+            if h[2] is ReadPath.DE and h[0] == dn and mode != "pe":
+                q[dn] = qd + rest
+                out.append(Assignment(r, pe, de, ReadPath.DE, 0, n, held_blocks=hb))
+                continue
         if mode == "pe":
             pb, db = n, 0
         elif mode == "alternate":

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched import inter
-from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, Request
+from dualpath_jax.sched.types import Assignment, EngineLoad, FetchResult, ReadPath, Request
 
 
 class EngineChoice(enum.StrEnum):
@@ -140,7 +140,7 @@ class InterEnginePolicy:
         de_read_rate: float = 1.0,
         turns: Mapping[int, int] | None = None,
         recompute: inter.RecomputeRule | None = None,
-        held: Mapping[str, tuple[int, int]] | None = None,
+        held: Mapping[str, tuple[int, int, ReadPath]] | None = None,
     ) -> tuple[tuple[Assignment, ...], dict[int, int]]:
         return inter.assign_paths(
             pairs,

@@ -2,21 +2,29 @@
 
 A round that ends with a tool call leaves its session idle for the tool's run (the trace's
 think/tool gap, or a client's `tool_call(expected_s)` hint), yet the next turn's hit is already
-known: the session's blocks. The scheduler may read that hit into a DE node's host memory during
-the gap, on the DE read path, at the storage NIC's lowest priority (it only fills time the
-critical reads leave idle), within a DRAM budget per engine; the next turn is then routed to
-that node's DE group (phase 1 of the DE fetch, `honor_affinity`) and its read path finds the hit
-in memory (`inter.assign_paths` with `held`).
+known: the session's blocks. The scheduler may read that hit into a node's host memory during the
+gap, on the read path it would choose for the next turn, at the storage NIC's lowest priority (it
+only fills time the critical reads leave idle), within a DRAM budget per engine; the next turn is
+then pinned to the engines of that node and its read path finds the hit in memory
+(`inter.assign_paths` with `held`).
 
-Why the DE side: the next turn's DE group is chosen when it is routed (phase 1), which the
-prefetch can fix in advance without breaking the FIFO order of the queues; its PE is whichever
-PE leader fetches the waiting head first, unknown before the turn arrives.
+Which side (`prefetch_sides`): a policy that reads on the PE side only (Basic) prefetches into a
+PE node; one that chooses per request (DualPath and its variants) prefetches where the shorter
+read queue is now, as it would choose the turn's read side, ties to the DE side (the NICs the
+paper's Basic leaves idle); Oracle reads nothing and prefetches nothing. When the chosen node
+has no room, the other side is tried.
 
-Lifecycle of one prefetch (its shell is `sim.prefetch.SimPrefetcher`):
-`plan_prefetch` (where, how many blocks, what to evict) -> reads while the gap lasts ->
-`expired` (the gap ran long: cancel and free) or the next turn is submitted (reads stop; the
-blocks read so far are `held`) -> the turn's assignment consumes them (or not, when it was not
-routed to the node) and the memory is freed.
+How the turn is pinned: on the DE side, DE phase 1 routes it to the prefetch's DE group
+(`honor_affinity` over the groups' totals), which fixes its DE in advance without breaking the
+FIFO order of the queues. On the PE side, the turn leaves the shared PE waiting queue for the
+held node's own queue once its DE is placed (again `honor_affinity`, over the PE nodes' tokens),
+and the PEs of that node take it first (`GlobalScheduler.fetch_pe`).
+
+Lifecycle of one prefetch (its shells are `sim.prefetch.SimPrefetcher` and the router's
+`engine.prefetch.Prefetches`): `plan_prefetch` (side, node, how many blocks, what to evict) ->
+reads while the gap lasts -> `expired` (the gap ran long: cancel and free) or the next turn is
+submitted (reads stop; the blocks read so far are `held`) -> the turn's assignment consumes them
+(or not, when it was not placed on the node) and the memory is freed.
 """
 
 from __future__ import annotations
@@ -27,11 +35,14 @@ from collections.abc import Mapping, Sequence
 
 from dualpath_jax.config import SchedulerConfig
 from dualpath_jax.sched.inter import GroupTotals
+from dualpath_jax.sched.types import ReadPath
+
+SIDES = ("pe", "de", "shorter")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchRule:
-    """`budget_bytes`: DRAM one DE node holds for prefetched KV (engines x
+    """`budget_bytes`: DRAM one node (or engine) holds for prefetched KV (engines x
     `scheduler.prefetch_bytes_per_engine`); `min_gap_s`: shorter expected gaps are not worth a
     read (the turn would arrive before much is read); `hold_factor`: a prefetch whose gap runs
     past `hold_factor` x its expected length is cancelled and its memory freed;
@@ -70,13 +81,24 @@ class Held:
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchDecision:
-    """Read the first `blocks` hit blocks of the session into `node` (DE group `group`), after
-    evicting the prefetches of `evict` (sessions) from that node."""
+    """Read the first `blocks` hit blocks of the session into `node`, after evicting the
+    prefetches of `evict` (sessions) from that node. `side`: `ReadPath.DE` (the node of DE
+    group `group`) or `ReadPath.PE` (a PE node; `group` is -1)."""
 
     group: int
     node: int
     blocks: int
     evict: tuple[str, ...] = ()
+    side: ReadPath = ReadPath.DE
+
+
+def prefetch_sides(path_mode: str) -> str:
+    """The sides a policy's read-path mode prefetches on: "pe" (it reads on the PE side only),
+    "shorter" (it chooses per request: the side with the shorter read queue now), "" (Oracle:
+    it reads nothing)."""
+    if path_mode == "none":
+        return ""
+    return "pe" if path_mode == "pe" else "shorter"
 
 
 def plan_prefetch(
@@ -89,28 +111,48 @@ def plan_prefetch(
     group_tok: Mapping[int, int],
     group_node: Mapping[int, int],
     held: Sequence[Held],
+    pe_node_tok: Mapping[int, int] | None = None,
+    read_q: Mapping[int, int] | None = None,
+    sides: str = "de",
 ) -> PrefetchDecision | None:
     """Whether and where to prefetch a session's hit during its tool call.
 
-    None when there is no hit, no DE group, or the expected gap is shorter than `min_gap_s` (or
-    not finite). The node is that of the group with the least total tokens (where phase 1 would
-    route the turn now; ties to the lowest group id). As many leading blocks as the node's
-    budget holds are read, after `make_room` frees what it may; None when nothing fits.
+    None when there is no hit, no candidate node, or the expected gap is shorter than
+    `min_gap_s` (or not finite). The DE candidate is the node of the DE group with the least
+    total tokens (`group_tok`; where phase 1 would route the turn now; ties to the lowest group
+    id), the PE candidate the PE node with the least tokens (`pe_node_tok`: node -> its PEs'
+    tokens, only nodes whose PEs can take a turn). `sides` ("de", "pe" or "shorter") says which
+    are tried: "shorter" tries the one whose node has the shorter read queue first (`read_q`:
+    node -> queued read tokens), ties to the DE side, then the other. On a node, as many leading
+    blocks as its budget holds are read, after `make_room` frees what it may; None when nothing
+    fits anywhere.
     """
-    if hit_blocks <= 0 or not group_tok or not (rule.min_gap_s <= expected_s < math.inf):
-        return None
-    group = min(group_tok, key=lambda g: (group_tok[g], g))
-    node = group_node.get(group)
-    if node is None:
+    if sides not in SIDES:
+        raise ValueError(f"sides must be one of {SIDES}, got {sides!r}")
+    if hit_blocks <= 0 or not (rule.min_gap_s <= expected_s < math.inf):
         return None
     blocks = min(hit_blocks, int(rule.budget_bytes // block_bytes))
     if blocks <= 0:
         return None
-    on_node = [h for h in held if h.node == node]
-    evict = make_room(on_node, blocks * block_bytes, rule.budget_bytes, now, now + expected_s)
-    if evict is None:
-        return None
-    return PrefetchDecision(group, node, blocks, evict)
+    cands: list[tuple[ReadPath, int, int]] = []  # (side, DE group or -1, node)
+    if sides != "pe" and group_tok:
+        group = min(group_tok, key=lambda g: (group_tok[g], g))
+        node = group_node.get(group)
+        if node is not None:
+            cands.append((ReadPath.DE, group, node))
+    if sides != "de" and pe_node_tok:
+        node = min(pe_node_tok, key=lambda n: (pe_node_tok[n], n))
+        cands.append((ReadPath.PE, -1, node))
+    if len(cands) == 2 and read_q is not None:
+        q = read_q
+        if q.get(cands[1][2], 0) < q.get(cands[0][2], 0):  # the PE side's queue is shorter
+            cands.reverse()
+    for side, group, node in cands:
+        on_node = [h for h in held if h.node == node]
+        evict = make_room(on_node, blocks * block_bytes, rule.budget_bytes, now, now + expected_s)
+        if evict is not None:
+            return PrefetchDecision(group, node, blocks, evict, side)
+    return None
 
 
 def make_room(
@@ -152,8 +194,9 @@ def expired(h: Held, now: float, rule: PrefetchRule) -> bool:
 def honor_affinity(
     group: int, group_tok: Mapping[int, int] | GroupTotals, tokens: int, slack: float
 ) -> bool:
-    """Route a turn to the group holding its prefetch unless that group is loaded beyond
-    `(1 + slack)` x the mean total plus the turn's own tokens (then the prefetch is given up)."""
+    """Route a turn to the group (or PE node) holding its prefetch unless that one is loaded
+    beyond `(1 + slack)` x the mean total plus the turn's own tokens (then the prefetch is
+    given up)."""
     if group not in group_tok:
         return False
     mean = sum(group_tok[g] for g in group_tok) / len(group_tok)

@@ -11,7 +11,8 @@ Request flow (pull based, leaders fetch for their groups):
    placed waits, with its DE, in the PE waiting queue (FIFO in the order DEs took them).
 3. `fetch_pe(group, loads)`: Algorithm 1 gives the head of the PE waiting queue to this group's
    PEs; with both ends known, the read side is chosen by the nodes' read queues. Returns the
-   finished `Assignment`s.
+   finished `Assignment`s. (A turn whose hit a tool-gap prefetch holds in a PE node's memory
+   waits in that node's own queue instead, which its PEs take first: `sched.prefetch`.)
 
 The DE is chosen first because it must reserve HBM for the whole request before any KV moves,
 and once the PE is known the request can start at once (both read paths need both ends).
@@ -36,7 +37,7 @@ from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.inter import GroupTotals, RecomputeRule, fitted_prefill
 from dualpath_jax.sched.policy import InterEnginePolicy, make_policy
 from dualpath_jax.sched.prefetch import honor_affinity
-from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, Request
+from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, ReadPath, Request
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)  # tests and users subclass it
@@ -81,9 +82,12 @@ class GlobalScheduler:
         self._read_q: dict[int, int] = {}
         self._cursor: dict[tuple[str, int], int] = {}
         self._path_turns: dict[int, int] = {}  # DE -> read-side turns taken (round robin)
-        # Tool-gap prefetch (`sched.prefetch`): trajectory -> (DE group, node, blocks held), and
-        # the slack of `honor_affinity`. Empty unless a prefetcher holds something.
-        self._held: dict[str, tuple[int, int, int]] = {}
+        # Tool-gap prefetch (`sched.prefetch`): trajectory -> (DE group or -1, node, blocks
+        # held, on the PE side), and the slack of `honor_affinity`. Empty unless a prefetcher
+        # holds something. PE node -> the turns pinned to it (with their DEs), waiting for its PEs.
+        self._held: dict[str, tuple[int, int, int, bool]] = {}
+        self._pe_pinned: dict[int, collections.deque[tuple[Request, int]]] = {}
+        self._n_pinned = 0
         self.affinity_slack = 0.5
 
     @classmethod
@@ -127,7 +131,7 @@ class GlobalScheduler:
 
     def __len__(self) -> int:
         """Requests not yet fully assigned (global + private + PE waiting queues)."""
-        return len(self._de_global) + self._n_private + len(self._pe_wait)
+        return len(self._de_global) + self._n_private + len(self._pe_wait) + self._n_pinned
 
     def submit(self, request: Request) -> None:
         """Adds a new request at the tail of the DE global queue."""
@@ -146,6 +150,8 @@ class GlobalScheduler:
         for q in self._de_private.values():
             out.extend(q)
         out.extend(r for r, _ in self._pe_wait)
+        for pq in self._pe_pinned.values():
+            out.extend(r for r, _ in pq)
         return out
 
     def withdraw(self, request_ids: Iterable[str]) -> list[Request]:
@@ -172,6 +178,11 @@ class GlobalScheduler:
         if any(r.id in ids for r, _ in self._pe_wait):
             out.extend(r for r, _ in self._pe_wait if r.id in ids)
             self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if r.id not in ids)
+        for node, pq in self._pe_pinned.items():
+            if any(r.id in ids for r, _ in pq):
+                out.extend(r for r, _ in pq if r.id in ids)
+                self._pe_pinned[node] = collections.deque((r, de) for r, de in pq if r.id not in ids)
+                self._n_pinned -= len(pq) - len(self._pe_pinned[node])
         return out
 
     def de_global_queued(self) -> int:
@@ -203,13 +214,14 @@ class GlobalScheduler:
 
     def pe_queued(self) -> int:
         """Requests waiting for a PE (a `fetch_pe` finding none only records loads)."""
-        return len(self._pe_wait)
+        return len(self._pe_wait) + self._n_pinned
 
     def queued(self) -> dict[str, int]:
         return {
             "de_global": len(self._de_global),
             "de_private": sum(len(q) for q in self._de_private.values()),
             "pe_waiting": len(self._pe_wait),
+            "pe_pinned": self._n_pinned,
         }
 
     # ------------------------------------------------------------------ loads
@@ -245,6 +257,20 @@ class GlobalScheduler:
                 self._group_tok[x.group] -= x.tok_e
         back = [r for r, de in self._pe_wait if de in dead]
         self._pe_wait = collections.deque((r, de) for r, de in self._pe_wait if de not in dead)
+        if self._pe_pinned:  # a dead DE's turns go back; a node left with no PE unpins its own
+            pe_nodes = {x.node for x in self._pe.values()}
+            unpinned: list[tuple[Request, int]] = []
+            for node in list(self._pe_pinned):
+                pq = self._pe_pinned[node]
+                back.extend(r for r, de in pq if de in dead)
+                keep = [(r, de) for r, de in pq if de not in dead]
+                if node in pe_nodes:
+                    self._pe_pinned[node] = collections.deque(keep)
+                else:
+                    del self._pe_pinned[node]
+                    unpinned.extend(keep)
+                self._n_pinned -= len(pq) - (len(keep) if node in pe_nodes else 0)
+            self._pe_wait.extendleft(reversed(unpinned))
         live_groups = {x.group for x in self._de.values()}
         for g in [g for g in self._group_tok if g not in live_groups]:
             del self._group_tok[g]
@@ -300,6 +326,9 @@ class GlobalScheduler:
             self._n_private -= 1
             self._private_tok[group] -= r.tokens
             self._group_tok[group] -= r.tokens
+            h = self._held.get(r.trajectory) if self._held else None
+            if h is not None and h[3] and self._pin_pe(h[1], r, de):
+                continue
             self._pe_wait.append((r, de))
         for x in res.loads:
             self._set_de(x)
@@ -318,7 +347,11 @@ class GlobalScheduler:
             for r in self._de_global:
                 h = self._held.get(r.trajectory)
                 tot = self._group_tok
-                if h is not None and honor_affinity(h[0], tot, r.tokens, self.affinity_slack):
+                if (
+                    h is not None
+                    and not h[3]
+                    and honor_affinity(h[0], tot, r.tokens, self.affinity_slack)
+                ):
                     pinned.append((r, h[0]))
                     self._private_tok[h[0]] += r.tokens
                     self._group_tok[h[0]] += r.tokens
@@ -354,15 +387,46 @@ class GlobalScheduler:
             out.setdefault(x.group, x.node)
         return out
 
-    def hold(self, trajectory: str, group: int, node: int, blocks: int) -> None:
-        """`trajectory`'s first `blocks` hit blocks are (being) prefetched into `node`, of DE
-        group `group`: its next turn is routed there (`honor_affinity`) and reads them from
-        memory (`assign_paths`' `held`)."""
-        self._held[trajectory] = (group, node, blocks)
+    def pe_node_totals(self) -> dict[int, int]:
+        """PE node -> its PEs' `tok_e` plus the tokens of the turns pinned to it, for the nodes
+        with a PE that can take a turn (`tok_e <= beta`)."""
+        out: dict[int, int] = {}
+        open_nodes: set[int] = set()
+        for x in self._pe.values():
+            out[x.node] = out.get(x.node, 0) + x.tok_e
+            if x.tok_e <= self.beta:
+                open_nodes.add(x.node)
+        for node, pq in self._pe_pinned.items():
+            if node in out:
+                out[node] += sum(r.tokens for r, _ in pq)
+        return {n: t for n, t in out.items() if n in open_nodes}
+
+    def read_queues(self) -> dict[int, int]:
+        """Node -> its storage reads queued, in tokens (as read decisions estimate them)."""
+        return dict(self._read_q)
+
+    def hold(
+        self, trajectory: str, group: int, node: int, blocks: int, side: ReadPath = ReadPath.DE
+    ) -> None:
+        """`trajectory`'s first `blocks` hit blocks are (being) prefetched into `node`: on the
+        DE side (`node` of DE group `group`) its next turn is routed to that group; on the PE
+        side (`side=ReadPath.PE`) it is taken by a PE of that node (both when `honor_affinity`
+        says so); either way it reads them from memory (`assign_paths`' `held`)."""
+        self._held[trajectory] = (group, node, blocks, side is ReadPath.PE)
 
     def drop(self, trajectory: str) -> None:
-        """The prefetch of `trajectory` is gone (consumed, cancelled or evicted)."""
+        """The prefetch of `trajectory` is gone (consumed, cancelled or evicted). A turn already
+        pinned to a PE node stays there."""
         self._held.pop(trajectory, None)
+
+    def _pin_pe(self, node: int, r: Request, de: int) -> bool:
+        """Pins a turn placed on DE `de` to PE `node` (that node's own queue) when
+        `honor_affinity` says so."""
+        if not honor_affinity(node, self.pe_node_totals(), r.tokens, self.affinity_slack):
+            return False
+        self._pe_pinned.setdefault(node, collections.deque()).append((r, de))
+        self._n_pinned += 1
+        return True
 
     def _set_de(self, x: EngineLoad) -> None:
         old = self._de.get(x.engine)
@@ -381,30 +445,59 @@ class GlobalScheduler:
     def fetch_pe(self, group: int, loads: Sequence[EngineLoad]) -> tuple[Assignment, ...]:
         """A PE group leader fetches: Algorithm 1 on the PE waiting queue, then the read sides.
 
-        `loads`: the group's fresh reports. Returns the finished assignments, FIFO.
+        `loads`: the group's fresh reports. The turns pinned to a node of these PEs (a PE-side
+        prefetch) go first, Algorithm 1 over that node's PEs alone; then the shared queue.
+        Returns the finished assignments, FIFO within each queue.
         """
         self.report(loads, "pe")
-        if not self._pe_wait:
+        if not (self._pe_wait or self._n_pinned):
             return ()
-        key = ("pe", group)
-        res = self.policy.pe_fetch(
-            map(_first, self._pe_wait),  # lazy: Algorithm 1 reads only the head it takes
-            loads,
-            alpha=self.alpha,
-            beta=self.beta,
-            cursor=self._cursor.get(key, 0),
-        )
-        self._cursor[key] = res.cursor
-        if not res.assigned:
+        pairs: list[tuple[Request, int, int]] = []
+        now = list(loads)
+        if self._n_pinned:
+            for node in dict.fromkeys(x.node for x in loads):
+                pq = self._pe_pinned.get(node)
+                if not pq:
+                    continue
+                idx = [i for i, x in enumerate(now) if x.node == node]
+                key = ("pe_pinned", node)
+                res = self.policy.pe_fetch(
+                    map(_first, pq),
+                    [now[i] for i in idx],
+                    alpha=self.alpha,
+                    beta=self.beta,
+                    cursor=self._cursor.get(key, 0),
+                )
+                self._cursor[key] = res.cursor
+                for _, pe in res.assigned:
+                    r, de = pq.popleft()
+                    pairs.append((r, pe, de))
+                self._n_pinned -= len(res.assigned)
+                for i, x in zip(idx, res.loads):
+                    now[i] = x
+        if self._pe_wait:
+            key = ("pe", group)
+            res = self.policy.pe_fetch(
+                map(_first, self._pe_wait),  # lazy: Algorithm 1 reads only the head it takes
+                now,
+                alpha=self.alpha,
+                beta=self.beta,
+                cursor=self._cursor.get(key, 0),
+            )
+            self._cursor[key] = res.cursor
+            for _, pe in res.assigned:
+                r, de = self._pe_wait.popleft()
+                pairs.append((r, pe, de))
+            now = list(res.loads)
+        if not pairs:
             return ()
-        pairs = []
-        for _, pe in res.assigned:
-            r, de = self._pe_wait.popleft()
-            pairs.append((r, pe, de))
-        for x in res.loads:
+        for x in now:
             self._pe[x.engine] = x
         pe_node = {x.engine: x.node for x in loads}
         de_node = {de: self._de[de].node if de in self._de else -1 for _, _, de in pairs}
+        held = None
+        if self._held:
+            held = {t: (h[1], h[2], ReadPath.PE if h[3] else ReadPath.DE) for t, h in self._held.items()}
         out, self._read_q = self.policy.assign_paths(
             pairs,
             pe_node,
@@ -415,7 +508,7 @@ class GlobalScheduler:
             de_read_rate=self.de_read_rate,
             turns=self._path_turns,
             recompute=self.recompute,
-            held={t: (h[1], h[2]) for t, h in self._held.items()} if self._held else None,
+            held=held,
         )
         for a in out:  # round robin keeps one PE/DE turn per DE
             if a.pe_read_blocks + a.de_read_blocks > 0:

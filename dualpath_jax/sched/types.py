@@ -169,8 +169,9 @@ class Assignment:
     read: `recompute_blocks + pe_read_blocks + de_read_blocks` == the request's cached blocks,
     except for the Oracle policy (nothing is read or recomputed). The PE reads its blocks first
     in prefix order: after the recomputed lead, `pe_read_blocks` via the PE node, then
-    `de_read_blocks` via the DE node. Of those DE-side blocks, the first `held_blocks` are
-    already in the DE node's memory (a tool-gap prefetch, `sched.prefetch`): not read again.
+    `de_read_blocks` via the DE node. Of the blocks of its one read side (`path` PE or DE),
+    the first `held_blocks` are already in that node's memory (a tool-gap prefetch,
+    `sched.prefetch`): not read again.
     """
 
     request: Request

@@ -235,7 +235,10 @@ class SimCluster:
             self._ready_to_prefill(st)
             return
         st.read_pe, st.read_de = a.pe_read_blocks * self.bt, a.de_read_blocks * self.bt
-        st.read_de -= a.held_blocks * self.bt
+        if a.path is ReadPath.PE:  # a tool-gap prefetch's blocks are not read (not queued)
+            st.read_pe -= a.held_blocks * self.bt
+        else:
+            st.read_de -= a.held_blocks * self.bt
         self.router.assigned(a, pe, st.read_pe, st.read_de)
         lead = min(r.cached_tokens, a.recompute_blocks * self.bt)
         hit = min(r.cached_tokens - lead, (a.pe_read_blocks + a.de_read_blocks) * self.bt)
@@ -249,10 +252,11 @@ class SimCluster:
         st.nbytes = paths.step_bytes(path, hit * self.kvb, computed * self.kvb, de_hit * self.kvb)
         if self.prefetch is not None:
             self.prefetch.assigned(a)
-            if a.held_blocks:  # read during the tool call: in the DE node's memory already
-                held = min(de_hit, a.held_blocks * self.bt)
+            if a.held_blocks:  # read during the tool call: in the node's memory already
+                side = _PE_READ if a.path is ReadPath.PE else _DE_READ
+                held = min(hit - de_hit if side == _PE_READ else de_hit, a.held_blocks * self.bt)
                 nb = list(st.nbytes)
-                nb[_DE_READ] -= held * self.kvb
+                nb[side] -= held * self.kvb
                 st.nbytes = tuple(nb)
         key = pe.id * len(self.engines) + de.id
         links = self._pair_links.get(key)

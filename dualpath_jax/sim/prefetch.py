@@ -2,12 +2,13 @@
 
 When an agent's round ends with a tool call (`Round.gap_s > 0`; the trace says so, as a client's
 `tool_call` hint would), `SimPrefetcher.tool_call` asks `plan_prefetch` where to read the next
-turn's hit (a DE node, from the scheduler's group totals), evicts what it says, tells the
-scheduler to `hold` the session there (routing affinity) and starts a `Background` read on that
-node's storage NIC. The read advances the scheduler's `held` blocks as it goes. The gap running
-past `hold_factor` x its expected length cancels it and frees the memory; the next turn's
-submission stops it (the blocks read so far stay held); that turn's assignment consumes them
-(`SimCluster._assign`: the DE-side store read shrinks by them) and frees the memory.
+turn's hit (a DE node from the scheduler's group totals, or a PE node from its PE nodes' tokens,
+on the side the policy reads: `prefetch_sides`), evicts what it says, tells the scheduler to
+`hold` the session there (the turn is pinned to that node's engines) and starts a `Background`
+read on that node's storage NIC. The read advances the scheduler's `held` blocks as it goes. The
+gap running past `hold_factor` x its expected length cancels it and frees the memory; the next
+turn's submission stops it (the blocks read so far stay held); that turn's assignment consumes
+them (`SimCluster._assign`: that side's store read shrinks by them) and frees the memory.
 
 `Background`: bytes below LOW on one one-class (FIFO) link, the storage NICs of the simulated
 cluster. They move in slices (`slice_s` of the link) only while no critical bytes are on the
@@ -24,8 +25,15 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-from dualpath_jax.sched.prefetch import Held, PrefetchRule, expired, hold_until, plan_prefetch
-from dualpath_jax.sched.types import Assignment
+from dualpath_jax.sched.prefetch import (
+    Held,
+    PrefetchRule,
+    expired,
+    hold_until,
+    plan_prefetch,
+    prefetch_sides,
+)
+from dualpath_jax.sched.types import Assignment, ReadPath
 from dualpath_jax.sim.core import Event, EventLoop
 from dualpath_jax.sim.network import SimLink
 from dualpath_jax.transfer import paths
@@ -133,7 +141,8 @@ class Background:
 @dataclasses.dataclass(eq=False)
 class _Entry:
     session: str
-    group: int
+    side: ReadPath
+    group: int  # its DE group (-1 on the PE side)
     node: int
     nbytes: int  # reserved from the node's budget
     started_s: float
@@ -158,6 +167,7 @@ class SimPrefetcher:
         self.entries: dict[str, _Entry] = {}
         self.background: dict[int, Background] = {}
         self.counters = cluster.counters
+        self.sides = prefetch_sides(cluster.policy.spec.path_mode.value)
         cluster.scheduler.affinity_slack = rule.affinity_slack
 
     def tool_call(self, session: str, hit_tokens: int, expected_s: float) -> None:
@@ -167,15 +177,19 @@ class SimPrefetcher:
         if session in self.entries:
             self._free(session)
         held = [e.held() for e in self.entries.values()]
+        sched = c.scheduler
         d = plan_prefetch(
             self.rule,
             hit_blocks=hit_tokens // c.bt,
             block_bytes=self.block_bytes,
             expected_s=expected_s,
             now=now,
-            group_tok=c.scheduler.group_totals(),
-            group_node=c.scheduler.de_group_nodes(),
+            group_tok=sched.group_totals(),
+            group_node=sched.de_group_nodes(),
             held=held,
+            pe_node_tok=sched.pe_node_totals(),
+            read_q=sched.read_queues(),
+            sides=self.sides,
         )
         if d is None:
             self.counters["prefetch_skipped"] += 1
@@ -183,9 +197,10 @@ class SimPrefetcher:
         for s in d.evict:
             self.counters["prefetch_evicted"] += 1
             self._free(s)
-        e = _Entry(session, d.group, d.node, d.blocks * self.block_bytes, now, now + expected_s)
+        nbytes = d.blocks * self.block_bytes
+        e = _Entry(session, d.side, d.group, d.node, nbytes, now, now + expected_s)
         self.entries[session] = e
-        c.scheduler.hold(session, d.group, d.node, 0)
+        sched.hold(session, d.group, d.node, 0, d.side)
         e.job = BackgroundJob(e.nbytes, lambda n: self._read(e, n), lambda: None)
         self._link(d.node).add(e.job)
         e.timer = c.loop.at(hold_until(e.held(), self.rule), self._expire, session)
@@ -203,14 +218,15 @@ class SimPrefetcher:
             e.timer.cancel()
 
     def assigned(self, a: Assignment) -> None:
-        """The turn is assigned: its held blocks (if its DE is on the node) are consumed; the
-        memory is freed either way."""
+        """The turn is assigned: its held blocks (if its engine of that side is on the node) are
+        consumed; the memory is freed either way."""
         session = a.request.trajectory
         e = self.entries.get(session)
         if e is None:
             return
         if a.held_blocks:
             self.counters["prefetch_hit_tokens"] += a.held_blocks * self.c.bt
+            self.counters[f"prefetch_used_{e.side.value}"] += 1
         else:
             self.counters["prefetch_unused"] += 1
         self._free(session)
@@ -218,7 +234,7 @@ class SimPrefetcher:
     def _read(self, e: _Entry, n: int) -> None:
         e.read += n
         self.counters["prefetch_bytes"] += n
-        self.c.scheduler.hold(e.session, e.group, e.node, e.read // self.block_bytes)
+        self.c.scheduler.hold(e.session, e.group, e.node, e.read // self.block_bytes, e.side)
 
     def _expire(self, session: str) -> None:
         e = self.entries.get(session)

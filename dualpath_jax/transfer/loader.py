@@ -96,7 +96,7 @@ class LoadJob:
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
     pe_pieces: int = 1  # column pieces of the PE's KV rows: the DE offers its hit layers in them
     lead: int = 0
-    session: str = ""  # its session: a DE takes its blocks from that session's prefetch
+    session: str = ""  # its session: a load takes its blocks from that session's prefetch
 
     def __post_init__(self) -> None:
         if (
@@ -133,7 +133,7 @@ class LoaderContext:
     # The engine's mesh (None: one device). A PE on a mesh that splits the KV heads sends each
     # layer's new rows as one piece per split (`row_split`).
     mesh: Mesh | None = None
-    # A DE's tool-gap prefetch memory (None: no prefetch; transfer/prefetch_memory.py).
+    # The engine's tool-gap prefetch memory (None: no prefetch; transfer/prefetch_memory.py).
     prefetch: PrefetchMemory | None = None
 
     def charge(

@@ -1,16 +1,17 @@
-"""`PrefetchMemory`: a decode engine's tool-gap prefetch memory (the real cluster's side of
-`sched.prefetch`; the router's side is engine/prefetch.py).
+"""`PrefetchMemory`: an engine's tool-gap prefetch memory (the real cluster's side of
+`sched.prefetch`; the router's side is engine/prefetch.py). A DE's or a PE's, by the side the
+policy reads.
 
-During a tool call the router may tell a DE to read a session's leading hit blocks from the
+During a tool call the router may tell an engine to read a session's leading hit blocks from the
 store (`start`). One reader thread reads them a block at a time, in the order asked, into
 memory of its own (a budget of `budget_bytes`, reserved when a prefetch starts), and only while
 no round of the engine is reading the store (`critical()` brackets those reads): a round's
 reads wait for at most the one block on the wire, the priority the simulator's `Background`
 gives them. Each block read is charged to the node's storage links at LOW (`charge`).
 
-The next turn's load takes the blocks (`take`, by session and keys: a block is used only if it
-is the key the load wants, so a prefetch of another chain or an older context is never
-misread), copies them into its DE buffer and reads only the rest from the store. Reading ends
+The next turn's load (its DE or PE half) takes the blocks (`take`, by session and keys: a block
+is used only if it is the key the load wants, so a prefetch of another chain or an older
+context is never misread), copies them into its buffer and reads only the rest from the store. Reading ends
 when every block is read, a block is missing from the store, the prefetch is taken or dropped;
 the reader then reports `done(session, epoch, blocks, read_s)` (not for a dropped or taken one).
 """
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 
 def prefetch_budget_bytes(cfg, layout: BlockLayout) -> float:
-    """One DE's prefetch memory (an `ExperimentConfig`'s): `scheduler.prefetch_bytes_per_engine`,
+    """One engine's prefetch memory (an `ExperimentConfig`'s): `scheduler.prefetch_bytes_per_engine`,
     by default as much as its host buffer. The router plans within it too."""
     return cfg.scheduler.prefetch_bytes_per_engine or buffer_blocks(cfg, layout) * layout.nbytes
 
@@ -54,7 +55,7 @@ class _Entry:
 
 
 class PrefetchMemory:
-    """One DE's prefetch memory; thread-safe. `timeout_s` bounds one block's store read."""
+    """One engine's prefetch memory; thread-safe. `timeout_s` bounds one block's store read."""
 
     def __init__(
         self,
@@ -80,7 +81,7 @@ class PrefetchMemory:
 
     @classmethod
     def for_engine(cls, cfg, node: int, layout: BlockLayout, store: BlockStore, traffic):
-        """A DE's memory (`prefetch_budget_bytes`), its reads charged to its node's storage
+        """An engine's memory (`prefetch_budget_bytes`), its reads charged to its node's storage
         read links at LOW (`traffic`: the engine's `TrafficManager`, None: not charged)."""
         path = paths.store_read_path(f"node{node}")
 

@@ -3,7 +3,8 @@ the in-process runtime (the router and engines a `LocalCluster` runs, as threads
 
 A `tool_call` hint after a round makes a DE read the session's stored blocks into memory; the
 next turn is routed there and its DE-side read takes them from memory (`de_reads` event:
-`held_blocks` = its whole hit, nothing read from the store), with the reference tokens. A gap
+`held_blocks` = its whole hit, nothing read from the store), with the reference tokens. Under
+Basic (reads on the PE side only) the PE reads them and its read takes them (`pe_reads`). A gap
 that runs long is cancelled, a small budget holds only the leading blocks, and the rest is
 read from the store as usual: the tokens never change.
 """
@@ -23,8 +24,8 @@ from dualpath_jax.rollout import Session
 WAIT_S = 60.0
 
 
-def prefetch_config(**scheduler):
-    cfg = cluster_config("dualpath", decode=2)
+def prefetch_config(policy="dualpath", **scheduler):
+    cfg = cluster_config(policy, decode=2)
     s = dataclasses.replace(cfg.scheduler, prefetch=True, prefetch_min_gap_s=0.1, **scheduler)
     return dataclasses.replace(cfg, scheduler=s)
 
@@ -63,14 +64,15 @@ def events_of(workdir, kind: str, request: str) -> list[dict]:
     return [e for e in read_events(workdir) if e["kind"] == kind and e.get("request") == request]
 
 
-def de_reads(workdir, request: str) -> dict:
-    """The router's `de_reads` event of `request` (the log is written as the router goes)."""
+def de_reads(workdir, request: str, kind: str = "de_reads") -> dict:
+    """The router's `de_reads` (or `pe_reads`) event of `request` (the log is written as the
+    router goes)."""
 
     def found():
         evs = read_events(workdir)
-        return [e for e in evs if e["kind"] == "de_reads" and e["request"] == request]
+        return [e for e in evs if e["kind"] == kind and e["request"] == request]
 
-    got = wait_for(found, f"the de_reads event of {request}")
+    got = wait_for(found, f"the {kind} event of {request}")
     assert len(got) == 1, got
     return got[0]
 
@@ -107,6 +109,36 @@ def test_a_prefetched_turn_reads_its_hit_from_memory(tmp_path, start_cluster, re
     assert out == expected
     assert counters["prefetch_started"] == 1 and counters["prefetch_used"] == 1
     assert counters["prefetch_used_blocks"] == want
+    assert counters.get("errors", 0) == 0
+
+
+def test_basic_prefetches_on_the_pe_side(tmp_path, start_cluster, reference_tokens):
+    traj = trajectory(4)
+    expected = reference_tokens(traj)
+    with start_cluster(prefetch_config("basic"), tmp_path, "thread") as cluster:
+        client = cluster.client()
+        s = Session(client, traj[0])
+        rounds = traj[1]
+        out = [s.step(*rounds[0])]
+        context = len(rounds[0][0]) + rounds[0][1]
+        s.hint("tool_call", expected_s=30)
+        want = stored_blocks(context)
+        entry = wait_for(lambda: (h := held(client, s.id)) and h["held"] == want and h, "it")
+        assert entry["side"] == "pe"
+        res = s.step_async(*rounds[1]).result(WAIT_S)
+        out.append(list(res.tokens))
+        assert res.cached_tokens == want * BLOCK_TOKENS
+        ev = de_reads(cluster.workdir, res.request, "pe_reads")
+        assert ev["engine"] == entry["engine"] and ev["held_blocks"] == want
+        (assign,) = events_of(cluster.workdir, "assign", res.request)
+        assert assign["path"] == "pe" and assign["de_blocks"] == 0
+        res = s.step_async(*rounds[2]).result(WAIT_S)  # no hint: read from the store
+        out.append(list(res.tokens))
+        assert de_reads(cluster.workdir, res.request, "pe_reads")["held_blocks"] == 0
+        counters = client.stats()["counters"]
+        s.close()
+    assert out == expected
+    assert counters["prefetch_used"] == 1 and counters["prefetch_used_blocks"] == want
     assert counters.get("errors", 0) == 0
 
 

@@ -3,6 +3,8 @@ cancellation of a gap that runs long, routing affinity and the held blocks of th
 
 from __future__ import annotations
 
+import pytest
+
 from dualpath_jax.config import Policy
 from dualpath_jax.sched.inter import assign_paths
 from dualpath_jax.sched.prefetch import (
@@ -13,6 +15,7 @@ from dualpath_jax.sched.prefetch import (
     honor_affinity,
     make_room,
     plan_prefetch,
+    prefetch_sides,
 )
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
@@ -20,7 +23,7 @@ from dualpath_jax.sched.types import EngineLoad, ReadPath, Request
 RULE = PrefetchRule(budget_bytes=1000, min_gap_s=1.0, hold_factor=2.0, affinity_slack=0.5)
 
 
-def plan(hit_blocks=4, expected_s=10.0, held=(), tok=None, now=0.0, rule=RULE):
+def plan(hit_blocks=4, expected_s=10.0, held=(), tok=None, now=0.0, rule=RULE, **kw):
     return plan_prefetch(
         rule,
         hit_blocks=hit_blocks,
@@ -30,6 +33,7 @@ def plan(hit_blocks=4, expected_s=10.0, held=(), tok=None, now=0.0, rule=RULE):
         group_tok=tok if tok is not None else {0: 50, 1: 20},
         group_node={0: 10, 1: 11},
         held=list(held),
+        **kw,
     )
 
 
@@ -90,7 +94,7 @@ def test_held_blocks_read_on_the_de_side_from_memory_and_only_the_rest_is_queued
     pairs = [(req("s"), 0, 5), (req("t"), 0, 5)]
     out, q = assign_paths(
         pairs, {0: 1}, {5: 2}, {1: 0, 2: 0}, mode="shorter", block_tokens=64,
-        held={"s": (2, 7), "t": (3, 10)},  # t's prefetch sits on another node
+        held={"s": (2, 7, ReadPath.DE), "t": (3, 10, ReadPath.DE)},  # t's: another node
     )  # fmt: skip
     s, t = out
     assert (s.path, s.pe_read_blocks, s.de_read_blocks, s.held_blocks) == (ReadPath.DE, 0, 10, 7)
@@ -113,3 +117,101 @@ def test_the_scheduler_routes_a_held_session_to_its_group_and_reads_it_from_memo
     s.drop("sess")
     s.submit(req("sess"))
     assert s.route_de()[0][1] == 0  # dropped: by totals (group 1 has the first turn)
+
+
+def test_the_side_follows_the_policy_and_the_read_queues():
+    assert [prefetch_sides(m) for m in ("pe", "shorter", "alternate", "split", "none")] == [
+        "pe", "shorter", "shorter", "shorter", "",
+    ]  # fmt: skip
+    pes = {1: 300, 2: 100}  # PE node -> tokens
+    d = plan(pe_node_tok=pes, sides="pe")
+    assert (d.side, d.group, d.node, d.blocks) == (ReadPath.PE, -1, 2, 4)
+    assert plan(pe_node_tok={}, sides="pe") is None  # no PE can take the turn
+    # "shorter": the DE node (11) unless the PE node's (2) read queue is shorter; ties to DE
+    assert plan(pe_node_tok=pes, read_q={11: 50, 2: 50}, sides="shorter").side is ReadPath.DE
+    assert plan(pe_node_tok=pes, read_q={11: 50, 2: 10}, sides="shorter").node == 2
+    assert plan(pe_node_tok=pes, read_q={2: 10}, sides="de").node == 11
+    # no room on the chosen node: the other side
+    full = [Held("x", 2, 1000, 0.0, 5.0)]
+    assert plan(pe_node_tok=pes, read_q={11: 50}, held=full, sides="shorter").node == 11
+    assert plan(pe_node_tok=pes, held=full, sides="pe") is None
+    with pytest.raises(ValueError, match="sides"):
+        plan(sides="both")
+
+
+def test_held_blocks_on_the_pe_side_are_read_from_the_pe_nodes_memory():
+    pairs = [(req("s"), 0, 5), (req("t"), 0, 5), (req("u"), 0, 5)]
+    held = {"s": (1, 7, ReadPath.PE), "t": (3, 10, ReadPath.PE), "u": (2, 4, ReadPath.DE)}
+    for mode in ("pe", "shorter", "split", "alternate"):
+        out, q = assign_paths(
+            pairs, {0: 1}, {5: 2}, {1: 0, 2: 0}, mode=mode, block_tokens=64, held=held
+        )
+        s, t, u = out
+        assert (s.path, s.pe_read_blocks, s.de_read_blocks, s.held_blocks) == (
+            ReadPath.PE, 10, 0, 7,
+        )  # fmt: skip
+        assert t.held_blocks == 0  # its prefetch sits on another PE node
+        # a DE-side hold counts only where the mode reads on the DE side
+        assert u.held_blocks == (0 if mode == "pe" else 4)
+        if mode == "pe":
+            assert q == {1: 640 - 7 * 64 + 640 + 640, 2: 0}
+    out, _ = assign_paths(pairs, {0: 1}, {5: 2}, {}, mode="none", block_tokens=64, held=held)
+    assert all(a.held_blocks == 0 and a.path is ReadPath.NONE for a in out)
+
+
+def pe_sched(policy=Policy.BASIC):
+    """Two PE nodes (1, 2; one PE each, its own group) and one DE."""
+    s = GlobalScheduler(policy, block_tokens=64)
+    s.report([EngineLoad(10, 20, 0, free_hbm_tokens=10**6)], "de")
+    s.report([EngineLoad(0, 1, 0), EngineLoad(1, 2, 1)], "pe")
+    return s
+
+
+def test_a_turn_held_on_a_pe_node_waits_for_that_nodes_pe_and_reads_from_memory():
+    s = pe_sched()
+    de = [EngineLoad(10, 20, 0, free_hbm_tokens=10**6)]
+    s.hold("sess", -1, 2, 10, ReadPath.PE)
+    s.submit(req("sess"))
+    s.submit(req("other"))
+    assert len(s.fetch_de(0, de)) == 2
+    assert s.queued() == {"de_global": 0, "de_private": 0, "pe_waiting": 1, "pe_pinned": 1}
+    assert s.pe_queued() == 2 and len(s) == 2
+    # the PE of node 1 fetches first: it takes the other turn, not the pinned one
+    (a,) = s.fetch_pe(0, [EngineLoad(0, 1, 0)])
+    assert a.request.trajectory == "other" and a.held_blocks == 0
+    (b,) = s.fetch_pe(1, [EngineLoad(1, 2, 1)])
+    assert (b.request.trajectory, b.pe, b.path, b.pe_read_blocks, b.held_blocks) == (
+        "sess", 1, ReadPath.PE, 10, 10,
+    )  # fmt: skip
+    assert len(s) == 0
+
+
+def test_a_pe_pin_gives_way_to_load_and_to_a_dead_node():
+    s = pe_sched()
+    de = [EngineLoad(10, 20, 0, free_hbm_tokens=10**6)]
+    s.report([EngineLoad(1, 2, 1, tok_e=10**6)], "pe")  # node 2 is far above the mean
+    s.hold("sess", -1, 2, 10, ReadPath.PE)
+    s.submit(req("sess"))
+    s.fetch_de(0, de)
+    assert s.queued()["pe_pinned"] == 0  # affinity given up: the shared queue
+    (a,) = s.fetch_pe(0, [EngineLoad(0, 1, 0)])
+    assert a.held_blocks == 0 and a.pe == 0
+    # pinned, then its node's only PE dies: back to the shared queue, ahead of later turns
+    s = pe_sched()
+    s.hold("sess", -1, 2, 10, ReadPath.PE)
+    s.submit(req("sess"))
+    s.fetch_de(0, de)
+    s.submit(req("later"))
+    s.fetch_de(0, de)
+    assert s.queued()["pe_pinned"] == 1
+    s.remove_engines([1])
+    assert s.queued()["pe_pinned"] == 0 and s.pe_queued() == 2
+    a, b = s.fetch_pe(0, [EngineLoad(0, 1, 0)])
+    assert [a.request.trajectory, b.request.trajectory] == ["sess", "later"]
+    # a pinned turn withdrawn (cancelled) leaves every queue
+    s = pe_sched()
+    s.hold("sess", -1, 2, 10, ReadPath.PE)
+    s.submit(req("sess"))
+    s.fetch_de(0, de)
+    assert [r.id for r in s.queued_requests()] == ["sess/r1"]
+    assert [r.id for r in s.withdraw(["sess/r1"])] == ["sess/r1"] and len(s) == 0

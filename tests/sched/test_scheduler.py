@@ -130,7 +130,7 @@ def test_de_phase_1_balances_groups_and_beta_backpressures():
     got0 = s.fetch_de(0, de_loads(group=0))
     # Phase 1 alternates the two empty groups; group 0 takes only its share.
     assert [r.id for r, _ in got0] == ["r0", "r2"]
-    assert s.queued() == {"de_global": 0, "de_private": 2, "pe_waiting": 2}
+    assert s.queued() == {"de_global": 0, "de_private": 2, "pe_waiting": 2, "pe_pinned": 0}
     got1 = s.fetch_de(1, de_loads(group=1, base=20, node=2))
     assert [r.id for r, _ in got1] == ["r1", "r3"]
     # beta = 1500: each PE (tok 0) takes one 1000-token request and is then at 1000 <= beta,
@@ -151,10 +151,10 @@ def test_hbm_backpressure_and_dead_engines():
     assert len(got) == 2 and s.queued()["de_private"] == 1
     back = s.remove_engines([got[0][1]])
     assert [r.id for r in back] == ["r0"]
-    assert s.queued() == {"de_global": 1, "de_private": 1, "pe_waiting": 1}
+    assert s.queued() == {"de_global": 1, "de_private": 1, "pe_waiting": 1, "pe_pinned": 0}
     back = s.remove_engines([got[1][1]])  # the whole group is gone
     assert sorted(r.id for r in back) == ["r1", "r2"]
-    assert s.queued() == {"de_global": 3, "de_private": 0, "pe_waiting": 0}
+    assert s.queued() == {"de_global": 3, "de_private": 0, "pe_waiting": 0, "pe_pinned": 0}
 
 
 def test_queue_bound_and_requeue():
