@@ -216,6 +216,17 @@ class GlobalScheduler:
         """Requests waiting for a PE (a `fetch_pe` finding none only records loads)."""
         return len(self._pe_wait) + self._n_pinned
 
+    def pe_takeable(self, nodes: Iterable[int]) -> int:
+        """Requests a `fetch_pe` by PEs on `nodes` could take: the shared PE waiting queue and
+        the turns pinned to those nodes (a fetch finding none only records loads)."""
+        n = len(self._pe_wait)
+        if self._n_pinned:
+            for node in nodes:
+                pq = self._pe_pinned.get(node)
+                if pq:
+                    n += len(pq)
+        return n
+
     def queued(self) -> dict[str, int]:
         return {
             "de_global": len(self._de_global),

@@ -80,6 +80,8 @@ class SimRouter:
             if self._pe_index[e.group] not in at:
                 at.append(self._pe_index[e.group])
         self._pe_live = set(range(len(self._pe_groups)))  # PE groups not known to fetch nothing
+        # each PE group's nodes (a fetch of the group takes the turns pinned to them)
+        self._pe_group_nodes = [tuple({e.node: 0 for e in g}) for _, g in self._pe_groups]
         self._de_first = next(iter(self._de_groups))
         self._de_stuck: set[int] = set()  # DE groups whose last fetch assigned nothing
         self.read_q: dict[int, int] = collections.defaultdict(int)
@@ -237,18 +239,19 @@ class SimRouter:
         live = self._pe_live
         leads = self._pe_lead_engine
         now = self.loop.now
+        nodes = self._pe_group_nodes
         if i is None:
             best_t, best = math.inf, -1
             leaders = self._pe_leaders
             for j in live:
-                if not leads[j].busy:
+                if not leads[j].busy and sched.pe_takeable(nodes[j]):
                     t = leaders[j].next_idle(now)
                     if t < best_t or (t == best_t and j < best):
                         best_t, best = t, j
             if best < 0:
                 return
         else:
-            if i not in live or leads[i].busy:
+            if i not in live or leads[i].busy or not sched.pe_takeable(nodes[i]):
                 return
             best, best_t = i, self._pe_leaders[i].next_idle(now)
         ev = self._pe_poll
@@ -268,7 +271,7 @@ class SimRouter:
 
     def _pe_fetch(self, i: int) -> None:
         sched = self.scheduler
-        if i not in self._pe_live or not sched.pe_queued():
+        if i not in self._pe_live or not sched.pe_takeable(self._pe_group_nodes[i]):
             return
         self.counters["fetches_pe"] += 1
         self._report_des()  # the DE nodes' read queues as of now (the read-side choice)
@@ -315,14 +318,18 @@ class SimRouter:
         # Leaders fetch asynchronously in the real cluster; rotating who goes first keeps one
         # group from always seeing the queue's head.
         # A PE fetch that assigned nothing is not repeated until a load of its group changes:
-        # both PE fetches (Algorithm 1, round robin) assign nothing exactly when every PE of the
-        # group is over beta, whatever request heads the queue, and then leave their cursor.
+        # given a request it can take (the shared queue, or a turn pinned to one of its nodes
+        # by a PE-side prefetch: `pe_takeable`), both PE fetches (Algorithm 1, round robin)
+        # assign nothing exactly when every PE of the group is over beta, whatever request heads
+        # the queue, and then leave their cursor.
         groups = self._pe_groups
         n = len(groups)
         k = self.counters["dispatches"] % n
         for i in sorted(self._pe_live, key=lambda j: (j - k) % n):
             if not sched.pe_queued():
                 break
+            if not sched.pe_takeable(self._pe_group_nodes[i]):
+                continue
             gid, group = groups[i]
             out = sched.fetch_pe(gid, [self._load(e) for e in group])
             if not out:

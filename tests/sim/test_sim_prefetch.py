@@ -1,6 +1,7 @@
 """Tool-gap prefetch in the simulator: background reads never delay a critical read (the link's
 own accounting), and on the paper's 2P4D testbed with coding-agent sessions (Weka format, built
-here) turns after a tool call start sooner with prefetch on, at the same JCT or better."""
+here) turns after a tool call start sooner with prefetch on, at the same JCT or better, under
+DualPath and under Basic (whose prefetch reads into PE nodes)."""
 
 from __future__ import annotations
 
@@ -91,8 +92,8 @@ def _weka(tmp_path, n=6, turns=8, seed=0):
     return d
 
 
-def _run(tmp_path, prefetch: bool):
-    cfg, cost = paper_experiment("ds660b", 2, 4, policy="dualpath", snic_bytes_per_s=2e9)
+def _run(tmp_path, prefetch: bool, policy: str = "dualpath"):
+    cfg, cost = paper_experiment("ds660b", 2, 4, policy=policy, snic_bytes_per_s=2e9)
     w = dataclasses.replace(
         cfg.workload, trace=str(_weka(tmp_path)), trace_format="weka", agents=None,
         mode="online", max_turns=0,
@@ -101,9 +102,12 @@ def _run(tmp_path, prefetch: bool):
     return simulate(dataclasses.replace(cfg, workload=w, scheduler=sched), cost=cost)
 
 
-def test_prefetch_cuts_the_ttft_of_turns_after_a_tool_call_and_keeps_link_priorities(tmp_path):
-    off = _run(tmp_path / "off", False)
-    on = _run(tmp_path / "on", True)
+@pytest.mark.parametrize("policy", ["dualpath", "basic"])
+def test_prefetch_cuts_the_ttft_of_turns_after_a_tool_call_and_keeps_link_priorities(
+    tmp_path, policy
+):
+    off = _run(tmp_path / "off", False, policy)
+    on = _run(tmp_path / "on", True, policy)
 
     def after_tool(run):
         return statistics.median(
@@ -114,6 +118,8 @@ def test_prefetch_cuts_the_ttft_of_turns_after_a_tool_call_and_keeps_link_priori
     assert on.jct_s <= off.jct_s * (1 + 1e-9)
     c = on.cluster.counters
     assert c["prefetch_started"] > 0 and c["prefetch_hit_tokens"] > 0
+    if policy == "basic":  # it reads on the PE side only: so does its prefetch
+        assert c["prefetch_used_pe"] > 0 and c["prefetch_used_de"] == 0
     # Link accounting: the background bytes only filled idle storage-NIC time (no window holds
     # more than the link moves), and each round's critical reads went first (yields counted).
     bgs = on.cluster.prefetch.background
