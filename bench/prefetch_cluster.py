@@ -4,16 +4,18 @@ Run:
   python bench/prefetch_cluster.py                     # cpu_1p2d, in-process runtime
   python bench/prefetch_cluster.py --runtime=process   # one process per engine
   python bench/prefetch_cluster.py --sessions=6 --gap_s=4 --json
+  python bench/prefetch_cluster.py --policy=basic      # PE-side prefetch
 
 `--sessions` agents each run `--rounds` rounds on `configs/cpu_1p2d.py` (tiny Qwen2, emulated
 links: 0.5 MB/s storage NICs): a first context of `--first` tokens, then appends of
 `--append` tokens, each after a tool call of `--gap_s` seconds, `--gen` tokens a round. Both
-runs replay the same sessions under the dualpath policy; with prefetch on, each gap starts with
-a `tool_call` hint (`run_trajectories(tool_calls=True)`) and a DE reads the session's stored
-blocks into memory meanwhile (engine/prefetch.py). For the turns after a tool call it prints the
-hit read time (the prefill engine's wait for the hit KV, from the router's `first_token`
-events), the DE's own store read time (`de_reads` events), TTFT p50/p99, the blocks taken from
-prefetch memory, and whether the two runs' tokens are identical.
+runs replay the same sessions under `--policy` (dualpath: the prefetch reads into a DE; basic:
+into the PE); with prefetch on, each gap starts with a `tool_call` hint
+(`run_trajectories(tool_calls=True)`) and an engine reads the session's stored blocks into
+memory meanwhile (engine/prefetch.py). For the turns after a tool call it prints the hit read
+time (the prefill engine's wait for the hit KV, from the router's `first_token` events), the
+reading engine's own store read time (`pe_reads`/`de_reads` events), TTFT p50/p99, the blocks
+taken from prefetch memory, and whether the two runs' tokens are identical.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "configs"))
 
 from dualpath_jax.cluster import InProcessCluster, LocalCluster  # noqa: E402
+from dualpath_jax.config import Policy  # noqa: E402
 from dualpath_jax.metrics.events import read_events  # noqa: E402
 from dualpath_jax.rollout import run_trajectories  # noqa: E402
 
@@ -41,6 +44,9 @@ _APPEND = flags.DEFINE_integer("append", 32, "Tokens appended after each tool ca
 _GEN = flags.DEFINE_integer("gen", 8, "Tokens generated per round.")
 _GAP = flags.DEFINE_float("gap_s", 3.0, "Tool call between rounds, seconds.")
 _RUNTIME = flags.DEFINE_enum("runtime", "thread", ["thread", "process"], "Cluster runtime.")
+_POLICY = flags.DEFINE_enum(
+    "policy", "dualpath", ["dualpath", "dualpath_rr", "split", "basic", "layerwise"], "Policy."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "bench_out/prefetch_cluster", "Output directory.")
 _JSON = flags.DEFINE_bool("json", False, "Print the rows as JSON too.")
 
@@ -64,7 +70,8 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_one(cfg, workdir: pathlib.Path, trajs, prefetch: bool) -> dict:
-    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, prefetch=prefetch))
+    sched = dataclasses.replace(cfg.scheduler, prefetch=prefetch, policy=Policy(_POLICY.value))
+    cfg = dataclasses.replace(cfg, scheduler=sched)
     runtime = InProcessCluster if _RUNTIME.value == "thread" else LocalCluster
     with runtime(cfg, workdir) as cluster:
         client = cluster.client()
@@ -78,17 +85,17 @@ def run_one(cfg, workdir: pathlib.Path, trajs, prefetch: bool) -> dict:
     after = {r.request for o in outs for r in o.results[1:]}  # turns after a tool call
     events = read_events(workdir / "events.jsonl")
     pe_read = [e["read_s"] for e in events if e["kind"] == "first_token" and e["request"] in after]
-    de = [e for e in events if e["kind"] == "de_reads" and e["request"] in after]
+    reads = [e for e in events if e["kind"] in ("pe_reads", "de_reads") and e["request"] in after]
     ttft = [r.ttft_s for o in outs for r in o.results[1:]]
     return {
         "prefetch": prefetch,
         "turns": len(after),
         "hit_read_p50_s": pct(pe_read, 50),
         "hit_read_p99_s": pct(pe_read, 99),
-        "de_store_read_p50_s": pct([e["read_s"] for e in de], 50),
+        "store_read_p50_s": pct([e["read_s"] for e in reads], 50),
         "ttft_p50_s": pct(ttft, 50),
         "ttft_p99_s": pct(ttft, 99),
-        "held_blocks": sum(e["held_blocks"] for e in de),
+        "held_blocks": sum(e["held_blocks"] for e in reads),
         "hit_blocks": sum(r.cached_tokens for o in outs for r in o.results[1:])
         // cfg.store.block_tokens,
         "prefetch_started": counters["prefetch_started"],
@@ -117,16 +124,17 @@ def main(argv) -> None:
     same = rows[0]["tokens"] == rows[1]["tokens"]
     print(
         f"{_SESSIONS.value} sessions x {_ROUNDS.value} rounds, first {_FIRST.value} tokens,"
-        f" +{_APPEND.value} after each {_GAP.value:g} s tool call ({_RUNTIME.value} runtime)"
+        f" +{_APPEND.value} after each {_GAP.value:g} s tool call ({_RUNTIME.value} runtime,"
+        f" {_POLICY.value})"
     )
     print(
-        "prefetch  turns  hit read p50/p99 s  DE store read p50 s  TTFT p50/p99 s  held/hit blocks  JCT s"
+        "prefetch  turns  hit read p50/p99 s  store read p50 s  TTFT p50/p99 s  held/hit blocks  JCT s"
     )
     for r in rows:
         print(
             f"{'on' if r['prefetch'] else 'off':8}  {r['turns']:5}  "
             f"{r['hit_read_p50_s']:7.3f} / {r['hit_read_p99_s']:6.3f}  "
-            f"{r['de_store_read_p50_s']:19.3f}  "
+            f"{r['store_read_p50_s']:16.3f}  "
             f"{r['ttft_p50_s']:6.3f} / {r['ttft_p99_s']:6.3f}  "
             f"{r['held_blocks']:6} / {r['hit_blocks']:<6}  {r['jct_s']:6.1f}"
         )

@@ -29,7 +29,7 @@
 #    analysis tool's bottleneck-free P/D range (section 4.2), and compares Basic on each split;
 # 3. plots the storage NICs' read traffic, the paper's Figure 13 view;
 # 4. replays **coding-agent sessions** (tool calls between turns, subagents a turn waits for)
-#    under Basic, DualPath, DualPath with tool-gap prefetch and Oracle.
+#    under Basic and DualPath, each with and without tool-gap prefetch, and Oracle.
 #
 # To run in a couple of minutes it uses fewer agents than the paper (see the note on scaling
 # below).
@@ -328,8 +328,9 @@ print(f"{len(trajs)} trajectories ({sum(':' in t.id for t in trajs)} subagents),
       f"{len(after_subagents)} waiting for subagents; longest context {max(t.total_len for t in trajs):,} tokens")
 
 # %%
-AGENTIC_RUNS = {"basic": (Policy.BASIC, False), "dualpath": (Policy.DUALPATH, False),
-                "dualpath + prefetch": (Policy.DUALPATH, True), "oracle": (Policy.ORACLE, False)}
+AGENTIC_RUNS = {"basic": (Policy.BASIC, False), "basic + prefetch": (Policy.BASIC, True),
+                "dualpath": (Policy.DUALPATH, False), "dualpath + prefetch": (Policy.DUALPATH, True),
+                "oracle": (Policy.ORACLE, False)}
 kvb = kv_bytes_per_token(agentic_base.model, agentic_base.hardware.kv_format or None)
 hw = agentic_base.hardware  # each engine's DRAM buffer holds the longest context
 hw = dataclasses.replace(hw, dram_buffer_bytes=max(hw.dram_buffer_bytes, math.ceil(1.05 * max(t.total_len for t in trajs) * kvb)))
@@ -355,9 +356,10 @@ for name, row in agentic.items():
 
 fig, ax = plt.subplots(figsize=(7, 3.6))
 x = np.arange(3)
-shades = {"basic": "#999", "dualpath": "#36c", "dualpath + prefetch": "#e94", "oracle": "#2a7"}
+shades = {"basic": "#999", "basic + prefetch": "#caa", "dualpath": "#36c", "dualpath + prefetch": "#e94",
+          "oracle": "#2a7"}
 for k, (name, row) in enumerate(agentic.items()):
-    ax.bar(x + (k - 1.5) * 0.2, [row[c] for c in cols[1:]], 0.2, label=name, color=shades[name])
+    ax.bar(x + (k - 2) * 0.16, [row[c] for c in cols[1:]], 0.16, label=name, color=shades[name])
 ax.set_xticks(x, ["every turn", "after a tool call", "after subagents"])
 ax.set_ylabel("TTFT p50 (s, simulated)")
 ax.set_title(f"{len(trajs)} agent trajectories, DS 660B 2P4D, storage NICs / {SCALE}")
