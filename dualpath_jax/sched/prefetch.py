@@ -17,8 +17,9 @@ has no room, the other side is tried.
 How the turn is pinned: on the DE side, DE phase 1 routes it to the prefetch's DE group
 (`honor_affinity` over the groups' totals), which fixes its DE in advance without breaking the
 FIFO order of the queues. On the PE side, the turn leaves the shared PE waiting queue for the
-held node's own queue once its DE is placed (again `honor_affinity`, over the PE nodes' tokens),
-and the PEs of that node take it first (`GlobalScheduler.fetch_pe`).
+held node's own queue once its DE is placed (when `pe_pin_wins`: the pin does not lengthen its
+read, and `honor_affinity` over the PE nodes' tokens), and the PEs of that node take it first
+(`GlobalScheduler.fetch_pe`).
 
 Lifecycle of one prefetch (its shells are `sim.prefetch.SimPrefetcher` and the router's
 `engine.prefetch.Prefetches`): `plan_prefetch` (side, node, how many blocks, what to evict) ->
@@ -120,8 +121,9 @@ def plan_prefetch(
     None when there is no hit, no candidate node, or the expected gap is shorter than
     `min_gap_s` (or not finite). The DE candidate is the node of the DE group with the least
     total tokens (`group_tok`; where phase 1 would route the turn now; ties to the lowest group
-    id), the PE candidate the PE node with the least tokens (`pe_node_tok`: node -> its PEs'
-    tokens, only nodes whose PEs can take a turn). `sides` ("de", "pe" or "shorter") says which
+    id), the PE candidate the PE node with the shortest read queue, then the least tokens
+    (`pe_node_tok`: node -> its PEs' tokens, only nodes whose PEs can take a turn; Algorithm 1
+    too prefers PEs whose node's read queue is short). `sides` ("de", "pe" or "shorter") says which
     are tried: "shorter" tries the one whose node has the shorter read queue first (`read_q`:
     node -> queued read tokens), ties to the DE side, then the other. On a node, as many leading
     blocks as its budget holds are read, after `make_room` frees what it may; None when nothing
@@ -141,7 +143,8 @@ def plan_prefetch(
         if node is not None:
             cands.append((ReadPath.DE, group, node))
     if sides != "de" and pe_node_tok:
-        node = min(pe_node_tok, key=lambda n: (pe_node_tok[n], n))
+        q = read_q or {}
+        node = min(pe_node_tok, key=lambda n: (q.get(n, 0), pe_node_tok[n], n))
         cands.append((ReadPath.PE, -1, node))
     if len(cands) == 2 and read_q is not None:
         q = read_q
@@ -189,6 +192,24 @@ def hold_until(h: Held, rule: PrefetchRule) -> float:
 def expired(h: Held, now: float, rule: PrefetchRule) -> bool:
     """The gap ran long: `hold_until` has passed and the turn has not come."""
     return not h.in_use and now >= hold_until(h, rule)
+
+
+def pe_pin_wins(
+    node: int,
+    pe_nodes: Mapping[int, int],
+    read_q: Mapping[int, int],
+    hit_tokens: int,
+    held_blocks: int,
+    block_tokens: int,
+) -> bool:
+    """Whether pinning a turn to PE `node`, which holds its first `held_blocks` hit blocks,
+    keeps its read no longer than elsewhere: `node`'s read queue plus the hit not held is at
+    most the shortest queue of the other PE nodes (`pe_nodes`' keys) plus the whole hit. A
+    prefetch that read little while the NICs were busy then does not pull its turn to a node
+    whose storage NIC is behind the others'."""
+    rest = max(0, hit_tokens - held_blocks * block_tokens)
+    others = [read_q.get(n, 0) for n in pe_nodes if n != node]
+    return not others or read_q.get(node, 0) + rest <= min(others) + hit_tokens
 
 
 def honor_affinity(

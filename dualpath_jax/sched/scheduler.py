@@ -36,7 +36,7 @@ from dualpath_jax.config import Policy, SchedulerConfig
 from dualpath_jax.sched.errors import QueueFull
 from dualpath_jax.sched.inter import GroupTotals, RecomputeRule, fitted_prefill
 from dualpath_jax.sched.policy import InterEnginePolicy, make_policy
-from dualpath_jax.sched.prefetch import honor_affinity
+from dualpath_jax.sched.prefetch import honor_affinity, pe_pin_wins
 from dualpath_jax.sched.types import Assignment, ClusterView, EngineLoad, ReadPath, Request
 
 
@@ -338,7 +338,7 @@ class GlobalScheduler:
             self._private_tok[group] -= r.tokens
             self._group_tok[group] -= r.tokens
             h = self._held.get(r.trajectory) if self._held else None
-            if h is not None and h[3] and self._pin_pe(h[1], r, de):
+            if h is not None and h[3] and self._pin_pe(h[1], r, de, h[2]):
                 continue
             self._pe_wait.append((r, de))
         for x in res.loads:
@@ -430,10 +430,16 @@ class GlobalScheduler:
         pinned to a PE node stays there."""
         self._held.pop(trajectory, None)
 
-    def _pin_pe(self, node: int, r: Request, de: int) -> bool:
-        """Pins a turn placed on DE `de` to PE `node` (that node's own queue) when
-        `honor_affinity` says so."""
-        if not honor_affinity(node, self.pe_node_totals(), r.tokens, self.affinity_slack):
+    def _pin_pe(self, node: int, r: Request, de: int, held_blocks: int) -> bool:
+        """Pins a turn placed on DE `de` to PE `node` (that node's own queue), which holds its
+        first `held_blocks` hit blocks, when the pin lengthens neither its read nor its compute:
+        the node's read queue plus the hit it still reads is no longer than the shortest other
+        PE node's queue plus the whole hit (`pe_pin_wins`), and `honor_affinity` holds over the
+        PE nodes' tokens."""
+        totals = self.pe_node_totals()
+        if not pe_pin_wins(node, totals, self._read_q, r.cached_tokens, held_blocks, self.block_tokens):
+            return False
+        if not honor_affinity(node, totals, r.tokens, self.affinity_slack):
             return False
         self._pe_pinned.setdefault(node, collections.deque()).append((r, de))
         self._n_pinned += 1

@@ -14,6 +14,7 @@ from dualpath_jax.sched.prefetch import (
     hold_until,
     honor_affinity,
     make_room,
+    pe_pin_wins,
     plan_prefetch,
     prefetch_sides,
 )
@@ -124,13 +125,20 @@ def test_the_side_follows_the_policy_and_the_read_queues():
         "pe", "shorter", "shorter", "shorter", "",
     ]  # fmt: skip
     pes = {1: 300, 2: 100}  # PE node -> tokens
-    d = plan(pe_node_tok=pes, sides="pe")
+    d = plan(pe_node_tok=pes, sides="pe")  # the shortest read queue, then the least tokens
     assert (d.side, d.group, d.node, d.blocks) == (ReadPath.PE, -1, 2, 4)
+    assert plan(pe_node_tok=pes, read_q={2: 30}, sides="pe").node == 1
     assert plan(pe_node_tok={}, sides="pe") is None  # no PE can take the turn
     # "shorter": the DE node (11) unless the PE node's (2) read queue is shorter; ties to DE
-    assert plan(pe_node_tok=pes, read_q={11: 50, 2: 50}, sides="shorter").side is ReadPath.DE
-    assert plan(pe_node_tok=pes, read_q={11: 50, 2: 10}, sides="shorter").node == 2
+    q = {11: 50, 1: 80}
+    assert plan(pe_node_tok=pes, read_q={**q, 2: 50}, sides="shorter").side is ReadPath.DE
+    assert plan(pe_node_tok=pes, read_q={**q, 2: 10}, sides="shorter").node == 2
     assert plan(pe_node_tok=pes, read_q={2: 10}, sides="de").node == 11
+    # pinning a turn to its PE node: only when its read there is no longer than elsewhere
+    assert pe_pin_wins(2, pes, {1: 0, 2: 0}, 640, 0, 64)  # equal queues: no loss
+    assert not pe_pin_wins(2, pes, {1: 0, 2: 100}, 640, 0, 64)  # nothing held, longer queue
+    assert pe_pin_wins(2, pes, {1: 0, 2: 100}, 640, 2, 64)  # 128 held tokens outweigh it
+    assert pe_pin_wins(2, {2: 0}, {2: 10**6}, 640, 0, 64)  # no other PE node
     # no room on the chosen node: the other side
     full = [Held("x", 2, 1000, 0.0, 5.0)]
     assert plan(pe_node_tok=pes, read_q={11: 50}, held=full, sides="shorter").node == 11
