@@ -374,10 +374,14 @@ plt.show()
 # through all six nodes and cuts that to about 2 s. The tool calls leave the storage NICs idle
 # between turns, which tool-gap prefetch fills (`scheduler.prefetch`, docs/policies.md): the
 # turn after a tool call then starts in about 1.6 s, and the turn after the subagents, whose
-# remaining gap is known once they have returned, in about 1.1 s, close to Oracle (no storage
-# reads at all, about 1 s). JCT moves far less (about 330, 290, 280 and 276 s): a session's
-# time is mostly its tool calls and the subagents its parent waits for, which no scheduler
-# shortens. `python bench/agentic_traces.py --trace=SESSIONS` runs the same comparison on real
+# remaining gap is known once they have returned, in about 1.0 s, close to Oracle (no storage
+# reads at all, about 1 s). Basic's prefetch reads into the prefill nodes, the only ones Basic
+# reads on; their NICs are rarely idle here, so most of its prefetches read little (unused:
+# the turn is pinned to a prefetch's node only when that does not lengthen its read) and the
+# turn after a tool call gains about 1 s (8.3 to 7.3 s) at a 3% longer JCT: prefetch spends
+# idle storage bandwidth, and Basic leaves idle only the decode nodes', which it cannot read
+# through. JCT moves far less (about 330, 341, 289, 278 and 276 s): a session's time is mostly
+# its tool calls and the subagents its parent waits for, which no scheduler shortens. `python bench/agentic_traces.py --trace=SESSIONS` runs the same comparison on real
 # sessions, with an unlimited and a limited store.
 #
 # ## From the command line
