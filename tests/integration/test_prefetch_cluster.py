@@ -4,7 +4,8 @@ the in-process runtime (the router and engines a `LocalCluster` runs, as threads
 A `tool_call` hint after a round makes a DE read the session's stored blocks into memory; the
 next turn is routed there and its DE-side read takes them from memory (`de_reads` event:
 `held_blocks` = its whole hit, nothing read from the store), with the reference tokens. Under
-Basic (reads on the PE side only) the PE reads them and its read takes them (`pe_reads`). A gap
+Basic (reads on the PE side only) a PE reads them, and the turn, pinned to that PE's node, takes
+them there (`pe_reads`). A gap
 that runs long is cancelled, a small budget holds only the leading blocks, and the rest is
 read from the store as usual: the tokens never change.
 """
@@ -24,8 +25,8 @@ from dualpath_jax.rollout import Session
 WAIT_S = 60.0
 
 
-def prefetch_config(policy="dualpath", **scheduler):
-    cfg = cluster_config(policy, decode=2)
+def prefetch_config(policy="dualpath", prefill=1, decode=2, **scheduler):
+    cfg = cluster_config(policy, prefill=prefill, decode=decode)
     s = dataclasses.replace(cfg.scheduler, prefetch=True, prefetch_min_gap_s=0.1, **scheduler)
     return dataclasses.replace(cfg, scheduler=s)
 
@@ -115,7 +116,9 @@ def test_a_prefetched_turn_reads_its_hit_from_memory(tmp_path, start_cluster, re
 def test_basic_prefetches_on_the_pe_side(tmp_path, start_cluster, reference_tokens):
     traj = trajectory(4)
     expected = reference_tokens(traj)
-    with start_cluster(prefetch_config("basic"), tmp_path, "thread") as cluster:
+    # two PE nodes: the turn must go to the one whose PE holds its blocks
+    cfg = prefetch_config("basic", prefill=2, decode=1)
+    with start_cluster(cfg, tmp_path, "thread") as cluster:
         client = cluster.client()
         s = Session(client, traj[0])
         rounds = traj[1]
