@@ -13,6 +13,7 @@ from dualpath_jax.engine.params import ParamsMismatch
 from dualpath_jax.kvstore.store import StoreError
 from dualpath_jax.transfer.channel import TransferError
 from dualpath_jax.transfer.loader import LoadJob
+from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
 from dualpath_jax.transfer.readiness import LoadCancelled, LoadTimeout
 
 
@@ -38,6 +39,32 @@ def job_from_msg(m: messages.LoadJobMsg) -> LoadJob:
 
 
 log = logging.getLogger(__name__)
+
+
+def prefetch_order(
+    msg: messages.Prefetch | messages.DropPrefetch,
+    memory: PrefetchMemory | None,
+    engine: int,
+    put: Callable[[messages.Msg], object],
+) -> None:
+    """Carries out a router's tool-gap `Prefetch` or `DropPrefetch` on an engine's prefetch
+    `memory` (a PE's or a DE's); `Prefetched` goes back through `put` (thread-safe: the reader
+    thread reports). An engine without a memory answers that it holds nothing."""
+
+    def done(session: str, epoch: int, blocks: int, read_s: float) -> None:
+        put(
+            messages.Prefetched(
+                engine=engine, session=session, epoch=epoch, blocks=blocks, read_s=read_s
+            )
+        )
+
+    if isinstance(msg, messages.DropPrefetch):
+        if memory is not None:
+            memory.drop(msg.session, msg.epoch)
+    elif memory is None:
+        done(msg.session, msg.epoch, 0, 0.0)
+    else:
+        memory.start(msg.session, msg.keys, msg.epoch, done)
 
 
 def register(

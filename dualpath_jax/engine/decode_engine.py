@@ -22,7 +22,14 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register, rejoin
+from dualpath_jax.engine.common import (
+    failed,
+    is_stop,
+    job_from_msg,
+    prefetch_order,
+    register,
+    rejoin,
+)
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
@@ -194,14 +201,8 @@ class DecodeEngine:
                 self.ctx.store.disown(session)
             case messages.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
-            case messages.Prefetch(session=session, keys=keys, epoch=epoch):
-                if self.ctx.prefetch is None:  # (not configured here: nothing held)
-                    self.prefetched(session, epoch, 0, 0.0)
-                else:
-                    self.ctx.prefetch.start(session, keys, epoch, self.prefetched)
-            case messages.DropPrefetch(session=session, epoch=epoch):
-                if self.ctx.prefetch is not None:
-                    self.ctx.prefetch.drop(session, epoch)
+            case messages.Prefetch() | messages.DropPrefetch():
+                prefetch_order(msg, self.ctx.prefetch, self.engine, self.outbox.put)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case messages.Error(kind="rejoin", message=why):
@@ -253,14 +254,6 @@ class DecodeEngine:
                 attempt=job.attempt,
                 read_s=load.read_s,
                 held_blocks=load.held_blocks,
-            )
-        )
-
-    def prefetched(self, session: str, epoch: int, blocks: int, read_s: float) -> None:
-        """A tool-gap prefetch's reads ended (on its reader thread): the router is told."""
-        self.outbox.put(
-            messages.Prefetched(
-                engine=self.engine, session=session, epoch=epoch, blocks=blocks, read_s=read_s
             )
         )
 

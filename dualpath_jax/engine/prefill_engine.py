@@ -25,7 +25,14 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import failed, is_stop, job_from_msg, register, rejoin
+from dualpath_jax.engine.common import (
+    failed,
+    is_stop,
+    job_from_msg,
+    prefetch_order,
+    register,
+    rejoin,
+)
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot, replay_params
 from dualpath_jax.engine.span import MirrorLeader
@@ -159,14 +166,8 @@ class PrefillEngine:
                     self.start(m)
             case messages.Cancel(request=r):
                 self.drop(r)
-            case messages.Prefetch(session=session, keys=keys, epoch=epoch):
-                if self.ctx.prefetch is None:  # (not configured here: nothing held)
-                    self.prefetched(session, epoch, 0, 0.0)
-                else:
-                    self.ctx.prefetch.start(session, keys, epoch, self.prefetched)
-            case messages.DropPrefetch(session=session, epoch=epoch):
-                if self.ctx.prefetch is not None:
-                    self.ctx.prefetch.drop(session, epoch)
+            case messages.Prefetch() | messages.DropPrefetch():
+                prefetch_order(msg, self.ctx.prefetch, self.engine, self.outbox.put)
             case messages.LoadParams() | messages.CommitParams():
                 self.params.handle(msg, self.control.send)
             case messages.Error(kind="rejoin", message=why):
@@ -178,14 +179,6 @@ class PrefillEngine:
                 if stop is None:
                     log.warning("unexpected %s", type(msg).__name__)
                 self.stopped |= bool(stop)
-
-    def prefetched(self, session: str, epoch: int, blocks: int, read_s: float) -> None:
-        """A tool-gap prefetch's reads ended (on its reader thread): the router is told."""
-        self.outbox.put(
-            messages.Prefetched(
-                engine=self.engine, session=session, epoch=epoch, blocks=blocks, read_s=read_s
-            )
-        )
 
     def start(self, m: messages.LoadJobMsg) -> None:
         try:

@@ -181,7 +181,9 @@ class GlobalScheduler:
         for node, pq in self._pe_pinned.items():
             if any(r.id in ids for r, _ in pq):
                 out.extend(r for r, _ in pq if r.id in ids)
-                self._pe_pinned[node] = collections.deque((r, de) for r, de in pq if r.id not in ids)
+                self._pe_pinned[node] = collections.deque(
+                    (r, de) for r, de in pq if r.id not in ids
+                )
                 self._n_pinned -= len(pq) - len(self._pe_pinned[node])
         return out
 
@@ -437,7 +439,9 @@ class GlobalScheduler:
         PE node's queue plus the whole hit (`pe_pin_wins`), and `honor_affinity` holds over the
         PE nodes' tokens."""
         totals = self.pe_node_totals()
-        if not pe_pin_wins(node, totals, self._read_q, r.cached_tokens, held_blocks, self.block_tokens):
+        if not pe_pin_wins(
+            node, totals, self._read_q, r.cached_tokens, held_blocks, self.block_tokens
+        ):
             return False
         if not honor_affinity(node, totals, r.tokens, self.affinity_slack):
             return False
@@ -514,7 +518,9 @@ class GlobalScheduler:
         de_node = {de: self._de[de].node if de in self._de else -1 for _, _, de in pairs}
         held = None
         if self._held:
-            held = {t: (h[1], h[2], ReadPath.PE if h[3] else ReadPath.DE) for t, h in self._held.items()}
+            held = {
+                t: (h[1], h[2], ReadPath.PE if h[3] else ReadPath.DE) for t, h in self._held.items()
+            }
         out, self._read_q = self.policy.assign_paths(
             pairs,
             pe_node,

@@ -4,7 +4,6 @@ the PE's rows into the buffer until the prompt's KV is complete."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -53,23 +52,9 @@ class DecodeLoad:
         if d:
             t0 = time.monotonic()
             keys = job.keys[first : first + d]
-            held = ctx.prefetch.take(job.session, keys) if ctx.prefetch and job.session else []
-            for j, block in enumerate(held):  # a tool-gap prefetch read these already
-                res.block(first + j)[...] = block
-            self.held_blocks = h = len(held)
-            self.de_hits = h
-            if h < d:
-                out = [res.block(first + j) for j in range(h, d)]
-                with ctx.prefetch.critical() if ctx.prefetch else contextlib.nullcontext():
-                    got = ctx.store.read_full(keys[h:], out=out).result(ctx.timeout_s)
-                self.de_hits += got.hits
-                self.de_read_bytes = got.hits * ctx.layout.nbytes
-                ctx.charge(
-                    job,
-                    paths.store_read_path(job.de_node),
-                    self.de_read_bytes,
-                    links.TrafficClass.LOW,
-                )
+            out = [res.block(first + j) for j in range(d)]
+            self.de_hits, self.held_blocks = ctx.read_hit(job, keys, out, job.de_node)
+            self.de_read_bytes = (self.de_hits - self.held_blocks) * ctx.layout.nbytes
             self.read_s = time.monotonic() - t0
             if self.on_read_done is not None:
                 self.on_read_done()

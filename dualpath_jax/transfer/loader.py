@@ -39,6 +39,7 @@ uuids), `Part` (what a uuid carries) and `LoaderContext` (one engine's dependenc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -55,7 +56,7 @@ from dualpath_jax.kvstore.buffers import HostBufferPool
 from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import BlockLayout
-from dualpath_jax.transfer import links
+from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
 from dualpath_jax.transfer.traffic import TrafficManager
@@ -146,6 +147,27 @@ class LoaderContext:
         mine = [x for x in path if self.owners is None or x.owner in self.owners]
         if mine:
             self.traffic.transfer(mine, nbytes, cls)
+
+    def read_hit(
+        self, job: LoadJob, keys: Sequence[str], out: Sequence[np.ndarray], node: str
+    ) -> tuple[int, int]:
+        """Reads one side's hit blocks `keys` into `out` (buffer blocks, in order): the leading
+        ones a tool-gap prefetch of the job's session holds from memory, the rest from the
+        store, charged to `node`'s storage links at LOW (and, with a prefetch memory, with no
+        prefetch block starting meanwhile). Returns `(hits, held)`: the leading blocks now in
+        `out` (a missing block ends them) and how many of those came from memory."""
+        held = self.prefetch.take(job.session, keys) if self.prefetch and job.session else []
+        for dst, block in zip(out, held):
+            dst[...] = block
+        h = len(held)
+        if h == len(keys):
+            return h, h
+        with self.prefetch.critical() if self.prefetch else contextlib.nullcontext():
+            got = self.store.read_full(keys[h:], out=list(out[h:])).result(self.timeout_s)
+        self.charge(
+            job, paths.store_read_path(node), got.hits * self.layout.nbytes, links.TrafficClass.LOW
+        )
+        return h + got.hits, h
 
     def rows_nbytes(self, tokens: int) -> int:
         return tokens * self.layout.bytes_per_token_per_layer

@@ -4,7 +4,6 @@ blocks into the PE buffer, stream each layer's hit to the device just before the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -150,22 +149,9 @@ class PrefillLoad:
             t0 = time.monotonic()
             self._res = ctx.buffer.reserve(p, owner=job.request_id, timeout_s=ctx.timeout_s)
             keys = job.keys[job.lead : job.lead + p]
-            held = ctx.prefetch.take(job.session, keys) if ctx.prefetch and job.session else []
-            for j, block in enumerate(held):  # a tool-gap prefetch read these already
-                self._res.block(j)[...] = block
-            self.held_blocks = pe_hits = len(held)
-            if pe_hits < p:
-                out = [self._res.block(j) for j in range(pe_hits, p)]
-                with ctx.prefetch.critical() if ctx.prefetch else contextlib.nullcontext():
-                    got = ctx.store.read_full(keys[pe_hits:], out=out).result(ctx.timeout_s)
-                pe_hits += got.hits
-                self.pe_read_bytes = got.hits * ctx.layout.nbytes
-                ctx.charge(
-                    job,
-                    paths.store_read_path(job.pe_node),
-                    self.pe_read_bytes,
-                    links.TrafficClass.LOW,
-                )
+            out = [self._res.block(j) for j in range(p)]
+            pe_hits, self.held_blocks = ctx.read_hit(job, keys, out, job.pe_node)
+            self.pe_read_bytes = (pe_hits - self.held_blocks) * ctx.layout.nbytes
             self.read_s = time.monotonic() - t0
         de_hits = 0
         if job.de_blocks:

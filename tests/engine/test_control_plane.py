@@ -535,7 +535,12 @@ def test_valid_submit_is_queued_without_reply(rig):
     assert (
         rig.handle(messages.Submit(request="r1", session="a", append=[3] * 60, gen=4)) == []
     )  # == limit
-    assert rig.router.scheduler.queued() == {"de_global": 1, "de_private": 0, "pe_waiting": 0, "pe_pinned": 0}
+    assert rig.router.scheduler.queued() == {
+        "de_global": 1,
+        "de_private": 0,
+        "pe_waiting": 0,
+        "pe_pinned": 0,
+    }
     st = rig.router.rounds.table.requests["r1"]
     assert st.prompt == [3] * 60 and st.gen == 4 and st.client == b"c1"
     assert (
