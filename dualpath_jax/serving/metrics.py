@@ -177,8 +177,8 @@ class RouterCollector(Collector):
             yield m
         queued = _g(
             "router_queued",
-            "Rounds waiting in the scheduler's queues (pe_waiting: for a PE; de_global and"
-            " de_private: for a DE).",
+            "Rounds waiting in the scheduler's queues (pe_waiting: for a PE; pe_pinned: for a"
+            " PE of the node holding their prefetched KV; de_global and de_private: for a DE).",
             ("queue",),
         )
         for name, v in s.get("queued", {}).items():
