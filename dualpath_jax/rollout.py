@@ -254,7 +254,9 @@ def run_trajectories(
     `(append tokens, gen, gap_s, waits_for)` also waits until every trajectory of this call
     whose id is in `waits_for` has ended (its subagents; finished or failed), and its gap then
     counts from the last of those ends (`workload.trace.submit_time`; ids not in the call are
-    ignored, a cycle of waits is a ValueError).
+    ignored, a cycle of waits is a ValueError). A fifth field `False`
+    (`(append tokens, gen, gap_s, waits_for, False)`) says the gap is a user's think time, not a
+    tool call: no hint.
 
     `max_concurrent` bounds how many trajectories run at once (0: all; with it, a trajectory may
     wait only for earlier ones, which hold their slots first); `arrivals` gives each
@@ -362,11 +364,13 @@ def run_trajectories(
         a tool call (with `tool_calls`, hinted as it begins), or at once."""
         if stopped.is_set():
             return
-        session, (append, gen, *_) = sessions[k], trajs[k][1][i]
+        rd = trajs[k][1][i]
+        session, (append, gen, *_) = sessions[k], rd
         if delay <= 0:
             step(k, session, i, append, gen)
             return
-        if tool_calls and i:  # (its answer is awaited on the helper thread, not this one)
+        if tool_calls and i and (len(rd) < 5 or rd[4]):  # (a think time gets no hint)
+            # (its answer is awaited on the helper thread, not this one)
             closer.submit(hint_tool_call, k, session, delay)
         timer = threading.Timer(delay, step, (k, session, i, append, gen))
         timer.daemon = True

@@ -79,6 +79,10 @@ def _trace_section(spec: str) -> dict:
             "gap_s_mean": sum(gaps) / len(gaps) if gaps else 0.0,
             "last_start_s": max(starts) if starts else 0.0,
             "waiting_rounds": sum(1 for t in trajs for r in t.rounds if r.waits_for),
+            # gaps that are a user's think time (the model ended its turn), not a tool call
+            "think_gaps": sum(
+                1 for t in trajs for r in t.rounds[1:] if r.gap_s and not r.tool_call
+            ),
         }
     print(f"trace statistics: {label}")
     print(f"{'':<10}{'ours':>10}{'Table 2':>10}{'ratio':>8}")
@@ -105,7 +109,8 @@ def _trace_section(spec: str) -> dict:
         print(
             f"rounds: {extra['rounds']}, mean gap before a later round {extra['gap_s_mean']:.1f} s,"
             f" last trajectory starts at {extra['last_start_s']:.1f} s,"
-            f" {extra['waiting_rounds']} waiting for other trajectories (subagents)"
+            f" {extra['waiting_rounds']} waiting for other trajectories (subagents),"
+            f" {extra['think_gaps']} gaps a user's think time rather than a tool call"
         )
         out.update(extra)
     return out

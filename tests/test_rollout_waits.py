@@ -101,6 +101,16 @@ def test_it_waits_for_every_named_trajectory_and_hints_the_gap_after_the_last():
     assert hints == [pytest.approx(GAP)]  # the gap after the child, not the whole wait
 
 
+def test_a_think_time_gap_gets_no_tool_call_hint():
+    backend = Timed()
+    think = ("q", [([1], 1), ([2], 1, GAP, (), False), ([3], 1, GAP)])
+    outs = run_trajectories(backend, [think], progress=False, timeout_s=30, tool_calls=True)
+    assert outs[0].error == "" and outs[0].rounds == [[1], [2], [3]]
+    assert backend.at("submit", 2) >= backend.at("done", 1) + GAP  # the gap is kept
+    hints = [d for e, _, d, _ in backend.log if e == "tool_call"]
+    assert hints == [pytest.approx(GAP)]  # only before the third round
+
+
 def test_a_failed_child_still_ends_and_releases_its_parent():
     backend = Timed(fail=("c",))
     outs = run_trajectories(backend, [parent("c"), CHILD], progress=False, timeout_s=30)

@@ -79,6 +79,7 @@ class AgentReplay:
         self.prompts: list[list[int]] = []
         self.gens: list[list[int]] = []
         self.gaps: list[list[float]] = []
+        self.thinks: list[set[int]] = []  # per agent: its rounds after a user's think time
         # Each agent's first-round pieces (empty: private tokens) and those finished so far.
         self.pieces: list[tuple[tuple[int, int], ...]] = []
         self.shared = PrefixIndex()
@@ -88,6 +89,7 @@ class AgentReplay:
             prompts: list[int] = []
             gens: list[int] = []
             gaps: list[float] = []
+            thinks: set[int] = set()  # rounds whose gap is a user's think time, not a tool call
             context = 0
             for r in t.rounds:
                 if r.waits_for:
@@ -95,12 +97,15 @@ class AgentReplay:
                 append = r.append_len
                 prompts.append(context + append)
                 gens.append(r.gen)
+                if not r.tool_call:
+                    thinks.add(len(gaps))
                 gaps.append(float(r.gap_s))
                 context += append + r.gen
             self.ids.append(t.id)
             self.prompts.append(prompts)
             self.gens.append(gens)
             self.gaps.append(gaps)
+            self.thinks.append(thinks)
         self.done_at: list[float] = [math.nan] * len(self.ids)
         # Rounds that wait for other agents (`Round.waits_for`): (agent, turn) -> those agents
         # (empty for most workloads: their rounds take the paths below without a lookup); the
@@ -159,7 +164,8 @@ class AgentReplay:
             self.ready(agent, turn)
         elif self.gaps[agent][turn] > 0:  # the agent's tool call runs first
             gap = self.gaps[agent][turn]
-            if self.cluster.prefetch is not None:  # the trace says a tool call: prefetch its hit
+            if self.cluster.prefetch is not None and turn not in self.thinks[agent]:
+                # the trace says a tool call: prefetch its hit
                 prompts, gens = self.prompts[agent], self.gens[agent]
                 hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
                 self.cluster.prefetch.tool_call(st.request.trajectory, hit, gap)
@@ -196,7 +202,8 @@ class AgentReplay:
         if at <= loop.now:
             self.submit(agent, turn)
             return
-        if turn and self.cluster.prefetch is not None:  # the rest of the wait is a tool call
+        if turn and self.cluster.prefetch is not None and turn not in self.thinks[agent]:
+            # the rest of the wait is a tool call
             prompts, gens = self.prompts[agent], self.gens[agent]
             hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
             self.cluster.prefetch.tool_call(f"{self.ids[agent]}/a{agent}", hit, at - loop.now)

@@ -218,11 +218,14 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
     """Materialized trajectories as `rollout.run_trajectories` takes them:
     `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`, one
-    that waits for other trajectories `(ids, gen, gap_s, waits_for)`."""
+    that waits for other trajectories `(ids, gen, gap_s, waits_for)`, one whose gap is a user's
+    think time rather than a tool call `(ids, gen, gap_s, waits_for, False)`."""
     return [(t.id, [_round_tuple(r) for r in t.rounds]) for t in trajs]
 
 
 def _round_tuple(r: Round) -> tuple:
+    if not r.tool_call and r.gap_s:
+        return (list(r.append), r.gen, r.gap_s, r.waits_for, False)
     if r.waits_for:
         return (list(r.append), r.gen, r.gap_s, r.waits_for)
     return (list(r.append), r.gen, *((r.gap_s,) if r.gap_s else ()))

@@ -18,7 +18,9 @@ parent and shares the parent's hash-id namespace.
   is appendix A.3's: the prompt is the earlier context and generated tokens, then a private
   append of `max(1, in - previous prompt - previous gen)` tokens, so each prompt is the
   recorded input length whenever that covers the context so far. Its `gap_s` is the request's
-  `think_time` (the client's tool/think time before it).
+  `think_time` (the client's tool/think time before it); when the previous request's `stop` is
+  `"end_turn"` (the model finished, the user speaks next) the gap is not a tool call
+  (`Round.tool_call=False`: no prefetch, no `tool_call` hint in a replay).
 - Where a request keeps less than half of the previous request's input as its hash-id prefix (a
   compacted or rebuilt context), the session goes on as a new trajectory `<id>:<k>` (k = 2, 3,
   ...) starting at that request's time, its first round the whole input as pieces again.
@@ -96,6 +98,7 @@ class WekaRequest:
     hash_ids: tuple[int, ...]
     think_s: float
     api_s: float = 0.0  # the recorded time to its answer
+    stop: str = ""  # why its answer stopped: "tool_use", "end_turn" (the user speaks next), ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +151,7 @@ def _weka_request(obj: object, where: str, block: int) -> WekaRequest:
         hash_ids=tuple(ids),
         think_s=float(_field(obj, "think_time", where, integer=False, default=0.0)),
         api_s=float(_field(obj, "api_time", where, integer=False, default=0.0)),
+        stop=str(obj.get("stop") or ""),
     )
 
 
@@ -231,7 +235,9 @@ def _chain(
         if rounds and kept:
             app = max(1, scaled_in - prompt - gen)
             gap = wait if waits_for else {"gap_s": r.think_s}
-            rounds.append(Round(app, _scaled(r.output_len, length_scale), **gap))
+            # a gap after the model ended its turn is the user's, not a tool call
+            think = {"tool_call": False} if prev is not None and prev.stop == "end_turn" else {}
+            rounds.append(Round(app, _scaled(r.output_len, length_scale), **gap, **think))
             prompt += gen + app
         else:
             if rounds:

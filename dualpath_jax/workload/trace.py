@@ -2,8 +2,10 @@
 
 Trace JSONL (docs/traces.md), one trajectory per line:
 `{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float,
-"waits_for": [str, ...]}, ...]}` (`gap_s` optional: the tool call's seconds before the round;
-`waits_for` optional: ids of trajectories, such as subagents, that must finish first). An int
+"waits_for": [str, ...], "tool_call": bool}, ...]}` (`gap_s` optional: the tool call's seconds
+before the round; `waits_for` optional: ids of trajectories, such as subagents, that must finish
+first; `tool_call` optional, true by default: false when the gap is a user's think time, not a
+tool call). An int
 append means that many seeded random token ids (`materialize`); a list gives the ids
 themselves. Other trace formats (Mooncake, conversations) are read by `workload.formats`; their
 appends are content pieces (`Round.pieces`), so equal content gives equal tokens in every
@@ -47,19 +49,26 @@ class Round:
     `waits_for`: ids of other trajectories (subagents the agent waits for) that must have
     finished, every round of them, before this round is submitted; the gap then counts from the
     later of the previous round's end and their last end (`submit_time`). Ids of trajectories
-    that are not in a run are ignored by it."""
+    that are not in a run are ignored by it.
+
+    `tool_call`: whether the gap is a tool call, which the agent's client knows of as it begins
+    (the model stopped to call a tool): a prefetch candidate, and in a replay a `tool_call`
+    hint. False: the model ended its turn and the gap is the user's think time, which no
+    client can foresee (the Weka format's `stop: "end_turn"`)."""
 
     append: int | tuple[int, ...]
     gen: int
     pieces: tuple[tuple[int, int], ...] = ()
     gap_s: float = 0.0
     waits_for: tuple[str, ...] = ()
+    tool_call: bool = True
 
-    def __repr__(self) -> str:  # pieces, gap and waits only when there are some
+    def __repr__(self) -> str:  # pieces, gap, waits and a think time only when there are some
         pieces = f", pieces={self.pieces!r}" if self.pieces else ""
         gap = f", gap_s={self.gap_s!r}" if self.gap_s else ""
         waits = f", waits_for={self.waits_for!r}" if self.waits_for else ""
-        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap}{waits})"
+        think = "" if self.tool_call else ", tool_call=False"
+        return f"Round(append={self.append!r}, gen={self.gen!r}{pieces}{gap}{waits}{think})"
 
     def __post_init__(self) -> None:
         if not (self.gap_s >= 0 and math.isfinite(self.gap_s)):
@@ -108,7 +117,7 @@ class TurnSpec:
 # --------------------------------------------------------------------------- parsing
 
 
-_ROUND_KEYS = frozenset({"append", "gen", "gap_s", "waits_for"})
+_ROUND_KEYS = frozenset({"append", "gen", "gap_s", "waits_for", "tool_call"})
 
 
 def _check_int(value: object, what: str, lineno: int, minimum: int) -> int:
@@ -151,7 +160,7 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
         if not isinstance(rd, dict) or not {"append", "gen"} <= set(rd) <= _ROUND_KEYS:
             raise TraceError(
                 f"line {lineno}: {where} must be an object with 'append' and 'gen'"
-                " (and optionally 'gap_s', 'waits_for')"
+                " (and optionally 'gap_s', 'waits_for', 'tool_call')"
             )
         gen = _check_int(rd["gen"], f"{where}: 'gen'", lineno, 1)
         gap = rd.get("gap_s", 0.0)
@@ -166,6 +175,11 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
             raise TraceError(
                 f"line {lineno}: {where}: 'waits_for' must be a list of trajectory ids, got {waits!r}"
             )
+        tool_call = rd.get("tool_call", True)
+        if not isinstance(tool_call, bool):
+            raise TraceError(
+                f"line {lineno}: {where}: 'tool_call' must be true or false, got {tool_call!r}"
+            )
         app = rd["append"]
         if isinstance(app, list):
             if not app:
@@ -179,7 +193,7 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
             app = tuple(app)
         else:
             app = _check_int(app, f"{where}: 'append'", lineno, 1)
-        out.append(Round(app, gen, gap_s=float(gap), waits_for=tuple(waits)))
+        out.append(Round(app, gen, gap_s=float(gap), waits_for=tuple(waits), tool_call=tool_call))
     return Trajectory(tid, tuple(out))
 
 
@@ -224,6 +238,7 @@ def trajectory_to_json(t: Trajectory) -> str:
             "gen": r.gen,
             **({"gap_s": r.gap_s} if r.gap_s else {}),
             **({"waits_for": list(r.waits_for)} if r.waits_for else {}),
+            **({} if r.tool_call else {"tool_call": False}),
         }
         for r in t.rounds
     ]

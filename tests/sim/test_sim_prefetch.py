@@ -68,7 +68,7 @@ def test_critical_read_end_is_the_same_with_and_without_background():
     assert ends[0] == pytest.approx([0.55, 0.8, 2.25])
 
 
-def _weka(tmp_path, n=6, turns=8, seed=0):
+def _weka(tmp_path, n=6, turns=8, seed=0, stop="tool_use"):
     """`n` coding-agent sessions of 64-token blocks: a 24K-token first context growing by about
     900 tokens a turn, 200 generated, 5-30 s tool gaps, arrivals a few seconds apart."""
     rng = random.Random(seed)
@@ -82,7 +82,15 @@ def _weka(tmp_path, n=6, turns=8, seed=0):
             gap = 0.0 if i == 0 else rng.uniform(5, 30)
             t += gap
             reqs.append(
-                {"t": t, "type": "n", "in": ctx, "out": 200, "hash_ids": ids, "think_time": gap}
+                {
+                    "t": t,
+                    "type": "n",
+                    "in": ctx,
+                    "out": 200,
+                    "hash_ids": ids,
+                    "think_time": gap,
+                    "stop": stop,
+                }  # fmt: skip
             )
             t += 2.0
             ctx += 200 + rng.randint(600, 1200)
@@ -92,10 +100,10 @@ def _weka(tmp_path, n=6, turns=8, seed=0):
     return d
 
 
-def _run(tmp_path, prefetch: bool, policy: str = "dualpath"):
+def _run(tmp_path, prefetch: bool, policy: str = "dualpath", stop: str = "tool_use"):
     cfg, cost = paper_experiment("ds660b", 2, 4, policy=policy, snic_bytes_per_s=2e9)
     w = dataclasses.replace(
-        cfg.workload, trace=str(_weka(tmp_path)), trace_format="weka", agents=None,
+        cfg.workload, trace=str(_weka(tmp_path, stop=stop)), trace_format="weka", agents=None,
         mode="online", max_turns=0,
     )  # fmt: skip
     sched = dataclasses.replace(cfg.scheduler, prefetch=prefetch)
@@ -133,6 +141,13 @@ def test_prefetch_cuts_the_ttft_of_turns_after_a_tool_call_and_keeps_link_priori
         return sorted((r.request, r.prompt_tokens, r.cached_tokens) for r in run.cluster.results)
 
     assert key(on) == key(off)
+
+
+def test_no_prefetch_for_a_users_think_time(tmp_path):
+    """Gaps after the model ended its turn (`stop: end_turn`) are not tool calls: nothing to
+    prefetch, whatever their length."""
+    run = _run(tmp_path, True, stop="end_turn")
+    assert run.cluster.counters["prefetch_started"] == 0
 
 
 def _cluster(per_engine_bytes: float):

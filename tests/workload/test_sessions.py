@@ -274,3 +274,16 @@ def test_the_public_weka_sessions_simulate_scaled_down():
     assert s["requests"] == sum(len(t.rounds) for t in trajs) == 917
     assert s["workload"]["expanded"] == 0 and s["workload"]["length_scale"] == 1 / 64
     assert WorkloadConfig().agents == 8  # the synthetic default is unchanged
+
+
+def test_a_gap_after_the_model_ended_its_turn_is_a_think_time_not_a_tool_call():
+    reqs = [
+        dict(req(0.0, 8, 2, [1, 2]), stop="tool_use"),
+        dict(req(4.0, 12, 2, [1, 2, 3], think=2.0), stop="end_turn"),
+        dict(req(60.0, 16, 2, [1, 2, 3, 4], think=50.0), stop="tool_use"),
+        req(70.0, 20, 2, [1, 2, 3, 4, 5], think=5.0),  # after a tool call
+    ]
+    ((t, _),) = parse_weka_session({"id": "u", "block_size": 4, "requests": reqs})
+    assert [r.gap_s for r in t.rounds] == [0.0, 2.0, 50.0, 5.0]
+    assert [r.tool_call for r in t.rounds] == [True, True, False, True]
+    assert "tool_call=False" in repr(t.rounds[2]) and "tool_call" not in repr(t.rounds[1])

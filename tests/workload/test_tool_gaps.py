@@ -62,3 +62,19 @@ def test_tool_gaps_draw_seeded_log_normal_gaps_after_the_first_round():
     fixed = tool_gaps(trajs[1:], dataclasses.replace(w, tool_gap_sigma=0.0))
     assert {r.gap_s for t in fixed for r in t.rounds[1:]} == {30.0}
     assert tool_gaps(trajs, WorkloadConfig()) == trajs  # tool_gap_s=0: unchanged
+
+
+def test_a_think_time_gap_survives_parse_dump_and_as_rounds_and_a_bad_flag_is_refused():
+    line = (
+        '{"id": "a", "rounds": [{"append": 5, "gen": 2},'
+        ' {"append": 3, "gen": 1, "gap_s": 40.0, "tool_call": false}]}'
+    )
+    t = parse_trajectory(line)
+    assert [r.tool_call for r in t.rounds] == [True, False]
+    assert parse_trajectory(trajectory_to_json(t)) == t
+    assert '"tool_call"' not in trajectory_to_json(Trajectory("b", (Round(5, 2, gap_s=1.0),)))
+    m = materialize(t, vocab_size=50)
+    assert as_rounds([m])[0][1][1] == (list(m.rounds[1].append), 1, 40.0, (), False)
+    bad = line.replace("false", '"no"')
+    with pytest.raises(TraceError, match="round 1 of 'a': 'tool_call' must be true or false"):
+        parse_trajectory(bad)
