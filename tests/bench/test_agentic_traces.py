@@ -7,9 +7,7 @@ import json
 import pathlib
 
 import pytest
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
+from trace_helpers import WEKA_SESSIONS
 
 
 def _sessions(tmp_path) -> pathlib.Path:
@@ -46,12 +44,14 @@ def test_rows_for_every_policy_and_store_with_the_same_hits(tmp_path, bench_modu
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL.exists(), reason="the public Weka sessions are not beside the repo")
+@pytest.mark.skipif(
+    not WEKA_SESSIONS.exists(), reason="the public Weka sessions are not beside the repo"
+)
 def test_the_28_weka_sessions_turns_after_a_tool_call_start_sooner_with_prefetch(bench_modules):
     with bench_modules("agentic_traces") as (at,):
         runs = [r for r in at.RUNS if r[0] in ("dualpath", "dualpath+prefetch")]
-        dp, pf = at.run_all(str(REAL), runs=runs, stores=("unlimited",))
-    assert len(list(REAL.glob("*.json"))) == 28
+        dp, pf = at.run_all(str(WEKA_SESSIONS), runs=runs, stores=("unlimited",))
+    assert len(list(WEKA_SESSIONS.glob("*.json"))) == 28
     assert pf["ttft_after_tool_p50_s"] < dp["ttft_after_tool_p50_s"]
     assert pf["jct_s"] <= dp["jct_s"] * (1 + 1e-6)
 

@@ -78,6 +78,22 @@ def de_reads(workdir, request: str, kind: str = "de_reads") -> dict:
     return got[0]
 
 
+def prefetched_turn(cluster, client, s: Session, rounds, out: list, kind: str = "de_reads"):
+    """Runs the first round, hints a tool call, waits until the session's whole hit is held and
+    runs the second round, whose `kind` read must take that hit from the holder's memory.
+    Returns the held entry, the second round's result and the blocks held."""
+    out.append(s.step(*rounds[0]))
+    want = stored_blocks(len(rounds[0][0]) + rounds[0][1])
+    s.hint("tool_call", expected_s=30)
+    entry = wait_for(lambda: (h := held(client, s.id)) and h["held"] == want and h, "the hold")
+    res = s.step_async(*rounds[1]).result(WAIT_S)
+    out.append(list(res.tokens))
+    assert res.cached_tokens == want * BLOCK_TOKENS
+    ev = de_reads(cluster.workdir, res.request, kind)
+    assert ev["engine"] == entry["engine"] and ev["held_blocks"] == want
+    return entry, res, want
+
+
 def stored_blocks(context_tokens: int) -> int:
     """The whole blocks a round leaves in the store: every token whose KV exists (the
     context but its last generated token)."""
@@ -90,17 +106,8 @@ def test_a_prefetched_turn_reads_its_hit_from_memory(tmp_path, start_cluster, re
     with start_cluster(prefetch_config(), tmp_path, "thread") as cluster:
         client = cluster.client()
         s = Session(client, traj[0])
-        rounds = traj[1]
-        out = [s.step(*rounds[0])]
-        context = len(rounds[0][0]) + rounds[0][1]
-        s.hint("tool_call", expected_s=30)
-        want = stored_blocks(context)
-        entry = wait_for(lambda: (h := held(client, s.id)) and h["held"] == want and h, "it")
-        res = s.step_async(*rounds[1]).result(WAIT_S)
-        out.append(list(res.tokens))
-        assert res.cached_tokens == want * BLOCK_TOKENS
-        ev = de_reads(cluster.workdir, res.request)
-        assert ev["engine"] == entry["engine"] and ev["held_blocks"] == want
+        rounds, out = traj[1], []
+        _, _, want = prefetched_turn(cluster, client, s, rounds, out)
         # the next turn without a hint reads its hit from the store as before
         res = s.step_async(*rounds[2]).result(WAIT_S)
         out.append(list(res.tokens))
@@ -121,18 +128,9 @@ def test_basic_prefetches_on_the_pe_side(tmp_path, start_cluster, reference_toke
     with start_cluster(cfg, tmp_path, "thread") as cluster:
         client = cluster.client()
         s = Session(client, traj[0])
-        rounds = traj[1]
-        out = [s.step(*rounds[0])]
-        context = len(rounds[0][0]) + rounds[0][1]
-        s.hint("tool_call", expected_s=30)
-        want = stored_blocks(context)
-        entry = wait_for(lambda: (h := held(client, s.id)) and h["held"] == want and h, "it")
+        rounds, out = traj[1], []
+        entry, res, want = prefetched_turn(cluster, client, s, rounds, out, "pe_reads")
         assert entry["side"] == "pe"
-        res = s.step_async(*rounds[1]).result(WAIT_S)
-        out.append(list(res.tokens))
-        assert res.cached_tokens == want * BLOCK_TOKENS
-        ev = de_reads(cluster.workdir, res.request, "pe_reads")
-        assert ev["engine"] == entry["engine"] and ev["held_blocks"] == want
         (assign,) = events_of(cluster.workdir, "assign", res.request)
         assert assign["path"] == "pe" and assign["de_blocks"] == 0
         res = s.step_async(*rounds[2]).result(WAIT_S)  # no hint: read from the store

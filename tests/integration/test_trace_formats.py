@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from trace_helpers import CPU_COST
+
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig, WorkloadConfig
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import run_trajectories
-from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sim import simulate
 from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
 from dualpath_jax.workload.sharing import replay_hits
@@ -21,7 +22,6 @@ PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "workload" / "data"
 BLOCK_TOKENS = 16
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 MOONCAKE = dict(
     trace=str(DATA / "mooncake_sample.jsonl"),
     trace_format="mooncake",

@@ -20,6 +20,7 @@ import json
 import pathlib
 
 import pytest
+from trace_helpers import WEKA_SESSIONS, req
 
 from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.configs_loader import load_config
@@ -28,7 +29,6 @@ from dualpath_jax.rollout import run_trajectories
 from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
 POLICIES = ("basic", "dualpath", "oracle")
 TIMEOUT_S = 300.0
 
@@ -207,11 +207,6 @@ def check_policies(tmp_path, start_cluster, sessions: list[dict], trace, *, gaps
     return plan, tokens["basic"], hits
 
 
-def req(t, n_in, n_out, ids, think=0.0, stop="tool_use"):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "hash_ids": ids,
-            "think_time": think, "stop": stop}  # fmt: skip
-
-
 # 64-token blocks scaled by 3/8: 24-token trace blocks over the config's 16-token store blocks
 # (a shared run of n trace blocks hits floor(24 n / 16) store blocks). The parent's hash ids grow
 # round by round; its subagent starts with the parent's first 4 blocks (96 tokens) and a partial
@@ -271,18 +266,20 @@ def test_weka_sessions_with_a_subagent_hit_what_their_hash_ids_imply(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not REAL.exists(), reason="the public Weka sessions are not beside the repo")
+@pytest.mark.skipif(
+    not WEKA_SESSIONS.exists(), reason="the public Weka sessions are not beside the repo"
+)
 def test_the_28_weka_sessions_hit_what_their_hash_ids_imply(tmp_path, start_cluster):
     """The 28 public sessions (54 trajectories with their subagents and continuations), scaled
     by 1/256: a 64-token block stays 1 token (the least a block is), so inputs scale by 1/64 and
     outputs by 1/256. `max_turns=4` keeps each trajectory's first 4 rounds and `max_len=2048`
     (cpu_1p2d's `decode_max_len`) cuts longer ones, so that the three replays take minutes; the
     think times are not waited (one trajectory at a time, they would only idle)."""
-    files = sorted(REAL.glob("*.json"))
+    files = sorted(WEKA_SESSIONS.glob("*.json"))
     assert len(files) == 28
     sessions = [json.loads(f.read_text()) for f in files]
     plan, _, hits = check_policies(
-        tmp_path, start_cluster, sessions, REAL, gaps=False,
+        tmp_path, start_cluster, sessions, WEKA_SESSIONS, gaps=False,
         length_scale=1 / 256, max_turns=4, max_len=2048,
     )  # fmt: skip
     assert len(plan.trajectories) == 54

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 
 import pytest
+from trace_helpers import CPU_COST
 
 from dualpath_jax.config import Policy
 from dualpath_jax.metrics.summary import summarize
@@ -18,7 +19,6 @@ from dualpath_jax.sim import SimOptions, simulate
 from dualpath_jax.transfer.paths import expected_link_bytes
 from dualpath_jax.workload.trace import Round, Trajectory
 
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 TINY_COMPUTE = FittedCostModel(prefill=(1e-6, 1e-9, 1e-13), decode=(1e-6, 1e-9, 1e-13))
 
 

@@ -8,17 +8,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from trace_helpers import CPU_COST
 
 from dualpath_jax.config import Policy
 from dualpath_jax.presets import emulated_cpu_experiment
-from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import EngineLoad, Request
 from dualpath_jax.sim import SimOptions, run
 from dualpath_jax.sim.cluster import SimCluster
 from dualpath_jax.sim.leaders import Leader
-
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
 
 
 class _Recording(GlobalScheduler):

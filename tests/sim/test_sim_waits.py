@@ -10,31 +10,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import pathlib
 import statistics
 
 import pytest
+from trace_helpers import CPU_COST, WEKA_SESSIONS, req, sub
 
 from dualpath_jax import launcher
 from dualpath_jax.presets import emulated_cpu_experiment, paper_experiment
-from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sim import simulate
 from dualpath_jax.workload.sessions import load_weka
 from dualpath_jax.workload.trace import Round, TraceError, Trajectory
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
-
-
-def req(t, n_in, n_out, ids, think=0.0, api=1.0):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "hash_ids": ids, "think_time": think,
-            "api_time": api}  # fmt: skip
-
-
-def sub(agent, t, requests, duration_s):
-    return {"t": t, "type": "subagent", "agent_id": agent, "requests": requests,
-            "duration_ms": duration_s * 1000}  # fmt: skip
 
 
 def by_round(run) -> dict[tuple[str, int], object]:
@@ -185,13 +170,15 @@ def test_with_prefetch_the_turn_after_the_subagents_starts_sooner_with_the_same_
     assert key(runs[True]) == key(runs[False])
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="the public traces are not beside the repository")
+@pytest.mark.skipif(
+    not WEKA_SESSIONS.is_dir(), reason="the public traces are not beside the repository"
+)
 def test_the_public_sessions_simulated_waiting_rounds_go_after_their_subagents():
     cfg = launcher.run_config(
         emulated_cpu_experiment(1, 2),
         "offline",
         overrides=["workload.length_scale=0.015625"],
-        trace=str(REAL),
+        trace=str(WEKA_SESSIONS),
         trace_format="weka",
     )
     run = simulate(cfg, cost=CPU_COST)
@@ -200,7 +187,7 @@ def test_the_public_sessions_simulated_waiting_rounds_go_after_their_subagents()
     ends: dict[str, float] = {}
     for (tid, _), r in by.items():
         ends[tid] = max(ends.get(tid, -math.inf), r.submit_s + r.jct_s)
-    trajs, _ = load_weka(REAL, length_scale=1 / 64)
+    trajs, _ = load_weka(WEKA_SESSIONS, length_scale=1 / 64)
     n = 0
     for t in trajs:
         for i, rd in enumerate(t.rounds):

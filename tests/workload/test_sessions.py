@@ -11,25 +11,16 @@ import json
 import pathlib
 
 import pytest
+from trace_helpers import CPU_COST, REAL_TRACES, req
 
 from dualpath_jax import launcher
 from dualpath_jax.config import ConfigError, WorkloadConfig
 from dualpath_jax.presets import emulated_cpu_experiment
-from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sim import simulate
 from dualpath_jax.workload.arrivals import check_context, plan_agents, plan_workload
 from dualpath_jax.workload.formats import read_trace
 from dualpath_jax.workload.sessions import load_tracelab, load_weka, parse_weka_session
 from dualpath_jax.workload.trace import Round, TraceError, Trajectory, materialize
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT.parent / "shared" / "real_traces"
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
-
-
-def req(t, n_in, n_out, ids, think=0.0):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "hash_ids": ids, "think_time": think}
-
 
 # A session of 4-token blocks: a continuation (r1), a subagent sharing the parent's first block,
 # and a rebuilt context (r2 keeps 1 of the previous request's 4 blocks: under half), which comes
@@ -236,14 +227,17 @@ def test_the_simulator_replays_a_weka_session_at_its_times(tmp_path):
 # ----------------------------------------------------------------------------- public sessions
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="the public traces are not beside the repository")
+@pytest.mark.skipif(
+    not REAL_TRACES.is_dir(), reason="the public traces are not beside the repository"
+)
 def test_the_public_weka_sessions_parse_as_summarized():
     rows = {
-        r["trace"]: r for r in csv.DictReader(open(REAL / "weka_claude_code_sessions_summary.csv"))
+        r["trace"]: r
+        for r in csv.DictReader(open(REAL_TRACES / "weka_claude_code_sessions_summary.csv"))
     }
-    files = sorted((REAL / "weka_claude_code_sessions").glob("*.json"))
+    files = sorted((REAL_TRACES / "weka_claude_code_sessions").glob("*.json"))
     assert len(files) == 28
-    all_trajs, starts = load_weka(REAL / "weka_claude_code_sessions")
+    all_trajs, starts = load_weka(REAL_TRACES / "weka_claude_code_sessions")
     assert len(all_trajs) == len(starts) and starts == sorted(starts)
     for f in files:
         row = rows[f.stem]
@@ -258,13 +252,15 @@ def test_the_public_weka_sessions_parse_as_summarized():
     assert sum(int(rows[f.stem]["n_subagents"]) for f in files) == 12
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="the public traces are not beside the repository")
+@pytest.mark.skipif(
+    not REAL_TRACES.is_dir(), reason="the public traces are not beside the repository"
+)
 def test_the_public_weka_sessions_simulate_scaled_down():
     cfg = launcher.run_config(
         emulated_cpu_experiment(1, 2),
         "offline",
         overrides=["workload.length_scale=0.015625"],
-        trace=str(REAL / "weka_claude_code_sessions"),
+        trace=str(REAL_TRACES / "weka_claude_code_sessions"),
         trace_format="weka",
     )
     trajs, _ = read_trace(cfg.workload)

@@ -7,11 +7,10 @@ tests/test_rollout_waits.py and tests/integration/test_subagent_waits_cluster.py
 from __future__ import annotations
 
 import json
-import pathlib
 
 import pytest
+from trace_helpers import WEKA_SESSIONS, req, sub
 
-from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.workload.sessions import load_weka, parse_weka, parse_weka_session
 from dualpath_jax.workload.trace import (
     Round,
@@ -24,23 +23,6 @@ from dualpath_jax.workload.trace import (
     parse_trace,
     submit_time,
 )
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-REAL = ROOT.parent / "shared" / "real_traces" / "weka_claude_code_sessions"
-CPU_COST = FittedCostModel(prefill=(0.02, 2e-5, 5e-9), decode=(0.005, 1e-4, 1e-8))
-
-
-def req(t, n_in, n_out, ids, think=0.0, api=1.0):
-    return {"t": t, "type": "n", "in": n_in, "out": n_out, "hash_ids": ids, "think_time": think,
-            "api_time": api}  # fmt: skip
-
-
-def sub(agent, t, requests, duration_s=None):
-    out = {"t": t, "type": "subagent", "agent_id": agent, "requests": requests}
-    if duration_s is not None:
-        out["duration_ms"] = duration_s * 1000
-    return out
-
 
 # Blocks of 4 tokens. The parent's request 0 ends at 2 s and spawns a and b at 2.5 s; a returns
 # at 12.5, b at 32.5. Request 1 (15 s) came after a's end (waits for it, gap 2.5 s), before b's
@@ -148,9 +130,11 @@ def test_copies_of_a_waiting_trajectory_wait_for_nobody():
 # ----------------------------------------------------------------------------- public sessions
 
 
-@pytest.mark.skipif(not REAL.is_dir(), reason="the public traces are not beside the repository")
+@pytest.mark.skipif(
+    not WEKA_SESSIONS.is_dir(), reason="the public traces are not beside the repository"
+)
 def test_the_public_sessions_parents_wait_for_every_subagent():
-    trajs, starts = load_weka(REAL)
+    trajs, starts = load_weka(WEKA_SESSIONS)
     by_id = dict(zip([t.id for t in trajs], starts))
     waiting = [(t.id, i, r) for t in trajs for i, r in enumerate(t.rounds) if r.waits_for]
     waited = [w for _, _, r in waiting for w in r.waits_for]
