@@ -20,7 +20,6 @@ of growing memory; `reserve(n, timeout_s=...)` waits for releases up to that lon
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import threading
 import time
@@ -294,11 +293,23 @@ def _pinned_slab(shape: tuple[int, ...], device: jax.Device, name: str):
     # np.zeros maps the zero page lazily: the source of this copy costs no resident memory.
     arr = jax.device_put(np.zeros(shape, np.uint8), sharding)
     arr.block_until_ready()
-    nbytes = int(np.prod(shape))
-    raw = (ctypes.c_uint8 * nbytes).from_address(arr.unsafe_buffer_pointer())
-    raw.owner = arr  # a view outliving the pool keeps the memory alive
-    view = np.frombuffer(raw, np.uint8).reshape(shape)
+    view = np.asarray(_Memory(arr, arr.unsafe_buffer_pointer(), tuple(shape)))
     return arr, view
+
+
+class _Memory:
+    """A numpy view's base over `arr`'s memory at `pointer` (the array interface), holding `arr`
+    so a view outliving the pool keeps the memory alive. (A ctypes array would do as well, but
+    makes a new ctypes type per size, which the cyclic collector frees at some later time.)"""
+
+    def __init__(self, arr: jax.Array, pointer: int, shape: tuple[int, ...]):
+        self.owner = arr
+        self.__array_interface__ = {
+            "data": (pointer, False),
+            "shape": shape,
+            "typestr": "|u1",
+            "version": 3,
+        }
 
 
 @jax.jit
