@@ -20,8 +20,9 @@ Per program: `lowered` (or the error), `kernels` (the kernel custom calls in the
 Triton's `__gpu$xla.gpu.triton`, Mosaic TPU's `tpu_custom_call`), then, from compiling the same
 program for this host's CPU (the kernel interpreted where it is picked): `page_gathers` (all-gathers
 whose result is page-shaped `[..., page_size, W]`: what a step would move of the pool; must be 0),
-`all_gathers` (every all-gather's result shape) and `temp_bytes` (compile-only temporaries,
-`memory_analysis()`). One-layer models: the layer and the programs are the real ones, the
+`all_gathers` (every all-gather's result shape), `temp_bytes` (compile-only temporaries,
+`memory_analysis()`) and `argument_bytes` (the program's inputs per device, the page pool's
+share among them). One-layer models: the layer and the programs are the real ones, the
 figures are per layer. `--mesh=DxT` builds a `data`=D, `tensor`=T mesh of this host's CPU devices
 (8 forced CPU devices when JAX has not started). `--json` prints one JSON object.
 """
@@ -192,7 +193,9 @@ def check(cfg: ModelConfig, platform: str, mesh, **shapes) -> dict:
         gathers = _gathers(hlo)
         r["all_gathers"] = [f"{t}{list(d)}" for t, d in gathers]
         r["page_gathers"] = sum(1 for _, d in gathers if len(d) >= 2 and d[-2:] == page_tail)
-        r["temp_bytes"] = int(compiled.memory_analysis().temp_size_in_bytes)
+        memory = compiled.memory_analysis()
+        r["temp_bytes"] = int(memory.temp_size_in_bytes)
+        r["argument_bytes"] = int(memory.argument_size_in_bytes)
         out[name] = r
     return out
 
@@ -224,6 +227,7 @@ def main(argv):
         print(
             f"  {name:<14} {status:<8} kernels={r.get('kernels', {})} page_gathers="
             f"{r['page_gathers']} temp={r['temp_bytes'] / 2**30:.3f} GiB"
+            f" args={r['argument_bytes'] / 2**30:.3f} GiB"
         )
 
 

@@ -96,19 +96,18 @@ def _kernel(
     keys, values = layout.head_segments(h, h * layout.head_stride)
 
     def dequant(ref_load):
-        """ref_load(off, width) -> raw bits `[keys, width]`; returns load(off, w, scale index)
-        giving the segment in the compute dtype, times its per-token scale unless the index is
+        """ref_load(off, width) -> raw bits `[keys, width]`; returns load(off, w, scale column)
+        giving the segment in the compute dtype, times its per-token scale unless the column is
         None. A scale is 4 one-byte elements (fp8 rows), put together as a uint32 with shifts
         and bitcast to float32: a same-width bitcast every GPU compiler lowers."""
 
-        def load(off, w, i):
+        def load(off, w, col):
             x = jax.lax.bitcast_convert_type(ref_load(off, w), kv_dtype)
-            if i is None:
+            if col is None:
                 return x.astype(dtype)
-            base = layout.scale_offset + 4 * i
             word = None
             for k in range(4):
-                byte = ref_load(base + k, 1).astype(jnp.uint32) << (8 * k)
+                byte = ref_load(col + k, 1).astype(jnp.uint32) << (8 * k)
                 word = byte if word is None else word | byte
             sc = jax.lax.bitcast_convert_type(word, jnp.float32)  # [keys, 1]
             return (x.astype(jnp.float32) * sc).astype(dtype)
@@ -167,9 +166,7 @@ def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, lay
     page_size = out_ref.shape[2]
     cached, layer = lens_ref[b], layer_ref[0]
     spans = [(off, w) for off, w, _ in layout.spans(h)]
-    if layout.scaled:
-        head0 = {i for _, _, i in layout.spans(0) if i >= 0}
-        spans += [(layout.scale_offset + 4 * (i + h * layout.scale_stride), 4) for i in head0]
+    spans += [(layout.scale_column(h, j), 4) for j in range(layout.scales_per_head)]
     # Token t is written by the row block holding its query's first row: t * group // rows.
     lo = pl.cdiv(qi * plan.block_rows, plan.group)
     hi = jnp.minimum(pl.cdiv((qi + 1) * plan.block_rows, plan.group), write_ref[b])

@@ -45,8 +45,8 @@ def _div(x, d: int):
 def _window(layout: RowLayout) -> tuple[int, int] | None:
     """(stride, width) of the columns KV head h reads: `[h * stride, h * stride + width)` when a
     head's key and value are one contiguous run of whole lane tiles in the row (head-major GQA);
-    None: the program reads whole rows (MLA's single head; scaled rows, whose scales sit after
-    every head's data)."""
+    None: the program reads whole rows (MLA's single head; scaled rows, whose head spans are
+    not whole lane tiles)."""
     if layout.num_kv_heads == 1 or not layout.head_major:
         return None
     return layout.head_stride, layout.head_stride
@@ -104,23 +104,22 @@ def _kernel(
     keys, values = layout.head_segments(h, k0)
 
     def loader(ref):
-        """load(off, w, scale index) of rows in VMEM `ref` `[keys, width]` (bits): the segment in
-        the compute dtype, times its per-token scale (assembled from its 4 bytes; the head's
-        scale picked by a masked sum, its index being traced)."""
+        """load(off, w, scale column) of rows in VMEM `ref` `[keys, width]` (bits): the segment
+        in the compute dtype, times its per-token scale (assembled from its 4 bytes; the head's
+        scale picked from the static columns by a masked sum, its column being traced)."""
 
-        def load(off, w, i):
+        def load(off, w, col):
             x = jax.lax.bitcast_convert_type(ref[:, pl.ds(off, w)], kv_dtype)
-            if i is None:
+            if col is None:
                 return x.astype(dtype)
             sc = None
-            for j in range(layout.num_scales):
+            for c in layout.scale_columns:
                 word = None
                 for k in range(4):
-                    col = layout.scale_offset + 4 * j + k
-                    byte = ref[:, pl.ds(col, 1)].astype(jnp.uint32) << (8 * k)
+                    byte = ref[:, pl.ds(c + k, 1)].astype(jnp.uint32) << (8 * k)
                     word = byte if word is None else word | byte
                 one = jax.lax.bitcast_convert_type(word, jnp.float32)  # [keys, 1]
-                one = jnp.where(i == j, one, 0.0)
+                one = jnp.where(col == c, one, 0.0)
                 sc = one if sc is None else sc + one
             return (x.astype(jnp.float32) * sc).astype(dtype)
 

@@ -32,11 +32,16 @@ class InvalidBlockKey(ValueError):
     """A block key is not a 32-character lowercase hex digest."""
 
 
+# The version of scaled fp8 rows' layout (`kernels.kv_rows.RowLayout`): part of the fingerprint,
+# so a store's blocks written in an earlier layout are never read as this one.
+KV_SCALE_LAYOUT = 2
+
+
 def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
     """Hex fingerprint of a model architecture plus a params version.
 
-    Any change to the architecture (including `kv_dtype`) or to `params_version` changes every
-    block key derived from it, so KV computed by older params is never reused. The attention
+    Any change to the architecture (including `kv_dtype`), to the layout of scaled KV rows or to
+    `params_version` changes every block key derived from it, so KV computed by older params is never reused. The attention
     backend (`attention_impl`) and the MoE implementation (`moe_impl`) are not part of it: every
     backend computes the same model's KV.
     """
@@ -44,6 +49,8 @@ def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
     arch = to_dict(cfg)
     del arch["attention_impl"]
     del arch["moe_impl"]
+    if cfg.kv_scales:  # the rows' format: each head's scales after its data (earlier: after all)
+        arch["kv_scale_layout"] = KV_SCALE_LAYOUT
     h.update(json.dumps(arch, sort_keys=True).encode())
     h.update(b"\x00")
     h.update(params_version.encode())

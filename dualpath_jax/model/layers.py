@@ -249,11 +249,10 @@ def attend_kv(
 
 def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
     """The paged kernel, under `shard_map` when a mesh is set: each device attends with its
-    share of the heads, so no step gathers the page pool. Over `tensor`: GQA's head-major
-    pages, new rows and queries split by KV head (a device's rows are its KV heads, a layout of
-    `Hk / tensor` heads); MLA's latent (one KV head) replicated and the query heads split;
-    scaled rows (their scales after every head) and head counts the axis does not divide are
-    not split by head. Over `data`: the requests of a batch that writes nothing; a decode step
+    share of the heads, so no step gathers the page pool. Over `tensor`: GQA's pages, new rows
+    and queries split by KV head (a device's rows are its KV heads with their fp8 scales, a
+    layout of `Hk / tensor` heads); MLA's latent (one KV head) replicated and the query heads
+    split; head counts the axis does not divide are not split by head. Over `data`: the requests of a batch that writes nothing; a decode step
     that writes its pages runs every request on each `data` shard (its pool is replicated over
     `data`, and each shard must write all of it)."""
 
@@ -272,9 +271,9 @@ def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
     b, hq, hk = q.shape[0], q.shape[2], layout.num_kv_heads
     heads = kv_axis = None
     local = layout
-    if t > 1 and hq % t == 0 and layout.head_major and hk % t == 0:
+    if t > 1 and hq % t == 0 and hk % t == 0:
         heads = kv_axis = "tensor"
-        local = RowLayout.gqa(hk // t, layout.head_stride // 2)
+        local = layout.with_heads(hk // t)
     elif t > 1 and hq % t == 0 and hk == 1:  # MLA: the latent every query head reads
         heads = "tensor"
     batch = "data" if kv.write is None and d > 1 and b % d == 0 else None

@@ -191,10 +191,10 @@ def model_mesh(tree: Any) -> Mesh | None:
 
 
 def kv_logical_axes(cfg: ModelConfig) -> str | None:
-    """The logical axis of a KV row's width: whole KV heads for head-major GQA rows (unscaled),
-    replicated for MLA's latent (one head every query head reads) and for scaled rows (their
-    scales sit after every head's data)."""
-    if cfg.is_mla or cfg.kv_scales:
+    """The logical axis of a KV row's width: whole KV heads for GQA rows (with their fp8 scales,
+    which sit inside each head's columns), replicated for MLA's latent (one head every query
+    head reads)."""
+    if cfg.is_mla:
         return None
     return "kv_heads"
 
@@ -234,8 +234,8 @@ def constrain(
 
 def constrain_kv(x: jax.Array, layout: Any, *lead: str | None) -> jax.Array:
     """KV rows or pages `[..., W]` of `layout` (`kernels.kv_rows.RowLayout`) pinned by KV head
-    (head-major rows) or replicated (other layouts); `lead` names the leading axes."""
-    axis = "kv_heads" if layout.head_major else None
+    (several heads) or replicated (one head: MLA); `lead` names the leading axes."""
+    axis = "kv_heads" if layout.num_kv_heads > 1 else None
     logical = (*lead, *(None,) * (x.ndim - 1 - len(lead)), axis)
     return constrain(x, *logical, unit_counts={"kv_heads": layout.num_kv_heads})
 

@@ -24,9 +24,7 @@ LAYOUTS = {
 
 
 def _width(layout: RowLayout) -> int:
-    if layout.head_stride:
-        return 2 * layout.num_kv_heads * layout.value_width
-    return layout.key_width
+    return layout.row_width
 
 
 def _case(layout, hq, dtype, *, b=3, n=8, ps=4, p=20, layers=2, lens=(0, 5, 13), seed=0):

@@ -166,6 +166,24 @@ def test_kv_pages_and_rows_have_their_sharding(name):
         assert dec.pages.addressable_shards[0].data.shape[-1] == 2 * 2 * cfg.head_dim
 
 
+def test_scaled_fp8_pages_split_by_kv_head_with_their_scales():
+    """fp8 KV with per-token scales on 2x4: each head's scales sit in its own columns, so the
+    decode pool and the new rows split over `tensor` like bf16 ones (a device holds 2 heads of
+    K | V | their two scales) and the paged kernel reads its share; tokens equal one device's."""
+    cfg = dataclasses.replace(
+        QWEN, kv_dtype="float8_e4m3fn", kv_scales=True, attention_impl="pallas"
+    )
+    want = dm.generate(dm.init_model(cfg, seed=0), PROMPTS, 8)
+    net = dm.init_model(cfg, seed=0, mesh=sharding.make_mesh(MESHES["2x4"]))
+    assert dm.generate(net, PROMPTS, 8) == want
+    runner = ModelRunner(net)
+    _, kv = runner.prefill_monolithic(PrefillBatch.build(cfg, PROMPTS, [0, 0]))
+    assert kv.sharding.spec == P(None, "data", None, "tensor")
+    dec = Decoder(runner, 2, 64, page_size=16)
+    assert dec.pages.sharding.spec == P(None, None, None, "tensor")
+    assert dec.pages.addressable_shards[0].data.shape[-1] == 2 * (2 * cfg.head_dim + 8)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_layerwise_and_program_prefill_on_a_mesh_equal_one_device(reference, name):
     """Prefill over cached KV: the per-layer loop with pages and the one-program forward with

@@ -41,7 +41,7 @@ def test_quantized_rows_round_trip_within_fp8_precision(name):
     q = quantize_rows(x, layout, FP8)
     assert q.shape[-1] == layout.row_width and q.dtype == FP8
     k, v = split_kv(q, layout, FP8, jnp.float32)
-    k0, v0 = split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
+    k0, v0 = split_kv(x, layout.unscaled, jnp.float32, jnp.float32)
     for got, want in ((k, k0), (v, v0)):
         # e4m3 keeps 3 mantissa bits (within 1/16 of a value) down to its subnormals, whose
         # step is 2**-9 of the segment's scale (its max over 448): bounded by the row's max
@@ -49,6 +49,39 @@ def test_quantized_rows_round_trip_within_fp8_precision(name):
         err = np.abs(np.asarray(got) - want)
         amax = np.abs(want).max(axis=(-2, -1), keepdims=True)
         assert (err <= np.abs(want) / 15 + amax / 448 * 2.0**-9).all()
+
+
+def test_a_run_of_whole_heads_is_a_scaled_row_of_those_heads():
+    """Each GQA head's scales sit after its own data: the columns of heads 1..2 of a row of 4
+    are the row those 2 heads quantize to (what a device holds when pages split by KV head)."""
+    layout = RowLayout.gqa(4, 8, scaled=True)
+    assert layout.head_stride == 2 * 8 + 8 and layout.row_width == 4 * layout.head_stride
+    assert layout.scale_columns == [h * 24 + c for h in range(4) for c in (16, 20)]
+    x = _rows(layout, (3, 5), np.random.default_rng(4))
+    rows = np.asarray(quantize_rows(x, layout, FP8).view(jnp.uint8))
+    part = layout.with_heads(2)
+    want = quantize_rows(x[..., 1 * 16 : 3 * 16], part, FP8)
+    np.testing.assert_array_equal(rows[..., 24:72], np.asarray(want.view(jnp.uint8)))
+    k, v = split_kv(rows[..., 24:72], part, FP8, jnp.float32)
+    k_all, v_all = split_kv(rows, layout, FP8, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(k_all)[..., 1:3, :])
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(v_all)[..., 1:3, :])
+
+
+def test_the_scaled_row_layout_is_in_the_block_keys():
+    """Scaled rows' layout is part of the model fingerprint (a store written in another layout
+    is never read as this one); unscaled models' keys are unchanged by it."""
+    from dualpath_jax.kvstore import identity
+
+    cfg = _fp8(TINY_QWEN2, True)
+    key, plain = identity.model_fingerprint(cfg), identity.model_fingerprint(TINY_QWEN2)
+    old = identity.KV_SCALE_LAYOUT
+    try:
+        identity.KV_SCALE_LAYOUT = old + 1
+        assert identity.model_fingerprint(cfg) != key
+        assert identity.model_fingerprint(TINY_QWEN2) == plain
+    finally:
+        identity.KV_SCALE_LAYOUT = old
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -136,7 +169,7 @@ def test_scales_keep_rows_a_bare_cast_cannot_hold():
     x = _rows(layout, (4,), np.random.default_rng(2), spread=False)
     x = x * jnp.asarray([1e4, 1e-5, 1.0, 1e3])[:, None]
     k, _ = split_kv(quantize_rows(x, layout, FP8), layout, FP8, jnp.float32)
-    k0, _ = split_kv(x, dataclasses.replace(layout, scale_offset=-1), jnp.float32, jnp.float32)
+    k0, _ = split_kv(x, layout.unscaled, jnp.float32, jnp.float32)
     rel = np.abs(np.asarray(k) - np.asarray(k0)) / np.abs(np.asarray(k0)).max(-1, keepdims=True)
     assert rel.max() < 1 / 15
     cast = np.asarray(x.astype(FP8).astype(jnp.float32))

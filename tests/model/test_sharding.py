@@ -60,13 +60,13 @@ def test_every_parameter_path_has_a_rule_of_its_rank():
             sharding.spec_for(logical, leaf.shape, mesh, sharding.units(cfg))
 
 
-def test_kv_rows_shard_by_head_only_for_head_major_gqa():
+def test_kv_rows_shard_by_head_for_gqa_scaled_or_not():
     import dataclasses
 
     assert sharding.kv_logical_axes(TINY_QWEN2) == "kv_heads"
     assert sharding.kv_logical_axes(TINY_DEEPSEEK) is None  # MLA latent: replicated
     scaled = dataclasses.replace(TINY_QWEN2, kv_dtype="float8_e4m3fn", kv_scales=True)
-    assert sharding.kv_logical_axes(scaled) is None
+    assert sharding.kv_logical_axes(scaled) == "kv_heads"  # each head's scales in its columns
 
 
 @pytest.mark.slow
