@@ -192,9 +192,8 @@ def _plan(n: int, g: int, num_pages: int, block_q: int, kv_splits: int | None, c
     g_pad = 1 << (max(g, _MIN_DOT // math.gcd(n, _MIN_DOT)) - 1).bit_length()
     rows = math.gcd(n * g_pad, _COMPILED_ROWS)
     bn = math.gcd(n, block_q)
-    if kv_splits is None:  # decode: spread one request's pages over programs (flash-decoding)
-        kv_splits = max(1, min(_MAX_SPLITS, num_pages // _PAGES_PER_SPLIT)) if n == 1 else 1
-    return _Plan(g_pad, rows, bn, kv_splits, True)
+    # decode: spread one request's pages over programs (flash-decoding)
+    return _Plan(g_pad, rows, bn, _decode_splits(n, num_pages, kv_splits), True)
 
 
 def paged_attention(
@@ -228,7 +227,8 @@ def paged_attention(
     (`kv_rows.bits_dtype`).
 
     `kv_splits` programs share one request's cached pages (split-KV, their partial softmaxes
-    combined after): default 1, and on GPU for one new token per request (decode) up to 8.
+    combined after): default 1, and on GPU and TPU for one new token per request (decode) up
+    to 8.
     `interpret=None` decides per platform the program is lowered for (`lax.platform_dependent`):
     Pallas-Triton on GPU (chosen explicitly, not by JAX's default GPU backend), the Mosaic form
     on TPU (`paged_attention_tpu.py`), interpret mode elsewhere; True forces interpret mode,
@@ -265,7 +265,9 @@ def paged_attention(
     )
     if interpret is not None:
         return call(*args, compiled=not interpret, interpret=interpret)
-    tpu = functools.partial(_paged_attention_tpu, layout=layout, scale=scale, kv_dtype=kv_dtype)
+    tpu = functools.partial(
+        _paged_attention_tpu, layout=layout, scale=scale, kv_dtype=kv_dtype, kv_splits=kv_splits
+    )
     return jax.lax.platform_dependent(
         *args,
         cuda=functools.partial(call, compiled=True, interpret=False),
@@ -300,16 +302,36 @@ def _head_output(out: Array, q: Array, layout: RowLayout, group: int) -> Array:
     return out.transpose(0, 2, 1, 3, 4).reshape(b, n, hq, dv)
 
 
+def _decode_splits(n: int, num_pages: int, kv_splits: int | None) -> int:
+    """KV splits of a call with `n` new tokens per request over `num_pages` page-table columns:
+    `kv_splits`, or by default for decode (one new token) up to `_MAX_SPLITS`, each reading at
+    least `_PAGES_PER_SPLIT` pages; 1 otherwise."""
+    if kv_splits is not None:
+        return kv_splits
+    return max(1, min(_MAX_SPLITS, num_pages // _PAGES_PER_SPLIT)) if n == 1 else 1
+
+
+def _combine(acc: Array, m: Array, denom: Array, dtype) -> Array:
+    """The splits' partial softmaxes (`[S, ..., dv]` accumulators, `[S, ..., 1]` maxima and
+    sums) -> the normalized output `[..., dv]` in `dtype`."""
+    weight = jnp.exp(m - m.max(axis=0, keepdims=True))
+    return ((acc * weight).sum(0) / (denom * weight).sum(0)).astype(dtype)
+
+
 def _paged_attention_tpu(
-    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret
-):
+    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret,
+    kv_splits=None,
+):  # fmt: skip
     """The TPU form (`paged_attention_tpu.py`) behind the same contract."""
     g = q.shape[2] // layout.num_kv_heads
+    splits = _decode_splits(q.shape[1], table.shape[1], kv_splits)
     out, pages = paged_attention_tpu(
         _query_rows(q, layout, g), bits, table, lens, as_bits(new_rows.astype(kv_dtype)),
         layer, write_lens, layout=layout, group=g, scale=scale, kv_dtype=kv_dtype,
-        interpret=interpret,
+        kv_splits=splits, interpret=interpret,
     )  # fmt: skip
+    if splits > 1:
+        out = _combine(*out, q.dtype)
     out = _head_output(out, q, layout, g)
     return (out, pages) if write_lens is not None else out
 
@@ -390,10 +412,7 @@ def _paged_attention(
     if s == 1:
         out = outs[0]
     else:  # combine the splits' partial softmaxes
-        acc, m, denom = outs[:3]  # [S, B, Hk, rows, dv], [S, B, Hk, rows, 1] twice
-        weight = jnp.exp(m - m.max(axis=0, keepdims=True))
-        out = (acc * weight).sum(0) / (denom * weight).sum(0)
-        out = out.astype(q.dtype)
+        out = _combine(*outs[:3], q.dtype)
     out = _head_output(out, q, layout, plan.group)
     return (out, outs[-1]) if writing else out
 

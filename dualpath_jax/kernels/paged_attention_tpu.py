@@ -14,6 +14,11 @@ for `tpu` on any host. In write mode (decode) the program of KV head 0 copies ea
 its page, HBM to HBM (the pages are aliased in and out; what the other programs read lies below
 `cached_lens`, apart from what is written).
 
+Decode (one new token per request) splits a request's pages over `kv_splits` programs
+(split-KV, as the GPU form): each attends a share of the live pages and writes its unnormalized
+partial softmax, combined after the call; the split axis leads the grid and is `parallel`, so
+the TensorCores of a megacore chip share one long sequence.
+
 Queries arrive as in the GPU form: per KV head, query-major rows `[N * G, w]` split by key
 segment (MLA's 512 + 64). Interpreted on CPU by the tests against the dense oracle.
 """
@@ -65,15 +70,21 @@ def _kernel(
     scale: float,
     kv_dtype,
     writing: bool,
+    splits: int,
 ):
     nseg = len(layout.key_segments)
     q_refs = refs[:nseg]
-    pages_hbm, new_hbm, o_ref = refs[nseg : nseg + 3]
-    rest = refs[nseg + 3 :]
+    pages_hbm, new_hbm = refs[nseg : nseg + 2]
+    outs = refs[nseg + 2 : nseg + 2 + (1 if splits == 1 else 3)]
+    rest = refs[nseg + 2 + len(outs) :]
     if writing:
         pages_hbm, rest = rest[0], rest[1:]  # every page access through the aliased output
     kv_buf, new_buf, sems = rest
-    b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if splits == 1:
+        split = 0
+        b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:  # the split axis leads
+        split, b, h, qi = (pl.program_id(i) for i in range(4))
     cached, layer = lens_ref[b], layer_ref[0]
     page_size = kv_buf.shape[1]
     win = _window(layout)
@@ -87,7 +98,7 @@ def _kernel(
 
     if writing:
 
-        @pl.when(h == 0)
+        @pl.when((h == 0) & (split == 0))
         def _write():
             def one(t, carry):
                 pos = cached + t
@@ -135,15 +146,18 @@ def _kernel(
         )
 
     live = _div(cached + page_size - 1, page_size)
+    per = -(-table_ref.shape[1] // splits)  # this split's pages: [first, last)
+    first = jnp.minimum(split * per, live)
+    last = jnp.minimum(first + per, live)
 
-    @pl.when(live > 0)
+    @pl.when(last > first)
     def _first():
-        page_copy(0, 0).start()
+        page_copy(first, jax.lax.rem(first, 2)).start()
 
     def cached_page(j, carry):
         slot = jax.lax.rem(j, 2)
 
-        @pl.when(j + 1 < live)
+        @pl.when(j + 1 < last)
         def _next():
             page_copy(j + 1, 1 - slot).start()
 
@@ -153,7 +167,7 @@ def _kernel(
         pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         return soft.update(carry, jnp.where(pos < cached, s, NEG), load)
 
-    carry = jax.lax.fori_loop(0, live, cached_page, soft.init(rows))
+    carry = jax.lax.fori_loop(first, last, cached_page, soft.init(rows))
 
     q_pos = _div(qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, block_new), 0), group)
 
@@ -165,12 +179,19 @@ def _kernel(
         return soft.update(carry, jnp.where(k_pos <= q_pos, s, NEG), load)
 
     last_query = _div((qi + 1) * rows - 1, group)
-    accs, _, denom = jax.lax.fori_loop(0, _div(last_query, block_new) + 1, new_block, carry)
+    steps = jnp.where(split == splits - 1, _div(last_query, block_new) + 1, 0)  # the last split's
+    accs, m, denom = jax.lax.fori_loop(0, steps, new_block, carry)
     start = 0
     for acc in accs:
         w = acc.shape[1]
-        o_ref[:, pl.ds(start, w)] = (acc / denom).astype(o_ref.dtype)
+        if splits == 1:
+            outs[0][:, pl.ds(start, w)] = (acc / denom).astype(outs[0].dtype)
+        else:
+            outs[0][:, pl.ds(start, w)] = acc
         start += w
+    if splits > 1:
+        outs[1][...] = m
+        outs[2][...] = denom
 
 
 def paged_attention_tpu(
@@ -186,12 +207,14 @@ def paged_attention_tpu(
     group: int,
     scale: float,
     kv_dtype,
+    kv_splits: int = 1,
     interpret: bool = False,
-) -> tuple[Array, Array | None]:
+) -> tuple[Array | tuple[Array, Array, Array], Array | None]:
     """The kernel over queries `q_segs` (per key segment `[B, Hk, N * G, w]`, query-major rows),
     pages `bits` `[P, L, page_size, W]`, `table` `[B, M]`, `lens` `[B]`, new rows `new_bits`
     `[B, N, W]` (bits), `layer` `[1]` -> (output `[B, Hk, N * G, dv]` in the queries' dtype,
-    the written pages or None)."""
+    the written pages or None). With `kv_splits` > 1 the output is the splits' partials: the
+    f32 accumulators `[S, B, Hk, N * G, dv]`, their running maxima and sums `[S, ..., 1]`."""
     b, hk, nrows, _ = q_segs[0].shape
     n = new_bits.shape[1]
     page_size = bits.shape[2]
@@ -202,19 +225,35 @@ def paged_attention_tpu(
     width = bits.shape[-1] if win is None else win[1]
     writing = write_lens is not None
 
+    splits = kv_splits
+    lead = splits > 1  # the grid: (split, b, h, row block), else (b, h, row block)
+
     def rows_spec(w):
+        if lead:
+            return pl.BlockSpec((None, None, rows, w), lambda t, i, j, k, *_: (i, j, k, 0))
         return pl.BlockSpec((None, None, rows, w), lambda i, j, k, *_: (i, j, k, 0))
 
+    def part(w):  # a split's share of the partials
+        return pl.BlockSpec((None, None, None, rows, w), lambda t, i, j, k, *_: (t, i, j, k, 0))
+
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    out_specs = [rows_spec(dv)]
-    out_shape = [jax.ShapeDtypeStruct((b, hk, nrows, dv), q_segs[0].dtype)]
+    if lead:
+        out_specs = [part(dv), part(1), part(1)]
+        out_shape = [
+            jax.ShapeDtypeStruct((splits, b, hk, nrows, dv), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, hk, nrows, 1), jnp.float32),
+            jax.ShapeDtypeStruct((splits, b, hk, nrows, 1), jnp.float32),
+        ]
+    else:
+        out_specs = [rows_spec(dv)]
+        out_shape = [jax.ShapeDtypeStruct((b, hk, nrows, dv), q_segs[0].dtype)]
     if writing:
         out_specs.append(hbm)
         out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
     nseg = len(q_segs)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,
-        grid=(b, hk, nrows // rows),
+        grid=((splits,) if lead else ()) + (b, hk, nrows // rows),
         in_specs=[*(rows_spec(x.shape[-1]) for x in q_segs), hbm, hbm],
         out_specs=out_specs,
         scratch_shapes=[
@@ -232,16 +271,16 @@ def paged_attention_tpu(
         scale=scale,
         kv_dtype=kv_dtype,
         writing=writing,
+        splits=splits,
     )
+    semantics = ("parallel",) + ("arbitrary",) * 3 if lead else ("arbitrary",) * 3
     outs = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
         # operands: 4 scalars, the query segments, the pages, the new rows
-        input_output_aliases={4 + nseg: 1} if writing else {},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary", "arbitrary", "arbitrary")
-        ),
+        input_output_aliases={4 + nseg: len(out_shape) - 1} if writing else {},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name="paged_attention_tpu",
     )(
@@ -253,7 +292,8 @@ def paged_attention_tpu(
         bits,
         new_bits,
     )
-    return outs[0], (outs[1] if writing else None)
+    out = outs[0] if not lead else tuple(outs[:3])
+    return out, (outs[-1] if writing else None)
 
 
 def _largest_divisor(n: int, at_most: int, multiple: int) -> int:

@@ -130,20 +130,38 @@ def test_interpreted_split_kv_matches():
 
 
 def _tpu_form(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
-              write_lens=None):  # fmt: skip
+              write_lens=None, kv_splits=None):  # fmt: skip
     """The TPU form of the kernel (pages and new rows in HBM, DMAs into VMEM), interpreted."""
     kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
     return pa._paged_attention_tpu(
         q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
         write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, interpret=True,
+        kv_splits=kv_splits,
     )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 @pytest.mark.parametrize("n", [1, 8])
 def test_tpu_form_matches_the_oracle(name, n):
+    """The TPU form, whole and split over its pages (split-KV: a split may hold no live page,
+    or only the causal part), equals the oracle."""
     layout, hq = LAYOUTS[name]
     q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n, lens=(3, 9, 13))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
+    for splits in (None, 2, 3):
+        got = _tpu_form(q, pages, table, lens, new, layout, scale, layer=1, kv_splits=splits)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+def test_tpu_decode_splits_a_long_context_by_default():
+    """Decode over 16 page-table columns: the TPU form splits the pages 4 ways (split-KV) by
+    default, as the GPU form does, and still equals the oracle."""
+    layout, hq = LAYOUTS["gqa"]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=1, p=48, lens=(60, 1, 33))
+    table = jnp.asarray(np.random.default_rng(5).permutation(48)[:48].reshape(3, 16), jnp.int32)
+    assert pa._decode_splits(1, table.shape[1], None) == 4
+    assert pa._decode_splits(8, table.shape[1], None) == 1
     scale = layout.key_width**-0.5
     want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
     got = _tpu_form(q, pages, table, lens, new, layout, scale, layer=1)
@@ -155,6 +173,7 @@ WRITING_FORMS = {
     "gpu-2-splits": functools.partial(_compiled_shapes, kv_splits=2),
     "gpu-3-splits": functools.partial(_compiled_shapes, kv_splits=3),
     "tpu": _tpu_form,
+    "tpu-3-splits": functools.partial(_tpu_form, kv_splits=3),
 }
 
 
@@ -194,13 +213,16 @@ def test_the_program_lowers_for_gpu_and_tpu_with_their_kernel():
             write_lens=lens,
         )  # fmt: skip
 
-    traced = jax.jit(f).trace(*args)
     calls = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
-    for platform, call in calls.items():
-        text = traced.lower(lowering_platforms=(platform,)).as_text()
-        assert call in text
-        assert not any(other in text for other in calls.values() if other != call)
-    assert not any(c in traced.lower().as_text() for c in calls.values())
+    decode = (args[0].update(shape=(2, 1, hq, 128)), args[1], sds((2, 16), jnp.int32), args[3],
+              args[4].update(shape=(2, 1, 512)))  # fmt: skip
+    for shapes in (args, decode):  # prefill, and decode split 4 ways over 16 pages
+        traced = jax.jit(f).trace(*shapes)
+        for platform, call in calls.items():
+            text = traced.lower(lowering_platforms=(platform,)).as_text()
+            assert text.count(call) == 1
+            assert not any(other in text for other in calls.values() if other != call)
+        assert not any(c in traced.lower().as_text() for c in calls.values())
 
 
 @pytest.mark.parametrize(("dtype", "want"), [(jnp.float32, {"ieee"}), (jnp.bfloat16, {"tf32"})])
