@@ -176,7 +176,7 @@ class LoaderContext:
     def row_split(self) -> NamedSharding | None:
         """How a request's new KV rows as bytes `[N, bytes]` split into pieces to send: by
         columns, as the engine's KV rows split their width (whole KV heads per device) over the
-        mesh; None when they do not split (one device, MLA, scaled rows, too few heads)."""
+        mesh; None when they do not split (one device, MLA, too few heads)."""
         if self.mesh is None:
             return None
         spec = sharding.kv_rows_sharding(self.cfg, self.mesh, (1, 1, self.cfg.kv_width)).spec
