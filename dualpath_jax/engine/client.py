@@ -14,6 +14,7 @@ import logging
 import pathlib
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -87,7 +88,8 @@ class Client:
     A router restarted at the same address (`LocalCluster.restart("router")`) is reconnected
     to: the client learns of it from the first ping answered by the new one (`router_epoch`
     changes), fails the calls the old one took with kind `connection` (their rounds are lost,
-    and so are its sessions: open them again; their stored KV is still hit) and goes on.
+    and so are its sessions: open them again; their stored KV is still hit) and goes on; a
+    `stats()` in flight is asked of the new router instead.
     """
 
     def __init__(
@@ -125,8 +127,6 @@ class Client:
         self._thread.start()
 
     def _loop(self) -> None:
-        import time
-
         heard = time.monotonic()
         last_ping = heard - self.ping_s  # a ping at once: the router's epoch is known early
         while not self._closed.is_set():
@@ -192,6 +192,7 @@ class Client:
         if self.router_epoch and epoch != self.router_epoch:
             log.warning("the router at %s restarted: failing the calls in flight", self.address)
             self.router_restarts += 1
+            stats, self._stats = self._stats, []
             self._fail_all(
                 RolloutError(
                     f"the router at {self.address} restarted: this call was lost (its "
@@ -199,6 +200,13 @@ class Client:
                     "connection",
                 )
             )
+            # A stats query changes nothing: ask the new router again (replies are matched in
+            # order and any of its snapshots answers any query, so one the new router already
+            # took answers too)
+            now = time.monotonic()
+            for fut, _ in stats:
+                self._stats.append((fut, now))
+                self._rpc.send_frame(messages.encode(messages.GetStats(), self._token))
         self.router_epoch = epoch
 
     def _expire(self, now: float, heard: float) -> None:
@@ -451,7 +459,6 @@ class Client:
         Raises RolloutError if any engine refuses them, fails or dies while pulling them; the
         cluster then keeps serving the old params everywhere.
         """
-        import time
 
         from dualpath_jax.engine.params import check_version
 

@@ -1,10 +1,13 @@
 """A router restarted at the same address: the client hears another epoch in a ping's answer,
-fails the calls the old router took with kind `connection`, and goes on with the new one."""
+fails the calls the old router took with kind `connection`, and goes on with the new one; a
+stats query in flight is asked of the new router instead."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from concurrent import futures
 
 import pytest
 
@@ -21,6 +24,8 @@ class FakeRouter(threading.Thread):
         super().__init__(daemon=True)
         self.server, self.epoch = server, epoch
         self.submits: list[str] = []
+        self.stats_asked = 0
+        self.answer_stats = True  # False: stats queries are lost (a router about to die)
         self.halt = threading.Event()
 
     def run(self) -> None:
@@ -34,6 +39,11 @@ class FakeRouter(threading.Thread):
                 self.server.send(got.ident, messages.Ack(ref=got.msg.session))
             elif isinstance(got.msg, messages.Submit):
                 self.submits.append(got.msg.request)
+            elif isinstance(got.msg, messages.GetStats):
+                self.stats_asked += 1
+                if self.answer_stats:
+                    body = json.dumps({"epoch": self.epoch})
+                    self.server.send(got.ident, messages.Stats(json=body))
 
 
 @pytest.fixture()
@@ -79,5 +89,21 @@ def test_the_same_epoch_fails_nothing(router):
         fut = client.submit("s", [1], 2)
         time.sleep(0.3)  # many pings answered by the same router
         assert not fut.done() and client.router_restarts == 0
+    finally:
+        client.close()
+
+
+def test_a_stats_query_in_flight_is_asked_of_the_restarted_router(router):
+    """The old router took the query and died: the new one is asked, and answers it."""
+    client = Client(router.server.address, ping_s=0.05, dead_after_s=60.0)
+    try:
+        wait_for(lambda: client.router_epoch == "a" * 16)
+        router.answer_stats = False
+        with futures.ThreadPoolExecutor(1) as pool:
+            got = pool.submit(client.stats, 30)
+            wait_for(lambda: router.stats_asked == 1)
+            router.answer_stats, router.epoch = True, "b" * 16  # the router restarted
+            assert got.result(30) == {"epoch": "b" * 16}
+        assert router.stats_asked == 2 and client.router_restarts == 1
     finally:
         client.close()
