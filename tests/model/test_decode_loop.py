@@ -219,3 +219,42 @@ def test_new_parameters_reuse_the_compiled_step_and_take_effect():
     out = [int(logits[0].argmax())] + [int(np.asarray(dec.advance())[0]) for _ in range(5)]
     assert compile_count() == before
     assert out == reference_generate(ModelRunner(new), prompt, 6)
+
+
+@pytest.mark.parametrize("spread", [6.0, 0.5], ids=["peaked", "flat"])
+def test_the_top_k_nucleus_of_a_large_vocabulary_is_the_sorted_one(spread):
+    """Above `NUCLEUS_TOP_K` tokens the nucleus is cut from each row's most likely tokens when
+    every row's lies among them (peaked rows) and from the sorted row otherwise (flat rows,
+    whose nucleus is most of the vocabulary): either way the kept tokens are the sorted cut's."""
+    from dualpath_jax.model import sampler
+
+    v = 4 * sampler.NUCLEUS_TOP_K
+    logits = np.random.RandomState(1).randn(5, v).astype(np.float32) * spread
+    top_ps = np.asarray([0.5, 0.9, 1.0, 0.99, 1e-6], np.float32)
+    got = np.asarray(sampler._nucleus(logits, top_ps))
+    want = np.asarray(sampler._sorted_nucleus(logits, top_ps))
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    np.testing.assert_array_equal(got[np.isfinite(got)], want[np.isfinite(want)])
+    kept = np.isfinite(got).sum(-1)
+    assert kept[2] == v and kept[4] == 1  # top-p 1 keeps the row, a tiny one the top token
+    if spread > 1:
+        assert kept.max(initial=0, where=top_ps < 1) <= sampler.NUCLEUS_TOP_K
+    else:
+        assert kept[1] > sampler.NUCLEUS_TOP_K  # the fallback's case
+
+
+def test_a_greedy_batch_draws_the_argmax_without_random_numbers():
+    """`draw_rows` skips the random draw when no row samples; a mixed batch's greedy rows are
+    still their argmax and its sampled rows are what they were drawn as alone."""
+    from dualpath_jax.model import sampler
+
+    logits = np.random.RandomState(2).randn(3, 300).astype(np.float32)
+    seeds, pos = np.arange(3, dtype=np.uint32), np.arange(3, dtype=np.int32)
+    ones = np.ones(3, np.float32)
+    tokens, _ = sampler.draw_rows(logits, seeds, pos, np.zeros(3, np.float32), ones)
+    np.testing.assert_array_equal(np.asarray(tokens), logits.argmax(-1))
+    mixed = np.asarray([0.0, 0.8, 0.0], np.float32)
+    tokens, _ = sampler.draw_rows(logits, seeds, pos, mixed, ones)
+    alone, _ = sampler.draw_rows(logits, seeds, pos, np.full(3, 0.8, np.float32), ones)
+    assert np.asarray(tokens)[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
+    assert int(np.asarray(tokens)[1]) == int(np.asarray(alone)[1])
