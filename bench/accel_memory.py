@@ -200,6 +200,7 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
         sds((s,), jnp.float32),  # top-p
         sds((s, MAX_HELD_STOP_TOKENS), jnp.int32),  # stop tokens held back (min_tokens)
         sds((s,), jnp.int32),  # ... until this position
+        sds((s,), jnp.bool_),  # slots asking for log-probabilities
     )
     return {
         "prefill_7b": prefill([shapes.prefill]),

@@ -76,7 +76,7 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
         def call():
             logits, dec._pending, dec.logprobs, dec.pages, lengths = fn(
                 params, dec.pages, d["table"], d["lengths"], dec._pending, d["active"],
-                d["seeds"], d["temps"], d["top_ps"], d["stop_ids"], d["held_until"],
+                d["seeds"], d["temps"], d["top_ps"], d["stop_ids"], d["held_until"], d["wants_logprobs"],
             )  # fmt: skip
             d["lengths"] = lengths
             return dec._pending

@@ -148,6 +148,7 @@ def programs(cfg: ModelConfig, mesh, new: int, cached: int, slots: int, page: in
         _sds((s,), jnp.float32, mesh),
         _sds((s, MAX_HELD_STOP_TOKENS), jnp.int32, mesh),  # min_tokens: held stop tokens
         _sds((s,), jnp.int32, mesh),
+        _sds((s,), jnp.bool_, mesh),  # slots asking for log-probabilities
     )
     blocks = pages_for(cached, page)
     write_args = (

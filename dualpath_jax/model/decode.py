@@ -60,18 +60,21 @@ def _decode_step(
     top_ps,
     stop_ids,
     held_until,
+    wants_logprobs,
 ):
     """One token for every slot over paged KV, everything on the device.
 
     pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
     the active mask, sampling seeds, temperatures and top-p `[S]`, and each slot's stop tokens
-    `[S, K]` that may not be drawn before position `held_until` `[S]` (`min_tokens`). The layers of each run (`runs`:
+    `[S, K]` that may not be drawn before position `held_until` `[S]` (`min_tokens`), and which
+    slots ask for log-probabilities `wants_logprobs` `[S]`. The layers of each run (`runs`:
     `ModelRunner.layer_runs`, with `params` from `ModelRunner.stacked_params`) go under one
     `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
     over the slot's cached pages and the token's own row, and writes that row into the slot's
     page. Returns (logits `[S, V]` (the model's, before masking), the next tokens `[S]` (sampled
     as `sample_at` samples; idle slots keep theirs), their log-probabilities `[S, 2]`
-    (`chosen_logprobs`), pages, lengths + active)."""
+    (`chosen_logprobs`: two log-softmaxes over the vocabulary, computed only when an active
+    slot asks, zeros otherwise), pages, lengths + active)."""
     embed_state, stacked, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
     h = embed(pending[:, None])
@@ -93,7 +96,11 @@ def _decode_step(
     lengths = lengths + write
     drawable = mask_held(logits, stop_ids, held_until, lengths)
     tokens, processed = draw_rows(drawable, seeds, lengths, temps, top_ps)  # at `lengths`
-    chosen = chosen_logprobs(logits, processed, tokens)
+    chosen = jax.lax.cond(
+        jnp.any(wants_logprobs & active),
+        lambda: chosen_logprobs(logits, processed, tokens),
+        lambda: jnp.zeros((tokens.shape[0], 2), jnp.float32),
+    )
     return logits, jnp.where(active, tokens, pending), chosen, pages, lengths
 
 
@@ -203,6 +210,7 @@ class Decoder:
         # lies before held_until (prompt length + min_tokens)
         self.stop_ids = np.full((slots, MAX_HELD_STOP_TOKENS), -1, np.int32)
         self.held_until = np.zeros((slots,), np.int32)
+        self.wants_logprobs = np.zeros((slots,), bool)  # `SamplingParams.logprobs` set
         self.paged_kernel = resolve_attention_impl(cfg.attention_impl) == "pallas"
         self._pending = jnp.zeros((slots,), jnp.int32)  # device-side: the tokens fed next
         self.logits = self.logprobs = None  # the latest step's (`top_logprobs`)
@@ -329,6 +337,7 @@ class Decoder:
         self.stop_ids[slot, : len(held)] = held
         # generated token k sits at position length + k; k < min_tokens may not be a stop token
         self.held_until[slot] = length + sampling.min_tokens if held else 0
+        self.wants_logprobs[slot] = sampling.logprobs is not None
         self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
         self._dirty = True
 
@@ -343,6 +352,7 @@ class Decoder:
         self.active[slot] = False
         self.lengths[slot] = 0
         self.held_until[slot] = 0
+        self.wants_logprobs[slot] = False
         self.alloc.free(slot)
         self.table[slot] = 0
         self._dirty = True
@@ -421,6 +431,7 @@ class Decoder:
                 "top_ps": copies.snapshot(self.top_ps),
                 "stop_ids": copies.snapshot(self.stop_ids),
                 "held_until": copies.snapshot(self.held_until),
+                "wants_logprobs": copies.snapshot(self.wants_logprobs),
             }
             self._dirty, self._width = False, width
         d = self._dev
@@ -436,6 +447,7 @@ class Decoder:
             d["top_ps"],
             d["stop_ids"],
             d["held_until"],
+            d["wants_logprobs"],
         )
         self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
         self.logits = logits

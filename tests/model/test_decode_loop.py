@@ -258,3 +258,23 @@ def test_a_greedy_batch_draws_the_argmax_without_random_numbers():
     alone, _ = sampler.draw_rows(logits, seeds, pos, np.full(3, 0.8, np.float32), ones)
     assert np.asarray(tokens)[[0, 2]].tolist() == logits.argmax(-1)[[0, 2]].tolist()
     assert int(np.asarray(tokens)[1]) == int(np.asarray(alone)[1])
+
+
+def test_a_step_computes_log_probabilities_only_when_a_slot_asks(tiny_runner):
+    """`advance` returns the drawn tokens' log-probabilities when an active slot asks for them
+    (`SamplingParams.logprobs`), zeros when none does; the tokens are the same either way."""
+    from dualpath_jax.model.sampler import chosen_logprobs
+
+    rs = np.random.RandomState(5)
+    prompt = rs.randint(0, tiny_runner.cfg.vocab_size, 20).tolist()
+    kv, _ = _prefill(tiny_runner, prompt)
+    plain, asking = (Decoder(tiny_runner, slots=2, max_len=64) for _ in range(2))
+    plain.insert(0, kv, len(prompt), 5)
+    asking.insert(0, kv, len(prompt), 5, sampling=SamplingParams(logprobs=0))
+    for _ in range(3):
+        assert np.asarray(plain.advance()).tolist() == np.asarray(asking.advance()).tolist()
+        assert not np.asarray(plain.logprobs).any()
+        logits = asking.logits
+        want = chosen_logprobs(logits, logits, jax.numpy.argmax(logits, -1))
+        np.testing.assert_allclose(np.asarray(asking.logprobs)[0], np.asarray(want)[0], rtol=1e-6)
+        assert np.asarray(asking.logprobs)[0, 1] < 0
