@@ -33,7 +33,7 @@ from dualpath_jax.model.runner import (
     validate_context,
     validate_tokens,
 )
-from dualpath_jax.model.sampler import chosen_logprobs, draw_rows, mask_held, sample, top_logprobs
+from dualpath_jax.model.sampler import draw_step, sample, top_logprobs
 from dualpath_jax.model.sampling import (
     GREEDY,
     MAX_HELD_STOP_TOKENS,
@@ -46,22 +46,9 @@ Array = jax.Array
 
 
 def _decode_step(
-    embed_gd,
-    runs,
-    head_gd,
-    params,
-    pages,
-    table,
-    lengths,
-    pending,
-    active,
-    seeds,
-    temps,
-    top_ps,
-    stop_ids,
-    held_until,
-    wants_logprobs,
-):
+    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps,
+    top_ps, stop_ids, held_until, wants_logprobs,
+):  # fmt: skip
     """One token for every slot over paged KV, everything on the device.
 
     pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
@@ -73,8 +60,7 @@ def _decode_step(
     over the slot's cached pages and the token's own row, and writes that row into the slot's
     page. Returns (logits `[S, V]` (the model's, before masking), the next tokens `[S]` (sampled
     as `sample_at` samples; idle slots keep theirs), their log-probabilities `[S, 2]`
-    (`chosen_logprobs`: two log-softmaxes over the vocabulary, computed only when an active
-    slot asks, zeros otherwise), pages, lengths + active)."""
+    (`sampler.draw_step`: zeros when no active slot asks), pages, lengths + active)."""
     embed_state, stacked, head_state = params
     embed = nnx.merge(embed_gd, embed_state)
     h = embed(pending[:, None])
@@ -94,13 +80,8 @@ def _decode_step(
         (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
     logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
     lengths = lengths + write
-    drawable = mask_held(logits, stop_ids, held_until, lengths)
-    tokens, processed = draw_rows(drawable, seeds, lengths, temps, top_ps)  # at `lengths`
-    chosen = jax.lax.cond(
-        jnp.any(wants_logprobs & active),
-        lambda: chosen_logprobs(logits, processed, tokens),
-        lambda: jnp.zeros((tokens.shape[0], 2), jnp.float32),
-    )
+    wants = wants_logprobs & active
+    tokens, chosen = draw_step(logits, stop_ids, held_until, lengths, seeds, temps, top_ps, wants)
     return logits, jnp.where(active, tokens, pending), chosen, pages, lengths
 
 

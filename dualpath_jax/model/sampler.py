@@ -219,6 +219,21 @@ def _cut(scaled: Array, ordered: Array, before: Array, top_ps: Array) -> Array:
     return jnp.where(keep, scaled, -jnp.inf)
 
 
+def draw_step(logits, stop_ids, held_until, positions, seeds, temps, top_ps, wants):
+    """A decode step's draw over the model's logits `[S, V]`: each row's token at `positions`
+    (its stop tokens held back, `mask_held`; `draw_rows`) and the token's log-probabilities
+    `[S, 2]` (`chosen_logprobs`: two f32 log-softmaxes over the vocabulary) when some row
+    `wants` them, zeros otherwise."""
+    drawable = mask_held(logits, stop_ids, held_until, positions)
+    tokens, processed = draw_rows(drawable, seeds, positions, temps, top_ps)
+    chosen = jax.lax.cond(
+        jnp.any(wants),
+        lambda: chosen_logprobs(logits, processed, tokens),
+        lambda: jnp.zeros((tokens.shape[0], 2), jnp.float32),
+    )
+    return tokens, chosen
+
+
 def mask_held(logits: Array, stop_ids: Array, held_until: Array, positions: Array) -> Array:
     """`sample_at`'s `held` in a traced program: logits `[S, V]` with each row's stop tokens
     (`stop_ids` `[S, K]`, -1 pads) at -inf where the token drawn at `positions` lies before
