@@ -103,7 +103,7 @@ class RowLayout:
             if not self.scaled:
                 return [(start + o, w, None) for o, w in segments]
             return [
-                (start + o, w, start + self.scale_offset + 4 * j)
+                (start + o, w, start + self.scale_column(0, j))
                 for (o, w), j in zip(segments, scales)
             ]
 

@@ -41,9 +41,9 @@ def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
     """Hex fingerprint of a model architecture plus a params version.
 
     Any change to the architecture (including `kv_dtype`), to the layout of scaled KV rows or to
-    `params_version` changes every block key derived from it, so KV computed by older params is never reused. The attention
-    backend (`attention_impl`) and the MoE implementation (`moe_impl`) are not part of it: every
-    backend computes the same model's KV.
+    `params_version` changes every block key derived from it, so KV computed by older params is
+    never reused. The attention backend (`attention_impl`) and the MoE implementation
+    (`moe_impl`) are not part of it: every backend computes the same model's KV.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dpjax-model")
     arch = to_dict(cfg)
