@@ -77,13 +77,26 @@ class OnlineSoftmax:
 
     def update(self, carry: tuple, s: Array, load: Load) -> tuple:
         """The state after the block whose (masked) scores are `s` and values `load` gives."""
+        return self.update_blocks(carry, [(s, load)])
+
+    def update_blocks(self, carry: tuple, blocks: Sequence[tuple[Array, Load]]) -> tuple:
+        """The state after several blocks of keys at once (`(scores, load)` each, as `update`):
+        one running max and one rescale for all of them, their value products summed. This is
+        how a kernel attends several pages per step when it cannot join their tiles into one
+        (Pallas-Triton concatenates only along the last axis)."""
         accs, m, denom = carry
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        m_new = m
+        for s, _ in blocks:
+            m_new = jnp.maximum(m_new, s.max(axis=1, keepdims=True))
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new)
-        l_new = alpha * denom + p.sum(axis=1, keepdims=True)
-        accs = tuple(
-            acc * alpha + self.dot(p.astype(self.dtype), load(off, w, i), 0)
-            for acc, (off, w, i) in zip(accs, self.values)
-        )
-        return accs, m_new, l_new
+        ps = [jnp.exp(s - m_new) for s, _ in blocks]
+        l_new = alpha * denom
+        for p in ps:
+            l_new = l_new + p.sum(axis=1, keepdims=True)
+        out = []
+        for acc, (off, w, i) in zip(accs, self.values):
+            acc = acc * alpha
+            for p, (_, load) in zip(ps, blocks):
+                acc = acc + self.dot(p.astype(self.dtype), load(off, w, i), 0)
+            out.append(acc)
+        return tuple(out), m_new, l_new

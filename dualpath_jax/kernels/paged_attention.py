@@ -12,9 +12,10 @@ a row is the row's `kv_rows.RowLayout`.
 
 The kernel (`paged_attention`) is one program per (request, KV head, block of query rows,
 KV split): an online softmax over the request's live cached pages only (the loop stops at
-`cached_len`), one page of one layer loaded at a time, then over the causal part of the new
-rows. Nothing of size `[queries, keys]` is materialized beyond one page, so memory does not grow
-with the context or with the longest request of a batch. With several KV splits (decode on GPU)
+`cached_len`), a few pages of one layer per step (`pages_per_compute_block`, each page its own
+dots under one softmax update), then over the causal part of the new rows. Nothing of size
+`[queries, keys]` is materialized beyond one step's pages, so memory does not grow with the
+context or with the longest request of a batch. With several KV splits (decode on GPU)
 each program reads a share of the pages and the partial softmaxes are combined after. It is a
 portable Pallas kernel: Pallas-Triton on GPU (every block a power of two, dots of at least 16,
 fp8 scales assembled from their bytes), and interpret mode elsewhere, where tests check it
@@ -46,6 +47,8 @@ _MIN_DOT = 16
 _COMPILED_ROWS = 64  # query rows per compiled program
 _MAX_SPLITS = 8  # KV splits of a decode program
 _PAGES_PER_SPLIT = 4  # ... each reading at least this many pages
+_BLOCK_KEYS = 128  # cached keys per step of a program (whole pages: at least one) ...
+_TPU_BLOCK_KEYS = 512  # ... and in the TPU form
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,12 +56,14 @@ class _Plan:
     """Static shapes of one call: `group` query heads per KV head (padded when compiled),
     `block_rows` query rows (query-major: row r is query r // group) per program, `block_new`
     new keys per step of the causal part, `splits` programs per (request, KV head, row block)
-    over the cached pages (split-KV), `compiled` for the Triton shapes."""
+    over the cached pages (split-KV), `pages_per_block` cached pages per step, `compiled` for
+    the Triton shapes."""
 
     group: int
     block_rows: int
     block_new: int
     splits: int
+    pages_per_block: int
     compiled: bool
 
 
@@ -120,17 +125,27 @@ def _kernel(
     soft = OnlineSoftmax(keys, values, q_parts, scale, dtype, small)
     carry = soft.init(rows)
 
-    def cached_page(j, carry):
-        page = table_ref[b, j]
-        load = dequant(lambda off, w: pages_ref[page, layer, :, pl.ds(off, w)])
-        sc = soft.scores(load)
-        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
-        return soft.update(carry, jnp.where(pos < cached, sc, NEG), load)
-
     live = pl.cdiv(cached, page_size)
     per = pl.cdiv(table_ref.shape[1], plan.splits)
     first = jnp.minimum(s * per, live)
-    carry = jax.lax.fori_loop(first, jnp.minimum(first + per, live), cached_page, carry)
+    last = jnp.minimum(first + per, live)  # this split's pages: [first, last)
+    end = jnp.minimum(cached, last * page_size)  # past it: a later split's rows, or none
+
+    def cached_block(i, carry):
+        # `pages_per_block` pages, each its own dots under one softmax update; a block running
+        # past the split reads its last page again, every row of it masked.
+        blocks = []
+        for k in range(plan.pages_per_block):
+            j = first + i * plan.pages_per_block + k
+            page = table_ref[b, jnp.minimum(j, last - 1)]
+            load = dequant(lambda off, w, page=page: pages_ref[page, layer, :, pl.ds(off, w)])
+            sc = soft.scores(load)
+            pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
+            blocks.append((jnp.where(pos < end, sc, NEG), load))
+        return soft.update_blocks(carry, blocks)
+
+    steps = pl.cdiv(last - first, plan.pages_per_block)
+    carry = jax.lax.fori_loop(0, steps, cached_block, carry)
 
     # The causal part (the last split's): query of row r is qi * rows // group + r // group.
     q_pos = (qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, bn), 0)) // group
@@ -182,18 +197,34 @@ def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, lay
     jax.lax.fori_loop(lo, jnp.maximum(hi, lo), one, jnp.int32(0))
 
 
-def _plan(n: int, g: int, num_pages: int, block_q: int, kv_splits: int | None, compiled: bool):
+def _plan(
+    n: int, g: int, num_pages: int, page_size: int, block_q: int, kv_splits: int | None,
+    pages_per_block: int | None, compiled: bool,
+) -> _Plan:  # fmt: skip
     """The static shapes of a call with `n` new tokens, `g` queries per KV head and `num_pages`
-    page-table columns (see `_Plan`)."""
+    page-table columns of `page_size` rows (see `_Plan`)."""
+    bn = math.gcd(n, block_q)
     if not compiled:
-        bn = math.gcd(n, block_q)
-        return _Plan(g, bn * g, bn, kv_splits or 1, False)
+        splits = kv_splits or 1
+        ppb = _pages_per_block(num_pages, page_size, splits, pages_per_block, _BLOCK_KEYS)
+        return _Plan(g, bn * g, bn, splits, ppb, False)
     # Pad the group to a power of two, so row blocks are powers of two of at least 16 rows.
     g_pad = 1 << (max(g, _MIN_DOT // math.gcd(n, _MIN_DOT)) - 1).bit_length()
     rows = math.gcd(n * g_pad, _COMPILED_ROWS)
-    bn = math.gcd(n, block_q)
     # decode: spread one request's pages over programs (flash-decoding)
-    return _Plan(g_pad, rows, bn, _decode_splits(n, num_pages, kv_splits), True)
+    splits = _decode_splits(n, num_pages, kv_splits)
+    ppb = _pages_per_block(num_pages, page_size, splits, pages_per_block, _BLOCK_KEYS)
+    return _Plan(g_pad, rows, bn, splits, ppb, True)
+
+
+def _pages_per_block(
+    num_pages: int, page_size: int, splits: int, requested: int | None, block_keys: int
+) -> int:
+    """Cached pages a program attends per step: `requested`, or by default as many whole pages
+    as make `block_keys` keys (at least one), never more than a split's share of the table."""
+    if requested is not None:
+        return max(1, min(requested, -(-num_pages // splits)))
+    return max(1, min(block_keys // page_size, -(-num_pages // splits)))
 
 
 def paged_attention(
@@ -210,6 +241,7 @@ def paged_attention(
     write_lens: Array | None = None,
     block_q: int = 64,
     kv_splits: int | None = None,
+    pages_per_compute_block: int | None = None,
     interpret: bool | None = None,
 ) -> Array | tuple[Array, Array]:
     """Attention of new tokens over their cached pages and themselves.
@@ -228,7 +260,9 @@ def paged_attention(
 
     `kv_splits` programs share one request's cached pages (split-KV, their partial softmaxes
     combined after): default 1, and on GPU and TPU for one new token per request (decode) up
-    to 8.
+    to 8. `pages_per_compute_block` cached pages are attended per step of a program: by
+    default as many as make 128 keys on GPU (separate dots under one softmax update) and 512
+    on TPU (one tile, the pages copied side by side), at least one page.
     `interpret=None` decides per platform the program is lowered for (`lax.platform_dependent`):
     Pallas-Triton on GPU (chosen explicitly, not by JAX's default GPU backend), the Mosaic form
     on TPU (`paged_attention_tpu.py`), interpret mode elsewhere; True forces interpret mode,
@@ -245,6 +279,8 @@ def paged_attention(
         kv_dtype = pages.dtype
     if kv_splits is not None and kv_splits < 1:
         raise ValueError(f"kv_splits must be >= 1, got {kv_splits}")
+    if pages_per_compute_block is not None and pages_per_compute_block < 1:
+        raise ValueError(f"pages_per_compute_block must be >= 1, got {pages_per_compute_block}")
     kv_dtype = jnp.dtype(kv_dtype)
     call = functools.partial(
         _paged_attention,
@@ -253,6 +289,7 @@ def paged_attention(
         kv_dtype=kv_dtype,
         block_q=block_q,
         kv_splits=kv_splits,
+        pages_per_block=pages_per_compute_block,
     )
     args = (
         q,
@@ -266,8 +303,9 @@ def paged_attention(
     if interpret is not None:
         return call(*args, compiled=not interpret, interpret=interpret)
     tpu = functools.partial(
-        _paged_attention_tpu, layout=layout, scale=scale, kv_dtype=kv_dtype, kv_splits=kv_splits
-    )
+        _paged_attention_tpu, layout=layout, scale=scale, kv_dtype=kv_dtype, kv_splits=kv_splits,
+        pages_per_block=pages_per_compute_block,
+    )  # fmt: skip
     return jax.lax.platform_dependent(
         *args,
         cuda=functools.partial(call, compiled=True, interpret=False),
@@ -320,15 +358,16 @@ def _combine(acc: Array, m: Array, denom: Array, dtype) -> Array:
 
 def _paged_attention_tpu(
     q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret,
-    kv_splits=None,
+    kv_splits=None, pages_per_block=None,
 ):  # fmt: skip
     """The TPU form (`paged_attention_tpu.py`) behind the same contract."""
     g = q.shape[2] // layout.num_kv_heads
     splits = _decode_splits(q.shape[1], table.shape[1], kv_splits)
+    ppb = _pages_per_block(table.shape[1], bits.shape[2], splits, pages_per_block, _TPU_BLOCK_KEYS)
     out, pages = paged_attention_tpu(
         _query_rows(q, layout, g), bits, table, lens, as_bits(new_rows.astype(kv_dtype)),
         layer, write_lens, layout=layout, group=g, scale=scale, kv_dtype=kv_dtype,
-        kv_splits=splits, interpret=interpret,
+        kv_splits=splits, pages_per_block=ppb, interpret=interpret,
     )  # fmt: skip
     if splits > 1:
         out = _combine(*out, q.dtype)
@@ -338,12 +377,12 @@ def _paged_attention_tpu(
 
 def _paged_attention(
     q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, block_q,
-    kv_splits, compiled, interpret,
+    kv_splits, compiled, interpret, pages_per_block=None,
 ):  # fmt: skip
     b, n, hq, dk = q.shape
     hk, dv = layout.num_kv_heads, layout.value_width
     g = hq // hk
-    plan = _plan(n, g, table.shape[1], block_q, kv_splits, compiled)
+    plan = _plan(n, g, table.shape[1], bits.shape[2], block_q, kv_splits, pages_per_block, compiled)
     q_segs = _query_rows(q, layout, plan.group)  # a row block: rows of one KV head
     nr, s = n * plan.group // plan.block_rows, plan.splits
     grid = (b, hk, nr, s)
@@ -355,7 +394,7 @@ def _paged_attention(
         return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
     # The pool is not blocked: compiled, it stays where it is (`pl.ANY`: under Triton a pointer
-    # into HBM) and the kernel loads one page of one layer at a time; interpreted, one view.
+    # into HBM) and the kernel loads a step's pages of one layer itself; interpreted, one view.
     whole = pl.BlockSpec(memory_space=pl.ANY) if compiled else scalar(bits.shape)
     writing = write_lens is not None
     if s == 1:

@@ -5,9 +5,10 @@ Same contract and pages as `paged_attention.py` (pages `[P, L, page_size, W]` of
 bits, a page table per request, new rows passed separately, optional in-place writes), but
 shaped for a TPU's memory: the pool and the new rows stay in HBM (`pl.ANY`) and the kernel
 copies what it reads into VMEM itself with DMAs, so nothing the size of the pool is staged.
-Program (request b, KV head h, block of query rows) streams the request's live pages one page of
-one layer at a time, double-buffered (the copy of page j + 1 runs while page j is attended), and
-reads only its head's columns of each row (`_window`); then the causal part of the new rows in
+Program (request b, KV head h, block of query rows) streams the request's live pages of one
+layer in blocks of `pages_per_block` pages copied side by side into one VMEM tile (one dot per
+block), double-buffered (the copies of block i + 1 run while block i is attended), and reads
+only its head's columns of each row (`_window`); then the causal part of the new rows in
 blocks. Page tables, lengths and the layer are scalar-prefetched into SMEM. Every size is static
 at trace time (block sizes come from the shapes, never from the device), so the kernel lowers
 for `tpu` on any host. In write mode (decode) the program of KV head 0 copies each new row into
@@ -71,6 +72,7 @@ def _kernel(
     kv_dtype,
     writing: bool,
     splits: int,
+    pages_per_block: int,
 ):
     nseg = len(layout.key_segments)
     q_refs = refs[:nseg]
@@ -86,7 +88,8 @@ def _kernel(
     else:  # the split axis leads
         split, b, h, qi = (pl.program_id(i) for i in range(4))
     cached, layer = lens_ref[b], layer_ref[0]
-    page_size = kv_buf.shape[1]
+    ppb = pages_per_block
+    page_size = kv_buf.shape[1] // ppb
     win = _window(layout)
     if win is None:  # MLA: one head at column 0; scaled GQA: head h's columns of whole rows
         col0, width = 0, pages_hbm.shape[-1]
@@ -139,35 +142,50 @@ def _kernel(
     # Mosaic's matmul lowering mistypes a one-key product (decode's own row): broadcast it
     soft = OnlineSoftmax(keys, values, q_parts, scale, dtype, lambda a, b_: b_.shape[0] == 1)
 
-    def page_copy(j, slot):
-        page = table_ref[b, j]
-        return pltpu.make_async_copy(
-            pages_hbm.at[page, layer, :, pl.ds(col0, width)], kv_buf.at[slot], sems.at[slot]
-        )
-
     live = _div(cached + page_size - 1, page_size)
     per = -(-table_ref.shape[1] // splits)  # this split's pages: [first, last)
     first = jnp.minimum(split * per, live)
     last = jnp.minimum(first + per, live)
 
-    @pl.when(last > first)
+    def block_copies(i, slot):
+        """The copies of block i's pages side by side into buffer `slot`, on one semaphore; a
+        block running past the split copies its last page again (its rows are masked)."""
+        copies = []
+        for k in range(ppb):
+            page = table_ref[b, jnp.minimum(first + i * ppb + k, last - 1)]
+            copies.append(
+                pltpu.make_async_copy(
+                    pages_hbm.at[page, layer, :, pl.ds(col0, width)],
+                    kv_buf.at[slot, pl.ds(k * page_size, page_size)],
+                    sems.at[slot],
+                )
+            )
+        return copies
+
+    steps = _div(last - first + ppb - 1, ppb)
+    end = jnp.minimum(cached, last * page_size)  # past it: a later split's rows, or none
+
+    @pl.when(steps > 0)
     def _first():
-        page_copy(first, jax.lax.rem(first, 2)).start()
+        for c in block_copies(0, 0):
+            c.start()
 
-    def cached_page(j, carry):
-        slot = jax.lax.rem(j, 2)
+    def cached_block(i, carry):
+        slot = jax.lax.rem(i, 2)
 
-        @pl.when(j + 1 < last)
+        @pl.when(i + 1 < steps)
         def _next():
-            page_copy(j + 1, 1 - slot).start()
+            for c in block_copies(i + 1, 1 - slot):
+                c.start()
 
-        page_copy(j, slot).wait()
+        for c in block_copies(i, slot):
+            c.wait()
         load = loader(kv_buf.at[slot])
         s = soft.scores(load)
-        pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        return soft.update(carry, jnp.where(pos < cached, s, NEG), load)
+        pos = (first + i * ppb) * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        return soft.update(carry, jnp.where(pos < end, s, NEG), load)
 
-    carry = jax.lax.fori_loop(first, last, cached_page, soft.init(rows))
+    carry = jax.lax.fori_loop(0, steps, cached_block, soft.init(rows))
 
     q_pos = _div(qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, block_new), 0), group)
 
@@ -208,13 +226,16 @@ def paged_attention_tpu(
     scale: float,
     kv_dtype,
     kv_splits: int = 1,
+    pages_per_block: int = 1,
     interpret: bool = False,
 ) -> tuple[Array | tuple[Array, Array, Array], Array | None]:
     """The kernel over queries `q_segs` (per key segment `[B, Hk, N * G, w]`, query-major rows),
     pages `bits` `[P, L, page_size, W]`, `table` `[B, M]`, `lens` `[B]`, new rows `new_bits`
     `[B, N, W]` (bits), `layer` `[1]` -> (output `[B, Hk, N * G, dv]` in the queries' dtype,
     the written pages or None). With `kv_splits` > 1 the output is the splits' partials: the
-    f32 accumulators `[S, B, Hk, N * G, dv]`, their running maxima and sums `[S, ..., 1]`."""
+    f32 accumulators `[S, B, Hk, N * G, dv]`, their running maxima and sums `[S, ..., 1]`.
+    Each step of a program attends `pages_per_block` pages, copied side by side into one
+    tile."""
     b, hk, nrows, _ = q_segs[0].shape
     n = new_bits.shape[1]
     page_size = bits.shape[2]
@@ -257,7 +278,7 @@ def paged_attention_tpu(
         in_specs=[*(rows_spec(x.shape[-1]) for x in q_segs), hbm, hbm],
         out_specs=out_specs,
         scratch_shapes=[
-            pltpu.VMEM((2, page_size, width), bits.dtype),
+            pltpu.VMEM((2, pages_per_block * page_size, width), bits.dtype),
             pltpu.VMEM((block_new, width), bits.dtype),
             pltpu.SemaphoreType.DMA((2,)),
         ],
@@ -272,6 +293,7 @@ def paged_attention_tpu(
         kv_dtype=kv_dtype,
         writing=writing,
         splits=splits,
+        pages_per_block=pages_per_block,
     )
     semantics = ("parallel",) + ("arbitrary",) * 3 if lead else ("arbitrary",) * 3
     outs = pl.pallas_call(

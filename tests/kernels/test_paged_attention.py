@@ -93,14 +93,14 @@ def test_kernel_writes_new_rows_into_their_pages(name):
 
 
 def _compiled_shapes(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
-                     write_lens=None, kv_splits=None):  # fmt: skip
+                     write_lens=None, kv_splits=None, pages_per_block=None):  # fmt: skip
     """The kernel with the shapes it has when compiled for a GPU (padded query groups, row
     blocks of 64, KV splits in decode, broadcast products for dots under 16), interpreted."""
     kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
     return pa._paged_attention(
         q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
         write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, block_q=64,
-        kv_splits=kv_splits, compiled=True, interpret=True,
+        kv_splits=kv_splits, compiled=True, interpret=True, pages_per_block=pages_per_block,
     )  # fmt: skip
 
 
@@ -118,6 +118,49 @@ def test_compiled_shapes_give_the_same_output(name, n):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
 
 
+# Every form of the kernel, interpreted, with its pages-per-step and KV splits given
+FORMS = {
+    "interpret": lambda *a, **k: pa.paged_attention(*a, **k, interpret=True),
+    "gpu": lambda *a, pages_per_compute_block, **k: _compiled_shapes(
+        *a, **k, pages_per_block=pages_per_compute_block
+    ),
+    "tpu": lambda *a, pages_per_compute_block, **k: _tpu_form(
+        *a, **k, pages_per_block=pages_per_compute_block
+    ),
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_several_pages_per_step_match_the_oracle(form, name):
+    """A program attending 2, 3 or 5 pages per step, alone or split over its pages (a step
+    running past a split's end into the next split's live pages, or past the request's last
+    page), equals the oracle, prefill and decode."""
+    layout, hq = LAYOUTS[name]
+    scale = layout.key_width**-0.5
+    for n in (1, 4):
+        q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n, lens=(3, 9, 17))
+        want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
+        for ppb, splits in ((2, None), (3, None), (5, None), (2, 2), (3, 2), (2, 3)):
+            got = FORMS[form](q, pages, table, lens, new, layout, scale, layer=1,
+                              kv_splits=splits, pages_per_compute_block=ppb)  # fmt: skip
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+def test_pages_per_step_default_to_a_block_of_keys():
+    """By default a step holds the whole pages of 128 keys (GPU) or 512 (TPU), at least one,
+    never more than a split's share of the table; asking for fewer than one is an error."""
+    assert pa._pages_per_block(64, 64, 1, None, pa._BLOCK_KEYS) == 2
+    assert pa._pages_per_block(64, 64, 1, None, pa._TPU_BLOCK_KEYS) == 8
+    assert pa._pages_per_block(64, 256, 1, None, pa._BLOCK_KEYS) == 1
+    assert pa._pages_per_block(16, 16, 8, None, pa._TPU_BLOCK_KEYS) == 2
+    assert pa._pages_per_block(16, 16, 1, 3, pa._BLOCK_KEYS) == 3
+    layout, hq = LAYOUTS["gqa"]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32)
+    with pytest.raises(ValueError, match="pages_per_compute_block"):
+        pa.paged_attention(q, pages, table, lens, new, layout, 1.0, pages_per_compute_block=0)
+
+
 def test_interpreted_split_kv_matches():
     layout, hq = LAYOUTS["gqa"]
     q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=4, lens=(0, 6, 17))
@@ -130,13 +173,13 @@ def test_interpreted_split_kv_matches():
 
 
 def _tpu_form(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
-              write_lens=None, kv_splits=None):  # fmt: skip
+              write_lens=None, kv_splits=None, pages_per_block=None):  # fmt: skip
     """The TPU form of the kernel (pages and new rows in HBM, DMAs into VMEM), interpreted."""
     kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
     return pa._paged_attention_tpu(
         q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
         write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, interpret=True,
-        kv_splits=kv_splits,
+        kv_splits=kv_splits, pages_per_block=pages_per_block,
     )  # fmt: skip
 
 
