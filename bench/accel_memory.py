@@ -141,6 +141,7 @@ def _prefill_args(cfg: ModelConfig, requests):
         sds((max(sum(pages), 1) + 1, 1, PAGE, cfg.kv_width), bits_dtype(cfg.kv_dtype)),
         sds((b, max(max(pages), 1)), jnp.int32),
         sds((b,), jnp.int32),
+        sds((b,), jnp.int32),  # real new tokens
     )
     kept = sum(nn * cc + nn * (nn + 1) // 2 for nn, cc in requests)
     desc = f"B={b} N={n} pages={sum(pages)}x{PAGE} W={cfg.kv_width} {cfg.kv_dtype}"
@@ -149,11 +150,13 @@ def _prefill_args(cfg: ModelConfig, requests):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _attention_half(norm_gd, attn_gd, norm_state, attn_state, h, positions, pages, table, lens):
+def _attention_half(
+    norm_gd, attn_gd, norm_state, attn_state, h, positions, pages, table, lens, new_lens
+):  # fmt: skip
     """`DecoderLayer.__call__` up to the FFN over paged cached KV."""
     norm, attn = nnx.merge(norm_gd, norm_state), nnx.merge(attn_gd, attn_state)
     q, new_rows = attn.project(norm(h), positions)
-    out, _ = attn.attend(q, new_rows, PagedKV(pages, table, lens))
+    out, _ = attn.attend(q, new_rows, PagedKV(pages, table, lens, new_lens=new_lens))
     return h + out, new_rows
 
 

@@ -130,6 +130,7 @@ def programs(cfg: ModelConfig, mesh, new: int, cached: int, slots: int, page: in
         pages_sds((n_pages + 1, 1, page, w)),
         _sds((1, n_pages), jnp.int32, mesh),
         _sds((1,), jnp.int32, mesh),
+        _sds((1,), jnp.int32, mesh),  # real new tokens
     )
     # Decode: contexts spread up to `cached`, a pool of exactly their pages and the fed token's.
     ctx = [max(1, cached * (i + 1) // slots) for i in range(slots)]

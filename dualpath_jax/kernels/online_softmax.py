@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 Array = jax.Array
 
@@ -100,3 +101,23 @@ class OnlineSoftmax:
                 acc = acc + self.dot(p.astype(self.dtype), load(off, w, i), 0)
             out.append(acc)
         return tuple(out), m_new, l_new
+
+
+def store(outs: Sequence, carry: tuple, keep: Array, split: bool) -> None:
+    """Writes a program's final state to its output refs: `[rows, dv]` normalized, or with
+    `split` the unnormalized accumulator `[rows, dv]`, max and sum `[rows, 1]` for the combine.
+    Rows where `keep` `[rows, 1]` is False (padding queries) get zeros and a zero sum."""
+    accs, m, denom = carry
+    denom = jnp.where(keep, denom, 0.0)
+    start = 0
+    for acc in accs:
+        w = acc.shape[1]
+        if split:
+            outs[0][:, pl.ds(start, w)] = jnp.where(keep, acc, 0.0)
+        else:
+            out = jnp.where(keep, acc / jnp.where(keep, denom, 1.0), 0.0)
+            outs[0][:, pl.ds(start, w)] = out.astype(outs[0].dtype)
+        start += w
+    if split:
+        outs[1][...] = m
+        outs[2][...] = denom

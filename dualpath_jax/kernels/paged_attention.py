@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from dualpath_jax.kernels.dense_attention import attend, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
-from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax
+from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax, store
 from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
 
 Array = jax.Array
@@ -72,6 +72,7 @@ def _kernel(
     table_ref,  # [B, M] page ids
     layer_ref,  # [1] layer index
     write_ref,  # [B] new rows to write into the pages (write mode), else unused
+    nlen_ref,  # [B] real new tokens (queries past them are padding)
     *refs,
     layout: RowLayout,
     plan: _Plan,
@@ -92,10 +93,11 @@ def _kernel(
     b, h, qi, s = (pl.program_id(i) for i in range(4))
     if writing:
         _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, pages_ref, layout, plan)
-    cached = lens_ref[b]
+    cached, nq = lens_ref[b], nlen_ref[b]
     layer = layer_ref[0]
     page_size = pages_ref.shape[2]
     rows, group, bn = plan.block_rows, plan.group, plan.block_new
+    real = qi * rows < nq * group  # the block holds a real query: else it attends nothing
     q_parts = [r[...] for r in q_refs]
     dtype = q_parts[0].dtype
     keys, values = layout.head_segments(h, h * layout.head_stride)
@@ -128,7 +130,7 @@ def _kernel(
     live = pl.cdiv(cached, page_size)
     per = pl.cdiv(table_ref.shape[1], plan.splits)
     first = jnp.minimum(s * per, live)
-    last = jnp.minimum(first + per, live)  # this split's pages: [first, last)
+    last = jnp.where(real, jnp.minimum(first + per, live), first)  # this split's: [first, last)
     end = jnp.minimum(cached, last * page_size)  # past it: a later split's rows, or none
 
     def cached_block(i, carry):
@@ -156,20 +158,11 @@ def _kernel(
         k_pos = j * bn + jax.lax.broadcasted_iota(jnp.int32, sc.shape, 1)
         return soft.update(carry, jnp.where(k_pos <= q_pos, sc, NEG), load)
 
-    last_query = ((qi + 1) * rows - 1) // group
-    steps = jnp.where(s == plan.splits - 1, last_query // bn + 1, 0)
-    accs, m, denom = jax.lax.fori_loop(0, steps, new_block, carry)
-    start = 0
-    for acc in accs:
-        w = acc.shape[1]
-        if plan.splits == 1:
-            outs[0][:, pl.ds(start, w)] = (acc / denom).astype(outs[0].dtype)
-        else:
-            outs[0][:, pl.ds(start, w)] = acc
-        start += w
-    if plan.splits > 1:
-        outs[1][...] = m
-        outs[2][...] = denom
+    last_query = jnp.minimum(((qi + 1) * rows - 1) // group, nq - 1)
+    steps = jnp.where((s == plan.splits - 1) & real, last_query // bn + 1, 0)
+    carry = jax.lax.fori_loop(0, steps, new_block, carry)
+    keep = (qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)) // group < nq
+    store(outs, carry, keep, plan.splits > 1)
 
 
 def _write_rows(write_ref, table_ref, layer_ref, lens_ref, new_ref, out_ref, layout, plan):
@@ -239,6 +232,7 @@ def paged_attention(
     layer: Array | int = 0,
     kv_dtype=None,
     write_lens: Array | None = None,
+    new_lens: Array | None = None,
     block_q: int = 64,
     kv_splits: int | None = None,
     pages_per_compute_block: int | None = None,
@@ -257,6 +251,12 @@ def paged_attention(
     and returns `(out, pages)`: the pages are updated in place (aliased), so a decode step that
     donates its pool neither scatters nor copies it. Pages are then returned as bits
     (`kv_rows.bits_dtype`).
+
+    `new_lens` `[B]` (default N) makes the batch ragged: request b has `new_lens[b]` real new
+    tokens and the rest of its N are padding, which attends nothing (a block of padding
+    queries skips the request's pages and rows) and gets zeros. One call then serves requests
+    of different lengths, prefill chunks and decode tokens alike, at the cost of their real
+    tokens; the arrays keep the padded shape.
 
     `kv_splits` programs share one request's cached pages (split-KV, their partial softmaxes
     combined after): default 1, and on GPU and TPU for one new token per request (decode) up
@@ -299,6 +299,7 @@ def paged_attention(
         new_rows,
         jnp.asarray(layer, jnp.int32).reshape(1),
         None if write_lens is None else write_lens.astype(jnp.int32),
+        jnp.full((b,), n, jnp.int32) if new_lens is None else new_lens.astype(jnp.int32),
     )
     if interpret is not None:
         return call(*args, compiled=not interpret, interpret=interpret)
@@ -353,12 +354,13 @@ def _combine(acc: Array, m: Array, denom: Array, dtype) -> Array:
     """The splits' partial softmaxes (`[S, ..., dv]` accumulators, `[S, ..., 1]` maxima and
     sums) -> the normalized output `[..., dv]` in `dtype`."""
     weight = jnp.exp(m - m.max(axis=0, keepdims=True))
-    return ((acc * weight).sum(0) / (denom * weight).sum(0)).astype(dtype)
+    denom = (denom * weight).sum(0)  # zero for a padding query: its output is zero
+    return ((acc * weight).sum(0) / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
 
 
 def _paged_attention_tpu(
-    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, interpret,
-    kv_splits=None, pages_per_block=None,
+    q, bits, table, lens, new_rows, layer, write_lens, new_lens, *, layout, scale, kv_dtype,
+    interpret, kv_splits=None, pages_per_block=None,
 ):  # fmt: skip
     """The TPU form (`paged_attention_tpu.py`) behind the same contract."""
     g = q.shape[2] // layout.num_kv_heads
@@ -366,7 +368,7 @@ def _paged_attention_tpu(
     ppb = _pages_per_block(table.shape[1], bits.shape[2], splits, pages_per_block, _TPU_BLOCK_KEYS)
     out, pages = paged_attention_tpu(
         _query_rows(q, layout, g), bits, table, lens, as_bits(new_rows.astype(kv_dtype)),
-        layer, write_lens, layout=layout, group=g, scale=scale, kv_dtype=kv_dtype,
+        layer, write_lens, new_lens, layout=layout, group=g, scale=scale, kv_dtype=kv_dtype,
         kv_splits=splits, pages_per_block=ppb, interpret=interpret,
     )  # fmt: skip
     if splits > 1:
@@ -376,8 +378,8 @@ def _paged_attention_tpu(
 
 
 def _paged_attention(
-    q, bits, table, lens, new_rows, layer, write_lens, *, layout, scale, kv_dtype, block_q,
-    kv_splits, compiled, interpret, pages_per_block=None,
+    q, bits, table, lens, new_rows, layer, write_lens, new_lens, *, layout, scale, kv_dtype,
+    block_q, kv_splits, compiled, interpret, pages_per_block=None,
 ):  # fmt: skip
     b, n, hq, dk = q.shape
     hk, dv = layout.num_kv_heads, layout.value_width
@@ -429,13 +431,14 @@ def _paged_attention(
             scalar(table.shape),
             scalar((1,)),
             scalar((b,)),
+            scalar((b,)),
             *(rows_spec(x.shape[-1]) for x in q_segs),
             whole,
             pl.BlockSpec((None, n, new_rows.shape[-1]), lambda i, j, k, t: (i, 0, 0)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={4 + nseg: len(out_shape) - 1} if writing else {},
+        input_output_aliases={5 + nseg: len(out_shape) - 1} if writing else {},
         interpret=interpret,
         compiler_params=params,
         name="paged_attention",
@@ -444,6 +447,7 @@ def _paged_attention(
         table,
         layer,
         write_lens if writing else jnp.zeros((b,), jnp.int32),
+        new_lens,
         *q_segs,
         bits,
         as_bits(new_rows.astype(kv_dtype)),
@@ -495,11 +499,12 @@ def paged_attention_reference(
     *,
     layer: Array | int = 0,
     kv_dtype=None,
+    new_lens: Array | None = None,
     impl: str = "reference",
 ) -> Array:
     """`paged_attention` by gathering the pages into contiguous rows and attending densely
     (`dense_attention.attend` with `impl`): the oracle of the kernel, and the `reference`/`xla`
-    backends' paged path."""
+    backends' paged path. Padding queries (past `new_lens`) are computed, then zeroed."""
     cached = gather_pages(pages, page_table, layer)
     kv_dtype = jnp.dtype(kv_dtype or new_rows.dtype)
 
@@ -511,4 +516,8 @@ def paged_attention_reference(
     rows = jnp.concatenate([bits(cached), bits(new_rows)], axis=1)
     k, v = split_kv(rows, layout, kv_dtype, q.dtype)
     mask = prefill_mask(cached_lens, None, cached.shape[1], q.shape[1])
-    return attend(q, k, v, mask, scale, impl)
+    out = attend(q, k, v, mask, scale, impl)
+    if new_lens is None:
+        return out
+    real = jnp.arange(q.shape[1])[None, :] < new_lens[:, None]
+    return jnp.where(real[:, :, None, None], out, 0).astype(out.dtype)

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualpath_jax.kernels.kv_rows import RowLayout
-from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax
+from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax, store
 
 Array = jax.Array
 
@@ -63,6 +63,7 @@ def _kernel(
     table_ref,  # SMEM [B, M] page ids
     layer_ref,  # SMEM [1]
     write_ref,  # SMEM [B] rows to write (write mode)
+    nlen_ref,  # SMEM [B] real new tokens (queries past them are padding)
     *refs,
     layout: RowLayout,
     rows: int,
@@ -87,7 +88,8 @@ def _kernel(
         b, h, qi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     else:  # the split axis leads
         split, b, h, qi = (pl.program_id(i) for i in range(4))
-    cached, layer = lens_ref[b], layer_ref[0]
+    cached, nq, layer = lens_ref[b], nlen_ref[b], layer_ref[0]
+    real = qi * rows < nq * group  # the block holds a real query: else it attends nothing
     ppb = pages_per_block
     page_size = kv_buf.shape[1] // ppb
     win = _window(layout)
@@ -145,7 +147,7 @@ def _kernel(
     live = _div(cached + page_size - 1, page_size)
     per = -(-table_ref.shape[1] // splits)  # this split's pages: [first, last)
     first = jnp.minimum(split * per, live)
-    last = jnp.minimum(first + per, live)
+    last = jnp.where(real, jnp.minimum(first + per, live), first)
 
     def block_copies(i, slot):
         """The copies of block i's pages side by side into buffer `slot`, on one semaphore; a
@@ -196,20 +198,12 @@ def _kernel(
         k_pos = j * block_new + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         return soft.update(carry, jnp.where(k_pos <= q_pos, s, NEG), load)
 
-    last_query = _div((qi + 1) * rows - 1, group)
-    steps = jnp.where(split == splits - 1, _div(last_query, block_new) + 1, 0)  # the last split's
-    accs, m, denom = jax.lax.fori_loop(0, steps, new_block, carry)
-    start = 0
-    for acc in accs:
-        w = acc.shape[1]
-        if splits == 1:
-            outs[0][:, pl.ds(start, w)] = (acc / denom).astype(outs[0].dtype)
-        else:
-            outs[0][:, pl.ds(start, w)] = acc
-        start += w
-    if splits > 1:
-        outs[1][...] = m
-        outs[2][...] = denom
+    last_query = jnp.minimum(_div((qi + 1) * rows - 1, group), nq - 1)
+    last_split = (split == splits - 1) & real  # the causal part is the last split's
+    steps = jnp.where(last_split, _div(last_query, block_new) + 1, 0)
+    carry = jax.lax.fori_loop(0, steps, new_block, carry)
+    keep = _div(qi * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group) < nq
+    store(outs, carry, keep, splits > 1)
 
 
 def paged_attention_tpu(
@@ -220,6 +214,7 @@ def paged_attention_tpu(
     new_bits: Array,
     layer: Array,
     write_lens: Array | None,
+    new_lens: Array,
     *,
     layout: RowLayout,
     group: int,
@@ -231,7 +226,8 @@ def paged_attention_tpu(
 ) -> tuple[Array | tuple[Array, Array, Array], Array | None]:
     """The kernel over queries `q_segs` (per key segment `[B, Hk, N * G, w]`, query-major rows),
     pages `bits` `[P, L, page_size, W]`, `table` `[B, M]`, `lens` `[B]`, new rows `new_bits`
-    `[B, N, W]` (bits), `layer` `[1]` -> (output `[B, Hk, N * G, dv]` in the queries' dtype,
+    `[B, N, W]` (bits), `layer` `[1]`, the real new tokens `new_lens` `[B]` (padding queries
+    attend nothing and get zeros) -> (output `[B, Hk, N * G, dv]` in the queries' dtype,
     the written pages or None). With `kv_splits` > 1 the output is the splits' partials: the
     f32 accumulators `[S, B, Hk, N * G, dv]`, their running maxima and sums `[S, ..., 1]`.
     Each step of a program attends `pages_per_block` pages, copied side by side into one
@@ -273,7 +269,7 @@ def paged_attention_tpu(
         out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
     nseg = len(q_segs)
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=((splits,) if lead else ()) + (b, hk, nrows // rows),
         in_specs=[*(rows_spec(x.shape[-1]) for x in q_segs), hbm, hbm],
         out_specs=out_specs,
@@ -300,8 +296,8 @@ def paged_attention_tpu(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        # operands: 4 scalars, the query segments, the pages, the new rows
-        input_output_aliases={4 + nseg: len(out_shape) - 1} if writing else {},
+        # operands: 5 scalars, the query segments, the pages, the new rows
+        input_output_aliases={5 + nseg: len(out_shape) - 1} if writing else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name="paged_attention_tpu",
@@ -310,6 +306,7 @@ def paged_attention_tpu(
         table,
         layer,
         write_lens if writing else jnp.zeros((b,), jnp.int32),
+        new_lens,
         *q_segs,
         bits,
         new_bits,

@@ -72,7 +72,7 @@ def _decode_step(
             h, pages = carry
             state, layer = xs
             h, _, pages = nnx.merge(gd, state).run(
-                h, positions, PagedKV(pages, table, lengths, layer, write)
+                h, positions, PagedKV(pages, table, lengths, layer, write, new_lens=write)
             )
             return (h, pages), None
 

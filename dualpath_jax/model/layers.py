@@ -204,13 +204,16 @@ class PagedKV:
     """One layer's cached KV in pages: `pages` `[P, L, page_size, W]` (KV rows, or their bits
     as unsigned integers: `kv_rows.bits_dtype`), `table` `[B, M]` page ids per request,
     `lens` `[B]` cached tokens per request, `layer` the layer of `pages` to read. With `write`
-    `[B]`, attention also writes request b's first `write[b]` new rows into its pages (decode)."""
+    `[B]`, attention also writes request b's first `write[b]` new rows into its pages (decode).
+    With `new_lens` `[B]` request b has that many real new tokens and the rest are padding,
+    whose attention output is zero (the kernel skips it: a ragged batch)."""
 
     pages: Array
     table: Array
     lens: Array
     layer: Array | int = 0
     write: Array | None = None
+    new_lens: Array | None = None
 
     @classmethod
     def contiguous(cls, rows: Array, lens: Array) -> PagedKV:
@@ -235,16 +238,17 @@ def attend_kv(
     args = (q, kv.pages, kv.table, kv.lens, new_rows, layout, scale)
     if impl == "pallas":
         return _paged_kernel(q, new_rows, kv, layout, scale, kv_dtype)
+    dense = functools.partial(
+        pa.paged_attention_reference, layer=kv.layer, kv_dtype=kv_dtype, new_lens=kv.new_lens,
+        impl=impl,
+    )  # fmt: skip
     if kv.write is None:
-        out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
-        return out, None
+        return dense(*args), None
     # Write first, then read the written pages (the rows past `lens` are masked anyway): the
     # pool then has one reader-writer chain, which XLA updates in place inside a layer scan.
     pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
     pages = sharding.constrain_kv(pages, layout)  # the pool stays split by KV head
-    args = (q, pages, *args[2:])
-    out = pa.paged_attention_reference(*args, layer=kv.layer, kv_dtype=kv_dtype, impl=impl)
-    return out, pages
+    return dense(q, pages, *args[2:]), pages
 
 
 def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
@@ -256,16 +260,19 @@ def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
     that writes its pages runs every request on each `data` shard (its pool is replicated over
     `data`, and each shard must write all of it)."""
 
-    def call(q, pages, table, lens, new, layer, write, layout):
+    def call(q, pages, table, lens, new, layer, write, new_lens, layout):
         return pa.paged_attention(
             q, pages, table, lens, new, layout, scale, layer=layer, kv_dtype=kv_dtype,
-            write_lens=write,
+            write_lens=write, new_lens=new_lens,
         )  # fmt: skip
 
     layer = jnp.asarray(kv.layer, jnp.int32)
+    new_lens = kv.new_lens
+    if new_lens is None:
+        new_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        out = call(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write, layout)
+        out = call(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write, new_lens, layout)
         return out if kv.write is not None else (out, None)
     t, d = sharding.axis_size("tensor"), sharding.axis_size("data")
     b, hq, hk = q.shape[0], q.shape[2], layout.num_kv_heads
@@ -286,6 +293,7 @@ def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
         P(batch, None, kv_axis),
         P(),
         P(batch) if writing else None,
+        P(batch),
     )
     out_specs = (P(batch, None, heads, None), P(None, None, None, kv_axis))
     fn = jax.shard_map(
@@ -294,7 +302,7 @@ def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
         out_specs=out_specs if writing else out_specs[0],
         check_vma=False,
     )
-    out = fn(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write)
+    out = fn(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write, new_lens)
     return out if writing else (out, None)
 
 
@@ -558,13 +566,21 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dt, rngs)
 
     def __call__(
-        self, h: Array, positions: Array, cached: Array | PagedKV, cached_lens: Array | None = None
+        self,
+        h: Array,
+        positions: Array,
+        cached: Array | PagedKV,
+        cached_lens: Array | None = None,
+        new_lens: Array | None = None,
     ) -> tuple[Array, Array]:
         """h `[B, N, hidden]`, positions `[B, N]`, the cached KV (`PagedKV`, or contiguous rows
-        `[B, C, W]` with `cached_lens` `[B]`) -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`).
-        New token j of request b sees its cached tokens and new tokens 0..j."""
+        `[B, C, W]` with `cached_lens` `[B]`), optionally the real new tokens `new_lens` `[B]`
+        (see `PagedKV`) -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`). New token j of
+        request b sees its cached tokens and new tokens 0..j."""
         if not isinstance(cached, PagedKV):
             cached = PagedKV.contiguous(cached, cached_lens)
+        if new_lens is not None:
+            cached = dataclasses.replace(cached, new_lens=new_lens)
         h, new_rows, _ = self.run(h, positions, dataclasses.replace(cached, write=None))
         return h, new_rows
 

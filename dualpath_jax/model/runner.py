@@ -148,14 +148,14 @@ def _embed(gd, state, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer(gd, state, h, positions, cached_rows, cached_lens):
-    return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens)
+def _layer(gd, state, h, positions, cached_rows, cached_lens, new_lens):
+    return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens, new_lens)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_paged(gd, state, h, positions, pages, table, cached_lens):
+def _layer_paged(gd, state, h, positions, pages, table, cached_lens, new_lens):
     """One layer over cached KV in pages `[P, 1, page_size, W]` (see `PagedKV`)."""
-    return nnx.merge(gd, state)(h, positions, PagedKV(pages, table, cached_lens))
+    return nnx.merge(gd, state)(h, positions, PagedKV(pages, table, cached_lens, new_lens=new_lens))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
@@ -184,7 +184,7 @@ def _forward_all(
     h = embed(tokens)
     new = []
     for i, gd in enumerate(layer_gds):
-        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], cached_lens)
+        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], cached_lens, new_lens)
         new.append(rows)
     head = nnx.merge(head_gd, head_state)
     emb = embed.embedding[...]
@@ -223,7 +223,8 @@ def _prefill_program(
         def body(h, xs, gd=gd):
             state, layer_pages = xs
             kv = jax.device_put(layer_pages, jax.memory.Space.Device)[:, None]
-            return nnx.merge(gd, state)(h, positions, PagedKV(kv, table, cached_lens))
+            kv = PagedKV(kv, table, cached_lens, new_lens=new_lens)
+            return nnx.merge(gd, state)(h, positions, kv)
 
         h, rows = jax.lax.scan(body, h, (states, pages[start : start + count]))
         new.append(rows)
@@ -407,15 +408,26 @@ class ModelRunner:
         return _embed(self.embed_gd, self.embed_state, tokens)
 
     @runs_on_mesh
-    def layer(self, i: int, h: Array, positions: Array, cached_rows: Array, cached_lens: Array):
-        """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`) -> (h,
-        new rows `[B, N, W]`)."""
+    def layer(
+        self,
+        i: int,
+        h: Array,
+        positions: Array,
+        cached_rows: Array,
+        cached_lens: Array,
+        new_lens: Array | None = None,
+    ):
+        """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`), the
+        real new tokens per request (default all N) -> (h, new rows `[B, N, W]`)."""
         gd, state = self.layer_gds[i], self.layer_states[i]
+        if new_lens is None:
+            new_lens = self.commit(np.full((h.shape[0],), h.shape[1], np.int32))
         if isinstance(cached_rows, LayerPages):
             fn = _layer_paged
-            args = (gd, state, h, positions, cached_rows.pages, cached_rows.table, cached_lens)
+            pages, table = cached_rows.pages, cached_rows.table
+            args = (gd, state, h, positions, pages, table, cached_lens, new_lens)
         else:
-            fn, args = _layer, (gd, state, h, positions, cached_rows, cached_lens)
+            fn, args = _layer, (gd, state, h, positions, cached_rows, cached_lens, new_lens)
         if self._compile_only:
             return _zero_outputs(fn.lower(*args).compile())
         return fn(*args)
@@ -484,15 +496,16 @@ class ModelRunner:
         # every input committed alike (`commit`): one compiled program per layer shape
         positions = self.commit(batch.positions())
         cached_lens = self.commit(batch.cached_lens)
+        new_lens = self.commit(batch.new_lens)
         h = self.embed(self.commit(batch.tokens))
         kv = fetch(0)
         for i in range(cfg.num_layers):
-            h, rows = self.layer(i, h, positions, kv, cached_lens)
+            h, rows = self.layer(i, h, positions, kv, cached_lens, new_lens)
             if i + 1 < cfg.num_layers:
                 kv = fetch(i + 1)  # overlaps with layer i's compute (async dispatch)
             if emit_layer is not None:
                 emit_layer(i, rows)
-        last, logits = self.head(h, self.commit(batch.new_lens), all_logits)
+        last, logits = self.head(h, new_lens, all_logits)
         return PrefillResult(last, logits)
 
     @runs_on_mesh

@@ -92,14 +92,19 @@ def test_kernel_writes_new_rows_into_their_pages(name):
     np.testing.assert_array_equal(got[~changed], before[~changed])
 
 
+def _full(q, new_lens):
+    return jnp.full((q.shape[0],), q.shape[1], jnp.int32) if new_lens is None else new_lens
+
+
 def _compiled_shapes(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
-                     write_lens=None, kv_splits=None, pages_per_block=None):  # fmt: skip
+                     write_lens=None, kv_splits=None, pages_per_block=None,
+                     new_lens=None):  # fmt: skip
     """The kernel with the shapes it has when compiled for a GPU (padded query groups, row
     blocks of 64, KV splits in decode, broadcast products for dots under 16), interpreted."""
     kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
     return pa._paged_attention(
         q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
-        write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, block_q=64,
+        write_lens, _full(q, new_lens), layout=layout, scale=scale, kv_dtype=kv_dtype, block_q=64,
         kv_splits=kv_splits, compiled=True, interpret=True, pages_per_block=pages_per_block,
     )  # fmt: skip
 
@@ -116,6 +121,29 @@ def test_compiled_shapes_give_the_same_output(name, n):
     for splits in (None, 1, 2, 3):
         got = _compiled_shapes(q, pages, table, lens, new, layout, scale, layer=1, kv_splits=splits)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+
+
+def test_interpreted_split_kv_matches():
+    layout, hq = LAYOUTS["gqa"]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=4, lens=(0, 6, 17))
+    scale = layout.key_width**-0.5
+    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale)
+    got = pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=3)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
+    with pytest.raises(ValueError, match="kv_splits"):
+        pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=0)
+
+
+def _tpu_form(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
+              write_lens=None, kv_splits=None, pages_per_block=None, new_lens=None):  # fmt: skip
+    """The TPU form of the kernel (pages and new rows in HBM, DMAs into VMEM), interpreted."""
+    kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
+    return pa._paged_attention_tpu(
+        q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
+        write_lens, _full(q, new_lens), layout=layout, scale=scale, kv_dtype=kv_dtype,
+        interpret=True,
+        kv_splits=kv_splits, pages_per_block=pages_per_block,
+    )  # fmt: skip
 
 
 # Every form of the kernel, interpreted, with its pages-per-step and KV splits given
@@ -147,6 +175,41 @@ def test_several_pages_per_step_match_the_oracle(form, name):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
 
 
+RAGGED_FORMS = {
+    "interpret": lambda *a, **k: pa.paged_attention(*a, **k, interpret=True, block_q=4),
+    "gpu": _compiled_shapes,
+    "gpu-3-splits": functools.partial(_compiled_shapes, kv_splits=3),
+    "tpu": _tpu_form,
+    "tpu-2-splits": functools.partial(_tpu_form, kv_splits=2),
+}
+
+
+@pytest.mark.parametrize("form", list(RAGGED_FORMS))
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+@pytest.mark.parametrize("n", [8, 160])
+def test_a_ragged_batch_attends_its_real_tokens_only(form, name, n):
+    """Requests of n, 3 and 1 real new tokens (a prefill chunk, a short one, a decode token)
+    in one padded call: each real query's output is what the request alone gives (the oracle
+    over its own length), padding queries get zeros; with 160 tokens the GPU and TPU forms have
+    several row blocks, and the padding's blocks attend nothing."""
+    layout, hq = LAYOUTS[name]
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n, lens=(3, 9, 17))
+    scale = layout.key_width**-0.5
+    new_lens = jnp.asarray([n, 3, 1], jnp.int32)
+    got = np.asarray(RAGGED_FORMS[form](q, pages, table, lens, new, layout, scale, layer=1,
+                                        new_lens=new_lens))  # fmt: skip
+    for b, k in enumerate(np.asarray(new_lens)):
+        one = [x[b : b + 1] for x in (q[:, :k], pages, table, lens, new[:, :k])]
+        one[1] = pages
+        want = pa.paged_attention_reference(*one, layout, scale, layer=1)
+        np.testing.assert_allclose(got[b, :k], np.asarray(want[0]), atol=3e-6, rtol=3e-6)
+        assert not got[b, k:].any()
+    oracle = pa.paged_attention_reference(
+        q, pages, table, lens, new, layout, scale, layer=1, new_lens=new_lens
+    )
+    np.testing.assert_allclose(got, np.asarray(oracle), atol=3e-6, rtol=3e-6)
+
+
 def test_pages_per_step_default_to_a_block_of_keys():
     """By default a step holds the whole pages of 128 keys (GPU) or 512 (TPU), at least one,
     never more than a split's share of the table; asking for fewer than one is an error."""
@@ -159,28 +222,6 @@ def test_pages_per_step_default_to_a_block_of_keys():
     q, pages, table, lens, new = _case(layout, hq, jnp.float32)
     with pytest.raises(ValueError, match="pages_per_compute_block"):
         pa.paged_attention(q, pages, table, lens, new, layout, 1.0, pages_per_compute_block=0)
-
-
-def test_interpreted_split_kv_matches():
-    layout, hq = LAYOUTS["gqa"]
-    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=4, lens=(0, 6, 17))
-    scale = layout.key_width**-0.5
-    want = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale)
-    got = pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=3)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=3e-6, rtol=3e-6)
-    with pytest.raises(ValueError, match="kv_splits"):
-        pa.paged_attention(q, pages, table, lens, new, layout, scale, kv_splits=0)
-
-
-def _tpu_form(q, pages, table, lens, new, layout, scale, *, layer=0, kv_dtype=None,
-              write_lens=None, kv_splits=None, pages_per_block=None):  # fmt: skip
-    """The TPU form of the kernel (pages and new rows in HBM, DMAs into VMEM), interpreted."""
-    kv_dtype = jnp.dtype(kv_dtype or pages.dtype)
-    return pa._paged_attention_tpu(
-        q, pa.as_bits(pages), table, lens, new, jnp.asarray(layer, jnp.int32).reshape(1),
-        write_lens, layout=layout, scale=scale, kv_dtype=kv_dtype, interpret=True,
-        kv_splits=kv_splits, pages_per_block=pages_per_block,
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

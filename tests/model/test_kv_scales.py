@@ -102,14 +102,14 @@ def test_kernel_applies_the_scales_as_the_oracle(name):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     # the same with the shapes the kernel has compiled for a GPU (interpreted here)
     got = pa._paged_attention(
-        q, bits, table, lens, new, jnp.ones((1,), jnp.int32), None, layout=layout, scale=scale,
-        kv_dtype=jnp.dtype(FP8), block_q=64, kv_splits=2, compiled=True, interpret=True,
+        q, bits, table, lens, new, jnp.ones((1,), jnp.int32), None, jnp.full((b,), n),
+        layout=layout, scale=scale, kv_dtype=jnp.dtype(FP8), block_q=64, kv_splits=2, compiled=True, interpret=True,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     # ... and in the TPU form (scales assembled from their bytes in VMEM)
     got = pa._paged_attention_tpu(
-        q, bits, table, lens, new, jnp.ones((1,), jnp.int32), None, layout=layout, scale=scale,
-        kv_dtype=jnp.dtype(FP8), interpret=True,
+        q, bits, table, lens, new, jnp.ones((1,), jnp.int32), None, jnp.full((b,), n),
+        layout=layout, scale=scale, kv_dtype=jnp.dtype(FP8), interpret=True,
     )  # fmt: skip
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
     # and the in-kernel write puts whole scaled rows (data and scale bytes) in their pages
