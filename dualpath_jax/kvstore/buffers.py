@@ -66,6 +66,9 @@ class BufferReservation:
         self.slots = tuple(slots)
         self.owner = owner
         self.released = False
+        # One element of each device copy out of the pinned slab (`layer_pages`) not yet known
+        # to have run: the copy is dispatched, not done, when `layer_pages` returns.
+        self._copies: list[jax.Array] = []
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -116,12 +119,19 @@ class BufferReservation:
         if pool.pinned is None:
             return copies.to_device(pool.slab[ids, layer], purpose, pool.device)
         copies.count("h2d", purpose, n * pool.layout.layer_nbytes)
-        return _slab_layer_to_device(pool.pinned, np.asarray(ids, np.int32), np.int32(layer))
+        pages, done = _slab_layer_to_device(pool.pinned, np.asarray(ids, np.int32), np.int32(layer))
+        self._copies = [c for c in self._copies if not c.is_ready()] + [done]
+        return pages
 
     def release(self) -> None:
-        """Returns the slots to the pool (idempotent)."""
+        """Returns the slots to the pool (idempotent), once every device copy out of them has
+        run: the program that copies pinned slots runs after `layer_pages` returns (async
+        dispatch, behind whatever the device is running), and the next owner's writes into the
+        slots are numpy writes JAX does not order against it."""
         if not self.released:
             self.released = True
+            jax.block_until_ready(self._copies)
+            self._copies = []
             self._pool._free(self.slots)
 
     def _check(self) -> None:
@@ -314,9 +324,10 @@ class _Memory:
 
 @jax.jit
 def _slab_layer_to_device(slab, ids, layer):
-    """slab `[C, L, bt, B]` in pinned host memory -> `[n, bt, B]` in device memory: block
+    """slab `[C, L, bt, B]` in pinned host memory -> (`[n, bt, B]` in device memory: block
     `ids[j]`'s layer `layer`, one page-sized host slice moved to the device per step (the
-    dynamic-slice-then-move pattern XLA turns into DMA from pinned memory)."""
+    dynamic-slice-then-move pattern XLA turns into DMA from pinned memory); one byte of it, an
+    output of the same program, ready when the copy has run)."""
     _, _, bt, width = slab.shape
 
     def one(_, i):
@@ -324,7 +335,7 @@ def _slab_layer_to_device(slab, ids, layer):
         return None, jax.device_put(page[0, 0], jax.memory.Space.Device)
 
     _, pages = jax.lax.scan(one, None, ids)
-    return pages
+    return pages, pages[0, 0, 0]
 
 
 def buffer_blocks(cfg, layout: BlockLayout) -> int:

@@ -184,3 +184,29 @@ def test_the_pinned_layer_copy_lowers_to_page_moves_from_pinned_host_memory():
     assert len(placements) == 1 and "(tensor<4x12xui8>" in placements[0], placements
     assert text.count("stablehlo.while") == 1 and "stablehlo.gather" not in text
     assert jax.devices()[0].platform == "cpu"  # and it runs here too (the test above)
+
+
+def test_released_slots_are_rewritten_only_after_their_copies_ran():
+    """A copy out of pinned slots is dispatched, not done, when `layer_pages` returns: queued
+    behind a busy device it would read whatever the slots' next owner wrote (the PE's prefix
+    rows sent to a DE once read another request's KV this way). `release` waits for it."""
+    import jax
+    import jax.numpy as jnp
+
+    pool = HostBufferPool(LAYOUT, 2)
+    busy = jax.jit(lambda x: jax.lax.fori_loop(0, 24, lambda i, y: jnp.tanh(y @ y), x))
+    x = jnp.full((384, 384), 1e-3, jnp.float32)
+    busy(x).block_until_ready()
+    for _ in range(3):
+        res = pool.reserve(2, owner="a")
+        for i in range(2):
+            res.block(i)[...] = 7
+        running = busy(x)  # the device is busy ...
+        pages = res.layer_pages(0, 2, 1)  # ... and the copy waits behind it
+        res.release()
+        nxt = pool.reserve(2, owner="b")  # the same slots, rewritten by their next owner
+        for i in range(2):
+            nxt.block(i)[...] = 9
+        assert (np.asarray(pages) == 7).all()
+        nxt.release()
+        running.block_until_ready()
