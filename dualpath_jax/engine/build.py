@@ -126,6 +126,7 @@ def build_engine(
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.transfer.loader import LoaderContext
     from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
+    from dualpath_jax.transfer.row_offers import RowOffers
     from dualpath_jax.transfer.traffic import TrafficManager
 
     c = cfg.cluster
@@ -211,6 +212,10 @@ def build_engine(
         if leader is not None:
             closers.append(leader.close)
             params.mirror = leader  # its followers load and commit updates with it
+            if who.role == "prefill":  # each process offers the DE its pieces of the new rows
+                ctx.row_offers = RowOffers.for_mesh(
+                    cfg.model, runner.mesh, leader.kv_addresses(channel.address)
+                )
         warm = c.warmup and leader is None
         if c.warmup and leader is not None:
             log.warning("%s spans processes: cluster.warmup is not supported there", who.name)

@@ -6,7 +6,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.params import ParamsMismatch
@@ -33,6 +33,7 @@ def job_from_msg(m: messages.LoadJobMsg) -> LoadJob:
         oracle=m.oracle,
         attempt=m.attempt,
         pe_pieces=m.pe_pieces,
+        pe_piece_addresses=tuple(m.pe_piece_addresses),
         lead=m.lead_blocks,
         session=m.session,
     )
@@ -75,10 +76,12 @@ def register(
     prefill_cost: messages.PrefillCost | None = None,
     runner=None,
     kv_pieces: int = 1,
+    kv_piece_addresses: Sequence[str] = (),
 ) -> None:
     """Announces engine `who` (an `engine.core.EngineId`: its KV channel address, served params
     version, the devices and mesh its `runner` runs on and, for a PE, the prefill cost model it
-    batches with and the column pieces its KV rows split into) to the router."""
+    batches with, the column pieces its KV rows split into and, spanning processes, where each
+    piece of its new rows is offered) to the router."""
     devices, mesh = runner_devices(runner) if runner is not None else ([], "")
     control.send(
         messages.Register(
@@ -93,6 +96,7 @@ def register(
             devices=devices,
             mesh=mesh,
             kv_pieces=kv_pieces,
+            kv_piece_addresses=list(kv_piece_addresses),
         )
     )
 

@@ -84,6 +84,7 @@ def load_job(
         stream=st.stream,
         session=st.session,
         pe_pieces=pe.kv_pieces,
+        pe_piece_addresses=list(pe.kv_piece_addresses),
         lead_blocks=0 if oracle else a.recompute_blocks,  # the PE computes these first
     )
 

@@ -56,6 +56,7 @@ class EngineInfo:
     devices: tuple[str, ...] = ()  # the devices it runs the model on, as it registered them
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
     kv_pieces: int = 1  # a PE: the column pieces of its KV rows (messages.Register)
+    kv_piece_addresses: tuple[str, ...] = ()  # a spanning PE: where each new-row piece is offered
     prefill_cost: messages.PrefillCost | None = None  # a PE: its cost model, if usable
     # The params version it serves: as it registered, then as the params part committed it
     # (None: unknown, it refused a job of the served version). Work goes only to engines whose
@@ -156,6 +157,7 @@ class EngineRegistry:
             devices=tuple(msg.devices),
             mesh=msg.mesh,
             kv_pieces=max(1, msg.kv_pieces),
+            kv_piece_addresses=tuple(msg.kv_piece_addresses),
             prefill_cost=cost,
             params_version=msg.params_version,
         )
@@ -219,6 +221,7 @@ class EngineRegistry:
                 "devices": list(e.devices),
                 "mesh": e.mesh,
                 "kv_pieces": e.kv_pieces,
+                "kv_piece_addresses": list(e.kv_piece_addresses),
                 "links": e.links,
                 "params_version": e.params_version,
                 # in rotation: live and serving the cluster's params (only these get work)

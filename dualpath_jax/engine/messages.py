@@ -236,6 +236,9 @@ class Register(Msg):
     devices: list[str] = []  # the devices the engine runs the model on (its mesh's, in order)
     mesh: str = ""  # its mesh, "data=2,tensor=2" (`cluster.prefill_mesh` form); "": one device
     kv_pieces: int = 1  # a PE: the column pieces its KV rows split into (whole KV heads each)
+    # A PE spanning processes: where each column piece of its new rows is offered (the process
+    # that computed it; transfer/row_offers.py). Empty: with the rest, at `address`.
+    kv_piece_addresses: list[str] = []
 
 
 class LoadParams(Msg):
@@ -305,6 +308,7 @@ class LoadJobMsg(Msg):
     stream: bool = False  # the DE reports every new token (TokensOut)
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
     pe_pieces: int = 1  # the DE offers each hit layer in the PE's column pieces (Register)
+    pe_piece_addresses: list[str] = []  # where the PE offers each piece of its new rows
     # Leading hit blocks the PE recomputes instead of reading (load or recompute); the reads
     # (`pe_blocks`, `de_blocks`) start after them.
     lead_blocks: int = 0

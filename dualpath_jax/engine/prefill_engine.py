@@ -46,12 +46,13 @@ from dualpath_jax.model.cached_kv import (
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, batch_bucket
 from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import GREEDY, held_back
-from dualpath_jax.model.sharding import host_value, whole
+from dualpath_jax.model.sharding import host_value
 from dualpath_jax.sched.cost import FittedCostModel
 from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_bound
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext
-from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad
+from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad, SplitRows, row_bytes_split
+from dualpath_jax.transfer.row_offers import RowOffers
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class PrefillEngine:
             self.prefill_cost,
             runner=self.runner,
             kv_pieces=self.ctx.row_pieces,
+            kv_piece_addresses=offers.addresses if (offers := self.ctx.row_offers) else (),
         )
 
     def rejoin(self, why: str) -> None:
@@ -306,9 +308,7 @@ class PrefillEngine:
             for r, ch in zip(reqs, chunks)
         ]
         for r, w in zip(reqs, work):
-            # Spanning processes, the new rows go to the DE from the host (exactly bsz rows).
-            n_pad = None if span is not None else batch.n_pad
-            r.load.begin_chunk(w.cached, w.cached + w.bsz, w.finishes, n_pad)
+            r.load.begin_chunk(w.cached, w.cached + w.bsz, w.finishes, batch.n_pad)
         kept = {r.msg.request: (r.lead_rows, r.done_rows) for r in reqs}
         if span is not None:
             span.send(
@@ -321,6 +321,8 @@ class PrefillEngine:
                     "starts": [w.cached for w in work],
                     "chunks": [dataclasses.astuple(w) for w in work],
                     "layerwise": layerwise,
+                    # what the followers' row pieces are offered under (`piece_uuid`)
+                    "sends": [[r.msg.request, r.msg.attempt, r.load.chunk] for r in reqs],
                 },
             )
 
@@ -350,10 +352,10 @@ class PrefillEngine:
             # program per batch shape, not per request length). A request with chunks to come
             # keeps this chunk's rows on the device for its next forward.
             keep_rows(kept, work, i, rows)
-            if span is not None:  # a mesh over processes: every process gathers, this one sends
-                host = host_value(whole(rows, self.runner.mesh))
+            offers = self.ctx.row_offers
+            if offers is not None:  # a mesh over processes: each sends the pieces it computed
                 for b, (r, w) in enumerate(zip(reqs, work)):
-                    r.load.send_layer(i, host[b, : w.bsz])
+                    r.load.send_layer(i, SplitRows(row_bytes_split(rows, b, offers.split), w.bsz))
                 return
             for b, (r, w) in enumerate(zip(reqs, work)):
                 r.load.send_layer(i, DeviceRows(rows, b, w.bsz))
@@ -490,12 +492,19 @@ def resolve(desc: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> lis
 
 class PrefillReplay:
     """A prefill engine's follower: replays each forward batch of its leader on the same mesh,
-    with the cached rows the leader sends layer by layer and the rows it keeps itself."""
+    with the cached rows the leader sends layer by layer and the rows it keeps itself, and
+    offers the DE the pieces of the new rows its devices computed (over `channel`)."""
 
     def __init__(
-        self, cfg: ExperimentConfig, runner: ModelRunner, params: ParamsSlot | None = None
+        self,
+        cfg: ExperimentConfig,
+        runner: ModelRunner,
+        channel,
+        params: ParamsSlot | None = None,
     ):
-        self.cfg, self.runner = cfg, runner
+        self.cfg, self.runner, self.channel = cfg, runner, channel
+        self.offers = RowOffers.for_mesh(cfg.model, runner.mesh)
+        self.offered = 0  # row pieces offered to DEs
         self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
         self.params = params or ParamsSlot(runner, "", -1)
 
@@ -530,7 +539,9 @@ class PrefillReplay:
 
         def emit_layer(i: int, rows) -> None:
             keep_rows(kept, work, i, rows)
-            whole(rows, self.runner.mesh)
+            for b, (request, attempt, chunk) in enumerate(kwargs["sends"]):
+                x = row_bytes_split(rows, b, self.offers.split)  # as the leader, in step
+                self.offered += self.offers.offer(self.channel, request, attempt, chunk, i, x)
 
         try:
             forward(self.runner, m.num_layers, batch, kwargs["layerwise"], load_layer, emit_layer)

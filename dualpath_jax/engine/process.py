@@ -128,13 +128,15 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
     from dualpath_jax.engine.params import ParamsSlot, load_served_model
     from dualpath_jax.engine.prefill_engine import PrefillReplay
     from dualpath_jax.engine.rpc import host_port
-    from dualpath_jax.engine.span import DecoderReplay, follow
+    from dualpath_jax.engine.span import DecoderReplay, announce, follow
     from dualpath_jax.model import sharding
     from dualpath_jax.model.runner import ModelRunner
+    from dualpath_jax.transfer.row_offers import KV_ADDRESS_KEY
 
     mesh = sharding.make_mesh(role_mesh(cfg.cluster, spec.role), jax.devices())
     runner = ModelRunner(load_served_model(cfg, mesh))
     log.info("%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size)
+    timeout_s = cfg.cluster.heartbeat_timeout_s
     # A streamed params update: this process pulls its own copy over a channel of its own.
     params = ParamsSlot(
         runner,
@@ -143,12 +145,19 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
         open_channel=lambda: _transfer_channel(host_port(cfg.cluster.transfer_host, 0)),
         load_timeout_s=cfg.cluster.params_load_timeout_s,
     )
-    if spec.role == "prefill":
+    if spec.role != "prefill":
+        follow(DecoderReplay(runner, _follower_decoder, params), timeout_s=timeout_s)
+        return
+    # A KV channel of its own: the DE pulls the pieces of the new rows this process computes.
+    channel = _transfer_channel(host_port(cfg.cluster.transfer_host, 0))
+    try:
+        announce(KV_ADDRESS_KEY.format(rank=span.rank), channel.address)
         prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
-        replay = PrefillReplay(cfg, runner, params)
-    else:
-        replay = DecoderReplay(runner, _follower_decoder, params)
-    follow(replay, timeout_s=cfg.cluster.heartbeat_timeout_s)
+        replay = PrefillReplay(cfg, runner, channel, params)
+        follow(replay, timeout_s=timeout_s)
+        log.info("offered %d KV row pieces to decode engines", replay.offered)
+    finally:
+        channel.close()
 
 
 def _follower_decoder(runner, *, slots, max_len, min_bucket, page_size, num_pages):

@@ -130,6 +130,12 @@ def _kv_client():
     return client
 
 
+def announce(key: str, value: str) -> None:
+    """Puts `key` = `value` in this engine group's key-value store (e.g. a follower's KV
+    channel address, which the leader reads with `MirrorLeader.kv_addresses`)."""
+    _kv_client().key_value_set(key, value)
+
+
 # ----------------------------------------------------------------------------- frames
 
 
@@ -187,6 +193,7 @@ class MirrorLeader:
     """The leader's side: a PUB socket the followers subscribe to, one frame per call."""
 
     def __init__(self, span: Span, host: str = "127.0.0.1", timeout_s: float = 120.0):
+        self.span, self.timeout_s = span, timeout_s
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.PUB)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never drop a call
@@ -215,6 +222,17 @@ class MirrorLeader:
             time.sleep(0.05)
         self._beats = threading.Thread(target=self._beat, name="span-beat", daemon=True)
         self._beats.start()
+
+    def kv_addresses(self, own: str) -> dict[int, str]:
+        """Each process's KV channel address by rank (= process index): `own` for this one,
+        the followers' as each put it in the group's key-value store."""
+        from dualpath_jax.transfer.row_offers import KV_ADDRESS_KEY
+
+        client, ms = _kv_client(), int(self.timeout_s * 1000)
+        out = {0: own}
+        for rank in range(1, self.span.size):
+            out[rank] = client.blocking_key_value_get(KV_ADDRESS_KEY.format(rank=rank), ms)
+        return out
 
     def send(self, method: str, args: tuple = (), kwargs: dict | None = None) -> None:
         frame = encode_call(method, args, kwargs or {})

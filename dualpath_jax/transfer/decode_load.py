@@ -16,6 +16,7 @@ from dualpath_jax.kvstore.buffers import BufferReservation
 from dualpath_jax.model.layout import bytes_to_kv_rows
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, column_pieces, padded_blocks
+from dualpath_jax.transfer.row_offers import piece_uuid
 
 
 class DecodeLoad:
@@ -88,18 +89,34 @@ class DecodeLoad:
             new = t1 - t0 - prefix
             # the PE's prefix blocks come padded to a power of two (`padded_blocks`)
             specs = [((padded_blocks(prefix // bt), bt, width), np.uint8)] if prefix else []
-            specs += [((n_pad, width // splits), np.uint8)] * splits if new else []
+            piece = ((n_pad, width // splits), np.uint8)
+            # A PE spanning processes offers each piece from where it was computed.
+            apart = bool(job.pe_piece_addresses) and new > 0
+            if apart and len(job.pe_piece_addresses) != splits:
+                raise ValueError(
+                    f"request {job.request_id}: the PE sends {splits} pieces and registered"
+                    f" {len(job.pe_piece_addresses)} places for them"
+                )
+            if new and not apart:
+                specs += [piece] * splits
             path = paths.engine_to_engine_path(
                 job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
             )
             for i in range(ctx.cfg.num_layers):
-                arrays = ctx.channel.pull(
-                    job.pe_address,
-                    job.uuid(Part.PE_LAYER, k, i),
-                    specs,
-                    ctx.timeout_s,
-                    abort=self._abort,
-                )
+                arrays = []
+                if specs:
+                    arrays = ctx.channel.pull(
+                        job.pe_address,
+                        job.uuid(Part.PE_LAYER, k, i),
+                        specs,
+                        ctx.timeout_s,
+                        abort=self._abort,
+                    )
+                for j, where in enumerate(job.pe_piece_addresses if apart else ()):
+                    uuid = piece_uuid(job.request_id, job.attempt, k, i, j)
+                    arrays += ctx.channel.pull(
+                        where, uuid, [piece], ctx.timeout_s, abort=self._abort
+                    )
                 # Into the DE buffer (host memory); the new rows' padding is dropped.
                 parts = [copies.to_host(a, "de_buffer") for a in arrays]
                 if prefix:

@@ -21,7 +21,8 @@ PE half (`prefill_load.PrefillLoad`, in the prefill engine):
      tokens', each piece at its prompt position (HIGH class). On a mesh whose
      devices split the KV heads (`LoaderContext.mesh`), the new rows go as one array per split,
      each offered from the device that computed those heads (no gather onto one device); the
-     chunk's meta says how many.
+     chunk's meta says how many. A PE spanning processes offers each piece from its own
+     process, at its own uuid (`row_offers.RowOffers`, `LoadJob.pe_piece_addresses`).
 
 DE half (`decode_load.DecodeLoad`, in the decode engine):
   1. reserve the DE buffer for the whole prompt; store -> DE buffer: blocks `[p, p + d)`.
@@ -59,6 +60,7 @@ from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
+from dualpath_jax.transfer.row_offers import RowOffers
 from dualpath_jax.transfer.traffic import TrafficManager
 
 
@@ -96,6 +98,9 @@ class LoadJob:
     oracle: bool = False
     attempt: int = 0  # bumped when a request is retried, so stale offers are never pulled
     pe_pieces: int = 1  # column pieces of the PE's KV rows: the DE offers its hit layers in them
+    # A PE spanning processes offers each column piece of its new rows from the process that
+    # computed it, at these addresses (`row_offers.RowOffers`); empty: all at `pe_address`.
+    pe_piece_addresses: tuple[str, ...] = ()
     lead: int = 0
     session: str = ""  # its session: a load takes its blocks from that session's prefetch
 
@@ -136,6 +141,8 @@ class LoaderContext:
     mesh: Mesh | None = None
     # The engine's tool-gap prefetch memory (None: no prefetch; transfer/prefetch_memory.py).
     prefetch: PrefetchMemory | None = None
+    # A PE spanning processes: each process offers its own column pieces of the new rows.
+    row_offers: RowOffers | None = None
 
     def charge(
         self, job: LoadJob, path: Sequence[links.LinkId], nbytes: int, cls: links.TrafficClass

@@ -63,9 +63,19 @@ def _row_bytes(rows, b):
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _row_bytes_split(rows, b, split):
-    """`_row_bytes` laid out as `split` says (its columns over the mesh: whole KV heads)."""
+def row_bytes_split(rows, b, split):
+    """`_row_bytes` laid out as `split` says (its columns over the mesh: whole KV heads). On a
+    mesh over several processes every process runs it, in the same order."""
     return jax.lax.with_sharding_constraint(_row_bytes_of(rows, b), split)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitRows:
+    """A request's first `n` new rows as bytes laid out by `RowOffers.split` over a mesh that
+    spans processes (`row_bytes_split`): this process offers the pieces it is home for."""
+
+    x: jax.Array
+    n: int
 
 
 def _column_pieces(x: jax.Array) -> list[jax.Array]:
@@ -297,9 +307,15 @@ class PrefillLoad:
         n_pad = t1 - t0 if n_pad is None else n_pad
         self._piece = self._offer_meta(t0 - self._prefix, t1, last, self._prefix, n_pad)
 
-    def send_layer(self, layer: int, rows: np.ndarray | DeviceRows) -> None:
+    @property
+    def chunk(self) -> int:
+        """The index of the current output chunk (what its uuids carry)."""
+        return self._piece
+
+    def send_layer(self, layer: int, rows: np.ndarray | DeviceRows | SplitRows) -> None:
         """Layer `layer`'s KV rows of the current chunk, sent asynchronously: host rows
-        `[t1 - t0, W]`, or `DeviceRows` (offered from the device as they are: no host copy)."""
+        `[t1 - t0, W]`, `DeviceRows` (offered from the device as they are: no host copy), or
+        `SplitRows` (spanning processes: this process's pieces; the others offer theirs)."""
         piece, prefix = self._piece, self._prefix
         self._sends.append(self.ctx.pool.submit(self._send, piece, layer, rows, prefix))
 
@@ -309,7 +325,8 @@ class PrefillLoad:
         rows of `n_pad` rows, sent as `splits` arrays of equal column ranges (KV heads)."""
         k = self._chunk
         self._chunk += 1
-        splits = self.ctx.row_pieces
+        offers = self.ctx.row_offers
+        splits = offers.pieces if offers is not None else self.ctx.row_pieces
         meta = np.array([t0, t1, int(last), prefix, n_pad, splits], np.int32)
         self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [meta])
         return k
@@ -322,7 +339,7 @@ class PrefillLoad:
             self._send(k, i, rows_of(i), t1 - t0)
 
     def _send(
-        self, piece: int, layer: int, rows: np.ndarray | DeviceRows | None, prefix: int
+        self, piece: int, layer: int, rows: np.ndarray | DeviceRows | SplitRows | None, prefix: int
     ) -> None:
         ctx, job = self.ctx, self.job
         bt, width = ctx.layout.block_tokens, ctx.layout.bytes_per_token_per_layer
@@ -341,7 +358,10 @@ class PrefillLoad:
             if split is None:
                 arrays.append(_row_bytes(rows.rows, rows.b))
             else:  # each split from the device that holds it
-                arrays += _column_pieces(_row_bytes_split(rows.rows, rows.b, split))
+                arrays += _column_pieces(row_bytes_split(rows.rows, rows.b, split))
+            nbytes += rows.n * width
+        elif isinstance(rows, SplitRows):  # this process's pieces, at their own uuids
+            ctx.row_offers.offer(ctx.channel, job.request_id, job.attempt, piece, layer, rows.x)
             nbytes += rows.n * width
         elif rows is not None:
             data = kv_rows_to_bytes(copies.to_host(rows, "new_rows"))
@@ -351,7 +371,8 @@ class PrefillLoad:
             job.pe_engine, job.de_engine, job.pe_node, job.de_node, True, False
         )
         ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
-        ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
+        if arrays:  # (split pieces alone went out at their own uuids)
+            ctx.channel.offer(job.uuid(Part.PE_LAYER, piece, layer), arrays)
 
     def flush(self, timeout_s: float | None = None) -> None:
         """Waits until every layer sent so far has been offered; raises a send's error."""

@@ -88,7 +88,9 @@ def _cfg() -> ExperimentConfig:
 
 
 def _ctx():
-    return types.SimpleNamespace(channel=types.SimpleNamespace(address="inproc://x"), row_pieces=1)
+    return types.SimpleNamespace(
+        channel=types.SimpleNamespace(address="inproc://x"), row_pieces=1, row_offers=None
+    )
 
 
 def _job(request: str, engine: int) -> messages.LoadJobMsg:

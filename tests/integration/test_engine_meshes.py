@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -174,12 +175,14 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
 
 @pytest.mark.parametrize(
     ("policy", "extra"),
-    [("dualpath", {}), ("split", {"prefill_max_tokens": 16})],
+    [("dualpath", {}), ("basic", {}), ("split", {"prefill_max_tokens": 16})],
 )
 def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_cluster, expected):
     """The PE's mesh (`tensor=2`) spans two processes of one device each: process 0 serves and
     sends each layer's cached rows to process 1, which runs the same forward (layerwise, or
-    chunked) with them and with the rows it kept itself. Tokens equal the reference's."""
+    chunked) with them and with the rows it kept itself. Each process offers the DE the half of
+    the new rows (its KV heads) its device computed, from its own KV channel. Tokens equal the
+    reference's."""
     cfg = mesh_config(policy, prefill_mesh=DE_MESH, decode_mesh="", prefill_processes=2, **extra)
     with start_cluster(cfg, tmp_path) as cluster:
         assert sorted(cluster.procs) == ["de1", "pe0", "pe0.1", "router"]
@@ -198,3 +201,8 @@ def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_
         assert updated[0] == updated[1]  # new params, loaded and served by both processes
     log = (tmp_path / "logs" / "pe0.1.log").read_text()
     assert "stopped by the leader" in log, log[-2000:]
+    # the pieces of the new rows left from both processes, each from its own channel
+    where = pe["kv_piece_addresses"]
+    assert len(where) == 2 and where[0] == pe["address"] and where[1] != where[0], pe
+    offered = re.search(r"offered (\d+) KV row pieces", log)
+    assert offered and int(offered.group(1)) > 0, log[-2000:]

@@ -29,7 +29,8 @@ from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.transfer.decode_load import DecodeLoad
 from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part
-from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad
+from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad, SplitRows, row_bytes_split
+from dualpath_jax.transfer.row_offers import RowOffers, piece_uuid
 from dualpath_jax.transfer.traffic import TrafficManager
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (CPU) devices")
@@ -173,6 +174,62 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
             pulled = halves.pulled[job.uuid(Part.DE_LAYER, layer=i)]
             assert len(pulled) == split and all(len(d) == 1 for d in pulled), pulled
             assert len({d for (d,) in pulled}) == split, pulled
+        pe.close()
+        de.close()
+    finally:
+        halves.close()
+
+
+@pytest.mark.parametrize("pe_blocks, de_blocks", [(4, 0), (0, 4)])
+def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks):
+    """The pieces of a spanning PE (`RowOffers`): each KV-head piece of the new rows offered at
+    its own uuid from where its device sits (here one process, so one address), the PE-read hit
+    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV."""
+    base, runner, split = runners
+    prompt, kv = prompt_and_kv
+    halves = Halves(None)  # as a spanning PE: its loads see no mesh, its offers do
+    try:
+        offers = RowOffers.for_mesh(CFG, runner.mesh, {0: halves.pe.channel.address})
+        halves.pe.row_offers = offers
+        assert offers.pieces == split and len(set(offers.homes)) == split
+        keys = block_keys(prompt, BT, model_fingerprint(CFG))
+        halves.store.write_full(keys, kv_to_full_blocks(kv[:, : 4 * BT], BT)).result(10)
+        job = LoadJob(
+            "m2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
+            halves.pe.channel.address, halves.de.channel.address,
+            pe_piece_addresses=offers.addresses,
+        )  # fmt: skip
+        de = DecodeLoad(halves.de, job).start()
+        pe = PrefillLoad(halves.pe, job).start()
+        h = pe.hit_blocks()
+        pe.stream()
+        batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
+        pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
+
+        def load(i):
+            hit = pe.readiness.wait(i, 20.0)
+            pe.consumed()
+            return LayerPages.assemble(
+                [hit.segments()], BT, CFG.kv_width, CFG.kv_dtype, runner.pages_sharding
+            )
+
+        new = len(prompt) - h * BT
+        runner.prefill_layerwise(
+            batch,
+            load,
+            lambda i, rows: pe.send_layer(
+                i, SplitRows(row_bytes_split(rows, 0, offers.split), new)
+            ),
+        )
+        pe.flush()
+        de.wait(20.0)
+        np.testing.assert_allclose(de.prompt_kv(), kv, atol=2e-5)
+        for i in range(CFG.num_layers):
+            pieces = [halves.offered[piece_uuid("m2", 0, 0, i, j)] for j in range(split)]
+            assert all(len(p) == 1 and len(p[0]) == 1 for p in pieces), pieces
+            assert len({p[0][0] for p in pieces}) == split, pieces  # each from its own device
+            hit = halves.offered.get(job.uuid(Part.PE_LAYER, 0, i))
+            assert (hit is not None) == (pe_blocks > 0), hit  # the PE-read hit, alone
         pe.close()
         de.close()
     finally:
