@@ -63,15 +63,14 @@ class Submit(Msg):
     gen: int
     sampling: SamplingParams = GREEDY
     # How much of the session's context the round builds on: -1 all of it; k keeps the first k
-    # tokens (a client that rewrote later history, e.g. an edited chat). The prompt is
-    # context[:k] + append; stored KV of the kept prefix is found by its block keys as usual.
+    # tokens (a client that rewrote later history, e.g. an edited chat): the prompt is
+    # context[:k] + append, the kept prefix's stored KV found by its block keys.
     keep: int = -1
     # The round ends early, as if it had generated `gen` tokens, right after any of these tokens
     # (an end-of-sequence id), which is the last of its tokens; none is drawn before the round
     # has `sampling.min_tokens` tokens (at most gen; at most 16 distinct ones with min_tokens).
     stop_tokens: list[int] = []
-    # Send the tokens as they are generated (`Partial`), before the `RoundResult`.
-    stream: bool = False
+    stream: bool = False  # send the tokens as they are generated (`Partial`), then the result
     # Change the session's retention (see OpenSession) from this round on; None keeps it.
     priority: int | None = None
     ttl_s: float | None = None
@@ -236,9 +235,7 @@ class Register(Msg):
     devices: list[str] = []  # the devices the engine runs the model on (its mesh's, in order)
     mesh: str = ""  # its mesh, "data=2,tensor=2" (`cluster.prefill_mesh` form); "": one device
     kv_pieces: int = 1  # a PE: the column pieces its KV rows split into (whole KV heads each)
-    # A PE spanning processes: where each column piece of its new rows is offered (the process
-    # that computed it; transfer/row_offers.py). Empty: with the rest, at `address`.
-    kv_piece_addresses: list[str] = []
+    kv_piece_addresses: list[str] = []  # a spanning PE: where each piece is offered (row_offers)
 
 
 class LoadParams(Msg):
@@ -309,8 +306,7 @@ class LoadJobMsg(Msg):
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
     pe_pieces: int = 1  # the DE offers each hit layer in the PE's column pieces (Register)
     pe_piece_addresses: list[str] = []  # where the PE offers each piece of its new rows
-    # Leading hit blocks the PE recomputes instead of reading (load or recompute); the reads
-    # (`pe_blocks`, `de_blocks`) start after them.
+    # Leading hit blocks the PE recomputes (load or recompute); `pe_blocks`, `de_blocks` follow.
     lead_blocks: int = 0
 
 

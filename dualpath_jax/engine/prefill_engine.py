@@ -18,9 +18,8 @@ import json
 import logging
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import jax
 import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
@@ -34,12 +33,10 @@ from dualpath_jax.engine.common import (
     rejoin,
 )
 from dualpath_jax.engine.core import ControlLink, EngineId
-from dualpath_jax.engine.params import ParamsSlot, replay_params
+from dualpath_jax.engine.params import ParamsSlot
+from dualpath_jax.engine.prefill_forward import BatchChunk, describe, forward, keep_rows, resolve
 from dualpath_jax.engine.span import MirrorLeader
 from dualpath_jax.model.cached_kv import (
-    CachedPages,
-    DevicePages,
-    DeviceRowRun,
     LayerPages,
     segment_tokens,
 )
@@ -52,7 +49,7 @@ from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_boun
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext
 from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad, SplitRows, row_bytes_split
-from dualpath_jax.transfer.row_offers import RowOffers
+from dualpath_jax.transfer.row_offers import HitPieces, SpanPages
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +117,7 @@ class PrefillEngine:
 
     def register(self) -> None:
         self.registering = True
+        offers = self.ctx.row_offers
         register(
             self.control,
             self.who,
@@ -127,8 +125,10 @@ class PrefillEngine:
             self.params.version,
             self.prefill_cost,
             runner=self.runner,
-            kv_pieces=self.ctx.row_pieces,
-            kv_piece_addresses=offers.addresses if (offers := self.ctx.row_offers) else (),
+            # spanning processes, the DE offers its hit in pieces only if each process can pull
+            # its own (else whole, to this process)
+            kv_pieces=offers.pieces if offers and offers.pulls_apart else self.ctx.row_pieces,
+            kv_piece_addresses=offers.addresses if offers else (),
         )
 
     def rejoin(self, why: str) -> None:
@@ -261,12 +261,20 @@ class PrefillEngine:
         else:
             if layer not in r.hit_rows:
                 hit = r.load.readiness.wait(layer, self.ctx.timeout_s)
-                r.hit_rows[layer] = hit.segments() if hit is not None else []
+                segs = hit.segments() if hit is not None else []
+                # pieces pulled apart (spanning processes): one array over the mesh, in step
+                # with the other processes, which pull theirs when they hear of the layer
+                r.hit_rows[layer] = [self._over_mesh(x) for x in segs]
                 r.load.consumed()
             parts = [*r.lead_rows.get(layer, []), *r.hit_rows[layer], *r.done_rows.get(layer, [])]
         got = sum(segment_tokens(x, self.bt) for x in parts)
         assert got == cached, (got, cached)
         return parts
+
+    def _over_mesh(self, x):
+        if not isinstance(x, HitPieces):
+            return x
+        return self.ctx.row_offers.hit_pages(x, self.cfg.model.kv_width, self.cfg.model.kv_dtype)
 
     def run_batch(self) -> None:
         c = self.cfg
@@ -337,7 +345,16 @@ class PrefillEngine:
             if span is not None:  # the followers assemble the same pages from the same rows
                 desc = [describe(seg, *kept[w.request_id], i) for seg, w in zip(segments, work)]
                 span.send("layer", (i,), {"requests": desc})
-                segments = [resolve(d, *kept[w.request_id], i) for d, w in zip(desc, work)]
+                own = {
+                    (x.meta["request"], x.meta["layer"]): x
+                    for seg in segments
+                    for x in seg
+                    if isinstance(x, SpanPages)
+                }
+                segments = [
+                    resolve(d, *kept[w.request_id], i, lambda m: own[m["request"], m["layer"]])
+                    for d, w in zip(desc, work)
+                ]
             return LayerPages.assemble(
                 segments,
                 self.bt,
@@ -398,165 +415,6 @@ class PrefillEngine:
             )
             del self.reqs[ch.request_id]
             self.ctx.pool.submit(_finish_sends, r.load, self.ctx.timeout_s)
-
-
-@jax.jit
-def _layers(rows):
-    """`[L, B, N, W]` -> L device arrays `[B, N, W]` (one program per shape)."""
-    return tuple(rows[i] for i in range(rows.shape[0]))
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchChunk:
-    """One request's part of a forward: `bsz` tokens after `cached`; `finishes`: its last
-    prompt token is among them; `lead`: its recomputed lead's tokens (0: none)."""
-
-    request_id: str
-    cached: int
-    bsz: int
-    finishes: bool
-    lead: int
-
-
-def forward(runner: ModelRunner, num_layers: int, batch, layerwise: bool, load_layer, emit_layer):
-    """One forward batch. Layerwise: each layer's cached KV is taken (`load_layer`) just before
-    the layer runs and its new rows go out (`emit_layer`) right after. Basic: the whole cached
-    KV is taken before one monolithic program; the new rows go out after it. Hit pages
-    assembled on the device stay there; host pages go to pinned host memory, and the program
-    copies each layer's pages to the device as the layer runs. On CPU
-    (`ModelRunner.one_program_prefill` false) Basic keeps that order over the per-layer
-    programs."""
-    if layerwise:
-        return runner.prefill_layerwise(batch, load_layer, emit_layer)
-    cached = [load_layer(i) for i in range(num_layers)] if batch.c_pad else []
-    if not runner.one_program_prefill:
-        # CPU: Basic's order (every layer's KV first, the new rows after) over the per-layer
-        # programs, which trace and compile in a fraction of the one program's time
-        rows: list = []
-        res = runner.prefill_layerwise(batch, cached.__getitem__, lambda i, r: rows.append(r))
-        for i, r in enumerate(rows):
-            emit_layer(i, r)
-        return res
-    kv = None
-    if cached:
-        kv = CachedPages.from_layers(cached)
-        if not isinstance(kv.pages, jax.Array):
-            kv = kv.to_host(runner.pages_sharding(kv.pages.shape))
-    res, new = runner.prefill_program(batch, kv)
-    for i, rows in enumerate(_layers(new)):
-        emit_layer(i, rows)
-    return res
-
-
-def keep_rows(kept: dict, work: Sequence[BatchChunk], layer: int, rows) -> None:
-    """A forward's layer rows of requests with chunks to come, kept on the device for their
-    next forward: a recomputed lead's apart from later chunks' (`kept[request]`: the two
-    per-layer lists)."""
-    for b, w in enumerate(work):
-        if not w.finishes:
-            lead_rows, done_rows = kept[w.request_id]
-            into = lead_rows if w.cached < w.lead else done_rows
-            into.setdefault(layer, []).append(DeviceRowRun(rows, b, w.bsz))
-
-
-def describe(segments: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> list:
-    """A request's cached segments of one layer as the followers of an engine spanning
-    processes get them: host rows as they are, device pages (on this process's device) as host
-    rows, kept rows by their place in the kept lists (each process holds its own)."""
-    out = []
-    for x in segments:
-        if isinstance(x, DeviceRowRun):
-            for kind, runs in (
-                ("lead", lead_rows.get(layer, [])),
-                ("done", done_rows.get(layer, [])),
-            ):
-                at = next((j for j, y in enumerate(runs) if y is x), -1)
-                if at >= 0:
-                    out.append([kind, at])
-                    break
-            else:
-                raise ValueError("a kept row run of no request")
-        elif isinstance(x, DevicePages):
-            pages = np.asarray(x.pages)[: x.blocks]
-            out.append(["rows", pages.reshape(-1, pages.shape[-1])])
-        else:
-            out.append(["rows", np.asarray(x)])
-    return out
-
-
-def resolve(desc: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> list:
-    """`describe`'s segments back, with this process's kept rows."""
-    runs = {"lead": lead_rows.get(layer, []), "done": done_rows.get(layer, [])}
-    return [x[1] if x[0] == "rows" else runs[x[0]][x[1]] for x in desc]
-
-
-class PrefillReplay:
-    """A prefill engine's follower: replays each forward batch of its leader on the same mesh,
-    with the cached rows the leader sends layer by layer and the rows it keeps itself, and
-    offers the DE the pieces of the new rows its devices computed (over `channel`)."""
-
-    def __init__(
-        self,
-        cfg: ExperimentConfig,
-        runner: ModelRunner,
-        channel,
-        params: ParamsSlot | None = None,
-    ):
-        self.cfg, self.runner, self.channel = cfg, runner, channel
-        self.offers = RowOffers.for_mesh(cfg.model, runner.mesh)
-        self.offered = 0  # row pieces offered to DEs
-        self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
-        self.params = params or ParamsSlot(runner, "", -1)
-
-    def __call__(self, follower, method: str, args: list, kwargs: dict) -> None:
-        if replay_params(self.params, method, args):
-            return
-        if method == "drop":
-            self.kept.pop(args[0], None)
-            return
-        if method == "abort":  # the leader gave up a batch between two layers
-            return
-        if method != "batch":
-            raise RuntimeError(f"unexpected call {method!r} from the leader")
-        m, bt = self.cfg.model, self.cfg.store.block_tokens
-        work = [BatchChunk(*x) for x in kwargs["chunks"]]
-        batch = PrefillBatch.build(m, kwargs["prompts"], kwargs["starts"], self.runner.min_bucket)
-        kept = {w.request_id: self.kept.setdefault(w.request_id, ({}, {})) for w in work}
-
-        def load_layer(i: int) -> LayerPages:
-            call, got, kw = follower.recv()
-            if call != "layer" or got[0] != i:
-                raise Aborted(f"the leader sent {call!r} while layer {i} was awaited")
-            segments = [resolve(d, *kept[w.request_id], i) for d, w in zip(kw["requests"], work)]
-            return LayerPages.assemble(
-                segments,
-                bt,
-                m.kv_width,
-                m.kv_dtype,
-                placement=self.runner.pages_sharding,
-                pad_to_table=self.runner.gathers_pages,
-            )
-
-        def emit_layer(i: int, rows) -> None:
-            keep_rows(kept, work, i, rows)
-            for b, (request, attempt, chunk) in enumerate(kwargs["sends"]):
-                x = row_bytes_split(rows, b, self.offers.split)  # as the leader, in step
-                self.offered += self.offers.offer(self.channel, request, attempt, chunk, i, x)
-
-        try:
-            forward(self.runner, m.num_layers, batch, kwargs["layerwise"], load_layer, emit_layer)
-        except Aborted as e:
-            log.warning("%s: the batch is dropped", e)
-            for w in work:
-                self.kept.pop(w.request_id, None)
-            return
-        for w in work:
-            if w.finishes:
-                self.kept.pop(w.request_id, None)
-
-
-class Aborted(RuntimeError):
-    """The leader gave a batch up part way."""
 
 
 def _finish_sends(load: PrefillLoad, timeout_s: float) -> None:

@@ -126,7 +126,7 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
     from dualpath_jax.engine.calibrate import prefill_cost
     from dualpath_jax.engine.devices import role_mesh
     from dualpath_jax.engine.params import ParamsSlot, load_served_model
-    from dualpath_jax.engine.prefill_engine import PrefillReplay
+    from dualpath_jax.engine.prefill_forward import PrefillReplay
     from dualpath_jax.engine.rpc import host_port
     from dualpath_jax.engine.span import DecoderReplay, announce, follow
     from dualpath_jax.model import sharding
@@ -155,7 +155,11 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
         prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
         replay = PrefillReplay(cfg, runner, channel, params)
         follow(replay, timeout_s=timeout_s)
-        log.info("offered %d KV row pieces to decode engines", replay.offered)
+        log.info(
+            "offered %d KV row pieces to decode engines, pulled the pieces of %d hit layers",
+            replay.offered,
+            replay.pulled,
+        )
     finally:
         channel.close()
 

@@ -14,7 +14,7 @@ host data; a follower builds the same model on the same mesh and replays it (`fo
   state a later program depends on) goes to the followers, method name and host arguments,
   before it runs (`DecoderReplay` replays them on a decoder of the shape the first call gives);
 - a prefill engine sends each forward batch and each layer's cached rows
-  (`prefill_engine.PrefillReplay` runs the same forward).
+  (`prefill_forward.PrefillReplay` runs the same forward).
 Results the leader reads on the host (sampled tokens, logits, pages to persist, new rows) are
 replicated over the mesh, so it reads its own copy.
 

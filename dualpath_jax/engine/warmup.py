@@ -14,7 +14,7 @@ The buckets (what `PrefillEngine.run_batch` and the decoder pad to):
   (`batch_bucket`), new tokens padded by `runner.bucket_len` up to `cluster.prefill_max_tokens`,
   cached context in page tables of a power of two of pages up to the context
   (`cluster.decode_max_len` and the model's `max_seq_len`), each combination a context can hold.
-  Each runs through `prefill_engine.forward` (layerwise or not, as the policy prefills) over
+  Each runs through `prefill_forward.forward` (layerwise or not, as the policy prefills) over
   host rows, with the new rows turned into what the PE sends its DE, and its first tokens
   sampled greedily and with a temperature; hit blocks pulled from a DE (the DE read path) are
   placed as `DevicePages` of every power of two of blocks a table holds. The layers are
@@ -174,7 +174,7 @@ def warm_prefill(cfg: ExperimentConfig, runner, buffer=None) -> Warmup:
     serves with. See the module docstring."""
     import jax
 
-    from dualpath_jax.engine.prefill_engine import forward
+    from dualpath_jax.engine.prefill_forward import forward
     from dualpath_jax.model.cached_kv import LayerPages
     from dualpath_jax.model.runner import PrefillBatch
     from dualpath_jax.model.sampler import sample_at
@@ -230,10 +230,9 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
     and an earlier chunk's rows kept on the device (`DeviceRowRun`, one per forward shape)."""
     import jax
 
-    from dualpath_jax.model.cached_kv import _row_of, _scatter_rows, scatter_pages
+    from dualpath_jax.model.cached_kv import _row_of, _scatter_rows, bytes_to_pages, scatter_pages
     from dualpath_jax.model.layout import BlockLayout
     from dualpath_jax.model.runner import batch_buckets, bucket_len
-    from dualpath_jax.transfer.prefill_load import _bytes_to_pages
 
     m, c, bt = cfg.model, cfg.cluster, cfg.store.block_tokens
     row_bytes = BlockLayout.for_model(m, bt).bytes_per_token_per_layer
@@ -243,7 +242,7 @@ def _warm_placements(cfg: ExperimentConfig, runner, max_width: int) -> None:
     blocks = [1 << k for k in range(max_width.bit_length())]  # 1 .. max_width
     for n in blocks:
         data = jax.device_put(np.zeros((n, bt, row_bytes), np.uint8), home)
-        _bytes_to_pages(data, bt, m.kv_width, m.kv_dtype)
+        bytes_to_pages(data, bt, m.kv_width, m.kv_dtype)
     for b in batch_buckets(c.prefill_max_batch):  # a request's rows out of a batch's
         for n_pad in news:
             _row_of(jax.device_put(np.zeros((b, n_pad, m.kv_width), m.kv_dtype), home), 0)

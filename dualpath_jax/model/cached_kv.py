@@ -199,6 +199,15 @@ class LayerPages:
         )
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
+    """Layer bytes `[n, bt, W * itemsize]` (or `[n * bt, ...]`) uint8 -> pages `[n, bt, W]` in
+    the KV dtype, on the device (a bitcast: no copy through the host)."""
+    dt = jnp.dtype(dtype)
+    x = data.reshape(-1, block_tokens, width, dt.itemsize)
+    return jax.lax.bitcast_convert_type(x[..., 0] if dt.itemsize == 1 else x, dt)
+
+
 @dataclasses.dataclass(frozen=True)
 class DevicePages:
     """A request's cached rows already in device pages `[n, page_size, W]` (kv dtype; `n` may be

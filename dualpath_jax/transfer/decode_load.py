@@ -16,7 +16,7 @@ from dualpath_jax.kvstore.buffers import BufferReservation
 from dualpath_jax.model.layout import bytes_to_kv_rows
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, column_pieces, padded_blocks
-from dualpath_jax.transfer.row_offers import piece_uuid
+from dualpath_jax.transfer.row_offers import de_piece_uuid, piece_uuid
 
 
 class DecodeLoad:
@@ -66,11 +66,18 @@ class DecodeLoad:
                 )
                 padded = padded_blocks(self.de_hits)
                 nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
+                # A PE spanning processes pulls each piece from the process that uses it.
+                apart = bool(job.pe_piece_addresses) and job.pe_pieces > 1
                 for i in range(ctx.cfg.num_layers):
                     blocks = res.layer_pages(first, self.de_hits, i, padded, purpose="de_offer")
                     ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
                     pieces = column_pieces(blocks, job.pe_pieces)
-                    ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)
+                    if not apart:
+                        ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)
+                        continue
+                    for j, piece in enumerate(pieces):
+                        uuid = de_piece_uuid(job.request_id, job.attempt, i, j)
+                        ctx.channel.offer(uuid, [piece])
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer

@@ -15,7 +15,8 @@ PE half (`prefill_load.PrefillLoad`, in the prefill engine):
      readiness value is a `HitLayer`: the PE-read rows on the host, the DE-read blocks as device
      pages where the pull put them (they never go through the PE's host memory). On a PE whose
      mesh splits the KV heads the DE offers each layer in the PE's column pieces
-     (`LoadJob.pe_pieces`), and each is pulled straight to a device that holds those heads.
+     (`LoadJob.pe_pieces`), and each is pulled straight to a device that holds those heads (on
+     a PE spanning processes, by the process that holds them: `row_offers.RowOffers`).
   4. after each layer of each forward chunk: PE device -> DE buffer of the rows the DE lacks: the
      PE-read hit rows (first piece) and the computed rows, a recomputed lead's and the new
      tokens', each piece at its prompt position (HIGH class). On a mesh whose

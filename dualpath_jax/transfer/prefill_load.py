@@ -17,11 +17,12 @@ import numpy as np
 
 from dualpath_jax import copies
 from dualpath_jax.kvstore.buffers import BufferReservation
-from dualpath_jax.model.cached_kv import DevicePages
+from dualpath_jax.model.cached_kv import DevicePages, bytes_to_pages
 from dualpath_jax.model.layout import bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, padded_blocks
 from dualpath_jax.transfer.readiness import LayerReadiness
+from dualpath_jax.transfer.row_offers import HitPieces, de_piece_uuid, hit_meta
 
 
 def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: int) -> np.ndarray:
@@ -29,15 +30,6 @@ def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: 
     if count == 0:
         return np.zeros((0, res.block(0).shape[-1] if len(res) else 0), np.uint8)
     return np.concatenate([res.block(first + j)[layer] for j in range(count)], axis=0)
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _bytes_to_pages(data, block_tokens: int, width: int, dtype: str):
-    """Layer bytes `[n, bt, W * itemsize]` (or `[n * bt, ...]`) uint8 -> pages `[n, bt, W]` in
-    the KV dtype, on the device (a bitcast: no copy through the host)."""
-    dt = jnp.dtype(dtype)
-    x = data.reshape(-1, block_tokens, width, dt.itemsize)
-    return jax.lax.bitcast_convert_type(x[..., 0] if dt.itemsize == 1 else x, dt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,10 +82,11 @@ def _column_pieces(x: jax.Array) -> list[jax.Array]:
 class HitLayer:
     """One layer of a request's effective hit, as the PE's forward takes it: the PE-read
     blocks' rows from the PE buffer (`host` `[p * bt, W]`, KV dtype) and the DE-read blocks as
-    they arrived over the compute network, already on the device (`device`, None if none)."""
+    they arrived over the compute network, already on the device (`device`, None if none; on
+    a PE spanning processes, this process's pieces of them, `HitPieces`, until the layer runs)."""
 
     host: np.ndarray
-    device: DevicePages | None = None
+    device: DevicePages | HitPieces | None = None
     # The PE-read blocks already in device memory (a pinned PE buffer copies them there inside
     # a compiled program); `host` is then empty.
     pe_device: DevicePages | None = None
@@ -197,6 +190,15 @@ class PrefillLoad:
 
     def _drop_de_layers(self) -> None:
         ctx, job = self.ctx, self.job
+        if self._apart:  # every piece, wherever it would go
+            lay, n = ctx.layout, self._de_pieces
+            spec = [((padded_blocks(self.de_read_blocks), lay.block_tokens,
+                      lay.bytes_per_token_per_layer // n), np.uint8)]  # fmt: skip
+            for i in range(ctx.cfg.num_layers):
+                for j in range(n):
+                    uuid = de_piece_uuid(job.request_id, job.attempt, i, j)
+                    ctx.channel.pull(job.de_address, uuid, spec, ctx.timeout_s, abort=self._abort)
+            return
         spec = self._de_layer_spec()
         for i in range(ctx.cfg.num_layers):
             ctx.channel.pull(
@@ -216,13 +218,21 @@ class PrefillLoad:
         return [((blocks, lay.block_tokens, lay.bytes_per_token_per_layer), np.uint8)]
 
     @property
+    def _apart(self) -> bool:
+        """The DE offers each hit piece apart and each process of this (spanning) PE pulls its
+        own (`RowOffers.pulls_apart`)."""
+        offers = self.ctx.row_offers
+        return offers is not None and offers.pulls_apart
+
+    @property
     def _de_pieces(self) -> int:
         """Column pieces of the DE's offers: the PE's own split when the job names it."""
         n = self.job.pe_pieces
-        if n > 1 and n != self.ctx.row_pieces:
+        own = self.ctx.row_offers.pieces if self._apart else self.ctx.row_pieces
+        if n > 1 and n != own:
             raise ValueError(
                 f"request {self.job.request_id}: the DE offers {n} pieces, this PE splits its KV"
-                f" rows into {self.ctx.row_pieces}"
+                f" rows into {own}"
             )
         return n
 
@@ -250,7 +260,7 @@ class PrefillLoad:
                         data = self._res.layer_pages(
                             0, p_used, i, pad_to=padded_blocks(p_used), purpose="pe_buffer_pages"
                         )
-                        pages = _bytes_to_pages(data, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
+                        pages = bytes_to_pages(data, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                         pe_device = DevicePages(pages, p_used)
                     else:
                         rows = _block_rows(self._res, 0, p_used, i, bt)
@@ -262,7 +272,19 @@ class PrefillLoad:
                         links.TrafficClass.HIGH,
                     )
                 device = None
-                if d_used:
+                if d_used and self._apart and self._de_pieces > 1:
+                    # Spanning processes: this process's pieces; the others pull theirs when
+                    # the layer runs, and the pieces become one array over the mesh then.
+                    lay = ctx.layout
+                    meta = hit_meta(job.de_address, job.request_id, job.attempt, i,
+                                    padded_blocks(self.de_read_blocks), d_used)  # fmt: skip
+                    got = ctx.row_offers.pull_hit(
+                        ctx.channel, meta, lay.block_tokens, lay.bytes_per_token_per_layer,
+                        ctx.timeout_s, self._abort,
+                    )  # fmt: skip
+                    self._charge_de_layer(d_used)
+                    device = HitPieces(got, d_used, meta)
+                elif d_used:
                     # The DE's blocks stay on the device they were pulled to: bitcast to KV
                     # rows there, placed into the layer's pages by the forward's page assembly.
                     got = ctx.channel.pull(
@@ -274,19 +296,20 @@ class PrefillLoad:
                     )
                     # One piece per column split, each on a device that computes with it.
                     arr = ctx.join_pieces(got) if len(got) > 1 else got[0]
-                    ctx.charge(
-                        job,
-                        paths.engine_to_engine_path(
-                            job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
-                        ),
-                        d_used * bt * ctx.layout.bytes_per_token_per_layer,
-                        links.TrafficClass.HIGH,
-                    )
-                    pages = _bytes_to_pages(arr, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
+                    self._charge_de_layer(d_used)
+                    pages = bytes_to_pages(arr, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                     device = DevicePages(pages, d_used)
                 self.readiness.set_ready(i, HitLayer(host, device, pe_device))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the waiter
             self.readiness.set_error(e)
+
+    def _charge_de_layer(self, blocks: int) -> None:
+        ctx, job = self.ctx, self.job
+        path = paths.engine_to_engine_path(
+            job.de_engine, job.pe_engine, job.de_node, job.pe_node, False, True
+        )
+        nbytes = blocks * ctx.layout.block_tokens * ctx.layout.bytes_per_token_per_layer
+        ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
 
     # 4: PE -> DE --------------------------------------------------------------------------
 

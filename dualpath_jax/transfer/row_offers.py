@@ -11,24 +11,34 @@ order, that holds columns j. The DE learns where each piece is offered from the 
 registration (`RowOffers.addresses`, carried in `LoadJob.pe_piece_addresses`) and pulls piece j
 of chunk k, layer i, under `piece_uuid`; the chunk's meta (from the leader) says how many pieces
 there are. Rows that do not split by columns (MLA's one latent head) are one piece, the leader's.
+
+The other way, DE-read hit blocks to the PE: when no column piece is held by the devices of two
+processes (`RowOffers.pulls_apart`: the KV heads split over processes, not replicated across
+them), the DE offers each layer's pieces at their own uuids (`de_piece_uuid`) and every process
+pulls the pieces its devices compute with (`pull_hit`) straight onto them; the processes then
+join them into one array over the mesh, in step (`hit_pages`). Otherwise the layer arrives
+whole at the leader, which sends it to the followers as host rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import sharding
+from dualpath_jax.model.cached_kv import DevicePages, bytes_to_pages
 from dualpath_jax.transfer.channel import KVChannel, make_uuid
 
 # Key of process r's KV channel address in its engine group's key-value store.
 KV_ADDRESS_KEY = "dualpath/span/kv/{rank}"
-_PE_SPLIT = 5  # the `part` of a piece's uuid (after loader.Part's)
+_PE_SPLIT, _DE_SPLIT = 5, 6  # the `part` of a piece's uuid (after loader.Part's)
 
 
 def piece_uuid(request_id: str, attempt: int, chunk: int, layer: int, piece: int) -> int:
@@ -36,6 +46,40 @@ def piece_uuid(request_id: str, attempt: int, chunk: int, layer: int, piece: int
     return make_uuid(
         request_id, layer, _PE_SPLIT * 100_000_000 + chunk * 1_000 + piece, epoch=attempt
     )
+
+
+def de_piece_uuid(request_id: str, attempt: int, layer: int, piece: int) -> int:
+    """The uuid of column piece `piece` of layer `layer` of a request's DE-read hit."""
+    return make_uuid(request_id, layer, _DE_SPLIT * 100_000_000 + piece, epoch=attempt)
+
+
+@dataclasses.dataclass(frozen=True)
+class HitPieces:
+    """One layer of a request's DE-read hit as one process of a spanning PE pulled it:
+    `arrays[j]`, the bytes `[n, bt, width / pieces]` of column piece j on its home device, for
+    the pieces this process is home for; `blocks` of the `n` are real. `meta` names the offers
+    (`HitMeta`), so that the other processes pull theirs."""
+
+    arrays: dict[int, jax.Array]
+    blocks: int
+    meta: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanPages(DevicePages):
+    """A DE-read hit layer as pages over a mesh that spans processes (`RowOffers.hit_pages`):
+    the followers are told `meta`, not sent the rows."""
+
+    meta: dict = dataclasses.field(default_factory=dict)
+
+
+def hit_meta(address: str, request_id: str, attempt: int, layer: int, n: int, blocks: int) -> dict:
+    """What a process needs to pull its pieces of a hit layer: where, which, how many blocks
+    (`n` offered, the first `blocks` real)."""
+    return {
+        "address": address, "request": request_id, "attempt": attempt, "layer": layer, "n": n,
+        "blocks": blocks,
+    }  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +113,60 @@ class RowOffers:
     @property
     def pieces(self) -> int:
         return len(self.homes)
+
+    @property
+    def page_split(self) -> NamedSharding:
+        """A hit layer's bytes `[n, bt, bytes]` split as the rows are (by columns)."""
+        return NamedSharding(self.split.mesh, PS(None, None, self.split.spec[1]))
+
+    @property
+    def pulls_apart(self) -> bool:
+        """Each process can pull the hit pieces its devices compute with: there are several
+        pieces and no piece is held by the devices of two processes."""
+        if self.pieces < 2:
+            return False
+        index = self.split.devices_indices_map((1, self.pieces))
+        owners: dict[int, set[int]] = {}
+        for dev, idx in index.items():
+            owners.setdefault(idx[1].start or 0, set()).add(dev.process_index)
+        return all(len(o) == 1 for o in owners.values())
+
+    def pull_hit(
+        self,
+        channel: KVChannel,
+        meta: dict,
+        bt: int,
+        width: int,
+        timeout_s: float,
+        abort: threading.Event | None = None,
+    ) -> dict[int, jax.Array]:
+        """Pulls the pieces of hit layer `meta` this process is home for, each onto its home
+        device: piece j -> bytes `[n, bt, width / pieces]`."""
+        out = {}
+        w = width // self.pieces
+        for j, dev in enumerate(self.homes):
+            if dev.process_index != jax.process_index():
+                continue
+            spec = jax.ShapeDtypeStruct(
+                (meta["n"], bt, w), np.uint8, sharding=SingleDeviceSharding(dev)
+            )
+            uuid = de_piece_uuid(meta["request"], meta["attempt"], meta["layer"], j)
+            (out[j],) = channel.pull(meta["address"], uuid, [spec], timeout_s, abort=abort)
+        return out
+
+    def hit_pages(self, hit: HitPieces, kv_width: int, kv_dtype: str) -> SpanPages:
+        """The pages `[n, bt, W]` (KV dtype) over the mesh of a hit layer whose pieces each
+        process pulled (every process calls it, in the same order)."""
+        n, bt, w = next(iter(hit.arrays.values())).shape
+        shape = (n, bt, w * self.pieces)
+        split = self.page_split
+        local = []
+        for dev, idx in split.addressable_devices_indices_map(shape).items():
+            piece = hit.arrays[(idx[2].start or 0) // w]  # this process's (`pulls_apart`)
+            local.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
+        arr = jax.make_array_from_single_device_arrays(shape, split, local)
+        pages = bytes_to_pages(arr, bt, kv_width, kv_dtype)
+        return SpanPages(pages, hit.blocks, hit.meta)
 
     def offer(
         self, channel: KVChannel, request_id: str, attempt: int, chunk: int, layer: int, x

@@ -140,7 +140,7 @@ def test_prefill_segments_travel_as_host_rows_and_kept_run_references():
     row runs by their place in the lists each process keeps (resolved to its own runs)."""
     import jax.numpy as jnp
 
-    from dualpath_jax.engine.prefill_engine import describe, resolve
+    from dualpath_jax.engine.prefill_forward import describe, resolve
     from dualpath_jax.model.cached_kv import DevicePages, DeviceRowRun
 
     host = np.arange(12, dtype=np.float32).reshape(3, 4)

@@ -204,5 +204,10 @@ def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_
     # the pieces of the new rows left from both processes, each from its own channel
     where = pe["kv_piece_addresses"]
     assert len(where) == 2 and where[0] == pe["address"] and where[1] != where[0], pe
-    offered = re.search(r"offered (\d+) KV row pieces", log)
-    assert offered and int(offered.group(1)) > 0, log[-2000:]
+    moved = re.search(r"offered (\d+) KV row pieces .*, pulled the pieces of (\d+) hit", log)
+    assert moved and int(moved.group(1)) > 0, log[-2000:]
+    # ... and the DE offers its hits in the same 2 pieces, each pulled by the process using it
+    assert pe["kv_pieces"] == 2, pe
+    de_reads = sum(r.read_path in ("de", "split") for r in (rr[1] for rr in results))
+    assert (int(moved.group(2)) > 0) == (de_reads > 0), (de_reads, log[-2000:])
+    assert de_reads > 0 or policy != "split"  # the split path reads on both sides

@@ -30,7 +30,7 @@ from dualpath_jax.transfer.decode_load import DecodeLoad
 from dualpath_jax.transfer.jax_channel import JaxTransferChannel
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part
 from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad, SplitRows, row_bytes_split
-from dualpath_jax.transfer.row_offers import RowOffers, piece_uuid
+from dualpath_jax.transfer.row_offers import HitPieces, RowOffers, piece_uuid
 from dualpath_jax.transfer.traffic import TrafficManager
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (CPU) devices")
@@ -180,11 +180,13 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
         halves.close()
 
 
-@pytest.mark.parametrize("pe_blocks, de_blocks", [(4, 0), (0, 4)])
-def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks):
+@pytest.mark.parametrize("pe_blocks, de_blocks, apart", [(4, 0, 0), (0, 4, 0), (0, 4, 1)])
+def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks, apart):
     """The pieces of a spanning PE (`RowOffers`): each KV-head piece of the new rows offered at
     its own uuid from where its device sits (here one process, so one address), the PE-read hit
-    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV."""
+    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV. `apart`:
+    the DE offers its hit's pieces apart too, each pulled onto its home device and joined over
+    the mesh when the layer runs (else whole, to one device)."""
     base, runner, split = runners
     prompt, kv = prompt_and_kv
     halves = Halves(None)  # as a spanning PE: its loads see no mesh, its offers do
@@ -197,8 +199,9 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
         job = LoadJob(
             "m2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
             halves.pe.channel.address, halves.de.channel.address,
-            pe_piece_addresses=offers.addresses,
+            pe_piece_addresses=offers.addresses, pe_pieces=split if apart else 1,
         )  # fmt: skip
+        assert offers.pulls_apart
         de = DecodeLoad(halves.de, job).start()
         pe = PrefillLoad(halves.pe, job).start()
         h = pe.hit_blocks()
@@ -209,8 +212,14 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
         def load(i):
             hit = pe.readiness.wait(i, 20.0)
             pe.consumed()
+            segs = hit.segments()
+            if apart:
+                assert isinstance(segs[-1], HitPieces) and len(segs[-1].arrays) == split
+                homes = [a.devices() for a in segs[-1].arrays.values()]
+                assert len({d for (d,) in map(tuple, homes)}) == split, homes
+                segs[-1] = offers.hit_pages(segs[-1], CFG.kv_width, CFG.kv_dtype)
             return LayerPages.assemble(
-                [hit.segments()], BT, CFG.kv_width, CFG.kv_dtype, runner.pages_sharding
+                [segs], BT, CFG.kv_width, CFG.kv_dtype, runner.pages_sharding
             )
 
         new = len(prompt) - h * BT
