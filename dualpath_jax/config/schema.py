@@ -131,6 +131,9 @@ class ModelConfig:
     # row is made and applied by the attention kernels page by page. Needs a 1-byte kv_dtype.
     kv_scales: bool = False
     attention_impl: str = "auto"  # "auto" | "reference" | "xla" | "pallas"
+    # The paged kernel's cached pages per step of a program (0: as many as make 128 keys on GPU,
+    # 512 on TPU); the same KV, so not part of its identity.
+    attention_pages_per_step: int = 0
     moe_impl: str = "auto"  # "auto" | "ragged_dot" | "grouped" | "gmm"
 
     @property

@@ -42,13 +42,13 @@ def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
 
     Any change to the architecture (including `kv_dtype`), to the layout of scaled KV rows or to
     `params_version` changes every block key derived from it, so KV computed by older params is
-    never reused. The attention backend (`attention_impl`) and the MoE implementation
-    (`moe_impl`) are not part of it: every backend computes the same model's KV.
+    never reused. The attention backend (`attention_impl`, `attention_pages_per_step`) and the
+    MoE implementation (`moe_impl`) are not part of it: every backend computes the same KV.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dpjax-model")
     arch = to_dict(cfg)
-    del arch["attention_impl"]
-    del arch["moe_impl"]
+    for compute_only in ("attention_impl", "attention_pages_per_step", "moe_impl"):
+        del arch[compute_only]
     if cfg.kv_scales:  # the rows' format: each head's scales after its data (earlier: after all)
         arch["kv_scale_layout"] = KV_SCALE_LAYOUT
     h.update(json.dumps(arch, sort_keys=True).encode())

@@ -228,16 +228,18 @@ class PagedKV:
 
 
 def attend_kv(
-    q: Array, new_rows: Array, kv: PagedKV, layout, scale: float, kv_dtype, impl: str
-) -> tuple[Array, Array | None]:
+    q: Array, new_rows: Array, kv: PagedKV, layout, scale: float, kv_dtype, impl: str,
+    pages_per_step: int | None = None,
+) -> tuple[Array, Array | None]:  # fmt: skip
     """Attention of the new tokens (queries `q` `[B, N, Hq, dk]`, their rows `new_rows`
     `[B, N, W]`) over their cached KV `kv` and themselves, causally, with backend `impl`:
     `pallas` runs the paged kernel over the live pages only; `reference`/`xla` gather the pages
     into contiguous rows and attend densely (the oracle). Returns (output `[B, N, Hq, dv]`, the
-    pages with the new rows written if `kv.write` is set, else None)."""
+    pages with the new rows written if `kv.write` is set, else None). `pages_per_step`: the
+    kernel's cached pages per step (None: its default)."""
     args = (q, kv.pages, kv.table, kv.lens, new_rows, layout, scale)
     if impl == "pallas":
-        return _paged_kernel(q, new_rows, kv, layout, scale, kv_dtype)
+        return _paged_kernel(q, new_rows, kv, layout, scale, kv_dtype, pages_per_step)
     dense = functools.partial(
         pa.paged_attention_reference, layer=kv.layer, kv_dtype=kv_dtype, new_lens=kv.new_lens,
         impl=impl,
@@ -251,25 +253,23 @@ def attend_kv(
     return dense(q, pages, *args[2:]), pages
 
 
-def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype):
+def _paged_kernel(q, new_rows, kv: PagedKV, layout: RowLayout, scale, kv_dtype, pages_per_step):
     """The paged kernel, under `shard_map` when a mesh is set: each device attends with its
     share of the heads, so no step gathers the page pool. Over `tensor`: GQA's pages, new rows
     and queries split by KV head (a device's rows are its KV heads with their fp8 scales, a
     layout of `Hk / tensor` heads); MLA's latent (one KV head) replicated and the query heads
-    split; head counts the axis does not divide are not split by head. Over `data`: the requests of a batch that writes nothing; a decode step
-    that writes its pages runs every request on each `data` shard (its pool is replicated over
-    `data`, and each shard must write all of it)."""
+    split; head counts the axis does not divide are not split by head. Over `data`: the
+    requests of a batch that writes nothing; a decode step that writes its pages runs every
+    request on each `data` shard (its pool is replicated over `data`: each writes all of it)."""
 
     def call(q, pages, table, lens, new, layer, write, new_lens, layout):
         return pa.paged_attention(
             q, pages, table, lens, new, layout, scale, layer=layer, kv_dtype=kv_dtype,
-            write_lens=write, new_lens=new_lens,
+            write_lens=write, new_lens=new_lens, pages_per_compute_block=pages_per_step,
         )  # fmt: skip
 
     layer = jnp.asarray(kv.layer, jnp.int32)
-    new_lens = kv.new_lens
-    if new_lens is None:
-        new_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+    new_lens = jnp.full(q.shape[:1], q.shape[1], jnp.int32) if kv.new_lens is None else kv.new_lens
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         out = call(q, kv.pages, kv.table, kv.lens, new_rows, layer, kv.write, new_lens, layout)
@@ -335,6 +335,7 @@ class GQAttention(nnx.Module):
         self.kv_dtype = _dtype(cfg.kv_dtype)
         self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
+        self.pages_per_step = cfg.attention_pages_per_step or None
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
         """x `[B, N, hidden]` -> (queries `[B, N, Hq, D]`, new KV rows `[B, N, W]`)."""
@@ -355,8 +356,9 @@ class GQAttention(nnx.Module):
         """q `[B, N, Hq, D]`, the new rows `[B, N, W]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
         out, pages = attend_kv(
-            q, new_rows, kv, self.layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl
-        )
+            q, new_rows, kv, self.layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl,
+            self.pages_per_step,
+        )  # fmt: skip
         return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
 
 
@@ -399,6 +401,7 @@ class MLAttention(nnx.Module):
         self.kv_dtype = _dtype(cfg.kv_dtype)
         self.layout = RowLayout.for_model(cfg)
         self.attention_impl = resolve_attention_impl(cfg.attention_impl)
+        self.pages_per_step = cfg.attention_pages_per_step or None
 
     def project(self, x: Array, positions: Array) -> tuple[Array, Array]:
         """x `[B, N, hidden]` -> (absorbed queries `[B, N, H, r + dr]`, new KV rows `[B, N, r + dr]`)."""
@@ -425,8 +428,9 @@ class MLAttention(nnx.Module):
         """Absorbed queries, the new rows `[B, N, r + dr]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
         o_lat, pages = attend_kv(
-            q, new_rows, kv, self.layout, self.scale, self.kv_dtype, self.attention_impl
-        )
+            q, new_rows, kv, self.layout, self.scale, self.kv_dtype, self.attention_impl,
+            self.pages_per_step,
+        )  # fmt: skip
         out = jnp.einsum(
             "bnhr,rhd->bnhd", o_lat, self.w_uv[...], preferred_element_type=jnp.float32
         ).astype(o_lat.dtype)

@@ -101,3 +101,35 @@ def test_the_backend_is_not_part_of_the_kv_identity():
         for i in ("auto", *ATTENTION_IMPLS)
     }
     assert len(fps) == 1
+
+
+def test_the_kernels_pages_per_step_come_from_the_config(monkeypatch):
+    """`model.attention_pages_per_step` reaches the paged kernel (0: its default), gives the
+    same tokens, and is not part of the KV's identity."""
+    from dualpath_jax.kernels import paged_attention as pa
+
+    seen, kernel = [], pa.paged_attention
+
+    def spy(*args, **kw):
+        seen.append(kw.get("pages_per_compute_block"))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(pa, "paged_attention", spy)
+    tokens = {}
+    for step in (0, 1, 3):
+        cfg = dataclasses.replace(
+            TINY_QWEN2, attention_impl="pallas", attention_pages_per_step=step
+        )
+        tokens[step] = dm.generate(ModelRunner(dm.init_model(cfg, seed=0)), PROMPTS[:1], 4)
+        assert set(seen) == {step or None}, seen
+        seen.clear()
+    assert tokens[1] == tokens[3] == tokens[0]
+    fps = {
+        model_fingerprint(dataclasses.replace(TINY_QWEN2, attention_pages_per_step=s))
+        for s in (0, 2)
+    }
+    assert len(fps) == 1
+    cfg = apply_overrides(ExperimentConfig(), ["model.attention_pages_per_step=4"])
+    assert cfg.model.attention_pages_per_step == 4
+    with pytest.raises(ConfigError, match="attention_pages_per_step"):
+        validate(apply_overrides(ExperimentConfig(), ["model.attention_pages_per_step=-1"]))
