@@ -8,6 +8,11 @@ records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
 - `kernel`: the paged kernel against the dense oracle at bf16 for a Qwen2.5-7B-shaped decode
   batch (GQA, 7 queries per KV head) and a DeepSeek-V3-shaped MLA prefill block: max abs error
   (`--quick`: tiny layouts over short contexts).
+- `kernel_steps`: the paged kernel alone, timed (median ms): a Qwen2.5-7B-shaped decode batch
+  (64 slots, contexts up to 32K) and a prefill block (2,048 new over 32K cached) with 1, 2 and
+  4 cached pages per step (`pages_per_compute_block`) and the default's pick, and
+  `bench/accel_memory.py`'s ragged 8-request batch padded and told its lengths (`new_lens`)
+  (`--quick`: tiny layouts over short contexts).
 - `greedy`: greedy tokens of the tiny Qwen2 and DeepSeek models (f32 KV, and fp8 KV with scales)
   under every attention backend and MoE implementation, against the `reference`/`ragged_dot`
   tokens (identical or not), and the largest logit difference of a layerwise prefill over
@@ -105,6 +110,58 @@ def _kernel_checks(quick: bool) -> dict:
         got = pa.paged_attention(q, pages, table, cl, new, layout, scale)
         want = pa.paged_attention_reference(q, pages, table, cl, new, layout, scale)
         out[name] = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
+    return out
+
+
+def _kernel_case(seed: int, layout, hq: int, news, lens, page: int = 64):
+    """Random bf16 inputs of `paged_attention` (made on the device: the decode pool is 4 GiB)
+    for requests of `news[b]` new tokens (padded to the longest) over `lens[b]` cached ones in
+    pages of `page`."""
+    b, n, w = len(lens), max(news), layout.row_width
+    m = max(-(-c // page) for c in lens) + 1
+    k = jax.random.split(jax.random.key(seed), 3)
+    pages = jax.random.normal(k[0], (b * m + 1, 1, page, w), jnp.bfloat16)
+    table = jnp.asarray(1 + np.arange(b * m).reshape(b, m), jnp.int32)
+    q = jax.random.normal(k[1], (b, n, hq, layout.key_width), jnp.bfloat16)
+    new = jax.random.normal(k[2], (b, n, w), jnp.bfloat16)
+    return q, pages, table, jnp.asarray(lens, jnp.int32), new, jnp.asarray(news, jnp.int32)
+
+
+def _kernel_steps(quick: bool) -> dict:
+    from accel_memory import RAGGED  # a sibling script
+
+    from dualpath_jax.kernels import paged_attention as pa
+    from dualpath_jax.kernels.kv_rows import RowLayout
+
+    layout, hq, ctx, new, repeats = RowLayout.gqa(4, 128), 28, 32768, 2048, REPEATS
+    ragged = RAGGED
+    if quick:  # interpret mode off an accelerator: tiny
+        layout, hq, ctx, new, repeats = RowLayout.gqa(2, 16), 4, 512, 32, 1
+        ragged = [(max(1, n // 64), c // 64) for n, c in RAGGED]
+    slots = 8 if quick else 64
+    decode = _kernel_case(0, layout, hq, [1] * slots,
+                          [max(1, ctx * (i + 1) // slots) for i in range(slots)])  # fmt: skip
+    prefill = _kernel_case(1, layout, hq, [new], [ctx])
+    scale = layout.key_width**-0.5
+
+    def timed(args, **kw):
+        q, pages, table, lens, rows, news = args
+        f = jax.jit(lambda *a: pa.paged_attention(*a[:5], layout, scale, new_lens=a[5], **kw))
+        return 1e3 * median_seconds(lambda: f(q, pages, table, lens, rows, news), repeats)
+
+    out: dict = {"default_pages_per_step": {
+        "gpu": pa._pages_per_block(decode[2].shape[1], 64, 1, None, pa._BLOCK_KEYS),
+        "tpu": pa._pages_per_block(decode[2].shape[1], 64, 1, None, pa._TPU_BLOCK_KEYS),
+    }}  # fmt: skip
+    for name, args in (("decode_64", decode), ("prefill_2048", prefill)):
+        out[name] = {"default_ms": timed(args)}
+        for p in (1, 2, 4):
+            out[name][f"pages_{p}_ms"] = timed(args, pages_per_compute_block=p)
+    q, pages, table, lens, rows, news = _kernel_case(
+        2, layout, hq, [n for n, _ in ragged], [c for _, c in ragged]
+    )
+    padded = (q, pages, table, lens, rows, jnp.full_like(news, q.shape[1]))
+    out["ragged8"] = {"padded_ms": timed(padded), "ragged_ms": timed((*padded[:5], news))}
     return out
 
 
@@ -379,6 +436,7 @@ def _channel(quick: bool) -> dict:
 
 CHECKS: dict[str, Callable[[bool], dict]] = {
     "kernel": _kernel_checks,
+    "kernel_steps": _kernel_steps,
     "greedy": _greedy_checks,
     "memory": _memory,
     "dispatch": _dispatch,
@@ -444,6 +502,12 @@ def _figures(name: str, r: dict) -> list[str]:
     """One line per figure of check `name`'s result `r`."""
     if name == "kernel":
         return [f"{case} max abs error {_g(v)}" for case, v in r.items()]
+    if name == "kernel_steps":
+        lines = [
+            f"{case} ms: " + ", ".join(f"{k[:-3]} {v:.3f}" for k, v in r[case].items())
+            for case in ("decode_64", "prefill_2048", "ragged8")
+        ]
+        return [f"default pages per step {r['default_pages_per_step']}", *lines]
     if name == "greedy":
         ok = [k for k, v in r.items() if v.get("tokens_equal")]
         diffs = [v["max_logit_diff"] for v in r.values() if "max_logit_diff" in v]

@@ -13,7 +13,7 @@ from dualpath_jax.presets import TINY_QWEN2
 
 # `memory` and `dispatch` call bench/accel_memory.py and bench/decode_dispatch.py, whose own
 # tests (tests/model/) run those measurements at tiny sizes; here they would only add minutes.
-ON_CPU = ("kernel", "greedy", "roofline", "sharded", "layerwise", "h2d", "channel")
+ON_CPU = ("kernel", "kernel_steps", "greedy", "roofline", "sharded", "layerwise", "h2d", "channel")
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def gpu_check(bench_modules):
 @pytest.mark.slow  # a benchmark script's run: the full tier
 def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
     assert list(gpu_check.CHECKS) == [
-        "kernel", "greedy", "memory", "dispatch", "roofline", "layerwise", "h2d", "channel",
-        "sharded",
+        "kernel", "kernel_steps", "greedy", "memory", "dispatch", "roofline", "layerwise", "h2d",
+        "channel", "sharded",
     ]  # fmt: skip
     result = gpu_check.run(tmp_path, quick=True, names=ON_CPU)
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -38,6 +38,11 @@ def test_quick_run_on_cpu_gives_every_figure(gpu_check, tmp_path):
         assert "error" not in saved[name], saved[name]
 
     assert set(saved["kernel"]) == {"gqa_decode", "mla_prefill"}
+    steps = saved["kernel_steps"]
+    for case in ("decode_64", "prefill_2048"):
+        assert set(steps[case]) == {"default_ms", "pages_1_ms", "pages_2_ms", "pages_4_ms"}
+        assert all(v > 0 for v in steps[case].values())
+    assert steps["ragged8"]["padded_ms"] > 0 and steps["ragged8"]["ragged_ms"] > 0
     assert all(0 <= v < 0.1 for v in saved["kernel"].values()), saved["kernel"]
 
     greedy = saved["greedy"]
