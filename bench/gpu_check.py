@@ -8,11 +8,6 @@ records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
 - `kernel`: the paged kernel against the dense oracle at bf16 for a Qwen2.5-7B-shaped decode
   batch (GQA, 7 queries per KV head) and a DeepSeek-V3-shaped MLA prefill block: max abs error
   (`--quick`: tiny layouts over short contexts).
-- `kernel_steps`: the paged kernel alone, timed (median ms): a Qwen2.5-7B-shaped decode batch
-  (64 slots, contexts up to 32K) and a prefill block (2,048 new over 32K cached) with 1, 2 and
-  4 cached pages per step (`pages_per_compute_block`) and the default's pick, and
-  `bench/accel_memory.py`'s ragged 8-request batch padded and told its lengths (`new_lens`)
-  (`--quick`: tiny layouts over short contexts).
 - `greedy`: greedy tokens of the tiny Qwen2 and DeepSeek models (f32 KV, and fp8 KV with scales)
   under every attention backend and MoE implementation, against the `reference`/`ragged_dot`
   tokens (identical or not), and the largest logit difference of a layerwise prefill over
@@ -25,6 +20,11 @@ records, as `DIR/gpu_check.json` (rewritten after every check) and on stdout:
   median of a few timed runs after a compiling one, against the model's FLOPs and bytes moved
   (`step_cost`): achieved FLOP/s and bytes/s and their fraction of the device's peak (`PEAKS`,
   by `device_kind`; null for a device not in it, e.g. a CPU). `--quick`: a tiny model.
+- `kernel_steps`: the paged kernel alone, timed (median ms): a Qwen2.5-7B-shaped decode batch
+  (64 slots, contexts up to 32K) and a prefill block (2,048 new over 32K cached) with 1, 2 and
+  4 cached pages per step (`pages_per_compute_block`; the default's pick recorded), and
+  `bench/accel_memory.py`'s ragged 8-request batch padded and told its lengths (`new_lens`)
+  (`--quick`: tiny layouts over short contexts).
 - `layerwise`: `bench/layerwise.py`'s figures (program / resident and loop / resident, the
   overlap fractions) at its default shapes (`--quick`: its tiny shapes).
 - `h2d`: host-to-device bandwidth of a 256 MiB buffer (`--quick`: 4 MiB) from pageable numpy
@@ -154,9 +154,7 @@ def _kernel_steps(quick: bool) -> dict:
         "tpu": pa._pages_per_block(decode[2].shape[1], 64, 1, None, pa._TPU_BLOCK_KEYS),
     }}  # fmt: skip
     for name, args in (("decode_64", decode), ("prefill_2048", prefill)):
-        out[name] = {"default_ms": timed(args)}
-        for p in (1, 2, 4):
-            out[name][f"pages_{p}_ms"] = timed(args, pages_per_compute_block=p)
+        out[name] = {f"pages_{p}_ms": timed(args, pages_per_compute_block=p) for p in (1, 2, 4)}
     q, pages, table, lens, rows, news = _kernel_case(
         2, layout, hq, [n for n, _ in ragged], [c for _, c in ragged]
     )
@@ -436,11 +434,11 @@ def _channel(quick: bool) -> dict:
 
 CHECKS: dict[str, Callable[[bool], dict]] = {
     "kernel": _kernel_checks,
-    "kernel_steps": _kernel_steps,
     "greedy": _greedy_checks,
     "memory": _memory,
     "dispatch": _dispatch,
     "roofline": _roofline,
+    "kernel_steps": _kernel_steps,
     "layerwise": _layerwise,
     "h2d": _h2d,
     "channel": _channel,
