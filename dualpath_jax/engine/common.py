@@ -34,6 +34,7 @@ def job_from_msg(m: messages.LoadJobMsg) -> LoadJob:
         attempt=m.attempt,
         pe_pieces=m.pe_pieces,
         pe_piece_addresses=tuple(m.pe_piece_addresses),
+        pe_piece_holders=tuple(tuple(h) for h in m.pe_piece_holders),
         lead=m.lead_blocks,
         session=m.session,
     )
@@ -77,11 +78,12 @@ def register(
     runner=None,
     kv_pieces: int = 1,
     kv_piece_addresses: Sequence[str] = (),
+    kv_piece_holders: Sequence[Sequence[int]] = (),
 ) -> None:
     """Announces engine `who` (an `engine.core.EngineId`: its KV channel address, served params
     version, the devices and mesh its `runner` runs on and, for a PE, the prefill cost model it
     batches with, the column pieces its KV rows split into and, spanning processes, where each
-    piece of its new rows is offered) to the router."""
+    piece of its new rows is offered and which processes hold each) to the router."""
     devices, mesh = runner_devices(runner) if runner is not None else ([], "")
     control.send(
         messages.Register(
@@ -97,6 +99,7 @@ def register(
             mesh=mesh,
             kv_pieces=kv_pieces,
             kv_piece_addresses=list(kv_piece_addresses),
+            kv_piece_holders=[list(h) for h in kv_piece_holders],
         )
     )
 

@@ -85,6 +85,7 @@ def load_job(
         session=st.session,
         pe_pieces=pe.kv_pieces,
         pe_piece_addresses=list(pe.kv_piece_addresses),
+        pe_piece_holders=[list(h) for h in pe.kv_piece_holders],
         lead_blocks=0 if oracle else a.recompute_blocks,  # the PE computes these first
     )
 

@@ -57,6 +57,7 @@ class EngineInfo:
     mesh: str = ""  # their mesh ("data=2,tensor=2"; "": one device)
     kv_pieces: int = 1  # a PE: the column pieces of its KV rows (messages.Register)
     kv_piece_addresses: tuple[str, ...] = ()  # a spanning PE: where each new-row piece is offered
+    kv_piece_holders: tuple[tuple[int, ...], ...] = ()  # ... and which processes hold each piece
     prefill_cost: messages.PrefillCost | None = None  # a PE: its cost model, if usable
     # The params version it serves: as it registered, then as the params part committed it
     # (None: unknown, it refused a job of the served version). Work goes only to engines whose
@@ -158,6 +159,7 @@ class EngineRegistry:
             mesh=msg.mesh,
             kv_pieces=max(1, msg.kv_pieces),
             kv_piece_addresses=tuple(msg.kv_piece_addresses),
+            kv_piece_holders=tuple(tuple(h) for h in msg.kv_piece_holders),
             prefill_cost=cost,
             params_version=msg.params_version,
         )
@@ -222,6 +224,7 @@ class EngineRegistry:
                 "mesh": e.mesh,
                 "kv_pieces": e.kv_pieces,
                 "kv_piece_addresses": list(e.kv_piece_addresses),
+                "kv_piece_holders": [list(h) for h in e.kv_piece_holders],
                 "links": e.links,
                 "params_version": e.params_version,
                 # in rotation: live and serving the cluster's params (only these get work)

@@ -63,12 +63,10 @@ class Submit(Msg):
     gen: int
     sampling: SamplingParams = GREEDY
     # How much of the session's context the round builds on: -1 all of it; k keeps the first k
-    # tokens (a client that rewrote later history, e.g. an edited chat): the prompt is
-    # context[:k] + append, the kept prefix's stored KV found by its block keys.
+    # tokens (history rewritten later): the prompt is context[:k] + append (its KV found by key).
     keep: int = -1
-    # The round ends early, as if it had generated `gen` tokens, right after any of these tokens
-    # (an end-of-sequence id), which is the last of its tokens; none is drawn before the round
-    # has `sampling.min_tokens` tokens (at most gen; at most 16 distinct ones with min_tokens).
+    # The round ends early, as if it had generated `gen` tokens, right after any of these (its
+    # last token); none before `sampling.min_tokens` tokens (at most 16 distinct ones with it).
     stop_tokens: list[int] = []
     stream: bool = False  # send the tokens as they are generated (`Partial`), then the result
     # Change the session's retention (see OpenSession) from this round on; None keeps it.
@@ -236,6 +234,7 @@ class Register(Msg):
     mesh: str = ""  # its mesh, "data=2,tensor=2" (`cluster.prefill_mesh` form); "": one device
     kv_pieces: int = 1  # a PE: the column pieces its KV rows split into (whole KV heads each)
     kv_piece_addresses: list[str] = []  # a spanning PE: where each piece is offered (row_offers)
+    kv_piece_holders: list[list[int]] = []  # ... and which of its processes hold each
 
 
 class LoadParams(Msg):
@@ -306,6 +305,7 @@ class LoadJobMsg(Msg):
     session: str = ""  # the DE's store claims the round's blocks for it (retention)
     pe_pieces: int = 1  # the DE offers each hit layer in the PE's column pieces (Register)
     pe_piece_addresses: list[str] = []  # where the PE offers each piece of its new rows
+    pe_piece_holders: list[list[int]] = []  # which PE processes hold each piece (pull the hit)
     # Leading hit blocks the PE recomputes (load or recompute); `pe_blocks`, `de_blocks` follow.
     lead_blocks: int = 0
 

@@ -125,10 +125,9 @@ class PrefillEngine:
             self.params.version,
             self.prefill_cost,
             runner=self.runner,
-            # spanning processes, the DE offers its hit in pieces only if each process can pull
-            # its own (else whole, to this process)
-            kv_pieces=offers.pieces if offers and offers.pulls_apart else self.ctx.row_pieces,
+            kv_pieces=offers.pieces if offers else self.ctx.row_pieces,
             kv_piece_addresses=offers.addresses if offers else (),
+            kv_piece_holders=offers.holders if offers else (),
         )
 
     def rejoin(self, why: str) -> None:

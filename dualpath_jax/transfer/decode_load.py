@@ -66,18 +66,19 @@ class DecodeLoad:
                 )
                 padded = padded_blocks(self.de_hits)
                 nbytes = self.de_hits * bt * ctx.layout.bytes_per_token_per_layer
-                # A PE spanning processes pulls each piece from the process that uses it.
-                apart = bool(job.pe_piece_addresses) and job.pe_pieces > 1
+                # A PE spanning processes: each of its processes pulls the pieces it holds.
+                holders = job.pe_piece_holders
                 for i in range(ctx.cfg.num_layers):
                     blocks = res.layer_pages(first, self.de_hits, i, padded, purpose="de_offer")
                     ctx.charge(job, path, nbytes, links.TrafficClass.HIGH)
                     pieces = column_pieces(blocks, job.pe_pieces)
-                    if not apart:
+                    if not holders:
                         ctx.channel.offer(job.uuid(Part.DE_LAYER, layer=i), pieces)
                         continue
                     for j, piece in enumerate(pieces):
-                        uuid = de_piece_uuid(job.request_id, job.attempt, i, j)
-                        ctx.channel.offer(uuid, [piece])
+                        for rank in holders[j]:
+                            uuid = de_piece_uuid(job.request_id, job.attempt, i, j, rank)
+                            ctx.channel.offer(uuid, [piece])
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False
         width = ctx.layout.bytes_per_token_per_layer

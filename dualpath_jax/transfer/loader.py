@@ -102,6 +102,8 @@ class LoadJob:
     # A PE spanning processes offers each column piece of its new rows from the process that
     # computed it, at these addresses (`row_offers.RowOffers`); empty: all at `pe_address`.
     pe_piece_addresses: tuple[str, ...] = ()
+    # ... and which of its processes hold each piece: the DE offers each its DE-read pieces.
+    pe_piece_holders: tuple[tuple[int, ...], ...] = ()
     lead: int = 0
     session: str = ""  # its session: a load takes its blocks from that session's prefetch
 

@@ -190,14 +190,17 @@ class PrefillLoad:
 
     def _drop_de_layers(self) -> None:
         ctx, job = self.ctx, self.job
-        if self._apart:  # every piece, wherever it would go
+        if self._apart:  # every piece, to whichever process it would go
             lay, n = ctx.layout, self._de_pieces
             spec = [((padded_blocks(self.de_read_blocks), lay.block_tokens,
                       lay.bytes_per_token_per_layer // n), np.uint8)]  # fmt: skip
             for i in range(ctx.cfg.num_layers):
-                for j in range(n):
-                    uuid = de_piece_uuid(job.request_id, job.attempt, i, j)
-                    ctx.channel.pull(job.de_address, uuid, spec, ctx.timeout_s, abort=self._abort)
+                for j, ranks in enumerate(ctx.row_offers.holders):
+                    for rank in ranks:
+                        uuid = de_piece_uuid(job.request_id, job.attempt, i, j, rank)
+                        ctx.channel.pull(
+                            job.de_address, uuid, spec, ctx.timeout_s, abort=self._abort
+                        )
             return
         spec = self._de_layer_spec()
         for i in range(ctx.cfg.num_layers):
@@ -219,10 +222,9 @@ class PrefillLoad:
 
     @property
     def _apart(self) -> bool:
-        """The DE offers each hit piece apart and each process of this (spanning) PE pulls its
-        own (`RowOffers.pulls_apart`)."""
-        offers = self.ctx.row_offers
-        return offers is not None and offers.pulls_apart
+        """This PE spans processes: the DE offers each hit piece to each process that holds it
+        (`RowOffers.holders`), and each pulls its own."""
+        return self.ctx.row_offers is not None
 
     @property
     def _de_pieces(self) -> int:
@@ -272,7 +274,7 @@ class PrefillLoad:
                         links.TrafficClass.HIGH,
                     )
                 device = None
-                if d_used and self._apart and self._de_pieces > 1:
+                if d_used and self._apart:
                     # Spanning processes: this process's pieces; the others pull theirs when
                     # the layer runs, and the pieces become one array over the mesh then.
                     lay = ctx.layout

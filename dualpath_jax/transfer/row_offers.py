@@ -12,12 +12,13 @@ registration (`RowOffers.addresses`, carried in `LoadJob.pe_piece_addresses`) an
 of chunk k, layer i, under `piece_uuid`; the chunk's meta (from the leader) says how many pieces
 there are. Rows that do not split by columns (MLA's one latent head) are one piece, the leader's.
 
-The other way, DE-read hit blocks to the PE: when no column piece is held by the devices of two
-processes (`RowOffers.pulls_apart`: the KV heads split over processes, not replicated across
-them), the DE offers each layer's pieces at their own uuids (`de_piece_uuid`) and every process
-pulls the pieces its devices compute with (`pull_hit`) straight onto them; the processes then
-join them into one array over the mesh, in step (`hit_pages`). Otherwise the layer arrives
-whole at the leader, which sends it to the followers as host rows.
+The other way, DE-read hit blocks to the PE: the DE offers each layer's column pieces once for
+every process whose devices hold that piece (`RowOffers.holders`, registered with the piece
+count; a piece replicated over processes, as MLA's one latent head or a `data` axis across
+them, is offered to each), at their own uuids (`de_piece_uuid`); every process pulls its pieces
+straight onto a device that computes with them (`pull_hit`), copies a piece to its other local
+devices that hold it, and the processes join them into one array over the mesh, in step
+(`hit_pages`). Nothing goes through the leader's host.
 """
 
 from __future__ import annotations
@@ -48,9 +49,11 @@ def piece_uuid(request_id: str, attempt: int, chunk: int, layer: int, piece: int
     )
 
 
-def de_piece_uuid(request_id: str, attempt: int, layer: int, piece: int) -> int:
-    """The uuid of column piece `piece` of layer `layer` of a request's DE-read hit."""
-    return make_uuid(request_id, layer, _DE_SPLIT * 100_000_000 + piece, epoch=attempt)
+def de_piece_uuid(request_id: str, attempt: int, layer: int, piece: int, process: int) -> int:
+    """The uuid of column piece `piece` of layer `layer` of a request's DE-read hit, as offered
+    to process `process` of the PE."""
+    part = _DE_SPLIT * 100_000_000 + process * 1_000 + piece
+    return make_uuid(request_id, layer, part, epoch=attempt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +89,13 @@ def hit_meta(address: str, request_id: str, attempt: int, layer: int, n: int, bl
 class RowOffers:
     """A spanning PE's new rows as `pieces` column pieces: `split` lays a request's rows as
     bytes `[N, bytes]` over the mesh, piece j is offered by the process holding `homes[j]`
-    (a device), at `addresses[j]` (known to the leader; empty in a follower)."""
+    (a device), at `addresses[j]` (known to the leader; empty in a follower). `holders[j]`: the
+    processes whose devices hold piece j (each pulls it of a DE-read hit)."""
 
     split: NamedSharding
     homes: tuple[jax.Device, ...]
     addresses: tuple[str, ...] = ()
+    holders: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def for_mesh(
@@ -104,11 +109,13 @@ class RowOffers:
         n = mesh.shape[axis] if axis else 1
         index = split.devices_indices_map((1, n))
         homes: dict[int, jax.Device] = {}
+        holders: dict[int, set[int]] = {}
         for dev in mesh.devices.flat:
             homes.setdefault(index[dev][1].start or 0, dev)
+            holders.setdefault(index[dev][1].start or 0, set()).add(dev.process_index)
         devices = tuple(homes[j] for j in range(n))
         where = () if addresses is None else tuple(addresses[d.process_index] for d in devices)
-        return cls(split, devices, where)
+        return cls(split, devices, where, tuple(tuple(sorted(holders[j])) for j in range(n)))
 
     @property
     def pieces(self) -> int:
@@ -119,18 +126,6 @@ class RowOffers:
         """A hit layer's bytes `[n, bt, bytes]` split as the rows are (by columns)."""
         return NamedSharding(self.split.mesh, PS(None, None, self.split.spec[1]))
 
-    @property
-    def pulls_apart(self) -> bool:
-        """Each process can pull the hit pieces its devices compute with: there are several
-        pieces and no piece is held by the devices of two processes."""
-        if self.pieces < 2:
-            return False
-        index = self.split.devices_indices_map((1, self.pieces))
-        owners: dict[int, set[int]] = {}
-        for dev, idx in index.items():
-            owners.setdefault(idx[1].start or 0, set()).add(dev.process_index)
-        return all(len(o) == 1 for o in owners.values())
-
     def pull_hit(
         self,
         channel: KVChannel,
@@ -140,17 +135,20 @@ class RowOffers:
         timeout_s: float,
         abort: threading.Event | None = None,
     ) -> dict[int, jax.Array]:
-        """Pulls the pieces of hit layer `meta` this process is home for, each onto its home
-        device: piece j -> bytes `[n, bt, width / pieces]`."""
+        """Pulls the pieces of hit layer `meta` this process's devices hold, each onto the first
+        of them: piece j -> bytes `[n, bt, width / pieces]`."""
+        me, w = jax.process_index(), width // self.pieces
+        index = self.page_split.devices_indices_map((1, 1, self.pieces))
+        first: dict[int, jax.Device] = {}
+        for dev in self.split.mesh.devices.flat:
+            if dev.process_index == me:
+                first.setdefault(index[dev][2].start or 0, dev)
         out = {}
-        w = width // self.pieces
-        for j, dev in enumerate(self.homes):
-            if dev.process_index != jax.process_index():
-                continue
+        for j, dev in sorted(first.items()):
             spec = jax.ShapeDtypeStruct(
                 (meta["n"], bt, w), np.uint8, sharding=SingleDeviceSharding(dev)
             )
-            uuid = de_piece_uuid(meta["request"], meta["attempt"], meta["layer"], j)
+            uuid = de_piece_uuid(meta["request"], meta["attempt"], meta["layer"], j, me)
             (out[j],) = channel.pull(meta["address"], uuid, [spec], timeout_s, abort=abort)
         return out
 
@@ -162,7 +160,7 @@ class RowOffers:
         split = self.page_split
         local = []
         for dev, idx in split.addressable_devices_indices_map(shape).items():
-            piece = hit.arrays[(idx[2].start or 0) // w]  # this process's (`pulls_apart`)
+            piece = hit.arrays[(idx[2].start or 0) // w]  # pulled by this process
             local.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
         arr = jax.make_array_from_single_device_arrays(shape, split, local)
         pages = bytes_to_pages(arr, bt, kv_width, kv_dtype)

@@ -26,7 +26,7 @@ from dualpath_jax.config import (
 from dualpath_jax.model.decode import reference_generate, reference_rounds
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
+from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_DEEPSEEK, TINY_QWEN2
 from dualpath_jax.rollout import Session
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
@@ -41,9 +41,9 @@ BLOCK_TOKENS = 16
 RESULT_TIMEOUT_S = 300.0
 
 
-def mesh_config(policy: str, **cluster: object) -> ExperimentConfig:
+def mesh_config(policy: str, model=MODEL, **cluster: object) -> ExperimentConfig:
     return ExperimentConfig(
-        model=MODEL,
+        model=model,
         cluster=ClusterConfig(
             prefill_cost_json=PINNED_COST,
             **{
@@ -211,3 +211,28 @@ def test_a_prefill_engine_spanning_two_processes(policy, extra, tmp_path, start_
     de_reads = sum(r.read_path in ("de", "split") for r in (rr[1] for rr in results))
     assert (int(moved.group(2)) > 0) == (de_reads > 0), (de_reads, log[-2000:])
     assert de_reads > 0 or policy != "split"  # the split path reads on both sides
+
+
+def test_an_mla_prefill_engine_spanning_two_processes(tmp_path, start_cluster):
+    """DeepSeek's MLA over a PE spanning two processes: its one latent head is replicated on
+    both, so the new rows leave as one piece (the leader's) and the DE offers each DE-read hit
+    layer to both processes, each pulling its own copy. Tokens equal the reference's."""
+    cfg = mesh_config(
+        "split", model=TINY_DEEPSEEK, prefill_mesh=DE_MESH, decode_mesh="", prefill_processes=2,
+        prefill_max_tokens=16,
+    )  # fmt: skip
+    runner = ModelRunner(init_model(TINY_DEEPSEEK, seed=0))
+    want = [reference_rounds(runner, rounds) for _, rounds in TRAJECTORIES]
+    with start_cluster(cfg, tmp_path) as cluster:
+        client = cluster.client()
+        engines = client.stats()["engines"]
+        results = run_rounds(client)
+        counters = client.stats()["counters"]
+
+    assert [[list(r.tokens) for r in rr] for rr in results] == want
+    assert counters["errors"] == counters["engine_deaths"] == counters["requeued"] == 0, counters
+    pe = engines[str(cluster.engine_ids["pe0"])]
+    assert pe["kv_pieces"] == 1 and pe["kv_piece_holders"] == [[0, 1]], pe
+    log = (tmp_path / "logs" / "pe0.1.log").read_text()
+    moved = re.search(r"offered (\d+) KV row pieces .*, pulled the pieces of (\d+) hit", log)
+    assert moved and int(moved.group(1)) == 0 and int(moved.group(2)) > 0, log[-2000:]

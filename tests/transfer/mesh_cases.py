@@ -180,13 +180,14 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
         halves.close()
 
 
-@pytest.mark.parametrize("pe_blocks, de_blocks, apart", [(4, 0, 0), (0, 4, 0), (0, 4, 1)])
-def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks, apart):
+@pytest.mark.parametrize("pe_blocks, de_blocks", [(4, 0), (0, 4)])
+def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks):
     """The pieces of a spanning PE (`RowOffers`): each KV-head piece of the new rows offered at
     its own uuid from where its device sits (here one process, so one address), the PE-read hit
-    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV. `apart`:
-    the DE offers its hit's pieces apart too, each pulled onto its home device and joined over
-    the mesh when the layer runs (else whole, to one device)."""
+    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV. The DE
+    offers its hit's pieces apart too, to each process holding them (here the one), each pulled
+    onto a device that holds it, copied to the others, and joined over the mesh when the layer
+    runs."""
     base, runner, split = runners
     prompt, kv = prompt_and_kv
     halves = Halves(None)  # as a spanning PE: its loads see no mesh, its offers do
@@ -199,9 +200,9 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
         job = LoadJob(
             "m2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
             halves.pe.channel.address, halves.de.channel.address,
-            pe_piece_addresses=offers.addresses, pe_pieces=split if apart else 1,
+            pe_piece_addresses=offers.addresses, pe_pieces=split, pe_piece_holders=offers.holders,
         )  # fmt: skip
-        assert offers.pulls_apart
+        assert offers.holders == ((0,),) * split
         de = DecodeLoad(halves.de, job).start()
         pe = PrefillLoad(halves.pe, job).start()
         h = pe.hit_blocks()
@@ -213,7 +214,7 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
             hit = pe.readiness.wait(i, 20.0)
             pe.consumed()
             segs = hit.segments()
-            if apart:
+            if de_blocks:
                 assert isinstance(segs[-1], HitPieces) and len(segs[-1].arrays) == split
                 homes = [a.devices() for a in segs[-1].arrays.values()]
                 assert len({d for (d,) in map(tuple, homes)}) == split, homes
