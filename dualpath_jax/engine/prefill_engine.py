@@ -345,15 +345,16 @@ class PrefillEngine:
                 desc = [describe(seg, *kept[w.request_id], i) for seg, w in zip(segments, work)]
                 span.send("layer", (i,), {"requests": desc})
                 own = {
-                    (x.meta["request"], x.meta["layer"]): x
+                    (x.meta["request"], x.meta["kind"], x.meta["layer"]): x
                     for seg in segments
                     for x in seg
                     if isinstance(x, SpanPages)
                 }
-                segments = [
-                    resolve(d, *kept[w.request_id], i, lambda m: own[m["request"], m["layer"]])
-                    for d, w in zip(desc, work)
-                ]
+
+                def hit(m):
+                    return own[m["request"], m["kind"], m["layer"]]
+
+                segments = [resolve(d, *kept[w.request_id], i, hit) for d, w in zip(desc, work)]
             return LayerPages.assemble(
                 segments,
                 self.bt,

@@ -15,7 +15,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine.params import ParamsSlot, replay_params
-from dualpath_jax.model.cached_kv import CachedPages, DevicePages, DeviceRowRun, LayerPages
+from dualpath_jax.model.cached_kv import CachedPages, DeviceRowRun, LayerPages
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.transfer.prefill_load import row_bytes_split
@@ -85,8 +85,8 @@ def keep_rows(kept: dict, work: Sequence[BatchChunk], layer: int, rows) -> None:
 
 def describe(segments: Sequence, lead_rows: dict, done_rows: dict, layer: int) -> list:
     """A request's cached segments of one layer as the followers of an engine spanning
-    processes get them: host rows as they are, device pages (on this process's device) as host
-    rows, kept rows by their place in the kept lists (each process holds its own)."""
+    processes get them: host rows as they are, hit pages by the offers of their pieces (each
+    process pulls its own), kept rows by their place in the kept lists (each holds its own)."""
     out = []
     for x in segments:
         if isinstance(x, DeviceRowRun):
@@ -102,11 +102,10 @@ def describe(segments: Sequence, lead_rows: dict, done_rows: dict, layer: int) -
                 raise ValueError("a kept row run of no request")
         elif isinstance(x, SpanPages):  # each process pulled (or pulls) its own pieces
             out.append(["pieces", x.meta])
-        elif isinstance(x, DevicePages):
-            pages = np.asarray(x.pages)[: x.blocks]
-            out.append(["rows", pages.reshape(-1, pages.shape[-1])])
-        else:
-            out.append(["rows", np.asarray(x)])
+        elif isinstance(x, np.ndarray):
+            out.append(["rows", x])
+        else:  # hit pages reach every process in pieces (`RowOffers`), never from this one
+            raise TypeError(f"a cached segment the followers cannot be told: {type(x).__name__}")
     return out
 
 
@@ -148,7 +147,8 @@ class PrefillReplay:
         self.offered = 0  # row pieces offered to DEs
         self.pulled = 0  # DE-read hit layers whose pieces it pulled
         self.kept: dict[str, tuple[dict, dict]] = {}  # request -> (lead rows, later chunks' rows)
-        self.hits: dict[str, dict[int, SpanPages]] = {}  # request -> DE-read hit layers pulled
+        # request -> its hit layers pulled, by (kind, layer): DE-read ("de") and PE-read ("pe")
+        self.hits: dict[str, dict[tuple, SpanPages]] = {}
         self.params = params or ParamsSlot(runner, "", -1)
 
     def __call__(self, follower, method: str, args: list, kwargs: dict) -> None:
@@ -203,10 +203,12 @@ class PrefillReplay:
                 self.hits.pop(w.request_id, None)
 
     def _hit(self, meta: dict) -> SpanPages:
-        """A DE-read hit layer over the mesh: this process's pieces pulled from the DE the first
-        time (a later chunk of the request reuses them), joined with the others' in step."""
+        """A hit layer over the mesh: this process's pieces pulled the first time (from the DE,
+        or from the leader for its PE-read blocks; a later chunk of the request reuses them),
+        joined with the others' in step."""
         mine = self.hits.setdefault(meta["request"], {})
-        if meta["layer"] not in mine:
+        key = (meta["kind"], meta["layer"])
+        if key not in mine:
             m, bt = self.cfg.model, self.cfg.store.block_tokens
             width = BlockLayout.for_model(m, bt).bytes_per_token_per_layer
             got = self.offers.pull_hit(
@@ -214,8 +216,8 @@ class PrefillReplay:
             )
             hit = HitPieces(got, meta["blocks"], meta)
             self.pulled += 1
-            mine[meta["layer"]] = self.offers.hit_pages(hit, m.kv_width, m.kv_dtype)
-        return mine[meta["layer"]]
+            mine[key] = self.offers.hit_pages(hit, m.kv_width, m.kv_dtype)
+        return mine[key]
 
 
 class Aborted(RuntimeError):

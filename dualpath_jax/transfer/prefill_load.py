@@ -20,7 +20,7 @@ from dualpath_jax.kvstore.buffers import BufferReservation
 from dualpath_jax.model.cached_kv import DevicePages, bytes_to_pages
 from dualpath_jax.model.layout import bytes_to_kv_rows, kv_rows_to_bytes, np_dtype
 from dualpath_jax.transfer import links, paths
-from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, padded_blocks
+from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, column_pieces, padded_blocks
 from dualpath_jax.transfer.readiness import LayerReadiness
 from dualpath_jax.transfer.row_offers import HitPieces, de_piece_uuid, hit_meta
 
@@ -256,7 +256,21 @@ class PrefillLoad:
                     return
                 host, pe_device = self._no_rows, None
                 if p_used:
-                    if ctx.buffer.pinned is not None:
+                    if self._apart:
+                        # Spanning processes: this process's pieces, the others offered theirs
+                        # from the device (they pull them when the layer runs).
+                        n = padded_blocks(p_used)
+                        data = self._res.layer_pages(
+                            0, p_used, i, pad_to=n, purpose="pe_buffer_pages"
+                        )
+                        meta = hit_meta(ctx.channel.address, job.request_id, job.attempt, i, n,
+                                        p_used, "pe")  # fmt: skip
+                        offers = ctx.row_offers
+                        mine = offers.share_hit(
+                            ctx.channel, meta, column_pieces(data, offers.pieces)
+                        )
+                        pe_device = HitPieces(mine, p_used, meta)
+                    elif ctx.buffer.pinned is not None:
                         # Pinned PE buffer: one in-program copy of the layer's blocks to the
                         # device, padded to a power of two (few compiled shapes).
                         data = self._res.layer_pages(

@@ -12,13 +12,14 @@ registration (`RowOffers.addresses`, carried in `LoadJob.pe_piece_addresses`) an
 of chunk k, layer i, under `piece_uuid`; the chunk's meta (from the leader) says how many pieces
 there are. Rows that do not split by columns (MLA's one latent head) are one piece, the leader's.
 
-The other way, DE-read hit blocks to the PE: the DE offers each layer's column pieces once for
+The other way, hit blocks to the PE: the DE offers each DE-read layer's column pieces once for
 every process whose devices hold that piece (`RowOffers.holders`, registered with the piece
 count; a piece replicated over processes, as MLA's one latent head or a `data` axis across
-them, is offered to each), at their own uuids (`de_piece_uuid`); every process pulls its pieces
-straight onto a device that computes with them (`pull_hit`), copies a piece to its other local
-devices that hold it, and the processes join them into one array over the mesh, in step
-(`hit_pages`). Nothing goes through the leader's host.
+them, is offered to each), at their own uuids (`de_piece_uuid`), and the leader offers the
+pieces of its PE-read blocks the same way from its device (`share_hit`); every process pulls
+its pieces straight onto a device that computes with them (`pull_hit`), copies a piece to its
+other local devices that hold it, and the processes join them into one array over the mesh, in
+step (`hit_pages`). Nothing goes through the leader's host.
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ def piece_uuid(request_id: str, attempt: int, chunk: int, layer: int, piece: int
     )
 
 
-def de_piece_uuid(request_id: str, attempt: int, layer: int, piece: int, process: int) -> int:
-    """The uuid of column piece `piece` of layer `layer` of a request's DE-read hit, as offered
-    to process `process` of the PE."""
-    part = _DE_SPLIT * 100_000_000 + process * 1_000 + piece
+def de_piece_uuid(
+    request_id: str, attempt: int, layer: int, piece: int, process: int, kind: str = "de"
+) -> int:
+    """The uuid of column piece `piece` of layer `layer` of a request's hit, as offered to
+    process `process` of the PE: its DE-read blocks (`kind` "de", from the DE) or its PE-read
+    ones ("pe", from the PE's leader, whose buffer they were read into)."""
+    part = _DE_SPLIT * 100_000_000 + (kind == "pe") * 10_000_000 + process * 1_000 + piece
     return make_uuid(request_id, layer, part, epoch=attempt)
 
 
@@ -76,12 +80,14 @@ class SpanPages(DevicePages):
     meta: dict = dataclasses.field(default_factory=dict)
 
 
-def hit_meta(address: str, request_id: str, attempt: int, layer: int, n: int, blocks: int) -> dict:
-    """What a process needs to pull its pieces of a hit layer: where, which, how many blocks
-    (`n` offered, the first `blocks` real)."""
+def hit_meta(
+    address: str, request_id: str, attempt: int, layer: int, n: int, blocks: int, kind: str = "de"
+) -> dict:
+    """What a process needs to pull its pieces of a hit layer: where, which (`kind`, as
+    `de_piece_uuid`), how many blocks (`n` offered, the first `blocks` real)."""
     return {
         "address": address, "request": request_id, "attempt": attempt, "layer": layer, "n": n,
-        "blocks": blocks,
+        "blocks": blocks, "kind": kind,
     }  # fmt: skip
 
 
@@ -138,19 +144,41 @@ class RowOffers:
         """Pulls the pieces of hit layer `meta` this process's devices hold, each onto the first
         of them: piece j -> bytes `[n, bt, width / pieces]`."""
         me, w = jax.process_index(), width // self.pieces
-        index = self.page_split.devices_indices_map((1, 1, self.pieces))
-        first: dict[int, jax.Device] = {}
-        for dev in self.split.mesh.devices.flat:
-            if dev.process_index == me:
-                first.setdefault(index[dev][2].start or 0, dev)
         out = {}
-        for j, dev in sorted(first.items()):
+        for j, dev in sorted(self.first_local().items()):
             spec = jax.ShapeDtypeStruct(
                 (meta["n"], bt, w), np.uint8, sharding=SingleDeviceSharding(dev)
             )
-            uuid = de_piece_uuid(meta["request"], meta["attempt"], meta["layer"], j, me)
+            uuid = de_piece_uuid(
+                meta["request"], meta["attempt"], meta["layer"], j, me, meta["kind"]
+            )
             (out[j],) = channel.pull(meta["address"], uuid, [spec], timeout_s, abort=abort)
         return out
+
+    def first_local(self) -> dict[int, jax.Device]:
+        """Piece j -> the first device of this process (mesh order) that holds it."""
+        index = self.split.devices_indices_map((1, self.pieces))
+        first: dict[int, jax.Device] = {}
+        for dev in self.split.mesh.devices.flat:
+            if dev.process_index == jax.process_index():
+                first.setdefault(index[dev][1].start or 0, dev)
+        return first
+
+    def share_hit(
+        self, channel: KVChannel, meta: dict, pieces: list[jax.Array]
+    ) -> dict[int, jax.Array]:
+        """The leader's side of its own (PE-read) hit layer: each column piece offered to the
+        other processes that hold it (`kind` "pe"), and this process's pieces placed on its
+        first devices holding them (what `pull_hit` gives the others)."""
+        me = jax.process_index()
+        for j, ranks in enumerate(self.holders):
+            for rank in ranks:
+                if rank != me:
+                    uuid = de_piece_uuid(
+                        meta["request"], meta["attempt"], meta["layer"], j, rank, "pe"
+                    )
+                    channel.offer(uuid, [pieces[j]])
+        return {j: jax.device_put(pieces[j], dev) for j, dev in self.first_local().items()}
 
     def hit_pages(self, hit: HitPieces, kv_width: int, kv_dtype: str) -> SpanPages:
         """The pages `[n, bt, W]` (KV dtype) over the mesh of a hit layer whose pieces each

@@ -136,24 +136,31 @@ def test_a_spanning_engines_params_updates_reach_its_followers_first(tmp_path):
 
 
 def test_prefill_segments_travel_as_host_rows_and_kept_run_references():
-    """A spanning PE's layer segments: host rows as they are, device pages as host rows, kept
-    row runs by their place in the lists each process keeps (resolved to its own runs)."""
+    """A spanning PE's layer segments: host rows as they are, hit pages by their pieces' offers
+    (each process resolves them to its own pages over the mesh), kept row runs by their place
+    in the lists each process keeps (resolved to its own runs); pages of one device cannot be
+    told."""
     import jax.numpy as jnp
 
     from dualpath_jax.engine.prefill_forward import describe, resolve
     from dualpath_jax.model.cached_kv import DevicePages, DeviceRowRun
+    from dualpath_jax.transfer.row_offers import SpanPages, hit_meta
 
     host = np.arange(12, dtype=np.float32).reshape(3, 4)
-    pages = DevicePages(jnp.arange(64, dtype=jnp.float32).reshape(4, 4, 4), blocks=2)
+    meta = hit_meta("127.0.0.1:1", "r1", 0, 0, 4, 2, "de")
+    pages = SpanPages(jnp.zeros((4, 4, 4)), blocks=2, meta=meta)
     lead = {0: [DeviceRowRun(jnp.zeros((1, 8, 4)), 0, 8)]}
     done = {0: [DeviceRowRun(jnp.ones((1, 8, 4)), 0, 5)]}
     desc = describe([lead[0][0], host, pages, done[0][0]], lead, done, 0)
-    assert [d[0] for d in desc] == ["lead", "rows", "rows", "done"]
+    assert [d[0] for d in desc] == ["lead", "rows", "pieces", "done"]
     frame = span.encode_call("layer", (0,), {"requests": [desc]})
     got = span.decode_call(frame)[2]["requests"][0]
     theirs_lead = {0: [DeviceRowRun(jnp.zeros((1, 8, 4)), 0, 8)]}  # another process's own runs
     theirs_done = {0: [DeviceRowRun(jnp.ones((1, 8, 4)), 0, 5)]}
-    segs = resolve(got, theirs_lead, theirs_done, 0)
+    theirs = SpanPages(jnp.ones((4, 4, 4)), blocks=2, meta=meta)  # as it pulled its pieces
+    segs = resolve(got, theirs_lead, theirs_done, 0, lambda m: theirs if m == meta else None)
     assert segs[0] is theirs_lead[0][0] and segs[3] is theirs_done[0][0]
     assert segs[1].tobytes() == host.tobytes()
-    assert segs[2].tobytes() == np.arange(32, dtype=np.float32).tobytes()  # its 2 real blocks
+    assert segs[2] is theirs
+    with pytest.raises(TypeError, match="cannot be told"):
+        describe([DevicePages(jnp.zeros((4, 4, 4)), blocks=2)], lead, done, 0)

@@ -184,10 +184,10 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
 def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks, de_blocks):
     """The pieces of a spanning PE (`RowOffers`): each KV-head piece of the new rows offered at
     its own uuid from where its device sits (here one process, so one address), the PE-read hit
-    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV. The DE
-    offers its hit's pieces apart too, to each process holding them (here the one), each pulled
-    onto a device that holds it, copied to the others, and joined over the mesh when the layer
-    runs."""
+    alone at the layer's uuid; the DE pulls them apart and holds the exact prompt KV. Hit
+    layers come in pieces too (the DE's offered to each process holding them, here the one; the
+    PE's own from its buffer), each on a device that holds it, joined over the mesh when the
+    layer runs."""
     base, runner, split = runners
     prompt, kv = prompt_and_kv
     halves = Halves(None)  # as a spanning PE: its loads see no mesh, its offers do
@@ -213,12 +213,12 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
         def load(i):
             hit = pe.readiness.wait(i, 20.0)
             pe.consumed()
-            segs = hit.segments()
-            if de_blocks:
-                assert isinstance(segs[-1], HitPieces) and len(segs[-1].arrays) == split
-                homes = [a.devices() for a in segs[-1].arrays.values()]
-                assert len({d for (d,) in map(tuple, homes)}) == split, homes
-                segs[-1] = offers.hit_pages(segs[-1], CFG.kv_width, CFG.kv_dtype)
+            (seg,) = hit.segments()  # the PE-read or the DE-read hit, in pieces either way
+            assert isinstance(seg, HitPieces) and len(seg.arrays) == split
+            assert seg.meta["kind"] == ("pe" if pe_blocks else "de")
+            homes = [a.devices() for a in seg.arrays.values()]
+            assert len({d for (d,) in map(tuple, homes)}) == split, homes
+            segs = [offers.hit_pages(seg, CFG.kv_width, CFG.kv_dtype)]
             return LayerPages.assemble(
                 [segs], BT, CFG.kv_width, CFG.kv_dtype, runner.pages_sharding
             )
