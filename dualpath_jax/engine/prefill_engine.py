@@ -34,7 +34,7 @@ from dualpath_jax.engine.common import (
 )
 from dualpath_jax.engine.core import ControlLink, EngineId
 from dualpath_jax.engine.params import ParamsSlot
-from dualpath_jax.engine.prefill_forward import BatchChunk, describe, forward, keep_rows, resolve
+from dualpath_jax.engine.prefill_forward import BatchChunk, describe, forward, keep_rows
 from dualpath_jax.engine.span import MirrorLeader
 from dualpath_jax.model.cached_kv import (
     LayerPages,
@@ -49,7 +49,7 @@ from dualpath_jax.sched.intra import PendingPrefill, PrefillQueue, batch_kv_boun
 from dualpath_jax.sched.policy import make_policy
 from dualpath_jax.transfer.loader import LoaderContext
 from dualpath_jax.transfer.prefill_load import DeviceRows, PrefillLoad, SplitRows, row_bytes_split
-from dualpath_jax.transfer.row_offers import HitPieces, SpanPages
+from dualpath_jax.transfer.row_offers import HitPieces
 
 log = logging.getLogger(__name__)
 
@@ -341,20 +341,10 @@ class PrefillEngine:
                 self.cached_rows(r, i, w.cached) if w.cached else [self._no_rows]
                 for r, w in zip(reqs, work)
             ] + [[self._no_rows]] * pad
-            if span is not None:  # the followers assemble the same pages from the same rows
+            if span is not None:  # the followers assemble the same pages from what they are
+                # told (host rows, their own kept rows and hit pieces: what `segments` hold here)
                 desc = [describe(seg, *kept[w.request_id], i) for seg, w in zip(segments, work)]
                 span.send("layer", (i,), {"requests": desc})
-                own = {
-                    (x.meta["request"], x.meta["kind"], x.meta["layer"]): x
-                    for seg in segments
-                    for x in seg
-                    if isinstance(x, SpanPages)
-                }
-
-                def hit(m):
-                    return own[m["request"], m["kind"], m["layer"]]
-
-                segments = [resolve(d, *kept[w.request_id], i, hit) for d, w in zip(desc, work)]
             return LayerPages.assemble(
                 segments,
                 self.bt,
