@@ -255,6 +255,20 @@ def describe(mesh: Mesh | None) -> str:
     return ",".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.axis_sizes))
 
 
+def join_column_pieces(pieces, piece_shape: Sequence[int], count: int, split) -> jax.Array:
+    """One array split by its last axis over a mesh (`split`) from its `count` column pieces of
+    `piece_shape`, each on a device of this process: `pieces[j]` (a list, or a mapping holding
+    the pieces this process's devices need). A device that holds a piece it was not put on gets
+    a device-to-device copy."""
+    *lead, width = piece_shape
+    shape = (*lead, width * count)
+    arrays = []
+    for dev, idx in split.addressable_devices_indices_map(shape).items():
+        piece = pieces[(idx[-1].start or 0) // width]
+        arrays.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
+    return jax.make_array_from_single_device_arrays(shape, split, arrays)
+
+
 def whole(x, mesh: Mesh | None):
     """`x` replicated over `mesh` (None: `x` as it is). On a mesh over processes each process
     then holds all of it and `host_value` reads its own copy; every process must call this."""

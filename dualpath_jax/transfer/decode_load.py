@@ -16,7 +16,7 @@ from dualpath_jax.kvstore.buffers import BufferReservation
 from dualpath_jax.model.layout import bytes_to_kv_rows
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, column_pieces, padded_blocks
-from dualpath_jax.transfer.row_offers import de_piece_uuid, piece_uuid
+from dualpath_jax.transfer.row_offers import hit_piece_uuid, piece_uuid
 
 
 class DecodeLoad:
@@ -77,7 +77,7 @@ class DecodeLoad:
                         continue
                     for j, piece in enumerate(pieces):
                         for rank in holders[j]:
-                            uuid = de_piece_uuid(job.request_id, job.attempt, i, j, rank)
+                            uuid = hit_piece_uuid(job.request_id, job.attempt, i, j, rank)
                             ctx.channel.offer(uuid, [piece])
         # Receive the PE's pieces into the DE buffer.
         k, last = 0, False

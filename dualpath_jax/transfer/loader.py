@@ -226,14 +226,7 @@ class LoaderContext:
     def join_pieces(self, pieces: Sequence[jax.Array]) -> jax.Array:
         """The column pieces of a hit layer (`page_piece_specs`) as one array split over the
         mesh (`page_split`); devices that replicate a piece get a device-to-device copy."""
-        split = self.page_split
-        blocks, bt, width = pieces[0].shape
-        shape = (blocks, bt, width * len(pieces))
-        arrays = []
-        for dev, idx in split.addressable_devices_indices_map(shape).items():
-            piece = pieces[(idx[2].start or 0) // width]
-            arrays.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
-        return jax.make_array_from_single_device_arrays(shape, split, arrays)
+        return sharding.join_column_pieces(pieces, pieces[0].shape, len(pieces), self.page_split)
 
 
 def column_pieces(blocks: jax.Array, n: int) -> list[jax.Array]:

@@ -22,7 +22,7 @@ from dualpath_jax.model.layout import bytes_to_kv_rows, kv_rows_to_bytes, np_dty
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.loader import LoaderContext, LoadJob, Part, column_pieces, padded_blocks
 from dualpath_jax.transfer.readiness import LayerReadiness
-from dualpath_jax.transfer.row_offers import HitPieces, de_piece_uuid, hit_meta
+from dualpath_jax.transfer.row_offers import HitPieces, hit_meta, hit_piece_uuid
 
 
 def _block_rows(res: BufferReservation, first: int, count: int, layer: int, bt: int) -> np.ndarray:
@@ -88,8 +88,9 @@ class HitLayer:
     host: np.ndarray
     device: DevicePages | HitPieces | None = None
     # The PE-read blocks already in device memory (a pinned PE buffer copies them there inside
-    # a compiled program); `host` is then empty.
-    pe_device: DevicePages | None = None
+    # a compiled program; spanning processes, this process's pieces of them); `host` is then
+    # empty.
+    pe_device: DevicePages | HitPieces | None = None
 
     @property
     def tokens(self) -> int:
@@ -197,7 +198,7 @@ class PrefillLoad:
             for i in range(ctx.cfg.num_layers):
                 for j, ranks in enumerate(ctx.row_offers.holders):
                     for rank in ranks:
-                        uuid = de_piece_uuid(job.request_id, job.attempt, i, j, rank)
+                        uuid = hit_piece_uuid(job.request_id, job.attempt, i, j, rank)
                         ctx.channel.pull(
                             job.de_address, uuid, spec, ctx.timeout_s, abort=self._abort
                         )

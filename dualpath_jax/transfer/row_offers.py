@@ -15,7 +15,7 @@ there are. Rows that do not split by columns (MLA's one latent head) are one pie
 The other way, hit blocks to the PE: the DE offers each DE-read layer's column pieces once for
 every process whose devices hold that piece (`RowOffers.holders`, registered with the piece
 count; a piece replicated over processes, as MLA's one latent head or a `data` axis across
-them, is offered to each), at their own uuids (`de_piece_uuid`), and the leader offers the
+them, is offered to each), at their own uuids (`hit_piece_uuid`), and the leader offers the
 pieces of its PE-read blocks the same way from its device (`share_hit`); every process pulls
 its pieces straight onto a device that computes with them (`pull_hit`), copies a piece to its
 other local devices that hold it, and the processes join them into one array over the mesh, in
@@ -50,7 +50,7 @@ def piece_uuid(request_id: str, attempt: int, chunk: int, layer: int, piece: int
     )
 
 
-def de_piece_uuid(
+def hit_piece_uuid(
     request_id: str, attempt: int, layer: int, piece: int, process: int, kind: str = "de"
 ) -> int:
     """The uuid of column piece `piece` of layer `layer` of a request's hit, as offered to
@@ -62,10 +62,10 @@ def de_piece_uuid(
 
 @dataclasses.dataclass(frozen=True)
 class HitPieces:
-    """One layer of a request's DE-read hit as one process of a spanning PE pulled it:
-    `arrays[j]`, the bytes `[n, bt, width / pieces]` of column piece j on its home device, for
-    the pieces this process is home for; `blocks` of the `n` are real. `meta` names the offers
-    (`HitMeta`), so that the other processes pull theirs."""
+    """One layer of a request's hit (DE-read or PE-read) as one process of a spanning PE holds
+    it: `arrays[j]`, the bytes `[n, bt, width / pieces]` of column piece j on the first of its
+    devices that holds j, for the pieces its devices hold; `blocks` of the `n` are real. `meta`
+    names the offers (`hit_meta`), so that the other processes pull theirs."""
 
     arrays: dict[int, jax.Array]
     blocks: int
@@ -74,8 +74,8 @@ class HitPieces:
 
 @dataclasses.dataclass(frozen=True)
 class SpanPages(DevicePages):
-    """A DE-read hit layer as pages over a mesh that spans processes (`RowOffers.hit_pages`):
-    the followers are told `meta`, not sent the rows."""
+    """A hit layer as pages over a mesh that spans processes (`RowOffers.hit_pages`): the
+    followers are told `meta`, not sent the rows."""
 
     meta: dict = dataclasses.field(default_factory=dict)
 
@@ -84,7 +84,7 @@ def hit_meta(
     address: str, request_id: str, attempt: int, layer: int, n: int, blocks: int, kind: str = "de"
 ) -> dict:
     """What a process needs to pull its pieces of a hit layer: where, which (`kind`, as
-    `de_piece_uuid`), how many blocks (`n` offered, the first `blocks` real)."""
+    `hit_piece_uuid`), how many blocks (`n` offered, the first `blocks` real)."""
     return {
         "address": address, "request": request_id, "attempt": attempt, "layer": layer, "n": n,
         "blocks": blocks, "kind": kind,
@@ -149,7 +149,7 @@ class RowOffers:
             spec = jax.ShapeDtypeStruct(
                 (meta["n"], bt, w), np.uint8, sharding=SingleDeviceSharding(dev)
             )
-            uuid = de_piece_uuid(
+            uuid = hit_piece_uuid(
                 meta["request"], meta["attempt"], meta["layer"], j, me, meta["kind"]
             )
             (out[j],) = channel.pull(meta["address"], uuid, [spec], timeout_s, abort=abort)
@@ -174,7 +174,7 @@ class RowOffers:
         for j, ranks in enumerate(self.holders):
             for rank in ranks:
                 if rank != me:
-                    uuid = de_piece_uuid(
+                    uuid = hit_piece_uuid(
                         meta["request"], meta["attempt"], meta["layer"], j, rank, "pe"
                     )
                     channel.offer(uuid, [pieces[j]])
@@ -183,15 +183,9 @@ class RowOffers:
     def hit_pages(self, hit: HitPieces, kv_width: int, kv_dtype: str) -> SpanPages:
         """The pages `[n, bt, W]` (KV dtype) over the mesh of a hit layer whose pieces each
         process pulled (every process calls it, in the same order)."""
-        n, bt, w = next(iter(hit.arrays.values())).shape
-        shape = (n, bt, w * self.pieces)
-        split = self.page_split
-        local = []
-        for dev, idx in split.addressable_devices_indices_map(shape).items():
-            piece = hit.arrays[(idx[2].start or 0) // w]  # pulled by this process
-            local.append(piece if piece.devices() == {dev} else jax.device_put(piece, dev))
-        arr = jax.make_array_from_single_device_arrays(shape, split, local)
-        pages = bytes_to_pages(arr, bt, kv_width, kv_dtype)
+        piece_shape = next(iter(hit.arrays.values())).shape
+        arr = sharding.join_column_pieces(hit.arrays, piece_shape, self.pieces, self.page_split)
+        pages = bytes_to_pages(arr, piece_shape[1], kv_width, kv_dtype)
         return SpanPages(pages, hit.blocks, hit.meta)
 
     def offer(
