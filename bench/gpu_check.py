@@ -83,36 +83,6 @@ ROOFLINE_LAYERS = 8  # of Qwen2.5-7B's 28: the weights of 8 layers and the head 
 REPEATS = 5
 
 
-def _kernel_checks(quick: bool) -> dict:
-    from dualpath_jax.kernels import paged_attention as pa
-    from dualpath_jax.kernels.kv_rows import RowLayout
-
-    rng = np.random.default_rng(0)
-    out = {}
-    cases = (
-        ("gqa_decode", RowLayout.gqa(4, 128), 28, 1, [1000, 5000, 33, 2048]),
-        ("mla_prefill", RowLayout.mla(512, 64), 16, 256, [0, 3000]),
-    )
-    if quick:  # off GPU the kernel runs in interpret mode, slow at the full layouts
-        cases = (
-            ("gqa_decode", RowLayout.gqa(2, 16), 4, 1, [100, 300, 33, 64]),
-            ("mla_prefill", RowLayout.mla(32, 8), 4, 16, [0, 200]),
-        )
-    for name, layout, hq, n, lens in cases:
-        b, ps, w = len(lens), 64, layout.row_width
-        m = max(-(-c // ps) for c in lens) + 1
-        pages = jnp.asarray(rng.normal(size=(b * m + 1, 1, ps, w)), jnp.bfloat16)
-        table = jnp.asarray(1 + np.arange(b * m).reshape(b, m), jnp.int32)
-        q = jnp.asarray(rng.normal(size=(b, n, hq, layout.key_width)), jnp.bfloat16)
-        new = jnp.asarray(rng.normal(size=(b, n, w)), jnp.bfloat16)
-        cl = jnp.asarray(lens, jnp.int32)
-        scale = layout.key_width**-0.5
-        got = pa.paged_attention(q, pages, table, cl, new, layout, scale)
-        want = pa.paged_attention_reference(q, pages, table, cl, new, layout, scale)
-        out[name] = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
-    return out
-
-
 def _kernel_case(seed: int, layout, hq: int, news, lens, page: int = 64):
     """Random bf16 inputs of `paged_attention` (made on the device: the decode pool is 4 GiB)
     for requests of `news[b]` new tokens (padded to the longest) over `lens[b]` cached ones in
@@ -125,6 +95,29 @@ def _kernel_case(seed: int, layout, hq: int, news, lens, page: int = 64):
     q = jax.random.normal(k[1], (b, n, hq, layout.key_width), jnp.bfloat16)
     new = jax.random.normal(k[2], (b, n, w), jnp.bfloat16)
     return q, pages, table, jnp.asarray(lens, jnp.int32), new, jnp.asarray(news, jnp.int32)
+
+
+def _kernel_checks(quick: bool) -> dict:
+    from dualpath_jax.kernels import paged_attention as pa
+    from dualpath_jax.kernels.kv_rows import RowLayout
+
+    out = {}
+    cases = (
+        ("gqa_decode", RowLayout.gqa(4, 128), 28, 1, [1000, 5000, 33, 2048]),
+        ("mla_prefill", RowLayout.mla(512, 64), 16, 256, [0, 3000]),
+    )
+    if quick:  # off GPU the kernel runs in interpret mode, slow at the full layouts
+        cases = (
+            ("gqa_decode", RowLayout.gqa(2, 16), 4, 1, [100, 300, 33, 64]),
+            ("mla_prefill", RowLayout.mla(32, 8), 4, 16, [0, 200]),
+        )
+    for seed, (name, layout, hq, n, lens) in enumerate(cases):
+        q, pages, table, cl, new, _ = _kernel_case(seed, layout, hq, [n] * len(lens), lens)
+        scale = layout.key_width**-0.5
+        got = pa.paged_attention(q, pages, table, cl, new, layout, scale)
+        want = pa.paged_attention_reference(q, pages, table, cl, new, layout, scale)
+        out[name] = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max())
+    return out
 
 
 def _kernel_steps(quick: bool) -> dict:

@@ -20,14 +20,13 @@ figures, side by side for the padded call and the ragged one:
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from accel_memory import PAGE, RAGGED  # bench/ is the script's directory
+from layerwise import median_seconds
 
 from dualpath_jax.kernels import paged_attention as pa
 from dualpath_jax.kernels.kv_rows import RowLayout
@@ -73,16 +72,6 @@ def _case(requests, rng):
     return layout, (q, pages, jnp.asarray(table), lens, new), new_lens
 
 
-def _time(fn, args, repeats: int):
-    out = jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), np.asarray(out, np.float32)
-
-
 def run(scale: int, repeats: int) -> dict:
     n_pad = max(n for n, _ in RAGGED)
     full = {"padded": key_rows(RAGGED, n_pad, False), "ragged": key_rows(RAGGED, n_pad, True)}
@@ -97,8 +86,12 @@ def run(scale: int, repeats: int) -> dict:
             )
         )
 
-    t_pad, out_pad = _time(call(False), (*args, new_lens), repeats)
-    t_rag, out_rag = _time(call(True), (*args, new_lens), repeats)
+    padded, ragged = call(False), call(True)
+
+    t_pad, t_rag = (
+        median_seconds(lambda f=f: f(*args, new_lens), repeats) for f in (padded, ragged)
+    )
+    out_pad, out_rag = (np.asarray(f(*args, new_lens), np.float32) for f in (padded, ragged))
     real = np.arange(out_pad.shape[1])[None, :] < np.asarray(new_lens)[:, None]
     same = bool(np.array_equal(out_pad[real], out_rag[real])) and not out_rag[~real].any()
     return {
