@@ -107,6 +107,18 @@ class Halves:
         self.store.close()
 
 
+def started(halves, job, prompt):
+    """Both halves of `job`'s load started, the PE's hit read and streaming, its only chunk (the
+    prompt after the hit) begun: (DE half, PE half, hit blocks, the chunk's batch)."""
+    de = DecodeLoad(halves.de, job).start()
+    pe = PrefillLoad(halves.pe, job).start()
+    h = pe.hit_blocks()
+    pe.stream()
+    batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
+    pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
+    return de, pe, h, batch
+
+
 @pytest.mark.parametrize("pe_blocks, de_blocks", [(4, 0), (0, 4), (1, 3)])
 @pytest.mark.parametrize("program", [False, True], ids=["layerwise", "basic"])
 def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_blocks, program):
@@ -125,13 +137,8 @@ def test_kv_between_a_mesh_and_one_device(runners, prompt_and_kv, pe_blocks, de_
             halves.pe.channel.address, halves.de.channel.address,
             pe_pieces=halves.pe.row_pieces,  # as the router sends it (the PE's Register)
         )  # fmt: skip
-        de = DecodeLoad(halves.de, job).start()
-        pe = PrefillLoad(halves.pe, job).start()
-        h = pe.hit_blocks()
+        de, pe, h, batch = started(halves, job, prompt)
         assert h == 4
-        pe.stream()
-        batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
-        pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
 
         def load(i):
             hit = pe.readiness.wait(i, 20.0)
@@ -203,12 +210,7 @@ def test_row_pieces_offered_apart_reach_the_de(runners, prompt_and_kv, pe_blocks
             pe_piece_addresses=offers.addresses, pe_pieces=split, pe_piece_holders=offers.holders,
         )  # fmt: skip
         assert offers.holders == ((0,),) * split
-        de = DecodeLoad(halves.de, job).start()
-        pe = PrefillLoad(halves.pe, job).start()
-        h = pe.hit_blocks()
-        pe.stream()
-        batch = PrefillBatch.build(CFG, [prompt[h * BT :]], [h * BT])
-        pe.begin_chunk(h * BT, len(prompt), True, n_pad=batch.n_pad)
+        de, pe, h, batch = started(halves, job, prompt)
 
         def load(i):
             hit = pe.readiness.wait(i, 20.0)
