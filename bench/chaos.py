@@ -173,7 +173,7 @@ def make_trajectories(n: int, rounds: int, seed: int, vocab: int, gen: tuple[int
 def reference_tokens(cfg: ExperimentConfig, trajs: list[Trajectory]) -> list[list[list[int]]]:
     """Greedy tokens of every round from the monolithic reference model (no KV cache) on the
     full context, with the engines' parameters (`init_model(model, cfg.seed)`)."""
-    from dualpath_jax.model.decode import reference_rounds
+    from dualpath_jax.model.generation import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 

@@ -8,9 +8,12 @@ Both modes draw the same G samples (sample i with `fold_in(key, i)`, temperature
 random prompt on a 1P1D cluster (the tiny Qwen2 model by default, engines as threads of this
 process; `--runtime=process` for a LocalCluster), each mode in a cluster of its own:
 
-- `group`: `Client.submit_group` (what `rollout.step_group` runs) on G forks of one session: a
-  prefix round prefills the prompt once and stores its KV once, then the G rounds read its whole
-  blocks from the store and compute only the tail;
+- `fork`: `Client.submit_group` (what `rollout.step_group` runs) on G forks of one session: the
+  first sample's round prefills the prompt, the others start from its pages on its decode engine
+  (each computes the prompt's last token in its first decode step);
+- `store`: `Client.submit_group(..., share="store")`: a prefix round prefills the prompt once and
+  stores its KV once, then the G rounds read its whole blocks from the store and compute only
+  the tail;
 - `separate`: G fresh sessions, each submitting the whole prompt at once (concurrently).
 
 For each mode: the prompt tokens computed (the sum of `prompt_tokens - cached_tokens` over every
@@ -19,8 +22,8 @@ once the rounds are done) and the wall time from the first submit to the last re
 of the same mode on another prompt runs first in each cluster, so that neither pays compiles in
 the measured runs; then `--repeats` groups, each on a prompt of its own (medians reported). The
 store keys blocks by content, so G sessions writing the same prompt store it once: "KV written"
-(the bytes the decode engine sent to the store over its storage NIC) shows what they cost. The
-tokens of both modes must be equal.
+(the bytes the decode engine sent to the store over its storage NIC) shows what they cost, "KV
+read" what the engines read from it. The tokens of every mode must be equal.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import time
 
 from absl import app, flags
 
-MODES = ("group", "separate")
+MODES = ("fork", "store", "separate")
 
 
 def default_config(prompt_tokens: int, gen: int, group: int):
@@ -74,25 +77,25 @@ def storage_nic_bytes(stats: dict) -> dict[str, int]:
 
 def run_once(client, mode: str, tag: str, prompt: list[int], gen: int, group: int, key):
     """One group of samples of `prompt`; returns (wall seconds, the rounds' results with the
-    prefix round first in group mode, the samples' tokens, the sessions to close)."""
+    prefix round first in store mode, the samples' tokens, the sessions to close)."""
     import jax
 
     from dualpath_jax.rollout import round_sampling
 
     samplings = [round_sampling(1.0, 1.0, jax.random.fold_in(key, i)) for i in range(group)]
-    if mode == "group":
+    if mode != "separate":
         parent = f"{tag}-parent"
         client.open_session(parent)
         sessions = [f"{tag}-{i}" for i in range(group)]
         for s in sessions:
             client.open_session(s, fork_of=parent)
         t0 = time.monotonic()
-        futs = client.submit_group(sessions, prompt, gen, samplings=samplings)
+        futs = client.submit_group(sessions, prompt, gen, samplings=samplings, share=mode)
         results = [f.result() for f in futs]
         wall = time.monotonic() - t0
         return (
             wall,
-            [futs.prefix.result(), *results],
+            [futs.prefix.result(), *results] if futs.prefix is not None else results,
             [r.tokens for r in results],
             [parent, *sessions],
         )
@@ -180,7 +183,8 @@ def summarize(records: list[dict]) -> dict:
 def run(
     cfg, workdir: pathlib.Path, runtime: str, prompt_tokens: int, gen: int, group: int, repeats: int
 ) -> dict:
-    """Both modes, each in a cluster of its own; the report (JSON-ready)."""
+    """Every mode, each in a cluster of its own; the report (JSON-ready): each mode's figures
+    and, for `fork` and `store`, `vs_separate`: separate sessions' figure over theirs."""
     out = {
         "model": cfg.model.name,
         "runtime": runtime,
@@ -196,14 +200,20 @@ def run(
             cfg, mode, workdir / mode, runtime, prompt_tokens, gen, group, repeats
         )
         out[mode] = summarize(records[mode])
-    g, s = out["group"], out["separate"]
+    s = out["separate"]
     out["identical_tokens"] = all(
-        a["tokens"] == b["tokens"] for a, b in zip(records["group"], records["separate"])
+        a["tokens"] == b["tokens"] == c["tokens"]
+        for a, b, c in zip(records["fork"], records["store"], records["separate"])
     )
-    out["prefill_ratio"] = s["prefill_tokens_computed"] / max(1, g["prefill_tokens_computed"])
-    out["kv_bytes_ratio"] = s["kv_bytes_stored"] / max(1, g["kv_bytes_stored"])
-    out["kv_written_ratio"] = s["kv_bytes_written"] / max(1, g["kv_bytes_written"])
-    out["wall_ratio"] = s["wall_s"] / g["wall_s"]
+    out["vs_separate"] = {
+        mode: {
+            "prefill": s["prefill_tokens_computed"] / max(1, out[mode]["prefill_tokens_computed"]),
+            "kv_stored": s["kv_bytes_stored"] / max(1, out[mode]["kv_bytes_stored"]),
+            "kv_written": s["kv_bytes_written"] / max(1, out[mode]["kv_bytes_written"]),
+            "wall": s["wall_s"] / out[mode]["wall_s"],
+        }
+        for mode in ("fork", "store")
+    }
     return out
 
 

@@ -111,7 +111,7 @@ def session_trajectories(cfg: ExperimentConfig, n: int, rounds: int) -> list[Tra
 def reference_tokens(cfg: ExperimentConfig, trajs: Sequence[Trajectory]) -> list[list[list[int]]]:
     """Greedy tokens of every round from the monolithic reference model (no KV cache) on the
     full context, with the engines' parameters (`init_model(model, cfg.seed)`)."""
-    from dualpath_jax.model.decode import reference_rounds
+    from dualpath_jax.model.generation import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 

@@ -89,8 +89,9 @@ class RoundResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     `ttft_s`: submit -> first token; `ttst_s`: first -> second token; `tpot_s`: the mean time per
     output token after the first; `jct_s`: submit -> done; `queue_s`: submit -> assigned to
     engines. `cached_tokens` of its `prompt_tokens` came from stored KV (`read_path`: which
-    engine's node read them, "pe", "de" or "none"; `recomputed_blocks` of the hit were
-    recomputed instead). `finish_reason`: "length" (all the tokens asked for), "stop" (a stop
+    engine's node read them, "pe", "de" or "none"; "fork": a group sample started on its DE
+    from the group's first round's prompt pages, all but the prompt's last token cached;
+    `recomputed_blocks` of the hit were recomputed instead). `finish_reason`: "length" (all the tokens asked for), "stop" (a stop
     token, its last token), "finished" (`Client.finish`) or "abort" (`Client.abort`, a pause or
     params update with `pause="abort"`: the tokens generated until then, maybe none).
     `persist_error` is non-empty when the DE could not store the round's new blocks (e.g. the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dualpath_jax.model.decode import reference_generate
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories

@@ -16,7 +16,7 @@ from dualpath_jax.model.checkpoint import (
     save_params,
     save_params_tree,
 )
-from dualpath_jax.model.decode import reference_generate
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling import SamplingParams

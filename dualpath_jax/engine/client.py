@@ -374,6 +374,7 @@ class Client:
         on_tokens: Callable[[int, list[int]], None] | None = None,
         priority: int | None = None,
         ttl_s: float | None = None,
+        follows: str = "",
     ) -> futures.Future[messages.RoundResult]:
         """One round; the future resolves to a `RoundResult` or raises `RolloutError`. Token
         ids must be ints in [0, 2**31) (numpy integers too); bad input fails the future at once,
@@ -387,7 +388,10 @@ class Client:
         short); a retried round streams positions again, with the same tokens. A round whose
         `sampling.logprobs` asks for log-probabilities calls it with a third argument, those
         tokens' `Logprobs`; the result's `logprobs` holds every token's. `priority` and
-        `ttl_s` change the session's retention (`open_session`) from this round on."""
+        `ttl_s` change the session's retention (`open_session`) from this round on. `follows`:
+        the request id of a round of the same prompt submitted just before (group sampling:
+        `submit_group`); this one forks that round's prompt KV on its decode engine, or runs on
+        its own where it cannot."""
         rid = f"{session}#{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         out: RoundFuture = RoundFuture()
         out.request = rid
@@ -409,6 +413,7 @@ class Client:
                 if priority is None
                 else _check_int(priority, "priority", -(2**31), 2**31),
                 ttl_s=None if ttl_s is None else _check_ttl(ttl_s),
+                follows=str(follows),
             )
             if on_tokens is not None:
                 self._streams[rid] = on_tokens

@@ -6,9 +6,11 @@ prompt KV is complete, its first token has arrived and its pages fit the KV pool
 become pages of a free decode slot and the buffer is freed; step every active slot (the next
 step is dispatched before the last one's tokens are read); a request that has its `gen` tokens
 persists its new Full Blocks (prompt + generated, whole blocks only, read from its pages) to the
-store and reports its tokens. Told by the router that it was declared dead (`Error(kind=
-"rejoin")`: it was paused or cut off beyond the heartbeat timeout, and its rounds were
-requeued), it drops every request (slots, buffers, loads) and registers again (`rejoin`).
+store and reports its tokens. Forks (group sampling, `FirstToken.forks`) start from the prompt
+pages of the round they follow once it has its slot: no load, no prefill. Told by the router
+that it was declared dead (`Error(kind="rejoin")`: it was paused or cut off beyond the
+heartbeat timeout, and its rounds were requeued), it drops every request (slots, buffers,
+loads) and registers again (`rejoin`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dualpath_jax.rounds import Logprobs
 from dualpath_jax.transfer import links, paths
 from dualpath_jax.transfer.decode_load import DecodeLoad
 from dualpath_jax.transfer.loader import LoaderContext
+from dualpath_jax.transfer.readiness import LoadCancelled
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,9 @@ class _Req:
         default_factory=list
     )  # spans, see DecodeDone
     logprobs: Logprobs | None = None  # every token's so far, if the round asked for them
+    forks: list[str] = dataclasses.field(default_factory=list)  # forks of it not yet holding
+    source: str = ""  # a fork (group sampling): the round whose prompt pages it starts from
+    holding: bool = False  # a fork holding those pages (`Decoder.hold`) until it has a slot
 
 
 def make_decoder(cfg: ExperimentConfig, runner) -> Decoder:
@@ -185,6 +191,7 @@ class DecodeEngine:
                     self.reqs[r].first, self.reqs[r].hit = t, h
                     self.reqs[r].first_logprobs = lp
                     self.reqs[r].first_version = version or self.reqs[r].msg.params_version
+                self.take_forks(r, msg.forks)
             case messages.PauseDecode(paused=paused):
                 self.decode_paused = paused
             case messages.Cancel(request=r):
@@ -193,7 +200,7 @@ class DecodeEngine:
                 r = self.reqs.get(rid)
                 if r is not None:
                     r.finish = reason or "finished"
-                    if r.slot >= 0:
+                    if r.slot >= 0 and r.tokens:  # (a fork completes after its first token)
                         self.complete(r, r.finish)
             case messages.Retain(session=session, state="ended"):
                 # the session is closed: its claims on the blocks this engine persisted go too
@@ -242,6 +249,24 @@ class DecodeEngine:
                 messages.DeReady(request=rid, engine=self.engine, attempt=job.attempt)
             )
 
+    def take_forks(self, source: str, forks: list[messages.LoadJobMsg]) -> None:
+        """Rounds of `source`'s prompt (group sampling) to start from its prompt pages: each
+        takes a hold on them when `source` gets its slot (`admit`), then a slot of its own."""
+        leader = self.reqs.get(source)
+        for m in forks:
+            if leader is None or leader.slot >= 0:  # gone, or admitted and maybe done already
+                why = LoadCancelled(f"the round {source} it forks from is no longer here")
+                self.control.send(failed(m.request, self.engine, why, m.attempt))
+                continue
+            try:
+                self.params.check_job(m)
+            except RuntimeError as e:
+                self.control.send(failed(m.request, self.engine, e, m.attempt))
+                continue
+            # its prompt's whole blocks are the leader's to persist
+            self.reqs[m.request] = _Req(m, None, hit=len(m.prompt) // self.bt, source=source)
+            leader.forks.append(m.request)
+
     def reads_done(self, request: str, load: DecodeLoad) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
         job = load.job
@@ -268,6 +293,12 @@ class DecodeEngine:
             self.slot_req.pop(r.slot, None)
         if r.load is not None:
             r.load.close()
+        if r.holding:
+            self.dec.release(f"fork:{request}")
+        for fork in r.forks:  # its prompt never reached a slot: they run on their own
+            if fork in self.reqs:
+                why = LoadCancelled(f"the round {request} it forks from was dropped")
+                self.fail(fork, why)
 
     def fail(self, request: str, exc: BaseException) -> None:
         r = self.reqs.get(request)
@@ -284,6 +315,10 @@ class DecodeEngine:
         for rid, r in list(self.reqs.items()):
             if not free:
                 return
+            if r.holding and r.slot < 0:
+                if not self.admit_fork(r, free):
+                    return  # back-pressure: wait for pages
+                continue
             if r.slot >= 0 or r.load is None or r.first < 0 or not r.load.done():
                 continue
             job = r.load.job
@@ -322,6 +357,11 @@ class DecodeEngine:
                 stop_tokens=r.msg.stop_tokens,  # none drawn before sampling.min_tokens
             )
             r.load.close()
+            for fork in r.forks:  # they hold its prompt's pages from now on
+                if fork in self.reqs:
+                    self.dec.hold(f"fork:{fork}", r.slot, job.prompt_tokens)
+                    self.reqs[fork].holding = True
+            r.forks = []
             self.slot_req[r.slot] = rid
             r.tokens = [r.first]
             r.versions = [(0, r.first_version or r.msg.params_version)]
@@ -332,6 +372,34 @@ class DecodeEngine:
             reason = self.finish_reason(r)
             if reason:
                 self.complete(r, reason)
+
+    def admit_fork(self, r: _Req, free: list[int]) -> bool:
+        """Starts fork `r` in a free slot from the prompt pages it holds (`Decoder.fork`: its
+        first step draws its first token); False if its new pages do not fit now."""
+        m = r.msg
+        n, reserve = len(m.prompt), len(m.prompt) + m.gen
+        pages = self.dec.fork_pages(n, reserve)
+        if pages > self.dec.free_pages:
+            if pages <= self.dec.num_pages:
+                return False
+            self.fail(m.request, RuntimeError(f"a fork needs {pages} KV pages, the DE has fewer"))
+            return True
+        r.slot = free.pop(0)
+        self.dec.fork(
+            r.slot,
+            f"fork:{m.request}",
+            n,
+            m.prompt[-1],
+            reserve,
+            sampling=m.sampling,
+            stop_tokens=m.stop_tokens,
+        )
+        r.holding = False
+        self.slot_req[r.slot] = m.request
+        r.versions = [(0, m.params_version)]
+        if m.sampling.logprobs is not None:
+            r.logprobs = Logprobs()
+        return True
 
     @staticmethod
     def finish_reason(r: _Req) -> str:
@@ -385,7 +453,8 @@ class DecodeEngine:
             if r.logprobs is not None and chosen is not None:
                 entry = row_logprobs(r.msg.sampling, chosen, top, slot)
                 r.logprobs.extend(entry)
-            if r.msg.stream or n == 2:  # the router times the second token; streams get all
+            # the router times a fork's first token and every second one; streams get all
+            if r.msg.stream or n == 2 or (n == 1 and r.source):
                 self.control.send(
                     messages.TokensOut(
                         request=r.msg.request, tokens=r.tokens[-1:], start=n - 1, logprobs=entry

@@ -90,6 +90,34 @@ def load_job(
     )
 
 
+def fork_job(st: RequestState, de: EngineInfo, *, params_version: str) -> messages.LoadJobMsg:
+    """Round `st`'s job as a fork on `de` of the round of the same prompt it follows (group
+    sampling, `Submit.follows`): the DE starts it from that round's prompt pages, so nothing is
+    read or prefilled for it."""
+    return messages.LoadJobMsg(
+        request=st.id,
+        keys=[],
+        pe_blocks=0,
+        de_blocks=0,
+        prompt=st.prompt,
+        gen=st.gen,
+        pe_engine=-1,
+        pe_node=-1,
+        pe_address="",
+        de_engine=de.engine,
+        de_node=de.node,
+        de_address=de.address,
+        oracle=False,
+        layerwise=False,
+        params_version=params_version,
+        attempt=st.attempts,
+        sampling=st.sampling,
+        stop_tokens=st.stop_tokens,
+        stream=st.stream,
+        session=st.session,
+    )
+
+
 class Dispatch:
     """Assigns `table`'s rounds to `registry`'s engines in rotation through `scheduler`.
     `params_version()` is the version jobs run with; `stale(e)` takes engine `e`, which refused

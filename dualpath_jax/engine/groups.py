@@ -1,11 +1,21 @@
 """Group sampling on a cluster (`Client.submit_group`): one round in each of G sessions of one
 context, the prompt prefilled once.
 
-A first round on a fork of the first session computes the prompt and stores its KV (it
-generates one token, discarded; the fork is closed and its blocks stay); then each session's
-round reads the prompt's whole blocks from the store (the block keys are the same: a hash chain
-of the tokens) and computes only the tail after the last whole block and its own first token.
-The orchestration runs on a thread of its own, so the call returns the futures at once.
+Two ways to share the prompt (`share`):
+
+- `"fork"` (the default): the first session's round runs as any round does; the others are
+  submitted right behind it naming it (`Submit.follows`). The router holds them until its
+  prefill reports the first token and sends them with it to its decode engine, which starts
+  each one from the prompt's pages in its KV pool (whole pages shared, the last one copied) and
+  draws its first token in its first decode step: one read of the prompt's stored KV, one
+  prefill, one transfer to one DE, whatever G is. A follower that cannot fork (its leader
+  ended first, or its DE dropped it) runs on its own.
+- `"store"`: a first round on a fork of the first session computes the prompt and stores its KV
+  (it generates one token, discarded; the fork is closed and its blocks stay); then each
+  session's round reads the prompt's whole blocks from the store (the block keys are the same:
+  a hash chain of the tokens) and computes only the tail after the last whole block and its own
+  first token, on whichever engines the scheduler picks (G samples spread over DEs). Its
+  orchestration runs on a thread of its own, so the call returns the futures at once.
 """
 
 from __future__ import annotations
@@ -24,11 +34,14 @@ from dualpath_jax.engine.client_checks import (
 )
 from dualpath_jax.model.sampling import SamplingParams
 
+SHARES = ("fork", "store")
+
 
 class GroupFutures(list):
-    """`Client.submit_group`'s futures, one per session, and `prefix`: the prompt's round."""
+    """`Client.submit_group`'s futures, one per session, and `prefix`: the prompt's round
+    (`share="store"`; None with `"fork"`, where the first session's round is the prompt's)."""
 
-    prefix: futures.Future
+    prefix: futures.Future | None = None
 
 
 def _chain(src: futures.Future, dst: futures.Future) -> None:
@@ -52,19 +65,36 @@ def submit_group(
     samplings: Sequence[SamplingParams],
     stop_tokens: Sequence[int] = (),
     timeout_s: float = 600.0,
+    share: str = "fork",
 ) -> GroupFutures:
     """One round in each of `sessions` (open, idle, with one context: forks of one session,
     `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
     tokens, round i drawn with `samplings[i]` (group sampling: GRPO's G completions of one
-    prompt), the prompt prefilled once (see the module docstring). Returns one future per
-    session (`RoundFuture`s, as `Client.submit`'s), with the prefix round's future as `.prefix`;
-    a failed prefix round fails them all. `Client.submit_group` is this function."""
+    prompt), the prompt prefilled once, shared by forking it on one decode engine (`share=
+    "fork"`) or through the store (`"store"`; see the module docstring). Returns one future per
+    session (`RoundFuture`s, as `Client.submit`'s); with `"store"` the prefix round's future is
+    `.prefix` and a failed prefix round fails them all. `Client.submit_group` is this function."""
     sessions = [check_session(x) for x in sessions]
     if not sessions or len(samplings) != len(sessions):
         raise RolloutError(
             f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
         )
+    if share not in SHARES:
+        raise RolloutError(f"share must be one of {SHARES}, got {share!r}", "bad_request")
     append = check_tokens(append)
+    if share == "fork":
+        first = client.submit(
+            sessions[0], append, gen, sampling=samplings[0], stop_tokens=stop_tokens
+        )
+        outs = GroupFutures([first])
+        for sid, sampling in zip(sessions[1:], samplings[1:]):
+            outs.append(
+                client.submit(
+                    sid, append, gen, sampling=sampling, stop_tokens=stop_tokens,
+                    follows=first.request,
+                )
+            )  # fmt: skip
+        return outs
     outs = GroupFutures(RoundFuture() for _ in sessions)
     outs.prefix = futures.Future()
 

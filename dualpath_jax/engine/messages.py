@@ -19,11 +19,11 @@ import hmac
 import msgspec
 
 from dualpath_jax.engine.msg_base import Msg
+from dualpath_jax.engine.params_messages import CommitParams, LoadParams, ParamsLoaded, UpdateParams
 from dualpath_jax.engine.prefetch_messages import DropPrefetch, Prefetch, Prefetched, ToolCall
 from dualpath_jax.kv_events import KVEvent
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 from dualpath_jax.rounds import Logprobs, RoundResult
-from dualpath_jax.transfer.params_offer import ParamsOffer
 
 SCHEMA_VERSION = 5
 MAX_FRAME_BYTES = 64 * 2**20
@@ -72,6 +72,10 @@ class Submit(Msg):
     # Change the session's retention (see OpenSession) from this round on; None keeps it.
     priority: int | None = None
     ttl_s: float | None = None
+    # Group sampling: the request id of a round of the same prompt submitted just before (the
+    # group's first). Its decode engine forks that round's prompt KV for this one (shared
+    # pages, no prefill, no store read); where it cannot, the round runs on its own.
+    follows: str = ""
 
 
 class FinishRound(Msg):
@@ -174,22 +178,6 @@ class Stats(Msg):
     json: str
 
 
-class UpdateParams(Msg):
-    """Client -> router: serve new parameters as `version`: those in `path` (an orbax checkpoint
-    directory every engine can read) or, without a path, those of `offer` (streamed from the
-    client's process). Answered `Ack(ref="params:<version>")` once every live engine loaded and
-    checked them, or `Error` (the old params stay). KV of older versions is never reused because
-    the version enters the block-key fingerprint. `pause`: what the rounds in flight do meanwhile
-    (`PAUSE_MODES`: "wait" lets them finish on the old params, "abort" ends them now with what
-    they generated, "keep" halts their decoding, serves the new params under them, and lets them
-    decode on)."""
-
-    version: str
-    path: str = ""
-    offer: ParamsOffer | None = None
-    pause: str = "wait"
-
-
 class Shutdown(Msg):
     pass
 
@@ -235,33 +223,6 @@ class Register(Msg):
     kv_pieces: int = 1  # a PE: the column pieces its KV rows split into (whole KV heads each)
     kv_piece_addresses: list[str] = []  # a spanning PE: where each piece is offered (row_offers)
     kv_piece_holders: list[list[int]] = []  # ... and which of its processes hold each
-
-
-class LoadParams(Msg):
-    """Router -> engine: load and check the parameters in `path`, or pull those of `offer`
-    (its process k takes copy `copy + k`), staged, not yet served."""
-
-    version: str
-    path: str = ""
-    offer: ParamsOffer | None = None
-    copy: int = 0
-
-
-class ParamsLoaded(Msg):
-    """Engine -> router: the staged load of `version` succeeded (`ok`) or why not."""
-
-    engine: int
-    version: str
-    ok: bool
-    message: str = ""
-
-
-class CommitParams(Msg):
-    """Router -> engine: serve the staged `version` (`commit`) or drop it. Sent on the same
-    socket before any job of the new version, so no job ever runs on the wrong params."""
-
-    version: str
-    commit: bool
 
 
 class Heartbeat(Msg):
@@ -359,6 +320,9 @@ class FirstToken(Msg):
     hit_blocks: int
     logprobs: Logprobs | None = None  # the token's (when the round asked for logprobs)
     params_version: str = ""  # the params that drew it (PrefillDone's)
+    # Rounds of the same prompt (`Submit.follows`) the DE starts from this one's prompt pages:
+    # each draws its own first token; a fork that cannot start fails (kind "transfer").
+    forks: list[LoadJobMsg] = []
 
 
 class TokensOut(Msg):

@@ -43,6 +43,7 @@ COUNTERS = (
     "sessions_expired",  # closed for being idle cluster.session_idle_timeout_s
     "aborted",  # rounds ended by AbortRounds (a pause or params update with pause="abort")
     "pauses",
+    "forks",  # group sampling: rounds started on a DE from their group's prompt pages
     # tool-gap prefetch (engine/prefetch.py): started; blocks the DEs reported in memory; turns
     # assigned to the DE holding theirs (and the blocks they took); ended unused
     "prefetch_started",

@@ -10,6 +10,9 @@ retention), refused with kind `engine` while a role has had no live engine too l
 no decode engine's KV pool could ever hold it, and looked up in the store: the hit is its
 stored prefix in whole blocks, keeping at least one new token to produce logits. Then it joins
 the scheduler's queue (`scheduler.max_queue` beyond which it is refused as `overloaded`).
+A round that `follows` another round of the same prompt (group sampling) whose first token has
+not come yet is not queued: it waits on that round and goes with its first token to its DE as
+a fork of its prompt pages (`fork_jobs`); if that round ends first, it joins the queue.
 
 The store is never waited on for long on the router's loop: a lookup (or a close's release)
 answered within `QUICK_WAIT_S` goes on at once, a slower one waits in `waiting` while the loop
@@ -38,7 +41,8 @@ import msgspec
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
-from dualpath_jax.engine.liveness import EngineRegistry
+from dualpath_jax.engine.dispatch import fork_job
+from dualpath_jax.engine.liveness import EngineInfo, EngineRegistry
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params_update import ParamsCoordinator
 from dualpath_jax.engine.retention import Retention, retention_problem
@@ -100,6 +104,8 @@ class Rounds:
         self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
         self.waiting: list[StoreWait] = []
         self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
+        # group sampling: a round's followers (`Submit.follows`) waiting for its first token
+        self.followers: dict[str, list[RequestState]] = {}
         self.abort_asked: set[str] = set()  # AbortRounds came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
@@ -279,15 +285,25 @@ class Rounds:
             st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
             self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
             return self.finish(st, [], finish_reason="abort")
-        try:
-            self.scheduler.submit(req)
-        except QueueFull as e:
-            self.out.count("overloaded")
-            return self.out.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
+        leader = self.table.requests.get(msg.follows) if msg.follows else None
+        follows = leader is not None and leader.first_token < 0 and leader.prompt == prompt
+        if not follows:  # (a follower whose round is gone or past its prefill runs on its own)
+            try:
+                self.scheduler.submit(req)
+            except QueueFull as e:
+                self.out.count("overloaded")
+                return self.out.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
         st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
+        if follows:
+            self.followers.setdefault(leader.id, []).append(st)
         self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
         self.out.event(
-            "submit", request=msg.request, prompt=len(prompt), cached=hit * self.bt, gen=msg.gen
+            "submit",
+            request=msg.request,
+            prompt=len(prompt),
+            cached=hit * self.bt,
+            gen=msg.gen,
+            **({"follows": msg.follows} if follows else {}),
         )
         if finish:
             st.finish_requested = True
@@ -314,6 +330,7 @@ class Rounds:
         )
         de = self.registry.live_one(st.de)
         if de is not None:
+            forks = self.fork_jobs(st, de)
             self.out.send(
                 de.ident,
                 # the prompt's blocks the store holds (the DE persists those after them)
@@ -323,8 +340,13 @@ class Rounds:
                     hit_blocks=msg.lead_blocks + msg.hit_blocks,
                     logprobs=msg.first_logprobs,
                     params_version=msg.params_version,
+                    forks=forks,
                 ),
             )
+            for job in forks:
+                f = self.table.requests[job.request]
+                if f.finish_requested:
+                    self.out.send(de.ident, messages.Finish(request=f.id, reason=f.finish_as))
         if st.stream:
             self.out.send(
                 st.client,
@@ -333,11 +355,34 @@ class Rounds:
                 ),
             )
 
+    def fork_jobs(self, st: RequestState, de: EngineInfo) -> list[messages.LoadJobMsg]:
+        """The jobs of `st`'s followers still waiting: forks of its prompt on its DE `de`."""
+        jobs, now = [], self.clock()
+        for f in self.followers.pop(st.id, []):
+            if self.table.requests.get(f.id) is not f:
+                continue  # ended while it waited
+            f.pe, f.de, f.t_assign, f.path = -1, de.engine, now, "fork"
+            f.attempts += 1
+            f.hit_blocks = st.hit_blocks
+            jobs.append(fork_job(f, de, params_version=self.params.version))
+            self.out.count("forks")
+            self.out.event("fork", request=f.id, source=st.id, de=de.engine)
+        return jobs
+
+    def release_followers(self, st: RequestState) -> None:
+        """`st` ended before its first token: its waiting followers run on their own."""
+        back = [f for f in self.followers.pop(st.id, []) if self.table.requests.get(f.id) is f]
+        if back:
+            self.scheduler.requeue([f.request for f in back])
+
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
-        """A DE's new tokens: the second one times TTST; a streamed round's go to its client."""
+        """A DE's new tokens: the second one times TTST (a fork's first one its TTFT); a
+        streamed round's go to its client."""
         st = self.table.requests.get(msg.request)
         if st is None:
             return
+        if st.first_token < 0 and msg.start == 0 and msg.tokens:  # a fork drew it on the DE
+            st.t_first, st.first_token = self.clock(), msg.tokens[0]
         if math.isnan(st.t_second) and msg.start + len(msg.tokens) >= 2:
             st.t_second = self.clock()
         if st.stream:
@@ -447,6 +492,7 @@ class Rounds:
         params_versions: list[tuple[int, str]] | None = None,
     ) -> None:
         now = self.clock()
+        self.release_followers(st)
         self.table.complete(st, tokens)
         self.retention.round_ended(st.session)
         # The session claims the blocks its DE persisted (and the hit it read), so closing it
@@ -481,6 +527,7 @@ class Rounds:
         """Ends a round unfinished: it leaves every queue, its session is free again, and its
         client gets `Error(kind)`."""
         self.scheduler.withdraw([st.id])
+        self.release_followers(st)
         self.table.drop(st)
         self.retention.round_ended(st.session)
         self.out.fail(st.client, st.id, message, kind=kind)

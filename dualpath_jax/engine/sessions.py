@@ -104,7 +104,10 @@ class RequestState:
             t_first=self.t_first,
             t_second=self.t_second,
             t_done=now,
-            cached_tokens=self.hit_blocks * block_tokens,
+            # a fork computed its prompt's last token only
+            cached_tokens=(
+                len(self.prompt) - 1 if self.path == "fork" else self.hit_blocks * block_tokens
+            ),
             prompt_tokens=len(self.prompt),
             read_path=self.path,
             recomputed_blocks=self.recomputed_blocks,

@@ -55,6 +55,9 @@ MIRRORED = frozenset(
         "full_blocks",
         "rows",
         "warmup",
+        "hold",
+        "release",
+        "fork",
     }
 )
 _ADDRESS_KEY = "dualpath/span/leader"

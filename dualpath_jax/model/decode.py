@@ -1,5 +1,5 @@
-"""Batched decode over a per-slot KV cache (`Decoder`, drawing tokens as `sampler.py` does), and
-`generate` and `reference_generate` (the test oracle).
+"""Batched decode over a per-slot KV cache (`Decoder`, drawing tokens as `sampler.py` does);
+`generation.py` builds `generate` and the test oracles on it.
 
 Lifecycle of a decode slot: `insert(slot, prompt_kv, next_token)` puts a prompt's KV rows
 `[L, T, W]` into the slot's pages; each `step()` feeds every active slot's pending token, writes
@@ -23,17 +23,15 @@ from dualpath_jax import copies
 from dualpath_jax.kernels.kv_rows import bits_dtype
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
-from dualpath_jax.model.page_pool import PageAllocator, pages_for
+from dualpath_jax.model.page_pool import PageAllocator, PagesExhausted, pages_for
 from dualpath_jax.model.runner import (
     JITTED,
     ModelRunner,
-    PrefillBatch,
     bucket_len,
     runs_on_mesh,
-    validate_context,
     validate_tokens,
 )
-from dualpath_jax.model.sampler import draw_step, sample, top_logprobs
+from dualpath_jax.model.sampler import draw_step, top_logprobs
 from dualpath_jax.model.sampling import (
     GREEDY,
     MAX_HELD_STOP_TOKENS,
@@ -130,7 +128,13 @@ def _read_pages(pages, ids):
     return pages[ids]
 
 
-JITTED.update((_merge, _write_pages, _read_pages))
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _copy_page(pages, where):
+    """pages[where[1]] <- pages[where[0]] (a fork's copy of its prompt's last page)."""
+    return pages.at[where[1]].set(pages[where[0]])
+
+
+JITTED.update((_merge, _write_pages, _read_pages, _copy_page))
 
 
 class Decoder:
@@ -290,12 +294,7 @@ class Decoder:
     @runs_on_mesh
     def _insert(self, slot, blocks, length, next_token, reserve_tokens, sampling, stop_tokens):
         """blocks `[n, L, page_size, W]` (kv dtype) -> the slot's first n pages."""
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {sampling!r}")
-        held = sorted(set(int(t) for t in stop_tokens)) if sampling.min_tokens else []
-        problem = min_tokens_problem(sampling, self.max_len, held)
-        if problem:
-            raise ValueError(problem)
+        held = self._held(sampling, stop_tokens, self.max_len)
         ids = self.alloc.allocate(slot, self.pages_needed(max(reserve_tokens, length + 1)))
         self.table[slot] = 0
         self.table[slot, : len(ids)] = ids
@@ -310,17 +309,94 @@ class Decoder:
             bits = padded.view(bits_dtype(cfg.kv_dtype))
             # device_put, not jnp.asarray: that compiles a staging program per shape
             self.pages = _write_pages(self.pages, jax.device_put(where), jax.device_put(bits))
+        self._start(slot, length, length, next_token, sampling, held)
+
+    def _start(self, slot, length, prompt, next_token, sampling, held) -> None:
+        """Slot `slot` holds `length` tokens' KV and feeds `next_token` next; the first token it
+        generates sits at position `prompt` (`held`: the stop tokens `min_tokens` holds back)."""
         self.lengths[slot] = length
         self.active[slot] = True
         self.seeds[slot] = sampling.seed
         self.temperatures[slot], self.top_ps[slot] = sampling.temperature, sampling.top_p
         self.stop_ids[slot] = -1
         self.stop_ids[slot, : len(held)] = held
-        # generated token k sits at position length + k; k < min_tokens may not be a stop token
-        self.held_until[slot] = length + sampling.min_tokens if held else 0
+        # generated token k sits at position prompt + k; k < min_tokens may not be a stop token
+        self.held_until[slot] = prompt + sampling.min_tokens if held else 0
         self.wants_logprobs[slot] = sampling.logprobs is not None
         self._set_pending(np.arange(self.slots) == slot, np.full((self.slots,), next_token))
         self._dirty = True
+
+    @staticmethod
+    def _held(sampling, stop_tokens, max_len) -> list[int]:
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {sampling!r}")
+        held = sorted(set(int(t) for t in stop_tokens)) if sampling.min_tokens else []
+        problem = min_tokens_problem(sampling, max_len, held)
+        if problem:
+            raise ValueError(problem)
+        return held
+
+    # ------------------------------------------------------------------ forks of one prompt
+
+    def hold(self, owner, slot: int, tokens: int) -> None:
+        """`owner` (a string: slots are numbers) takes a share of the pages of `slot` that hold
+        its first `tokens` tokens, so they outlive the slot until `fork` (or `release`) gives
+        them up: the prompt a group's other samples fork from."""
+        if tokens < 1 or tokens > self.lengths[slot]:
+            raise ValueError(f"cannot hold {tokens} tokens of a slot holding {self.lengths[slot]}")
+        self.alloc.share(owner, self.alloc.pages(slot)[: pages_for(tokens, self.page_size)])
+
+    def release(self, owner) -> None:
+        """Gives up `owner`'s hold (`hold`); pages no slot holds return to the pool."""
+        self.alloc.free(owner)
+
+    def fork_pages(self, length: int, reserve_tokens: int) -> int:
+        """New pages a fork of a `length`-token prompt takes (`fork`): the prompt's last page,
+        copied, and the pages for the tokens after it."""
+        shared = (length - 1) // self.page_size
+        return self.pages_needed(max(reserve_tokens, length)) - shared
+
+    def fork(
+        self,
+        slot: int,
+        owner,
+        length: int,
+        last_token: int,
+        reserve_tokens: int = 0,
+        *,
+        sampling: SamplingParams = GREEDY,
+        stop_tokens: Sequence[int] = (),
+    ) -> None:
+        """Starts `slot` on the `length`-token prompt whose pages `owner` holds (`hold`), then
+        gives up the hold. The slot shares the prompt's whole pages before its last token's
+        page (nothing writes them: every slot writes at or past its own length) and copies
+        that page; it holds `length - 1` tokens and feeds `last_token` (the prompt's last) at
+        position `length - 1`, so its first step draws its first token from the logits there,
+        at position `length` with `sampling`, as a prefill's first token is drawn. Pages for
+        `max(reserve_tokens, length)` tokens are taken now (`PagesExhausted`, `fork_pages`
+        new ones)."""
+        held = self._held(sampling, stop_tokens, self.max_len)
+        self._check_insert(slot, length - 1, last_token)
+        source = self.alloc.pages(owner)
+        k = (length - 1) // self.page_size  # the page of the prompt's last token
+        if len(source) <= k:
+            raise ValueError(f"{owner!r} holds {len(source)} pages, not a {length}-token prompt")
+        new = self.fork_pages(length, reserve_tokens)
+        if not self.alloc.can_allocate(new):
+            raise PagesExhausted(f"{new} KV pages needed, {self.alloc.free_pages} free")
+        self.alloc.share(slot, source[:k])
+        own = self.alloc.allocate(slot, new)
+        ids = self.alloc.pages(slot)  # in table order: the shared pages first
+        self.table[slot] = 0
+        self.table[slot, : len(ids)] = ids
+        self._copy_page(source[k], own[0])
+        self.release(owner)
+        self._start(slot, length - 1, length, last_token, sampling, held)
+
+    @runs_on_mesh
+    def _copy_page(self, src: int, dst: int) -> None:
+        where = np.array([src, dst], np.int32)
+        self.pages = _copy_page(self.pages, jax.device_put(where))
 
     def _write_bucket(self, n: int) -> int:
         return min(bucket_len(n, 1, 64), bucket_len(self.max_pages, 1, 64))
@@ -495,95 +571,6 @@ class Decoder:
             blocks = jnp.zeros((nb, cfg.num_layers, self.page_size, cfg.kv_width), self.pages.dtype)
             self.pages = _write_pages(self.pages, jnp.zeros((nb,), jnp.int32), blocks)
             _read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
+        self.pages = _copy_page(self.pages, jnp.zeros((2,), jnp.int32))  # the null page: no-op
         self._set_pending(self.active, np.zeros((self.slots,), np.int32))
         return len(widths) + len(nbs)
-
-
-# One ModelRunner per model passed to `generate` (its compiled functions are reused).
-_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def as_runner(model) -> ModelRunner:
-    """`model` itself if it is a ModelRunner, else the (cached) ModelRunner of a Transformer."""
-    if isinstance(model, ModelRunner):
-        return model
-    runner = _RUNNERS.get(model)
-    if runner is None:
-        runner = _RUNNERS[model] = ModelRunner(model)
-    return runner
-
-
-def generate(
-    model,
-    prompts: Sequence[Sequence[int]] | Sequence[int],
-    max_new_tokens: int,
-    *,
-    sampling: SamplingParams = GREEDY,
-    key: Array | None = None,
-    eos_id: int | None = None,
-) -> list[list[int]] | list[int]:
-    """Monolithic prefill then batched decode. Generates exactly `max_new_tokens` tokens per
-    prompt unless `eos_id` is given (then a sequence stops after emitting it).
-
-    `model`: a `Transformer` (or its `ModelRunner`). `prompts`: a batch of token-id lists, or a
-    single prompt as a flat list, which returns a flat list."""
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-    single = len(prompts) > 0 and isinstance(prompts[0], int | np.integer)
-    if single:
-        return generate(
-            model, [prompts], max_new_tokens, sampling=sampling, key=key, eos_id=eos_id
-        )[0]
-    runner = as_runner(model)
-    cfg = runner.cfg
-    for p in prompts:
-        validate_context(cfg, len(p) + max_new_tokens)
-    batch = PrefillBatch.build(cfg, prompts, [0] * len(prompts), runner.min_bucket)
-    result, new_kv = runner.prefill_monolithic(batch)
-    keys = iter(jax.random.split(key, max_new_tokens)) if key is not None else None
-    first = np.asarray(sample(result.last_logits, sampling, next(keys) if keys else None))
-    max_len = bucket_len(max(len(p) for p in prompts) + max_new_tokens, 64)
-    dec = Decoder(runner, len(prompts), min(max_len, cfg.max_seq_len))
-    new_kv = np.asarray(new_kv)  # [L, B, N_pad, W]
-    for b, p in enumerate(prompts):
-        dec.insert(b, new_kv[:, b], len(p), int(first[b]))
-    out = [[int(first[b])] for b in range(len(prompts))]
-    done = np.array([eos_id is not None and o[-1] == eos_id for o in out])
-    for _ in range(max_new_tokens - 1):
-        if done.all():
-            break
-        logits = dec.step()
-        nxt = np.asarray(sample(logits, sampling, next(keys) if keys else None))
-        for b in range(len(prompts)):
-            if not done[b]:
-                out[b].append(int(nxt[b]))
-                done[b] = eos_id is not None and nxt[b] == eos_id
-        dec.set_next(nxt)
-    return out
-
-
-def reference_generate(
-    runner: ModelRunner, prompt: Sequence[int], max_new_tokens: int
-) -> list[int]:
-    """Greedy generation with no KV cache at all: a full monolithic forward over the whole
-    sequence for every token. Slow; the oracle the cached paths are tested against."""
-    seq = list(prompt)
-    for _ in range(max_new_tokens):
-        batch = PrefillBatch.build(runner.cfg, [seq], [0], runner.min_bucket)
-        result, _ = runner.prefill_monolithic(batch)
-        seq.append(int(jnp.argmax(result.last_logits[0])))
-    return seq[len(prompt) :]
-
-
-def reference_rounds(model, rounds: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
-    """The reference greedy tokens of every round of one trajectory `[(append, gen), ...]`:
-    round i generates on the full context (every earlier append and generated token), as the
-    cluster's sessions do. The oracle of the cluster tests and benchmarks."""
-    runner = as_runner(model)
-    ctx: list[int] = []
-    out = []
-    for append, gen in rounds:
-        ctx += list(append)
-        out.append(reference_generate(runner, ctx, gen))
-        ctx += out[-1]
-    return out

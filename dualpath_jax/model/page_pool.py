@@ -21,7 +21,9 @@ class PagesExhausted(RuntimeError):
 
 class PageAllocator:
     """Free list over pages `1..num_pages` of a pool (page 0 is the null page) and the pages
-    each owner holds, in order. Freed pages are reused first-in-first-out."""
+    each owner holds, in order. A page may have several owners (`share`: forks of one prompt
+    read its pages); it returns to the free list when the last one frees it. Freed pages are
+    reused first-in-first-out."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -29,6 +31,7 @@ class PageAllocator:
         self.num_pages = num_pages
         self._free: collections.deque[int] = collections.deque(range(1, num_pages + 1))
         self._owned: dict[object, list[int]] = {}
+        self._owners: dict[int, int] = {}  # page -> how many owners hold it
 
     @property
     def free_pages(self) -> int:
@@ -53,13 +56,34 @@ class PageAllocator:
             raise PagesExhausted(f"{n} KV pages needed, {len(self._free)} of {self.num_pages} free")
         got = [self._free.popleft() for _ in range(n)]
         self._owned.setdefault(owner, []).extend(got)
+        self._owners.update((p, 1) for p in got)
         return got
 
+    def share(self, owner, pages: list[int]) -> None:
+        """Gives `owner` pages other owners hold (appended to its own, in order): each stays out
+        of the free list until every owner freed it."""
+        for p in pages:
+            if self._owners.get(p, 0) < 1:
+                raise ValueError(f"page {p} is not allocated: only held pages can be shared")
+        self._owned.setdefault(owner, []).extend(pages)
+        for p in pages:
+            self._owners[p] += 1
+
+    def owners(self, page: int) -> int:
+        """How many owners hold `page` (0: it is free)."""
+        return self._owners.get(page, 0)
+
     def free(self, owner) -> int:
-        """Returns every page of `owner` to the pool; the number of pages freed."""
-        got = self._owned.pop(owner, [])
-        self._free.extend(got)
-        return len(got)
+        """Drops every page of `owner`; those it was the last to hold return to the pool. The
+        number of pages returned."""
+        back = []
+        for p in self._owned.pop(owner, []):
+            self._owners[p] -= 1
+            if not self._owners[p]:
+                del self._owners[p]
+                back.append(p)
+        self._free.extend(back)
+        return len(back)
 
 
 def pages_for(tokens: int, page_size: int) -> int:

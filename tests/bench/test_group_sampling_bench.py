@@ -1,7 +1,9 @@
-"""`bench/group_sampling.py` at tiny shapes on an in-process 1P1D cluster: both modes draw the same
-tokens; the group prefills its prompt once (the prefix round) and each sample only the tail after
-the last whole block, where separate sessions each compute the whole prompt; the store holds the
-prompt's blocks once either way, and the group writes them once."""
+"""`bench/group_sampling.py` at tiny shapes on an in-process 1P1D cluster: every mode draws the
+same tokens. `fork` prefills the prompt once and each other sample computes only its last token
+on the decode engine, reading nothing; `store` prefills it once (the prefix round) and each
+sample reads it and computes the tail after the last whole block; separate sessions each compute
+the whole prompt. The store holds the prompt's blocks once either way; the groups write them
+once."""
 
 from __future__ import annotations
 
@@ -22,23 +24,29 @@ def test_group_sampling_against_separate_sessions(group_sampling, tmp_path):
     cfg = group_sampling.default_config(PROMPT, GEN, GROUP)
     cfg = dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, block_tokens=BT))
     out = group_sampling.run(cfg, tmp_path, "thread", PROMPT, GEN, GROUP, repeats=1)
-    g, s = out["group"], out["separate"]
+    f, g, s = out["fork"], out["store"], out["separate"]
     assert out["identical_tokens"]
     tail = PROMPT % BT
-    # the prefix round computes the prompt, each sample its tail
+    # fork: the first sample computes the prompt, each other one its last token
+    assert f["rounds"] == GROUP
+    assert f["computed_per_round"] == [PROMPT] + [1] * (GROUP - 1)
+    # store: the prefix round computes the prompt, each sample its tail
     assert g["rounds"] == GROUP + 1
     assert g["computed_per_round"] == [PROMPT] + [tail] * GROUP
     assert g["prefill_tokens_computed"] == PROMPT + GROUP * tail
     assert s["rounds"] == GROUP
     assert s["prefill_tokens_computed"] + s["cached_tokens"] == GROUP * PROMPT
     assert s["prefill_tokens_computed"] > g["prefill_tokens_computed"]
-    # the store keys blocks by content: the prompt's 6 blocks, once in either mode
+    # the store keys blocks by content: the prompt's 6 blocks, once in every mode
     blocks = PROMPT // BT
-    assert g["kv_block_files"] == s["kv_block_files"] == blocks
-    assert g["kv_bytes_stored"] == s["kv_bytes_stored"] > 0
+    assert f["kv_block_files"] == g["kv_block_files"] == s["kv_block_files"] == blocks
+    assert f["kv_bytes_stored"] == g["kv_bytes_stored"] == s["kv_bytes_stored"] > 0
     # ... but separate sessions each write them (unless one was stored before another began)
     per_block = g["kv_bytes_written"] // blocks
-    assert g["kv_bytes_written"] == blocks * per_block
+    assert f["kv_bytes_written"] == g["kv_bytes_written"] == blocks * per_block
     assert s["kv_bytes_written"] == (GROUP * blocks - s["cached_tokens"] // BT) * per_block
     assert g["kv_bytes_read"] == GROUP * blocks * per_block  # each sample reads the prompt
-    assert out["prefill_ratio"] > 1 and out["wall_ratio"] > 0
+    assert f["kv_bytes_read"] == 0  # the forks read nothing: the prompt is in the DE's pages
+    ratios = out["vs_separate"]
+    assert ratios["fork"]["prefill"] > ratios["store"]["prefill"] > 1
+    assert ratios["fork"]["wall"] > 0 and ratios["store"]["wall"] > 0

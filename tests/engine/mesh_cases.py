@@ -17,7 +17,7 @@ from dualpath_jax.engine.decode_engine import make_decoder
 from dualpath_jax.engine.params import ParamsSlot, load_served_model
 from dualpath_jax.model import sharding
 from dualpath_jax.model.checkpoint import save_params_tree
-from dualpath_jax.model.decode import generate
+from dualpath_jax.model.generation import generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2

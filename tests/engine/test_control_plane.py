@@ -130,6 +130,7 @@ SAMPLES: list[messages.Msg] = [
     ),
     messages.ReadsDone(request="r1", engine=0, attempt=1),
     messages.FirstToken(request="r1", token=9, hit_blocks=2),
+    messages.FirstToken(request="r1", token=9, hit_blocks=2, forks=[_JOB]),
     messages.FirstToken(
         request="r1", token=9, hit_blocks=2, logprobs=Logprobs(sampled=[-0.1], model=[-0.2])
     ),
@@ -203,6 +204,7 @@ def test_the_wire_format_is_plain_msgpack_data():
             "stream": False,
             "priority": None,
             "ttl_s": None,
+            "follows": "",
         },
     }
 

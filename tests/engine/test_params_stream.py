@@ -12,7 +12,7 @@ import pytest
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.params import ParamsSlot, served_params
 from dualpath_jax.model.checkpoint import params_state
-from dualpath_jax.model.decode import reference_generate
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2

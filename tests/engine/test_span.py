@@ -35,7 +35,7 @@ def test_a_call_round_trips_with_its_arrays_bit_for_bit():
 
 
 # Decoder methods that only read host state the mirrored calls keep equal in every process.
-HOST_QUERIES = {"free_slots", "pages_needed", "can_insert"}
+HOST_QUERIES = {"free_slots", "pages_needed", "can_insert", "fork_pages"}
 
 
 def test_every_decoder_method_is_mirrored_or_a_host_query():

@@ -147,7 +147,7 @@ def no_process_survives():
 def reference_tokens():
     """`reference_tokens(trajectory)`: the greedy tokens of each round from the monolithic
     reference model (no KV cache) on the full context, with the engines' parameters (seed 0)."""
-    from dualpath_jax.model.decode import reference_rounds
+    from dualpath_jax.model.generation import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 

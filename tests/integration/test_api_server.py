@@ -90,7 +90,7 @@ def api(served):
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens of the monolithic reference model with the engines' parameters."""
-    from dualpath_jax.model.decode import generate
+    from dualpath_jax.model.generation import generate
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 

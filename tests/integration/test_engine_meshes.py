@@ -23,7 +23,7 @@ from dualpath_jax.config import (
     SchedulerConfig,
     StoreConfig,
 )
-from dualpath_jax.model.decode import reference_generate, reference_rounds
+from dualpath_jax.model.generation import reference_generate, reference_rounds
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_DEEPSEEK, TINY_QWEN2

@@ -1,7 +1,8 @@
 """Group sampling (GRPO's G completions of one prompt) on an in-process 1P1D cluster: the
-prompt is prefilled once and its KV stored once, the G continuations read it from the store and
-compute only the tail after its last whole block; they are distinct, reproducible, equal to the
-in-process engine's, and each is a session of its own for later turns. Over HTTP: `n`."""
+prompt is prefilled once, and the G continuations fork its pages on the decode engine (or read
+it from the store and compute the tail after its last whole block); they are distinct,
+reproducible, equal to the in-process engine's, and each is a session of its own for later
+turns. Over HTTP: `n`."""
 
 from __future__ import annotations
 
@@ -36,31 +37,47 @@ def cluster(tmp_path_factory, start_cluster):
         yield c
 
 
-def test_a_group_prefills_its_prompt_once(cluster):
+@pytest.mark.parametrize("share", ["fork", "store"])
+def test_a_group_prefills_its_prompt_once(cluster, share):
+    """`fork`: one round prefills the prompt, the others start from its pages on its DE and
+    compute its last token only; `store`: a prefix round stores the prompt, each sample reads it
+    and computes the tail after its last whole block. Either way the samples are distinct,
+    reproducible, the in-process engine's, and sessions of their own."""
     local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
     client = cluster.client()
     rs = np.random.RandomState(0)
     first, append = rs.randint(0, 256, 37).tolist(), rs.randint(0, 256, 150).tolist()
     key = jax.random.key(42)
     try:
-        parent, mine = Session(client, "g"), Session(local, "g")
+        parent, mine = Session(client, f"g-{share}"), Session(local, "g")
         assert parent.step(first, 3) == mine.step(first, 3)
         kids = parent.fork(4)
+        forks_before = client.stats()["counters"]["forks"]
         futs = client.submit_group(
             [k.id for k in kids],
             append,
             6,
             samplings=_samplings(4, key),  # those step_group uses
+            share=share,
         )
         results = [f.result(120) for f in futs]
-        prefix = futs.prefix.result(1)
         prompt = len(first) + 3 + len(append)
-        assert prefix.prompt_tokens == prompt
         computed = [r.prompt_tokens - r.cached_tokens for r in results]
-        # each continuation computes the tail after the prompt's last whole block, no more
-        assert all(1 <= c <= BT for c in computed), computed
         separate = 4 * (prompt - parent.results[-1].prompt_tokens - 3)  # what 4 new turns cost
-        group = (prefix.prompt_tokens - prefix.cached_tokens) + sum(computed)
+        if share == "fork":
+            assert futs.prefix is None
+            assert [r.read_path for r in results[1:]] == ["fork"] * 3
+            assert computed[1:] == [1, 1, 1]  # the prompt's last token, on the DE
+            assert all(r.ttft_s > 0 and r.ttst_s > 0 and not r.persist_error for r in results)
+            assert computed[0] == prompt - results[0].cached_tokens
+            assert client.stats()["counters"]["forks"] - forks_before == 3
+            group = sum(computed)
+        else:
+            prefix = futs.prefix.result(1)
+            assert prefix.prompt_tokens == prompt
+            # each continuation computes the tail after the prompt's last whole block, no more
+            assert all(1 <= c <= BT for c in computed), computed
+            group = (prefix.prompt_tokens - prefix.cached_tokens) + sum(computed)
         assert group < separate / 2
         tokens = [list(r.tokens) for r in results]
         assert len({tuple(t) for t in tokens}) == 4  # distinct
@@ -73,6 +90,31 @@ def test_a_group_prefills_its_prompt_once(cluster):
         # each continuation is a session of its own
         nxt = kids[1].step([9, 9], 4)
         assert nxt == local_kids[1].step([9, 9], 4)
+        # ... which finds the prompt's blocks and its own generated ones stored
+        assert kids[1].results[-1].cached_tokens == (prompt + 5) // BT * BT
+    finally:
+        client.close()
+
+
+def test_forks_that_outlive_their_first_round_or_have_none(cluster):
+    """A group of one-token rounds (the first round ends as its forks are taken: they hold its
+    pages), and a round following a request that is not there (it runs on its own)."""
+    client = cluster.client()
+    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    prompt = np.random.RandomState(7).randint(0, 256, 48).tolist()  # 3 whole blocks
+    key = jax.random.key(3)
+    try:
+        sessions = [f"one-{i}" for i in range(3)]
+        for sid in sessions:
+            client.open_session(sid)
+        futs = client.submit_group(sessions, prompt, 1, samplings=_samplings(3, key))
+        got = [list(f.result(120).tokens) for f in futs]
+        mine = [Session(local, f"one-{i}") for i in range(3)]
+        assert got == step_group(mine, prompt, 1, temperature=1.0, key=key)
+        client.open_session("alone")
+        res = client.submit("alone", prompt, 3, follows="no-such-request").result(120)
+        assert res.read_path != "fork"
+        assert list(res.tokens) == Session(local, "alone").step(prompt, 3)
     finally:
         client.close()
 

@@ -90,7 +90,7 @@ def test_run_local_runs_on_threads_with_the_reference_tokens(tmp_path):
     run's files, and its outputs are the reference model's greedy tokens."""
     from dualpath_jax import apply_overrides, load_config
     from dualpath_jax.experiment import as_rounds, build_trajectories, read_outputs, run_local
-    from dualpath_jax.model.decode import reference_rounds
+    from dualpath_jax.model.generation import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
 

@@ -45,7 +45,7 @@ from dualpath_jax.cluster import Client, link_totals, read_link_reports, write_c
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.rpc import bracketed, host_port
-from dualpath_jax.model.decode import reference_rounds
+from dualpath_jax.model.generation import reference_rounds
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.model.decode import reference_generate
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2

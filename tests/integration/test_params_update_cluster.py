@@ -19,7 +19,7 @@ from dualpath_jax.engine.build import store_config
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.checkpoint import params_state, save_params_tree
-from dualpath_jax.model.decode import reference_generate
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2

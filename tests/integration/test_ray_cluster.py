@@ -42,7 +42,7 @@ from dualpath_jax import apply_overrides, load_config  # noqa: E402
 from dualpath_jax.cluster import RayCluster  # noqa: E402
 from dualpath_jax.config import RayConfig  # noqa: E402
 from dualpath_jax.experiment import read_outputs, run_local  # noqa: E402
-from dualpath_jax.model.decode import reference_generate  # noqa: E402
+from dualpath_jax.model.generation import reference_generate  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 from dualpath_jax.model.transformer import init_model  # noqa: E402
 from dualpath_jax.presets import TINY_QWEN2  # noqa: E402

@@ -166,6 +166,25 @@ def test_kv_pages_and_rows_have_their_sharding(name):
         assert dec.pages.addressable_shards[0].data.shape[-1] == 2 * 2 * cfg.head_dim
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_forks_on_a_mesh_give_the_one_device_tokens(reference, name):
+    """A fork of a prompt (shared pages, the last one copied) on the 2x4 mesh's split pool
+    generates the prompt's one-device greedy tokens; the pool keeps its sharding."""
+    cfg, one_device = MODELS[name], reference[name][0]
+    runner = ModelRunner(_sharded(name, "2x4"))
+    prompt = PROMPTS[0] * 3  # 33 tokens: its last one starts the third 16-token page
+    _, kv = runner.prefill_monolithic(PrefillBatch.build(cfg, [prompt], [0]))
+    dec = Decoder(runner, 2, 64, page_size=16)
+    spec = dec.pages.sharding.spec
+    dec.insert(0, np.asarray(kv)[:, 0], len(prompt), 1)
+    dec.hold("g", 0, len(prompt))
+    dec.free(0)
+    dec.fork(1, "g", len(prompt), prompt[-1])
+    got = [int(np.asarray(dec.advance())[1]) for _ in range(4)]
+    assert got == dm.generate(one_device, [prompt], 4)[0]
+    assert dec.pages.sharding.spec == spec
+
+
 def test_scaled_fp8_pages_split_by_kv_head_with_their_scales():
     """fp8 KV with per-token scales on 2x4: each head's scales sit in its own columns, so the
     decode pool and the new rows split over `tensor` like bf16 ones (a device holds 2 heads of

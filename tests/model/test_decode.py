@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from dualpath_jax.model.decode import Decoder, generate, reference_generate
+from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.generation import generate, reference_generate
 from dualpath_jax.model.runner import PrefillBatch
 from dualpath_jax.model.sampler import sample
 from dualpath_jax.model.sampling import SamplingParams

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dualpath_jax import model as dm
-from dualpath_jax.model.decode import Decoder, reference_generate
+from dualpath_jax.model.decode import Decoder
+from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.page_pool import PagesExhausted
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, compile_count
 from dualpath_jax.model.sampler import sample_at

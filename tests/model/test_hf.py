@@ -40,7 +40,7 @@ from tiers import family_params  # noqa: E402
 
 from dualpath_jax.config import ModelFamily  # noqa: E402
 from dualpath_jax.model.checkpoint import CheckpointError, from_pretrained  # noqa: E402
-from dualpath_jax.model.decode import generate  # noqa: E402
+from dualpath_jax.model.generation import generate  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 
 pytestmark = pytest.mark.hf

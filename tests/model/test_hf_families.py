@@ -33,7 +33,7 @@ from hf_reference import (  # noqa: E402
 
 from dualpath_jax.config import ExperimentConfig, ModelFamily, validate  # noqa: E402
 from dualpath_jax.model.checkpoint import config_from_hf, from_pretrained  # noqa: E402
-from dualpath_jax.model.decode import generate  # noqa: E402
+from dualpath_jax.model.generation import generate  # noqa: E402
 from dualpath_jax.model.layers import MoE  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner  # noqa: E402
 
