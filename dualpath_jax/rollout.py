@@ -194,8 +194,8 @@ def step_group(
     """One round in each of `sessions` (forks of one session, `Session.fork`), all appending
     `append` and generating `gen` tokens: GRPO's group of G samples of one prompt. Choice i is
     drawn with `fold_in(key, i)` (distinct and reproducible). On a cluster the prompt is
-    prefilled once and its KV stored once (`Client.submit_group`); elsewhere the rounds run one
-    by one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
+    prefilled once and the other samples fork its pages on its decode engine
+    (`Client.submit_group`); elsewhere the rounds run one by one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
     import jax
 
     if not sessions:
