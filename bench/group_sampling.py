@@ -258,11 +258,13 @@ def main(argv):
             f" {r['kv_bytes_written'] / 1e6:>10.2f}MB {r['kv_bytes_read'] / 1e6:>10.2f}MB"
             f" {r['wall_s']:>7.2f}"
         )
-    print(
-        f"separate / group: prefill {out['prefill_ratio']:.2f}x, KV stored"
-        f" {out['kv_bytes_ratio']:.2f}x, KV written {out['kv_written_ratio']:.2f}x,"
-        f" wall {out['wall_ratio']:.2f}x; tokens identical: {'yes' if out['identical_tokens'] else 'NO'}"
-    )
+    for mode in ("fork", "store"):
+        v = out["vs_separate"][mode]
+        print(
+            f"separate / {mode}: prefill {v['prefill']:.2f}x, KV stored {v['kv_stored']:.2f}x,"
+            f" KV written {v['kv_written']:.2f}x, wall {v['wall']:.2f}x"
+        )
+    print(f"tokens identical: {'yes' if out['identical_tokens'] else 'NO'}")
 
 
 if __name__ == "__main__":

@@ -449,7 +449,7 @@ def _waits(trajs: Sequence[tuple[str, Sequence[tuple]]], max_concurrent: int) ->
     """`(trajectory k, round i) -> [indices of the trajectories it waits for]` of
     `run_trajectories`' rounds (their fourth field), checked: no cycle, and with
     `max_concurrent` only earlier trajectories."""
-    from dualpath_jax.workload.trace import wait_cycle
+    from dualpath_jax.workload.order import wait_cycle
 
     index: dict[str, list[int]] = {}
     for k, (tid, _) in enumerate(trajs):

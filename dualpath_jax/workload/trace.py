@@ -2,10 +2,12 @@
 
 Trace JSONL (docs/traces.md), one trajectory per line:
 `{"id": str, "rounds": [{"append": int | [int, ...], "gen": int, "gap_s": float,
-"waits_for": [str, ...], "tool_call": bool}, ...]}` (`gap_s` optional: the tool call's seconds
-before the round; `waits_for` optional: ids of trajectories, such as subagents, that must finish
-first; `tool_call` optional, true by default: false when the gap is a user's think time, not a
-tool call). An int
+"waits_for": [str, ...], "tool_call": bool}, ...], "after": {"id": str, "round": int,
+"delay_s": float}}` (`gap_s` optional: the tool call's seconds before the round; `waits_for`
+optional: ids of trajectories, such as subagents, that must finish first; `tool_call` optional,
+true by default: false when the gap is a user's think time, not a tool call; `after` optional:
+the trajectory starts `delay_s` after that round of that trajectory ended, as a subagent starts
+when its parent's round that called it ends). An int
 append means that many seeded random token ids (`materialize`); a list gives the ids
 themselves. Other trace formats (Mooncake, conversations) are read by `workload.formats`; their
 appends are content pieces (`Round.pieces`), so equal content gives equal tokens in every
@@ -28,6 +30,8 @@ import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from dualpath_jax.workload.order import round_cycle, wait_cycle
 
 
 class TraceError(ValueError):
@@ -90,8 +94,20 @@ class Round:
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
+    """`after`: `(trajectory id, round index, delay_s)`: in a replay this trajectory starts
+    `delay_s` seconds after that round of that trajectory ended (a subagent its parent's round
+    called; if that trajectory ends before the round, at its end), not at its arrival time;
+    `()`: at its arrival. A run without that trajectory starts it at its arrival."""
+
     id: str
     rounds: tuple[Round, ...]
+    after: tuple[str, int, float] | tuple[()] = ()
+
+    def __post_init__(self) -> None:
+        if self.after:
+            problem = after_problem(self.after)
+            if problem:
+                raise ValueError(f"trajectory {self.id!r}: {problem}")
 
     @property
     def total_len(self) -> int:
@@ -145,9 +161,11 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
     `vocab_size`: when given, explicit token ids must lie in `[0, vocab_size)`.
     """
     obj = json_object(line, lineno)
-    unknown = sorted(set(obj) - {"id", "rounds"})
+    unknown = sorted(set(obj) - {"id", "rounds", "after"})
     if unknown:
-        raise TraceError(f"line {lineno}: unknown key(s) {unknown}; expected 'id' and 'rounds'")
+        raise TraceError(
+            f"line {lineno}: unknown key(s) {unknown}; expected 'id', 'rounds' and 'after'"
+        )
     tid = obj.get("id")
     if not isinstance(tid, str) or not tid:
         raise TraceError(f"line {lineno}: 'id' must be a non-empty string, got {tid!r}")
@@ -194,7 +212,38 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
         else:
             app = _check_int(app, f"{where}: 'append'", lineno, 1)
         out.append(Round(app, gen, gap_s=float(gap), waits_for=tuple(waits), tool_call=tool_call))
-    return Trajectory(tid, tuple(out))
+    after = obj.get("after", {})
+    if not isinstance(after, dict) or (after and set(after) != {"id", "round", "delay_s"}):
+        raise TraceError(
+            f"line {lineno}: 'after' of {tid!r} must be an object with 'id', 'round' and"
+            f" 'delay_s', got {after!r}"
+        )
+    spec = (after["id"], after["round"], after["delay_s"]) if after else ()
+    problem = after_problem(spec) if spec else ""
+    if problem:
+        raise TraceError(f"line {lineno}: 'after' of {tid!r}: {problem}")
+    return Trajectory(tid, tuple(out), (spec[0], spec[1], float(spec[2])) if spec else ())
+
+
+def after_problem(after: object) -> str:
+    """What is wrong with a trajectory's `after` (`Trajectory.after`), or ""."""
+    ok = isinstance(after, tuple | list) and len(after) == 3
+    if ok:
+        tid, i, delay = after
+        ok = (
+            isinstance(tid, str)
+            and bool(tid)
+            and isinstance(i, int)
+            and not isinstance(i, bool)
+            and i >= 0
+            and isinstance(delay, int | float)
+            and not isinstance(delay, bool)
+            and math.isfinite(delay)
+            and delay >= 0
+        )
+    if not ok:
+        return f"after must be (trajectory id, round index >= 0, delay_s >= 0), got {after!r}"
+    return ""
 
 
 def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[Trajectory]:
@@ -211,6 +260,7 @@ def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[
         out.append(t)
     if not out:
         raise TraceError("the trace has no trajectories")
+    rounds_of = {t.id: len(t.rounds) for t in out}
     for t in out:
         for i, r in enumerate(t.rounds):
             for w in r.waits_for:
@@ -219,6 +269,11 @@ def parse_trace(lines: Iterable[str], *, vocab_size: int | None = None) -> list[
                         f"line {seen[t.id]}: round {i} of {t.id!r} waits for {w!r}, which is not"
                         " in the trace"
                     )
+        if t.after and t.after[1] >= rounds_of.get(t.after[0], 0):
+            raise TraceError(
+                f"line {seen[t.id]}: {t.id!r} starts after round {t.after[1]} of"
+                f" {t.after[0]!r}, which is not in the trace"
+            )
     check_waits(out)
     return out
 
@@ -242,7 +297,8 @@ def trajectory_to_json(t: Trajectory) -> str:
         }
         for r in t.rounds
     ]
-    return json.dumps({"id": t.id, "rounds": rounds}, separators=(",", ":"))
+    after = {"after": dict(zip(("id", "round", "delay_s"), t.after))} if t.after else {}
+    return json.dumps({"id": t.id, "rounds": rounds, **after}, separators=(",", ":"))
 
 
 def dump_trace(trajectories: Iterable[Trajectory], path: str | os.PathLike[str]) -> None:
@@ -403,37 +459,22 @@ def submit_time(
 
 def check_waits(trajectories: Sequence[Trajectory]) -> None:
     """Raises `TraceError` when trajectories wait for each other in a cycle (`Round.waits_for`;
-    a trajectory waiting for itself included): none of them could ever finish. Ids of
-    trajectories not among them are ignored."""
+    a trajectory waiting for itself included, and a round waiting for a trajectory that starts
+    after it, `Trajectory.after`): none of them could ever finish. Ids of trajectories not
+    among them are ignored."""
+    if any(t.after for t in trajectories):
+        cycle = round_cycle(
+            [(t.id, [r.waits_for for r in t.rounds], t.after) for t in trajectories]
+        )
+        if cycle:
+            raise TraceError(f"rounds wait for each other in a cycle: {' -> '.join(cycle)}")
+        return
     waits: dict[str, set[str]] = {}
     for t in trajectories:
         waits.setdefault(t.id, set()).update(w for r in t.rounds for w in r.waits_for)
     cycle = wait_cycle(waits)
     if cycle:
         raise TraceError(f"trajectories wait for each other in a cycle: {' -> '.join(cycle)}")
-
-
-def wait_cycle(waits: dict[str, Iterable[str]]) -> list[str]:
-    """A cycle of `waits` (trajectory id -> the ids it waits for; ids that are not keys are
-    ignored) as `[a, b, ..., a]`, or `[]` when there is none."""
-    edges = {k: sorted(w for w in v if w in waits) for k, v in waits.items()}
-    done: set[str] = set()
-    for root in sorted(edges):
-        if root in done:
-            continue
-        path = [root]
-        stack = [iter(edges[root])]
-        while stack:
-            child = next(stack[-1], None)
-            if child is None:
-                stack.pop()
-                done.add(path.pop())
-            elif child in path:
-                return [*path[path.index(child) :], child]
-            elif child not in done:
-                path.append(child)
-                stack.append(iter(edges[child]))
-    return []
 
 
 # --------------------------------------------------------------------------- stats
