@@ -256,7 +256,11 @@ def run_trajectories(
     counts from the last of those ends (`workload.trace.submit_time`; ids not in the call are
     ignored, a cycle of waits is a ValueError). A fifth field `False`
     (`(append tokens, gen, gap_s, waits_for, False)`) says the gap is a user's think time, not a
-    tool call: no hint.
+    tool call: no hint. A trajectory `(id, rounds, (parent id, round index, delay_s))` starts
+    `delay_s` seconds after that round of the trajectory `parent id` of this call ended (a
+    subagent its parent's round called; `workload.trace.Trajectory.after`), or when that
+    trajectory ends without it; a parent not in the call leaves it to its arrival. A round
+    waiting for a trajectory that starts after it, directly or not, is a ValueError.
 
     `max_concurrent` bounds how many trajectories run at once (0: all; with it, a trajectory may
     wait only for earlier ones, which hold their slots first); `arrivals` gives each
@@ -274,7 +278,8 @@ def run_trajectories(
     round_sampling(temperature, top_p, key, logprobs)  # bad keywords fail the call
     from tqdm.auto import tqdm
 
-    trajs = list(trajectories)
+    given = list(trajectories)
+    trajs = [(t[0], t[1]) for t in given]
     outputs = [TrajectoryOutput(tid, [], []) for tid, _ in trajs]
     if arrivals is not None and len(arrivals) != len(trajs):
         raise ValueError(f"{len(arrivals)} arrival times for {len(trajs)} trajectories")
@@ -285,6 +290,9 @@ def run_trajectories(
     if len(priorities) != len(trajs):
         raise ValueError(f"{len(priorities)} priorities for {len(trajs)} trajectories")
     waits_of = _waits(trajs, max_concurrent)
+    # (k, i) -> the trajectories that start after round i of trajectory k, with their delays
+    spawns = _spawns(given, max_concurrent)
+    spawned = {c for started in spawns.values() for c, _ in started}
     # When each trajectory ended (monotonic s), and the rounds waiting for ones still running.
     ended: list[float | None] = [None] * len(trajs)
     waiting: dict[int, list[tuple[int, int]]] = {}
@@ -313,7 +321,34 @@ def run_trajectories(
         except Exception as e:  # noqa: BLE001 - a hint that fails costs its prefetch only
             log.warning("trajectory %s: the tool_call hint failed: %s", trajs[k][0], e)
 
+    def start(k: int) -> None:
+        """Trajectory k starts: its session opens and its first round gets ready."""
+        limit.acquire()
+        try:
+            sessions[k] = Session(backend, trajs[k][0], priority=priorities[k], ttl_s=ttl_s)
+            advance(k, sessions[k], 0)
+        except Exception as e:  # noqa: BLE001
+            outputs[k].error = str(e)
+            finish_one(k)
+
+    def spawn(k: int, upto: int) -> None:
+        """Starts the trajectories waiting on round `upto` (and earlier ones) of trajectory k,
+        each after its delay."""
+        with lock:
+            keys = [x for x in spawns if x[0] == k and x[1] <= upto]
+            started = [c for x in keys for c in spawns.pop(x)]
+        for c, delay in started:
+            if stopped.is_set():
+                return
+            timer = threading.Timer(delay, start, (c,))
+            timer.daemon = True
+            with lock:
+                timers.append(timer)
+            timer.start()
+
     def finish_one(k: int) -> None:
+        if spawns:  # it ended before the rounds others start after: they start now
+            spawn(k, len(trajs[k][1]))
         now = time.monotonic()
         go = []
         with lock:
@@ -392,6 +427,8 @@ def run_trajectories(
             outputs[k].results.append(res)
             with lock:
                 bar.update(1)
+            if spawns:
+                spawn(k, i)
             advance(k, session, i + 1)
 
         try:
@@ -412,18 +449,14 @@ def run_trajectories(
     if not trajs:
         return outputs
     t0 = time.monotonic()
-    for k, (tid, _) in enumerate(trajs):
+    for k in range(len(trajs)):
+        if k in spawned:
+            continue  # it starts after another trajectory's round (`spawn`)
         if arrivals is not None:
             wait = t0 + arrivals[k] - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-        limit.acquire()
-        try:
-            sessions[k] = Session(backend, tid, priority=priorities[k], ttl_s=ttl_s)
-            advance(k, sessions[k], 0)
-        except Exception as e:  # noqa: BLE001
-            outputs[k].error = str(e)
-            finish_one(k)
+        start(k)
     finished = done_all.wait(timeout_s)
     with lock:
         stopped.set()
@@ -474,6 +507,44 @@ def _waits(trajs: Sequence[tuple[str, Sequence[tuple]]], max_concurrent: int) ->
     cycle = wait_cycle(edges)
     if cycle:
         raise ValueError(f"trajectories wait for each other in a cycle: {' -> '.join(cycle)}")
+    return out
+
+
+def _spawns(trajs: Sequence[tuple], max_concurrent: int) -> dict:
+    """`(trajectory k, round i) -> [(trajectory c, delay_s), ...]`: the trajectories of
+    `run_trajectories` that start after round i of trajectory k (their third field), checked:
+    no round waits for one that starts after it, none with `max_concurrent`."""
+    from dualpath_jax.workload.order import round_cycle
+    from dualpath_jax.workload.trace import after_problem
+
+    index: dict[str, int] = {}
+    for k, t in enumerate(trajs):
+        index.setdefault(t[0], k)
+    out: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for c, t in enumerate(trajs):
+        after = tuple(t[2]) if len(t) > 2 and t[2] else ()
+        if not after:
+            continue
+        problem = after_problem(after)
+        if problem:
+            raise ValueError(f"trajectory {t[0]!r}: {problem}")
+        k = index.get(after[0])
+        if k is None:
+            continue  # not in the call: it starts at its arrival
+        if k == c:
+            raise ValueError(f"trajectory {t[0]!r} starts after a round of its own")
+        out.setdefault((k, min(after[1], len(trajs[k][1]) - 1)), []).append((c, float(after[2])))
+    if out and max_concurrent:
+        raise ValueError(
+            "trajectories that start after another's round need max_concurrent=0: a slot held"
+            " by the one they start after might never be freed"
+        )
+    if out:
+        waits = [(t[0], [rd[3] if len(rd) > 3 else () for rd in t[1]],
+                  tuple(t[2]) if len(t) > 2 and t[2] else ()) for t in trajs]  # fmt: skip
+        cycle = round_cycle(waits)
+        if cycle:
+            raise ValueError(f"rounds wait for each other in a cycle: {' -> '.join(cycle)}")
     return out
 
 

@@ -3,7 +3,9 @@
 Round i+1 of an agent is submitted when its round i is done and its tool call (`Round.gap_s`)
 is over, with prompt `A_1 G_1 ... A_{i+1}`; a round that waits for other agents' trajectories
 (`Round.waits_for`: subagents) also not before they finished, its gap counting from the last
-of their ends (`workload.trace.submit_time`). The hit of a round is what the DE persisted for the
+of their ends (`workload.trace.submit_time`). An agent whose trajectory starts after another
+agent's round (`Trajectory.after`: a subagent) starts that long after the round ends, not at
+its arrival. The hit of a round is what the DE persisted for the
 previous round (`round_hit`); a first round given as content pieces (`Round.pieces`: Mooncake
 and conversation traces) hits the longest prefix it shares with the first rounds finished so
 far, as the content-addressed store finds it (`workload.sharing`). With a store capacity, the
@@ -61,9 +63,8 @@ def schedule_agents(
     finishes (filled in while the loop runs)."""
     agents = AgentReplay(cluster, trajectories)
     for agent, t0 in enumerate(arrivals):
-        if agents.prompts[agent]:
-            first = agents.ready if (agent, 0) in agents.waits else agents.submit
-            cluster.loop.at(t0, first, agent, 0)
+        if agents.prompts[agent] and agent not in agents.spawned:
+            cluster.loop.at(t0, agents.start, agent)
     return agents.done_at
 
 
@@ -116,6 +117,10 @@ class AgentReplay:
             self.waits = _wait_table(trajectories, named)
         self.waiting: dict[int, list[tuple[int, int]]] = {}
         self.pending: dict[tuple[int, int], tuple[int, float]] = {}
+        # Agents that start after another agent's round (`Trajectory.after`, of an agent in the
+        # run): (agent, turn) -> [(agent, delay_s)]; they do not start at their arrival.
+        self.spawns: dict[tuple[int, int], list[tuple[int, float]]] = _spawn_table(trajectories)
+        self.spawned: set[int] = {a for started in self.spawns.values() for a, _ in started}
         self.store: SimBlockStore | None = None
         st = cluster.cfg.store
         if st.capacity_bytes > 0:
@@ -129,6 +134,13 @@ class AgentReplay:
                 lambda: loop.now,
                 cluster.counters,
             )
+
+    def start(self, agent: int) -> None:
+        """The agent arrives (or the round it starts after ended, plus its delay)."""
+        if (agent, 0) in self.waits:
+            self.ready(agent, 0)
+        else:
+            self.submit(agent, 0)
 
     def submit(self, agent: int, turn: int) -> None:
         prompts, gens = self.prompts[agent], self.gens[agent]
@@ -149,6 +161,9 @@ class AgentReplay:
 
     def _done(self, st: RoundState) -> None:
         agent, turn = st.agent, st.request.turn + 1
+        if self.spawns and (agent, turn - 1) in self.spawns:
+            for child, delay in self.spawns.pop((agent, turn - 1)):
+                self.cluster.loop.after(delay, self.start, child)
         if turn == 1 and self.pieces[agent]:
             self.shared.add(self.pieces[agent])
         last = turn == len(self.prompts[agent])
@@ -208,6 +223,29 @@ class AgentReplay:
             hit = _hit(prompts[turn - 1], gens[turn - 1], prompts[turn], self.bt)
             self.cluster.prefetch.tool_call(f"{self.ids[agent]}/a{agent}", hit, at - loop.now)
         loop.at(at, self.submit, agent, turn)
+
+
+def _spawn_table(
+    trajectories: Sequence[Trajectory],
+) -> dict[tuple[int, int], list[tuple[int, float]]]:
+    """`(agent, turn) -> [(agent, delay_s)]`: the agents whose trajectory starts after that
+    round of that agent's (`Trajectory.after` naming a trajectory of the run)."""
+    index: dict[str, int] = {}
+    for agent, t in enumerate(trajectories):
+        if t.rounds and t.id not in index:
+            index[t.id] = agent
+    out: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for agent, t in enumerate(trajectories):
+        if t.after is None or not t.rounds:
+            continue
+        name, turn, delay = t.after
+        parent = index.get(name, agent)
+        if parent != agent:
+            turn = min(turn, len(trajectories[parent].rounds) - 1)
+            out.setdefault((parent, turn), []).append((agent, float(delay)))
+    if out:
+        check_waits(trajectories)  # (no round waits for an agent that starts after it)
+    return out
 
 
 def _wait_table(

@@ -219,8 +219,11 @@ def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
     """Materialized trajectories as `rollout.run_trajectories` takes them:
     `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`, one
     that waits for other trajectories `(ids, gen, gap_s, waits_for)`, one whose gap is a user's
-    think time rather than a tool call `(ids, gen, gap_s, waits_for, False)`."""
-    return [(t.id, [_round_tuple(r) for r in t.rounds]) for t in trajs]
+    think time rather than a tool call `(ids, gen, gap_s, waits_for, False)`; a trajectory that
+    starts after another's round (`Trajectory.after`) `(id, rounds, after)`."""
+    return [
+        (t.id, [_round_tuple(r) for r in t.rounds], *((t.after,) if t.after else ())) for t in trajs
+    ]
 
 
 def _round_tuple(r: Round) -> tuple:

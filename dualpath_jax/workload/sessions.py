@@ -26,7 +26,10 @@ parent and shares the parent's hash-id namespace.
   ...) starting at that request's time, its first round the whole input as pieces again.
 - Start times: a session starts at 0 (the format has no absolute times), a subagent at its
   parent's start + its `t - duration_ms / 1000`, a continuation at its request's `t`. Subagents
-  and continuations are trajectories of their own that arrive at those times. Ids: the
+  and continuations are trajectories of their own that arrive at those times; a subagent's
+  first trajectory is also `Trajectory.after` the round of its parent's last request sent
+  before its start (the one whose answer called it), by the recorded time from that answer
+  (`t + api_time`) to its start: a replay starts it when that round actually ends. Ids: the
   session's `id` (the file's stem without one), a subagent `<parent>:<agent_id>`.
 - Waiting for subagents: the parent's first request after a subagent's start waits for it when
   its recorded `t` is at or after the subagent's end (it blocked on the tool that ran it);
@@ -284,9 +287,16 @@ def parse_weka_session(
         and the ids of its own (not its subagents')."""
         below: list[tuple[Trajectory, float]] = []
         waits: dict[int, tuple[tuple[str, ...], float]] = {}
+        spawned: list[tuple[int, int, float]] = []  # (index in below, request, delay)
         for c in subagents:
             c_start, c_end = start + max(0.0, c.t - c.duration_s), start + c.t
             ids, pairs = walk(list(c.own), c.subagents, c.tid, c_start)
+            # It starts after the last request of the parent sent before it (whose answer
+            # called it), as long after that answer as recorded.
+            j = max((j for j, r in enumerate(own) if start + r.t <= c_start), default=None)
+            if ids and j is not None:
+                delay = max(0.0, c_start - (start + own[j].t + own[j].api_s))
+                spawned.append((len(below), j, round(delay, 6)))
             below.extend(pairs)
             # The parent's next request after the spawn waits for the child when it came after
             # the child's end; else the parent went on without it.
@@ -297,6 +307,14 @@ def parse_weka_session(
         if not own:
             return [], below
         mine = _chain(own, tid, start, namespace, sid, block, length_scale, waits)
+        # request j is round j - first of the segment (continuation) holding it
+        seg, first = [], 0
+        for t, _ in mine:
+            seg.extend((t.id, j - first) for j in range(first, first + len(t.rounds)))
+            first += len(t.rounds)
+        for b, j, delay in spawned:
+            t, at = below[b]
+            below[b] = (dataclasses.replace(t, after=(*seg[j], delay)), at)
         return [t.id for t, _ in mine], mine + below
 
     own, subagents = _weka_requests(obj.get("requests"), sid, block)

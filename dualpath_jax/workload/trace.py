@@ -97,11 +97,11 @@ class Trajectory:
     """`after`: `(trajectory id, round index, delay_s)`: in a replay this trajectory starts
     `delay_s` seconds after that round of that trajectory ended (a subagent its parent's round
     called; if that trajectory ends before the round, at its end), not at its arrival time;
-    `()`: at its arrival. A run without that trajectory starts it at its arrival."""
+    None: at its arrival. A run without that trajectory starts it at its arrival."""
 
     id: str
     rounds: tuple[Round, ...]
-    after: tuple[str, int, float] | tuple[()] = ()
+    after: tuple[str, int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.after:
@@ -222,7 +222,7 @@ def parse_trajectory(line: str, lineno: int = 1, *, vocab_size: int | None = Non
     problem = after_problem(spec) if spec else ""
     if problem:
         raise TraceError(f"line {lineno}: 'after' of {tid!r}: {problem}")
-    return Trajectory(tid, tuple(out), (spec[0], spec[1], float(spec[2])) if spec else ())
+    return Trajectory(tid, tuple(out), (spec[0], spec[1], float(spec[2])) if spec else None)
 
 
 def after_problem(after: object) -> str:

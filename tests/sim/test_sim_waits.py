@@ -103,7 +103,8 @@ def test_a_weka_session_simulated_online_waits_for_its_subagents(tmp_path):
     assert run.summary["errors"] == 0 and run.summary["requests"] == 7
     a_end, b_end = (end_of([r for (t, _), r in by.items() if t == c]) for c in ("p:a", "p:b"))
     p0_end = end_of([by["p", 0]])
-    assert by["p:a", 0].submit_s == by["p:b", 0].submit_s == pytest.approx(2.5)  # as recorded
+    # they start as recorded after the parent's round that called them: 0.5 s after its end
+    assert by["p:a", 0].submit_s == by["p:b", 0].submit_s == pytest.approx(p0_end + 0.5)
     # round 1 waits for a, with its gap after a's end; b (which runs 9 s more) goes on after it
     assert by["p", 1].submit_s == pytest.approx(max(a_end, p0_end) + 2.5)
     assert by["p", 1].submit_s < b_end
