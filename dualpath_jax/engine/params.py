@@ -31,6 +31,7 @@ import msgspec
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
 from dualpath_jax.engine import messages
+from dualpath_jax.transfer.params_offer import ParamsOffer
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class ParamsSlot:
         self._staged = (msg.version, model)
         return messages.ParamsLoaded(engine=self.engine, version=msg.version, ok=True)
 
-    def _pull(self, offer: messages.ParamsOffer, copy: int):
+    def _pull(self, offer: ParamsOffer, copy: int):
         """The model of a streamed update: this process pulls copy `copy + its rank` of every
         bucket (transfer/params_sync.py), placed as the served params are."""
         import jax
@@ -272,7 +273,7 @@ def replay_params(slot: ParamsSlot, method: str, args: Sequence) -> bool:
     commits as its leader does. True if `method` was one of these."""
     if method == "_params_stage":
         version, path, offer, copy = args
-        offer = msgspec.json.decode(offer, type=messages.ParamsOffer) if offer else None
+        offer = msgspec.json.decode(offer, type=ParamsOffer) if offer else None
         got = slot.stage(messages.LoadParams(version=version, path=path, offer=offer, copy=copy))
         if not got.ok:
             log.warning("params %s not loaded here either: %s", version, got.message)

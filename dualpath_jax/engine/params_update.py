@@ -51,6 +51,7 @@ from dualpath_jax.engine.liveness import EngineInfo, EngineRegistry
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params import check_version, initial_params_version
 from dualpath_jax.kvstore.identity import model_fingerprint
+from dualpath_jax.transfer.params_offer import ParamsOffer
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ class ParamsUpdate:
     client: bytes
     version: str
     path: str
-    offer: messages.ParamsOffer | None = None  # a streamed update (transfer/params_sync.py)
+    offer: ParamsOffer | None = None  # a streamed update (transfer/params_sync.py)
     loading: bool = False
     keep: bool = False  # pause="keep": the rounds in flight stay (halted), no drain
     t_load: float = 0.0  # when the engines were told to load

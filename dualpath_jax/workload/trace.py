@@ -103,6 +103,10 @@ class Trajectory:
     rounds: tuple[Round, ...]
     after: tuple[str, int, float] | None = None
 
+    def __repr__(self) -> str:  # `after` only when set
+        after = f", after={self.after!r}" if self.after else ""
+        return f"Trajectory(id={self.id!r}, rounds={self.rounds!r}{after})"
+
     def __post_init__(self) -> None:
         if self.after:
             problem = after_problem(self.after)

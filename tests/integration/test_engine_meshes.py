@@ -27,7 +27,7 @@ from dualpath_jax.model.generation import reference_generate, reference_rounds
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_DEEPSEEK, TINY_QWEN2
-from dualpath_jax.rollout import Session
+from dualpath_jax.rollout import Session, step_group
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
@@ -73,6 +73,7 @@ def _trajectories() -> list[tuple[str, list[tuple[list[int], int]]]]:
 
 
 TRAJECTORIES = _trajectories()
+GROUP_PROMPT = np.random.RandomState(11).randint(0, MODEL.vocab_size, 45).tolist()
 
 
 def run_rounds(client) -> list[list]:
@@ -146,8 +147,9 @@ def test_sharded_engines_generate_the_one_device_tokens(policy, tmp_path, start_
 
 def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expected):
     """The DE's mesh (`tensor=2`) spans two processes of one device each, joined by their own
-    `jax.distributed` group: process 0 serves, process 1 replays its decoder's calls. The
-    tokens equal the one-device reference model's, and the whole cluster stops cleanly."""
+    `jax.distributed` group: process 0 serves, process 1 replays its decoder's calls (a group's
+    forks of one prompt's pages too). The tokens equal the one-device reference model's, and the
+    whole cluster stops cleanly."""
     cfg = mesh_config("dualpath", prefill_mesh="", decode_processes=2)
     with start_cluster(cfg, tmp_path) as cluster:
         assert sorted(cluster.procs) == ["de1", "de1.1", "pe0", "router"]
@@ -157,11 +159,14 @@ def test_a_decode_engine_spanning_two_processes(tmp_path, start_cluster, expecte
         client = cluster.client()
         engines = client.stats()["engines"]
         results = run_rounds(client)
+        group = step_group(Session(client, "grp").fork(3), GROUP_PROMPT, 4)
         counters = client.stats()["counters"]
         updated = update_and_step(client)
         streamed = update_and_step(client, seed=6, via="transfer")  # each process its shards
 
     assert len(engines) == 2  # the follower is not an engine of its own
+    want = reference_generate(ModelRunner(init_model(MODEL, seed=0)), GROUP_PROMPT, 4)
+    assert group == [want] * 3 and counters["forks"] == 2  # greedy: the same tokens
     de = engines[str(cluster.engine_ids["de1"])]
     assert (de["role"], de["mesh"], len(de["devices"])) == ("decode", DE_MESH, 2), de
     assert [[list(r.tokens) for r in rr] for rr in results] == expected
