@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -66,6 +66,7 @@ def submit_group(
     stop_tokens: Sequence[int] = (),
     timeout_s: float = 600.0,
     share: str = "fork",
+    on_tokens: Sequence[Callable[..., None]] | None = None,
 ) -> GroupFutures:
     """One round in each of `sessions` (open, idle, with one context: forks of one session,
     `open_session(fork_of=...)`, or fresh ones), all appending `append` and generating `gen`
@@ -73,7 +74,9 @@ def submit_group(
     prompt), the prompt prefilled once, shared by forking it on one decode engine (`share=
     "fork"`) or through the store (`"store"`; see the module docstring). Returns one future per
     session (`RoundFuture`s, as `Client.submit`'s); with `"store"` the prefix round's future is
-    `.prefix` and a failed prefix round fails them all. `Client.submit_group` is this function."""
+    `.prefix` and a failed prefix round fails them all. `on_tokens`: one callback per session,
+    streaming its round's tokens as `Client.submit`'s does. `Client.submit_group` is this
+    function."""
     sessions = [check_session(x) for x in sessions]
     if not sessions or len(samplings) != len(sessions):
         raise RolloutError(
@@ -81,17 +84,20 @@ def submit_group(
         )
     if share not in SHARES:
         raise RolloutError(f"share must be one of {SHARES}, got {share!r}", "bad_request")
+    streams = list(on_tokens) if on_tokens is not None else [None] * len(sessions)
+    if len(streams) != len(sessions):
+        raise RolloutError(
+            f"{len(streams)} token callbacks for {len(sessions)} sessions", "bad_request"
+        )
     append = check_tokens(append)
     if share == "fork":
-        first = client.submit(
-            sessions[0], append, gen, sampling=samplings[0], stop_tokens=stop_tokens
-        )
-        outs = GroupFutures([first])
-        for sid, sampling in zip(sessions[1:], samplings[1:]):
+        outs = GroupFutures()
+        for sid, sampling, stream in zip(sessions, samplings, streams):
+            follows = {"follows": outs[0].request} if outs else {}
             outs.append(
                 client.submit(
                     sid, append, gen, sampling=sampling, stop_tokens=stop_tokens,
-                    follows=first.request,
+                    on_tokens=stream, **follows,
                 )
             )  # fmt: skip
         return outs
@@ -113,8 +119,10 @@ def submit_group(
             for out in outs:
                 out.set_exception(err)
             return
-        for sid, sampling, out in zip(sessions, samplings, outs):
-            fut = client.submit(sid, append, gen, sampling=sampling, stop_tokens=stop_tokens)
+        for sid, sampling, stream, out in zip(sessions, samplings, streams, outs):
+            fut = client.submit(
+                sid, append, gen, sampling=sampling, stop_tokens=stop_tokens, on_tokens=stream
+            )
             out.request = fut.request
             _chain(fut, out)
 

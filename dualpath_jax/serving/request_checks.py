@@ -50,7 +50,7 @@ def bearer(request: web.Request) -> str:
 
 def check_common(req: Any, model: str) -> None:
     """What completions and chat requests both must be: for `model` (or naming none), at most
-    `MAX_N` choices, not streamed when more than one. Another model is a 404 `model_not_found`,
+    `MAX_N` choices. Another model is a 404 `model_not_found`,
     as OpenAI answers it."""
     if req.model is not None and req.model != model:
         raise ApiError(
@@ -61,8 +61,6 @@ def check_common(req: Any, model: str) -> None:
         )
     if not 1 <= req.n <= MAX_N:
         raise ApiError(400, f"n must lie in [1, {MAX_N}], got {req.n}", param="n")
-    if req.n > 1 and req.stream:
-        raise ApiError(400, "streaming with n > 1 is not supported", param="stream")
 
 
 def logprobs_asked(req: Any) -> tuple[int | None, str]:

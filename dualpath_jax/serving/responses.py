@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from typing import Any
 
@@ -89,6 +89,41 @@ class RoundStream:
         return await asyncio.wrap_future(self.fut)
 
 
+async def relay(
+    server: Any,
+    rnd: RoundStream,
+    text: Any,
+    p: Any,
+    chat: bool,
+    ident: str,
+    send: Callable[[dict], Awaitable[None]] | None,
+    index: int = 0,
+) -> None:
+    """Takes round `rnd`'s tokens into `text` (a `TextStream`) as they come, until the round
+    is over: a stop string finishes the round there (it completes and keeps its KV); with
+    `send` (a stream) each delta goes out as a chunk of choice `index`, with its token ids and
+    log-probabilities when `p` (the `RoundParams`) asks for them. `server`: the `ApiServer`."""
+    finishing = False
+    asked = p.sampling.logprobs is not None
+    streamed = 0  # generated ids of the answer streamed so far
+    shown = 0  # characters of its text streamed so far (a completion's text_offset)
+    async for new in rnd.deltas(server.cfg.round_timeout_s):
+        was_stopped = text.stopped
+        delta = text.add(new)
+        if text.stopped and not finishing and rnd.fut is not None:
+            finishing = True  # the round completes now and keeps its KV
+            server.client.finish(rnd.fut.request)
+        used = new[: max(0, text.used - streamed)]  # the answer's ids among them
+        ids = used if p.token_ids else None
+        lp = None
+        if asked and used:
+            lp = logprobs_field(server.tok, chat, used, rnd.logprobs.tail(streamed), shown)
+        streamed += len(used)
+        if send is not None and not was_stopped and (delta or ids or lp):
+            await send(chunk(ident, server.cfg.model, chat, delta, ids, logprobs=lp, index=index))
+        shown += len(delta)
+
+
 def chunk(
     ident: str,
     model: str,
@@ -97,16 +132,20 @@ def chunk(
     token_ids: list[int] | None = None,
     finish: str | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One stream chunk of response `ident`: a chat delta (a dict, or text) or completion text,
-    with its tokens' `logprobs` (`logprobs_field`) when the request asked for them."""
+    """One stream chunk of response `ident`, choice `index`: a chat delta (a dict, or text) or
+    completion text, with its tokens' `logprobs` (`logprobs_field`) when the request asked for
+    them."""
     if chat:
         content = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-        choice: dict[str, Any] = {"index": 0, "delta": content, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": index, "delta": content, "finish_reason": finish}
         if logprobs is not None:
             choice["logprobs"] = logprobs
     else:
-        choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+        choice = {
+            "index": index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs,
+        }  # fmt: skip
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {

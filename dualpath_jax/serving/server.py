@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
 import time
@@ -409,7 +410,7 @@ class ApiServer:
         self, request: web.Request, req: Any, prompt: list[int], p: RoundParams, chat: bool
     ) -> web.StreamResponse:
         if req.n > 1:
-            return await group.respond(self, req.n, prompt, p, chat)
+            return await group.respond(self, request, req.n, prompt, p, chat)
         sid = request_checks.session_id(request, req)
         caps = (self.cfg.max_session_priority, self.cfg.max_session_ttl_s)
         hint, retention = request_checks.session_hint(request, req, sid, *caps)
@@ -473,28 +474,9 @@ class ApiServer:
                         ident, self.cfg.model, chat, {"role": "assistant", "content": ""}
                     )
                     await self._send(request, resp, first)
-            finishing = False
+            send = functools.partial(self._send, request, resp) if resp is not None else None
+            await responses.relay(self, rnd, text, p, chat, ident, send)
             asked = p.sampling.logprobs is not None
-            streamed = 0  # generated ids of the answer streamed so far
-            shown = 0  # characters of its text streamed so far (a completion's text_offset)
-            async for new in rnd.deltas(self.cfg.round_timeout_s):
-                was_stopped = text.stopped
-                delta = text.add(new)
-                if text.stopped and not finishing and rnd.fut is not None:
-                    finishing = True  # the round completes now and keeps its KV
-                    self.client.finish(rnd.fut.request)
-                used = new[: max(0, text.used - streamed)]  # the answer's ids among them
-                ids = used if p.token_ids else None
-                lp = None
-                if asked and used:
-                    lp = responses.logprobs_field(
-                        self.tok, chat, used, rnd.logprobs.tail(streamed), shown
-                    )
-                streamed += len(used)
-                if resp is not None and not was_stopped and (delta or ids or lp):
-                    chunk = responses.chunk(ident, self.cfg.model, chat, delta, ids, logprobs=lp)
-                    await self._send(request, resp, chunk)
-                shown += len(delta)
             try:
                 res = await rnd.result()
             except RolloutError as e:

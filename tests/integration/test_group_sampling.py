@@ -7,6 +7,7 @@ turns. Over HTTP: `n`."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import jax
 import numpy as np
@@ -146,12 +147,24 @@ def test_http_n_choices(cluster):
                     "return_token_ids": True, "ignore_eos": True, "logprobs": 1}  # fmt: skip
             a = await (await tc.post("/v1/completions", json=body)).json()
             b = await (await tc.post("/v1/completions", json=body)).json()
-            r = await tc.post("/v1/completions", json={**body, "stream": True})
+            stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+            r = await tc.post("/v1/completions", json=stream)
+            events = [
+                line[6:] for line in (await r.text()).splitlines() if line.startswith("data: ")
+            ]
+            chat = await tc.post(
+                "/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 3,
+                      "stream": True, "ignore_eos": True, "temperature": 1.0, "seed": 5},
+            )  # fmt: skip
+            chat_events = [
+                ln[6:] for ln in (await chat.text()).splitlines() if ln.startswith("data: ")
+            ]
             big = await tc.post("/v1/completions", json={**body, "n": 1000})
-            return a, b, r.status, big.status
+            return a, b, r.status, events, chat.status, chat_events, big.status
 
     try:
-        a, b, streamed, big = asyncio.run(run())
+        a, b, status, events, chat_status, chat_events, big = asyncio.run(run())
     finally:
         client.close()
     ids = [c["token_ids"] for c in a["choices"]]
@@ -160,4 +173,21 @@ def test_http_n_choices(cluster):
     assert ids == [c["token_ids"] for c in b["choices"]]  # the same seed: the same choices
     assert all(len(c["logprobs"]["token_logprobs"]) == 5 for c in a["choices"])
     assert a["usage"]["completion_tokens"] == 15 and a["usage"]["prompt_tokens"] == 70
-    assert streamed == 400 and big == 400
+    assert big == 400
+    # streamed: each choice's chunks carry its index; together they are the whole answers
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    got: dict[int, list[int]] = {}
+    finish = {}
+    for c in chunks[:-1]:
+        (ch,) = c["choices"]
+        got.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+        if ch["finish_reason"]:
+            finish[ch["index"]] = ch["finish_reason"]
+    assert [got[i] for i in range(3)] == ids  # the same seed as the whole answers
+    assert finish == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
+    assert chat_status == 200 and chat_events[-1] == "[DONE]"
+    roles = [json.loads(e)["choices"][0] for e in chat_events[:-1]]
+    assert sorted(c["index"] for c in roles if c["delta"].get("role")) == [0, 1]
+    assert sorted(c["index"] for c in roles if c["finish_reason"]) == [0, 1]
