@@ -118,36 +118,79 @@ class InProcessEngine:
     ) -> futures.Future[RoundResult]:
         fut: futures.Future[RoundResult] = futures.Future()
         try:
-            if not isinstance(sampling, SamplingParams):
-                raise RolloutError(
-                    f"sampling must be a SamplingParams, got {sampling!r}", "bad_request"
-                )
-            tokens = check_tokens(append)
-            bad = next((t for t in tokens if t >= self.cfg.vocab_size), None)
-            if bad is not None:
-                raise RolloutError(
-                    f"token id {bad} is out of range [0, {self.cfg.vocab_size})", "bad_request"
-                )
-            res = self._round(
-                session,
-                tokens,
-                _check_int(gen, "gen", 1, TOKEN_LIMIT),
-                sampling,
-            )
-            fut.set_result(res)
+            tokens = self._check_round(append, gen, [sampling])
+            fut.set_result(self._rounds([session], tokens, gen, [sampling])[0])
         except RolloutError as e:
             fut.set_exception(e)
         except ValueError as e:
             fut.set_exception(RolloutError(str(e), "bad_request"))
         return fut
 
-    def _round(
+    def submit_group(
         self,
-        session: str,
+        sessions: Sequence[str],
+        append: Sequence[int],
+        gen: int,
+        *,
+        samplings: Sequence[SamplingParams],
+    ) -> list[futures.Future[RoundResult]]:
+        """One round in each of `sessions` (forks of one session: one context), all appending
+        `append` and generating `gen` tokens, round i drawn with `samplings[i]` (group sampling,
+        as `Client.submit_group`): the append is prefilled once and the samples decode together
+        in one decoder, the others forking the first one's prompt pages (`Decoder.fork`).
+        Sessions of different contexts run one by one. The futures are already done."""
+        futs: list[futures.Future[RoundResult]] = [futures.Future() for _ in sessions]
+        try:
+            if not sessions or len(samplings) != len(sessions):
+                raise RolloutError(
+                    f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
+                )
+            with self._lock:
+                missing = [s for s in sessions if s not in self._sessions]
+                if missing:
+                    raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
+                contexts = {tuple(self._sessions[s][0]) for s in sessions}
+            if len(contexts) > 1:  # not one context: no prompt to share
+                return [
+                    self.submit(s, append, gen, sampling=p) for s, p in zip(sessions, samplings)
+                ]
+            tokens = self._check_round(append, gen, list(samplings))
+            for fut, res in zip(futs, self._rounds(list(sessions), tokens, gen, list(samplings))):
+                fut.set_result(res)
+        except RolloutError as e:
+            for fut in futs:
+                fut.set_exception(e)
+        except ValueError as e:
+            for fut in futs:
+                fut.set_exception(RolloutError(str(e), "bad_request"))
+        return futs
+
+    def _check_round(self, append: Sequence[int], gen: int, samplings: list) -> list[int]:
+        """A round's checked append (RolloutError: a bad one, gen or sampling)."""
+        for sampling in samplings:
+            if not isinstance(sampling, SamplingParams):
+                raise RolloutError(
+                    f"sampling must be a SamplingParams, got {sampling!r}", "bad_request"
+                )
+        tokens = check_tokens(append)
+        bad = next((t for t in tokens if t >= self.cfg.vocab_size), None)
+        if bad is not None:
+            raise RolloutError(
+                f"token id {bad} is out of range [0, {self.cfg.vocab_size})", "bad_request"
+            )
+        _check_int(gen, "gen", 1, TOKEN_LIMIT)
+        return tokens
+
+    def _rounds(
+        self,
+        sessions: list[str],
         append: list[int],
         gen: int,
-        sampling: SamplingParams,
-    ) -> RoundResult:
+        samplings: list[SamplingParams],
+    ) -> list[RoundResult]:
+        """One round of `append` in each of `sessions` (one context, one KV): the append is
+        prefilled once; session 0's first token comes from the prefill, the others fork its
+        prompt pages and draw theirs in their first decode step, all at position len(prompt)."""
         import time
 
         from dualpath_jax.model.decode import Decoder
@@ -156,15 +199,15 @@ class InProcessEngine:
 
         np, cfg = self._np, self.cfg
         with self._lock:
-            if session not in self._sessions:
-                raise RolloutError(f"unknown session {session!r}", "bad_request")
-            context, kv = self._sessions[session]
-        if gen <= 0:
-            raise RolloutError(f"gen must be > 0, got {gen}", "bad_request")
+            missing = [s for s in sessions if s not in self._sessions]
+            if missing:
+                raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
+            context, kv = self._sessions[sessions[0]]
         if not append:
             raise RolloutError("a round must append at least one token", "bad_request")
-        if sampling.min_tokens > gen:  # no stop tokens here: min_tokens masks nothing
-            raise RolloutError(min_tokens_problem(sampling, gen, ()), "bad_request")
+        for sampling in samplings:
+            if sampling.min_tokens > gen:  # no stop tokens here: min_tokens masks nothing
+                raise RolloutError(min_tokens_problem(sampling, gen, ()), "bad_request")
         prompt = context + append
         if len(prompt) + gen > self.max_len:
             raise RolloutError(
@@ -183,40 +226,55 @@ class InProcessEngine:
         prompt_kv = np.stack([np.asarray(new[i][0, :n]) for i in range(cfg.num_layers)])
         if cached:
             prompt_kv = np.concatenate([kv, prompt_kv], axis=1)
-        lps = Logprobs() if sampling.logprobs is not None else None
+        g = len(sessions)
+        lps = [Logprobs() if p.logprobs is not None else None for p in samplings]
 
-        def draw(logits, pos: int) -> int:
-            tokens, entries = sample_at(logits, [sampling], [pos], logprobs=True)
-            if lps is not None:
-                lps.extend(entries[0])
+        def draw(logits, i: int, pos: int) -> int:
+            tokens, entries = sample_at(logits, [samplings[i]], [pos], logprobs=True)
+            if lps[i] is not None:
+                lps[i].extend(entries[0])
             return int(tokens[0])
 
-        tok = draw(res.last_logits, len(prompt))
-        t_first = time.monotonic()
-        dec = Decoder(self.runner, slots=1, max_len=len(prompt) + gen + 1)
-        dec.insert(0, prompt_kv, len(prompt), tok)
-        out, t_second = [tok], t_first
-        for k in range(gen - 1):
-            pos = len(prompt) + len(out)
-            tok = draw(dec.step()[:1], pos)
-            out.append(tok)
-            dec.set_next(np.array([tok]))
-            if k == 0:
-                t_second = time.monotonic()
-        kv_after = dec.rows(0, 0, len(prompt) + gen - 1)
+        out: list[list[int]] = [[draw(res.last_logits, 0, len(prompt))], *([] for _ in range(1, g))]
+        t_first = [time.monotonic()] + [0.0] * (g - 1)
+        t_second = list(t_first)
+        dec = Decoder(self.runner, slots=g, max_len=len(prompt) + gen + 1)
+        dec.insert(0, prompt_kv, len(prompt), out[0][0])
+        for i in range(1, g):  # the prompt's last token is fed again: its logits draw theirs
+            dec.hold(f"fork:{i}", 0, len(prompt))
+            dec.fork(i, f"fork:{i}", len(prompt), prompt[-1])
+        while any(len(o) < gen for o in out):
+            logits = np.asarray(dec.step())
+            nxt = np.zeros((g,), np.int32)
+            for i in range(g):
+                if len(out[i]) < gen:
+                    out[i].append(draw(logits[i : i + 1], i, len(prompt) + len(out[i])))
+                    now = time.monotonic()
+                    if len(out[i]) == 1:
+                        t_first[i] = t_second[i] = now
+                    elif len(out[i]) == 2:
+                        t_second[i] = now
+                nxt[i] = out[i][-1]
+            dec.set_next(nxt)
+        results = []
         with self._lock:
-            if session in self._sessions:
-                self._sessions[session] = (prompt + out, kv_after)
-        return RoundResult.timed(
-            f"{session}#{len(context)}",
-            out,
-            t_submit=t0,
-            t_assign=t0,
-            t_first=t_first,
-            t_second=t_second,
-            t_done=time.monotonic(),
-            cached_tokens=cached,
-            prompt_tokens=len(prompt),
-            read_path="none",
-            logprobs=lps,
-        )
+            for i, session in enumerate(sessions):
+                if session in self._sessions:
+                    kv_after = dec.rows(i, 0, len(prompt) + gen - 1)
+                    self._sessions[session] = (prompt + out[i], kv_after)
+                results.append(
+                    RoundResult.timed(
+                        f"{session}#{len(context)}",
+                        out[i],
+                        t_submit=t0,
+                        t_assign=t0,
+                        t_first=t_first[i],
+                        t_second=t_second[i],
+                        t_done=time.monotonic(),
+                        cached_tokens=cached if i == 0 else len(prompt) - 1,
+                        prompt_tokens=len(prompt),
+                        read_path="none" if i == 0 else "fork",
+                        logprobs=lps[i],
+                    )
+                )
+        return results

@@ -195,7 +195,9 @@ def step_group(
     `append` and generating `gen` tokens: GRPO's group of G samples of one prompt. Choice i is
     drawn with `fold_in(key, i)` (distinct and reproducible). On a cluster the prompt is
     prefilled once and the other samples fork its pages on its decode engine
-    (`Client.submit_group`); elsewhere the rounds run one by one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
+    (`Client.submit_group`); on the in-process engine the append is prefilled once and the
+    samples decode together (`InProcessEngine.submit_group`); elsewhere the rounds run one by
+    one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
     import jax
 
     if not sessions:

@@ -67,3 +67,35 @@ def test_tool_gaps_and_retention_keep_the_tokens_and_close_the_sessions(engine):
         assert o.rounds == reference_rounds(engine.runner, [(a, g) for a, g, _ in rounds])
         # closed when it ended: the id opens afresh, without resume
         Session(engine, tid).close()
+
+
+def test_a_group_prefills_once_and_draws_what_separate_rounds_draw(engine):
+    """`step_group` on the in-process engine: one prefill, the samples decoding together (the
+    others forking the first one's prompt pages), the tokens and log-probabilities of the same
+    rounds run one by one; each sample goes on as a session of its own."""
+    import jax
+
+    from dualpath_jax.rollout import round_sampling, step_group
+
+    rs = np.random.RandomState(3)
+    parent = Session(engine, "group-parent")
+    parent.step(rs.randint(0, 257, 40).tolist(), 3)
+    append, key = rs.randint(0, 257, 25).tolist(), jax.random.key(4)
+    kids = parent.fork(3)
+    group = step_group(kids, append, 5, temperature=1.0, key=key, logprobs=True)
+    alone = parent.fork(3)
+    params = [round_sampling(1.0, 1.0, jax.random.fold_in(key, i), True) for i in range(3)]
+    one = [engine.submit(s.id, append, 5, sampling=p).result() for s, p in zip(alone, params)]
+    assert [g.tokens for g in group] == [list(r.tokens) for r in one]
+    assert len({tuple(g.tokens) for g in group}) == 3
+    for g, r in zip(group, one):
+        np.testing.assert_allclose(g.logprobs.sampled, r.logprobs.sampled, atol=1e-4)
+    assert [g.result.read_path for g in group] == ["none", "fork", "fork"]
+    prompt = group[0].result.prompt_tokens
+    assert [g.result.cached_tokens for g in group][1:] == [prompt - 1] * 2
+    assert kids[1].step([7, 8], 3) == alone[1].step([7, 8], 3)
+    # sessions of different contexts run one by one
+    kids[0].step([9], 2)
+    mixed = step_group([kids[0], kids[2]], [5], 2)
+    assert len(mixed[0]) == 2 and mixed[1] == alone[2].step([5], 2)
+    assert kids[2].results[-1].read_path == "none"
