@@ -45,7 +45,7 @@ def run(group: int, append: int, gen: int, repeats: int, model: str = "tiny-qwen
             for k, p in zip(kids, params)
         ]
 
-    out: dict = {"model": model, "group": group, "append": append, "gen": gen, "repeats": repeats}
+    out: dict = {"model": model, "samples": group, "append": append, "gen": gen, "repeats": repeats}
     warm = rs.randint(0, cfg.vocab_size, append).tolist()
     prompts = [rs.randint(0, cfg.vocab_size, append).tolist() for _ in range(repeats)]
     tokens: dict[str, list] = {}
@@ -73,7 +73,7 @@ def main(argv):
         print(json.dumps(out))
         return
     print(
-        f"{out['model']}: {out['group']} samples of a {out['append']}-token append over a"
+        f"{out['model']}: {out['samples']} samples of a {out['append']}-token append over a"
         f" 256-token context, {out['gen']} tokens each (median of {out['repeats']})"
     )
     for mode in ("group", "separate"):
