@@ -63,26 +63,15 @@ def load_job(
     n = len(st.keys)
     oracle = not reads
     return messages.LoadJobMsg(
-        request=st.id,
+        **_round_fields(st, de, params_version),
         keys=st.keys,
         pe_blocks=n if oracle else a.pe_read_blocks,
         de_blocks=0 if oracle else a.de_read_blocks,
-        prompt=st.prompt,
-        gen=st.gen,
         pe_engine=pe.engine,
         pe_node=pe.node,
         pe_address=pe.address,
-        de_engine=de.engine,
-        de_node=de.node,
-        de_address=de.address,
         oracle=oracle,
         layerwise=layerwise,
-        params_version=params_version,
-        attempt=st.attempts,
-        sampling=st.sampling,
-        stop_tokens=st.stop_tokens,
-        stream=st.stream,
-        session=st.session,
         pe_pieces=pe.kv_pieces,
         pe_piece_addresses=list(pe.kv_piece_addresses),
         pe_piece_holders=[list(h) for h in pe.kv_piece_holders],
@@ -95,27 +84,34 @@ def fork_job(st: RequestState, de: EngineInfo, *, params_version: str) -> messag
     sampling, `Submit.follows`): the DE starts it from that round's prompt pages, so nothing is
     read or prefilled for it."""
     return messages.LoadJobMsg(
-        request=st.id,
+        **_round_fields(st, de, params_version),
         keys=[],
         pe_blocks=0,
         de_blocks=0,
-        prompt=st.prompt,
-        gen=st.gen,
         pe_engine=-1,
         pe_node=-1,
         pe_address="",
-        de_engine=de.engine,
-        de_node=de.node,
-        de_address=de.address,
         oracle=False,
         layerwise=False,
-        params_version=params_version,
-        attempt=st.attempts,
-        sampling=st.sampling,
-        stop_tokens=st.stop_tokens,
-        stream=st.stream,
-        session=st.session,
     )
+
+
+def _round_fields(st: RequestState, de: EngineInfo, params_version: str) -> dict:
+    """What every job of round `st` on DE `de` carries: the round and its decode engine."""
+    return {
+        "request": st.id,
+        "prompt": st.prompt,
+        "gen": st.gen,
+        "de_engine": de.engine,
+        "de_node": de.node,
+        "de_address": de.address,
+        "params_version": params_version,
+        "attempt": st.attempts,
+        "sampling": st.sampling,
+        "stop_tokens": st.stop_tokens,
+        "stream": st.stream,
+        "session": st.session,
+    }
 
 
 class Dispatch:

@@ -42,14 +42,7 @@ async def respond(
             opened.append(sid)
         if p.stream:
             return await _stream(server, request, prompt, p, chat, samplings, sids)
-        futs = server.client.submit_group(
-            sids,
-            prompt,
-            p.max_tokens,
-            samplings=samplings,
-            stop_tokens=[] if p.ignore_eos else server.tok.eos_ids,
-            timeout_s=server.cfg.round_timeout_s,
-        )
+        futs = _submit(server, sids, prompt, p, samplings)
         try:
             results = await asyncio.wait_for(
                 asyncio.gather(*(asyncio.wrap_future(f) for f in futs)),
@@ -101,6 +94,26 @@ async def respond(
     return web.json_response(body)
 
 
+def _submit(
+    server: Any,
+    sids: list[str],
+    prompt: list[int],
+    p: RoundParams,
+    samplings: list,
+    on_tokens: list | None = None,
+) -> list:
+    """The group's rounds (`Client.submit_group`), one per one-off session."""
+    return server.client.submit_group(
+        sids,
+        prompt,
+        p.max_tokens,
+        samplings=samplings,
+        stop_tokens=[] if p.ignore_eos else server.tok.eos_ids,
+        timeout_s=server.cfg.round_timeout_s,
+        on_tokens=on_tokens,
+    )
+
+
 async def _stream(
     server: Any,
     request: web.Request,
@@ -116,15 +129,7 @@ async def _stream(
     `stream_options.include_usage`) and `[DONE]`."""
     loop = asyncio.get_running_loop()
     rnds = [RoundStream(loop) for _ in sids]
-    futs = server.client.submit_group(
-        sids,
-        prompt,
-        p.max_tokens,
-        samplings=samplings,
-        stop_tokens=[] if p.ignore_eos else server.tok.eos_ids,
-        timeout_s=server.cfg.round_timeout_s,
-        on_tokens=[r.on_tokens for r in rnds],
-    )
+    futs = _submit(server, sids, prompt, p, samplings, [r.on_tokens for r in rnds])
     for r, f in zip(rnds, futs):
         r.fut = f
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"

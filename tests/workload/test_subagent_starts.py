@@ -10,6 +10,7 @@ import json
 
 import pytest
 from test_rollout_waits import ROUND_S, Timed
+from test_subagent_waits import SESSION
 from trace_helpers import CPU_COST, WEKA_SESSIONS, req, sub
 
 from dualpath_jax.presets import emulated_cpu_experiment
@@ -26,20 +27,9 @@ from dualpath_jax.workload.trace import (
     parse_trace,
 )
 
-# Blocks of 4 tokens. Request 0 is answered at 2 s and a and b start at 2.5 s; request 1 is
-# sent at 15 s and answered at 16 s (`req`'s api_time is 1 s); c starts at 20 s.
-SESSION = {
-    "id": "p",
-    "block_size": 4,
-    "requests": [
-        req(0.0, 8, 2, [1, 2], api=2.0),
-        sub("a", 12.5, [req(0.0, 8, 2, [7]), req(4.0, 14, 2, [7, 8, 9], think=1.0)], 10.0),
-        sub("b", 32.5, [req(0.0, 8, 2, [7])], 30.0),
-        req(15.0, 14, 2, [1, 2, 3], think=13.0),
-        sub("c", 24.0, [req(0.0, 8, 1, [5]), req(3.0, 12, 1, [5, 6], think=2.0)]),
-        req(25.0, 20, 2, [1, 2, 3, 4], think=9.0),
-    ],
-}
+# test_subagent_waits' session (blocks of 4 tokens): request 0 is answered at 2 s and a and b
+# start at 2.5 s; request 1 is sent at 15 s and answered at 16 s (`req`'s api_time is 1 s); c
+# starts at 20 s.
 
 
 def test_a_subagent_starts_after_the_parent_round_that_called_it():
