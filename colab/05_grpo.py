@@ -21,8 +21,8 @@
 # turns:
 #
 # 1. **group sampling**: `Session.fork(G)` and `step_group` draw the G = 4 first turns of a
-#    prompt; the prompt is prefilled once and its KV stored once, and the G continuations read
-#    its stored blocks and compute only the tail;
+#    prompt; the prompt is prefilled once, and the other G - 1 continuations start from its
+#    pages on the decode engine (no read, no prefill of their own);
 # 2. a python **tool** turns each first turn into an observation, appended before the second
 #    turn (sampled in each of the G sessions, over its stored KV);
 # 3. the engines return each sampled token's log-probability (`logprobs=True`): they are the
@@ -127,8 +127,9 @@ def reward(generated: list[int]) -> float:
 # ## Rollouts: one group per prompt
 #
 # For each prompt, a parent session (empty context) is forked into G sessions and `step_group`
-# runs their first turns at temperature 1: the prompt's KV is computed once (a prefix round),
-# then choice i is sampled with `fold_in(key, i)`. Each of the G sessions then runs its own
+# runs their first turns at temperature 1: the prompt's KV is computed once (by the first
+# sample's round; the others fork its pages on the decode engine), choice i sampled with
+# `fold_in(key, i)`. Each of the G sessions then runs its own
 # second turn after its tool observation. `logprobs=True` makes every round return a `Step`
 # whose `logprobs.sampled` is each token's log-probability under the distribution it was drawn
 # from (at temperature 1: the model's `log_softmax`). The prompts' groups run concurrently.
@@ -314,7 +315,8 @@ assert np.mean(rewards_seen[-3:]) > np.mean(rewards_seen[:3]) + 0.1
 #
 # - `bench/group_sampling.py` measures what group sampling saves on a long prompt: the prefill
 #   tokens computed, the KV bytes stored and the wall time, against G separate sessions.
-# - `Client.submit_group` is the lower-level call behind `step_group` (one future per sample and
-#   the prefix round's `.prefix`); over HTTP, the OpenAI completions endpoint takes `n > 1`.
+# - `Client.submit_group` is the lower-level call behind `step_group` (one future per sample;
+#   `share="store"` shares the prompt through the store instead); over HTTP, the OpenAI
+#   endpoints take `n > 1`, streamed or not.
 # - `Client.abort`, `Client.pause(mode="abort"|"wait")` and `Client.resume()` stop and hold
 #   rollouts around updates; `docs/rl.md` describes them and the update protocol.
