@@ -17,7 +17,7 @@ from dualpath_jax.engine.client import (
     check_tokens,
     new_version,
 )
-from dualpath_jax.model.sampling import GREEDY, SamplingParams, min_tokens_problem
+from dualpath_jax.model.sampling import GREEDY, SamplingParams, held_back, min_tokens_problem
 from dualpath_jax.rounds import Logprobs, RoundResult
 
 log = logging.getLogger(__name__)
@@ -115,11 +115,14 @@ class InProcessEngine:
         gen: int,
         *,
         sampling: SamplingParams = GREEDY,
+        stop_tokens: Sequence[int] = (),
     ) -> futures.Future[RoundResult]:
+        """One round (see `Client.submit`): it ends after any of `stop_tokens` (its last token;
+        none drawn before `sampling.min_tokens` tokens), else after `gen` tokens."""
         fut: futures.Future[RoundResult] = futures.Future()
         try:
-            tokens = self._check_round(append, gen, [sampling])
-            fut.set_result(self._rounds([session], tokens, gen, [sampling])[0])
+            tokens = self._check_round(append, gen, [sampling], stop_tokens)
+            fut.set_result(self._rounds([session], tokens, gen, [sampling], stop_tokens)[0])
         except RolloutError as e:
             fut.set_exception(e)
         except ValueError as e:
@@ -133,12 +136,14 @@ class InProcessEngine:
         gen: int,
         *,
         samplings: Sequence[SamplingParams],
+        stop_tokens: Sequence[int] = (),
     ) -> list[futures.Future[RoundResult]]:
         """One round in each of `sessions` (forks of one session: one context), all appending
         `append` and generating `gen` tokens, round i drawn with `samplings[i]` (group sampling,
         as `Client.submit_group`): the append is prefilled once and the samples decode together
-        in one decoder, the others forking the first one's prompt pages (`Decoder.fork`).
-        Sessions of different contexts run one by one. The futures are already done."""
+        in one decoder, the others forking the first one's prompt pages (`Decoder.fork`), each
+        ending on its own at `stop_tokens` (as `submit`'s). Sessions of different contexts run
+        one by one. The futures are already done."""
         futs: list[futures.Future[RoundResult]] = [futures.Future() for _ in sessions]
         try:
             if not sessions or len(samplings) != len(sessions):
@@ -152,10 +157,12 @@ class InProcessEngine:
                 contexts = {tuple(self._sessions[s][0]) for s in sessions}
             if len(contexts) > 1:  # not one context: no prompt to share
                 return [
-                    self.submit(s, append, gen, sampling=p) for s, p in zip(sessions, samplings)
+                    self.submit(s, append, gen, sampling=p, stop_tokens=stop_tokens)
+                    for s, p in zip(sessions, samplings)
                 ]
-            tokens = self._check_round(append, gen, list(samplings))
-            for fut, res in zip(futs, self._rounds(list(sessions), tokens, gen, list(samplings))):
+            tokens = self._check_round(append, gen, list(samplings), stop_tokens)
+            got = self._rounds(list(sessions), tokens, gen, list(samplings), stop_tokens)
+            for fut, res in zip(futs, got):
                 fut.set_result(res)
         except RolloutError as e:
             for fut in futs:
@@ -165,8 +172,10 @@ class InProcessEngine:
                 fut.set_exception(RolloutError(str(e), "bad_request"))
         return futs
 
-    def _check_round(self, append: Sequence[int], gen: int, samplings: list) -> list[int]:
-        """A round's checked append (RolloutError: a bad one, gen or sampling)."""
+    def _check_round(
+        self, append: Sequence[int], gen: int, samplings: list, stop_tokens: Sequence[int]
+    ) -> list[int]:
+        """A round's checked append (RolloutError: a bad one, gen, sampling or stop token)."""
         for sampling in samplings:
             if not isinstance(sampling, SamplingParams):
                 raise RolloutError(
@@ -179,6 +188,11 @@ class InProcessEngine:
                 f"token id {bad} is out of range [0, {self.cfg.vocab_size})", "bad_request"
             )
         _check_int(gen, "gen", 1, TOKEN_LIMIT)
+        check_tokens(stop_tokens, "stop token")
+        for sampling in samplings:
+            problem = min_tokens_problem(sampling, gen, stop_tokens)
+            if problem:
+                raise RolloutError(problem, "bad_request")
         return tokens
 
     def _rounds(
@@ -187,10 +201,12 @@ class InProcessEngine:
         append: list[int],
         gen: int,
         samplings: list[SamplingParams],
+        stop_tokens: Sequence[int] = (),
     ) -> list[RoundResult]:
         """One round of `append` in each of `sessions` (one context, one KV): the append is
         prefilled once; session 0's first token comes from the prefill, the others fork its
-        prompt pages and draw theirs in their first decode step, all at position len(prompt)."""
+        prompt pages and draw theirs in their first decode step, all at position len(prompt).
+        Each ends at its first of `stop_tokens` (after `min_tokens`) or after `gen` tokens."""
         import time
 
         from dualpath_jax.model.decode import Decoder
@@ -205,9 +221,6 @@ class InProcessEngine:
             context, kv = self._sessions[sessions[0]]
         if not append:
             raise RolloutError("a round must append at least one token", "bad_request")
-        for sampling in samplings:
-            if sampling.min_tokens > gen:  # no stop tokens here: min_tokens masks nothing
-                raise RolloutError(min_tokens_problem(sampling, gen, ()), "bad_request")
         prompt = context + append
         if len(prompt) + gen > self.max_len:
             raise RolloutError(
@@ -230,7 +243,8 @@ class InProcessEngine:
         lps = [Logprobs() if p.logprobs is not None else None for p in samplings]
 
         def draw(logits, i: int, pos: int) -> int:
-            tokens, entries = sample_at(logits, [samplings[i]], [pos], logprobs=True)
+            held = held_back(samplings[i], stop_tokens, pos - len(prompt))
+            tokens, entries = sample_at(logits, [samplings[i]], [pos], [held], logprobs=True)
             if lps[i] is not None:
                 lps[i].extend(entries[0])
             return int(tokens[0])
@@ -243,11 +257,20 @@ class InProcessEngine:
         for i in range(1, g):  # the prompt's last token is fed again: its logits draw theirs
             dec.hold(f"fork:{i}", 0, len(prompt))
             dec.fork(i, f"fork:{i}", len(prompt), prompt[-1])
-        while any(len(o) < gen for o in out):
+        stops = set(stop_tokens)
+
+        def stopped(i: int) -> bool:
+            o = out[i]
+            return bool(o) and o[-1] in stops and len(o) > samplings[i].min_tokens
+
+        def going(i: int) -> bool:
+            return len(out[i]) < gen and not stopped(i)
+
+        while any(going(i) for i in range(g)):
             logits = np.asarray(dec.step())
             nxt = np.zeros((g,), np.int32)
             for i in range(g):
-                if len(out[i]) < gen:
+                if going(i):
                     out[i].append(draw(logits[i : i + 1], i, len(prompt) + len(out[i])))
                     now = time.monotonic()
                     if len(out[i]) == 1:
@@ -260,7 +283,7 @@ class InProcessEngine:
         with self._lock:
             for i, session in enumerate(sessions):
                 if session in self._sessions:
-                    kv_after = dec.rows(i, 0, len(prompt) + gen - 1)
+                    kv_after = dec.rows(i, 0, len(prompt) + len(out[i]) - 1)
                     self._sessions[session] = (prompt + out[i], kv_after)
                 results.append(
                     RoundResult.timed(
@@ -274,6 +297,7 @@ class InProcessEngine:
                         cached_tokens=cached if i == 0 else len(prompt) - 1,
                         prompt_tokens=len(prompt),
                         read_path="none" if i == 0 else "fork",
+                        finish_reason="stop" if stopped(i) else "length",
                         logprobs=lps[i],
                     )
                 )

@@ -123,13 +123,17 @@ class Session:
         key: Any = None,
         top_p: float = 1.0,
         logprobs: bool | int = False,
+        stop_tokens: Sequence[int] = (),
     ) -> futures.Future[RoundResult]:
         """Submits one round, drawn with `round_sampling(temperature, top_p, key, logprobs)`:
         sampling with `temperature > 0` needs an explicit JAX `key` (`top_p < 1`: from the
         nucleus of that probability mass); `logprobs` puts the tokens' log-probabilities in the
-        result. Bad sampling keywords raise ValueError here."""
+        result. Bad sampling keywords raise ValueError here. The round ends after any of
+        `stop_tokens` (an end-of-turn id: its last token, `finish_reason` "stop"; the session's
+        context then ends there), else after `gen` tokens."""
         sampling = round_sampling(temperature, top_p, key, logprobs)
-        fut = self.backend.submit(self.id, append, gen, sampling=sampling)
+        stops = {"stop_tokens": list(stop_tokens)} if stop_tokens else {}
+        fut = self.backend.submit(self.id, append, gen, sampling=sampling, **stops)
         fut.add_done_callback(lambda f: f.exception() is None and self.results.append(f.result()))
         return fut
 
@@ -143,14 +147,16 @@ class Session:
         key: Any = None,
         top_p: float = 1.0,
         logprobs: bool | int = False,
+        stop_tokens: Sequence[int] = (),
     ) -> list[int] | Step:
-        """Appends `append`, generates exactly `gen` tokens and returns them; with `logprobs`
-        (True, or k alternatives per token) a `Step` with their log-probabilities. A round that
-        takes longer than `timeout_s` is cancelled (the session can step again) and raises
-        TimeoutError."""
+        """Appends `append`, generates `gen` tokens (fewer when one of `stop_tokens` ends the
+        round, see `step_async`) and returns them; with `logprobs` (True, or k alternatives per
+        token) a `Step` with their log-probabilities. A round that takes longer than
+        `timeout_s` is cancelled (the session can step again) and raises TimeoutError."""
         fut = self.step_async(
-            append, gen, temperature=temperature, key=key, top_p=top_p, logprobs=logprobs
-        )
+            append, gen, temperature=temperature, key=key, top_p=top_p, logprobs=logprobs,
+            stop_tokens=stop_tokens,
+        )  # fmt: skip
         try:
             return _answer(fut.result(timeout_s), logprobs)
         except futures.TimeoutError:
@@ -190,6 +196,7 @@ def step_group(
     top_p: float = 1.0,
     logprobs: bool | int = False,
     timeout_s: float | None = None,
+    stop_tokens: Sequence[int] = (),
 ) -> list[list[int] | Step]:
     """One round in each of `sessions` (forks of one session, `Session.fork`), all appending
     `append` and generating `gen` tokens: GRPO's group of G samples of one prompt. Choice i is
@@ -197,7 +204,8 @@ def step_group(
     prefilled once and the other samples fork its pages on its decode engine
     (`Client.submit_group`); on the in-process engine the append is prefilled once and the
     samples decode together (`InProcessEngine.submit_group`); elsewhere the rounds run one by
-    one. Returns each round's tokens (with `logprobs`, its `Step`), in order."""
+    one. Each round ends on its own at `stop_tokens` (see `Session.step_async`). Returns each
+    round's tokens (with `logprobs`, its `Step`), in order."""
     import jax
 
     if not sessions:
@@ -205,10 +213,15 @@ def step_group(
     keys = [None if key is None else jax.random.fold_in(key, i) for i in range(len(sessions))]
     samplings = [round_sampling(temperature, top_p, k, logprobs) for k in keys]
     backend = sessions[0].backend
+    stops = {"stop_tokens": list(stop_tokens)} if stop_tokens else {}
     if hasattr(backend, "submit_group"):
-        futs = backend.submit_group([x.id for x in sessions], append, gen, samplings=samplings)
+        ids = [x.id for x in sessions]
+        futs = backend.submit_group(ids, append, gen, samplings=samplings, **stops)
     else:
-        futs = [backend.submit(x.id, append, gen, sampling=p) for x, p in zip(sessions, samplings)]
+        futs = [
+            backend.submit(x.id, append, gen, sampling=p, **stops)
+            for x, p in zip(sessions, samplings)
+        ]
     out = []
     for x, fut in zip(sessions, futs):
         res = fut.result(timeout_s)
@@ -248,6 +261,7 @@ def run_trajectories(
     priority: int | Sequence[int] = 0,
     ttl_s: float = -1.0,
     tool_calls: bool = False,
+    stop_tokens: Sequence[int] = (),
 ) -> list[TrajectoryOutput]:
     """Replays trajectories `(id, [(append tokens, gen), ...])` concurrently, rounds in order.
     A round `(append tokens, gen, gap_s)` is submitted `gap_s` seconds after the previous one
@@ -269,7 +283,8 @@ def run_trajectories(
     trajectory's start time in seconds after the call (online replay; default: all at once).
     With `temperature > 0`, round i of trajectory k is sampled with `fold_in(fold_in(key, k), i)`
     (and `top_p`; `round_sampling`); with `logprobs` each round's result carries its tokens'
-    log-probabilities (`RoundResult.logprobs`). `priority` (one for all, or one per trajectory)
+    log-probabilities (`RoundResult.logprobs`); `stop_tokens` end any round early
+    (`Session.step_async`). `priority` (one for all, or one per trajectory)
     and `ttl_s` set each session's KV retention (`Session`).
     Each trajectory's session is closed when it ends (its stored blocks are the first to go
     under capacity pressure). With `release=True` the sessions are closed together at the end
@@ -441,6 +456,7 @@ def run_trajectories(
                 key=round_key(k, i),
                 top_p=top_p,
                 logprobs=logprobs,
+                stop_tokens=stop_tokens,
             )
         except Exception as e:  # noqa: BLE001 - e.g. bad input in a later round
             outputs[k].error = str(e)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model.generation import reference_generate
+from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
@@ -99,3 +100,41 @@ def test_a_group_prefills_once_and_draws_what_separate_rounds_draw(engine):
     mixed = step_group([kids[0], kids[2]], [5], 2)
     assert len(mixed[0]) == 2 and mixed[1] == alone[2].step([5], 2)
     assert kids[2].results[-1].read_path == "none"
+
+
+def test_stop_tokens_end_a_round_and_its_context(engine):
+    """A stop token ends the round (its last token, finish_reason "stop") and the session's
+    context there: the next round sees the prompt, the tokens up to the stop and its append; a
+    group's samples each stop on their own; min_tokens holds a stop token back."""
+    import jax
+
+    from dualpath_jax.rollout import step_group
+
+    rs = np.random.RandomState(8)
+    prompt, nxt = rs.randint(0, 257, 30).tolist(), rs.randint(0, 257, 6).tolist()
+    ref = reference_generate(engine.runner, prompt, 8)
+    k = next(k for k in range(2, 8) if ref[k] not in ref[:k])  # a token seen first at k
+    s = Session(engine, "stops")
+    got = s.step(prompt, 8, logprobs=True, stop_tokens=[ref[k]])
+    assert got.tokens == ref[: k + 1] and got.finish_reason == "stop"
+    assert len(got.logprobs.sampled) == k + 1
+    assert s.step(nxt, 3) == reference_generate(engine.runner, prompt + ref[: k + 1] + nxt, 3)
+    held = engine.submit(
+        "stops", [5], 6, sampling=SamplingParams(min_tokens=6), stop_tokens=[ref[k]]
+    ).result()
+    assert held.finish_reason == "length" and len(held.tokens) == 6
+    # a group: each sample stops at its own first stop token, as its round alone would
+    parent = Session(engine, "stops-parent")
+    parent.step(prompt, 1)
+    key = jax.random.key(9)
+    stop = list(range(0, 257, 4))  # a quarter of the vocabulary: samples stop early
+    group = step_group(parent.fork(3), nxt, 8, temperature=1.0, key=key, stop_tokens=stop)
+    alone = [
+        Session(engine, f"stops-alone{i}", fork_of="stops-parent").step(
+            nxt, 8, temperature=1.0, key=jax.random.fold_in(key, i), stop_tokens=stop
+        )
+        for i in range(3)
+    ]
+    assert group == alone
+    assert all(g[-1] in stop or len(g) == 8 for g in group)
+    assert all(t not in stop for g in group for t in g[:-1])

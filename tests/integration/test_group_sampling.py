@@ -126,6 +126,27 @@ def _samplings(n, key):
     return [round_sampling(1.0, 1.0, jax.random.fold_in(key, i)) for i in range(n)]
 
 
+def test_stop_tokens_on_the_cluster_equal_the_in_process_engines(cluster):
+    """Rounds that stop at a stop token, one session's and a group's (each sample on its own),
+    give the in-process engine's tokens; the next round goes on from the stop."""
+    client = cluster.client()
+    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    rs = np.random.RandomState(12)
+    prompt, nxt = rs.randint(0, 256, 50).tolist(), rs.randint(0, 256, 20).tolist()
+    stop, key = list(range(0, 256, 5)), jax.random.key(7)
+    try:
+        mine, theirs = Session(local, "st"), Session(client, "st")
+        kw = {"temperature": 1.0, "key": key, "stop_tokens": stop}
+        assert theirs.step(prompt, 12, **kw) == mine.step(prompt, 12, **kw)
+        assert theirs.results[-1].finish_reason == mine.results[-1].finish_reason
+        group = step_group(theirs.fork(3), nxt, 12, **kw)
+        assert group == step_group(mine.fork(3), nxt, 12, **kw)
+        assert any(len(g) < 12 for g in group)  # (a fifth of the vocabulary stops a round)
+        assert theirs.step([3], 4) == mine.step([3], 4)
+    finally:
+        client.close()
+
+
 pytest.importorskip("aiohttp")
 
 
