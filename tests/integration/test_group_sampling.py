@@ -182,10 +182,19 @@ def test_http_n_choices(cluster):
                 ln[6:] for ln in (await chat.text()).splitlines() if ln.startswith("data: ")
             ]
             big = await tc.post("/v1/completions", json={**body, "n": 1000})
-            return a, b, r.status, events, chat.status, chat_events, big.status
+            # a stop string, whole and streamed: each choice ends at it
+            greedy = {"prompt": prompt, "n": 2, "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": True}  # fmt: skip
+            want = (await (await tc.post("/v1/completions", json=greedy)).json())["choices"]
+            stop = want[0]["text"][4:6]
+            cut = await (await tc.post("/v1/completions", json={**greedy, "stop": [stop]})).json()
+            live = await tc.post("/v1/completions", json={**greedy, "stop": [stop], "stream": True})
+            lines = [ln[6:] for ln in (await live.text()).splitlines() if ln.startswith("data: ")]
+            stops = (want, stop, cut, [json.loads(x) for x in lines[:-1]])
+            return a, b, r.status, events, chat.status, chat_events, big.status, stops
 
     try:
-        a, b, status, events, chat_status, chat_events, big = asyncio.run(run())
+        a, b, status, events, chat_status, chat_events, big, stops = asyncio.run(run())
     finally:
         client.close()
     ids = [c["token_ids"] for c in a["choices"]]
@@ -212,3 +221,13 @@ def test_http_n_choices(cluster):
     roles = [json.loads(e)["choices"][0] for e in chat_events[:-1]]
     assert sorted(c["index"] for c in roles if c["delta"].get("role")) == [0, 1]
     assert sorted(c["index"] for c in roles if c["finish_reason"]) == [0, 1]
+    want, stop, cut, streamed = stops
+    text = want[0]["text"]
+    assert want[1]["text"] == text  # greedy: the same choice twice
+    assert [c["text"] for c in cut["choices"]] == [text[: text.index(stop)]] * 2
+    assert [c["finish_reason"] for c in cut["choices"]] == ["stop", "stop"]
+    pieces: dict[int, str] = {}
+    for c in streamed:
+        (ch,) = c["choices"]
+        pieces[ch["index"]] = pieces.get(ch["index"], "") + ch["text"]
+    assert pieces == {0: text[: text.index(stop)], 1: text[: text.index(stop)]}
