@@ -133,6 +133,7 @@ class Dispatch:
         cancel: Callable[[RequestState, int], None],
         stale: Callable[[EngineInfo], None],
         assigned: Callable[[Assignment], None] | None = None,
+        followers: Callable[[str], list[RequestState]] | None = None,
     ):
         self.cfg = cfg
         self.bt = cfg.store.block_tokens
@@ -146,6 +147,8 @@ class Dispatch:
         self.cancel = cancel
         self.stale = stale
         self.assigned = assigned  # told of each assignment (the tool-gap prefetches)
+        # a round's group followers waiting for its first token: its DE's load once it has one
+        self.followers = followers
 
     # ------------------------------------------------------------------ fetches
 
@@ -275,13 +278,16 @@ class Dispatch:
         return q
 
     def engine_load(self, e: EngineInfo) -> EngineLoad:
-        """Loads from the router's own in-flight tracking (exact, unlike delayed reports)."""
+        """Loads from the router's own in-flight tracking (exact, unlike delayed reports); a DE
+        counts the group followers waiting on its rounds (they will decode there)."""
         mine = [
             r
             for r in self.table.requests.values()
             if (r.pe == e.engine and e.role == "prefill" and math.isnan(r.t_first))
             or (r.de == e.engine and e.role == "decode")
         ]
+        if e.role == "decode" and self.followers is not None:
+            mine += [f for r in list(mine) for f in self.followers(r.id)]
         tok = sum(r.request.tokens for r in mine)
         free = 0
         if e.role == "decode":

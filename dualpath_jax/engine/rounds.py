@@ -369,9 +369,15 @@ class Rounds:
             self.out.event("fork", request=f.id, source=st.id, de=de.engine)
         return jobs
 
+    def waiting_followers(self, request: str) -> list[RequestState]:
+        """Round `request`'s followers still waiting for its first token (they will decode on
+        its DE: the dispatch part counts them in that DE's load)."""
+        return [f for f in self.followers.get(request, ()) if self.table.requests.get(f.id) is f]
+
     def release_followers(self, st: RequestState) -> None:
         """`st` ended before its first token: its waiting followers run on their own."""
-        back = [f for f in self.followers.pop(st.id, []) if self.table.requests.get(f.id) is f]
+        back = self.waiting_followers(st.id)
+        self.followers.pop(st.id, None)
         if back:
             self.scheduler.requeue([f.request for f in back])
 

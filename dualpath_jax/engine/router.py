@@ -154,6 +154,7 @@ class Router:
             cancel=self.rounds.cancel_on_engines,
             stale=params.engine_stale,
             assigned=lambda a: self.prefetches.assigned(a),
+            followers=self.rounds.waiting_followers,
         )
         self.prefetches = Prefetches(
             cfg,

@@ -105,7 +105,7 @@ class DispatchRig:
         return [j for m in self.server.to(DE_ID) if isinstance(m, messages.Work) for j in m.jobs]
 
 
-def dispatch_rig(**cluster) -> DispatchRig:
+def dispatch_rig(followers=None, **cluster) -> DispatchRig:
     cfg = config(**cluster)
     clock = Clock()
     server = Server()
@@ -137,6 +137,7 @@ def dispatch_rig(**cluster) -> DispatchRig:
         end=end,
         cancel=lambda st, but: cancelled.append((st.id, but)),
         stale=stale.append,
+        followers=followers,
     )
     return DispatchRig(dispatch, server, registry, table, scheduler, out, ended, cancelled, stale)
 
@@ -195,6 +196,23 @@ def test_a_de_at_its_slots_plus_queue_has_no_room():
     load = rig.dispatch.engine_load(de)
     assert (load.seq_e, load.free_hbm_tokens) == (2, 0)
     assert rig.dispatch.loads()[str(DE)]["requests"] == 2
+
+
+def test_a_des_load_counts_the_group_followers_waiting_on_its_rounds():
+    """A round's followers (group sampling) wait for its first token outside the queue; once
+    the round has a DE they count in that DE's load, as they will decode there."""
+    waiting: dict[str, list] = {}
+    rig = dispatch_rig(followers=lambda r: waiting.get(r, []))
+    rig.start_round("lead", hit_blocks=0)
+    rig.table.open("f1", resume=False)
+    sub = messages.Submit(request="f1", session="f1", append=[1] * (3 * BT + 5), gen=4)
+    req = Request("f1", "f1", 0, 3 * BT + 5, 0, 4)
+    waiting["lead"] = [rig.table.start_round(CLIENT, sub, req, list(sub.append), [], now=0.0)]
+    de = rig.registry[DE]
+    assert rig.dispatch.engine_load(de).seq_e == 0
+    rig.fetch(DE)
+    load = rig.dispatch.engine_load(de)
+    assert load.seq_e == 2 and load.tok_e == 2 * (3 * BT + 5)
 
 
 def test_a_transfer_failure_is_retried_from_the_head_of_the_queue():
