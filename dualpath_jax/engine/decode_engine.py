@@ -384,16 +384,21 @@ class DecodeEngine:
                 return False
             self.fail(m.request, RuntimeError(f"a fork needs {pages} KV pages, the DE has fewer"))
             return True
+        slot = free[0]
+        try:
+            self.dec.fork(
+                slot,
+                f"fork:{m.request}",
+                n,
+                m.prompt[-1],
+                reserve,
+                sampling=m.sampling,
+                stop_tokens=m.stop_tokens,
+            )
+        except ValueError as e:  # (a round the leader's checks passed: not expected)
+            self.fail(m.request, e)
+            return True
         r.slot = free.pop(0)
-        self.dec.fork(
-            r.slot,
-            f"fork:{m.request}",
-            n,
-            m.prompt[-1],
-            reserve,
-            sampling=m.sampling,
-            stop_tokens=m.stop_tokens,
-        )
         r.holding = False
         self.slot_req[r.slot] = m.request
         r.versions = [(0, m.params_version)]
