@@ -210,7 +210,7 @@ class InProcessEngine:
         import time
 
         from dualpath_jax.model.decode import Decoder
-        from dualpath_jax.model.runner import PrefillBatch
+        from dualpath_jax.model.runner import PrefillBatch, bucket_len
         from dualpath_jax.model.sampler import sample_at
 
         np, cfg = self._np, self.cfg
@@ -252,7 +252,10 @@ class InProcessEngine:
         out: list[list[int]] = [[draw(res.last_logits, 0, len(prompt))], *([] for _ in range(1, g))]
         t_first = [time.monotonic()] + [0.0] * (g - 1)
         t_second = list(t_first)
-        dec = Decoder(self.runner, slots=g, max_len=len(prompt) + gen + 1)
+        # the decoder's length in buckets: its programs compile once per bucket, not per round
+        need = len(prompt) + gen + 1
+        span = max(need, min(bucket_len(need, 64), self.max_len, cfg.max_seq_len))
+        dec = Decoder(self.runner, slots=g, max_len=span)
         dec.insert(0, prompt_kv, len(prompt), out[0][0])
         for i in range(1, g):  # the prompt's last token is fed again: its logits draw theirs
             dec.hold(f"fork:{i}", 0, len(prompt))

@@ -138,3 +138,15 @@ def test_stop_tokens_end_a_round_and_its_context(engine):
     assert group == alone
     assert all(g[-1] in stop or len(g) == 8 for g in group)
     assert all(t not in stop for g in group for t in g[:-1])
+
+
+def test_rounds_within_one_length_bucket_compile_nothing_new(engine):
+    """The in-process decoder's length is bucketed: a round whose prompt and tokens fall in the
+    bucket of an earlier one (here 256) runs the programs that one compiled."""
+    from dualpath_jax.model.runner import compile_count
+
+    rs = np.random.RandomState(4)
+    Session(engine, "bucket-a").step(rs.randint(0, 257, 135).tolist(), 4)
+    before = compile_count()
+    Session(engine, "bucket-b").step(rs.randint(0, 257, 195).tolist(), 4)
+    assert compile_count() == before
