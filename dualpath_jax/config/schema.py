@@ -351,6 +351,11 @@ class SchedulerConfig:
     prefetch_min_gap_s: float = 0.5  # shorter expected gaps are not prefetched
     prefetch_hold_factor: float = 3.0  # cancelled past this x the expected gap
     prefetch_affinity_slack: float = 0.5  # see sched.prefetch.honor_affinity
+    # A round whose prompt equals that of a round in flight still waiting for its first token
+    # follows it (as a group sample does, `Submit.follows`): it forks that round's prompt KV
+    # on its decode engine instead of reading and prefilling it again. Off: only explicit
+    # followers (`Client.submit_group`) fork.
+    fork_identical: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

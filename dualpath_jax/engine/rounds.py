@@ -106,6 +106,10 @@ class Rounds:
         self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
         # group sampling: a round's followers (`Submit.follows`) waiting for its first token
         self.followers: dict[str, list[RequestState]] = {}
+        self.following: set[str] = set()  # the followers' own ids (a follower leads nobody)
+        # scheduler.fork_identical: prompt hash -> the round of that prompt awaiting its first token
+        self.fork_identical = cfg.scheduler.fork_identical
+        self.open_prompts: dict[int, str] = {}
         self.abort_asked: set[str] = set()  # AbortRounds came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
@@ -285,8 +289,16 @@ class Rounds:
             st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
             self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
             return self.finish(st, [], finish_reason="abort")
-        leader = self.table.requests.get(msg.follows) if msg.follows else None
-        follows = leader is not None and leader.first_token < 0 and leader.prompt == prompt
+        named = msg.follows
+        if not named and self.fork_identical:
+            named = self.open_prompts.get(hash(tuple(prompt)), "")
+        leader = self.table.requests.get(named) if named else None
+        follows = (
+            leader is not None
+            and leader.first_token < 0
+            and leader.id not in self.following
+            and leader.prompt == prompt
+        )
         if not follows:  # (a follower whose round is gone or past its prefill runs on its own)
             try:
                 self.scheduler.submit(req)
@@ -296,6 +308,9 @@ class Rounds:
         st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
         if follows:
             self.followers.setdefault(leader.id, []).append(st)
+            self.following.add(st.id)
+        elif self.fork_identical:
+            self.open_prompts[hash(tuple(prompt))] = st.id
         self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
         self.out.event(
             "submit",
@@ -303,7 +318,7 @@ class Rounds:
             prompt=len(prompt),
             cached=hit * self.bt,
             gen=msg.gen,
-            **({"follows": msg.follows} if follows else {}),
+            **({"follows": leader.id} if follows else {}),
         )
         if finish:
             st.finish_requested = True
@@ -358,7 +373,9 @@ class Rounds:
     def fork_jobs(self, st: RequestState, de: EngineInfo) -> list[messages.LoadJobMsg]:
         """The jobs of `st`'s followers still waiting: forks of its prompt on its DE `de`."""
         jobs, now = [], self.clock()
+        self._forget_prompt(st)
         for f in self.followers.pop(st.id, []):
+            self.following.discard(f.id)
             if self.table.requests.get(f.id) is not f:
                 continue  # ended while it waited
             f.pe, f.de, f.t_assign, f.path = -1, de.engine, now, "fork"
@@ -376,10 +393,20 @@ class Rounds:
 
     def release_followers(self, st: RequestState) -> None:
         """`st` ended before its first token: its waiting followers run on their own."""
+        self._forget_prompt(st)
+        self.following.discard(st.id)
         back = self.waiting_followers(st.id)
-        self.followers.pop(st.id, None)
+        for f in self.followers.pop(st.id, []):
+            self.following.discard(f.id)
         if back:
             self.scheduler.requeue([f.request for f in back])
+
+    def _forget_prompt(self, st: RequestState) -> None:
+        """`st` has its first token (or ended): later rounds of its prompt no longer follow it."""
+        if self.open_prompts:
+            h = hash(tuple(st.prompt))
+            if self.open_prompts.get(h) == st.id:
+                del self.open_prompts[h]
 
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
         """A DE's new tokens: the second one times TTST (a fork's first one its TTFT); a

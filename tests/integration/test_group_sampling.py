@@ -231,3 +231,28 @@ def test_http_n_choices(cluster):
         (ch,) = c["choices"]
         pieces[ch["index"]] = pieces.get(ch["index"], "") + ch["text"]
     assert pieces == {0: text[: text.index(stop)], 1: text[: text.index(stop)]}
+
+
+def test_identical_prompts_in_flight_fork_with_fork_identical(tmp_path, start_cluster):
+    """`scheduler.fork_identical`: rounds of one prompt submitted together (no group call)
+    follow the first one and fork its prompt on the decode engine; the tokens are the same."""
+    import dataclasses
+
+    cfg = _config()
+    cfg = dataclasses.replace(
+        cfg, scheduler=dataclasses.replace(cfg.scheduler, fork_identical=True)
+    )
+    prompt = np.random.RandomState(21).randint(0, 256, 60).tolist()
+    with start_cluster(cfg, tmp_path, "thread") as c:
+        client = c.client()
+        try:
+            for k in range(3):
+                client.open_session(f"same{k}")
+            futs = [client.submit(f"same{k}", prompt, 5) for k in range(3)]
+            results = [f.result(120) for f in futs]
+            other = client.submit("same0", [1, 2], 3).result(120)  # a later, different prompt
+        finally:
+            client.close()
+    assert [r.read_path for r in results][1:] == ["fork", "fork"]
+    assert len({tuple(r.tokens) for r in results}) == 1  # greedy: the same tokens
+    assert other.read_path != "fork"
