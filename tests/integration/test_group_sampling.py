@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
+from dualpath_jax.model.sampling import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import InProcessEngine, Session, Step, step_group
@@ -143,6 +144,33 @@ def test_stop_tokens_on_the_cluster_equal_the_in_process_engines(cluster):
         assert group == step_group(mine.fork(3), nxt, 12, **kw)
         assert any(len(g) < 12 for g in group)  # (a fifth of the vocabulary stops a round)
         assert theirs.step([3], 4) == mine.step([3], 4)
+    finally:
+        client.close()
+
+
+def test_an_aborted_group_ends_each_sample_with_its_tokens_so_far(cluster):
+    """`Client.abort` on a group's rounds mid-way: each sample (forks included) ends with the
+    tokens it has, a prefix of the others' (greedy), and its session steps on."""
+    import threading
+
+    client = cluster.client()
+    prompt = np.random.RandomState(31).randint(0, 256, 40).tolist()
+    sids = [f"ab{k}" for k in range(3)]
+    seen = [threading.Event() for _ in sids]
+    try:
+        for sid in sids:
+            client.open_session(sid)
+        futs = client.submit_group(
+            sids, prompt, 400, samplings=[SamplingParams()] * 3,
+            on_tokens=[lambda start, toks, *_, e=e: e.set() for e in seen],
+        )  # fmt: skip
+        assert all(e.wait(120) for e in seen)
+        client.abort([f.request for f in futs])
+        results = [f.result(120) for f in futs]
+        assert all(r.finish_reason == "abort" and 1 <= len(r.tokens) < 400 for r in results)
+        longest = max((list(r.tokens) for r in results), key=len)
+        assert all(list(r.tokens) == longest[: len(r.tokens)] for r in results)
+        assert all(len(client.submit(sid, [5, 6], 2).result(120).tokens) == 2 for sid in sids)
     finally:
         client.close()
 
