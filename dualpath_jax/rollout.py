@@ -538,9 +538,9 @@ def _spawns(trajs: Sequence[tuple], max_concurrent: int) -> dict:
     index: dict[str, int] = {}
     for k, t in enumerate(trajs):
         index.setdefault(t[0], k)
+    afters = [tuple(t[2]) if len(t) > 2 and t[2] else () for t in trajs]
     out: dict[tuple[int, int], list[tuple[int, float]]] = {}
-    for c, t in enumerate(trajs):
-        after = tuple(t[2]) if len(t) > 2 and t[2] else ()
+    for c, (t, after) in enumerate(zip(trajs, afters)):
         if not after:
             continue
         problem = after_problem(after)
@@ -558,8 +558,8 @@ def _spawns(trajs: Sequence[tuple], max_concurrent: int) -> dict:
             " by the one they start after might never be freed"
         )
     if out:
-        waits = [(t[0], [rd[3] if len(rd) > 3 else () for rd in t[1]],
-                  tuple(t[2]) if len(t) > 2 and t[2] else ()) for t in trajs]  # fmt: skip
+        waits = [(t[0], [rd[3] if len(rd) > 3 else () for rd in t[1]], after)
+                 for t, after in zip(trajs, afters)]  # fmt: skip
         cycle = round_cycle(waits)
         if cycle:
             raise ValueError(f"rounds wait for each other in a cycle: {' -> '.join(cycle)}")

@@ -373,11 +373,7 @@ class Rounds:
     def fork_jobs(self, st: RequestState, de: EngineInfo) -> list[messages.LoadJobMsg]:
         """The jobs of `st`'s followers still waiting: forks of its prompt on its DE `de`."""
         jobs, now = [], self.clock()
-        self._forget_prompt(st)
-        for f in self.followers.pop(st.id, []):
-            self.following.discard(f.id)
-            if self.table.requests.get(f.id) is not f:
-                continue  # ended while it waited
+        for f in self._take_followers(st):
             f.pe, f.de, f.t_assign, f.path = -1, de.engine, now, "fork"
             f.attempts += 1
             f.hit_blocks = st.hit_blocks
@@ -393,20 +389,22 @@ class Rounds:
 
     def release_followers(self, st: RequestState) -> None:
         """`st` ended before its first token: its waiting followers run on their own."""
-        self._forget_prompt(st)
         self.following.discard(st.id)
-        back = self.waiting_followers(st.id)
-        for f in self.followers.pop(st.id, []):
-            self.following.discard(f.id)
+        back = self._take_followers(st)
         if back:
             self.scheduler.requeue([f.request for f in back])
 
-    def _forget_prompt(self, st: RequestState) -> None:
-        """`st` has its first token (or ended): later rounds of its prompt no longer follow it."""
+    def _take_followers(self, st: RequestState) -> list[RequestState]:
+        """`st` has its first token (or ended): its followers stop waiting on it (those still in
+        flight are returned) and later rounds of its prompt no longer follow it."""
+        live = self.waiting_followers(st.id)
+        for f in self.followers.pop(st.id, []):
+            self.following.discard(f.id)
         if self.open_prompts:
             h = hash(tuple(st.prompt))
             if self.open_prompts.get(h) == st.id:
                 del self.open_prompts[h]
+        return live
 
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
         """A DE's new tokens: the second one times TTST (a fork's first one its TTFT); a
