@@ -10,9 +10,10 @@ retention), refused with kind `engine` while a role has had no live engine too l
 no decode engine's KV pool could ever hold it, and looked up in the store: the hit is its
 stored prefix in whole blocks, keeping at least one new token to produce logits. Then it joins
 the scheduler's queue (`scheduler.max_queue` beyond which it is refused as `overloaded`).
-A round that `follows` another round of the same prompt (group sampling) whose first token has
-not come yet is not queued: it waits on that round and goes with its first token to its DE as
-a fork of its prompt pages (`fork_jobs`); if that round ends first, it joins the queue.
+A round that `follows` another round of the same prompt (group sampling, engine/followers.py)
+whose first token has not come yet is not queued: it waits on that round and goes with its
+first token to its DE as a fork of its prompt pages (`fork_jobs`); if that round ends first, it
+joins the queue. Its store lookup only tells the hit it would read then.
 
 The store is never waited on for long on the router's loop: a lookup (or a close's release)
 answered within `QUICK_WAIT_S` goes on at once, a slower one waits in `waiting` while the loop
@@ -42,6 +43,7 @@ import msgspec
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engine import messages
 from dualpath_jax.engine.dispatch import fork_job
+from dualpath_jax.engine.followers import Followers, lookup_failed
 from dualpath_jax.engine.liveness import EngineInfo, EngineRegistry
 from dualpath_jax.engine.outbox import Outbox
 from dualpath_jax.engine.params_update import ParamsCoordinator
@@ -54,6 +56,7 @@ from dualpath_jax.sched.scheduler import GlobalScheduler, QueueFull
 from dualpath_jax.sched.types import Request
 
 log = logging.getLogger(__name__)
+
 
 # How long the loop waits for the store in line: a local store answers a lookup in about a
 # millisecond, so most rounds go on at once; slower answers are taken up by `poll_store`.
@@ -104,12 +107,7 @@ class Rounds:
         self.idle_timeout_s = cfg.cluster.session_idle_timeout_s
         self.waiting: list[StoreWait] = []
         self.finish_asked: set[str] = set()  # FinishRound came while it was being admitted
-        # group sampling: a round's followers (`Submit.follows`) waiting for its first token
-        self.followers: dict[str, list[RequestState]] = {}
-        self.following: set[str] = set()  # the followers' own ids (a follower leads nobody)
-        # scheduler.fork_identical: prompt hash -> the round of that prompt awaiting its first token
-        self.fork_identical = cfg.scheduler.fork_identical
-        self.open_prompts: dict[int, str] = {}
+        self.group = Followers(cfg.scheduler.fork_identical)  # group sampling
         self.abort_asked: set[str] = set()  # AbortRounds came while it was being admitted
 
     # ------------------------------------------------------------------ the store, off the loop
@@ -246,19 +244,55 @@ class Rounds:
         keys = block_keys(prompt, self.bt, self.params.fingerprint)
         session = self.table[msg.session]
         ticket = self.table.begin_admission(ident, msg)
+        named = self.group.named(msg, prompt)
 
         def looked_up(hit: int) -> None:
-            if self._admission_ended(ident, msg, session, ticket):
-                return
-            self._admit(ident, msg, prompt, keys, hit)
+            if not self._admission_ended(ident, msg, session, ticket):
+                self._admit(ident, msg, prompt, keys, hit)
+            self._admitted(msg.request)
 
         def failed(e: Exception) -> None:  # store failures become the request's error
             if not self._admission_ended(ident, msg, session, ticket):
                 self.abort_asked.discard(msg.request)
                 fail(ident, msg.request, f"store unavailable: {e}", kind="store")
+            self._admitted(msg.request)
 
-        self.after_store(self.store.lookup(keys), looked_up, failed)
+        def go_on() -> None:  # (its leader, if any, admitted or not)
+            leader = self.table.requests.get(named) if named else None
+            if not self.group.followable(leader, prompt):
+                return self.after_store(self.store.lookup(keys), looked_up, failed)
+            if not self._admission_ended(ident, msg, session, ticket):
+                st = self._admit(ident, msg, prompt, keys, 0, leader)
+                if st is not None:  # the hit it reads if its leader ends first
+                    self.after_store(
+                        self.store.lookup(keys),
+                        lambda hit: self._follower_hit(st, keys, hit),
+                        lookup_failed,
+                    )
+            self._admitted(msg.request)
+
+        if named in self.table.admitting:
+            self.group.park(named, go_on)
+        else:
+            go_on()
         return True
+
+    def _admitted(self, request: str) -> None:
+        self.group.admitted(request, request in self.table.requests)
+
+    def _follower_hit(self, st: RequestState, keys: list[str], hit: int) -> None:
+        """A follower's lookup answered while it waits on its leader: were it to run on its
+        own, it reads `hit` blocks of its prompt (`keys`)."""
+        if st.id in self.group.following and self.table.requests.get(st.id) is st:
+            hit, r = self._usable_hit(hit, len(st.prompt)), st.request
+            st.keys, st.request = (
+                keys[:hit],
+                Request(r.id, r.trajectory, r.turn, r.prompt_tokens, hit * self.bt, r.gen_tokens),
+            )
+
+    def _usable_hit(self, hit: int, prompt: int) -> int:
+        """At least one new token is left to produce logits."""
+        return hit - 1 if hit * self.bt >= prompt else hit
 
     def _admission_ended(
         self, ident: bytes, msg: messages.Submit, session: Any, ticket: tuple
@@ -276,41 +310,36 @@ class Rounds:
         return False
 
     def _admit(
-        self, ident: bytes, msg: messages.Submit, prompt: list[int], keys: list[str], hit: int
-    ) -> None:
-        """Queues `msg`'s round, whose stored prefix is `hit` blocks of `keys`."""
+        self,
+        ident: bytes,
+        msg: messages.Submit,
+        prompt: list[int],
+        keys: list[str],
+        hit: int,
+        leader: RequestState | None = None,
+    ) -> RequestState | None:
+        """Queues `msg`'s round, whose stored prefix is `hit` blocks of `keys`, or has it wait
+        on `leader`; returns it unless it ended here."""
         finish = msg.request in self.finish_asked
         self.finish_asked.discard(msg.request)
-        if hit * self.bt >= len(prompt):  # keep at least one new token to produce logits
-            hit -= 1
+        hit = self._usable_hit(hit, len(prompt))
         req = Request(msg.request, msg.session, 0, len(prompt), hit * self.bt, msg.gen)
         if msg.request in self.abort_asked:  # aborted while admitted: it ends with no token
             self.abort_asked.discard(msg.request)
             st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
             self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
-            return self.finish(st, [], finish_reason="abort")
-        named = msg.follows
-        if not named and self.fork_identical:
-            named = self.open_prompts.get(hash(tuple(prompt)), "")
-        leader = self.table.requests.get(named) if named else None
-        follows = (
-            leader is not None
-            and leader.first_token < 0
-            and leader.id not in self.following
-            and leader.prompt == prompt
-        )
-        if not follows:  # (a follower whose round is gone or past its prefill runs on its own)
+            self.finish(st, [], finish_reason="abort")
+            return None
+        if leader is None:
             try:
                 self.scheduler.submit(req)
             except QueueFull as e:
                 self.out.count("overloaded")
-                return self.out.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
+                self.out.fail(ident, msg.request, f"overloaded: {e}", kind="overloaded")
+                return None
         st = self.table.start_round(ident, msg, req, prompt, keys[:hit], self.clock())
-        if follows:
-            self.followers.setdefault(leader.id, []).append(st)
-            self.following.add(st.id)
-        elif self.fork_identical:
-            self.open_prompts[hash(tuple(prompt))] = st.id
+        if leader is not None:
+            self.group.add(leader, st)
         self.retention.round_started(msg.session, msg.priority, msg.ttl_s)
         self.out.event(
             "submit",
@@ -318,10 +347,11 @@ class Rounds:
             prompt=len(prompt),
             cached=hit * self.bt,
             gen=msg.gen,
-            **({"follows": leader.id} if follows else {}),
+            **({"follows": leader.id} if leader is not None else {}),
         )
         if finish:
             st.finish_requested = True
+        return st
 
     # ------------------------------------------------------------------ progress
 
@@ -373,7 +403,7 @@ class Rounds:
     def fork_jobs(self, st: RequestState, de: EngineInfo) -> list[messages.LoadJobMsg]:
         """The jobs of `st`'s followers still waiting: forks of its prompt on its DE `de`."""
         jobs, now = [], self.clock()
-        for f in self._take_followers(st):
+        for f in self.group.take(st, self.table.requests):
             f.pe, f.de, f.t_assign, f.path = -1, de.engine, now, "fork"
             f.attempts += 1
             f.hit_blocks = st.hit_blocks
@@ -385,26 +415,14 @@ class Rounds:
     def waiting_followers(self, request: str) -> list[RequestState]:
         """Round `request`'s followers still waiting for its first token (they will decode on
         its DE: the dispatch part counts them in that DE's load)."""
-        return [f for f in self.followers.get(request, ()) if self.table.requests.get(f.id) is f]
+        return self.group.waiting(request, self.table.requests)
 
     def release_followers(self, st: RequestState) -> None:
         """`st` ended before its first token: its waiting followers run on their own."""
-        self.following.discard(st.id)
-        back = self._take_followers(st)
+        self.group.following.discard(st.id)
+        back = self.group.take(st, self.table.requests)
         if back:
             self.scheduler.requeue([f.request for f in back])
-
-    def _take_followers(self, st: RequestState) -> list[RequestState]:
-        """`st` has its first token (or ended): its followers stop waiting on it (those still in
-        flight are returned) and later rounds of its prompt no longer follow it."""
-        live = self.waiting_followers(st.id)
-        for f in self.followers.pop(st.id, []):
-            self.following.discard(f.id)
-        if self.open_prompts:
-            h = hash(tuple(st.prompt))
-            if self.open_prompts.get(h) == st.id:
-                del self.open_prompts[h]
-        return live
 
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
         """A DE's new tokens: the second one times TTST (a fork's first one its TTFT); a

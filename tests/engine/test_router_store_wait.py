@@ -9,7 +9,7 @@ from __future__ import annotations
 from concurrent import futures
 
 import pytest
-from test_router_faults import Rig, make_rig
+from test_router_faults import PE_ID, Rig, make_rig
 
 from dualpath_jax.engine import messages
 
@@ -169,3 +169,97 @@ def test_closing_without_release_forgets_the_claims_and_keeps_the_blocks():
     finally:
         rig.router.server.close()
         rig.router.store.close()
+
+
+# ----------------------------------------------------------------------------- group followers
+
+
+def group(rig: Rig, n: int, follows: bool = True) -> None:
+    """Sessions g0..g{n-1} of one prompt; round r0 leads, the others follow it."""
+    for k in range(n):
+        assert client(rig, messages.OpenSession(session=f"g{k}")) == [messages.Ack(ref=f"g{k}")]
+    for k in range(n):
+        named = "r0" if follows and k else ""
+        msg = messages.Submit(
+            request=f"r{k}", session=f"g{k}", append=[1] * 40, gen=2, follows=named
+        )
+        assert client(rig, msg) == []
+
+
+def prefilled(request: str, job: messages.LoadJobMsg) -> messages.PrefillDone:
+    return messages.PrefillDone(request, 0, 5, 0, 0, 0.0, 0.0, attempt=job.attempt)  # PE 0
+
+
+def queued(rig: Rig) -> list[str]:
+    return sorted(r.id for r in rig.router.rounds.scheduler.queued_requests())
+
+
+def test_followers_wait_on_a_leader_still_being_looked_up(slow):
+    """However the lookups are answered, the followers of a leader being admitted follow it:
+    they are parked until it is admitted, then wait on it outside the queue."""
+    rounds = slow.router.rounds
+    group(slow, 3)
+    assert len(slow.answers) == 1  # the followers look nothing up while their leader is
+    assert set(rounds.table.admitting) == {"r0", "r1", "r2"}
+    slow.answers[0].set_result(2)
+    poll(slow)
+    assert queued(slow) == ["r0"] and rounds.group.following == {"r1", "r2"}
+    assert [f.id for f in rounds.waiting_followers("r0")] == ["r1", "r2"]
+    # their own lookups (what they read were they to run on their own) come after
+    assert len(slow.answers) == 3
+    slow.answers[1].set_result(2)
+    slow.answers[2].set_exception(OSError("disk gone"))  # (it reads nothing then)
+    poll(slow)
+    r1, r2 = rounds.table.requests["r1"], rounds.table.requests["r2"]
+    assert (r1.request.cached_tokens, len(r1.keys)) == (2 * 16, 2)  # 16 tokens a block
+    assert (r2.request.cached_tokens, r2.keys) == (0, [])
+    # the leader's first token takes them to its DE as forks of its prompt
+    (job,) = slow.assign()
+    slow.handle(prefilled("r0", job), PE_ID)
+    (ft,) = [m for _, m in slow.sent if isinstance(m, messages.FirstToken)]
+    assert [j.request for j in ft.forks] == ["r1", "r2"] and not rounds.group.following
+
+
+def test_followers_of_a_leader_that_failed_its_lookup_run_on_their_own(slow):
+    rounds = slow.router.rounds
+    group(slow, 3)
+    slow.answers[0].set_exception(OSError("disk gone"))
+    (err,) = poll(slow)
+    assert err.ref == "r0" and err.kind == "store"
+    assert len(slow.answers) == 3  # each follower looks its prefix up now
+    slow.answers[1].set_result(0)
+    slow.answers[2].set_result(1)
+    poll(slow)
+    assert queued(slow) == ["r1", "r2"] and not rounds.group.following
+    assert rounds.table.requests["r2"].request.cached_tokens == 16
+
+
+def test_a_follower_of_a_leader_past_its_prefill_runs_on_its_own(slow):
+    rounds = slow.router.rounds
+    group(slow, 1)
+    slow.answers[0].set_result(0)
+    poll(slow)
+    (job,) = slow.assign()
+    slow.handle(prefilled("r0", job), PE_ID)
+    assert client(slow, messages.OpenSession(session="late")) == [messages.Ack(ref="late")]
+    late = messages.Submit(request="r9", session="late", append=[1] * 40, gen=2, follows="r0")
+    assert client(slow, late) == []
+    slow.answers[1].set_result(0)
+    poll(slow)
+    assert "r9" in queued(slow) and not rounds.group.following
+
+
+def test_fork_identical_rounds_follow_the_first_of_their_prompt_while_it_is_looked_up(slow):
+    rounds = slow.router.rounds
+    rounds.group.fork_identical = True
+    group(slow, 3, follows=False)
+    assert len(slow.answers) == 1
+    slow.answers[0].set_result(0)
+    poll(slow)
+    assert queued(slow) == ["r0"] and rounds.group.following == {"r1", "r2"}
+    # a different prompt leads its own
+    assert client(slow, messages.OpenSession(session="x")) == [messages.Ack(ref="x")]
+    assert client(slow, messages.Submit(request="rx", session="x", append=[2], gen=1)) == []
+    slow.answers[-1].set_result(0)
+    poll(slow)
+    assert queued(slow) == ["r0", "rx"]

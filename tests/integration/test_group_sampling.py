@@ -276,11 +276,16 @@ def test_identical_prompts_in_flight_fork_with_fork_identical(tmp_path, start_cl
         try:
             for k in range(3):
                 client.open_session(f"same{k}")
+            # held by a pause, the three are admitted together on resume: none can be past
+            # its prefill before the others arrive, however loaded the machine
+            client.pause()
             futs = [client.submit(f"same{k}", prompt, 5) for k in range(3)]
+            client.resume()
             results = [f.result(120) for f in futs]
             other = client.submit("same0", [1, 2], 3).result(120)  # a later, different prompt
         finally:
             client.close()
-    assert [r.read_path for r in results][1:] == ["fork", "fork"]
+    paths = [r.read_path for r in results]  # one leads (the first whose lookup answers)
+    assert paths.count("fork") == 2 and paths.count("none") == 1, paths
     assert len({tuple(r.tokens) for r in results}) == 1  # greedy: the same tokens
     assert other.read_path != "fork"
