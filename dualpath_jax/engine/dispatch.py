@@ -279,7 +279,9 @@ class Dispatch:
 
     def engine_load(self, e: EngineInfo) -> EngineLoad:
         """Loads from the router's own in-flight tracking (exact, unlike delayed reports); a DE
-        counts the group followers waiting on its rounds (they will decode there)."""
+        counts the group followers waiting on its rounds (they will decode there), the prompt
+        pages a group shares once in its free memory (its tokens each time: each attends over
+        them)."""
         mine = [
             r
             for r in self.table.requests.values()
@@ -291,10 +293,22 @@ class Dispatch:
         tok = sum(r.request.tokens for r in mine)
         free = 0
         if e.role == "decode":
-            free = max(0, e.hbm_tokens - sum(r.request.hbm_tokens for r in mine))
+            free = max(0, e.hbm_tokens - self._held_tokens(mine))
             if len(mine) >= e.slots + self.cfg.cluster.decode_queue:
                 free = 0
         return EngineLoad(e.engine, e.node, e.group, len(mine), tok, self.node_read_q(e.node), free)
+
+    def _held_tokens(self, rounds: list[RequestState]) -> int:
+        """The KV tokens `rounds` hold on a DE once decoded: a fork shares the whole pages of
+        its prompt before its last token's with the round it forks and its other forks."""
+        bt, held, ids, shared = self.cfg.store.block_tokens, 0, {r.id for r in rounds}, set()
+        for r in rounds:
+            held += r.request.hbm_tokens
+            if r.follows in ids or r.follows in shared:
+                held -= (len(r.prompt) - 1) // bt * bt
+            elif r.follows:
+                shared.add(r.follows)  # (its leader gone: it holds them for the others)
+        return held
 
     def loads(self) -> dict[str, dict]:
         """Each live engine's load, as `stats()["loads"]`."""

@@ -70,6 +70,7 @@ class Followers:
     def add(self, leader: RequestState, st: RequestState) -> None:
         self.of.setdefault(leader.id, []).append(st)
         self.following.add(st.id)
+        st.follows = leader.id
 
     def waiting(self, request: str, requests: dict[str, RequestState]) -> list[RequestState]:
         """Round `request`'s followers still in flight, waiting for its first token."""

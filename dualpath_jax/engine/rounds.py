@@ -421,6 +421,8 @@ class Rounds:
         """`st` ended before its first token: its waiting followers run on their own."""
         self.group.following.discard(st.id)
         back = self.group.take(st, self.table.requests)
+        for f in back:
+            f.follows = ""  # (it prefills its own prompt)
         if back:
             self.scheduler.requeue([f.request for f in back])
 

@@ -48,6 +48,7 @@ class RequestState:
     pe: int = -1
     de: int = -1
     path: str = ""
+    follows: str = ""  # group sampling: the round whose prompt pages it forks (or waits on)
     hit_blocks: int = 0
     recomputed_blocks: int = 0
     attempts: int = 0

@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 
 import jax
@@ -133,6 +132,10 @@ class PrefillLoad:
         self._piece = 0
         self._prefix = 0
         self._sends: list[futures.Future[None]] = []
+        # Layer -> the PE-read blocks' bytes already copied to the device for the forward,
+        # kept for their send to the DE after the layer ran (one copy serves both).
+        self._pe_pages: dict[int, jax.Array] = {}
+        self._hit_piece: tuple[int, int] | None = None  # (piece, tokens): sent layer by layer
         self.pe_read_bytes = 0
         self.held_blocks = 0  # of its blocks, taken from the engine's prefetch memory
         self.read_s = 0.0  # its store reads' time
@@ -248,6 +251,7 @@ class PrefillLoad:
             d_used = h - p_used
             if self.de_read_blocks and not d_used:  # the PE side missed first: drop the DE's offers
                 self._drop_de_layers()
+            keep = p_used > 0  # for their send to the DE (`_send`)
             for i in range(ctx.cfg.num_layers):
                 if h == 0:  # nothing cached: every layer is ready at once
                     self.readiness.set_ready(i, None)
@@ -271,6 +275,8 @@ class PrefillLoad:
                             ctx.channel, meta, column_pieces(data, offers.pieces)
                         )
                         pe_device = HitPieces(mine, p_used, meta)
+                        if keep:
+                            self._pe_pages[i] = data
                     elif ctx.buffer.pinned is not None:
                         # Pinned PE buffer: one in-program copy of the layer's blocks to the
                         # device, padded to a power of two (few compiled shapes).
@@ -279,6 +285,8 @@ class PrefillLoad:
                         )
                         pages = bytes_to_pages(data, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                         pe_device = DevicePages(pages, p_used)
+                        if keep:
+                            self._pe_pages[i] = data
                     else:
                         rows = _block_rows(self._res, 0, p_used, i, bt)
                         host = bytes_to_kv_rows(rows, ctx.cfg)
@@ -342,8 +350,10 @@ class PrefillLoad:
         if self._chunk == 0 and hit_tokens:
             if not start and t0 == hit_tokens:
                 self._prefix = hit_tokens  # the PE-read hit rows travel with this chunk's rows
-            else:  # split path or a lead: the hit rows are not contiguous with these rows
-                self._offer_piece(start, start + hit_tokens, False, lambda i: None)
+            else:  # split path or a lead: the hit rows are not contiguous with these rows;
+                # each layer of them goes with this chunk's (`send_layer`)
+                k = self._offer_meta(start, start + hit_tokens, False, hit_tokens, 0)
+                self._hit_piece = (k, hit_tokens)
         n_pad = t1 - t0 if n_pad is None else n_pad
         self._piece = self._offer_meta(t0 - self._prefix, t1, last, self._prefix, n_pad)
 
@@ -357,6 +367,11 @@ class PrefillLoad:
         `[t1 - t0, W]`, `DeviceRows` (offered from the device as they are: no host copy), or
         `SplitRows` (spanning processes: this process's pieces; the others offer theirs)."""
         piece, prefix = self._piece, self._prefix
+        if self._hit_piece is not None:
+            k, n = self._hit_piece
+            self._sends.append(self.ctx.pool.submit(self._send, k, layer, None, n))
+            if layer == self.ctx.cfg.num_layers - 1:
+                self._hit_piece = None
         self._sends.append(self.ctx.pool.submit(self._send, piece, layer, rows, prefix))
 
     def _offer_meta(self, t0: int, t1: int, last: bool, prefix: int, n_pad: int) -> int:
@@ -371,13 +386,6 @@ class PrefillLoad:
         self.ctx.channel.offer(self.job.uuid(Part.PE_PIECE, k), [meta])
         return k
 
-    def _offer_piece(
-        self, t0: int, t1: int, last: bool, rows_of: Callable[[int], np.ndarray | None]
-    ) -> None:
-        k = self._offer_meta(t0, t1, last, t1 - t0, 0)
-        for i in range(self.ctx.cfg.num_layers):
-            self._send(k, i, rows_of(i), t1 - t0)
-
     def _send(
         self, piece: int, layer: int, rows: np.ndarray | DeviceRows | SplitRows | None, prefix: int
     ) -> None:
@@ -387,11 +395,12 @@ class PrefillLoad:
         nbytes = 0
         if prefix:  # padded to a power of two of blocks (few compiled shapes); the DE drops it
             n = prefix // bt
-            arrays.append(
-                self._res.layer_pages(
+            data = self._pe_pages.pop(layer, None)  # (the forward's copy, if it made one)
+            if data is None or data.shape[0] != padded_blocks(n):
+                data = self._res.layer_pages(
                     0, n, layer, pad_to=padded_blocks(n), purpose="pe_prefix_send"
                 )
-            )
+            arrays.append(data)
             nbytes += prefix * width
         split = ctx.row_split
         if isinstance(rows, DeviceRows):
@@ -422,6 +431,7 @@ class PrefillLoad:
 
     def close(self) -> None:
         self._closed = True
+        self._pe_pages.clear()
         self._abort.set()
         self.readiness.cancel()
         for _ in range(self.ctx.cfg.num_layers):  # wake a streamer waiting for the prefill loop

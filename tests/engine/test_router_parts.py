@@ -208,11 +208,29 @@ def test_a_des_load_counts_the_group_followers_waiting_on_its_rounds():
     sub = messages.Submit(request="f1", session="f1", append=[1] * (3 * BT + 5), gen=4)
     req = Request("f1", "f1", 0, 3 * BT + 5, 0, 4)
     waiting["lead"] = [rig.table.start_round(CLIENT, sub, req, list(sub.append), [], now=0.0)]
+    waiting["lead"][0].follows = "lead"
     de = rig.registry[DE]
     assert rig.dispatch.engine_load(de).seq_e == 0
     rig.fetch(DE)
     load = rig.dispatch.engine_load(de)
-    assert load.seq_e == 2 and load.tok_e == 2 * (3 * BT + 5)
+    assert load.seq_e == 2 and load.tok_e == 2 * (3 * BT + 5)  # each attends over the prompt
+    # the prompt's whole pages before its last token's are held once (10,000 tokens reported)
+    own = (3 * BT + 5 + 4) - 3 * BT
+    assert load.free_hbm_tokens == 10_000 - (3 * BT + 5 + 4) - own
+
+
+def test_forks_whose_round_ended_hold_its_shared_pages_once():
+    rig = dispatch_rig()
+    prompt = 2 * BT + 1  # its last token starts a page: two pages are shared
+    for k in range(3):
+        rig.table.open(f"f{k}", resume=False)
+        sub = messages.Submit(request=f"f{k}", session=f"f{k}", append=[1] * prompt, gen=4)
+        req = Request(f"f{k}", f"f{k}", 0, prompt, 0, 4)
+        st = rig.table.start_round(CLIENT, sub, req, list(sub.append), [], now=0.0)
+        st.de, st.path, st.follows = DE, "fork", "gone"
+    rig.fetch(DE)
+    load = rig.dispatch.engine_load(rig.registry[DE])
+    assert load.free_hbm_tokens == 10_000 - 3 * (prompt + 4) + 2 * (2 * BT)
 
 
 def test_a_transfer_failure_is_retried_from_the_head_of_the_queue():

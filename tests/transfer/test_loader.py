@@ -307,13 +307,15 @@ def test_emulated_rates_slow_the_store_read(prompt_and_kv, runner):
         cluster.close()
 
 
-@pytest.mark.parametrize("pe_blocks, de_blocks", [(0, 4), (1, 3)])
+@pytest.mark.parametrize("pe_blocks, de_blocks", [(0, 4), (1, 3), (4, 0)])
 def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe_blocks, de_blocks):
-    """The PE's forward over a hit read (partly) by the DE, its pages assembled as the prefill
-    engine assembles them (`HitLayer.segments` -> `LayerPages.assemble`) and its new rows sent
-    from the device (`DeviceRows`): the logits equal the recomputed prompt's, the DE buffer holds
-    the right prompt KV, nothing is copied to the PE's host memory (not the DE-read blocks, not
-    the new rows), and each layer costs one host-to-device copy of pages."""
+    """The PE's forward over a hit read (partly) by the DE, or all by the PE (Basic: its blocks
+    then travel to the DE with the new rows), its pages assembled as the prefill engine
+    assembles them (`HitLayer.segments` -> `LayerPages.assemble`) and its new rows sent from the
+    device (`DeviceRows`): the logits equal the recomputed prompt's, the DE buffer holds the
+    right prompt KV, nothing is copied to the PE's host memory (not the DE-read blocks, not the
+    new rows), and each layer costs one host-to-device copy of pages (a pinned buffer's for
+    the forward serves the send as well)."""
     cluster, prompt, kv, keys = stored
     job = LoadJob(
         "r2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
@@ -333,7 +335,7 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     def load(i):
         hit = pe.readiness.wait(i, 20.0)
         pe.consumed()
-        assert hit.device is not None and hit.device.blocks == de_blocks
+        assert (hit.device.blocks if hit.device is not None else 0) == de_blocks
         assert hit.tokens == h * BT
         # A pinned PE buffer's blocks reach the device inside a program; pageable: host rows.
         assert (hit.pe_device is not None) == (pinned and pe_blocks > 0)
@@ -351,6 +353,8 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     # pinned buffer, or the assembled host pages out of a pageable one); none without them.
     page_copies = COPIES.copies("h2d", "prefill_pages") + COPIES.copies("h2d", "pe_buffer_pages")
     assert page_copies == (CFG.num_layers if pe_blocks else 0), COPIES.snapshot()
+    if pinned:
+        assert COPIES.copies("h2d", "pe_prefix_send") == 0, COPIES.snapshot()
     full, _ = runner.prefill_monolithic(PrefillBatch.build(CFG, [prompt], [0]))
     np.testing.assert_allclose(
         np.asarray(res.last_logits), np.asarray(full.last_logits), atol=2e-5, rtol=1e-5
