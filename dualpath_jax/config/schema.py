@@ -80,7 +80,7 @@ class ModelConfig:
     # (band edges rounded outwards when `rope_truncate`), and scales cos/sin by
     # `rope_attention_factor` (0: derived from `rope_factor`, `rope_mscale`, `rope_mscale_all_dim`
     # as transformers does). MLA also scales its softmax by mscale(rope_factor,
-    # rope_mscale_all_dim)^2 when `rope_mscale_all_dim` is set. `model.layers.Rope` computes it.
+    # rope_mscale_all_dim)^2 when `rope_mscale_all_dim` is set. `model.rope.Rope` computes it.
     rope_type: str = "default"
     rope_factor: float = 1.0
     rope_original_max_len: int = 0

@@ -136,11 +136,15 @@ def context_limit(cfg: ExperimentConfig) -> int:
     return min(cfg.model.max_seq_len, cfg.cluster.decode_max_len)
 
 
-def prefill_shapes(cfg: ExperimentConfig, min_bucket: int = 16) -> list[tuple[int, int, int]]:
-    """The `(batch, new_tokens, cached_tokens)` forwards that reach every prefill shape bucket
-    of `cfg`: per batch bucket, per new-token bucket, per page-table width (0: nothing cached),
-    the shortest request of that bucket, when a context holds it. The batch's other requests
-    have one new token and nothing cached (the longest request sets the padded shapes)."""
+def prefill_shapes(
+    cfg: ExperimentConfig, min_bucket: int = 16, pack: bool = True
+) -> list[tuple[int, int, int, int]]:
+    """The `(batch, new_tokens, cached_tokens, fill)` forwards that reach every prefill shape
+    bucket of `cfg`: per batch bucket, per new-token bucket, per page-table width (0: nothing
+    cached), the shortest request of that bucket, when a context holds it; the batch's other
+    requests have `fill` new tokens each and nothing cached (the longest request sets the
+    padded shapes), one `fill` per packed length such a batch can have (`pack`: the runner
+    packs, model/packing.py) and one for the padded layout where it can stay padded."""
     from dualpath_jax.model.runner import batch_buckets, bucket_len
     from dualpath_jax.sched.intra import batch_kv_bound
     from dualpath_jax.sched.policy import make_policy
@@ -160,11 +164,28 @@ def prefill_shapes(cfg: ExperimentConfig, min_bucket: int = 16) -> list[tuple[in
     out = []
     for b in batch_buckets(c.prefill_max_batch):
         for n in news.values():
+            fills = _fills(b, n, c.prefill_max_tokens, min_bucket) if pack else [1]
             for cached in caches.values():
                 if cached + n > context or (kv_bound and cached + n > kv_bound):
                     continue
-                out.append((b, n, cached))
+                out += [(b, n, cached, fill) for fill in fills]
     return out
+
+
+def _fills(b: int, n: int, max_tokens: int, min_bucket: int) -> list[int]:
+    """The new tokens of each other request of a batch of `b` with a request of `n` that give
+    each packed length (`model.batch.packed_length`) and the padded layout such a batch can
+    have: the others hold up to `n`'s bucket, and all of them up to the packer's bound plus
+    the one-token requests a warmed-up engine pads its batch with."""
+    from dualpath_jax.model.batch import bucket_len, packed_length
+
+    n_pad, got = bucket_len(n, min_bucket), {}
+    for fill in range(1, n_pad + 1):
+        total = n + (b - 1) * fill
+        if got and total > max_tokens + b - 1:
+            break
+        got.setdefault(packed_length(total, b, n_pad, min_bucket), fill)
+    return sorted(got.values())
 
 
 def warm_prefill(cfg: ExperimentConfig, runner, buffer=None) -> Warmup:
@@ -185,13 +206,13 @@ def warm_prefill(cfg: ExperimentConfig, runner, buffer=None) -> Warmup:
     m, bt = cfg.model, cfg.store.block_tokens
     layerwise = make_policy(cfg.scheduler).layerwise
     counter, t0 = CompileCounter(), time.perf_counter()
-    shapes = prefill_shapes(cfg, runner.min_bucket)
+    shapes = prefill_shapes(cfg, runner.min_bucket, runner.pack)
     rng = np.random.default_rng(0)
     no_rows = np.zeros((0, m.kv_width), m.kv_dtype)
     sampled = SamplingParams(temperature=1.0, seed=1)
     widths = {0}
-    for b, n, cached in shapes:
-        prompts = [rng.integers(0, m.vocab_size, n).tolist()] + [[1]] * (b - 1)
+    for b, n, cached, fill in shapes:
+        prompts = [rng.integers(0, m.vocab_size, n).tolist()] + [[1] * fill] * (b - 1)
         batch = PrefillBatch.build(m, prompts, [cached] + [0] * (b - 1), runner.min_bucket)
         rows = np.zeros((cached, m.kv_width), m.kv_dtype)
 

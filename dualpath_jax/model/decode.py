@@ -21,16 +21,11 @@ from flax import nnx
 
 from dualpath_jax import copies
 from dualpath_jax.kernels.kv_rows import bits_dtype
+from dualpath_jax.model.batch import bucket_len, validate_tokens
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
 from dualpath_jax.model.page_pool import PageAllocator, PagesExhausted, pages_for
-from dualpath_jax.model.runner import (
-    JITTED,
-    ModelRunner,
-    bucket_len,
-    runs_on_mesh,
-    validate_tokens,
-)
+from dualpath_jax.model.runner import JITTED, ModelRunner, runs_on_mesh
 from dualpath_jax.model.sampler import draw_step, top_logprobs
 from dualpath_jax.model.sampling import (
     GREEDY,

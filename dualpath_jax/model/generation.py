@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dualpath_jax.model.batch import PrefillBatch, bucket_len, validate_context
 from dualpath_jax.model.decode import Decoder
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch, bucket_len, validate_context
+from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.sampler import sample
 from dualpath_jax.model.sampling import GREEDY, SamplingParams
 

@@ -1,4 +1,4 @@
-"""Building blocks of the model families: norms, RoPE, attention, dense MLP and MoE.
+"""Building blocks of the model families: norms, attention, dense MLP and MoE (RoPE: rope.py).
 
 Attention takes the layer's cached KV *rows* (`[B, C, W]`, see `layout.py`) explicitly and returns
 the new tokens' KV rows, so a layer can run with KV that arrived from the host just before it.
@@ -24,6 +24,8 @@ from dualpath_jax.kernels import paged_attention as pa
 from dualpath_jax.kernels.kv_rows import RowLayout, quantize_rows
 from dualpath_jax.model import sharding
 from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
+from dualpath_jax.model.packing import Packing
+from dualpath_jax.model.rope import Rope, apply_rope, yarn_mscale
 
 Array = jax.Array
 
@@ -66,106 +68,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
-
-
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """Yarn's magnitude correction for a context `factor` times the original: 1 + 0.1 mscale
-    ln(factor), 1 for factor <= 1."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-@dataclasses.dataclass(frozen=True)
-class Rope:
-    """RoPE over `dim` features per head (`ModelConfig.rope_*`): default or yarn inverse
-    frequencies, cos/sin scaled by `attention_factor`."""
-
-    dim: int
-    theta: float
-    yarn: bool = False
-    factor: float = 1.0
-    original_max_len: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
-    attention_factor: float = 1.0
-
-    @classmethod
-    def for_model(cls, cfg: ModelConfig, dim: int) -> Rope:
-        if cfg.rope_type == "default":
-            return cls(dim, cfg.rope_theta)
-        if cfg.rope_type != "yarn":
-            raise ValueError(f"rope_type must be 'default' or 'yarn', got {cfg.rope_type!r}")
-        factor = cfg.rope_factor
-        if cfg.rope_attention_factor:
-            attention_factor = cfg.rope_attention_factor
-        elif cfg.rope_mscale and cfg.rope_mscale_all_dim:
-            attention_factor = yarn_mscale(factor, cfg.rope_mscale) / yarn_mscale(
-                factor, cfg.rope_mscale_all_dim
-            )
-        else:
-            attention_factor = yarn_mscale(factor)
-        return cls(
-            dim,
-            cfg.rope_theta,
-            True,
-            factor,
-            cfg.rope_original_max_len,
-            cfg.rope_beta_fast or 32.0,  # 0 (absent): transformers' defaults
-            cfg.rope_beta_slow or 1.0,
-            cfg.rope_truncate,
-            attention_factor,
-        )
-
-    def inv_freq(self) -> Array:
-        """Inverse frequencies `[dim // 2]` float32. Yarn keeps the original frequencies of the
-        dimensions that turn more than `beta_fast` times in `original_max_len` positions, divides
-        those turning fewer than `beta_slow` times by `factor`, and blends linearly between."""
-        d = self.dim
-        wavelengths = self.theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # / 2 pi
-        original = 1.0 / wavelengths
-        if not self.yarn:
-            return original
-        interpolated = 1.0 / (self.factor * wavelengths)
-
-        def dim_of(rotations: float) -> float:  # the dimension turning `rotations` times
-            wavelength = self.original_max_len / (rotations * 2 * math.pi)
-            return d * math.log(wavelength) / (2 * math.log(self.theta))
-
-        low, high = dim_of(self.beta_fast), dim_of(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, d - 1)
-        if low == high:
-            high += 0.001  # a band of width 0 would divide by 0
-        ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
-        keep = 1 - ramp  # the weight of the original frequency
-        return interpolated * (1 - keep) + original * keep
-
-    def angles(self, positions: Array) -> tuple[Array, Array]:
-        """cos/sin of the angles: positions `[B, T]` -> two `[B, T, dim // 2]` float32 arrays."""
-        ang = positions.astype(jnp.float32)[..., None] * self.inv_freq()
-        cos, sin = jnp.cos(ang), jnp.sin(ang)
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos, sin
-
-
-def apply_rope(x: Array, cos: Array, sin: Array, interleave: bool) -> Array:
-    """Rotates `x` `[B, T, H, d]` (cos/sin `[B, T, d/2]`).
-
-    `interleave=False` is the rotate-half form (pairs `(i, i + d/2)`); `interleave=True` rotates
-    pairs `(2i, 2i + 1)` and returns them de-interleaved (evens then odds), as DeepSeek does.
-    """
-    cos = cos[:, :, None, :].astype(jnp.float32)
-    sin = sin[:, :, None, :].astype(jnp.float32)
-    xf = x.astype(jnp.float32)
-    if interleave:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
 
 
 # Attention backends (`ModelConfig.attention_impl`); "auto" resolves to one of these.
@@ -355,11 +257,18 @@ class GQAttention(nnx.Module):
     def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
         """q `[B, N, Hq, D]`, the new rows `[B, N, W]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
-        out, pages = attend_kv(
+        out, pages = self.attend_heads(q, new_rows, kv)
+        return self.output(out), pages
+
+    def attend_heads(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
+        """`attend` up to each head's output `[B, N, Hq, D]` (what `output` projects)."""
+        return attend_kv(
             q, new_rows, kv, self.layout, self.head_dim**-0.5, self.kv_dtype, self.attention_impl,
             self.pages_per_step,
         )  # fmt: skip
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
+
+    def output(self, out: Array) -> Array:
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
 
 
 class MLAttention(nnx.Module):
@@ -427,14 +336,21 @@ class MLAttention(nnx.Module):
     def attend(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
         """Absorbed queries, the new rows `[B, N, r + dr]`, the cached KV -> (output
         `[B, N, hidden]`, the written pages or None: `attend_kv`)."""
-        o_lat, pages = attend_kv(
+        o_lat, pages = self.attend_heads(q, new_rows, kv)
+        return self.output(o_lat), pages
+
+    def attend_heads(self, q: Array, new_rows: Array, kv: PagedKV) -> tuple[Array, Array | None]:
+        """`attend` up to each head's latent output `[B, N, H, r]` (what `output` projects)."""
+        return attend_kv(
             q, new_rows, kv, self.layout, self.scale, self.kv_dtype, self.attention_impl,
             self.pages_per_step,
         )  # fmt: skip
+
+    def output(self, o_lat: Array) -> Array:
         out = jnp.einsum(
             "bnhr,rhd->bnhd", o_lat, self.w_uv[...], preferred_element_type=jnp.float32
         ).astype(o_lat.dtype)
-        return self.o_proj(out.reshape(*out.shape[:2], -1)), pages
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
 
 
 class MLP(nnx.Module):
@@ -576,24 +492,32 @@ class DecoderLayer(nnx.Module):
         cached: Array | PagedKV,
         cached_lens: Array | None = None,
         new_lens: Array | None = None,
+        packing: Packing | None = None,
     ) -> tuple[Array, Array]:
         """h `[B, N, hidden]`, positions `[B, N]`, the cached KV (`PagedKV`, or contiguous rows
         `[B, C, W]` with `cached_lens` `[B]`), optionally the real new tokens `new_lens` `[B]`
         (see `PagedKV`) -> (h `[B, N, hidden]`, new KV rows `[B, N, W]`). New token j of
-        request b sees its cached tokens and new tokens 0..j."""
+        request b sees its cached tokens and new tokens 0..j. With `packing` (packing.py) h and
+        positions are the batch's tokens packed, `[1, T, ...]`; the new rows are padded."""
         if not isinstance(cached, PagedKV):
             cached = PagedKV.contiguous(cached, cached_lens)
         if new_lens is not None:
             cached = dataclasses.replace(cached, new_lens=new_lens)
-        h, new_rows, _ = self.run(h, positions, dataclasses.replace(cached, write=None))
+        h, new_rows, _ = self.run(h, positions, dataclasses.replace(cached, write=None), packing)
         return h, new_rows
 
-    def run(self, h: Array, positions: Array, kv: PagedKV) -> tuple[Array, Array, Array | None]:
+    def run(
+        self, h: Array, positions: Array, kv: PagedKV, packing: Packing | None = None
+    ) -> tuple[Array, Array, Array | None]:
         """The layer over paged KV -> (h, new KV rows, the pages with the new rows written when
-        `kv.write` is set, else None)."""
+        `kv.write` is set, else None); see `__call__` for `packing`."""
         h = sharding.constrain(h, "batch")  # replicated over tensor between layers
         q, new_rows = self.self_attn.project(self.input_layernorm(h), positions)
-        out, pages = self.self_attn.attend(q, new_rows, kv)
-        h = h + out
+        if packing is not None:  # attention over the padded layout
+            q, new_rows = packing.pad(q), packing.pad(new_rows)
+        out, pages = self.self_attn.attend_heads(q, new_rows, kv)
+        if packing is not None:
+            out = packing.pack(out)
+        h = h + self.self_attn.output(out)
         h = h + self.mlp(self.post_attention_layernorm(h))
         return sharding.constrain(h, "batch"), new_rows, pages

@@ -12,7 +12,6 @@ only when layer i runs and layer i's new KV is handed out right after it runs.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import weakref
 from collections.abc import Callable, Sequence
@@ -27,108 +26,19 @@ from jax.sharding import PartitionSpec as P
 from dualpath_jax import copies
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.model import sharding
-from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, pow2, scatter_pages
+from dualpath_jax.model.batch import (  # noqa: F401 (bucket_len, batch_bucket(s): theirs too)
+    PrefillBatch,
+    PrefillResult,
+    batch_bucket,
+    batch_buckets,
+    bucket_len,
+)
+from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, scatter_pages
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
+from dualpath_jax.model.packing import Packing
 from dualpath_jax.model.transformer import Transformer, shard_model
 
 Array = jax.Array
-
-
-def bucket_len(n: int, minimum: int = 16, step: int = 1024) -> int:
-    """Padded length for `n` tokens: powers of two from `minimum` up to `step`, then multiples of
-    `step`. Every distinct shape compiles once, so lengths are padded to these buckets."""
-    if n <= 0:
-        return 0
-    b = minimum
-    while b < n and b < step:
-        b *= 2
-    if b >= n:
-        return b
-    return -(-n // step) * step
-
-
-def batch_bucket(n: int, max_batch: int) -> int:
-    """Requests a prefill batch of `n` is padded to: a power of two, at most `max_batch`."""
-    return min(pow2(n), max(max_batch, n))
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    return sorted({batch_bucket(n, max_batch) for n in range(1, max_batch + 1)})
-
-
-def validate_tokens(cfg: ModelConfig, tokens: np.ndarray, what: str = "tokens") -> None:
-    tokens = np.asarray(tokens)
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
-        bad = tokens[(tokens < 0) | (tokens >= cfg.vocab_size)][0]
-        raise ValueError(f"{what}: token id {int(bad)} is out of range [0, {cfg.vocab_size})")
-
-
-def validate_context(cfg: ModelConfig, total: int) -> None:
-    if total > cfg.max_seq_len:
-        raise ValueError(
-            f"context of {total} tokens exceeds the model's max_seq_len {cfg.max_seq_len}"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillBatch:
-    """A padded prefill batch.
-
-    tokens `[B, N_pad]` int32 (the new tokens of each request, zero padded), new_lens `[B]`,
-    cached_lens `[B]`; `c_pad` is the padded cached length of the KV rows each layer receives.
-    """
-
-    tokens: np.ndarray
-    new_lens: np.ndarray
-    cached_lens: np.ndarray
-    c_pad: int
-
-    @property
-    def batch_size(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def n_pad(self) -> int:
-        return self.tokens.shape[1]
-
-    @classmethod
-    def build(
-        cls,
-        cfg: ModelConfig,
-        new_tokens: Sequence[Sequence[int]],
-        cached_lens: Sequence[int],
-        min_bucket: int = 16,
-    ) -> PrefillBatch:
-        """Pads requests (new token ids, cached length) into one batch, validating them."""
-        if len(new_tokens) != len(cached_lens) or not new_tokens:
-            raise ValueError("a prefill batch needs one cached length per request and >= 1 request")
-        new_lens = np.array([len(t) for t in new_tokens], np.int32)
-        cached = np.array(cached_lens, np.int32)
-        if (new_lens < 1).any():
-            raise ValueError("every request in a prefill batch needs at least one new token")
-        if (cached < 0).any():
-            raise ValueError("cached lengths must be >= 0")
-        for t, c in zip(new_tokens, cached):
-            validate_tokens(cfg, np.asarray(t))
-            validate_context(cfg, int(c) + len(t))
-        n_pad = bucket_len(int(new_lens.max()), min_bucket)
-        tokens = np.zeros((len(new_tokens), n_pad), np.int32)
-        for b, t in enumerate(new_tokens):
-            tokens[b, : len(t)] = t
-        c_max = int(cached.max())
-        c_pad = bucket_len(c_max, min_bucket) if c_max else 0
-        return cls(tokens, new_lens, cached, c_pad)
-
-    def positions(self) -> np.ndarray:
-        return self.cached_lens[:, None] + np.arange(self.n_pad, dtype=np.int32)[None, :]
-
-
-@dataclasses.dataclass
-class PrefillResult:
-    """last_logits `[B, V]` (each request's last new token); logits `[B, N_pad, V]` if asked."""
-
-    last_logits: Array
-    logits: Array | None = None
 
 
 # ----------------------------------------------------------------------------- jitted pieces
@@ -148,21 +58,30 @@ def _embed(gd, state, tokens):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer(gd, state, h, positions, cached_rows, cached_lens, new_lens):
-    return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens, new_lens)
+def _layer(gd, state, h, positions, cached_rows, cached_lens, new_lens, packing=None):
+    return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens, new_lens, packing)
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _layer_paged(gd, state, h, positions, pages, table, cached_lens, new_lens):
+def _layer_paged(gd, state, h, positions, pages, table, cached_lens, new_lens, packing=None):
     """One layer over cached KV in pages `[P, 1, page_size, W]` (see `PagedKV`)."""
-    return nnx.merge(gd, state)(h, positions, PagedKV(pages, table, cached_lens, new_lens=new_lens))
+    kv = PagedKV(pages, table, cached_lens, new_lens=new_lens)
+    return nnx.merge(gd, state)(h, positions, kv, packing=packing)
+
+
+def _logits(head, embedding, h, new_lens, all_logits, packing):
+    """(Each request's last new token's logits, every token's `[B, N_pad, V]` or None) from the
+    last hidden states (padded, or packed with `packing`)."""
+    if packing is None:
+        last = h[jnp.arange(h.shape[0]), new_lens - 1]
+    else:
+        last, h = h[0, packing.last], (packing.pad(h) if all_logits else h)
+    return head(last, embedding), (head(h, embedding) if all_logits else None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 5))
-def _head(gd, state, embedding, h, new_lens, all_logits):
-    head = nnx.merge(gd, state)
-    last = h[jnp.arange(h.shape[0]), new_lens - 1]
-    return head(last, embedding), (head(h, embedding) if all_logits else None)
+def _head(gd, state, embedding, h, new_lens, all_logits, packing=None):
+    return _logits(nnx.merge(gd, state), embedding, h, new_lens, all_logits, packing)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 9))
@@ -177,6 +96,7 @@ def _forward_all(
     cached_lens,
     new_lens,
     all_logits,
+    packing=None,
 ):
     """Monolithic prefill: every layer in one compiled function. cached_kv `[L, B, C, W]`."""
     embed_state, layer_states, head_state = params
@@ -184,12 +104,12 @@ def _forward_all(
     h = embed(tokens)
     new = []
     for i, gd in enumerate(layer_gds):
-        h, rows = nnx.merge(gd, layer_states[i])(h, positions, cached_kv[i], cached_lens, new_lens)
+        layer = nnx.merge(gd, layer_states[i])
+        h, rows = layer(h, positions, cached_kv[i], cached_lens, new_lens, packing)
         new.append(rows)
     head = nnx.merge(head_gd, head_state)
-    emb = embed.embedding[...]
-    last = h[jnp.arange(h.shape[0]), new_lens - 1]
-    return head(last, emb), (head(h, emb) if all_logits else None), jnp.stack(new)
+    last, logits = _logits(head, embed.embedding[...], h, new_lens, all_logits, packing)
+    return last, logits, jnp.stack(new)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -206,6 +126,7 @@ def _prefill_program(
     table,
     cached_lens,
     new_lens,
+    packing=None,
 ):
     """Prefill as one program: embed, each run of layers under a scan, head. `pages` holds the
     cached KV of every layer, layer-major, `[L, P, page_size, W]` (page 0 the null page), with
@@ -224,15 +145,13 @@ def _prefill_program(
             state, layer_pages = xs
             kv = jax.device_put(layer_pages, jax.memory.Space.Device)[:, None]
             kv = PagedKV(kv, table, cached_lens, new_lens=new_lens)
-            return nnx.merge(gd, state)(h, positions, kv)
+            return nnx.merge(gd, state)(h, positions, kv, packing=packing)
 
         h, rows = jax.lax.scan(body, h, (states, pages[start : start + count]))
         new.append(rows)
     head = nnx.merge(head_gd, head_state)
-    emb = embed.embedding[...]
-    last = h[jnp.arange(h.shape[0]), new_lens - 1]
-    rows = new[0] if len(new) == 1 else jnp.concatenate(new)
-    return head(last, emb), (head(h, emb) if all_logits else None), rows
+    last, logits = _logits(head, embed.embedding[...], h, new_lens, all_logits, packing)
+    return last, logits, (new[0] if len(new) == 1 else jnp.concatenate(new))
 
 
 def runs_on_mesh(method):
@@ -269,7 +188,14 @@ class ModelRunner:
     `update_params(model)` swaps in new parameters (RL updates) without recompiling.
     """
 
-    def __init__(self, model: Transformer, min_bucket: int = 16, *, mesh: Mesh | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        min_bucket: int = 16,
+        *,
+        mesh: Mesh | None = None,
+        pack: bool = True,
+    ):
         self.cfg: ModelConfig = model.cfg
         self.min_bucket = min_bucket
         self._compile_only = False  # `compile_only`
@@ -279,6 +205,10 @@ class ModelRunner:
         self.mesh = sharding.check_mesh(mesh) if mesh is not None else None
         if self.mesh is None:
             self.mesh = sharding.model_mesh(nnx.state(model))
+        # Packed prefill (model/packing.py), where it pays; not over a `data` axis, which
+        # splits the padded batch's requests.
+        data = dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)) if self.mesh else {}
+        self.pack = pack and data.get("data", 1) == 1
         self.embed_gd, _ = nnx.split(model.embed)
         self.head_gd, _ = nnx.split(model.head)
         self.layer_gds = tuple(nnx.split(layer)[0] for layer in model.layers)
@@ -416,18 +346,21 @@ class ModelRunner:
         cached_rows: Array,
         cached_lens: Array,
         new_lens: Array | None = None,
+        packing: Packing | None = None,
     ):
         """Runs layer i: h `[B, N, hidden]`, cached KV rows `[B, C, W]` (or `LayerPages`), the
-        real new tokens per request (default all N) -> (h, new rows `[B, N, W]`)."""
+        real new tokens per request (default all N) -> (h, new rows `[B, N, W]`); with
+        `packing`, h and positions are packed (`DecoderLayer`)."""
         gd, state = self.layer_gds[i], self.layer_states[i]
         if new_lens is None:
             new_lens = self.commit(np.full((h.shape[0],), h.shape[1], np.int32))
         if isinstance(cached_rows, LayerPages):
             fn = _layer_paged
             pages, table = cached_rows.pages, cached_rows.table
-            args = (gd, state, h, positions, pages, table, cached_lens, new_lens)
+            args = (gd, state, h, positions, pages, table, cached_lens, new_lens, packing)
         else:
-            fn, args = _layer, (gd, state, h, positions, cached_rows, cached_lens, new_lens)
+            fn = _layer
+            args = (gd, state, h, positions, cached_rows, cached_lens, new_lens, packing)
         if self._compile_only:
             return _zero_outputs(fn.lower(*args).compile())
         return fn(*args)
@@ -446,8 +379,20 @@ class ModelRunner:
             self._compile_only = False
 
     @runs_on_mesh
-    def head(self, h: Array, new_lens: Array, all_logits: bool = False):
-        return _head(self.head_gd, self.head_state, self.embedding, h, new_lens, all_logits)
+    def head(
+        self, h: Array, new_lens: Array, all_logits: bool = False, packing: Packing | None = None
+    ):
+        return _head(
+            self.head_gd, self.head_state, self.embedding, h, new_lens, all_logits, packing
+        )
+
+    def inputs(self, batch: PrefillBatch, put=jnp.asarray):
+        """(tokens, positions, `Packing` or None): the batch as its layers take it, packed where
+        that pays (`pack`, `PrefillBatch.packed`), each array through `put`."""
+        p = batch.packed(self.min_bucket) if self.pack else None
+        if p is None:
+            return put(batch.tokens), put(batch.positions()), None
+        return put(p.tokens), put(p.positions), Packing(put(p.index), put(p.flat), put(p.last))
 
     # Prefill ---------------------------------------------------------------------------------
 
@@ -494,18 +439,18 @@ class ModelRunner:
             return self.commit(copies.to_device(rows, "prefill_rows"))
 
         # every input committed alike (`commit`): one compiled program per layer shape
-        positions = self.commit(batch.positions())
+        tokens, positions, packing = self.inputs(batch, self.commit)
         cached_lens = self.commit(batch.cached_lens)
         new_lens = self.commit(batch.new_lens)
-        h = self.embed(self.commit(batch.tokens))
+        h = self.embed(tokens)
         kv = fetch(0)
         for i in range(cfg.num_layers):
-            h, rows = self.layer(i, h, positions, kv, cached_lens, new_lens)
+            h, rows = self.layer(i, h, positions, kv, cached_lens, new_lens, packing)
             if i + 1 < cfg.num_layers:
                 kv = fetch(i + 1)  # overlaps with layer i's compute (async dispatch)
             if emit_layer is not None:
                 emit_layer(i, rows)
-        last, logits = self.head(h, new_lens, all_logits)
+        last, logits = self.head(h, new_lens, all_logits, packing)
         return PrefillResult(last, logits)
 
     @runs_on_mesh
@@ -530,6 +475,7 @@ class ModelRunner:
                 f" {batch.batch_size}"
             )
         treedef, leaves = self.stacked_leaves
+        tokens, positions, packing = self.inputs(batch)
         args = (
             self.embed_gd,
             self.layer_runs,
@@ -537,12 +483,13 @@ class ModelRunner:
             treedef,
             all_logits,
             leaves,
-            jnp.asarray(batch.tokens),
-            jnp.asarray(batch.positions()),
+            tokens,
+            positions,
             kv.pages,
             jnp.asarray(kv.table),
             jnp.asarray(batch.cached_lens),
             jnp.asarray(batch.new_lens),
+            packing,
         )
         if self._compile_only:
             last, logits, new = _zero_outputs(_prefill_program.lower(*args).compile())
@@ -565,17 +512,19 @@ class ModelRunner:
         want = (cfg.num_layers, batch.batch_size, batch.c_pad, cfg.kv_width)
         if tuple(cached_kv.shape) != want:
             raise ValueError(f"cached KV has shape {tuple(cached_kv.shape)}, expected {want}")
+        tokens, positions, packing = self.inputs(batch)
         last, logits, new = _forward_all(
             self.embed_gd,
             self.layer_gds,
             self.head_gd,
             self.params,
-            jnp.asarray(batch.tokens),
-            jnp.asarray(batch.positions()),
+            tokens,
+            positions,
             jnp.asarray(cached_kv),
             jnp.asarray(batch.cached_lens),
             jnp.asarray(batch.new_lens),
             all_logits,
+            packing,
         )
         return PrefillResult(last, logits), new
 

@@ -17,6 +17,7 @@ import pytest
 from test_cluster import RESULT_TIMEOUT_S, cluster_config, make_trajectories, tokens_of
 
 from dualpath_jax.engine.warmup import CompileCounter, prefill_shapes
+from dualpath_jax.model.batch import bucket_len, packed_length
 from dualpath_jax.model.runner import batch_bucket
 from dualpath_jax.rollout import Session, round_sampling
 
@@ -63,12 +64,25 @@ def _run_mixed(client, trajs, keys):
 def test_prefill_shapes_reach_every_bucket():
     cfg = warm_config("dualpath")
     shapes = prefill_shapes(cfg)
-    assert {b for b, _, _ in shapes} == {1, 2, 4}
-    assert all(cached + n <= 256 for _, n, cached in shapes)
+    assert {b for b, *_ in shapes} == {1, 2, 4}
+    assert all(cached + n <= 256 for _, n, cached, _ in shapes)
     # every new-token bucket up to the forward's bound, cached tables of 0 to 16 pages
-    assert {n for _, n, _ in shapes} == {1, 17, 33}
-    assert {cached for _, _, cached in shapes} == {0, 1, 17, 33, 65, 129}
+    assert {n for _, n, _, _ in shapes} == {1, 17, 33}
+    assert {cached for _, _, cached, _ in shapes} == {0, 1, 17, 33, 65, 129}
     assert [batch_bucket(n, 6) for n in range(1, 7)] == [1, 2, 4, 4, 6, 6]
+    # every packed length a batch of up to 64 + 3 new tokens can have, and the padded layout
+    layouts = {
+        (b, bucket_len(n), packed_length(n + (b - 1) * fill, b, bucket_len(n)))
+        for b, n, _, fill in shapes
+    }
+    assert layouts == {
+        (1, 16, 0), (1, 32, 0), (1, 64, 0),
+        (2, 16, 16), (2, 16, 0), (2, 32, 32), (2, 32, 0), (2, 64, 64), (2, 64, 0),
+        (4, 16, 16), (4, 16, 32), (4, 16, 0), (4, 32, 32), (4, 32, 64), (4, 32, 0),
+        (4, 64, 64), (4, 64, 128),  # (never padded: 67 tokens at most)
+    }  # fmt: skip
+    # a runner that does not pack (a `data` mesh) warms the padded layout alone
+    assert {fill for *_, fill in prefill_shapes(cfg, pack=False)} == {1}
 
 
 @pytest.mark.parametrize("policy", ["split", "basic"])

@@ -231,6 +231,26 @@ def test_layerwise_and_program_prefill_on_a_mesh_equal_one_device(reference, nam
     assert np.array_equal(np.argmax(got, -1), np.argmax(want, -1))
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_mixed_batch_packs_on_a_tensor_mesh_and_not_over_data(reference, name):
+    """Packed prefill (model/packing.py) on 1x8 gives the one-device padded logits; a mesh with
+    a `data` axis keeps the padded layout (its requests split over `data`)."""
+    cfg = MODELS[name]
+    base = ModelRunner(reference[name][0], pack=False)
+    runner = ModelRunner(_sharded(name, "1x8"))
+    batch = PrefillBatch.build(cfg, [list(range(3, 43)), [9, 8], [7], [1, 2, 3]], [0] * 4)
+    assert runner.pack and batch.packed() is not None
+    assert not ModelRunner(_sharded(name, "2x4")).pack
+    want, want_kv = base.prefill_monolithic(batch)
+    got, kv = runner.prefill_monolithic(batch)
+    np.testing.assert_allclose(
+        np.asarray(got.last_logits), np.asarray(want.last_logits), rtol=2e-5, atol=2e-5
+    )
+    for b, n in enumerate(batch.new_lens):
+        np.testing.assert_allclose(np.asarray(kv)[:, b, :n], np.asarray(want_kv)[:, b, :n],
+                                   rtol=2e-5, atol=2e-5)  # fmt: skip
+
+
 def test_explicit_mesh_from_jax_make_mesh_is_accepted():
     """`jax.make_mesh` gives Explicit axes; the model takes its devices and names as Auto."""
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
