@@ -9,6 +9,11 @@ packed (model/packing.py), those run over the real tokens only and attention alo
 padded layout. Each batch below runs through `ModelRunner.prefill_layerwise` over its cached
 pages (the prefill engine's path) both ways, side by side in one process (median of
 `--repeats` after a warm-up run); the logits of the two agree (largest difference reported).
+Also reported: XLA's cost analysis of one layer's compiled program each way (floating-point
+operations and bytes accessed, attention included). On this CPU attention is the dense
+`reference` backend, which computes every padded query over its request's keys either way, so
+the time saved is the token-wise share; on an accelerator the paged kernel skips the padding
+queries too (`new_lens`, "Ragged batches in the kernel" in docs/results.md).
 Batches ((new, cached) per request):
 - agentic: one 1,024-token prompt with seven appends of 16 to 200 tokens over 512 to 2,048
   cached tokens (1,608 real tokens in 2,048 rows instead of 8 x 1,024);
@@ -26,7 +31,7 @@ from absl import app, flags
 from layerwise import Shapes, median_seconds
 
 from dualpath_jax.model.cached_kv import LayerPages
-from dualpath_jax.model.runner import ModelRunner, PrefillBatch
+from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged
 from dualpath_jax.model.transformer import init_model
 
 PAGE = 64
@@ -45,6 +50,19 @@ BATCHES = {
     "even": [(256, 512)] * 4,
 }
 TINY_BATCHES = {"agentic": [(40, 0), (3, 32), (5, 16), (2, 48)], "even": [(16, 16)] * 2}
+
+
+def layer_cost(runner: ModelRunner, batch: PrefillBatch, pages: LayerPages) -> dict:
+    """XLA's cost analysis of layer 0's compiled program for `batch` as `runner` lays it out:
+    its floating-point operations and bytes accessed (the program, compiled, not run)."""
+    put = runner.commit
+    tokens, positions, packing = runner.inputs(batch, put)
+    pages = pages.to_device()
+    h = runner.embed(tokens)
+    args = (runner.layer_gds[0], runner.layer_states[0], h, positions, put(pages.pages),
+            put(pages.table), put(batch.cached_lens), put(batch.new_lens), packing)  # fmt: skip
+    cost = _layer_paged.lower(*args).compile().cost_analysis()
+    return {"flops": cost["flops"], "bytes": cost["bytes accessed"]}
 
 
 def measure(shapes: Shapes, batches: dict, repeats: int = 3) -> dict:
@@ -72,6 +90,10 @@ def measure(shapes: Shapes, batches: dict, repeats: int = 3) -> dict:
 
         t_padded = median_seconds(lambda: run(False), repeats)
         t_packed = median_seconds(lambda: run(True), repeats)
+        cost = {}
+        for pack in (False, True):
+            runner.pack = pack
+            cost["packed" if pack else "padded"] = layer_cost(runner, batch, layers[0])
         diff = float(np.abs(np.asarray(run(True)) - np.asarray(run(False))).max())
         out[name] = {
             "requests": reqs,
@@ -80,6 +102,7 @@ def measure(shapes: Shapes, batches: dict, repeats: int = 3) -> dict:
             "packed_rows": packed.length if packed is not None else None,
             "seconds": {"padded": t_padded, "packed": t_packed},
             "speedup": t_padded / t_packed,
+            "layer_cost": cost,
             "max_logit_diff": diff,
         }
     runner.pack = True
@@ -108,6 +131,12 @@ def main(argv):
             f"{name:8s} {b['real_tokens']:5d} tokens: rows {b['padded_rows']} -> {rows};"
             f" padded {t['padded'] * 1e3:8.1f} ms, packed {t['packed'] * 1e3:8.1f} ms,"
             f" {b['speedup']:.2f}x; max |logit diff| {b['max_logit_diff']:.1e}"
+        )
+        c = b["layer_cost"]
+        print(
+            f"{'':8s} one layer's program: GFLOP {c['padded']['flops'] / 1e9:.1f} ->"
+            f" {c['packed']['flops'] / 1e9:.1f}, GB accessed {c['padded']['bytes'] / 1e9:.2f} ->"
+            f" {c['packed']['bytes'] / 1e9:.2f}"
         )
 
 

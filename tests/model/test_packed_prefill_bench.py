@@ -12,3 +12,5 @@ def test_measure_times_both_layouts_of_each_batch(bench_modules):
     assert agentic["packed_rows"] == 64 and even["packed_rows"] is None
     for b in r["batches"].values():
         assert b["max_logit_diff"] < 1e-4 and all(t > 0 for t in b["seconds"].values())
+    cost = agentic["layer_cost"]
+    assert cost["packed"]["flops"] < cost["padded"]["flops"]
