@@ -2,7 +2,8 @@
 
 The `reference` and `xla` attention backends (`model.layers.ATTENTION_IMPLS`) run this over a
 layer's gathered pages (`paged_attention.paged_attention_reference`), and it is the oracle the
-paged kernel is tested against.
+paged kernel is tested against. `attend_blocks` is the same per query, a block of queries at a
+time, skipping the blocks of a ragged batch's padding queries.
 """
 
 from __future__ import annotations
@@ -48,3 +49,42 @@ def attend(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgns,bskd->bnkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, n, hq, v.shape[-1]).astype(q.dtype)
+
+
+QUERY_BLOCK = 128  # queries per step of `attend_blocks`
+
+
+def attend_blocks(
+    q: Array,
+    k: Array,
+    v: Array,
+    cached_lens: Array,
+    c_pad: int,
+    new_lens: Array,
+    scale: float,
+    block: int = QUERY_BLOCK,
+) -> Array:
+    """`attend` (`reference`) with `prefill_mask(cached_lens, c_pad)`, `block` queries at a
+    time: one step per (request, block of its queries) that holds a real one (before
+    `new_lens`), the others left zero. Each query's scores and softmax are `attend`'s; what
+    it saves is the padding queries' work and the `[N, S]` scores of a whole request at once
+    (one block's at a time). `N` must be a multiple of `block`."""
+    b, n, hq, _ = q.shape
+    nb = n // block
+    dv = v.shape[-1]
+
+    def step(x):
+        r, i = x // nb, x % nb
+        start = i * block
+
+        def run():
+            qb = jax.lax.dynamic_slice_in_dim(q[r], start, block)[None]
+            s = jnp.arange(c_pad + n)[None, :]
+            j = start + jnp.arange(block)[:, None]
+            mask = ((s < c_pad) & (s < cached_lens[r])) | ((s >= c_pad) & (s - c_pad <= j))
+            return attend(qb, k[r][None], v[r][None], mask[None], scale)[0]
+
+        return jax.lax.cond(start < new_lens[r], run, lambda: jnp.zeros((block, hq, dv), q.dtype))
+
+    out = jax.lax.map(step, jnp.arange(b * nb))
+    return out.reshape(b, n, hq, dv)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dualpath_jax.kernels.dense_attention import attend, prefill_mask
+from dualpath_jax.kernels.dense_attention import QUERY_BLOCK, attend, attend_blocks, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
 from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax, store
 from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
@@ -504,7 +504,9 @@ def paged_attention_reference(
 ) -> Array:
     """`paged_attention` by gathering the pages into contiguous rows and attending densely
     (`dense_attention.attend` with `impl`): the oracle of the kernel, and the `reference`/`xla`
-    backends' paged path. Padding queries (past `new_lens`) are computed, then zeroed."""
+    backends' paged path. Padding queries (past `new_lens`) give zeros: with `reference` and
+    more than `QUERY_BLOCK` queries a block of them at a time, the blocks of padding skipped
+    (`attend_blocks`); otherwise computed, then zeroed."""
     cached = gather_pages(pages, page_table, layer)
     kv_dtype = jnp.dtype(kv_dtype or new_rows.dtype)
 
@@ -515,8 +517,11 @@ def paged_attention_reference(
 
     rows = jnp.concatenate([bits(cached), bits(new_rows)], axis=1)
     k, v = split_kv(rows, layout, kv_dtype, q.dtype)
-    mask = prefill_mask(cached_lens, None, cached.shape[1], q.shape[1])
-    out = attend(q, k, v, mask, scale, impl)
+    n = q.shape[1]
+    if new_lens is not None and impl == "reference" and n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
+        out = attend_blocks(q, k, v, cached_lens, cached.shape[1], new_lens, scale)
+    else:
+        out = attend(q, k, v, prefill_mask(cached_lens, None, cached.shape[1], n), scale, impl)
     if new_lens is None:
         return out
     real = jnp.arange(q.shape[1])[None, :] < new_lens[:, None]

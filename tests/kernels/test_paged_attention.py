@@ -329,3 +329,33 @@ def test_f32_pages_are_multiplied_at_full_precision_by_triton(monkeypatch, dtype
     attend = jax.jit(functools.partial(pa.paged_attention, layout=layout, scale=0.25))
     attend.trace(q, pages, table, lens, new).lower(lowering_platforms=("cuda",))
     assert seen and set(seen) == want
+
+
+@pytest.mark.parametrize("name", ["gqa", "mla"])
+def test_the_dense_path_skips_blocks_of_padding_queries(name):
+    """With real new tokens per request (`new_lens`) and more queries than a block, the
+    `reference` path attends a block of queries at a time and skips the blocks of padding:
+    each real query's output is the whole computation's, the padding's zero."""
+    from dualpath_jax.kernels.dense_attention import QUERY_BLOCK
+
+    layout, hq = LAYOUTS[name]
+    n = 2 * QUERY_BLOCK
+    q, pages, table, lens, new = _case(layout, hq, jnp.float32, n=n)
+    scale = layout.key_width**-0.5
+    new_lens = jnp.asarray([n, QUERY_BLOCK + 3, 5], jnp.int32)  # 2, 2 and 1 blocks of real ones
+    whole = pa.paged_attention_reference(q, pages, table, lens, new, layout, scale, layer=1)
+    got = jax.jit(
+        functools.partial(pa.paged_attention_reference, layout=layout, scale=scale, layer=1)
+    )(q, pages, table, lens, new, new_lens=new_lens)
+    real = np.arange(n)[None, :] < np.asarray(new_lens)[:, None]
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(whole)[real], atol=1e-5)
+    assert not np.asarray(got)[~real].any()
+    # a loop over (request, block) steps, each a branch: attend, or zeros for padding
+    hlo = (
+        jax.jit(
+            functools.partial(pa.paged_attention_reference, layout=layout, scale=scale, layer=1)
+        )
+        .lower(q, pages, table, lens, new, new_lens=new_lens)
+        .as_text()
+    )
+    assert "stablehlo.while" in hlo and "stablehlo.case" in hlo
