@@ -83,9 +83,10 @@ class BuiltEngine:
     heartbeat: HeartbeatThread
     closers: list[Callable[[], None]]
     halt: threading.Event = dataclasses.field(default_factory=threading.Event)
+    gate: threading.Event | None = None  # (`drive`'s: an in-process runtime's freeze)
 
     def run(self) -> None:
-        drive(self.engine, self.halt)
+        drive(self.engine, self.halt, self.gate)
 
     def close(self) -> None:
         self.heartbeat.stop()

@@ -72,10 +72,15 @@ class Engine(Protocol):
         """One turn of the engine's own work: fetch, advance loads, one forward or decode step."""
 
 
-def drive(engine: Engine, halt: threading.Event | None = None) -> None:
-    """Runs `engine` until it is stopped by the router (or `halt` is set: a runtime ending it)."""
+def drive(
+    engine: Engine, halt: threading.Event | None = None, gate: threading.Event | None = None
+) -> None:
+    """Runs `engine` until it is stopped by the router (or `halt` is set: a runtime ending it).
+    While `gate` is clear it waits before its next turn (a runtime freezing it)."""
     engine.register()
     while not engine.stopped and not (halt is not None and halt.is_set()):
+        if gate is not None:
+            gate.wait()
         pump(engine.control, engine.handle, 0 if engine.busy() else 5)
         while not engine.outbox.empty():
             engine.control.send(engine.outbox.get_nowait())

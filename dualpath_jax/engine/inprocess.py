@@ -58,6 +58,8 @@ class _EngineThread:
     def __init__(self, cluster: InProcessCluster, who: EngineId, devices: Sequence | None):
         self.who, self.devices = who, devices
         self.halt = threading.Event()
+        self.gate = threading.Event()  # clear: frozen before its next turn (`freeze`)
+        self.gate.set()
         self.built: BuiltEngine | None = None
         self.channel: InProcessChannel | None = None
         self.error: BaseException | None = None
@@ -80,7 +82,7 @@ class _EngineThread:
         )
         try:
             self.built = build_engine(cluster.cfg, self.who, str(cluster.workdir), transport)
-            self.built.halt = self.halt
+            self.built.halt, self.built.gate = self.halt, self.gate
             with self.built:
                 self.built.run()
         except BaseException as e:  # noqa: BLE001 - reported by the cluster
@@ -90,6 +92,7 @@ class _EngineThread:
 
     def kill(self) -> None:
         self.halt.set()
+        self.gate.set()  # (a frozen one ends without another turn)
         if self.channel is not None:
             self.channel.close()  # pulls from it fail now, as a dead process's do
 
@@ -231,6 +234,16 @@ class InProcessCluster(ClusterLifecycle):
         t = self._engine(name)
         t.kill()
         t.thread.join(30)
+
+    def freeze(self, name: str, frozen: bool = True) -> None:
+        """Stops engine `name` before its next turn (it sends nothing more, its heartbeat goes
+        on), or lets it go on (`frozen=False`): what SIGSTOP / SIGCONT do to an engine process
+        (fault injection: a test kills it once it knows what it holds)."""
+        gate = self._engine(name).gate
+        if frozen:
+            gate.clear()
+        else:
+            gate.set()
 
     def restart(self, name: str, timeout_s: float | None = None) -> None:
         """Starts engine `name` again under its old id, once the router has declared the old

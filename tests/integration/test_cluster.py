@@ -142,10 +142,10 @@ def kill_busy_engine(
     """Once `min_done` rounds are answered, kills an engine of `role` while it holds an
     unfinished request, and returns its name.
 
-    A process is frozen (SIGSTOP) first, so it cannot finish its requests behind our back;
-    once the router has logged whatever the engine sent before, the engine is killed if it
-    still holds a request, else thawed and another moment is tried. An in-process engine is
-    killed at once (its thread ends after its current step).
+    The engine is frozen first (a process by SIGSTOP, a thread before its next turn), so it
+    cannot finish its requests behind our back; once the router has logged whatever the
+    engine sent before, the engine is killed if it still holds a request, else thawed and
+    another moment is tried.
     """
     names = {eid: name for name, eid in cluster.engine_ids.items()}
     deadline = time.monotonic() + timeout_s
@@ -154,16 +154,19 @@ def kill_busy_engine(
         busy = busy_engines(events, role)
         if sum(e["kind"] == "done" for e in events) >= min_done and busy:
             name = names[busy.most_common(1)[0][0]]
-            if isinstance(cluster, InProcessCluster):
-                cluster.kill(name)
-                return name
-            pid = cluster.procs[name].pid
-            os.kill(pid, signal.SIGSTOP)
+            threads = isinstance(cluster, InProcessCluster)
+            if threads:
+                cluster.freeze(name)
+            else:
+                os.kill(cluster.procs[name].pid, signal.SIGSTOP)
             time.sleep(0.2)  # messages it sent before the freeze reach the router's log
             if busy_engines(read_events(cluster.workdir), role)[cluster.engine_ids[name]]:
                 cluster.kill(name)
                 return name
-            os.kill(pid, signal.SIGCONT)
+            if threads:
+                cluster.freeze(name, frozen=False)
+            else:
+                os.kill(cluster.procs[name].pid, signal.SIGCONT)
         time.sleep(0.005)
     raise AssertionError(f"no {role} engine held a request after {min_done} rounds were done")
 
