@@ -28,10 +28,14 @@ class InProcessEngine:
     kept in host memory between rounds and fed back layer by layer (layerwise prefill).
 
     For quick experiments and RL loops on one device; `Session` and `run_trajectories` work on it
-    unchanged. Rounds run synchronously inside `submit` (the returned future is already done).
+    unchanged. With `slots=1` rounds run synchronously inside `submit` (the returned future is
+    already done); with `slots=S` > 1 the rounds submitted meanwhile (by `run_trajectories`,
+    several threads, or `step_async`) run together in a worker thread, prefilled in batches and
+    decoded S at a time in one decoder whose pages hold S x `max_len` tokens
+    (`dualpath_jax.inprocess_batch`); `close()` ends it.
     """
 
-    def __init__(self, model, *, max_len: int = 0):
+    def __init__(self, model, *, max_len: int = 0, slots: int = 1):
         import numpy as np
 
         from dualpath_jax.model.runner import ModelRunner
@@ -42,7 +46,19 @@ class InProcessEngine:
         self._np = np
         self._sessions: dict[str, tuple[list[int], object]] = {}
         self._lock = threading.Lock()
+        self._run_lock = threading.Lock()  # a params swap waits for the batch loop's turn
         self.params_version = ""
+        _check_int(slots, "slots", 1, 1 << 16)
+        self._batch = None
+        if slots > 1:
+            from dualpath_jax.inprocess_batch import BatchLoop
+
+            self._batch = BatchLoop(self, slots)
+
+    def close(self) -> None:
+        """Ends the batch worker (`slots` > 1): rounds still queued fail with kind `engine`."""
+        if self._batch is not None:
+            self._batch.close()
 
     def update_params(self, params: Any, version: str | None = None) -> str:
         """Swaps in new parameters (e.g. after an RL update): a `Transformer`, its `nnx.State` or
@@ -75,7 +91,7 @@ class InProcessEngine:
         return version
 
     def _swap(self, model, version: str) -> None:
-        with self._lock:
+        with self._run_lock, self._lock:
             self.runner.update_params(model)
             self.params_version = version
             for sid, (context, _) in self._sessions.items():
@@ -122,6 +138,9 @@ class InProcessEngine:
         fut: futures.Future[RoundResult] = futures.Future()
         try:
             tokens = self._check_round(append, gen, [sampling], stop_tokens)
+            if self._batch is not None:
+                self._queue([session], tokens, gen, [sampling], stop_tokens, [fut])
+                return fut
             fut.set_result(self._rounds([session], tokens, gen, [sampling], stop_tokens)[0])
         except RolloutError as e:
             fut.set_exception(e)
@@ -161,6 +180,9 @@ class InProcessEngine:
                     for s, p in zip(sessions, samplings)
                 ]
             tokens = self._check_round(append, gen, list(samplings), stop_tokens)
+            if self._batch is not None:
+                self._queue(list(sessions), tokens, gen, list(samplings), stop_tokens, futs)
+                return futs
             got = self._rounds(list(sessions), tokens, gen, list(samplings), stop_tokens)
             for fut, res in zip(futs, got):
                 fut.set_result(res)
@@ -171,6 +193,19 @@ class InProcessEngine:
             for fut in futs:
                 fut.set_exception(RolloutError(str(e), "bad_request"))
         return futs
+
+    def _queue(self, sessions, tokens, gen, samplings, stop_tokens, futs) -> None:
+        """Hands a round (or a group's) to the batch worker (`slots` > 1)."""
+        from dualpath_jax.inprocess_batch import Job
+
+        with self._lock:
+            missing = [s for s in sessions if s not in self._sessions]
+        if missing:
+            raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
+        if not tokens:
+            raise RolloutError("a round must append at least one token", "bad_request")
+        job = Job(list(sessions), tokens, gen, list(samplings), tuple(stop_tokens), futs)
+        self._batch.submit(job)
 
     def _check_round(
         self, append: Sequence[int], gen: int, samplings: list, stop_tokens: Sequence[int]
