@@ -9,7 +9,8 @@ the first one's prompt pages (`Decoder.hold` / `fork`), as `submit_group` does w
 Tokens are drawn as with one slot (`sample_at`: keyed by position, the same tokens for the same
 seeds; greedy ones equal up to float ties between differently shaped batches).
 
-A session takes one round at a time (another one submitted meanwhile is refused). A params
+A session takes one round at a time (another one submitted meanwhile is refused); `close()`
+ends the rounds still queued or decoding with kind `engine`. A params
 update waits for the step in progress; rounds in flight go on with the new params, and a round
 that saw the update leaves its session without cached KV (the next round recomputes it).
 """
@@ -91,6 +92,8 @@ class BatchLoop:
 
     def submit(self, job: Job) -> None:
         with self.cond:
+            if self.closed:
+                raise RolloutError("the engine was closed", "engine")
             taken = [s for s in job.sessions if s in self.busy]
             if taken:
                 raise RolloutError(f"session {taken[0]!r} has a round running", "bad_request")
@@ -117,9 +120,11 @@ class BatchLoop:
             with self.cond:
                 while not self.closed and not self.queue and not self.live:
                     self.cond.wait()
-                if self.closed:
-                    for job in self.queue:
+                if self.closed:  # what is queued or decoding ends here
+                    for job in [*self.queue, *(lv.job for lv in self.live.values())]:
                         self._fail(job, RolloutError("the engine was closed", "engine"))
+                    self.queue.clear()
+                    self.live.clear()
                     return
                 jobs = self._take()
             with self.engine._run_lock:  # a params update waits for this turn
