@@ -39,7 +39,16 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serving", ("serving",)),
     (
         "programs",
-        ("cluster", "rollout", "inprocess_engine", "experiment", "demo", "launcher", "native"),
+        (
+            "cluster",
+            "rollout",
+            "inprocess_engine",
+            "inprocess_batch",
+            "experiment",
+            "demo",
+            "launcher",
+            "native",
+        ),
     ),
 )
 
