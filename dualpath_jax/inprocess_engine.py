@@ -46,7 +46,9 @@ class InProcessEngine:
         self._np = np
         self._sessions: dict[str, tuple[list[int], object]] = {}
         self._lock = threading.Lock()
-        self._run_lock = threading.Lock()  # a params swap waits for the batch loop's turn
+        # a params swap waits for the batch loop's turn (re-entrant: a round's future answered
+        # on the worker thread may run a callback that updates the params)
+        self._run_lock = threading.RLock()
         self.params_version = ""
         _check_int(slots, "slots", 1, 1 << 16)
         self._batch = None
