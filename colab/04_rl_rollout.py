@@ -250,8 +250,9 @@ assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1
 # %% [markdown]
 # ## Next
 #
-# - The same loop runs without processes on `InProcessEngine(model)` (one device, no
-#   disaggregation): `update_params` and sampling work the same.
+# - The same loop runs without processes on `InProcessEngine(model, max_len=..., slots=16)`
+#   (one device, no disaggregation; the trajectories' rounds decoded 16 at a time):
+#   `update_params` and sampling work the same, and so do the tokens.
 # - `client.update_params_from_checkpoint(path)` serves a checkpoint your trainer already wrote
 #   (orbax, or a Hugging Face directory); a multi-host cluster needs a path every engine can read.
 # - `docs/rl.md` describes the update protocol (what happens to running and new rounds, what
