@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import threading
 import time
 from concurrent import futures
@@ -46,7 +47,9 @@ class Job:
     samplings: list[SamplingParams]
     stop_tokens: tuple[int, ...]
     futures: list[futures.Future]
+    ids: list[str] = dataclasses.field(default_factory=list)  # its rounds' request ids
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
+    aborted: bool = False
 
 
 @dataclasses.dataclass
@@ -74,6 +77,9 @@ class Live:
 
     def done(self) -> bool:
         return len(self.out) >= self.job.gen or self.stopped()
+
+    def finish_reason(self) -> str:
+        return "abort" if self.job.aborted else "stop" if self.stopped() else "length"
 
 
 class BatchLoop:
@@ -106,6 +112,53 @@ class BatchLoop:
             self.busy.update(job.sessions)
             self.queue.append(job)
             self.cond.notify()
+
+    def abort(self, requests: set[str], sessions: set[str], every: bool) -> list[str]:
+        """Ends the rounds of `requests` or `sessions` (or `every` one) now with the tokens they
+        have (`finish_reason` "abort"): a decoding one with its tokens so far, a queued one (a
+        group as a whole) with none; either way its append and tokens join its session's
+        context. Waits for the step in progress; returns the request ids ended."""
+
+        def hit(job: Job, k: int) -> bool:
+            return every or job.ids[k] in requests or job.sessions[k] in sessions
+
+        with self.engine._run_lock:
+            with self.cond:
+                queued = [j for j in self.queue if any(hit(j, k) for k in range(len(j.ids)))]
+                for job in queued:
+                    self.queue.remove(job)
+            ended = []
+            for job in queued:
+                job.aborted = True
+                ended += job.ids
+                self._end_unstarted(job)
+            for slot, lv in list(self.live.items()):
+                if hit(lv.job, lv.i):
+                    lv.job.aborted = True
+                    ended.append(lv.job.ids[lv.i])
+                    self._finish(slot)
+            return ended
+
+    def _end_unstarted(self, job: Job) -> None:
+        """An aborted round that had not started: no tokens; its append joins the context."""
+        e, now = self.engine, time.monotonic()
+        for k, session in enumerate(job.sessions):
+            prompt = 0
+            with e._lock:
+                got = e._sessions.get(session)
+                if got is not None:
+                    e._sessions[session] = (got[0] + job.append, got[1])
+                    prompt = len(got[0]) + len(job.append)
+            with self.cond:
+                self.busy.discard(session)
+            job.futures[k].set_result(
+                RoundResult.timed(
+                    job.ids[k], [], t_submit=job.t_submit, t_assign=now, t_first=now,
+                    t_second=math.nan, t_done=now, cached_tokens=0, prompt_tokens=prompt,
+                    read_path="none",
+                    finish_reason="abort",
+                )
+            )  # fmt: skip
 
     def close(self) -> None:
         with self.cond:
@@ -272,34 +325,40 @@ class BatchLoop:
         self._finish_done()
 
     def _finish_done(self) -> None:
-        e, dec = self.engine, self.dec
         for slot in [s for s, lv in self.live.items() if lv.done()]:
-            lv = self.live.pop(slot)
-            job, session = lv.job, lv.job.sessions[lv.i]
-            with e._lock:
-                if session in e._sessions:
-                    fresh = lv.version == e.params_version  # (else its KV is stale)
-                    kv = dec.rows(slot, 0, len(lv.prompt) + len(lv.out) - 1) if fresh else None
-                    e._sessions[session] = (lv.prompt + lv.out, kv)
-            dec.free(slot)
-            with self.cond:
-                self.busy.discard(session)
-            job.futures[lv.i].set_result(
-                RoundResult.timed(
-                    f"{session}#{lv.context}",
-                    lv.out,
-                    t_submit=job.t_submit,
-                    t_assign=job.t_submit,
-                    t_first=lv.t_first,
-                    t_second=lv.t_second,
-                    t_done=time.monotonic(),
-                    cached_tokens=lv.cached,
-                    prompt_tokens=len(lv.prompt),
-                    read_path="none" if lv.i == 0 else "fork",
-                    finish_reason="stop" if lv.stopped() else "length",
-                    logprobs=lv.logprobs,
-                )
+            self._finish(slot)
+
+    def _finish(self, slot: int) -> None:
+        """Slot `slot`'s sample leaves: its session takes its tokens (and their KV), its future
+        its result."""
+        e, dec = self.engine, self.dec
+        lv = self.live.pop(slot)
+        job, session = lv.job, lv.job.sessions[lv.i]
+        with e._lock:
+            if session in e._sessions:
+                fresh = lv.version == e.params_version  # (else its KV is stale)
+                kv = dec.rows(slot, 0, len(lv.prompt) + len(lv.out) - 1) if fresh else None
+                e._sessions[session] = (lv.prompt + lv.out, kv)
+        dec.free(slot)
+        with self.cond:
+            self.busy.discard(session)
+        now = time.monotonic()
+        job.futures[lv.i].set_result(
+            RoundResult.timed(
+                job.ids[lv.i],
+                lv.out,
+                t_submit=job.t_submit,
+                t_assign=job.t_submit,
+                t_first=lv.t_first or now,  # (a fork aborted before its first token)
+                t_second=lv.t_second or now,
+                t_done=now,
+                cached_tokens=lv.cached,
+                prompt_tokens=len(lv.prompt),
+                read_path="none" if lv.i == 0 else "fork",
+                finish_reason=lv.finish_reason(),
+                logprobs=lv.logprobs,
             )
+        )
 
     def _fail(self, job: Job, err: RolloutError) -> None:
         with self.cond:

@@ -23,6 +23,10 @@ from dualpath_jax.rounds import Logprobs, RoundResult
 log = logging.getLogger(__name__)
 
 
+def _names(x: str | Sequence[str]) -> set[str]:
+    return {x} if isinstance(x, str) else {str(v) for v in x}
+
+
 class InProcessEngine:
     """The rollout backend without disaggregation: one model in this process, each session's KV
     kept in host memory between rounds and fed back layer by layer (layerwise prefill).
@@ -202,12 +206,33 @@ class InProcessEngine:
 
         with self._lock:
             missing = [s for s in sessions if s not in self._sessions]
+            ids = [f"{s}#{len(self._sessions[s][0])}" for s in sessions if not missing]
         if missing:
             raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
         if not tokens:
             raise RolloutError("a round must append at least one token", "bad_request")
-        job = Job(list(sessions), tokens, gen, list(samplings), tuple(stop_tokens), futs)
+        for fut, request in zip(futs, ids):
+            fut.request = request  # what `abort` takes, as a cluster's `RoundFuture.request`
+        job = Job(list(sessions), tokens, gen, list(samplings), tuple(stop_tokens), futs, ids)
         self._batch.submit(job)
+
+    def abort(
+        self,
+        requests: str | Sequence[str] = (),
+        *,
+        sessions: str | Sequence[str] = (),
+        all: bool = False,  # noqa: A002 - the natural name (as `Client.abort`)
+        timeout_s: float = 30.0,  # noqa: ARG002 - the `Client.abort` signature
+    ) -> list[str]:
+        """Ends rounds now with the tokens they have (`Client.abort`; with `slots` > 1: with one
+        slot a round runs inside `submit`, so none is ever in flight to end): those of
+        `requests` (a future's `.request`), of `sessions`, or every one (`all=True`). Their
+        results have `finish_reason` "abort": a decoding round its tokens so far, a queued one
+        (a group as a whole) none; the append and tokens join the session's context. Returns
+        the request ids ended."""
+        if self._batch is None:
+            return []
+        return self._batch.abort(_names(requests), _names(sessions), bool(all))
 
     def _check_round(
         self, append: Sequence[int], gen: int, samplings: list, stop_tokens: Sequence[int]

@@ -138,3 +138,35 @@ def test_closing_ends_what_is_queued_or_decoding(net):
     assert set(outcomes) <= {"done", "engine"} and "engine" in outcomes
     with pytest.raises(RolloutError):  # nothing runs any more
         sessions[0].step([1], 1)
+
+
+def test_abort_ends_rounds_with_their_tokens_and_the_sessions_step_on(net):
+    """`abort` (as `Client.abort`): a decoding round ends with its tokens so far, a queued one
+    with none; either way its append and tokens join the context, and the session steps on
+    with the reference's tokens for that context."""
+    many = InProcessEngine(net, max_len=512, slots=2)
+    ref = InProcessEngine(net, max_len=512)
+    try:
+        a, b, c = (Session(many, n) for n in ("ab-a", "ab-b", "ab-c"))
+        futs = [s.step_async(list(range(1, 30)), 400) for s in (a, b, c)]  # c waits: 2 slots
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with many._run_lock:  # the worker waits for its next turn meanwhile
+                if len(many._batch.live) == 2:
+                    assert many.abort(sessions=["ab-c"]) == [futs[2].request]
+                    assert sorted(many.abort(all=True)) == sorted(f.request for f in futs[:2])
+                    break
+            time.sleep(0.01)
+        got = [f.result(60) for f in futs]
+        assert [r.finish_reason for r in got] == ["abort"] * 3
+        assert 0 < len(got[0].tokens) < 400 and got[2].tokens == []
+        assert many.abort(all=True) == []  # nothing left
+        for s, r in zip((a, c), (got[0], got[2])):
+            context = list(range(1, 30)) + list(r.tokens)
+            assert many._sessions[s.id][0] == context
+            ref.open_session(s.id)
+            want = ref.submit(s.id, context + [7], 3).result(60).tokens
+            assert s.step([7], 3) == list(want)
+    finally:
+        many.close()
+    assert InProcessEngine(net, max_len=64).abort(all=True) == []  # one slot: none in flight
