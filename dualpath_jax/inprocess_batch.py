@@ -1,7 +1,8 @@
 """`InProcessEngine(model, slots=S)` with S > 1: the rounds submitted meanwhile run together.
 
 A worker thread takes the queued rounds in order while the decoder has free slots (a group of
-G samples takes G), prefills them in one batch (packed where that pays, model/packing.py, each
+G samples takes G; at most `MAX_PREFILL` rounds, `MAX_PREFILL_TOKENS` appended tokens), prefills
+them in one batch (packed where that pays, model/packing.py, each
 request over its own cached KV in pages), draws each first token, and decodes every live round
 in one `Decoder` of S slots, one step for all; a round leaves when it has its tokens or drew a
 stop token, its session's context and KV updated, its future answered. A group's samples fork
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 PAGE = 16  # tokens per page of a prefill batch's cached KV
 MAX_PREFILL = 8  # rounds per prefill batch
+MAX_PREFILL_TOKENS = 4096  # their appended tokens (a longer round alone goes on)
 
 
 @dataclasses.dataclass
@@ -194,9 +196,12 @@ class BatchLoop:
                     self.dec = None
 
     def _take(self) -> list[Job]:
-        free = self.slots - len(self.live)
+        free, tokens = self.slots - len(self.live), 0
         jobs: list[Job] = []
         while self.queue and len(jobs) < MAX_PREFILL and len(self.queue[0].sessions) <= free:
+            tokens += len(self.queue[0].append)
+            if jobs and tokens > MAX_PREFILL_TOKENS:
+                break
             job = self.queue.popleft()
             free -= len(job.sessions)
             jobs.append(job)
