@@ -51,7 +51,6 @@ class Job:
     futures: list[futures.Future]
     ids: list[str] = dataclasses.field(default_factory=list)  # its rounds' request ids
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
-    aborted: bool = False
 
 
 @dataclasses.dataclass
@@ -68,6 +67,7 @@ class Live:
     logprobs: Logprobs | None = None
     t_first: float = 0.0
     t_second: float = 0.0
+    aborted: bool = False  # (`BatchLoop.abort`)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -81,7 +81,7 @@ class Live:
         return len(self.out) >= self.job.gen or self.stopped()
 
     def finish_reason(self) -> str:
-        return "abort" if self.job.aborted else "stop" if self.stopped() else "length"
+        return "abort" if self.aborted else "stop" if self.stopped() else "length"
 
 
 class BatchLoop:
@@ -131,12 +131,11 @@ class BatchLoop:
                     self.queue.remove(job)
             ended = []
             for job in queued:
-                job.aborted = True
                 ended += job.ids
                 self._end_unstarted(job)
             for slot, lv in list(self.live.items()):
                 if hit(lv.job, lv.i):
-                    lv.job.aborted = True
+                    lv.aborted = True
                     ended.append(lv.job.ids[lv.i])
                     self._finish(slot)
             return ended
@@ -157,8 +156,7 @@ class BatchLoop:
                 RoundResult.timed(
                     job.ids[k], [], t_submit=job.t_submit, t_assign=now, t_first=now,
                     t_second=math.nan, t_done=now, cached_tokens=0, prompt_tokens=prompt,
-                    read_path="none",
-                    finish_reason="abort",
+                    read_path="none", finish_reason="abort",
                 )
             )  # fmt: skip
 
