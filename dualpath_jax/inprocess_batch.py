@@ -29,12 +29,14 @@ from concurrent import futures
 import numpy as np
 
 from dualpath_jax.engine.client import RolloutError
+from dualpath_jax.model.page_pool import pages_for
 from dualpath_jax.model.sampling import SamplingParams, held_back
 from dualpath_jax.rounds import Logprobs, RoundResult
 
 log = logging.getLogger(__name__)
 
 PAGE = 16  # tokens per page of a prefill batch's cached KV
+DECODE_PAGE = 64  # tokens per page of the decoder's pool
 MAX_PREFILL = 8  # rounds per prefill batch
 MAX_PREFILL_TOKENS = 4096  # their appended tokens (a longer round alone goes on)
 
@@ -50,6 +52,7 @@ class Job:
     stop_tokens: tuple[int, ...]
     futures: list[futures.Future]
     ids: list[str] = dataclasses.field(default_factory=list)  # its rounds' request ids
+    prompt: int = 0  # its prompt's tokens (context + append)
     t_submit: float = dataclasses.field(default_factory=time.monotonic)
 
 
@@ -87,8 +90,11 @@ class Live:
 class BatchLoop:
     """The worker of an `InProcessEngine` with `slots` > 1 (module docstring)."""
 
-    def __init__(self, engine, slots: int):
+    def __init__(self, engine, slots: int, kv_tokens: int = 0):
         self.engine, self.slots = engine, slots
+        self.max_len = min(engine.max_len, engine.cfg.max_seq_len)
+        # the decoder's KV pool (pages of PAGE_SIZE tokens): kv_tokens, or every slot full
+        self.num_pages = pages_for(kv_tokens or slots * self.max_len, DECODE_PAGE)
         self.queue: collections.deque[Job] = collections.deque()
         self.busy: set[str] = set()  # sessions with a round queued or live
         self.live: dict[int, Live] = {}  # slot -> its sample
@@ -109,6 +115,12 @@ class BatchLoop:
                 raise RolloutError(
                     f"a group of {len(job.sessions)} samples needs as many decode slots; the"
                     f" engine has {self.slots}",
+                    "bad_request",
+                )
+            if self._pages(job) > self.num_pages:
+                raise RolloutError(
+                    f"{job.prompt} + {job.gen} tokens x {len(job.sessions)} samples exceed the"
+                    f" engine's KV budget of {self.num_pages * DECODE_PAGE} tokens (kv_tokens)",
                     "bad_request",
                 )
             self.busy.update(job.sessions)
@@ -193,15 +205,27 @@ class BatchLoop:
                     self.live.clear()
                     self.dec = None
 
+    def _pages(self, job: Job) -> int:
+        """The KV pages `job`'s samples take: the first one's prompt and tokens, each fork its
+        own after the prompt's whole pages (`Decoder.fork_pages`)."""
+        need = min(job.prompt + job.gen, self.max_len)
+        forks = pages_for(need, DECODE_PAGE) - (job.prompt - 1) // DECODE_PAGE
+        return pages_for(need, DECODE_PAGE) + (len(job.sessions) - 1) * forks
+
     def _take(self) -> list[Job]:
+        """The queued jobs to start now, in order: while slots, KV pages and the prefill
+        batch's bounds allow."""
         free, tokens = self.slots - len(self.live), 0
+        pages = self._decoder().free_pages
         jobs: list[Job] = []
         while self.queue and len(jobs) < MAX_PREFILL and len(self.queue[0].sessions) <= free:
-            tokens += len(self.queue[0].append)
-            if jobs and tokens > MAX_PREFILL_TOKENS:
+            job = self.queue[0]
+            tokens += len(job.append)
+            if jobs and tokens > MAX_PREFILL_TOKENS or self._pages(job) > pages:
                 break
-            job = self.queue.popleft()
+            self.queue.popleft()
             free -= len(job.sessions)
+            pages -= self._pages(job)
             jobs.append(job)
         return jobs
 
@@ -211,7 +235,7 @@ class BatchLoop:
         if self.dec is None:
             e = self.engine
             self.dec = Decoder(
-                e.runner, slots=self.slots, max_len=min(e.max_len, e.cfg.max_seq_len)
+                e.runner, self.slots, self.max_len, page_size=DECODE_PAGE, num_pages=self.num_pages
             )
         return self.dec
 

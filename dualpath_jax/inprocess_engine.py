@@ -35,11 +35,12 @@ class InProcessEngine:
     unchanged. With `slots=1` rounds run synchronously inside `submit` (the returned future is
     already done); with `slots=S` > 1 the rounds submitted meanwhile (by `run_trajectories`,
     several threads, or `step_async`) run together in a worker thread, prefilled in batches and
-    decoded S at a time in one decoder whose pages hold S x `max_len` tokens
-    (`dualpath_jax.inprocess_batch`); `close()` ends it.
+    decoded S at a time in one decoder whose pages hold `kv_tokens` tokens (0: S x `max_len`),
+    a round starting once its pages are free (`dualpath_jax.inprocess_batch`); `close()` ends
+    it.
     """
 
-    def __init__(self, model, *, max_len: int = 0, slots: int = 1):
+    def __init__(self, model, *, max_len: int = 0, slots: int = 1, kv_tokens: int = 0):
         import numpy as np
 
         from dualpath_jax.model.runner import ModelRunner
@@ -59,7 +60,7 @@ class InProcessEngine:
         if slots > 1:
             from dualpath_jax.inprocess_batch import BatchLoop
 
-            self._batch = BatchLoop(self, slots)
+            self._batch = BatchLoop(self, slots, _check_int(kv_tokens, "kv_tokens", 0, 1 << 40))
 
     def close(self) -> None:
         """Ends the batch worker (`slots` > 1): rounds still queued fail with kind `engine`."""
@@ -207,13 +208,16 @@ class InProcessEngine:
         with self._lock:
             missing = [s for s in sessions if s not in self._sessions]
             ids = [f"{s}#{len(self._sessions[s][0])}" for s in sessions if not missing]
+            prompt = len(self._sessions[sessions[0]][0]) + len(tokens) if not missing else 0
         if missing:
             raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
         if not tokens:
             raise RolloutError("a round must append at least one token", "bad_request")
         for fut, request in zip(futs, ids):
             fut.request = request  # what `abort` takes, as a cluster's `RoundFuture.request`
-        job = Job(list(sessions), tokens, gen, list(samplings), tuple(stop_tokens), futs, ids)
+        job = Job(
+            list(sessions), tokens, gen, list(samplings), tuple(stop_tokens), futs, ids, prompt
+        )
         self._batch.submit(job)
 
     def abort(

@@ -5,7 +5,6 @@ update are handled as the module says."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import jax
@@ -98,23 +97,27 @@ def test_a_busy_session_a_wide_group_and_an_unknown_session_are_refused(engines)
 
 
 def test_a_params_update_lands_between_steps_and_drops_the_stale_kv(net):
+    """An update while a round decodes lands between two steps; the round ends with tokens
+    drawn under both params and leaves its session without cached KV, so the next round
+    recomputes it and equals a fresh engine's with the new params."""
     other = init_model(TINY_QWEN2, seed=1)
     many = InProcessEngine(net, max_len=256, slots=2)
     ref = InProcessEngine(other, max_len=256)
     try:
         s = Session(many, "u")
         fut = s.step_async(list(range(1, 20)), 60)
-        done = threading.Event()
-        t = threading.Thread(target=lambda: (many.update_params(other), done.set()))
-        t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with many._run_lock:  # between two of the worker's turns
+                live = list(many._batch.live.values())
+                if live and 0 < len(live[0].out) < 60:
+                    many.update_params(other)
+                    break
+            time.sleep(0.001)
         res = fut.result(120)
-        t.join(60)
-        assert done.is_set() and len(res.tokens) == 60
-        context, kv = many._sessions["u"]
-        assert kv is None  # computed partly with the old params: recomputed next round
-        # the next round over the whole context equals a fresh engine's with the new params
+        assert len(res.tokens) == 60 and many._sessions["u"][1] is None
         ref.open_session("x")
-        want = ref.submit("x", context + [5, 6], 4).result(60).tokens
+        want = ref.submit("x", many._sessions["u"][0] + [5, 6], 4).result(60).tokens
         assert s.step([5, 6], 4) == list(want)
     finally:
         many.close()
@@ -170,3 +173,21 @@ def test_abort_ends_rounds_with_their_tokens_and_the_sessions_step_on(net):
     finally:
         many.close()
     assert InProcessEngine(net, max_len=64).abort(all=True) == []  # one slot: none in flight
+
+
+def test_a_kv_budget_admits_what_fits_and_refuses_what_never_can(net):
+    """`kv_tokens`: the decoder's pool; a round starts once its pages are free (here one at a
+    time: each takes two of the three 64-token pages), and one that could never fit is
+    refused at once."""
+    one = InProcessEngine(net, max_len=256)
+    small = InProcessEngine(net, max_len=256, slots=4, kv_tokens=3 * 64)
+    try:
+        trajs = [(f"k{k}", [(list(range(1 + k, 60 + k)), 30)]) for k in range(3)]
+        got = run_trajectories(small, trajs, progress=False, max_concurrent=3)
+        want = run_trajectories(one, trajs, progress=False)
+        assert [o.rounds for o in got] == [o.rounds for o in want]
+        with pytest.raises(RolloutError, match="KV budget of 192 tokens"):
+            Session(small, "big").step(list(range(1, 150)), 60)
+        assert len(Session(small, "fits").step([1, 2, 3], 2)) == 2
+    finally:
+        small.close()
