@@ -72,6 +72,9 @@ class Live:
     t_second: float = 0.0
     aborted: bool = False  # (`BatchLoop.abort`)
 
+    def __post_init__(self) -> None:
+        self.logprobs = Logprobs() if self.sampling.logprobs is not None else None
+
     @property
     def sampling(self) -> SamplingParams:
         return self.job.samplings[self.i]
@@ -207,10 +210,9 @@ class BatchLoop:
 
     def _pages(self, job: Job) -> int:
         """The KV pages `job`'s samples take: the first one's prompt and tokens, each fork its
-        own after the prompt's whole pages (`Decoder.fork_pages`)."""
-        need = min(job.prompt + job.gen, self.max_len)
-        forks = pages_for(need, DECODE_PAGE) - (job.prompt - 1) // DECODE_PAGE
-        return pages_for(need, DECODE_PAGE) + (len(job.sessions) - 1) * forks
+        own after the prompt's whole pages (the decoder's `pages_needed`, `fork_pages`)."""
+        dec, need = self._decoder(), job.prompt + job.gen
+        return dec.pages_needed(need) + (len(job.sessions) - 1) * dec.fork_pages(job.prompt, need)
 
     def _take(self) -> list[Job]:
         """The queued jobs to start now, in order: while slots, KV pages and the prefill
@@ -221,11 +223,12 @@ class BatchLoop:
         while self.queue and len(jobs) < MAX_PREFILL and len(self.queue[0].sessions) <= free:
             job = self.queue[0]
             tokens += len(job.append)
-            if jobs and tokens > MAX_PREFILL_TOKENS or self._pages(job) > pages:
+            need = self._pages(job)
+            if jobs and tokens > MAX_PREFILL_TOKENS or need > pages:
                 break
             self.queue.popleft()
             free -= len(job.sessions)
-            pages -= self._pages(job)
+            pages -= need
             jobs.append(job)
         return jobs
 
@@ -297,8 +300,6 @@ class BatchLoop:
                 Live(job, i, prompt, len(context), c if i == 0 else len(prompt) - 1, version)
                 for i in range(len(job.sessions))
             ]
-            for lv in lives:
-                lv.logprobs = Logprobs() if lv.sampling.logprobs is not None else None
             first = self._draw(last[b : b + 1], [lives[0]])[0]
             slots = [free.pop(0) for _ in lives]
             reserve = len(prompt) + job.gen

@@ -228,12 +228,11 @@ class InProcessEngine:
         all: bool = False,  # noqa: A002 - the natural name (as `Client.abort`)
         timeout_s: float = 30.0,  # noqa: ARG002 - the `Client.abort` signature
     ) -> list[str]:
-        """Ends rounds now with the tokens they have (`Client.abort`; with `slots` > 1: with one
-        slot a round runs inside `submit`, so none is ever in flight to end): those of
-        `requests` (a future's `.request`), of `sessions`, or every one (`all=True`). Their
-        results have `finish_reason` "abort": a decoding round its tokens so far, a queued one
-        (a group as a whole) none; the append and tokens join the session's context. Returns
-        the request ids ended."""
+        """Ends rounds now with the tokens they have, as `Client.abort`: those of `requests` (a
+        future's `.request`), of `sessions`, or every one (`all=True`). Their results have
+        `finish_reason` "abort": a decoding round its tokens so far, a queued one (a group as a
+        whole) none; the append and tokens join the session's context. Returns the request ids
+        ended (with `slots=1` none: a round runs inside `submit`, never in flight here)."""
         if self._batch is None:
             return []
         return self._batch.abort(_names(requests), _names(sessions), bool(all))

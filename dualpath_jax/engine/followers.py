@@ -85,6 +85,15 @@ class Followers:
         self._close_prompt(st.id)
         return live
 
+    def release(self, st: RequestState, requests: dict[str, RequestState]) -> list[RequestState]:
+        """`st` ended before its first token (it follows nobody any more): its followers still
+        in flight, returned, run on their own."""
+        self.following.discard(st.id)
+        back = self.take(st, requests)
+        for f in back:
+            f.follows = ""  # (it prefills its own prompt)
+        return back
+
     def _close_prompt(self, request: str) -> None:
         if self.open_prompts:
             for h in [h for h, r in self.open_prompts.items() if r == request]:

@@ -57,7 +57,6 @@ from dualpath_jax.sched.types import Request
 
 log = logging.getLogger(__name__)
 
-
 # How long the loop waits for the store in line: a local store answers a lookup in about a
 # millisecond, so most rounds go on at once; slower answers are taken up by `poll_store`.
 QUICK_WAIT_S = 0.005
@@ -419,10 +418,7 @@ class Rounds:
 
     def release_followers(self, st: RequestState) -> None:
         """`st` ended before its first token: its waiting followers run on their own."""
-        self.group.following.discard(st.id)
-        back = self.group.take(st, self.table.requests)
-        for f in back:
-            f.follows = ""  # (it prefills its own prompt)
+        back = self.group.release(st, self.table.requests)
         if back:
             self.scheduler.requeue([f.request for f in back])
 

@@ -251,7 +251,6 @@ class PrefillLoad:
             d_used = h - p_used
             if self.de_read_blocks and not d_used:  # the PE side missed first: drop the DE's offers
                 self._drop_de_layers()
-            keep = p_used > 0  # for their send to the DE (`_send`)
             for i in range(ctx.cfg.num_layers):
                 if h == 0:  # nothing cached: every layer is ready at once
                     self.readiness.set_ready(i, None)
@@ -275,8 +274,7 @@ class PrefillLoad:
                             ctx.channel, meta, column_pieces(data, offers.pieces)
                         )
                         pe_device = HitPieces(mine, p_used, meta)
-                        if keep:
-                            self._pe_pages[i] = data
+                        self._pe_pages[i] = data  # (for their send to the DE, `_send`)
                     elif ctx.buffer.pinned is not None:
                         # Pinned PE buffer: one in-program copy of the layer's blocks to the
                         # device, padded to a power of two (few compiled shapes).
@@ -285,8 +283,7 @@ class PrefillLoad:
                         )
                         pages = bytes_to_pages(data, bt, ctx.cfg.kv_width, ctx.cfg.kv_dtype)
                         pe_device = DevicePages(pages, p_used)
-                        if keep:
-                            self._pe_pages[i] = data
+                        self._pe_pages[i] = data
                     else:
                         rows = _block_rows(self._res, 0, p_used, i, bt)
                         host = bytes_to_kv_rows(rows, ctx.cfg)
