@@ -57,7 +57,7 @@ from dualpath_jax.model.decode import _step_fn
 from dualpath_jax.model.layers import ATTENTION_IMPLS, PagedKV
 from dualpath_jax.model.page_pool import pages_for
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged, bucket_len
-from dualpath_jax.model.sampling import MAX_HELD_STOP_TOKENS
+from dualpath_jax.model.sampling_params import MAX_HELD_STOP_TOKENS
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_7B, TINY_DEEPSEEK, TINY_QWEN2
 

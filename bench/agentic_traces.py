@@ -136,9 +136,9 @@ def run_cluster(
     """The sessions on the local `cpu_1p2d` cluster under each run: one row per run, and
     whether every run generated the same tokens."""
     from dualpath_jax import load_config
-    from dualpath_jax.engine.cluster import LocalCluster
-    from dualpath_jax.engine.inprocess import InProcessCluster
     from dualpath_jax.rollout import run_trajectories
+    from dualpath_jax.runtimes.inprocess import InProcessCluster
+    from dualpath_jax.runtimes.local import LocalCluster
     from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
 
     base = load_config(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "cpu_1p2d.py"))

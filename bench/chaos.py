@@ -83,11 +83,11 @@ from dualpath_jax.config import (
     apply_overrides,
 )
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.runtimes.local import LocalCluster
 from dualpath_jax.testing.fault_plan import write_plan
+from dualpath_jax.wire import frames, messages
 
 FAULTS = ("kill", "store_write", "store_read", "slow_read", "transfer_hang", "garbage")
 
@@ -264,23 +264,23 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
     import zmq
 
     client_secret = cluster.credentials.client
-    valid = messages.encode(messages.Ping(), client_secret)
-    frames: list[tuple[str, list[bytes]]] = []
+    valid = frames.encode(messages.Ping(), client_secret)
+    bad: list[tuple[str, list[bytes]]] = []
     for _ in range(rng.randint(3, 8)):
-        frames.append(("random", [rng.randbytes(rng.randint(1, 2048))]))
-    frames += [
+        bad.append(("random", [rng.randbytes(rng.randint(1, 2048))]))
+    bad += [
         ("empty", [b""]),
         ("truncated", [valid[: len(valid) // 2]]),
         ("msgpack_not_envelope", [b"\x93\x01\xa3abc\xc0"]),
         ("wrong_version", [valid.replace(b"\x01", b"\x07", 1)]),
-        ("no_secret", [messages.encode(messages.GetStats(), "")]),
-        ("wrong_secret", [messages.encode(messages.GetStats(), "not-the-secret")]),
-        ("client_shutdown", [messages.encode(messages.Shutdown(), client_secret)]),
-        ("client_heartbeat", [messages.encode(messages.Heartbeat(engine=0), client_secret)]),
+        ("no_secret", [frames.encode(messages.GetStats(), "")]),
+        ("wrong_secret", [frames.encode(messages.GetStats(), "not-the-secret")]),
+        ("client_shutdown", [frames.encode(messages.Shutdown(), client_secret)]),
+        ("client_heartbeat", [frames.encode(messages.Heartbeat(engine=0), client_secret)]),
         (
             "client_failed",
             [
-                messages.encode(
+                frames.encode(
                     messages.Failed(request=live_request or "x#0", engine=0, message="forged"),
                     client_secret,
                 )
@@ -288,28 +288,28 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
         ),
         ("multipart", [b"", rng.randbytes(64)]),
     ]
-    rng.shuffle(frames)
+    rng.shuffle(bad)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(cluster.address)
     replies: collections.Counter[str] = collections.Counter()
     try:
-        for _, parts in frames:
+        for _, parts in bad:
             sock.send_multipart(parts)
         end = time.monotonic() + 3.0
-        while time.monotonic() < end and sum(replies.values()) < len(frames):
+        while time.monotonic() < end and sum(replies.values()) < len(bad):
             if not sock.poll(100):
                 continue
             frame = sock.recv()
-            err = messages.decode_unsigned_error(frame)
+            err = frames.decode_unsigned_error(frame)
             if err is not None:
                 replies[f"error:{err.kind}"] += 1
                 continue
             try:  # the client-signed messages are refused with an answer signed for clients
-                msg = messages.decode(frame, client_secret)
+                msg = frames.decode(frame, client_secret)
                 replies[f"{type(msg).__name__}:{getattr(msg, 'kind', '')}"] += 1
-            except messages.FrameError:
+            except frames.FrameError:
                 replies["undecodable"] += 1
     finally:
         sock.close(0)
@@ -323,7 +323,7 @@ def send_garbage(cluster: LocalCluster, rng: random.Random, live_request: str) -
     finally:
         probe.close()
     return {
-        "sent": collections.Counter(k for k, _ in frames),
+        "sent": collections.Counter(k for k, _ in bad),
         "replies": dict(replies),
         "router_answered": answered,
         "stats_s": stats_s,

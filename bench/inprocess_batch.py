@@ -1,11 +1,11 @@
-"""Many trajectories on the in-process engine: one slot (a round at a time) against S slots
+"""Many trajectories on the in-process backend: one slot (a round at a time) against S slots
 (the rounds submitted meanwhile prefilled together and decoded S at a time).
 
 Run: python bench/inprocess_batch.py [--trajectories=32 --rounds=4 --slots=8,32 --hidden=256]
      [--json]
 
 `run_trajectories` replays the same multi-turn trajectories (appends of 16-128 tokens, 8-48
-generated tokens a round, greedy) on `InProcessEngine(slots=1)` and on `slots=S` for each S,
+generated tokens a round, greedy) on `InProcessBackend(slots=1)` and on `slots=S` for each S,
 side by side in one process. Each engine runs the workload once to compile its shapes, then
 again under fresh session ids (timed). Reported: wall seconds, generated tokens per second, the
 speedup over one slot, and whether every trajectory's tokens equal one slot's.
@@ -22,7 +22,7 @@ from absl import app, flags
 
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, run_trajectories
 
 
 def workload(n: int, rounds: int, vocab: int, seed: int = 0):
@@ -52,7 +52,7 @@ def measure(
     max_len = max(sum(len(a) + g for a, g in t) for t in work) + 1
     rows, base = {}, None
     for s in (1, *slots):
-        engine = InProcessEngine(net, max_len=max_len, slots=s)
+        engine = InProcessBackend(net, max_len=max_len, slots=s)
         try:
             for run in ("warm", "timed"):
                 named = [(f"{run}{s}-{k}", t) for k, t in enumerate(work)]

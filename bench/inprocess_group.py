@@ -1,4 +1,4 @@
-"""Group sampling on the in-process engine: `step_group` (one prefill of the append, the G
+"""Group sampling on the in-process backend: `step_group` (one prefill of the append, the G
 samples decoding together, forks of the first one's prompt pages) against the same G rounds one
 by one, side by side in one process.
 
@@ -25,10 +25,10 @@ def run(group: int, append: int, gen: int, repeats: int, model: str = "tiny-qwen
     import numpy as np
 
     from dualpath_jax import model as dm
-    from dualpath_jax.rollout import InProcessEngine, Session, round_sampling, step_group
+    from dualpath_jax.rollout import InProcessBackend, Session, round_sampling, step_group
 
     cfg = dm.get_preset(model)
-    engine = InProcessEngine(dm.init_model(cfg, seed=0), max_len=256 + append + gen + 64)
+    engine = InProcessBackend(dm.init_model(cfg, seed=0), max_len=256 + append + gen + 64)
     rs = np.random.RandomState(0)
     parent = Session(engine, "parent")
     parent.step(rs.randint(0, cfg.vocab_size, 256).tolist(), 1)

@@ -57,7 +57,7 @@ from dualpath_jax.model.decode import _step_fn, _write_pages  # noqa: E402
 from dualpath_jax.model.layers import resolve_attention_impl  # noqa: E402
 from dualpath_jax.model.page_pool import pages_for  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged  # noqa: E402
-from dualpath_jax.model.sampling import MAX_HELD_STOP_TOKENS  # noqa: E402
+from dualpath_jax.model.sampling_params import MAX_HELD_STOP_TOKENS  # noqa: E402
 from dualpath_jax.model.transformer import init_model  # noqa: E402
 from dualpath_jax.presets import (  # noqa: E402
     DEEPSEEK_V3_660B,

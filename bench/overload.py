@@ -49,10 +49,10 @@ from absl import app, flags
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import ExperimentConfig, apply_overrides
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.experiment import build_trajectories, check_fits
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.rollout import RolloutError, run_trajectories
+from dualpath_jax.runtimes.local import LocalCluster
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py:tiny", "Experiment file.")
 _SET = flags.DEFINE_multi_string("set", [], "Override `section.key=value` (repeatable).")
@@ -91,7 +91,7 @@ def overload_config() -> ExperimentConfig:
 
 
 def session_trajectories(cfg: ExperimentConfig, n: int, rounds: int) -> list[Trajectory]:
-    """`n` trajectories of the configured workload with exactly `rounds` rounds (shorter ones
+    """`n` trajectories of the configured workload with exactly `results` rounds (shorter ones
     are skipped; more agents are drawn until there are `n`)."""
     agents = n
     while True:

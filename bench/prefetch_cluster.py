@@ -12,7 +12,7 @@ links: 0.5 MB/s storage NICs): a first context of `--first` tokens, then appends
 runs replay the same sessions under `--policy` (dualpath: the prefetch reads into a DE; basic:
 into the PE); with prefetch on, each gap starts with a `tool_call` hint
 (`run_trajectories(tool_calls=True)`) and an engine reads the session's stored blocks into
-memory meanwhile (engine/prefetch.py). For the turns after a tool call it prints the hit read
+memory meanwhile (router/prefetch.py). For the turns after a tool call it prints the hit read
 time (the prefill engine's wait for the hit KV, from the router's `first_token` events), the
 reading engine's own store read time (`pe_reads`/`de_reads` events), TTFT p50/p99, the blocks
 taken from prefetch memory, and whether the two runs' tokens are identical.

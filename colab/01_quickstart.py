@@ -114,11 +114,11 @@ print(f"{len(outputs)} agents, {sum(len(o.rounds) for o in outputs)} rounds, err
 print("rounds per read path (router):", stats["read_path_counts"])
 
 # %% [markdown]
-# Greedy decoding is deterministic: the same model in this process (`InProcessEngine`, no
+# Greedy decoding is deterministic: the same model in this process (`InProcessBackend`, no
 # disaggregation, no store) gives the same tokens, whichever path the KV took in the cluster.
 
 # %%
-local = rollout.Session(rollout.InProcessEngine(model.init_model(cfg.model, seed=cfg.seed), max_len=1024), "chat-0")
+local = rollout.Session(rollout.InProcessBackend(model.init_model(cfg.model, seed=cfg.seed), max_len=1024), "chat-0")
 same = local.step(first_turn, 8) == answer_1 and local.step(second_turn, 8) == answer_2
 print("cluster tokens == in-process tokens:", same)
 assert same

@@ -58,11 +58,11 @@ import optax
 from flax import nnx
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.model.checkpoint import params_state, save_params_tree
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
+from dualpath_jax.runtimes.local import LocalCluster
 
 # %% [markdown]
 # ## The policy and the cluster
@@ -195,7 +195,7 @@ with LocalCluster(cfg, WORKDIR) as cluster:
     prompt = make_trajectories(ITERATIONS)[0][1][0][0]
     cluster_greedy = Session(client).step(prompt, 8)
     cluster_sampled = Session(client).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
-    local = InProcessEngine(model, max_len=128)
+    local = InProcessBackend(model, max_len=128)
     local_greedy = Session(local).step(prompt, 8)
     local_sampled = Session(local).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
 
@@ -250,7 +250,7 @@ assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.1
 # %% [markdown]
 # ## Next
 #
-# - The same loop runs without processes on `InProcessEngine(model, max_len=..., slots=16)`
+# - The same loop runs without processes on `InProcessBackend(model, max_len=..., slots=16)`
 #   (one device, no disaggregation; the trajectories' rounds decoded 16 at a time):
 #   `update_params` and sampling work the same, and so do the tokens.
 # - `client.update_params_from_checkpoint(path)` serves a checkpoint your trainer already wrote

@@ -61,11 +61,11 @@ import optax
 from flax import nnx
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine.cluster import LocalCluster
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import Session, step_group
+from dualpath_jax.runtimes.local import LocalCluster
 
 # %% [markdown]
 # ## The policy and the cluster

@@ -61,7 +61,7 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, RayConfig, Stor
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, Session, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, Session, run_trajectories
 
 # %% [markdown]
 # ## Ray, the policy and the cluster's placement
@@ -194,7 +194,7 @@ with RayCluster(cfg, WORKDIR) as cluster:
     cluster_sampled = Session(client).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
     stats = client.stats()
 
-local = InProcessEngine(model, max_len=128)
+local = InProcessBackend(model, max_len=128)
 local_greedy = Session(local).step(prompt, 8)
 local_sampled = Session(local).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
 ray.shutdown()

@@ -19,13 +19,13 @@ Failure kinds, secrets and liveness: docs/failures.md; several hosts: docs/multi
 
 from __future__ import annotations
 
-from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.engine.cluster import ClusterError, LocalCluster
-from dualpath_jax.engine.credentials import Credentials, read_credentials, write_credentials
-from dualpath_jax.engine.inprocess import InProcessCluster
-from dualpath_jax.engine.ray_cluster import RayCluster
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import link_totals, read_link_reports
+from dualpath_jax.runtimes.inprocess import InProcessCluster
+from dualpath_jax.runtimes.local import ClusterError, LocalCluster
+from dualpath_jax.runtimes.ray_cluster import RayCluster
+from dualpath_jax.wire.client import Client, RolloutError
+from dualpath_jax.wire.credentials import Credentials, read_credentials, write_credentials
 
 __all__ = [
     "Client",

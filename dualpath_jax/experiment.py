@@ -41,14 +41,14 @@ def local_cluster(cfg: ExperimentConfig, workdir: str | pathlib.Path):
     process is connected to, else on a local Ray it starts (and stops) for itself."""
     runtime = cfg.cluster.runtime
     if runtime == "thread":
-        from dualpath_jax.engine.inprocess import InProcessCluster
+        from dualpath_jax.runtimes.inprocess import InProcessCluster
 
         return InProcessCluster(cfg, workdir)
     if runtime == "ray":  # the only branch that may import Ray (when the cluster starts)
-        from dualpath_jax.engine.ray_cluster import RayCluster
+        from dualpath_jax.runtimes.ray_cluster import RayCluster
 
         return RayCluster(cfg, workdir, address="local")
-    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.runtimes.local import LocalCluster
 
     return LocalCluster(cfg, workdir)
 

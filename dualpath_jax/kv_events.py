@@ -5,7 +5,7 @@ A store (`TensorStoreBlockStore(on_events=...)`) reports each change it made to 
 has happened: `BlockStored` names the blocks a write created (not those already there),
 `BlockRemoved` the blocks it deleted and why (`REMOVAL_REASONS`). The router numbers them in
 `EventBatch`es and publishes them on one ZeroMQ PUB socket (`cluster.kv_events_address`,
-engine/kv_publisher.py). A user reads them with `KVEventSubscriber` and may keep them in
+router/kv_publisher.py). A user reads them with `KVEventSubscriber` and may keep them in
 `StoredBlocks`.
 
 Wire format: every PUB message is two frames, `TOPIC` and `encode_batch(batch)` (msgpack of the

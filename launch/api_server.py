@@ -18,8 +18,8 @@ import dataclasses
 import _flags  # this directory's shared flags
 from absl import app, flags
 
-from dualpath_jax.engine.rpc import is_loopback
 from dualpath_jax.serving.run import serve, serving_config
+from dualpath_jax.wire.rpc import is_loopback
 
 _CHECKPOINT = flags.DEFINE_string(
     "checkpoint", None, "A Hugging Face checkpoint directory to serve (model, weights, tokenizer)."

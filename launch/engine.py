@@ -1,7 +1,7 @@
 """One process of a multi-host cluster: the router, a prefill engine or a decode engine.
 
 The example of docs/multihost.md (same config everywhere; a non-loopback router needs
---set cluster.secrets_file=PATH, a 0600 file from `python -m dualpath_jax.engine.credentials PATH`
+--set cluster.secrets_file=PATH, a 0600 file from `python -m dualpath_jax.wire.credentials PATH`
 copied to every host; the block store is one directory every host sees, or a gcs/s3 spec):
   python launch/engine.py --role=router --config=configs/cpu_1p1d.py:tiny --workdir=/var/lib/dualpath/router \
       --set cluster.host=10.213.0.2 --set cluster.router_port=5555 \
@@ -22,7 +22,7 @@ coordinator served by rank 0:
 Devices: an engine runs on a mesh of `cluster.prefill_mesh` / `cluster.decode_mesh`. With
 `--set cluster.platform=cpu` it gets that many CPU host devices; with `gpu` or `tpu`, `--devices`
 names its GPUs or TPU chips (e.g. --devices=2,3), else it takes the first ones it sees. The
-variables are set here, before JAX starts in this process (`dualpath_jax.engine.devices`):
+variables are set here, before JAX starts in this process (`dualpath_jax.runtimes.devices`):
   python launch/engine.py --role=prefill --engine_id=0 --node=0 --router=tcp://127.0.0.1:5555 \
       --set cluster.platform=gpu --set cluster.prefill_mesh=tensor=2 --devices=0,1 ...
 """
@@ -41,8 +41,8 @@ from absl import app, flags
 # Nothing imported before `main` may start JAX: the engine's device variables come first.
 from dualpath_jax.config import apply_overrides, to_json, validate
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine.devices import TPU_PORT_BASE, device_env, processes, router_env
 from dualpath_jax.logs import install_rate_limit
+from dualpath_jax.runtimes.devices import TPU_PORT_BASE, device_env, processes, router_env
 
 _ROLE = flags.DEFINE_enum("role", None, ["router", "prefill", "decode"], "Which process to run.")
 _CONFIG = flags.DEFINE_string(
@@ -103,7 +103,7 @@ def main(argv):
         )
         os.environ.update(env)  # read by JAX when it starts, in run_process
         logging.info("%s engine %d device variables: %s", _ROLE.value, _ENGINE.value, env)
-    from dualpath_jax.engine.process import ProcessSpec, run_process
+    from dualpath_jax.runtimes.process import ProcessSpec, run_process
 
     spec = ProcessSpec(
         _ROLE.value,

@@ -35,7 +35,7 @@ _API_KEY = flags.DEFINE_string("api_key", "", "With --serve: require `Authorizat
 def main(argv):
     del argv
     from dualpath_jax.cluster import RayCluster, write_credentials
-    from dualpath_jax.engine.rpc import is_loopback
+    from dualpath_jax.wire.rpc import is_loopback
 
     if _SERVE.value and not is_loopback(_HOST.value) and not _API_KEY.value:
         raise app.UsageError(f"serving on {_HOST.value!r} (not loopback) needs --api_key")

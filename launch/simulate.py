@@ -103,8 +103,8 @@ def main(argv):
     elif cfg.hardware.gpu == "cpu" and cfg.cluster.prefill_cost_json:
         cost = FittedCostModel.from_json(cfg.cluster.prefill_cost_json)
     elif cfg.hardware.gpu == "cpu":
-        from dualpath_jax.engine.calibrate import calibrate
-        from dualpath_jax.engine.params import load_served_model
+        from dualpath_jax.engines.calibrate import calibrate
+        from dualpath_jax.engines.params import load_served_model
         from dualpath_jax.model.runner import ModelRunner
 
         cal = calibrate(ModelRunner(load_served_model(cfg)), cfg)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import StoreConfig
-from dualpath_jax.engine.fault_hook import fault_injection
+from dualpath_jax.engines.fault_hook import fault_injection
 from dualpath_jax.kvstore import (
     BlockFormat,
     StoreError,

@@ -67,7 +67,7 @@ def test_importing_the_package_installs_nothing(tmp_path):
 # The process boundaries that read the environment (STYLE.md habit 1), each at most this often.
 _BOUNDARIES = {
     "native.py": None,  # the compiled core's builder passes the environment to its compiler
-    "engine/cluster.py": 1,  # LocalCluster builds its processes' environments from its own
+    "runtimes/local.py": 1,  # LocalCluster builds its processes' environments from its own
 }
 
 
@@ -114,10 +114,10 @@ def test_on_without_a_build_is_a_clear_error(tmp_path):
 # router (it opens its store through the fault hook) until it listens, then list what is loaded.
 _SERVING_PROBE = """
 import json, pathlib, sys, threading, time
-import dualpath_jax.engine.process as process
+import dualpath_jax.runtimes.process as process
 import dualpath_jax.serving.server
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine.fault_hook import NoFaults, fault_injection
+from dualpath_jax.engines.fault_hook import NoFaults, fault_injection
 from dualpath_jax.presets import TINY_QWEN2
 
 workdir = pathlib.Path(sys.argv[1])

@@ -1,4 +1,4 @@
-"""`InProcessEngine(slots=S)`: rounds submitted meanwhile run together (batched prefill, S slots
+"""`InProcessBackend(slots=S)`: rounds submitted meanwhile run together (batched prefill, S slots
 decoded in one decoder) and give what one slot gives: greedy and sampled tokens, log-probs,
 groups, stop tokens; a busy session, a group wider than the slots, a closed engine and a params
 update are handled as the module says."""
@@ -11,11 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import (
-    InProcessEngine,
+    InProcessBackend,
     RolloutError,
     Session,
     run_trajectories,
@@ -30,7 +30,7 @@ def net():
 
 @pytest.fixture(scope="module")
 def engines(net):
-    one, many = InProcessEngine(net, max_len=256), InProcessEngine(net, max_len=256, slots=4)
+    one, many = InProcessBackend(net, max_len=256), InProcessBackend(net, max_len=256, slots=4)
     yield one, many
     many.close()
 
@@ -101,8 +101,8 @@ def test_a_params_update_lands_between_steps_and_drops_the_stale_kv(net):
     drawn under both params and leaves its session without cached KV, so the next round
     recomputes it and equals a fresh engine's with the new params."""
     other = init_model(TINY_QWEN2, seed=1)
-    many = InProcessEngine(net, max_len=256, slots=2)
-    ref = InProcessEngine(other, max_len=256)
+    many = InProcessBackend(net, max_len=256, slots=2)
+    ref = InProcessBackend(other, max_len=256)
     try:
         s = Session(many, "u")
         fut = s.step_async(list(range(1, 20)), 60)
@@ -124,7 +124,7 @@ def test_a_params_update_lands_between_steps_and_drops_the_stale_kv(net):
 
 
 def test_closing_ends_what_is_queued_or_decoding(net):
-    many = InProcessEngine(net, max_len=256, slots=2)
+    many = InProcessBackend(net, max_len=256, slots=2)
     sessions = [Session(many, f"c{k}") for k in range(4)]
     futs = [s.step_async(list(range(1, 30)), 200) for s in sessions]
     deadline = time.monotonic() + 60
@@ -147,8 +147,8 @@ def test_abort_ends_rounds_with_their_tokens_and_the_sessions_step_on(net):
     """`abort` (as `Client.abort`): a decoding round ends with its tokens so far, a queued one
     with none; either way its append and tokens join the context, and the session steps on
     with the reference's tokens for that context."""
-    many = InProcessEngine(net, max_len=512, slots=2)
-    ref = InProcessEngine(net, max_len=512)
+    many = InProcessBackend(net, max_len=512, slots=2)
+    ref = InProcessBackend(net, max_len=512)
     try:
         a, b, c = (Session(many, n) for n in ("ab-a", "ab-b", "ab-c"))
         futs = [s.step_async(list(range(1, 30)), 400) for s in (a, b, c)]  # c waits: 2 slots
@@ -172,15 +172,15 @@ def test_abort_ends_rounds_with_their_tokens_and_the_sessions_step_on(net):
             assert s.step([7], 3) == list(want)
     finally:
         many.close()
-    assert InProcessEngine(net, max_len=64).abort(all=True) == []  # one slot: none in flight
+    assert InProcessBackend(net, max_len=64).abort(all=True) == []  # one slot: none in flight
 
 
 def test_a_kv_budget_admits_what_fits_and_refuses_what_never_can(net):
     """`kv_tokens`: the decoder's pool; a round starts once its pages are free (here one at a
     time: each takes two of the three 64-token pages), and one that could never fit is
     refused at once."""
-    one = InProcessEngine(net, max_len=256)
-    small = InProcessEngine(net, max_len=256, slots=4, kv_tokens=3 * 64)
+    one = InProcessBackend(net, max_len=256)
+    small = InProcessBackend(net, max_len=256, slots=4, kv_tokens=3 * 64)
     try:
         trajs = [(f"k{k}", [(list(range(1 + k, 60 + k)), 30)]) for k in range(3)]
         got = run_trajectories(small, trajs, progress=False, max_concurrent=3)

@@ -25,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "copies",
             "kv_events",
             "logs",
-            "rounds",
+            "results",
             "presets.models",
             "presets.hardware",
         ),
@@ -35,15 +35,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("storage and scheduling", ("kvstore", "sched")),
     ("transfer", ("transfer",)),
     ("support", ("testing", "presets", "workload", "metrics", "analysis")),
-    ("runtimes", ("engine", "sim")),
+    ("wire", ("wire",)),
+    ("engines and router", ("engines", "router")),
+    ("runtimes", ("runtimes", "sim")),
     ("serving", ("serving",)),
     (
         "programs",
         (
             "cluster",
             "rollout",
-            "inprocess_engine",
-            "inprocess_batch",
             "experiment",
             "demo",
             "launcher",
@@ -156,7 +156,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_the_imports():
     assert "dualpath_jax.kernels.paged_attention" in GRAPH["dualpath_jax.model.layers"]
     # function-local, and a curated namespace's lazy names
-    assert "dualpath_jax.testing.faulty" in GRAPH["dualpath_jax.engine.fault_hook"]
+    assert "dualpath_jax.testing.faulty" in GRAPH["dualpath_jax.engines.fault_hook"]
     assert "dualpath_jax.model.runner" in GRAPH["dualpath_jax.model"]
     assert "dualpath_jax.presets.models" in GRAPH["dualpath_jax.model"]
     assert "dualpath_jax.presets.calibration" in GRAPH["dualpath_jax.presets"]
@@ -209,3 +209,35 @@ def test_the_architecture_doc_shows_these_layers():
             name, members = line.split(":", 1)
             shown.append((name.strip(), tuple(m.strip() for m in members.split(",") if m.strip())))
     assert shown == list(reversed(LAYERS)), "the doc lists the layers top to bottom"
+
+
+# Wings of one layer that stand side by side: neither imports the other (the router routes, the
+# engines compute; both speak the wire).
+SIDE_BY_SIDE = (("engines", "router"), ("runtimes", "sim"))
+
+
+def test_side_by_side_wings_do_not_import_each_other():
+    def wing(m: str) -> str:
+        return m.removeprefix("dualpath_jax.").split(".")[0]
+
+    crossing = [
+        f"{m} imports {t}"
+        for pair in SIDE_BY_SIDE
+        for m in sorted(GRAPH)
+        for t in sorted(GRAPH[m])
+        if {wing(m), wing(t)} == set(pair)
+    ]
+    assert crossing == []
+
+
+# A folder is a wing small enough to know by heart (STYLE.md habit 20).
+MAX_MODULES = 20
+
+
+def test_no_folder_holds_more_than_the_cap():
+    big = {
+        str(d.relative_to(ROOT)): n
+        for d in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]
+        if (n := len([f for f in d.glob("*.py") if f.name != "__init__.py"])) > MAX_MODULES
+    }
+    assert big == {}, f"folders over {MAX_MODULES} modules: split them by role"

@@ -11,7 +11,7 @@ from concurrent import futures
 
 import pytest
 
-from dualpath_jax.model.sampling import GREEDY
+from dualpath_jax.model.sampling_params import GREEDY
 from dualpath_jax.rollout import RolloutError, RoundResult, Session, run_trajectories
 
 GAP = 0.05

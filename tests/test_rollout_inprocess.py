@@ -1,4 +1,4 @@
-"""The rollout API over the in-process engine: multi-turn tokens equal the reference."""
+"""The rollout API over the in-process backend: multi-turn tokens equal the reference."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model.generation import reference_generate
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return InProcessEngine(init_model(TINY_QWEN2, seed=0), max_len=512)
+    return InProcessBackend(init_model(TINY_QWEN2, seed=0), max_len=512)
 
 
 def reference_rounds(runner, rounds):
@@ -71,7 +71,7 @@ def test_tool_gaps_and_retention_keep_the_tokens_and_close_the_sessions(engine):
 
 
 def test_a_group_prefills_once_and_draws_what_separate_rounds_draw(engine):
-    """`step_group` on the in-process engine: one prefill, the samples decoding together (the
+    """`step_group` on the in-process backend: one prefill, the samples decoding together (the
     others forking the first one's prompt pages), the tokens and log-probabilities of the same
     rounds run one by one; each sample goes on as a session of its own."""
     import jax

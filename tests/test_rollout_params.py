@@ -1,4 +1,4 @@
-"""Parameter updates and sampling over the in-process engine, and the checked loading of served
+"""Parameter updates and sampling over the in-process backend, and the checked loading of served
 parameters (`model.checkpoint.load_params`, `model_from_params`)."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dualpath_jax.model.checkpoint import (
 from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.sampler import sample_at
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
 
 A_SEED, B_SEED = 21, 22
 
@@ -129,7 +129,7 @@ def test_sample_at_is_keyed_by_seed_and_position_only():
     assert len(draws) > 10  # temperature 1 over a near-uniform row really samples
 
 
-# ----------------------------------------------------------------------------- in-process engine
+# ----------------------------------------------------------------------------- in-process backend
 
 
 def _ref_rounds(runner, rounds):
@@ -143,7 +143,7 @@ def _ref_rounds(runner, rounds):
 
 def test_update_params_mid_session_recomputes_with_the_new_params(models, refs):
     a, b = models
-    eng = InProcessEngine(a, max_len=256)
+    eng = InProcessBackend(a, max_len=256)
     rs = np.random.RandomState(0)
     rounds = [(rs.randint(0, 257, n).tolist(), g) for n, g in ((20, 4), (9, 5), (7, 3))]
     s = Session(eng, "s")
@@ -166,7 +166,7 @@ def test_update_params_mid_session_recomputes_with_the_new_params(models, refs):
 @pytest.mark.parametrize("how", ["shape", "dtype", "missing"])
 def test_bad_params_are_refused_and_the_old_ones_keep_serving(models, refs, how):
     a, b = models
-    eng = InProcessEngine(a, max_len=256)
+    eng = InProcessBackend(a, max_len=256)
     with pytest.raises(RolloutError, match="refused: parameters do not match the model") as e:
         eng.update_params(_mangled(b, how))
     assert e.value.kind == "bad_request" and eng.params_version == ""
@@ -176,7 +176,7 @@ def test_bad_params_are_refused_and_the_old_ones_keep_serving(models, refs, how)
 
 def test_update_params_from_checkpoint(models, refs, tmp_path):
     a, b = models
-    eng = InProcessEngine(a, max_len=256)
+    eng = InProcessBackend(a, max_len=256)
     save_params_tree(b, tmp_path / "b")
     assert eng.update_params_from_checkpoint(tmp_path / "b", "b") == "b"
     prompt = list(range(5, 40))
@@ -188,7 +188,7 @@ def test_update_params_from_checkpoint(models, refs, tmp_path):
 
 def test_sampled_rounds_are_reproducible_and_keyed(models):
     a, _ = models
-    eng = InProcessEngine(a, max_len=256)
+    eng = InProcessBackend(a, max_len=256)
     prompt = list(range(12))
     key = jax.random.key(5)
     x = Session(eng).step(prompt, 8, temperature=1.0, key=key)

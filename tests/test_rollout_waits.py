@@ -12,7 +12,7 @@ from concurrent import futures
 
 import pytest
 
-from dualpath_jax.model.sampling import GREEDY
+from dualpath_jax.model.sampling_params import GREEDY
 from dualpath_jax.rollout import RolloutError, RoundResult, run_trajectories
 
 ROUND_S = 0.05  # each fake round takes this long

@@ -9,10 +9,10 @@ import math
 import msgspec
 import pytest
 
-from dualpath_jax import rounds
-from dualpath_jax.engine import messages
+from dualpath_jax import results as rounds
 from dualpath_jax.metrics.summary import summarize
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.results import RoundResult
+from dualpath_jax.wire import frames
 
 
 def _timed(**kw) -> RoundResult:
@@ -24,7 +24,7 @@ def _timed(**kw) -> RoundResult:
 def test_the_router_s_record_round_trips_the_wire():
     r = _timed(recomputed_blocks=2, finish_reason="stop", persist_error="store full")
     for token in ("", "sekrit"):
-        got = messages.decode(messages.encode(r, token), token)
+        got = frames.decode(frames.encode(r, token), token)
         assert type(got) is RoundResult and got == r
     assert (r.ttft_s, r.ttst_s, r.tpot_s, r.jct_s, r.queue_s, r.submit_s) == (
         1.0,
@@ -37,20 +37,20 @@ def test_the_router_s_record_round_trips_the_wire():
 
 
 def test_unknown_timings_stay_off_the_wire_and_come_back_nan():
-    body = msgspec.msgpack.decode(messages.encode(_timed()))["body"]
+    body = msgspec.msgpack.decode(frames.encode(_timed()))["body"]
     assert body["type"] == "RoundResult"
     assert not {"read_s", "prefill_s", "recomputed_blocks", "persist_error"} & set(body)
-    got = messages.decode(messages.encode(_timed()))
+    got = frames.decode(frames.encode(_timed()))
     assert math.isnan(got.read_s) and math.isnan(got.prefill_s)
     with_times = _timed(read_s=0.125, prefill_s=0.25)
-    assert messages.decode(messages.encode(with_times)) == with_times
+    assert frames.decode(frames.encode(with_times)) == with_times
 
 
 def test_a_malformed_record_is_refused():
-    body = msgspec.msgpack.decode(messages.encode(_timed()))
+    body = msgspec.msgpack.decode(frames.encode(_timed()))
     body["body"]["tokens"] = "abc"
-    with pytest.raises(messages.FrameError, match="malformed message"):
-        messages.decode(msgspec.msgpack.encode(body))
+    with pytest.raises(frames.FrameError, match="malformed message"):
+        frames.decode(msgspec.msgpack.encode(body))
 
 
 def test_one_token_and_an_unreached_second_token():

@@ -262,15 +262,15 @@ class ClusterConfig:
     prefill_max_kv_tokens: int = 0
     # The PEs' prefill cost model (compute quota, beta) as `sched.cost.FittedCostModel` JSON,
     # `{"prefill": [p0, p1, p2]}`: seconds per forward batch, per new token, per attention
-    # (query, key) pair. Empty: each PE fits its own at start (`engine.calibrate`).
+    # (query, key) pair. Empty: each PE fits its own at start (`engines.calibrate`).
     prefill_cost_json: str = ""
     fetch_interval_s: float = 0.005  # how often a leader engine fetches and heartbeats
-    # The C heap of the router's and engines' processes (engine/malloc.py, glibc only): malloc
+    # The C heap of the router's and engines' processes (runtimes/malloc.py, glibc only): malloc
     # arenas at most (0: glibc's default, 8 per core; each thread's arena keeps what it frees),
     # and how often free heap pages are handed back to the system (malloc_trim; 0: never).
     malloc_arena_max: int = 2
     malloc_trim_s: float = 60.0
-    # Compile before registering (engine/warmup.py): every prefill shape bucket (batch sizes
+    # Compile before registering (engines/warmup.py): every prefill shape bucket (batch sizes
     # padded to powers of two, new-token and cached-context buckets) and every decode step
     # width, so the serving path compiles nothing; the HTTP server reports ready only after.
     # Off: shapes compile on first use (tests and short experiments start faster).
@@ -311,7 +311,7 @@ class ClusterConfig:
     # runtime; identical tokens) or "ray" (`RayCluster`: each process owned by a Ray actor, on
     # the Ray the process is connected to or a local one; placed as the `ray` section says).
     runtime: str = "process"
-    # Which devices an engine process gets (`engine.devices`): "cpu", "gpu" or "tpu" gives each
+    # Which devices an engine process gets (`runtimes.devices`): "cpu", "gpu" or "tpu" gives each
     # its own, as many as its role's mesh spans (disjoint GPUs or TPU chips, PEs first; on CPU,
     # that many host devices in each engine process); "" leaves every engine each device the host
     # shows (so `LocalCluster`, whose engines share a host, allows one-device meshes only).

@@ -1,4 +1,4 @@
-"""The run summary (`summary.json`, docs/launchers.md) from round results (`rounds.RoundResult`),
+"""The run summary (`summary.json`, docs/launchers.md) from round results (`results.RoundResult`),
 events and link reports.
 
 Pure functions of their inputs, shared by the local-cluster launchers and the simulator.
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.results import RoundResult
 
 
 def dist(values: Iterable[float]) -> dict[str, float]:

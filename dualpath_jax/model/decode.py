@@ -27,7 +27,7 @@ from dualpath_jax.model.layout import np_dtype
 from dualpath_jax.model.page_pool import PageAllocator, PagesExhausted, pages_for
 from dualpath_jax.model.runner import JITTED, ModelRunner, runs_on_mesh
 from dualpath_jax.model.sampler import draw_step, top_logprobs
-from dualpath_jax.model.sampling import (
+from dualpath_jax.model.sampling_params import (
     GREEDY,
     MAX_HELD_STOP_TOKENS,
     SamplingParams,

@@ -14,7 +14,7 @@ from dualpath_jax.model.batch import PrefillBatch, bucket_len, validate_context
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.sampler import sample
-from dualpath_jax.model.sampling import GREEDY, SamplingParams
+from dualpath_jax.model.sampling_params import GREEDY, SamplingParams
 
 Array = jax.Array
 

@@ -370,7 +370,7 @@ class ModelRunner:
         """Within it `layer` and `prefill_program` compile their program for their arguments
         ahead of time (JAX reuses that executable when a call of the same shapes comes) and
         return zeros shaped as their outputs instead of running it: a warm-up reaches every
-        forward shape without the forwards' compute (engine/warmup.py). Everything else runs
+        forward shape without the forwards' compute (engines/warmup.py). Everything else runs
         as usual."""
         self._compile_only = True
         try:

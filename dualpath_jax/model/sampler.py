@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dualpath_jax.model.sampling import GREEDY, MAX_TOP_LOGPROBS, SamplingParams
-from dualpath_jax.rounds import Logprobs
+from dualpath_jax.model.sampling_params import GREEDY, MAX_TOP_LOGPROBS, SamplingParams
+from dualpath_jax.results import Logprobs
 
 Array = jax.Array
 

@@ -33,7 +33,7 @@ from dualpath_jax.presets.models import (
 )
 from dualpath_jax.sched.cost import CostModel, FittedCostModel, ModelCost, RooflineCostModel
 
-# The prefill cost model `engine.calibrate` fits for the tiny models (TINY_QWEN2, 16-token blocks)
+# The prefill cost model `engines.calibrate` fits for the tiny models (TINY_QWEN2, 16-token blocks)
 # on one CPU core: p0 + p1 * new tokens + p2 * attention pairs seconds per forward. Clusters that
 # pin it (`cluster.prefill_cost_json=TINY_CPU_PREFILL_COST.to_json()`, as the tests' clusters do)
 # start without calibrating; their PEs batch as a calibrated one would, within the machine's noise.

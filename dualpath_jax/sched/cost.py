@@ -344,7 +344,7 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class FittedCostModel:
     """Times fitted to measured samples of an engine (a PE fits its prefill model at start:
-    `engine.calibrate`).
+    `engines.calibrate`).
 
     prefill: `p0 + p1 * new_tokens + p2 * attention_pairs` per batch (pairs are causal
     query-key pairs, `summed_keys(cached, bsz)`); attention_time is the `p2` term.

@@ -22,7 +22,7 @@ read, and `honor_affinity` over the PE nodes' tokens), and the PEs of that node 
 (`GlobalScheduler.fetch_pe`).
 
 Lifecycle of one prefetch (its shells are `sim.prefetch.SimPrefetcher` and the router's
-`engine.prefetch.Prefetches`): `plan_prefetch` (side, node, how many blocks, what to evict) ->
+`router.prefetch.Prefetches`): `plan_prefetch` (side, node, how many blocks, what to evict) ->
 reads while the gap lasts -> `expired` (the gap ran long: cancel and free) or the next turn is
 submitted (reads stop; the blocks read so far are `held`) -> the turn's assignment consumes them
 (or not, when it was not placed on the node) and the memory is freed.

@@ -27,9 +27,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.client import RolloutError
 from dualpath_jax.serving.protocol import ApiError, parse
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.client import RolloutError
 
 PATHS = frozenset(
     {

@@ -13,12 +13,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from dualpath_jax.engine.client import RolloutError
 from dualpath_jax.serving import responses
 from dualpath_jax.serving.protocol import ApiError
 from dualpath_jax.serving.request_checks import RoundParams
 from dualpath_jax.serving.responses import RoundStream
 from dualpath_jax.serving.text import TextStream
+from dualpath_jax.wire.client import RolloutError
 
 # Choice i of a request with n > 1 samples with the request's seed plus i times this (mod 2**32):
 # distinct seeds, the same for the same request seed.

@@ -11,11 +11,11 @@ from typing import Any
 
 from aiohttp import web
 
-from dualpath_jax.engine import hints
-from dualpath_jax.engine.client_checks import RolloutError
-from dualpath_jax.model.sampling import SamplingError, SamplingParams
+from dualpath_jax.model.sampling_params import SamplingError, SamplingParams
 from dualpath_jax.serving.protocol import ApiError, CompletionRequest
 from dualpath_jax.serving.tokenizer import Tokenizer
+from dualpath_jax.wire import hints
+from dualpath_jax.wire.client_checks import RolloutError
 
 SESSION_HEADER = "X-Session-Id"
 # What peers' clients send as a session id, after SESSION_HEADER, in this order of precedence
@@ -230,10 +230,10 @@ def session_hint(
     max_ttl_s: float = MAX_TTL_S,
 ) -> tuple[hints.SessionHint | None, dict[str, Any]]:
     """The request's session hint (`X-Session-Hint`, else the body's `session_hint`;
-    `engine.hints`; None: none) and the retention keywords it sets: `tool_call`, `pin` and `ttl`
+    `wire.hints`; None: none) and the retention keywords it sets: `tool_call`, `pin` and `ttl`
     set the session's retention from this round on (`pin` at the server's `max_priority` and
     `max_ttl_s`, a TTL capped at `max_ttl_s`); `release` and `fork` act around the round
-    (serving/session_hints.py). A bad or unknown hint, or one without a session, is a 400."""
+    (serving/http_hints.py). A bad or unknown hint, or one without a session, is a 400."""
     raw = request.headers.get(HINT_HEADER)
     param = HINT_HEADER if raw is not None else "session_hint"
     raw = raw if raw is not None else getattr(req, "session_hint", None)

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from typing import Any
 
-from dualpath_jax.engine import messages
-from dualpath_jax.rounds import Logprobs
+from dualpath_jax.results import Logprobs
 from dualpath_jax.serving.tokenizer import Tokenizer
+from dualpath_jax.wire import messages
 
 READ_PATH_HEADER = "X-DualPath-Read-Path"
 

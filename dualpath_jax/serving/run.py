@@ -113,11 +113,11 @@ def serve(
     more `ServerConfig` fields (`round_timeout_s`, `session_idle_s`, `default_max_tokens`, the
     connection limits `header_timeout_s`, `body_timeout_s`, `keepalive_timeout_s`,
     `write_timeout_s`, `max_connections`)."""
-    from dualpath_jax.engine.client import Client
-    from dualpath_jax.engine.cluster import LocalCluster
-    from dualpath_jax.engine.credentials import read_credentials
+    from dualpath_jax.runtimes.local import LocalCluster
     from dualpath_jax.serving.server import ApiServer, ServerConfig
     from dualpath_jax.serving.tokenizer import load_tokenizer
+    from dualpath_jax.wire.client import Client
+    from dualpath_jax.wire.credentials import read_credentials
 
     workdir = pathlib.Path(workdir)
     tokenizer = load_tokenizer(checkpoint, cfg.model.vocab_size)

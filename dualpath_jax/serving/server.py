@@ -42,14 +42,13 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from dualpath_jax.engine.client import Client, RolloutError
 from dualpath_jax.serving import (
     admin,
     connections,
     group,
+    http_hints,
     request_checks,
     responses,
-    session_hints,
 )
 from dualpath_jax.serving.metrics import ServerMetrics
 from dualpath_jax.serving.protocol import ApiError, ChatRequest, CompletionRequest, parse
@@ -57,6 +56,7 @@ from dualpath_jax.serving.request_checks import RoundParams
 from dualpath_jax.serving.responses import RoundStream
 from dualpath_jax.serving.text import TextStream
 from dualpath_jax.serving.tokenizer import Tokenizer, TokenizerError
+from dualpath_jax.wire.client import Client, RolloutError
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class ApiServer:
     async def _call(fn, *args, **kw):
         return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
 
-    call = _call  # what serving/session_hints.py uses of the server
+    call = _call  # what serving/http_hints.py uses of the server
 
     # ------------------------------------------------------------------ plumbing
 
@@ -292,7 +292,7 @@ class ApiServer:
             case _:
                 return ApiError(500, f"{e.kind}: {e}", code=e.kind)
 
-    rollout_error = _rollout_error  # serving/session_hints.py's
+    rollout_error = _rollout_error  # serving/http_hints.py's
 
     # ------------------------------------------------------------------ small endpoints
 
@@ -417,7 +417,7 @@ class ApiServer:
         retention.update(request_checks.retention(request, *caps))
         if sid is not None:
             if hint is not None and hint.kind == "fork":
-                sid = await session_hints.fork(self, sid, hint.session)
+                sid = await http_hints.fork(self, sid, hint.session)
             if sid not in self.sessions:
                 self.sessions[sid] = self.new_session(sid)
             agent = self.sessions[sid]
@@ -428,7 +428,7 @@ class ApiServer:
                 finally:
                     agent.last_used = time.monotonic()
                 if hint is not None:
-                    await session_hints.after_round(self, agent, hint)
+                    await http_hints.after_round(self, agent, hint)
                 return resp
         return await self._round(request, None, prompt, p, chat, retention)
 

@@ -1,6 +1,6 @@
 """The simulated cluster: P prefill and D decode nodes of `g` engines, driven by the real scheduler.
 
-Mirrors `engine/router.py` + the engines on a virtual clock (`sim.core.EventLoop`):
+Mirrors `router/router.py` + the engines on a virtual clock (`sim.core.EventLoop`):
 
 - Router (`sim.router.SimRouter`): a `GlobalScheduler` (with `make_policy` inside) gets every
   new round when it is submitted; group leaders fetch when the real engine loops do
@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.model.layout import kv_bytes_per_token
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.results import RoundResult
 from dualpath_jax.sched.cost import CostModel, derive_alpha, derive_beta
 from dualpath_jax.sched.intra import PendingPrefill, batch_kv_bound
 from dualpath_jax.sched.prefetch import PrefetchRule

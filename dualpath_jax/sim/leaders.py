@@ -1,7 +1,7 @@
 """When a simulated group leader fetches, as the real engine loops time it.
 
 A leader (a group's first engine) checks once per loop iteration whether `fetch_interval_s` has
-passed since its last fetch (`engine/prefill_engine.py`, `engine/decode_engine.py`). While it
+passed since its last fetch (`engines/prefill_engine.py`, `engines/decode_engine.py`). While it
 runs a forward batch (PE) or a decode step (DE) it cannot check, so it fetches when the batch or
 step ends; while idle its loop wakes every interval plus the loop's own overhead, so it polls
 with a period of its own. A `Leader` keeps what that needs: `last`, the leader's last fetch (done

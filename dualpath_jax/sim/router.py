@@ -1,5 +1,5 @@
 """The simulated router: the real `GlobalScheduler` fed with the router's own loads, and the group
-leaders' fetches on the virtual clock (the `engine/router.py` side of `sim.cluster`).
+leaders' fetches on the virtual clock (the `router/router.py` side of `sim.cluster`).
 
 Every new round is routed to a DE group when submitted (`route_de`, phase 1). Each group leader
 fetches when the real engine loops do (`sim.leaders`): between its forward batches (PE) or decode

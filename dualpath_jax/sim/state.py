@@ -1,7 +1,7 @@
 """What the simulated cluster keeps per run, per engine and per round, and the model's knobs.
 
 `SimOptions` (the model's own settings), `RoundState` (a round in flight; a finished one becomes
-a `rounds.RoundResult`, the record the router answers with too), `HostBuffer` (an engine's PE
+a `results.RoundResult`, the record the router answers with too), `HostBuffer` (an engine's PE
 or DE buffer), `SimEngine` (an engine with its router-side load and its PE / DE state) and
 `MemoTerms` (the cost model's additive attention terms, remembered). `sim.cluster.SimCluster`
 drives them.

@@ -1,7 +1,7 @@
 """A fault plan: which store and channel operations fail, slow down or hang, from a JSON file.
 
 Not for production. The wrappers of `testing.faulty` apply a `FaultPlan` to a real block store
-and KV channel; the engines build them from `cluster.fault_file` (`engine.fault_hook`).
+and KV channel; the engines build them from `cluster.fault_file` (`engines.fault_hook`).
 
 The plan is a JSON file. It is re-read when it changes (a `stat` at most every 50 ms, done by the
 next faultable operation), so a test injects faults mid-run into separate engine processes by

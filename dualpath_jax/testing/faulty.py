@@ -4,7 +4,7 @@
 Not for production. `FaultyStore` and `FaultyChannel` wrap a real `BlockStore` / `KVChannel` and
 make the operations a `FaultPlan` names fail, slow down or hang, surfacing each fault the way a
 real failure of that operation surfaces, so the code under test takes its real error paths. The
-engines build them through `engine.fault_hook.fault_injection(cluster.fault_file, who)`, which
+engines build them through `engines.fault_hook.fault_injection(cluster.fault_file, who)`, which
 imports this module only when a plan is configured (`Injector`: one plan, both wrappers).
 
 How faults surface:
@@ -319,7 +319,7 @@ def wrap_channel(channel: KVChannel, plan: FaultPlan | None, who: str) -> KVChan
 @dataclasses.dataclass(frozen=True)
 class Injector:
     """The plan of one process and the engine it is (`who`): wraps that process's store and
-    channel so both obey the plan (what `engine.fault_hook.fault_injection` returns with a
+    channel so both obey the plan (what `engines.fault_hook.fault_injection` returns with a
     plan)."""
 
     plan: FaultPlan

@@ -1,5 +1,5 @@
 """The manifest of parameters offered over the transfer layer (`params_sync`): the value that
-travels in the control plane's `UpdateParams` and `LoadParams` (engine/messages.py) instead of a
+travels in the control plane's `UpdateParams` and `LoadParams` (wire/messages.py) instead of a
 checkpoint path. Imports no JAX."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Parameters streamed from a trainer's process to the engines over the transfer layer.
 
-`Client.update_params(params)` without a checkpoint directory (engine/params.py) moves the new
+`Client.update_params(params)` without a checkpoint directory (engines/params.py) moves the new
 parameters over `jax.experimental.transfer` (a `KVChannel`) instead of a shared disk:
 
 - the client (`offer_params`) splits the parameter tree into buckets of at most `bucket_bytes`

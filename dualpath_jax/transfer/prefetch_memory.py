@@ -1,5 +1,5 @@
 """`PrefetchMemory`: an engine's tool-gap prefetch memory (the real cluster's side of
-`sched.prefetch`; the router's side is engine/prefetch.py). A DE's or a PE's, by the side the
+`sched.prefetch`; the router's side is router/prefetch.py). A DE's or a PE's, by the side the
 policy reads.
 
 During a tool call the router may tell an engine to read a session's leading hit blocks from the

@@ -3,7 +3,7 @@ the DE: each column piece (whole KV heads) from the process whose device compute
 process's own KV channel, instead of gathered over the mesh onto the leader and sent from its
 host.
 
-Every process of the engine runs the same forward (engine/span.py). After each layer each takes
+Every process of the engine runs the same forward (engines/span.py). After each layer each takes
 every request's rows as bytes split by columns over the engine's mesh (`RowOffers.split`, one
 program every process runs in the same order, no collective when the rows already split so) and
 offers the pieces it is home for: piece j's home is the process of the first device, in mesh

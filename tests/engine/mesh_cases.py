@@ -11,16 +11,16 @@ import pytest
 from flax import nnx
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import runner_devices
-from dualpath_jax.engine.decode_engine import make_decoder
-from dualpath_jax.engine.params import ParamsSlot, load_served_model
+from dualpath_jax.engines.common import runner_devices
+from dualpath_jax.engines.decode_engine import make_decoder
+from dualpath_jax.engines.params import ParamsSlot, load_served_model
 from dualpath_jax.model import sharding
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.generation import generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.wire import messages
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (CPU) devices")
 

@@ -21,14 +21,14 @@ from dualpath_jax.config import (
     to_json,
     validate,
 )
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.calibrate import calibrate, calibration_shapes, prefill_cost
-from dualpath_jax.engine.router import Router
-from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.engines.calibrate import calibrate, calibration_shapes, prefill_cost
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.router.router import Router
 from dualpath_jax.sched.cost import BETA_REFERENCE, FittedCostModel, derive_beta, engines_beta
 from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.rpc import RpcServer
 
 BT = 16
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_jax.engine.client import Client, RolloutError
+from dualpath_jax.wire.client import Client, RolloutError
 
 
 @pytest.fixture()

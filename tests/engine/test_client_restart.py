@@ -11,9 +11,9 @@ from concurrent import futures
 
 import pytest
 
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.client import Client, RolloutError
-from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.client import Client, RolloutError
+from dualpath_jax.wire.rpc import RpcServer
 
 
 class FakeRouter(threading.Thread):

@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages, rpc
-from dualpath_jax.engine.router import Router
-from dualpath_jax.engine.rpc import RpcClient, RpcServer, check_bind
 from dualpath_jax.kv_events import BlockRemoved, BlockStored
 from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rounds import Logprobs
+from dualpath_jax.results import Logprobs
+from dualpath_jax.router.router import Router
 from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.wire import frames, messages, rpc
+from dualpath_jax.wire.rpc import RpcClient, RpcServer, check_bind
 
 WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test
 
@@ -175,22 +175,22 @@ SAMPLES: list[messages.Msg] = [
 def test_samples_cover_every_message_type():
     body_types = set(typing.get_args(messages.Body))
     assert {type(m) for m in SAMPLES} == body_types
-    # No message type outside the union; the round record is one without the base (rounds.py).
+    # No message type outside the union; the round record is one without the base (results.py).
     assert set(messages.Msg.__subclasses__()) | {messages.RoundResult} == body_types
 
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 @pytest.mark.parametrize("token", ["", "sekrit"])
 def test_every_message_round_trips(msg, token):
-    got = messages.decode(messages.encode(msg, token), token)
+    got = frames.decode(frames.encode(msg, token), token)
     assert type(got) is type(msg)
     assert got == msg
 
 
 def test_the_wire_format_is_plain_msgpack_data():
-    frame = messages.encode(messages.Submit(request="r1", session="s1", append=[1, 2], gen=3), "t")
+    frame = frames.encode(messages.Submit(request="r1", session="s1", append=[1, 2], gen=3), "t")
     assert msgspec.msgpack.decode(frame) == {
-        "v": messages.SCHEMA_VERSION,
+        "v": frames.SCHEMA_VERSION,
         "token": "t",
         "body": {
             "type": "Submit",
@@ -211,38 +211,34 @@ def test_the_wire_format_is_plain_msgpack_data():
 
 def test_wrong_or_missing_token_is_rejected():
     msg = messages.GetStats()
-    with pytest.raises(messages.FrameError, match="authentication failed: wrong or missing token"):
-        messages.decode(messages.encode(msg, "guess"), "sekrit")
-    with pytest.raises(messages.FrameError, match="authentication failed"):
-        messages.decode(messages.encode(msg, ""), "sekrit")
-    with pytest.raises(
-        messages.FrameError, match="authentication failed"
-    ):  # an unexpected token too
-        messages.decode(messages.encode(msg, "sekrit"), "")
+    with pytest.raises(frames.FrameError, match="authentication failed: wrong or missing token"):
+        frames.decode(frames.encode(msg, "guess"), "sekrit")
+    with pytest.raises(frames.FrameError, match="authentication failed"):
+        frames.decode(frames.encode(msg, ""), "sekrit")
+    with pytest.raises(frames.FrameError, match="authentication failed"):  # an unexpected token too
+        frames.decode(frames.encode(msg, "sekrit"), "")
 
 
 def test_the_token_is_checked_before_the_body_is_decoded():
     """A stranger's frame is refused on its token: its body (here one no schema accepts, and a
     large one) is never built."""
     frame = msgspec.msgpack.encode(
-        {"v": messages.SCHEMA_VERSION, "token": "guess",
+        {"v": frames.SCHEMA_VERSION, "token": "guess",
          "body": {"type": "RunShell", "junk": ["x" * 100] * 10_000}}
     )  # fmt: skip
-    with pytest.raises(messages.AuthError):
-        messages.decode(frame, "sekrit")
-    with pytest.raises(messages.AuthError):
-        messages.decode_role(frame, {"client": "sekrit", "engine": "other"})
-    with pytest.raises(messages.FrameError, match="malformed message"):  # the right token
-        messages.decode(frame.replace(b"guess", b"abcde"), "abcde")
+    with pytest.raises(frames.AuthError):
+        frames.decode(frame, "sekrit")
+    with pytest.raises(frames.AuthError):
+        frames.decode_role(frame, {"client": "sekrit", "engine": "other"})
+    with pytest.raises(frames.FrameError, match="malformed message"):  # the right token
+        frames.decode(frame.replace(b"guess", b"abcde"), "abcde")
 
 
 def test_other_schema_version_is_rejected():
-    frame = msgspec.msgpack.encode(
-        messages.Envelope(messages.SCHEMA_VERSION + 1, "", messages.Ack())
-    )
-    want = f"schema version {messages.SCHEMA_VERSION + 1} is not supported \\(this side speaks {messages.SCHEMA_VERSION}\\)"
-    with pytest.raises(messages.FrameError, match=want):
-        messages.decode(frame)
+    frame = msgspec.msgpack.encode(frames.Envelope(frames.SCHEMA_VERSION + 1, "", messages.Ack()))
+    want = f"schema version {frames.SCHEMA_VERSION + 1} is not supported \\(this side speaks {frames.SCHEMA_VERSION}\\)"
+    with pytest.raises(frames.FrameError, match=want):
+        frames.decode(frame)
 
 
 @pytest.mark.parametrize(
@@ -252,48 +248,46 @@ def test_other_schema_version_is_rejected():
         b"\xc1",
         b"not msgpack at all",
         msgspec.msgpack.encode([1, 2, 3]),
-        msgspec.msgpack.encode({"v": messages.SCHEMA_VERSION, "token": ""}),
+        msgspec.msgpack.encode({"v": frames.SCHEMA_VERSION, "token": ""}),
     ],  # fmt: skip
     ids=["empty", "reserved-byte", "text", "array", "no-body"],
 )
 def test_garbage_is_rejected(frame):
-    with pytest.raises(messages.FrameError, match="^malformed message: "):
-        messages.decode(frame)
+    with pytest.raises(frames.FrameError, match="^malformed message: "):
+        frames.decode(frame)
 
 
 def test_unknown_tag_is_rejected():
     frame = msgspec.msgpack.encode(
-        {"v": messages.SCHEMA_VERSION, "token": "", "body": {"type": "RunShell"}}
+        {"v": frames.SCHEMA_VERSION, "token": "", "body": {"type": "RunShell"}}
     )
-    with pytest.raises(messages.FrameError, match="malformed message: .*'RunShell'.*body"):
-        messages.decode(frame)
+    with pytest.raises(frames.FrameError, match="malformed message: .*'RunShell'.*body"):
+        frames.decode(frame)
 
 
 def test_wrong_field_type_is_rejected():
     frame = msgspec.msgpack.encode(
-        {"v": messages.SCHEMA_VERSION, "token": "", "body": {"type": "Submit", "request": "r",
+        {"v": frames.SCHEMA_VERSION, "token": "", "body": {"type": "Submit", "request": "r",
                                                       "session": "s", "append": "abc", "gen": 1}}
     )  # fmt: skip
-    with pytest.raises(messages.FrameError, match="malformed message: .*append"):
-        messages.decode(frame)
+    with pytest.raises(frames.FrameError, match="malformed message: .*append"):
+        frames.decode(frame)
 
 
 def test_oversized_frame_is_rejected_before_parsing():
     with pytest.raises(
-        messages.FrameError,
-        match=f"frame of {messages.MAX_FRAME_BYTES + 1} bytes exceeds the {messages.MAX_FRAME_BYTES}-byte limit",
+        frames.FrameError,
+        match=f"frame of {frames.MAX_FRAME_BYTES + 1} bytes exceeds the {frames.MAX_FRAME_BYTES}-byte limit",
     ):
-        messages.decode(bytes(messages.MAX_FRAME_BYTES + 1))
-    messages.decode(messages.encode(messages.Ack(ref="x" * 1000)))  # a normal frame is far below it
+        frames.decode(bytes(frames.MAX_FRAME_BYTES + 1))
+    frames.decode(frames.encode(messages.Ack(ref="x" * 1000)))  # a normal frame is far below it
 
 
 def test_a_valid_message_over_the_limit_is_rejected_too(monkeypatch):
-    frame = messages.encode(
-        messages.Submit(request="r", session="s", append=list(range(100)), gen=1)
-    )
-    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", len(frame) - 1)
-    with pytest.raises(messages.FrameError, match="exceeds the"):
-        messages.decode(frame)
+    frame = frames.encode(messages.Submit(request="r", session="s", append=list(range(100)), gen=1))
+    monkeypatch.setattr(frames, "MAX_FRAME_BYTES", len(frame) - 1)
+    with pytest.raises(frames.FrameError, match="exceeds the"):
+        frames.decode(frame)
 
 
 _unpickled: list[str] = []
@@ -311,18 +305,18 @@ class _Payload:
 
 
 def test_frames_are_never_unpickled():
-    frames = [
+    pickled = [
         pickle.dumps(_Payload()),
-        pickle.dumps(messages.Envelope(messages.SCHEMA_VERSION, "", messages.Ack())),
+        pickle.dumps(frames.Envelope(frames.SCHEMA_VERSION, "", messages.Ack())),
     ]
-    for frame in frames:
-        with pytest.raises(messages.FrameError, match="malformed message"):
-            messages.decode(frame)
+    for frame in pickled:
+        with pytest.raises(frames.FrameError, match="malformed message"):
+            frames.decode(frame)
     assert _unpickled == []
-    pickle.loads(frames[0])  # the payload is live: unpickling it would have run the tripwire
+    pickle.loads(pickled[0])  # the payload is live: unpickling it would have run the tripwire
     assert _unpickled == ["unpickled"]
     _unpickled.clear()
-    assert not messages.encode(messages.Ack()).startswith(b"\x80")  # not a pickle protocol header
+    assert not frames.encode(messages.Ack()).startswith(b"\x80")  # not a pickle protocol header
 
 
 # ----------------------------------------------------------------------------- transport
@@ -358,7 +352,7 @@ def test_client_server_call(server):
     try:
         client.send(messages.OpenSession(session="s1"))
         got = server.recv(WAIT_MS)
-        assert got == (b"client-1", messages.OpenSession(session="s1"), messages.ENGINE)
+        assert got == (b"client-1", messages.OpenSession(session="s1"), frames.ENGINE)
         server.send(got[0], messages.Ack(ref="s1"))
         assert client.recv(WAIT_MS) == messages.Ack(ref="s1")
     finally:
@@ -381,7 +375,7 @@ def test_an_ipv6_address_is_bracketed_in_urls_and_serves(port):
         assert port == 0 or server.address == f"tcp://[::1]:{port}"
         client.send(messages.GetStats())
         ident, msg, role = server.recv(WAIT_MS)
-        assert (msg, role) == (messages.GetStats(), messages.CLIENT)
+        assert (msg, role) == (messages.GetStats(), frames.CLIENT)
         server.send(ident, messages.Stats(json="{}"))
         assert client.recv(WAIT_MS) == messages.Stats(json="{}")
     finally:
@@ -398,7 +392,7 @@ def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
         assert isinstance(reply, messages.Error) and reply.kind == "frame" and reply.ref == ""
         assert reply.message.startswith("malformed message")
 
-        bad.sock.send(msgspec.msgpack.encode(messages.Envelope(99, "", messages.GetStats())))
+        bad.sock.send(msgspec.msgpack.encode(frames.Envelope(99, "", messages.GetStats())))
         assert server.recv(WAIT_MS) is None and server.rejected == 2
         assert bad.recv(WAIT_MS).message.startswith("schema version 99 is not supported")
 
@@ -424,7 +418,7 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
         assert intruder.poller.poll(WAIT_MS)
         raw = intruder.sock.recv()
         assert b"sekrit" not in raw and b"public" not in raw  # no token goes to strangers
-        err = messages.decode(raw, "")
+        err = frames.decode(raw, "")
         assert isinstance(err, messages.Error) and err.kind == "auth"
         assert "authentication failed" in err.message
 
@@ -432,23 +426,23 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
         assert srv.recv(WAIT_MS) is None and srv.rejected == 2
         err = member.recv(WAIT_MS)  # a tokenless Error is the one unsigned thing it accepts
         assert isinstance(err, messages.Error) and err.kind == "frame" and err.ref == ""
-        forged = messages.encode(messages.Ack(ref="forged"), "")
-        user.sock.send(messages.encode(messages.GetStats(), "public"))
+        forged = frames.encode(messages.Ack(ref="forged"), "")
+        user.sock.send(frames.encode(messages.GetStats(), "public"))
         ident, msg, role = srv.recv(WAIT_MS)
-        assert (msg, role) == (messages.GetStats(), messages.CLIENT)
+        assert (msg, role) == (messages.GetStats(), frames.CLIENT)
         srv.send(
             ident, messages.Stats(json="{}")
         )  # a client's answers carry the client secret only
         assert user.poller.poll(WAIT_MS)
         raw = user.sock.recv()
-        assert b"sekrit" not in raw and messages.decode(raw, "public") == messages.Stats(json="{}")
+        assert b"sekrit" not in raw and frames.decode(raw, "public") == messages.Stats(json="{}")
         srv.sock.send_multipart([ident, forged])
-        with pytest.raises(messages.FrameError, match="authentication failed"):
+        with pytest.raises(frames.FrameError, match="authentication failed"):
             user.recv(WAIT_MS)
 
         member.send(messages.GetStats())
         ident, msg, role = srv.recv(WAIT_MS)
-        assert (msg, role) == (messages.GetStats(), messages.ENGINE)
+        assert (msg, role) == (messages.GetStats(), frames.ENGINE)
         srv.send(ident, messages.Ack(ref="ok"))
         assert member.recv(WAIT_MS) == messages.Ack(ref="ok")
     finally:
@@ -459,11 +453,11 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
 
 
 def test_unencodable_and_oversized_messages_never_leave(monkeypatch):
-    with pytest.raises(messages.FrameError, match="cannot encode Submit"):
-        messages.encode(messages.Submit(request="r", session="s", append=[2**64], gen=1))
-    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 100)
-    with pytest.raises(messages.FrameError, match="Submit of .* bytes exceeds the 100-byte limit"):
-        messages.encode(messages.Submit(request="r", session="s", append=list(range(100)), gen=1))
+    with pytest.raises(frames.FrameError, match="cannot encode Submit"):
+        frames.encode(messages.Submit(request="r", session="s", append=[2**64], gen=1))
+    monkeypatch.setattr(frames, "MAX_FRAME_BYTES", 100)
+    with pytest.raises(frames.FrameError, match="Submit of .* bytes exceeds the 100-byte limit"):
+        frames.encode(messages.Submit(request="r", session="s", append=list(range(100)), gen=1))
 
 
 # ----------------------------------------------------------------------------- router validation
@@ -601,7 +595,7 @@ def test_router_over_the_wire(rig, monkeypatch):
 
 
 def test_transfer_bind_is_loopback_or_private_unless_asked_for():
-    from dualpath_jax.engine.rpc import check_transfer_bind
+    from dualpath_jax.wire.rpc import check_transfer_bind
 
     for ok in ("127.0.0.1", "::1", "10.213.0.3", "fd00:213::3"):
         check_transfer_bind(ok, False)

@@ -1,4 +1,4 @@
-"""The engine interface (`engine.core`): the loop every runtime drives, checked with a fake
+"""The engine interface (`engines.core`): the loop every runtime drives, checked with a fake
 engine and a fake control link, and the two engines' conformance to the contract."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import threading
 
 import pytest
 
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.core import Engine, EngineId, drive
-from dualpath_jax.engine.decode_engine import DecodeEngine
-from dualpath_jax.engine.prefill_engine import PrefillEngine
+from dualpath_jax.engines.core import Engine, EngineId, drive
+from dualpath_jax.engines.decode_engine import DecodeEngine
+from dualpath_jax.engines.prefill_engine import PrefillEngine
+from dualpath_jax.wire import messages
 
 
 class FakeControl:

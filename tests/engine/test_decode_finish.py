@@ -3,9 +3,9 @@ stop token ends it only once `min_tokens` tokens came before it, `gen` tokens al
 
 from __future__ import annotations
 
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.decode_engine import DecodeEngine, _Req
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.engines.decode_engine import DecodeEngine, _Req
+from dualpath_jax.model.sampling_params import SamplingParams
+from dualpath_jax.wire import messages
 
 
 def _req(tokens: list[int], min_tokens: int = 0, gen: int = 8) -> _Req:

@@ -1,4 +1,4 @@
-"""`engine.devices`: the environment that gives each engine process its own devices."""
+"""`runtimes.devices`: the environment that gives each engine process its own devices."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import doctest
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig
-from dualpath_jax.engine import devices
-from dualpath_jax.engine.cluster import LocalCluster
+from dualpath_jax.runtimes import devices
+from dualpath_jax.runtimes.local import LocalCluster
 
 HOST8 = [str(i) for i in range(8)]
 
@@ -127,7 +127,7 @@ def test_module_examples():
 
 
 def test_a_one_device_engine_reports_its_device():
-    from dualpath_jax.engine.common import runner_devices
+    from dualpath_jax.engines.common import runner_devices
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
     from dualpath_jax.presets import TINY_QWEN2

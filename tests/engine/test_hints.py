@@ -1,20 +1,20 @@
-"""Session hints (`engine.hints`): their forms, validation (unknown ones are bad_request), what
+"""Session hints (`wire.hints`): their forms, validation (unknown ones are bad_request), what
 each maps onto (retention, release, fork) for `Session.hint`, `Client.hint` and HTTP."""
 
 from __future__ import annotations
 
 import pytest
 
-from dualpath_jax.engine.hints import (
+from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.serving import request_checks
+from dualpath_jax.serving.protocol import ApiError
+from dualpath_jax.wire.hints import (
     PIN_PRIORITY,
     SessionHint,
     apply_hint,
     parse_hint,
     retention_of,
 )
-from dualpath_jax.rollout import RolloutError, Session
-from dualpath_jax.serving import request_checks
-from dualpath_jax.serving.protocol import ApiError
 
 
 @pytest.mark.parametrize(

@@ -12,10 +12,6 @@ import pytest
 import zmq
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.kv_publisher import KVEventPublisher, check_events_bind
-from dualpath_jax.engine.router import Router
-from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.kv_events import (
     EVENTS_VERSION,
     TOPIC,
@@ -31,7 +27,11 @@ from dualpath_jax.kvstore.identity import block_keys
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.layout import kv_to_full_blocks
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.router.kv_publisher import KVEventPublisher, check_events_bind
+from dualpath_jax.router.router import Router
 from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.wire import frames, messages
+from dualpath_jax.wire.rpc import RpcServer
 
 WAIT_MS = 5_000  # loopback frames arrive in microseconds; this only bounds a broken test
 BT = 16
@@ -214,7 +214,7 @@ class Rig:
     first: int = 0  # the seq of the first batch after the probes
 
     def handle(
-        self, msg: messages.Msg, ident: bytes = b"c1", role: str = messages.ENGINE
+        self, msg: messages.Msg, ident: bytes = b"c1", role: str = frames.ENGINE
     ) -> list[messages.Msg]:
         """What the router sent, session retention (`Retain`) left out."""
         self.sent.clear()
@@ -283,7 +283,7 @@ def test_engine_events_are_published_in_arrival_order_named_after_the_engine(rig
 
 def test_only_registered_engines_on_their_own_connection_publish(rig):
     msg = messages.KVEvents(engine=1, events=[stored(key(1))])
-    (err,) = rig.handle(msg, ident=b"c9", role=messages.CLIENT)
+    (err,) = rig.handle(msg, ident=b"c9", role=frames.CLIENT)
     assert err.kind == "auth" and "needs the engine secret" in err.message
     (err,) = rig.handle(msg, ident=b"e0")  # engine 0's connection naming engine 1
     assert err.kind == "auth"

@@ -1,10 +1,10 @@
-"""engine/malloc.py: arenas capped and free heap pages handed back, through the C library's calls."""
+"""runtimes/malloc.py: arenas capped and free heap pages handed back, through the C library's calls."""
 
 from __future__ import annotations
 
 import threading
 
-from dualpath_jax.engine import malloc
+from dualpath_jax.runtimes import malloc
 
 
 class FakeLibc:

@@ -9,8 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.params import ParamsSlot, served_params
+from dualpath_jax.engines.params import ParamsSlot, served_params
 from dualpath_jax.model.checkpoint import params_state
 from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
@@ -24,6 +23,7 @@ from dualpath_jax.transfer.params_sync import (
     offer_params,
     plan_buckets,
 )
+from dualpath_jax.wire import frames, messages
 from tests.engine.test_params_update import DE, PE, _only, make_rig
 
 BUCKET = 60_000  # bytes: the tiny model (~0.5 MB) in about ten buckets
@@ -74,7 +74,7 @@ def test_the_offer_lists_every_leaf_in_buckets(fabric):
         assert offer.copies == 2 and offer.uuid_of(1, 0) == offer.uuid + len(offer.buckets)
         # the manifest travels in a control frame
         msg = messages.UpdateParams(version="v1", offer=offer)
-        assert messages.decode(messages.encode(msg, "t"), "t") == msg
+        assert frames.decode(frames.encode(msg, "t"), "t") == msg
 
 
 def test_a_slot_pulls_checks_stages_then_commits(runner, fabric):

@@ -1,5 +1,5 @@
 """Parameter updates and session release at the router, driven in-process (no engines): the
-drain -> load -> commit protocol of engine/params.py, refusals, engine death mid-update, held
+drain -> load -> commit protocol of engines/params.py, refusals, engine death mid-update, held
 rounds (and their bound, `max_queue`), which engines are in rotation (an engine with other params
 gets no work until it has loaded the served ones; rounds it refuses for its params run
 elsewhere), sampling fields; and the engine-side `ParamsSlot`."""
@@ -12,24 +12,24 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.params import (
-    ParamsSlot,
-    check_params_config,
-    check_version,
-    initial_params_version,
-)
-from dualpath_jax.engine.router import Router
-from dualpath_jax.engine.rpc import RpcServer
+from dualpath_jax.engines.params import ParamsSlot
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.checkpoint import save_params_tree
 from dualpath_jax.model.layout import kv_to_full_blocks
 from dualpath_jax.model.runner import ModelRunner
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.router.router import Router
 from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.params_protocol import (
+    check_params_config,
+    check_version,
+    initial_params_version,
+)
+from dualpath_jax.wire.rpc import RpcServer
 
 BT = 16
 PE, DE = 0, 1
@@ -641,7 +641,7 @@ def test_initial_version_and_params_path_checks(tmp_path):
 
 
 def test_local_cluster_refuses_a_bad_params_path_before_starting_anything(tmp_path):
-    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.runtimes.local import LocalCluster
 
     cfg = ExperimentConfig(
         model=TINY_QWEN2, cluster=ClusterConfig(params_path=str(tmp_path / "nope"))

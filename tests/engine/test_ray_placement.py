@@ -16,7 +16,7 @@ from dualpath_jax.config import (
     parse_resources,
     validate,
 )
-from dualpath_jax.engine.ray_cluster import (
+from dualpath_jax.runtimes.ray_cluster import (
     RayCluster,
     actor_options,
     check_ray_nodes,

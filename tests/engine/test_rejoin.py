@@ -13,15 +13,15 @@ import types
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.common import RouterSilence, failure_kind
-from dualpath_jax.engine.core import EngineId
-from dualpath_jax.engine.decode_engine import DecodeEngine
-from dualpath_jax.engine.decode_engine import _Req as DecodeReq
-from dualpath_jax.engine.params import ParamsMismatch, ParamsSlot
-from dualpath_jax.engine.prefill_engine import PrefillEngine
-from dualpath_jax.engine.prefill_engine import _Req as PrefillReq
+from dualpath_jax.engines.common import RouterSilence, failure_kind
+from dualpath_jax.engines.core import EngineId
+from dualpath_jax.engines.decode_engine import DecodeEngine
+from dualpath_jax.engines.decode_engine import _Req as DecodeReq
+from dualpath_jax.engines.params import ParamsMismatch, ParamsSlot
+from dualpath_jax.engines.prefill_engine import PrefillEngine
+from dualpath_jax.engines.prefill_engine import _Req as PrefillReq
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.wire import messages
 
 # ----------------------------------------------------------------------------- heartbeats
 

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.router import Router
-from dualpath_jax.engine.rpc import RpcServer
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.router.router import Router
 from dualpath_jax.sched.scheduler import GlobalScheduler
+from dualpath_jax.wire import frames, messages
+from dualpath_jax.wire.rpc import RpcServer
 
 BT = 16
 PE, DE = 0, 1
@@ -38,7 +38,7 @@ class Rig:
     clock: Clock
 
     def handle(
-        self, msg: messages.Msg, ident: bytes = CLIENT, role: str = messages.ENGINE
+        self, msg: messages.Msg, ident: bytes = CLIENT, role: str = frames.ENGINE
     ) -> list[messages.Msg]:
         """What the router sent in answer, session retention (`Retain`, tests/engine/
         test_router_retention.py) left out."""
@@ -50,11 +50,11 @@ class Rig:
         return [m for i, m in self.sent if i == ident and not isinstance(m, messages.Retain)]
 
     def submit(self, session: str, request: str, gen: int = 3) -> None:
-        assert self.handle(messages.OpenSession(session=session), role=messages.CLIENT) == [
+        assert self.handle(messages.OpenSession(session=session), role=frames.CLIENT) == [
             messages.Ack(ref=session)
         ]
         assert self.handle(messages.Submit(request=request, session=session, append=[1, 2, 3], gen=gen),
-                           role=messages.CLIENT) == []  # fmt: skip
+                           role=frames.CLIENT) == []  # fmt: skip
 
     def fetch(self, engine: int, slots: int = 2) -> list[messages.Msg]:
         ident = PE_ID if engine == PE else DE_ID
@@ -125,7 +125,7 @@ def test_a_reported_failure_ends_the_round_with_its_kind_and_text(rig, kind):
     # the session is usable again
     assert (
         rig.handle(
-            messages.Submit(request="r2", session="s", append=[4], gen=2), role=messages.CLIENT
+            messages.Submit(request="r2", session="s", append=[4], gen=2), role=frames.CLIENT
         )
         == []
     )
@@ -205,9 +205,9 @@ def test_beyond_max_queue_rounds_are_refused_as_overloaded():
     rig.router.scheduler.max_queue = 2
     rig.submit("a", "r1")
     rig.submit("b", "r2")
-    rig.handle(messages.OpenSession(session="c"), role=messages.CLIENT)
+    rig.handle(messages.OpenSession(session="c"), role=frames.CLIENT)
     (err,) = rig.handle(
-        messages.Submit(request="r3", session="c", append=[1], gen=1), role=messages.CLIENT
+        messages.Submit(request="r3", session="c", append=[1], gen=1), role=frames.CLIENT
     )
     assert err.kind == "overloaded" and "max_queue=2" in err.message
     assert not rig.router.rounds.table["c"].busy
@@ -221,7 +221,7 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     rig.submit("s", "r1")
     if stage == "assigned":
         rig.assign()
-    rig.handle(messages.CancelRound(request="r1"), role=messages.CLIENT)
+    rig.handle(messages.CancelRound(request="r1"), role=frames.CLIENT)
     (err,) = errors_to_client(rig)
     assert err.ref == "r1" and err.kind == "cancelled"
     if stage == "assigned":
@@ -229,12 +229,12 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     assert len(rig.router.scheduler) == 0 and rig.router.rounds.table.requests == {}
     assert (
         rig.handle(
-            messages.Submit(request="r2", session="s", append=[4], gen=2), role=messages.CLIENT
+            messages.Submit(request="r2", session="s", append=[4], gen=2), role=frames.CLIENT
         )
         == []
     )
     # another client cannot cancel it
-    rig.handle(messages.CancelRound(request="r2"), ident=b"stranger", role=messages.CLIENT)
+    rig.handle(messages.CancelRound(request="r2"), ident=b"stranger", role=frames.CLIENT)
     assert "r2" in rig.router.rounds.table.requests
 
 
@@ -252,7 +252,7 @@ def test_a_cancelled_round_frees_its_session(rig, stage):
     ids=lambda m: type(m).__name__,
 )
 def test_a_client_cannot_send_engine_messages(rig, msg):
-    (err,) = rig.handle(msg, ident=b"rogue", role=messages.CLIENT)
+    (err,) = rig.handle(msg, ident=b"rogue", role=frames.CLIENT)
     assert err.kind == "auth" and "needs the engine secret" in err.message
     assert not rig.router.stopping and rig.router.liveness.registry[DE].ident == DE_ID
 
@@ -274,16 +274,16 @@ def test_a_second_engine_with_a_live_id_is_refused(rig):
 
 def test_heartbeats_and_pings_are_answered(rig):
     assert rig.handle(messages.Heartbeat(engine=PE), b"hb-socket") == [messages.Ack(ref="hb")]
-    (ack,) = rig.handle(messages.Ping(), role=messages.CLIENT)
+    (ack,) = rig.handle(messages.Ping(), role=frames.CLIENT)
     assert ack == messages.Ack(ref="ping", epoch=rig.router.epoch) and len(ack.epoch) == 16
     assert rig.router.stats()["epoch"] == rig.router.epoch
 
 
 def test_existing_session_needs_resume(rig):
     rig.submit("s", "r1")
-    (err,) = rig.handle(messages.OpenSession(session="s"), role=messages.CLIENT)
+    (err,) = rig.handle(messages.OpenSession(session="s"), role=frames.CLIENT)
     assert err.kind == "bad_request" and "resume=True" in err.message
-    assert rig.handle(messages.OpenSession(session="s", resume=True), role=messages.CLIENT) == [
+    assert rig.handle(messages.OpenSession(session="s", resume=True), role=frames.CLIENT) == [
         messages.Ack(ref="s")
     ]
 
@@ -303,7 +303,7 @@ def test_with_no_live_prefill_engine_rounds_fail_with_kind_engine(rig):
     (err,) = errors_to_client(rig)
     assert err.kind == "engine" and "no live prefill engine" in err.message
     (err,) = rig.handle(
-        messages.Submit(request="r2", session="s", append=[1], gen=1), role=messages.CLIENT
+        messages.Submit(request="r2", session="s", append=[1], gen=1), role=frames.CLIENT
     )
     assert err.kind == "engine" and "no live prefill engine" in err.message
 

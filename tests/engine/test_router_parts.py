@@ -11,16 +11,16 @@ import msgspec
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.dispatch import Dispatch
-from dualpath_jax.engine.liveness import EngineRegistry, Liveness
-from dualpath_jax.engine.outbox import Outbox
-from dualpath_jax.engine.params_update import ParamsCoordinator
-from dualpath_jax.engine.retention import Retention
-from dualpath_jax.engine.sessions import RequestState, SessionTable
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.router.dispatch import Dispatch
+from dualpath_jax.router.liveness import EngineRegistry, Liveness
+from dualpath_jax.router.outbox import Outbox
+from dualpath_jax.router.params_update import ParamsCoordinator
+from dualpath_jax.router.retention import Retention
+from dualpath_jax.router.sessions import RequestState, SessionTable
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Request
+from dualpath_jax.wire import messages
 
 BT = 16
 PE, DE = 0, 1

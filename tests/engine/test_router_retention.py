@@ -13,7 +13,7 @@ import pytest
 # The rig of the router's fault tests (pytest puts this directory on sys.path).
 from test_router_faults import CLIENT, DE, DE_ID, PE, PE_ID, Rig, make_rig
 
-from dualpath_jax.engine import messages
+from dualpath_jax.wire import frames, messages
 
 DEFAULT_TTL = 60.0  # StoreConfig.retention_ttl_s
 LONG = 1e6  # a TTL no test outlasts: "retained" below never depends on how fast it runs
@@ -33,14 +33,14 @@ def retains(rig: Rig, ident: bytes = DE_ID) -> list[messages.Retain]:
 
 
 def open_session(rig: Rig, session: str, **retention) -> None:
-    assert rig.handle(messages.OpenSession(session=session, **retention), role=messages.CLIENT) == [
+    assert rig.handle(messages.OpenSession(session=session, **retention), role=frames.CLIENT) == [
         messages.Ack(ref=session)
     ]
 
 
 def submit(rig: Rig, session: str, request: str, **retention) -> None:
     msg = messages.Submit(request=request, session=session, append=[1, 2, 3], gen=3, **retention)
-    assert rig.handle(msg, role=messages.CLIENT) == []
+    assert rig.handle(msg, role=frames.CLIENT) == []
 
 
 def complete(rig: Rig, request: str) -> messages.LoadJobMsg:
@@ -108,7 +108,7 @@ def test_a_round_that_ends_unfinished_leaves_its_session_idle(rig, how):
         rig.handle(messages.Failed(request="r1", engine=DE, message="OSError: disk", kind="store",
                             attempt=job.attempt), DE_ID)  # fmt: skip
     else:
-        rig.handle(messages.CancelRound(request="r1"), role=messages.CLIENT)
+        rig.handle(messages.CancelRound(request="r1"), role=frames.CLIENT)
     (err,) = [m for m in rig.to(CLIENT) if isinstance(m, messages.Error)]
     assert err.ref == "r1"
     assert retains(rig) == [messages.Retain(session="s", state="idle", priority=-1, ttl_s=LONG)]
@@ -131,13 +131,13 @@ def test_closing_a_session_ends_its_retention(rig):
     open_session(rig, "s", priority=9, ttl_s=LONG)
     submit(rig, "s", "r1")
     complete(rig, "r1")
-    assert rig.handle(messages.CloseSession(session="s"), role=messages.CLIENT) == [
+    assert rig.handle(messages.CloseSession(session="s"), role=frames.CLIENT) == [
         messages.Ack(ref="s")
     ]
     assert retains(rig) == [messages.Retain(session="s", state="ended")]
     assert not rig.router.store.index.retained("s")
     # an unknown session: an error, and nothing sent to the engines
-    (err,) = rig.handle(messages.CloseSession(session="s"), role=messages.CLIENT)
+    (err,) = rig.handle(messages.CloseSession(session="s"), role=frames.CLIENT)
     assert err.ref == "s" and "unknown session" in err.message
     assert retains(rig) == []
 
@@ -146,7 +146,7 @@ def test_a_released_session_is_ended_before_its_blocks_go(rig):
     open_session(rig, "s", ttl_s=LONG)
     submit(rig, "s", "r1")
     complete(rig, "r1")
-    assert rig.handle(messages.CloseSession(session="s", release=True), role=messages.CLIENT) == [
+    assert rig.handle(messages.CloseSession(session="s", release=True), role=frames.CLIENT) == [
         messages.Ack(ref="s")
     ]
     assert retains(rig) == [messages.Retain(session="s", state="ended")]
@@ -174,7 +174,7 @@ def test_a_decode_engine_that_registers_learns_every_retained_session(rig):
     open_session(rig, "busy", priority=-2)
     submit(rig, "busy", "r1")
     open_session(rig, "closed")
-    rig.handle(messages.CloseSession(session="closed"), role=messages.CLIENT)
+    rig.handle(messages.CloseSession(session="closed"), role=frames.CLIENT)
     rig.clock.t += 40.0
     de2 = b"de2"
     rig.handle(messages.Register(role="decode", engine=2, node=2, group=0, address="inproc://2",
@@ -254,7 +254,7 @@ def test_a_resume_restates_an_idle_sessions_retention_with_its_new_priority(rig)
     ids=repr,
 )
 def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, named):
-    (err,) = rig.handle(messages.OpenSession(session="s", **retention), role=messages.CLIENT)
+    (err,) = rig.handle(messages.OpenSession(session="s", **retention), role=frames.CLIENT)
     assert err.kind == "bad_request" and err.ref == "s"
     assert f"retention {named}" in err.message and str(next(iter(retention.values()))) in (
         err.message
@@ -264,7 +264,7 @@ def test_a_bad_retention_is_refused_and_the_router_serves_on(rig, retention, nam
     open_session(rig, "s", priority=1, ttl_s=LONG)
     (err,) = rig.handle(
         messages.Submit(request="r1", session="s", append=[1], gen=1, **retention),
-        role=messages.CLIENT,
+        role=frames.CLIENT,
     )
     assert err.kind == "bad_request" and err.ref == "r1" and f"retention {named}" in err.message
     s, kept = rig.router.rounds.table["s"], rig.router.retention["s"]

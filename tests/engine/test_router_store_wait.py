@@ -11,7 +11,7 @@ from concurrent import futures
 import pytest
 from test_router_faults import PE_ID, Rig, make_rig
 
-from dualpath_jax.engine import messages
+from dualpath_jax.wire import frames, messages
 
 
 @pytest.fixture()
@@ -35,7 +35,7 @@ def slow():
 
 
 def client(rig: Rig, msg: messages.Msg) -> list[messages.Msg]:
-    return rig.handle(msg, role=messages.CLIENT)
+    return rig.handle(msg, role=frames.CLIENT)
 
 
 def open_and_submit(rig: Rig, session: str, request: str) -> list[messages.Msg]:
@@ -90,7 +90,7 @@ def test_a_failed_lookup_is_its_rounds_store_error(slow):
 def test_a_round_cancelled_while_looked_up_ends_cancelled_at_once(slow):
     assert open_and_submit(slow, "a", "ra") == []
     # another client cannot cancel it
-    assert slow.handle(messages.CancelRound(request="ra"), b"other", messages.CLIENT) == []
+    assert slow.handle(messages.CancelRound(request="ra"), b"other", frames.CLIENT) == []
     (err,) = client(slow, messages.CancelRound(request="ra"))  # at once, not at the answer
     assert err.ref == "ra" and err.kind == "cancelled"
     table = slow.router.rounds.table

@@ -1,4 +1,4 @@
-"""Engines spanning several processes (`engine.span`): the calls a leader sends, the decoder
+"""Engines spanning several processes (`engines.span`): the calls a leader sends, the decoder
 methods it mirrors, the prefill segments it describes, each process's devices, and what is
 refused. The cluster itself runs
 in tests/integration/test_engine_meshes.py."""
@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ConfigError, ExperimentConfig, validate
-from dualpath_jax.engine import devices, messages, span
-from dualpath_jax.engine.params import ParamsSlot, replay_params
+from dualpath_jax.engines import span
+from dualpath_jax.engines.params import ParamsSlot, replay_params
 from dualpath_jax.model.decode import Decoder
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
+from dualpath_jax.runtimes import devices
+from dualpath_jax.wire import messages
 
 
 def test_a_call_round_trips_with_its_arrays_bit_for_bit():
@@ -142,7 +144,7 @@ def test_prefill_segments_travel_as_host_rows_and_kept_run_references():
     told."""
     import jax.numpy as jnp
 
-    from dualpath_jax.engine.prefill_forward import describe, resolve
+    from dualpath_jax.engines.prefill_forward import describe, resolve
     from dualpath_jax.model.cached_kv import DevicePages, DeviceRowRun
     from dualpath_jax.transfer.row_offers import SpanPages, hit_meta
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from dualpath_jax.config import ExperimentConfig
-from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.presets import TINY_QWEN2
+from dualpath_jax.runtimes.inprocess import InProcessCluster
+from dualpath_jax.runtimes.local import LocalCluster
 
 # Every process any LocalCluster of this session started (checked at the end of the session).
 _STARTED: list[tuple[str, subprocess.Popen]] = []

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine.client import RolloutError
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, Session
+from dualpath_jax.rollout import InProcessBackend, Session
+from dualpath_jax.wire.client import RolloutError
 
 MAX_LEN = 512
 LONG = 400  # a round long enough to be aborted mid-way
@@ -43,7 +43,7 @@ def cluster(tmp_path_factory, start_cluster):
 
 @pytest.fixture(scope="module")
 def local():
-    return InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    return InProcessBackend(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
 
 
 def _started(client, session: str, append, gen: int):
@@ -116,7 +116,7 @@ def test_update_params_with_pause_abort_ends_running_rounds(cluster):
         assert client.stats()["params_version"] == version == "step-abort"
         client.open_session("u2")
         got = client.submit("u2", prompt, 4).result(60)
-        want = Session(InProcessEngine(new, max_len=MAX_LEN), "ref").step(prompt, 4)
+        want = Session(InProcessBackend(new, max_len=MAX_LEN), "ref").step(prompt, 4)
         assert list(got.tokens) == want  # the new params serve
     finally:
         client.close()
@@ -194,7 +194,7 @@ def test_update_params_with_pause_keep_decodes_on_with_the_new_params(cluster):
         assert res.finish_reason == "length" and len(res.tokens) == LONG  # not ended
         (start, v0), (k, v1) = res.params_versions
         assert (start, v0, v1) == (0, "keep-old", "keep-new") and 0 < k < LONG
-        ref = Session(InProcessEngine(old, max_len=MAX_LEN), "ref").step(prompt, LONG)
+        ref = Session(InProcessBackend(old, max_len=MAX_LEN), "ref").step(prompt, LONG)
         assert list(res.tokens[:k]) == ref[:k]  # the old params' tokens up to the update
         assert list(res.tokens[k:]) != ref[k:]  # the new params' after it
         nxt = client.submit("k", [1, 2], 3).result(60)

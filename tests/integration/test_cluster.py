@@ -33,11 +33,11 @@ from dualpath_jax.config import (
     SchedulerConfig,
     StoreConfig,
 )
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.cluster import LocalCluster
-from dualpath_jax.engine.inprocess import InProcessCluster
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
+from dualpath_jax.runtimes.inprocess import InProcessCluster
+from dualpath_jax.runtimes.local import LocalCluster
+from dualpath_jax.wire import messages
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
@@ -76,7 +76,7 @@ def make_trajectories(
     gen: tuple[int, int] = (3, 7),
     first: tuple[int, int] = (33, 48),
 ) -> list[Trajectory]:
-    """`n` trajectories of `rounds` rounds, first rounds of `first` tokens. Each append is at
+    """`n` trajectories of `results` rounds, first rounds of `first` tokens. Each append is at
     least one block long, so every later round hits blocks its earlier rounds persisted."""
     rs = np.random.RandomState(seed)
     out = []

@@ -1,7 +1,7 @@
 """Log-probabilities through the cluster (`SamplingParams.logprobs`): a 1P1D in-process cluster
 returns, for greedy and sampled multi-turn rounds (the first token from the prefill engine, the
 rest from the decode step, later turns over stored KV), the same tokens and log-probabilities as
-`InProcessEngine` and as the model's own log-softmax at the drawn ids (max abs difference 1e-4),
+`InProcessBackend` and as the model's own log-softmax at the drawn ids (max abs difference 1e-4),
 in the result, in streamed chunks, and over HTTP in OpenAI's shapes, which the `openai` client
 parses."""
 
@@ -17,7 +17,7 @@ import pytest
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, Session, Step
+from dualpath_jax.rollout import InProcessBackend, Session, Step
 
 MAX_LEN = 256
 ATOL = 1e-4
@@ -49,7 +49,7 @@ ROUNDS = ((0.0, 4), (0.9, 0), (1.0, 2))  # (temperature, top-k) per turn
 def test_cluster_logprobs_equal_inprocess_and_the_model(tmp_path, start_cluster, preset):
     cfg = _config(preset)
     model = init_model(preset, seed=cfg.seed)
-    local = InProcessEngine(model, max_len=MAX_LEN)
+    local = InProcessBackend(model, max_len=MAX_LEN)
     rs = np.random.RandomState(3)
     appends = [rs.randint(0, preset.vocab_size, n).tolist() for n in (40, 9, 21)]
     with start_cluster(cfg, tmp_path, "thread") as cluster:
@@ -108,7 +108,7 @@ def test_cluster_logprobs_equal_inprocess_and_the_model(tmp_path, start_cluster,
 
 
 def remote_sampling():
-    from dualpath_jax.model.sampling import SamplingParams
+    from dualpath_jax.model.sampling_params import SamplingParams
 
     return SamplingParams(logprobs=0)
 

@@ -22,14 +22,14 @@ import zmq
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig, StoreConfig
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.params import initial_params_version
-from dualpath_jax.engine.rpc import RpcClient
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import RolloutError, Session, run_trajectories
 from dualpath_jax.testing.fault_plan import write_plan
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.params_protocol import initial_params_version
+from dualpath_jax.wire.rpc import RpcClient
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()

@@ -19,8 +19,8 @@ from test_faults_cluster import (
     trajectory,
 )
 
-from dualpath_jax.engine import messages
 from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.wire import frames
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,14 +33,14 @@ def rig(tmp_path_factory, start_cluster):
 def test_oversized_frames_are_refused(rig, reference_tokens, monkeypatch):
     cluster, _ = rig
     client = cluster.client()
-    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 256)
+    monkeypatch.setattr(frames, "MAX_FRAME_BYTES", 256)
     s = Session(client, "oversized")
     with pytest.raises(RolloutError, match="exceeds the 256-byte limit") as err:
         s.step_async(list(range(200)), 2).result(WAIT_S)
     assert err.value.kind == "bad_request"
     monkeypatch.undo()
     # a raw frame over the router's limit: ZeroMQ drops that peer; the router serves on
-    send_raw(cluster.address, [bytes(messages.MAX_FRAME_BYTES + 1024)])
+    send_raw(cluster.address, [bytes(frames.MAX_FRAME_BYTES + 1024)])
     s.close()
     answered(client, reference_tokens, "after-oversized")
 

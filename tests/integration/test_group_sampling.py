@@ -1,7 +1,7 @@
 """Group sampling (GRPO's G completions of one prompt) on an in-process 1P1D cluster: the
 prompt is prefilled once, and the G continuations fork its pages on the decode engine (or read
 it from the store and compute the tail after its last whole block); they are distinct,
-reproducible, equal to the in-process engine's, and each is a session of its own for later
+reproducible, equal to the in-process backend's, and each is a session of its own for later
 turns. Over HTTP: `n`."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, Session, Step, step_group
+from dualpath_jax.rollout import InProcessBackend, Session, Step, step_group
 
 MAX_LEN = 512
 BT = 16
@@ -44,8 +44,8 @@ def test_a_group_prefills_its_prompt_once(cluster, share):
     """`fork`: one round prefills the prompt, the others start from its pages on its DE and
     compute its last token only; `store`: a prefix round stores the prompt, each sample reads it
     and computes the tail after its last whole block. Either way the samples are distinct,
-    reproducible, the in-process engine's, and sessions of their own."""
-    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    reproducible, the in-process backend's, and sessions of their own."""
+    local = InProcessBackend(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
     client = cluster.client()
     rs = np.random.RandomState(0)
     first, append = rs.randint(0, 256, 37).tolist(), rs.randint(0, 256, 150).tolist()
@@ -83,7 +83,7 @@ def test_a_group_prefills_its_prompt_once(cluster, share):
         assert group < separate / 2
         tokens = [list(r.tokens) for r in results]
         assert len({tuple(t) for t in tokens}) == 4  # distinct
-        # the same as the in-process engine's group, and reproducible
+        # the same as the in-process backend's group, and reproducible
         local_kids = mine.fork(4)
         want = step_group(local_kids, append, 6, temperature=1.0, key=key)
         assert tokens == want
@@ -102,7 +102,7 @@ def test_forks_that_outlive_their_first_round_or_have_none(cluster):
     """A group of one-token rounds (the first round ends as its forks are taken: they hold its
     pages), and a round following a request that is not there (it runs on its own)."""
     client = cluster.client()
-    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    local = InProcessBackend(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
     prompt = np.random.RandomState(7).randint(0, 256, 48).tolist()  # 3 whole blocks
     key = jax.random.key(3)
     try:
@@ -129,9 +129,9 @@ def _samplings(n, key):
 
 def test_stop_tokens_on_the_cluster_equal_the_in_process_engines(cluster):
     """Rounds that stop at a stop token, one session's and a group's (each sample on its own),
-    give the in-process engine's tokens; the next round goes on from the stop."""
+    give the in-process backend's tokens; the next round goes on from the stop."""
     client = cluster.client()
-    local = InProcessEngine(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
+    local = InProcessBackend(init_model(TINY_QWEN2, seed=_config().seed), max_len=MAX_LEN)
     rs = np.random.RandomState(12)
     prompt, nxt = rs.randint(0, 256, 50).tolist(), rs.randint(0, 256, 20).tolist()
     stop, key = list(range(0, 256, 5)), jax.random.key(7)

@@ -43,13 +43,13 @@ import pytest
 
 from dualpath_jax.cluster import Client, link_totals, read_link_reports, write_credentials
 from dualpath_jax.configs_loader import load_config
-from dualpath_jax.engine import messages
-from dualpath_jax.engine.rpc import bracketed, host_port
 from dualpath_jax.model.generation import reference_rounds
 from dualpath_jax.model.layout import kv_bytes_per_token
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.wire import messages
+from dualpath_jax.wire.rpc import bracketed, host_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ _OWNER = textwrap.dedent(
     """
     import json, pathlib, sys, time
     from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.runtimes.local import LocalCluster
     from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 
     cfg = ExperimentConfig(model=TINY_QWEN2, cluster=ClusterConfig(decode_max_len=256, prefill_cost_json=TINY_CPU_PREFILL_COST.to_json()),

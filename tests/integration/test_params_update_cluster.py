@@ -4,7 +4,7 @@ One cluster, started from a checkpoint (`cluster.params_path`), walks through an
 life: rounds on params A; an update to B -- the continued session recomputes (no block of A is
 read) and equals the reference model with B on the full context; B's own blocks are reused on
 the next round; refused params (wrong shapes) leave B serving; a sampled round equals the
-in-process engine with the same params and key; an update waits for a round in flight; closing
+in-process backend with the same params and key; an update waits for a round in flight; closing
 with release=True deletes the session's blocks.
 """
 
@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.engine.build import store_config
 from dualpath_jax.kvstore.identity import block_keys, model_fingerprint
 from dualpath_jax.kvstore.store import open_block_store
 from dualpath_jax.model.checkpoint import params_state, save_params_tree
@@ -23,7 +22,8 @@ from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, RolloutError, Session
+from dualpath_jax.rollout import InProcessBackend, RolloutError, Session
+from dualpath_jax.runtimes.build import store_config
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
 PINNED_COST = TINY_CPU_PREFILL_COST.to_json()
@@ -89,17 +89,17 @@ def test_params_updates_on_a_cluster(start_cluster, tmp_path, runtime):
         assert client.stats()["params_version"] == "step-1"
         assert step(ref_b, rand(5), 3).cached_tokens > 0
 
-        # A sampled round: the same tokens as the in-process engine with B, this context and key.
+        # A sampled round: the same tokens as the in-process backend with B, this context and key.
         key = jax.random.key(7)
         append = rand(6)
-        local = Session(InProcessEngine(b, max_len=512)).step(
+        local = Session(InProcessBackend(b, max_len=512)).step(
             ctx + append, 6, temperature=1.0, key=key
         )
         step(None, append, 6, temperature=1.0, key=key)
         assert ctx[-6:] == local
         # and with top-p: the PE's first token and the DE's nucleus draw as in-process
         append = rand(5)
-        local = Session(InProcessEngine(b, max_len=512)).step(
+        local = Session(InProcessBackend(b, max_len=512)).step(
             ctx + append, 6, temperature=1.5, key=key, top_p=0.6
         )
         step(None, append, 6, temperature=1.5, key=key, top_p=0.6)

@@ -1,4 +1,4 @@
-"""Tool-gap prefetch in the real cluster (engine/prefetch.py, transfer/prefetch_memory.py), on
+"""Tool-gap prefetch in the real cluster (router/prefetch.py, transfer/prefetch_memory.py), on
 the in-process runtime (the router and engines a `LocalCluster` runs, as threads).
 
 A `tool_call` hint after a round makes a DE read the session's stored blocks into memory; the

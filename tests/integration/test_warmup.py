@@ -16,7 +16,7 @@ import jax
 import pytest
 from test_cluster import RESULT_TIMEOUT_S, cluster_config, make_trajectories, tokens_of
 
-from dualpath_jax.engine.warmup import CompileCounter, prefill_shapes
+from dualpath_jax.engines.warmup import CompileCounter, prefill_shapes
 from dualpath_jax.model.batch import bucket_len, packed_length
 from dualpath_jax.model.runner import batch_bucket
 from dualpath_jax.rollout import Session, round_sampling

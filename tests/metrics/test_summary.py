@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dualpath_jax.metrics.summary import dist, max_over_avg, summarize
-from dualpath_jax.rounds import RoundResult
+from dualpath_jax.results import RoundResult
 
 
 def test_dist_drops_missing_and_non_finite_values():

@@ -10,7 +10,7 @@ from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.generation import generate, reference_generate
 from dualpath_jax.model.runner import PrefillBatch
 from dualpath_jax.model.sampler import sample
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 
 
 def test_generate_equals_reference(family_runner):

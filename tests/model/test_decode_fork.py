@@ -13,7 +13,7 @@ from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.page_pool import PageAllocator, PagesExhausted
 from dualpath_jax.model.runner import PrefillBatch
 from dualpath_jax.model.sampler import sample_at
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 
 PS = 16
 

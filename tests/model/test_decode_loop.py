@@ -13,7 +13,7 @@ from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.page_pool import PagesExhausted
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, compile_count
 from dualpath_jax.model.sampler import sample_at
-from dualpath_jax.model.sampling import SamplingParams
+from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
 
 

@@ -242,8 +242,8 @@ def test_one_program_prefill_copies_each_layer_inside_the_program(tiny_runner):
 def test_compile_only_compiles_without_running_and_the_real_call_reuses_it(family_runner):
     """Under `compile_only` a forward's layers (and the one-program prefill) are compiled, not
     run: zeros of the right shapes come out; the same shapes run for real afterwards compile
-    nothing more and give the forward's values (the warm-up's premise, engine/warmup.py)."""
-    from dualpath_jax.engine.warmup import CompileCounter
+    nothing more and give the forward's values (the warm-up's premise, engines/warmup.py)."""
+    from dualpath_jax.engines.warmup import CompileCounter
 
     cfg = family_runner.cfg
     rs = np.random.RandomState(11)

@@ -37,7 +37,7 @@ def test_generate_takes_a_model_and_a_flat_prompt():
 def test_the_cluster_namespace():
     from dualpath_jax import cluster
     from dualpath_jax.cluster import Client
-    from dualpath_jax.engine.cluster import LocalCluster
+    from dualpath_jax.runtimes.local import LocalCluster
 
     assert cluster.LocalCluster is LocalCluster and cluster.Client is Client
     assert set(cluster.__all__) <= set(dir(cluster))

@@ -1,5 +1,5 @@
 """Log-probabilities (`SamplingParams.logprobs`): the sampler's, the decode step's and the
-in-process engine's equal the model's own log-softmax at the drawn ids (and under the sampling
+in-process backend's equal the model's own log-softmax at the drawn ids (and under the sampling
 distribution, its log-softmax after temperature and top-p), and asking for them changes no
 token."""
 
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from dualpath_jax.model.sampler import sample_at, top_logprobs
-from dualpath_jax.model.sampling import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
+from dualpath_jax.model.sampling_params import MAX_TOP_LOGPROBS, SamplingError, SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_DEEPSEEK, TINY_QWEN2
-from dualpath_jax.rollout import InProcessEngine, Logprobs, Session, Step
+from dualpath_jax.rollout import InProcessBackend, Logprobs, Session, Step
 
 
 def _nucleus_logsoftmax(logits: np.ndarray, t: float, top_p: float) -> np.ndarray:
@@ -100,7 +100,7 @@ def _model_logprobs(model, seq: list[int], n_prompt: int, t: float = 1.0) -> np.
 @pytest.mark.parametrize("preset", [TINY_QWEN2, TINY_DEEPSEEK], ids=["qwen2", "deepseek"])
 def test_inprocess_logprobs_equal_the_models_log_softmax(preset):
     model = init_model(preset, seed=0)
-    engine = InProcessEngine(model, max_len=256)
+    engine = InProcessBackend(model, max_len=256)
     rs = np.random.RandomState(1)
     s = Session(engine, "lp")
     context: list[int] = []

@@ -10,9 +10,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from dualpath_jax.engine import messages
-from dualpath_jax.model import sampling
-from dualpath_jax.model.sampling import GREEDY, SamplingError, SamplingParams
+from dualpath_jax.model import sampling_params as sampling
+from dualpath_jax.model.sampling_params import GREEDY, SamplingError, SamplingParams
+from dualpath_jax.wire import frames, messages
 
 BAD = [
     ({"temperature": -0.5}, "temperature", "temperature must be a finite number >= 0, got -0.5"),
@@ -54,7 +54,7 @@ def test_numbers_of_any_kind_become_plain_python_numbers():
 def test_the_wire_carries_only_what_differs_from_greedy():
     def body(sampling: SamplingParams) -> dict:
         msg = messages.Submit(request="r", session="s", append=[1], gen=2, sampling=sampling)
-        return msgspec.msgpack.decode(messages.encode(msg))["body"]["sampling"]
+        return msgspec.msgpack.decode(frames.encode(msg))["body"]["sampling"]
 
     assert body(GREEDY) == {}
     assert body(SamplingParams(temperature=0.7, seed=3)) == {"temperature": 0.7, "seed": 3}
@@ -79,11 +79,11 @@ def test_a_submit_with_bad_sampling_does_not_decode(kw, field, message):
     """Checked on arrival too: a frame whose sampling is bad is refused with the same text (the
     router answers it as a frame error) and never reaches the router's round state."""
     frame = msgspec.msgpack.decode(
-        messages.encode(messages.Submit(request="r", session="s", append=[1], gen=2))
+        frames.encode(messages.Submit(request="r", session="s", append=[1], gen=2))
     )
     frame["body"]["sampling"] = kw
-    with pytest.raises(messages.FrameError) as e:
-        messages.decode(msgspec.msgpack.encode(frame))
+    with pytest.raises(frames.FrameError) as e:
+        frames.decode(msgspec.msgpack.encode(frame))
     assert message in str(e.value) and "sampling" in str(e.value)
 
 

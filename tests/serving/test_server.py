@@ -20,9 +20,7 @@ import aiohttp  # noqa: E402
 from aiohttp import web  # noqa: E402
 from aiohttp.test_utils import TestClient, TestServer  # noqa: E402
 
-from dualpath_jax.engine import messages  # noqa: E402
-from dualpath_jax.engine.client import RolloutError, RoundFuture  # noqa: E402
-from dualpath_jax.model.sampling import SamplingParams  # noqa: E402
+from dualpath_jax.model.sampling_params import SamplingParams  # noqa: E402
 from dualpath_jax.serving import connections  # noqa: E402
 from dualpath_jax.serving.server import ApiServer, ServerConfig  # noqa: E402
 from dualpath_jax.serving.text import TextStream  # noqa: E402
@@ -31,6 +29,8 @@ from dualpath_jax.serving.tokenizer import (  # noqa: E402
     TokenizerError,
     load_tokenizer,
 )
+from dualpath_jax.wire import messages  # noqa: E402
+from dualpath_jax.wire.client import RolloutError, RoundFuture  # noqa: E402
 
 MODEL = "fake"
 
