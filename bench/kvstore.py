@@ -7,8 +7,8 @@ For each case (a Full Block layout of a full-size model, 64-token blocks) it wri
 blocks into a fresh file store and measures, in one run:
   write          write_full throughput, fsync off and on (io_concurrency 16)
   raw            a sequential read of every block file with plain Python `open().read()`
-  read_full      TensorStoreBlockStore.read_full of all blocks into a preallocated PE buffer
-                 (HostBufferPool), with 1, 8 and 16 reads in flight; `vs raw` is its throughput
+  read_full      TensorStoreBlockStore.read_full of all blocks into a preallocated PE buffer's
+                 slots (HostBufferPool, `buffer_destination`), with 1, 8 and 16 reads in flight; `vs raw` is its throughput
                  over the raw read of the same bytes in the same cache state
   read_layers    one layer of every block (byte-range reads), 16 in flight
   layer latency  one read_layers call for one layer of one block, called back to back
@@ -32,7 +32,13 @@ import time
 import numpy as np
 
 from dualpath_jax.config import StoreConfig
-from dualpath_jax.kvstore import BlockFormat, HostBufferPool, TensorStoreBlockStore, block_keys
+from dualpath_jax.kvstore import (
+    BlockFormat,
+    HostBufferPool,
+    TensorStoreBlockStore,
+    block_keys,
+    buffer_destination,
+)
 from dualpath_jax.kvstore.identity import key_path, model_fingerprint
 from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
 from dualpath_jax.presets import DEEPSEEK_V3_660B, QWEN25_32B
@@ -122,7 +128,7 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
     cold_ok = drop_cache(paths[:1])
     pool = HostBufferPool(layout, blocks, "PE buffer")
     res = pool.reserve(blocks)
-    out = res.blocks()
+    dest = buffer_destination(res)
     caches = ["warm"] + (["cold"] if cold_ok else [])
     for cache in caches:
         before = (lambda: drop_cache(paths)) if cache == "cold" else None
@@ -134,7 +140,7 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
             ) as st:
 
                 def read_all(st=st):
-                    r = st.read_full(keys, out=out).result()
+                    r = st.read_full(keys, dest).result()
                     assert r.hits == blocks, r.miss_reason
 
                 s = timed(read_all, reps, before)
@@ -148,7 +154,7 @@ def run_case(name: str, blocks: int, reps: int, root: str) -> list[dict]:
                 assert r.hits == blocks
 
             row("read_layers(1 layer)", 16, cache, timed(read_layer, reps, before), lay_bytes)
-    np.testing.assert_array_equal(np.stack(out), data)
+    np.testing.assert_array_equal(np.stack(res.blocks()), data)
     res.release()
 
     # Latency of single-layer reads of one block (warm), against os.pread of the same range.

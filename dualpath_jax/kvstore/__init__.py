@@ -2,7 +2,9 @@
 
 - `codec`: the stored bytes of a Full Block (header, per-layer checksums) and their verification.
 - `identity`: model fingerprints and block keys (`key_i = H(key_{i-1}, tokens_i)`).
-- `api`: the `BlockStore` interface (asynchronous, batched) and its results, stats and errors.
+- `api`: the `BlockStore` interface (asynchronous, batched), where its reads land
+  (`HostDestination`, `PinnedDestination`, `DeviceDestination`; `buffer_destination`), and its
+  results, stats and errors.
 - `store`: `TensorStoreBlockStore` (file/memory/spec); `filereader`: its direct file reads;
   `tensorstore_io`: its kvstore specs (`kvstore_spec`) and windowed I/O.
 - `index`: LRU, pins and trajectory ownership behind the store's capacity limit.
@@ -12,12 +14,20 @@
 from __future__ import annotations
 
 from dualpath_jax.kvstore.api import (
+    BlockRead,
     BlockReadResult,
     BlockStore,
+    DestinationKind,
+    DeviceDestination,
+    HostDestination,
+    PinnedDestination,
+    ReadDestination,
     StoreError,
     StoreStats,
     StoreUnavailable,
+    UnsupportedDestination,
     WriteReport,
+    buffer_destination,
 )
 from dualpath_jax.kvstore.buffers import BufferFull, BufferReservation, BufferStats, HostBufferPool
 from dualpath_jax.kvstore.codec import (
@@ -40,19 +50,27 @@ __all__ = [
     "BlockFormat",
     "BlockIndex",
     "BlockMismatch",
+    "BlockRead",
     "BlockReadResult",
     "BlockStore",
     "BufferFull",
     "BufferReservation",
     "BufferStats",
+    "DestinationKind",
+    "DeviceDestination",
     "HostBufferPool",
+    "HostDestination",
     "InvalidBlockKey",
+    "PinnedDestination",
+    "ReadDestination",
     "StoreError",
     "StoreStats",
     "StoreUnavailable",
     "TensorStoreBlockStore",
+    "UnsupportedDestination",
     "WriteReport",
     "block_keys",
+    "buffer_destination",
     "kvstore_spec",
     "decode_block",
     "decode_layers",

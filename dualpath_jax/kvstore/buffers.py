@@ -73,13 +73,24 @@ class BufferReservation:
     def __len__(self) -> int:
         return len(self.slots)
 
+    @property
+    def layout(self) -> BlockLayout:
+        """The layout of the pool's Full Blocks."""
+        return self._pool.layout
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slots are `pinned_host` memory (else a pageable pool's)."""
+        return self._pool.pinned is not None
+
     def block(self, i: int) -> np.ndarray:
         """Full Block `i` of the reservation: a writable view `[n_layers, block_tokens, bytes]`."""
         self._check()
         return self._pool.slab[self.slots[i]]
 
     def blocks(self) -> list[np.ndarray]:
-        """Every Full Block view, in reservation order (pass as `out=` to a store read)."""
+        """Every Full Block view, in reservation order (a store read names the slots with
+        `api.buffer_destination`)."""
         self._check()
         return [self._pool.slab[s] for s in self.slots]
 

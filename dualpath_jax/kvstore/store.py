@@ -3,8 +3,8 @@
 One key per Full Block (`identity.key_path`: `ab/abcd...`), its value the codec's bytes. The
 I/Os of a batch run concurrently, at most `StoreConfig.io_concurrency` in flight, and each waits
 at most `StoreConfig.timeout_s`. Writes, deletes, listing and lookups go through tensorstore;
-reads of a `file` store are positional reads straight into the caller's buffers (filereader.py),
-reads of every other store are tensorstore byte-range reads.
+reads of a `file` store are positional reads straight into the read's destination (filereader.py),
+reads of every other store are tensorstore byte-range reads decoded into it.
 
 Failure semantics (the caller recomputes whatever is not a hit):
 - a missing block ends the hit run there; so does a corrupt, truncated or mismatching block,
@@ -40,8 +40,10 @@ from dualpath_jax.config import ModelConfig, StoreConfig
 from dualpath_jax.kv_events import BlockRemoved, BlockStored, KVEvent
 from dualpath_jax.kvstore import tensorstore_io
 from dualpath_jax.kvstore.api import (
+    BlockRead,
     BlockReadResult,
     BlockStore,
+    DestinationKind,
     StoreError,
     StoreStats,
     StoreUnavailable,
@@ -60,7 +62,7 @@ from dualpath_jax.kvstore.codec import (
 from dualpath_jax.kvstore.filereader import read_block_file
 from dualpath_jax.kvstore.identity import check_key, key_from_path, key_path, model_fingerprint
 from dualpath_jax.kvstore.index import BlockIndex
-from dualpath_jax.model.layout import BlockLayout, kv_bytes_per_token_per_layer
+from dualpath_jax.model.layout import BlockLayout
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,13 @@ class TensorStoreBlockStore(BlockStore):
 
     `on_events(events)` (optional) receives this store's KV events (module docstring); it runs on
     the store's threads, one call at a time, and must neither block for long nor call the store.
+
+    Reads land in host memory: numpy arrays, or the pinned slots of a PE/DE buffer, which are
+    host memory too (a file store's positional reads and a memory store's decode write straight
+    into them). Device pages are refused (`api.UnsupportedDestination`).
     """
+
+    read_destinations = frozenset({DestinationKind.HOST, DestinationKind.PINNED})
 
     def __init__(
         self,
@@ -188,18 +196,6 @@ class TensorStoreBlockStore(BlockStore):
                 self._emit(BlockRemoved(keys=(key,), reason="corrupt"))
         return f"corrupt: {err}"
 
-    @staticmethod
-    def _check_out(out: Any, n: int, shape: tuple[int, ...]) -> None:
-        if out is None:
-            return
-        if len(out) < n:
-            raise ValueError(f"out holds {len(out)} blocks, {n} keys given")
-        for o in out[:n] if isinstance(out, np.ndarray) else list(out)[:n]:
-            if o.shape != shape or o.dtype != np.uint8 or not o.flags.writeable:
-                raise ValueError(
-                    f"out blocks must be writable uint8 {shape}, got {o.dtype} {o.shape}"
-                )
-
     # ------------------------------------------------------------------ lookup
 
     def lookup(self, keys: Sequence[str]) -> futures.Future[int]:
@@ -235,29 +231,11 @@ class TensorStoreBlockStore(BlockStore):
 
     # ------------------------------------------------------------------ reads
 
-    def read_full(
-        self, keys: Sequence[str], out: np.ndarray | Sequence[np.ndarray] | None = None
-    ) -> futures.Future[BlockReadResult]:
-        keys = [check_key(k) for k in keys]
-        self._check_out(out, len(keys), self.fmt.layout.shape)
-        return self._submit(self._read, keys, None, out)
+    def _submit_read(self, read: BlockRead) -> futures.Future[BlockReadResult]:
+        return self._submit(self._read, read)
 
-    def read_layers(
-        self,
-        keys: Sequence[str],
-        layers: tuple[int, int],
-        out: np.ndarray | Sequence[np.ndarray] | None = None,
-    ) -> futures.Future[BlockReadResult]:
-        keys = [check_key(k) for k in keys]
-        start, stop = layers
-        self.fmt.layer_byte_range(start, stop)  # validates the range
-        lay = self.fmt.layout
-        self._check_out(
-            out, len(keys), (stop - start, lay.block_tokens, lay.bytes_per_token_per_layer)
-        )
-        return self._submit(self._read, keys, (start, stop), out)
-
-    def _read(self, keys: list[str], layers: tuple[int, int] | None, out: Any) -> BlockReadResult:
+    def _read(self, read: BlockRead) -> BlockReadResult:
+        keys, layers, out = read.keys, read.layers, read.out
         blocks: list[np.ndarray] = []
         reason = ""
         nbytes = 0
@@ -353,20 +331,9 @@ class TensorStoreBlockStore(BlockStore):
 
     # ------------------------------------------------------------------ writes
 
-    def write_full(
-        self,
-        keys: Sequence[str],
-        blocks: np.ndarray | Sequence[np.ndarray],
-        owner: str | None = None,
+    def _submit_write(
+        self, keys: list[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None
     ) -> futures.Future[WriteReport]:
-        keys = [check_key(k) for k in keys]
-        if len(blocks) != len(keys):
-            raise ValueError(f"{len(keys)} keys but {len(blocks)} blocks")
-        for b in blocks:
-            if b.shape != self.fmt.layout.shape or b.dtype != np.uint8:
-                raise ValueError(
-                    f"Full Blocks must be uint8 {self.fmt.layout.shape}, got {b.dtype} {b.shape}"
-                )
         if owner is not None:
             self.index.claim(owner, keys)
         return self._submit(self._write, keys, blocks)
@@ -515,8 +482,6 @@ def open_block_store(
     """Opens the block store of `model` (layout, KV dtype tag and fingerprint derived from it);
     `on_events` receives its KV events, `disk_usage` sizes its default capacity
     (`TensorStoreBlockStore`)."""
-    layout = BlockLayout(
-        model.num_layers, cfg.block_tokens, kv_bytes_per_token_per_layer(model, kv_format)
-    )
+    layout = BlockLayout.for_model(model, cfg.block_tokens, kv_format)
     fmt = BlockFormat(layout, kv_format or model.kv_dtype, model_fingerprint(model, params_version))
     return TensorStoreBlockStore(cfg, fmt, on_events, disk_usage)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from dualpath_jax.kvstore.api import (
+    BlockRead,
     BlockReadResult,
     BlockStore,
     StoreError,
@@ -98,7 +99,8 @@ def _after(
 
 class FaultyStore(BlockStore):
     """A BlockStore that applies a FaultPlan's `store.*` rules to lookup, read_full, read_layers,
-    write_full and delete of `inner`; everything else (and any other attribute) is `inner`'s.
+    write_full and delete of `inner`; everything else (and any other attribute) is `inner`'s,
+    the destinations it reads into too.
 
     `who` names this engine for the rules' `engines`; `timeout_s` is the store's own I/O timeout
     (StoreConfig.timeout_s; default: `inner.cfg.timeout_s`, else 60), which hangs wait out.
@@ -111,6 +113,7 @@ class FaultyStore(BlockStore):
         self.plan = plan
         self.who = who
         self.fmt = inner.fmt
+        self.read_destinations = inner.read_destinations
         if timeout_s is None:
             timeout_s = getattr(getattr(inner, "cfg", None), "timeout_s", 60.0)
         self.timeout_s = float(timeout_s)
@@ -150,28 +153,17 @@ class FaultyStore(BlockStore):
         keys = list(keys)
         return self._faulted("store.lookup", keys, lambda: self.inner.lookup(keys))
 
-    def read_full(
-        self, keys: Sequence[str], out: np.ndarray | Sequence[np.ndarray] | None = None
-    ) -> futures.Future[BlockReadResult]:
-        keys = list(keys)
-        return self._faulted("store.read", keys, lambda: self.inner.read_full(keys, out))
+    def _submit_read(self, read: BlockRead) -> futures.Future[BlockReadResult]:
+        def call() -> futures.Future[BlockReadResult]:
+            if read.layers is None:
+                return self.inner.read_full(read.keys, read.dest)
+            return self.inner.read_layers(read.keys, read.layers, read.dest)
 
-    def read_layers(
-        self,
-        keys: Sequence[str],
-        layers: tuple[int, int],
-        out: np.ndarray | Sequence[np.ndarray] | None = None,
-    ) -> futures.Future[BlockReadResult]:
-        keys = list(keys)
-        return self._faulted("store.read", keys, lambda: self.inner.read_layers(keys, layers, out))
+        return self._faulted("store.read", read.keys, call)
 
-    def write_full(
-        self,
-        keys: Sequence[str],
-        blocks: np.ndarray | Sequence[np.ndarray],
-        owner: str | None = None,
+    def _submit_write(
+        self, keys: list[str], blocks: np.ndarray | Sequence[np.ndarray], owner: str | None
     ) -> futures.Future[WriteReport]:
-        keys = list(keys)
         return self._faulted(
             "store.write", keys, lambda: self.inner.write_full(keys, blocks, owner), owner
         )

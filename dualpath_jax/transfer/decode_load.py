@@ -53,8 +53,7 @@ class DecodeLoad:
         if d:
             t0 = time.monotonic()
             keys = job.keys[first : first + d]
-            out = [res.block(first + j) for j in range(d)]
-            self.de_hits, self.held_blocks = ctx.read_hit(job, keys, out, job.de_node)
+            self.de_hits, self.held_blocks = ctx.read_hit(job, keys, res, first, job.de_node)
             self.de_read_bytes = (self.de_hits - self.held_blocks) * ctx.layout.nbytes
             self.read_s = time.monotonic() - t0
             if self.on_read_done is not None:

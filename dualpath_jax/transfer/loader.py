@@ -54,8 +54,8 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as PS
 
 from dualpath_jax.config import ModelConfig
-from dualpath_jax.kvstore.buffers import HostBufferPool
-from dualpath_jax.kvstore.store import BlockStore
+from dualpath_jax.kvstore.api import BlockStore, buffer_destination
+from dualpath_jax.kvstore.buffers import BufferReservation, HostBufferPool
 from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.transfer import links, paths
@@ -159,21 +159,24 @@ class LoaderContext:
             self.traffic.transfer(mine, nbytes, cls)
 
     def read_hit(
-        self, job: LoadJob, keys: Sequence[str], out: Sequence[np.ndarray], node: str
+        self, job: LoadJob, keys: Sequence[str], res: BufferReservation, first: int, node: str
     ) -> tuple[int, int]:
-        """Reads one side's hit blocks `keys` into `out` (buffer blocks, in order): the leading
-        ones a tool-gap prefetch of the job's session holds from memory, the rest from the
-        store, charged to `node`'s storage links at LOW (and, with a prefetch memory, with no
-        prefetch block starting meanwhile). Returns `(hits, held)`: the leading blocks now in
-        `out` (a missing block ends them) and how many of those came from memory."""
+        """Reads one side's hit blocks `keys` into the engine's buffer, reserved blocks
+        `[first, first + len(keys))` of `res`: the leading ones a tool-gap prefetch of the
+        job's session holds from memory, the rest from the store straight into the buffer's
+        slots (`api.buffer_destination`), charged to `node`'s storage links at LOW (and, with a
+        prefetch memory, with no prefetch block starting meanwhile). Returns `(hits, held)`:
+        the leading blocks now in the buffer (a missing block ends them) and how many of those
+        came from memory."""
         held = self.prefetch.take(job.session, keys) if self.prefetch and job.session else []
-        for dst, block in zip(out, held):
-            dst[...] = block
+        for i, block in enumerate(held):
+            res.block(first + i)[...] = block
         h = len(held)
         if h == len(keys):
             return h, h
+        dest = buffer_destination(res, first + h)
         with self.prefetch.critical() if self.prefetch else contextlib.nullcontext():
-            got = self.store.read_full(keys[h:], out=list(out[h:])).result(self.timeout_s)
+            got = self.store.read_full(keys[h:], dest).result(self.timeout_s)
         self.charge(
             job, paths.store_read_path(node), got.hits * self.layout.nbytes, links.TrafficClass.LOW
         )

@@ -28,8 +28,8 @@ from concurrent import futures
 
 import numpy as np
 
+from dualpath_jax.kvstore.api import BlockStore, HostDestination
 from dualpath_jax.kvstore.buffers import buffer_blocks
-from dualpath_jax.kvstore.store import BlockStore
 from dualpath_jax.model.layout import BlockLayout
 from dualpath_jax.transfer import links, paths
 
@@ -183,7 +183,7 @@ class PrefetchMemory:
                     if e.stopped:
                         return
                 block = np.empty(self.layout.shape, np.uint8)
-                got = self.store.read_full([key], out=[block]).result(self.timeout_s)
+                got = self.store.read_full([key], HostDestination([block])).result(self.timeout_s)
                 if not got.hits:
                     break  # evicted meanwhile: the load reads what follows (or recomputes)
                 if self.charge is not None:

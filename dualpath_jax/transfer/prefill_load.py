@@ -156,8 +156,7 @@ class PrefillLoad:
             t0 = time.monotonic()
             self._res = ctx.buffer.reserve(p, owner=job.request_id, timeout_s=ctx.timeout_s)
             keys = job.keys[job.lead : job.lead + p]
-            out = [self._res.block(j) for j in range(p)]
-            pe_hits, self.held_blocks = ctx.read_hit(job, keys, out, job.pe_node)
+            pe_hits, self.held_blocks = ctx.read_hit(job, keys, self._res, 0, job.pe_node)
             self.pe_read_bytes = (pe_hits - self.held_blocks) * ctx.layout.nbytes
             self.read_s = time.monotonic() - t0
         de_hits = 0

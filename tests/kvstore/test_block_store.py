@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dualpath_jax.kvstore import (
     BlockReadResult,
+    DestinationKind,
+    DeviceDestination,
     HostBufferPool,
+    HostDestination,
     InvalidBlockKey,
+    PinnedDestination,
+    UnsupportedDestination,
     WriteReport,
     block_keys,
+    buffer_destination,
 )
 from dualpath_jax.kvstore.identity import key_path
 
@@ -107,16 +116,86 @@ def test_reads_into_host_buffer(store, random_blocks, fmt):
     keys = keys_of(store, range(16))
     blocks = random_blocks(4, seed=5)
     store.write_full(keys, blocks).result()
-    pool = HostBufferPool(fmt.layout, 6, "PE buffer")
+    pool = HostBufferPool(fmt.layout, 6, "PE buffer", memory="pageable")
     with pool.reserve(4) as res:
-        got = store.read_full(keys, out=res.blocks()).result()
+        got = store.read_full(keys, HostDestination(res.blocks())).result()
         assert got.hits == 4
         for i in range(4):
             np.testing.assert_array_equal(res.block(i), blocks[i])
             assert np.shares_memory(got.blocks[i], pool.slab)
         out = np.zeros((4, 1, *fmt.layout.shape[1:]), np.uint8)
-        assert store.read_layers(keys, (2, 3), out=out).result().hits == 4
+        assert store.read_layers(keys, (2, 3), HostDestination(out)).result().hits == 4
         np.testing.assert_array_equal(out, blocks[:, 2:3])
+
+
+@pytest.mark.parametrize("memory", ["pinned_host", "pageable"])
+def test_reads_into_buffer_slots_equal_reads_into_numpy(store, random_blocks, fmt, memory):
+    """Whole blocks and every layer range, read into a PE buffer's slots (from slot 1 on), are
+    the bytes a read into new numpy arrays gets, and land in the slots in place."""
+    keys = keys_of(store, range(16))
+    store.write_full(keys, random_blocks(4, seed=5)).result()
+    host = store.read_full(keys).result().stack()
+    pool = HostBufferPool(fmt.layout, 6, "PE buffer", memory=memory)
+    with pool.reserve(6) as res:
+        dest = buffer_destination(res, first=1)
+        assert type(dest) is (PinnedDestination if memory == "pinned_host" else HostDestination)
+        got = store.read_full(keys, dest).result()
+        assert got.hits == 4
+        for i in range(4):
+            assert res.block(1 + i).tobytes() == host[i].tobytes()
+            assert np.shares_memory(got.blocks[i], res.block(1 + i))
+        n = fmt.layout.num_layers
+        for start in range(n):
+            for stop in range(start + 1, n + 1):
+                for i in range(6):
+                    res.block(i)[...] = 0xAB  # what a layer read must leave alone
+                want = store.read_layers(keys, (start, stop)).result().stack()
+                got = store.read_layers(keys, (start, stop), buffer_destination(res, 1)).result()
+                assert got.hits == 4
+                for i in range(4):
+                    slot = res.block(1 + i)
+                    assert slot[start:stop].tobytes() == want[i].tobytes()
+                    assert np.shares_memory(got.blocks[i], slot)
+                    rest = np.concatenate([slot[:start], slot[stop:]])
+                    assert (rest == 0xAB).all()
+                assert (res.block(0) == 0xAB).all() and (res.block(5) == 0xAB).all()
+
+
+def test_device_destination_is_refused_before_any_io(store, random_blocks, fmt):
+    keys = keys_of(store, range(8))
+    store.write_full(keys, random_blocks(2)).result()
+    assert store.read_destinations == {DestinationKind.HOST, DestinationKind.PINNED}
+    lay = fmt.layout
+    pages = jnp.zeros((lay.num_layers, 4, lay.block_tokens, lay.bytes_per_token_per_layer))
+    dest = DeviceDestination(pages.astype(jnp.uint8), (2, 3))
+    before = store.stats()
+    with pytest.raises(UnsupportedDestination, match="not supported by this store"):
+        store.read_full(keys, dest)
+    with pytest.raises(UnsupportedDestination, match="not supported by this store"):
+        store.read_layers(keys, (0, 1), dest)
+    assert store.stats() == before
+
+
+def test_bad_destinations(store, random_blocks, fmt):
+    keys = keys_of(store, range(12))
+    store.write_full(keys, random_blocks(3)).result()
+    pinned = HostBufferPool(fmt.layout, 4, "DE buffer")
+    pageable = HostBufferPool(fmt.layout, 4, "DE buffer", memory="pageable")
+    with pinned.reserve(4) as res, pageable.reserve(4) as flat:
+        with pytest.raises(ValueError):  # blocks [2, 5) of a reservation of 4
+            store.read_full(keys, PinnedDestination(res, first=2))
+        with pytest.raises(ValueError, match="pageable"):
+            PinnedDestination(flat)
+        read_only = np.zeros(fmt.layout.shape, np.uint8)
+        read_only.flags.writeable = False
+        with pytest.raises(ValueError, match="writable"):
+            store.read_full(keys[:1], HostDestination([read_only]))
+    other = HostBufferPool(dataclasses.replace(fmt.layout, num_layers=2), 3, "PE buffer")
+    with other.reserve(3) as res, pytest.raises(ValueError):
+        store.read_full(keys, PinnedDestination(res))
+    lay = fmt.layout
+    with pytest.raises(ValueError):  # a page id past the pages
+        DeviceDestination(jnp.zeros((lay.num_layers, 2, *lay.shape[1:]), jnp.uint8), (2,))
 
 
 def test_missing_block_ends_the_hit_run(store, random_blocks):
@@ -185,8 +264,6 @@ def test_block_shorter_than_a_header(store, random_blocks):
 
 
 def test_block_of_another_model_is_a_miss(store, random_blocks, fmt):
-    import dataclasses
-
     from dualpath_jax.kvstore import encode_block
 
     keys = keys_of(store, range(8))
@@ -289,7 +366,7 @@ def test_bad_arguments(store, random_blocks):
     with pytest.raises(IndexError):
         store.read_layers(keys, (0, 9))
     with pytest.raises(ValueError):
-        store.read_full(keys, out=np.zeros((2, 1, 1, 1), np.uint8))
+        store.read_full(keys, HostDestination(np.zeros((2, 1, 1, 1), np.uint8)))
 
 
 def test_concurrent_batches(store, random_blocks):
