@@ -141,6 +141,30 @@ def is_stop(msg: messages.Msg) -> bool | None:
     return None
 
 
+def handle_common(engine, msg: messages.Msg) -> None:
+    """Carries out the orders a prefill and a decode engine treat alike, after each has matched
+    its own: cancel a request, a tool-gap prefetch, a params load or commit, rejoin, the `Ack`
+    of its registration, and stop (anything else is logged and ignored). `engine` is a
+    `PrefillEngine` or a `DecodeEngine` (`engines.core.Engine` with its requests, context and
+    params slot)."""
+    match msg:
+        case messages.Cancel(request=r):
+            engine.drop(r)
+        case messages.Prefetch() | messages.DropPrefetch():
+            prefetch_order(msg, engine.ctx.prefetch, engine.engine, engine.outbox.put)
+        case messages.LoadParams() | messages.CommitParams():
+            engine.params.handle(msg, engine.control.send)
+        case messages.Error(kind="rejoin", message=why):
+            engine.rejoin(why)
+        case messages.Ack(ref=ref) if ref == str(engine.engine):
+            engine.registering = False  # registered
+        case _:
+            stop = is_stop(msg)
+            if stop is None:
+                log.warning("unexpected %s", type(msg).__name__)
+            engine.stopped |= bool(stop)
+
+
 def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> messages.Failed:
     """The `Failed` report of an engine's part of a request, classified by `failure_kind`."""
     log.warning("request %s failed: %s: %s", request, type(exc).__name__, exc)

@@ -25,9 +25,8 @@ from collections.abc import Callable
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
     failed,
-    is_stop,
+    handle_common,
     job_from_msg,
-    prefetch_order,
     register,
     rejoin,
 )
@@ -194,8 +193,6 @@ class DecodeEngine:
                 self.take_forks(r, msg.forks)
             case messages.PauseDecode(paused=paused):
                 self.decode_paused = paused
-            case messages.Cancel(request=r):
-                self.drop(r)
             case messages.Finish(request=rid, reason=reason):
                 r = self.reqs.get(rid)
                 if r is not None:
@@ -208,19 +205,8 @@ class DecodeEngine:
                 self.ctx.store.disown(session)
             case messages.Retain(session=session, state=state, priority=priority, ttl_s=ttl):
                 self.ctx.store.retain(session, state, priority, ttl)
-            case messages.Prefetch() | messages.DropPrefetch():
-                prefetch_order(msg, self.ctx.prefetch, self.engine, self.outbox.put)
-            case messages.LoadParams() | messages.CommitParams():
-                self.params.handle(msg, self.control.send)
-            case messages.Error(kind="rejoin", message=why):
-                self.rejoin(why)
-            case messages.Ack(ref=ref) if ref == str(self.engine):
-                self.registering = False  # registered
             case _:
-                stop = is_stop(msg)
-                if stop is None:
-                    log.warning("unexpected %s", type(msg).__name__)
-                self.stopped |= bool(stop)
+                handle_common(self, msg)
 
     def start_waiting(self) -> None:
         """Starts the DE half of queued jobs, FIFO, while the DE buffer has room."""

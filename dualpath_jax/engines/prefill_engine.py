@@ -25,9 +25,8 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
     failed,
-    is_stop,
+    handle_common,
     job_from_msg,
-    prefetch_order,
     register,
     rejoin,
 )
@@ -165,21 +164,8 @@ class PrefillEngine:
             case messages.Work(jobs=jobs):
                 for m in jobs:
                     self.start(m)
-            case messages.Cancel(request=r):
-                self.drop(r)
-            case messages.Prefetch() | messages.DropPrefetch():
-                prefetch_order(msg, self.ctx.prefetch, self.engine, self.outbox.put)
-            case messages.LoadParams() | messages.CommitParams():
-                self.params.handle(msg, self.control.send)
-            case messages.Error(kind="rejoin", message=why):
-                self.rejoin(why)
-            case messages.Ack(ref=ref) if ref == str(self.engine):
-                self.registering = False  # registered
             case _:
-                stop = is_stop(msg)
-                if stop is None:
-                    log.warning("unexpected %s", type(msg).__name__)
-                self.stopped |= bool(stop)
+                handle_common(self, msg)
 
     def start(self, m: messages.LoadJobMsg) -> None:
         try:
