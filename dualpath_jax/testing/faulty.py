@@ -44,9 +44,9 @@ from dualpath_jax.transfer.channel import (
     ArrayLike,
     ChannelStats,
     KVChannel,
+    Spec,
     TransferCancelled,
     TransferError,
-    TransferTimeout,
 )
 
 # --- futures ---------------------------------------------------------------------------------
@@ -237,16 +237,15 @@ class FaultyChannel(KVChannel):
             return None
         return self.inner.offer(uuid, arrays)
 
-    def pull(
+    def _pull(
         self,
         peer: str,
         uuid: int,
         specs: Sequence[Any],
+        norm: list[Spec],
         timeout_s: float,
-        *,
-        abort: threading.Event | None = None,
+        abort: threading.Event | None,
     ) -> list[Any]:
-        self._check_open()
         hit = self.plan.pick("channel.pull", self.who)
         if hit is None:
             return self.inner.pull(peer, uuid, specs, timeout_s, abort=abort)
@@ -254,8 +253,7 @@ class FaultyChannel(KVChannel):
         where = f"pull {uuid} from {peer}: injected {rule.describe()} into channel.pull (rule {i})"
         if rule.hang or rule.delay_s >= timeout_s:
             self._wait(timeout_s, abort, peer, uuid)
-            self._counters.add(timeouts=1)
-            raise TransferTimeout(f"{where}: nothing within {timeout_s:.3g}s")
+            raise self._timed_out(where, timeout_s)
         if rule.delay_s:
             self._wait(rule.delay_s, abort, peer, uuid)
         if rule.error is not None:

@@ -242,7 +242,6 @@ class KVChannel(abc.ABC):
         ValueError for an empty list, a bad uuid, or a uuid this channel still has outstanding.
         """
 
-    @abc.abstractmethod
     def pull(
         self,
         peer: str,
@@ -260,7 +259,30 @@ class KVChannel(abc.ABC):
         Raises TransferTimeout when nothing arrived within `timeout_s` and TransferError when the
         peer is gone or the transfer failed; the channel stays usable after either. Setting
         `abort` ends the wait early with TransferCancelled (a cancelled load frees its thread).
+        A closed channel raises TransferError and an empty `specs` ValueError before anything
+        moves.
         """
+        self._check_open()
+        norm = normalize_specs(specs)
+        if not norm:
+            raise ValueError("pull: no specs")
+        out = self._pull(peer, uuid, specs, norm, timeout_s, abort)
+        self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
+        return out
+
+    @abc.abstractmethod
+    def _pull(
+        self,
+        peer: str,
+        uuid: int,
+        specs: Sequence[Any],
+        norm: list[Spec],
+        timeout_s: float,
+        abort: threading.Event | None,
+    ) -> list[Any]:
+        """The transfer behind `pull`, on an open channel: `norm` is `specs` as `(shape, dtype)`
+        pairs (at least one). Counts its own errors and timeouts (`_timed_out`); `pull` counts
+        the pull that returns."""
 
     @abc.abstractmethod
     def outstanding_offers(self) -> int:
@@ -307,6 +329,12 @@ class KVChannel(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError(f"channel {self.address} is closed")
+
+    def _timed_out(self, where: str, timeout_s: float) -> TransferTimeout:
+        """The `TransferTimeout` of pull `where` ("pull UUID from PEER"), which got nothing
+        within `timeout_s`: counted, for the caller to raise."""
+        self._counters.add(timeouts=1)
+        return TransferTimeout(f"{where}: nothing within {timeout_s:.3g}s")
 
     @staticmethod
     def _check_aborted(abort: threading.Event | None, peer: str, uuid: int) -> None:

@@ -18,11 +18,9 @@ from dualpath_jax import copies
 from dualpath_jax.transfer.channel import (
     ArrayLike,
     KVChannel,
+    Spec,
     TransferError,
-    TransferTimeout,
-    normalize_specs,
     spec_devices,
-    spec_nbytes,
 )
 
 
@@ -146,19 +144,15 @@ class InProcessChannel(KVChannel):
         self._fabric.put(self._address, uuid, on_device, self._fabric.clock() + ttl)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def pull(
+    def _pull(
         self,
         peer: str,
         uuid: int,
         specs: Sequence[Any],
+        norm: list[Spec],
         timeout_s: float,
-        *,
-        abort: threading.Event | None = None,
+        abort: threading.Event | None,
     ) -> list[jax.Array]:
-        self._check_open()
-        norm = normalize_specs(specs)
-        if not norm:
-            raise ValueError("pull: no specs")
         devices = spec_devices(specs, self._device)
         if not self._fabric.is_alive(self._address):
             raise TransferError(f"channel {self._address} was killed")
@@ -171,15 +165,12 @@ class InProcessChannel(KVChannel):
             raise
         self._check_aborted(abort, peer, uuid)
         if arrays is None:
-            self._counters.add(timeouts=1)
-            raise TransferTimeout(f"pull {uuid} from {peer}: nothing within {timeout_s:.3g}s")
+            raise self._timed_out(f"pull {uuid} from {peer}", timeout_s)
         got = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
         if got != norm:
             self._counters.add(errors=1)
             raise TransferError(f"pull {uuid} from {peer}: offered {got}, specs {norm}")
-        out = [jax.device_put(a, dev) for a, dev in zip(arrays, devices)]
-        self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
-        return out
+        return [jax.device_put(a, dev) for a, dev in zip(arrays, devices)]
 
     def outstanding_offers(self) -> int:
         return self._fabric.outstanding(self._address)

@@ -18,11 +18,9 @@ from dualpath_jax import copies
 from dualpath_jax.transfer.channel import (
     ArrayLike,
     KVChannel,
+    Spec,
     TransferError,
-    TransferTimeout,
-    normalize_specs,
     spec_devices,
-    spec_nbytes,
 )
 
 
@@ -120,19 +118,15 @@ class JaxTransferChannel(KVChannel):
             self._server.await_pull(uuid, on_device, timeout=expiry)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def pull(
+    def _pull(
         self,
         peer: str,
         uuid: int,
         specs: Sequence[Any],
+        norm: list[Spec],
         timeout_s: float,
-        *,
-        abort: threading.Event | None = None,
+        abort: threading.Event | None,
     ) -> list[jax.Array]:
-        self._check_open()
-        norm = normalize_specs(specs)
-        if not norm:
-            raise ValueError("pull: no specs")
         deadline = self._clock() + timeout_s
         devices = spec_devices(specs, self._device)
         structs = [
@@ -158,8 +152,7 @@ class JaxTransferChannel(KVChannel):
             self._drop_connection(peer)
             raise TransferError(f"pull {uuid} from {peer}: peer is gone")
         if not ready:
-            self._counters.add(timeouts=1)
-            raise TransferTimeout(f"pull {uuid} from {peer}: nothing within {timeout_s:.3g}s")
+            raise self._timed_out(f"pull {uuid} from {peer}", timeout_s)
         try:
             for a in out:
                 a.block_until_ready()  # ready already; raises the transfer's error if any
@@ -167,7 +160,6 @@ class JaxTransferChannel(KVChannel):
             self._counters.add(errors=1)
             self._drop_connection(peer)
             raise TransferError(f"pull {uuid} from {peer}: {e}") from e
-        self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
         return out
 
     def outstanding_offers(self) -> int:
