@@ -5,6 +5,10 @@ query rows, and the running (accumulators, max, sum) updated block by block, all
 A key block arrives as `load(offset, width, scale index)`, which gives one segment of the keys'
 rows in the compute dtype (the kernels differ in where rows come from and how scales are read).
 Running maxima and sums are `[rows, 1]` (two-dimensional, as TPU vector layouts want).
+
+Around it, what both forms share outside the program: their first operands
+(`scalar_operands`), the arrays their programs write (`out_shapes`: the output, or split-KV's
+partials) and the combine of those partials after the call (`combine`).
 """
 
 from __future__ import annotations
@@ -121,3 +125,36 @@ def store(outs: Sequence, carry: tuple, keep: Array, split: bool) -> None:
     if split:
         outs[1][...] = m
         outs[2][...] = denom
+
+
+# The operands both forms take before the queries (`scalar_operands`): the index of the first
+# query segment, and so of the pages operand an in-place write aliases.
+SCALARS = 5
+
+
+def scalar_operands(
+    lens: Array, table: Array, layer: Array, write_lens: Array | None, new_lens: Array
+) -> tuple[Array, ...]:
+    """The `SCALARS` operands a paged kernel call starts with: cached lengths `[B]`, the page
+    table `[B, M]`, the layer `[1]`, the new rows to write `[B]` (zeros when not writing) and
+    the real new tokens `[B]`."""
+    writes = jnp.zeros(lens.shape, jnp.int32) if write_lens is None else write_lens
+    return lens, table, layer, writes, new_lens
+
+
+def out_shapes(splits: int, lead: tuple[int, ...], dv: int, dtype) -> list[jax.ShapeDtypeStruct]:
+    """What a kernel's programs write (`store`): the output `[*lead, dv]` in `dtype` or, with
+    `splits` > 1, the partials `combine` takes: f32 accumulators `[splits, *lead, dv]`, running
+    maxima and sums `[splits, *lead, 1]`."""
+    if splits == 1:
+        return [jax.ShapeDtypeStruct((*lead, dv), dtype)]
+    return [jax.ShapeDtypeStruct((splits, *lead, w), jnp.float32) for w in (dv, 1, 1)]
+
+
+def combine(partials: Sequence[Array], dtype) -> Array:
+    """Split-KV's partial softmaxes (`out_shapes` with splits: `[S, ..., dv]` accumulators,
+    `[S, ..., 1]` maxima and sums) -> the normalized output `[..., dv]` in `dtype`."""
+    acc, m, denom = partials
+    weight = jnp.exp(m - m.max(axis=0, keepdims=True))
+    denom = (denom * weight).sum(0)  # zero for a padding query: its output is zero
+    return ((acc * weight).sum(0) / jnp.where(denom > 0, denom, 1.0)).astype(dtype)

@@ -36,7 +36,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from dualpath_jax.kernels.dense_attention import QUERY_BLOCK, attend, attend_blocks, prefill_mask
 from dualpath_jax.kernels.kv_rows import RowLayout, as_bits, split_kv
-from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax, store
+from dualpath_jax.kernels.online_softmax import (
+    NEG,
+    SCALARS,
+    OnlineSoftmax,
+    combine,
+    out_shapes,
+    scalar_operands,
+    store,
+)
 from dualpath_jax.kernels.paged_attention_tpu import paged_attention_tpu
 
 Array = jax.Array
@@ -350,14 +358,6 @@ def _decode_splits(n: int, num_pages: int, kv_splits: int | None) -> int:
     return max(1, min(_MAX_SPLITS, num_pages // _PAGES_PER_SPLIT)) if n == 1 else 1
 
 
-def _combine(acc: Array, m: Array, denom: Array, dtype) -> Array:
-    """The splits' partial softmaxes (`[S, ..., dv]` accumulators, `[S, ..., 1]` maxima and
-    sums) -> the normalized output `[..., dv]` in `dtype`."""
-    weight = jnp.exp(m - m.max(axis=0, keepdims=True))
-    denom = (denom * weight).sum(0)  # zero for a padding query: its output is zero
-    return ((acc * weight).sum(0) / jnp.where(denom > 0, denom, 1.0)).astype(dtype)
-
-
 def _paged_attention_tpu(
     q, bits, table, lens, new_rows, layer, write_lens, new_lens, *, layout, scale, kv_dtype,
     interpret, kv_splits=None, pages_per_block=None,
@@ -372,7 +372,7 @@ def _paged_attention_tpu(
         kv_splits=splits, pages_per_block=ppb, interpret=interpret,
     )  # fmt: skip
     if splits > 1:
-        out = _combine(*out, q.dtype)
+        out = combine(out, q.dtype)
     out = _head_output(out, q, layout, g)
     return (out, pages) if write_lens is not None else out
 
@@ -399,21 +399,17 @@ def _paged_attention(
     # into HBM) and the kernel loads a step's pages of one layer itself; interpreted, one view.
     whole = pl.BlockSpec(memory_space=pl.ANY) if compiled else scalar(bits.shape)
     writing = write_lens is not None
+    out_shape = out_shapes(s, (b, hk, n * plan.group), dv, q.dtype)
     if s == 1:
         out_specs = [rows_spec(dv)]
-        out_shape = [jax.ShapeDtypeStruct((b, hk, n * plan.group, dv), q.dtype)]
     else:
 
-        def part(*shape):  # split t's share
-            rest = (0,) * (len(shape) - 1)
-            return pl.BlockSpec((None, None, None, *shape), lambda i, j, k, t: (t, i, j, k, *rest))
+        def part(w):  # split t's share
+            return pl.BlockSpec(
+                (None, None, None, plan.block_rows, w), lambda i, j, k, t: (t, i, j, k, 0)
+            )
 
-        out_specs = [part(plan.block_rows, dv), part(plan.block_rows, 1), part(plan.block_rows, 1)]
-        out_shape = [
-            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, dv), jnp.float32),
-            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, 1), jnp.float32),
-            jax.ShapeDtypeStruct((s, b, hk, n * plan.group, 1), jnp.float32),
-        ]
+        out_specs = [part(dv), part(1), part(1)]
     if writing:
         out_specs.append(whole)
         out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
@@ -438,24 +434,17 @@ def _paged_attention(
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={5 + nseg: len(out_shape) - 1} if writing else {},
+        input_output_aliases={SCALARS + nseg: len(out_shape) - 1} if writing else {},
         interpret=interpret,
         compiler_params=params,
         name="paged_attention",
     )(
-        lens,
-        table,
-        layer,
-        write_lens if writing else jnp.zeros((b,), jnp.int32),
-        new_lens,
+        *scalar_operands(lens, table, layer, write_lens, new_lens),
         *q_segs,
         bits,
         as_bits(new_rows.astype(kv_dtype)),
     )
-    if s == 1:
-        out = outs[0]
-    else:  # combine the splits' partial softmaxes
-        out = _combine(*outs[:3], q.dtype)
+    out = outs[0] if s == 1 else combine(outs[:3], q.dtype)
     out = _head_output(out, q, layout, plan.group)
     return (out, outs[-1]) if writing else out
 

@@ -34,7 +34,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from dualpath_jax.kernels.kv_rows import RowLayout
-from dualpath_jax.kernels.online_softmax import NEG, OnlineSoftmax, store
+from dualpath_jax.kernels.online_softmax import (
+    NEG,
+    SCALARS,
+    OnlineSoftmax,
+    out_shapes,
+    scalar_operands,
+    store,
+)
 
 Array = jax.Array
 
@@ -254,16 +261,8 @@ def paged_attention_tpu(
         return pl.BlockSpec((None, None, None, rows, w), lambda t, i, j, k, *_: (t, i, j, k, 0))
 
     hbm = pl.BlockSpec(memory_space=pl.ANY)
-    if lead:
-        out_specs = [part(dv), part(1), part(1)]
-        out_shape = [
-            jax.ShapeDtypeStruct((splits, b, hk, nrows, dv), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, hk, nrows, 1), jnp.float32),
-            jax.ShapeDtypeStruct((splits, b, hk, nrows, 1), jnp.float32),
-        ]
-    else:
-        out_specs = [rows_spec(dv)]
-        out_shape = [jax.ShapeDtypeStruct((b, hk, nrows, dv), q_segs[0].dtype)]
+    out_specs = [part(dv), part(1), part(1)] if lead else [rows_spec(dv)]
+    out_shape = out_shapes(splits, (b, hk, nrows), dv, q_segs[0].dtype)
     if writing:
         out_specs.append(hbm)
         out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
@@ -296,21 +295,12 @@ def paged_attention_tpu(
         kernel,
         grid_spec=grid_spec,
         out_shape=out_shape,
-        # operands: 5 scalars, the query segments, the pages, the new rows
-        input_output_aliases={5 + nseg: len(out_shape) - 1} if writing else {},
+        # operands: the scalars, the query segments, the pages, the new rows
+        input_output_aliases={SCALARS + nseg: len(out_shape) - 1} if writing else {},
         compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
         interpret=interpret,
         name="paged_attention_tpu",
-    )(
-        lens,
-        table,
-        layer,
-        write_lens if writing else jnp.zeros((b,), jnp.int32),
-        new_lens,
-        *q_segs,
-        bits,
-        new_bits,
-    )
+    )(*scalar_operands(lens, table, layer, write_lens, new_lens), *q_segs, bits, new_bits)
     out = outs[0] if not lead else tuple(outs[:3])
     return out, (outs[-1] if writing else None)
 
