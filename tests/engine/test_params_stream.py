@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from router_rig import CLIENT, DE, DE_ID, PE, PE_ID, only, registration
 
 from dualpath_jax.engines.params import ParamsSlot, served_params
 from dualpath_jax.model.checkpoint import params_state
@@ -24,7 +25,6 @@ from dualpath_jax.transfer.params_sync import (
     plan_buckets,
 )
 from dualpath_jax.wire import frames, messages
-from tests.engine.test_params_update import DE, PE, _only, make_rig
 
 BUCKET = 60_000  # bytes: the tiny model (~0.5 MB) in about ten buckets
 
@@ -195,58 +195,48 @@ def _offer(copies: int = 3) -> ParamsOffer:
     return ParamsOffer(address="a:1", uuid=5, copies=copies, buckets=[bucket])
 
 
-@pytest.fixture()
-def rig(monkeypatch):
-    r = make_rig(monkeypatch)
-    yield r
-    r.router.server.close()
-    r.router.store.close()
-
-
 def test_a_streamed_update_gives_each_engine_its_copy_and_commits(rig):
     assert rig.router.stats()["params_pullers"] == 2
     offer = _offer()
-    sent = rig.handle(messages.UpdateParams(version="v1", offer=offer))
-    loads = {ident: m for ident, m in _only(sent, messages.LoadParams)}
+    sent = rig.sends(messages.UpdateParams(version="v1", offer=offer))
+    loads = {ident: m for ident, m in only(sent, messages.LoadParams)}
     assert {i: (m.offer, m.path) for i, m in loads.items()} == {
-        b"pe": (offer, ""),
-        b"de": (offer, ""),
+        PE_ID: (offer, ""),
+        DE_ID: (offer, ""),
     }
     assert sorted(m.copy for m in loads.values()) == [0, 1]
-    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
-    sent = rig.handle(messages.ParamsLoaded(engine=DE, version="v1", ok=True), b"de")
-    assert (b"client", messages.Ack(ref="params:v1")) in sent
+    rig.sends(messages.ParamsLoaded(engine=PE, version="v1", ok=True), PE_ID)
+    sent = rig.sends(messages.ParamsLoaded(engine=DE, version="v1", ok=True), DE_ID)
+    assert (CLIENT, messages.Ack(ref="params:v1")) in sent
     assert rig.router.params.version == "v1" and rig.router.params.path == ""
 
 
 def test_an_offer_with_too_few_copies_is_refused_before_any_load(rig):
-    sent = rig.handle(messages.UpdateParams(version="v1", offer=_offer(copies=1)))
-    assert _only(sent, messages.LoadParams) == []
-    ((_, err),) = _only(sent, messages.Error)
+    sent = rig.sends(messages.UpdateParams(version="v1", offer=_offer(copies=1)))
+    assert only(sent, messages.LoadParams) == []
+    ((_, err),) = only(sent, messages.Error)
     assert "the offer holds 1 copies" in err.message and "pull 2" in err.message
     assert rig.router.params.version == "" and rig.router.params.update is None
 
 
 def test_a_path_and_an_offer_together_are_refused(rig):
-    ((_, err),) = rig.handle(messages.UpdateParams(version="v1", path="/p", offer=_offer()))
+    ((_, err),) = rig.sends(messages.UpdateParams(version="v1", path="/p", offer=_offer()))
     assert "(one of them)" in err.message
 
 
 @pytest.mark.parametrize("how", ["dies", "restarts"])
 def test_an_engine_dying_or_restarting_mid_pull_fails_the_update_everywhere(rig, how):
-    rig.handle(messages.UpdateParams(version="v1", offer=_offer()))
-    rig.handle(messages.ParamsLoaded(engine=PE, version="v1", ok=True), b"pe")
+    rig.sends(messages.UpdateParams(version="v1", offer=_offer()))
+    rig.sends(messages.ParamsLoaded(engine=PE, version="v1", ok=True), PE_ID)
     rig.sent.clear()
     if how == "dies":
         rig.router.liveness.declare_dead(rig.router.liveness.registry[DE])
         sent = list(rig.sent)
     else:
-        sent = rig.handle(
-            messages.Register(role="decode", engine=DE, node=DE, group=0, address="x", pid=1),
-            b"de",
-        )
-    assert (b"pe", messages.CommitParams(version="v1", commit=False)) in sent
-    ((_, err),) = _only(sent, messages.Error)
+        # (the registration of the process the rig registered)
+        sent = rig.sends(registration(DE, "decode", pid=100 + DE), DE_ID)
+    assert (PE_ID, messages.CommitParams(version="v1", commit=False)) in sent
+    ((_, err),) = only(sent, messages.Error)
     verb = "died" if how == "dies" else "restarted"
     assert f"engine 1: {verb} while pulling the params" in err.message
     assert "still serving ''" in err.message

@@ -6,104 +6,13 @@ no live engine of a role, rounds fail instead of waiting."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
+from router_rig import CLIENT, DE, DE_ID, PE, PE_ID, RouterRig
 
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
-from dualpath_jax.kvstore.store import open_block_store
-from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.router.router import Router
-from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.wire import frames, messages
-from dualpath_jax.wire.rpc import RpcServer
-
-BT = 16
-PE, DE = 0, 1
-PE_ID, DE_ID, CLIENT = b"pe0", b"de1", b"client"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@dataclasses.dataclass
-class Rig:
-    router: Router
-    sent: list[tuple[bytes, messages.Msg]]
-    clock: Clock
-
-    def handle(
-        self, msg: messages.Msg, ident: bytes = CLIENT, role: str = frames.ENGINE
-    ) -> list[messages.Msg]:
-        """What the router sent in answer, session retention (`Retain`, tests/engine/
-        test_router_retention.py) left out."""
-        self.sent.clear()
-        self.router.handle(ident, msg, role)
-        return [m for _, m in self.sent if not isinstance(m, messages.Retain)]
-
-    def to(self, ident: bytes) -> list[messages.Msg]:
-        return [m for i, m in self.sent if i == ident and not isinstance(m, messages.Retain)]
-
-    def submit(self, session: str, request: str, gen: int = 3) -> None:
-        assert self.handle(messages.OpenSession(session=session), role=frames.CLIENT) == [
-            messages.Ack(ref=session)
-        ]
-        assert self.handle(messages.Submit(request=request, session=session, append=[1, 2, 3], gen=gen),
-                           role=frames.CLIENT) == []  # fmt: skip
-
-    def fetch(self, engine: int, slots: int = 2) -> list[messages.Msg]:
-        ident = PE_ID if engine == PE else DE_ID
-        load = (
-            messages.Load(hbm_capacity_tokens=10_000, slots=slots)
-            if engine == DE
-            else messages.Load()
-        )
-        self.handle(messages.Fetch(engine=engine, load=load), ident)
-        return list(self.sent)
-
-    def assign(self) -> list[messages.LoadJobMsg]:
-        """DE then PE fetch: the jobs the DE got."""
-        self.fetch(DE)
-        sent = self.fetch(PE)
-        return [j for i, m in sent if i == DE_ID and isinstance(m, messages.Work) for j in m.jobs]
-
-
-def make_rig(store_wait_s: float = 60.0, **cluster) -> Rig:
-    cfg = ExperimentConfig(
-        model=TINY_QWEN2,
-        store=StoreConfig(kind="memory", block_tokens=BT),
-        cluster=ClusterConfig(decode_max_len=256, **cluster),
-    )
-    c = cfg.cluster
-    server = RpcServer("127.0.0.1", 0)
-    store = open_block_store(cfg.store, cfg.model)
-    clock = Clock()
-    sched = GlobalScheduler(Policy.DUALPATH, de_max_seqs=c.decode_slots + c.decode_queue)
-    router = Router(cfg, server, store, sched, clock=clock, store_wait_s=store_wait_s)
-    sent: list[tuple[bytes, messages.Msg]] = []
-    server.send = lambda ident, msg: sent.append((ident, msg))  # type: ignore[method-assign]
-    rig = Rig(router, sent, clock)
-    for engine, role, ident in ((PE, "prefill", PE_ID), (DE, "decode", DE_ID)):
-        rig.handle(messages.Register(role=role, engine=engine, node=engine, group=0,
-                              address=f"inproc://{engine}", pid=100 + engine), ident)  # fmt: skip
-    rig.router.tick(clock())
-    return rig
-
-
-@pytest.fixture()
-def rig():
-    r = make_rig(max_attempts=2)
-    yield r
-    r.router.server.close()
-    r.router.store.close()
-
-
-def errors_to_client(rig: Rig) -> list[messages.Error]:
+def errors_to_client(rig: RouterRig) -> list[messages.Error]:
     return [m for m in rig.to(CLIENT) if isinstance(m, messages.Error)]
 
 
@@ -188,8 +97,8 @@ def test_the_pe_gets_a_job_only_once_its_de_is_ready(rig):
     assert rig.to(PE_ID) == [messages.Work(jobs=[job])]
 
 
-def test_a_de_never_holds_more_than_its_slots_plus_queue():
-    rig = make_rig(decode_slots=2, decode_queue=1, max_attempts=2)
+def test_a_de_never_holds_more_than_its_slots_plus_queue(router_rig):
+    rig = router_rig(decode_slots=2, decode_queue=1, max_attempts=2)
     for k in range(8):
         rig.submit(f"s{k}", f"r{k}")
     for _ in range(4):  # repeated fetches place no more
@@ -200,8 +109,8 @@ def test_a_de_never_holds_more_than_its_slots_plus_queue():
     assert len(rig.router.scheduler) == 5
 
 
-def test_beyond_max_queue_rounds_are_refused_as_overloaded():
-    rig = make_rig()
+def test_beyond_max_queue_rounds_are_refused_as_overloaded(router_rig):
+    rig = router_rig()
     rig.router.scheduler.max_queue = 2
     rig.submit("a", "r1")
     rig.submit("b", "r2")

@@ -9,8 +9,9 @@ import dataclasses
 
 import msgspec
 import pytest
+from router_rig import BT, CLIENT, DE, DE_ID, PE, PE_ID, Clock, Recorder, config, registration
 
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, Policy, StoreConfig
+from dualpath_jax.config import Policy
 from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.router.dispatch import Dispatch
 from dualpath_jax.router.liveness import EngineRegistry, Liveness
@@ -21,45 +22,6 @@ from dualpath_jax.router.sessions import RequestState, SessionTable
 from dualpath_jax.sched.scheduler import GlobalScheduler
 from dualpath_jax.sched.types import Request
 from dualpath_jax.wire import messages
-
-BT = 16
-PE, DE = 0, 1
-PE_ID, DE_ID, CLIENT = b"pe0", b"de1", b"client"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Server:
-    """Records what is sent (the outbox's only use of the server)."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[bytes, messages.Msg]] = []
-
-    def send(self, ident: bytes, msg: messages.Msg) -> None:
-        self.sent.append((ident, msg))
-
-    def to(self, ident: bytes) -> list[messages.Msg]:
-        return [m for i, m in self.sent if i == ident]
-
-
-def config(**cluster) -> ExperimentConfig:
-    return ExperimentConfig(
-        model=TINY_QWEN2,
-        store=StoreConfig(kind="memory", block_tokens=BT),
-        cluster=ClusterConfig(decode_max_len=256, **cluster),
-    )
-
-
-def registration(engine: int, role: str, pid: int = 7, **kw) -> messages.Register:
-    return messages.Register(
-        role=role, engine=engine, node=engine, group=0, address=f"inproc://{engine}", pid=pid, **kw
-    )
 
 
 def register(
@@ -74,7 +36,7 @@ def register(
 @dataclasses.dataclass
 class DispatchRig:
     dispatch: Dispatch
-    server: Server
+    server: Recorder
     registry: EngineRegistry
     table: SessionTable
     scheduler: GlobalScheduler
@@ -108,7 +70,7 @@ class DispatchRig:
 def dispatch_rig(followers=None, **cluster) -> DispatchRig:
     cfg = config(**cluster)
     clock = Clock()
-    server = Server()
+    server = Recorder()
     out = Outbox(server, None, clock)  # type: ignore[arg-type]
     registry = EngineRegistry(cfg.cluster, clock, served=lambda: "v7")
     register(registry, PE, "prefill", PE_ID, "v7")
@@ -309,9 +271,9 @@ class Store:
         self.told.append((session, state, priority, ttl_s))
 
 
-def retention_rig() -> tuple[Retention, Store, Server, EngineRegistry, Clock]:
+def retention_rig() -> tuple[Retention, Store, Recorder, EngineRegistry, Clock]:
     clock = Clock()
-    server = Server()
+    server = Recorder()
     registry = EngineRegistry(config().cluster, clock)
     register(registry, PE, "prefill", PE_ID)
     register(registry, DE, "decode", DE_ID)
@@ -382,7 +344,7 @@ def test_resuming_a_session_restates_its_retention():
 class LivenessRig:
     liveness: Liveness
     registry: EngineRegistry
-    server: Server
+    server: Recorder
     out: Outbox
     clock: Clock
     heard: list[tuple]  # what the listeners heard, in order
@@ -391,7 +353,7 @@ class LivenessRig:
 def liveness_rig() -> LivenessRig:
     cfg = config()
     clock = Clock()
-    server = Server()
+    server = Recorder()
     out = Outbox(server, None, clock)  # type: ignore[arg-type]
     registry = EngineRegistry(cfg.cluster, clock)
     heard: list[tuple] = []
@@ -469,7 +431,7 @@ def test_a_silent_engine_dies_and_a_role_with_none_fails_rounds_after_its_timeou
 def test_a_resuming_router_serves_the_recorded_params_and_a_fresh_one_forgets_them(tmp_path):
     cfg = config()
     clock = Clock()
-    out = Outbox(Server(), None, clock)  # type: ignore[arg-type]
+    out = Outbox(Recorder(), None, clock)  # type: ignore[arg-type]
     registry = EngineRegistry(cfg.cluster, clock)
     record = tmp_path / "served_params.json"
     record.write_text('{"version": "step-3", "path": "/ckpt/step-3"}')
@@ -488,7 +450,7 @@ def test_a_resuming_router_serves_the_recorded_params_and_a_fresh_one_forgets_th
 def test_rounds_held_during_an_update_are_released_in_order_once_it_ends():
     cfg = config()
     clock = Clock()
-    server = Server()
+    server = Recorder()
     out = Outbox(server, None, clock)  # type: ignore[arg-type]
     registry = EngineRegistry(cfg.cluster, clock)
     register(registry, PE, "prefill", PE_ID)

@@ -1,6 +1,6 @@
 """Session retention as the router drives it, in-process with the fake clock and engines of
-test_router_faults: every live decode engine (and the router's own store) learns that a session
-is active when its round starts, idle for its TTL when the round ends (finished or failed) and
+router_rig.py: every live decode engine (and the router's own store) learns that a session is
+active when its round starts, idle for its TTL when the round ends (finished or failed) and
 ended when it closes; a decode engine that registers learns every open session's state; the
 retention of `OpenSession` and `Submit` is checked, and a bad one is refused without harm."""
 
@@ -9,9 +9,7 @@ from __future__ import annotations
 import math
 
 import pytest
-
-# The rig of the router's fault tests (pytest puts this directory on sys.path).
-from test_router_faults import CLIENT, DE, DE_ID, PE, PE_ID, Rig, make_rig
+from router_rig import CLIENT, DE, DE_ID, PE, PE_ID, RouterRig
 
 from dualpath_jax.wire import frames, messages
 
@@ -19,31 +17,23 @@ DEFAULT_TTL = 60.0  # StoreConfig.retention_ttl_s
 LONG = 1e6  # a TTL no test outlasts: "retained" below never depends on how fast it runs
 
 
-@pytest.fixture()
-def rig():
-    r = make_rig(max_attempts=2)
-    yield r
-    r.router.server.close()
-    r.router.store.close()
-
-
-def retains(rig: Rig, ident: bytes = DE_ID) -> list[messages.Retain]:
+def retains(rig: RouterRig, ident: bytes = DE_ID) -> list[messages.Retain]:
     """The Retain messages the last handled message made the router send to `ident`."""
     return [m for i, m in rig.sent if i == ident and isinstance(m, messages.Retain)]
 
 
-def open_session(rig: Rig, session: str, **retention) -> None:
+def open_session(rig: RouterRig, session: str, **retention) -> None:
     assert rig.handle(messages.OpenSession(session=session, **retention), role=frames.CLIENT) == [
         messages.Ack(ref=session)
     ]
 
 
-def submit(rig: Rig, session: str, request: str, **retention) -> None:
+def submit(rig: RouterRig, session: str, request: str, **retention) -> None:
     msg = messages.Submit(request=request, session=session, append=[1, 2, 3], gen=3, **retention)
     assert rig.handle(msg, role=frames.CLIENT) == []
 
 
-def complete(rig: Rig, request: str) -> messages.LoadJobMsg:
+def complete(rig: RouterRig, request: str) -> messages.LoadJobMsg:
     """Runs the queued round `request` to its RoundResult, as its engines would; returns its job.
     `rig.sent` then holds what the DecodeDone made the router send."""
     (job,) = rig.assign()

@@ -9,16 +9,16 @@ from __future__ import annotations
 from concurrent import futures
 
 import pytest
-from test_router_faults import PE_ID, Rig, make_rig
+from router_rig import PE_ID, RouterRig
 
 from dualpath_jax.wire import frames, messages
 
 
 @pytest.fixture()
-def slow():
+def slow(router_rig):
     """A rig whose store lookups and releases answer only when the test says
     (`rig.answers` holds their futures, oldest first); the loop waits for none of them."""
-    rig = make_rig(store_wait_s=0.0, session_idle_timeout_s=10.0)
+    rig = router_rig(store_wait_s=0.0, session_idle_timeout_s=10.0)
     answers: list[futures.Future] = []
 
     def later(*_):
@@ -29,21 +29,19 @@ def slow():
     rig.router.store.lookup = later  # type: ignore[method-assign]
     rig.router.store.release = later  # type: ignore[method-assign]
     rig.answers = answers  # type: ignore[attr-defined]
-    yield rig
-    rig.router.server.close()
-    rig.router.store.close()
+    return rig
 
 
-def client(rig: Rig, msg: messages.Msg) -> list[messages.Msg]:
+def client(rig: RouterRig, msg: messages.Msg) -> list[messages.Msg]:
     return rig.handle(msg, role=frames.CLIENT)
 
 
-def open_and_submit(rig: Rig, session: str, request: str) -> list[messages.Msg]:
+def open_and_submit(rig: RouterRig, session: str, request: str) -> list[messages.Msg]:
     assert client(rig, messages.OpenSession(session=session)) == [messages.Ack(ref=session)]
     return client(rig, messages.Submit(request=request, session=session, append=[1, 2, 3], gen=2))
 
 
-def poll(rig: Rig) -> list[messages.Msg]:
+def poll(rig: RouterRig) -> list[messages.Msg]:
     rig.sent.clear()
     rig.router.rounds.poll_store()
     return [m for _, m in rig.sent if not isinstance(m, messages.Retain)]
@@ -145,36 +143,28 @@ def test_idle_sessions_expire_and_their_next_round_is_told_why(slow):
     assert "late" not in table.sessions and "idle" in table.sessions
 
 
-def test_no_expiry_when_the_timeout_is_zero():
-    rig = make_rig(session_idle_timeout_s=0.0)
-    try:
-        assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
-        rig.clock.t += 1e9
-        rig.router.tick(rig.clock())
-        assert "s" in rig.router.rounds.table.sessions
-    finally:
-        rig.router.server.close()
-        rig.router.store.close()
+def test_no_expiry_when_the_timeout_is_zero(router_rig):
+    rig = router_rig(session_idle_timeout_s=0.0)
+    assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
+    rig.clock.t += 1e9
+    rig.router.tick(rig.clock())
+    assert "s" in rig.router.rounds.table.sessions
 
 
-def test_closing_without_release_forgets_the_claims_and_keeps_the_blocks():
-    rig = make_rig()
-    try:
-        store = rig.router.store
-        assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
-        store.claim("s", ["1" * 32])
-        assert store.index.claims() == 1
-        assert client(rig, messages.CloseSession(session="s")) == [messages.Ack(ref="s")]
-        assert store.index.claims() == 0
-    finally:
-        rig.router.server.close()
-        rig.router.store.close()
+def test_closing_without_release_forgets_the_claims_and_keeps_the_blocks(router_rig):
+    rig = router_rig()
+    store = rig.router.store
+    assert client(rig, messages.OpenSession(session="s")) == [messages.Ack(ref="s")]
+    store.claim("s", ["1" * 32])
+    assert store.index.claims() == 1
+    assert client(rig, messages.CloseSession(session="s")) == [messages.Ack(ref="s")]
+    assert store.index.claims() == 0
 
 
 # ----------------------------------------------------------------------------- group followers
 
 
-def group(rig: Rig, n: int, follows: bool = True) -> None:
+def group(rig: RouterRig, n: int, follows: bool = True) -> None:
     """Sessions g0..g{n-1} of one prompt; round r0 leads, the others follow it."""
     for k in range(n):
         assert client(rig, messages.OpenSession(session=f"g{k}")) == [messages.Ack(ref=f"g{k}")]
@@ -190,7 +180,7 @@ def prefilled(request: str, job: messages.LoadJobMsg) -> messages.PrefillDone:
     return messages.PrefillDone(request, 0, 5, 0, 0, 0.0, 0.0, attempt=job.attempt)  # PE 0
 
 
-def queued(rig: Rig) -> list[str]:
+def queued(rig: RouterRig) -> list[str]:
     return sorted(r.id for r in rig.router.rounds.scheduler.queued_requests())
 
 
