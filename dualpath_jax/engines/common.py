@@ -14,6 +14,7 @@ from dualpath_jax.transfer.channel import TransferError
 from dualpath_jax.transfer.loader import LoadJob
 from dualpath_jax.transfer.prefetch_memory import PrefetchMemory
 from dualpath_jax.transfer.readiness import LoadCancelled, LoadTimeout
+from dualpath_jax.transfer.traffic import TrafficManager
 from dualpath_jax.wire import frames, messages
 
 
@@ -163,6 +164,23 @@ def handle_common(engine, msg: messages.Msg) -> None:
             if stop is None:
                 log.warning("unexpected %s", type(msg).__name__)
             engine.stopped |= bool(stop)
+
+
+def finish_reads(
+    engine: int, request: str, load, node: str, tokens: int, traffic: TrafficManager | None
+) -> messages.ReadsDone:
+    """A load's storage reads for `request` finished: their `tokens` leave `node`'s read queue
+    (in `traffic`, where there is one), and the `ReadsDone` that tells the router so (`load`, a
+    `PrefillLoad` or `DecodeLoad`: its attempt, read time and blocks held in memory)."""
+    if traffic is not None:
+        traffic.read_queue_done(node, tokens)
+    return messages.ReadsDone(
+        request=request,
+        engine=engine,
+        attempt=load.job.attempt,
+        read_s=load.read_s,
+        held_blocks=load.held_blocks,
+    )
 
 
 def failed(request: str, engine: int, exc: BaseException, attempt: int = 0) -> messages.Failed:

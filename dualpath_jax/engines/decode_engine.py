@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
     failed,
+    finish_reads,
     handle_common,
     job_from_msg,
     register,
@@ -256,16 +257,9 @@ class DecodeEngine:
     def reads_done(self, request: str, load: DecodeLoad) -> None:
         """Called on a loader thread once the DE's storage reads for `request` finished."""
         job = load.job
-        if self.ctx.traffic is not None:
-            self.ctx.traffic.read_queue_done(job.de_node, job.de_blocks * self.bt)
+        tokens = job.de_blocks * self.bt
         self.outbox.put(
-            messages.ReadsDone(
-                request=request,
-                engine=self.engine,
-                attempt=job.attempt,
-                read_s=load.read_s,
-                held_blocks=load.held_blocks,
-            )
+            finish_reads(self.engine, request, load, job.de_node, tokens, self.ctx.traffic)
         )
 
     def drop(self, request: str) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
     failed,
+    finish_reads,
     handle_common,
     job_from_msg,
     register,
@@ -205,16 +206,9 @@ class PrefillEngine:
             self.reading.remove(rid)
             job = r.load.job
             if job.pe_blocks and not job.oracle:
-                if self.ctx.traffic is not None:
-                    self.ctx.traffic.read_queue_done(job.pe_node, job.pe_blocks * self.bt)
+                tokens = job.pe_blocks * self.bt
                 self.control.send(
-                    messages.ReadsDone(
-                        request=rid,
-                        engine=self.engine,
-                        attempt=job.attempt,
-                        read_s=r.load.read_s,
-                        held_blocks=r.load.held_blocks,
-                    )
+                    finish_reads(self.engine, rid, r.load, job.pe_node, tokens, self.ctx.traffic)
                 )
             try:
                 r.hit = r.load.hit_blocks()
