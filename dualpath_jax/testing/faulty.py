@@ -44,8 +44,7 @@ from dualpath_jax.transfer.channel import (
     ArrayLike,
     ChannelStats,
     KVChannel,
-    Spec,
-    TransferCancelled,
+    Pull,
     TransferError,
 )
 
@@ -237,46 +236,40 @@ class FaultyChannel(KVChannel):
             return None
         return self.inner.offer(uuid, arrays)
 
-    def _pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        norm: list[Spec],
-        timeout_s: float,
-        abort: threading.Event | None,
-    ) -> list[Any]:
+    def _pull(self, pull: Pull) -> list[Any]:
         hit = self.plan.pick("channel.pull", self.who)
-        if hit is None:
-            return self.inner.pull(peer, uuid, specs, timeout_s, abort=abort)
-        i, rule = hit
-        where = f"pull {uuid} from {peer}: injected {rule.describe()} into channel.pull (rule {i})"
-        if rule.hang or rule.delay_s >= timeout_s:
-            self._wait(timeout_s, abort, peer, uuid)
-            raise self._timed_out(where, timeout_s)
-        if rule.delay_s:
-            self._wait(rule.delay_s, abort, peer, uuid)
-        if rule.error is not None:
-            self._counters.add(errors=1)
-            cause = rule.oserror()
-            raise TransferError(f"{where}: {cause}") from cause
-        return self.inner.pull(peer, uuid, specs, timeout_s - rule.delay_s, abort=abort)
+        delay = 0.0
+        if hit is not None:
+            i, rule = hit
+            where = f"{pull.where}: injected {rule.describe()} into channel.pull (rule {i})"
+            if rule.hang or rule.delay_s >= pull.timeout_s:
+                self._wait(pull.timeout_s, pull)
+                raise self._timed_out(pull, where)
+            delay = rule.delay_s
+            if delay:
+                self._wait(delay, pull)
+            if rule.error is not None:
+                self._counters.add(errors=1)
+                cause = rule.oserror()
+                raise TransferError(f"{where}: {cause}") from cause
+        return self.inner.pull(
+            pull.peer, pull.uuid, pull.specs, pull.timeout_s - delay, abort=pull.abort
+        )
 
-    def _wait(self, seconds: float, abort: threading.Event | None, peer: str, uuid: int) -> None:
-        """Sleeps like a hanging pull; a set `abort` ends it as it would end a real one."""
+    def _wait(self, seconds: float, pull: Pull) -> None:
+        """Sleeps like a hanging `pull`; a set `abort` ends it as it would end a real one."""
+        abort = pull.abort
         if abort is None and self.plan.sleep is not time.sleep:
             self.plan.sleep(seconds)  # a test's clock
             return
         end = time.monotonic() + seconds
         while (left := end - time.monotonic()) > 0:
             if abort is not None and abort.wait(min(left, 0.1)):
-                raise TransferCancelled(
-                    f"pull {uuid} from {peer}: abandoned (its load was cancelled)"
-                )
+                self._check_aborted(pull)
             if abort is None:
                 time.sleep(min(left, 0.1))
             if self._closing.is_set():
-                raise TransferError(f"pull {uuid} from {peer}: channel closed")
+                raise TransferError(f"{pull.where}: channel closed")
 
     def outstanding_offers(self) -> int:
         return self.inner.outstanding_offers()

@@ -73,6 +73,29 @@ class ChannelStats:
     outstanding_offers: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Pull:
+    """One `KVChannel.pull` as an implementation's `_pull` serves it: the arrays `peer` offered
+    under `uuid`, one spec each (`specs` as the caller gave them, `norm` as `(shape, dtype)`
+    pairs, at least one), within `timeout_s`, abandoned once `abort` is set."""
+
+    peer: str
+    uuid: int
+    specs: Sequence[Any]
+    norm: list[Spec]
+    timeout_s: float
+    abort: threading.Event | None = None
+
+    @property
+    def where(self) -> str:
+        """How errors name the pull: "pull UUID from PEER"."""
+        return f"pull {self.uuid} from {self.peer}"
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort is not None and self.abort.is_set()
+
+
 def make_uuid(request_id: str, layer: int, part: int = 0, *, epoch: int = 0) -> int:
     """The transfer uuid of (request, layer, part): deterministic, nonzero, 63 bits.
 
@@ -266,23 +289,14 @@ class KVChannel(abc.ABC):
         norm = normalize_specs(specs)
         if not norm:
             raise ValueError("pull: no specs")
-        out = self._pull(peer, uuid, specs, norm, timeout_s, abort)
+        out = self._pull(Pull(peer, uuid, specs, norm, timeout_s, abort))
         self._counters.add(pulls=1, bytes_pulled=spec_nbytes(norm))
         return out
 
     @abc.abstractmethod
-    def _pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        norm: list[Spec],
-        timeout_s: float,
-        abort: threading.Event | None,
-    ) -> list[Any]:
-        """The transfer behind `pull`, on an open channel: `norm` is `specs` as `(shape, dtype)`
-        pairs (at least one). Counts its own errors and timeouts (`_timed_out`); `pull` counts
-        the pull that returns."""
+    def _pull(self, pull: Pull) -> list[Any]:
+        """The transfer behind `pull`, on an open channel. Counts its own errors and timeouts
+        (`_timed_out`); `pull` counts the pull that returns."""
 
     @abc.abstractmethod
     def outstanding_offers(self) -> int:
@@ -330,16 +344,16 @@ class KVChannel(abc.ABC):
         if self._closed:
             raise TransferError(f"channel {self.address} is closed")
 
-    def _timed_out(self, where: str, timeout_s: float) -> TransferTimeout:
-        """The `TransferTimeout` of pull `where` ("pull UUID from PEER"), which got nothing
-        within `timeout_s`: counted, for the caller to raise."""
+    def _timed_out(self, pull: Pull, where: str = "") -> TransferTimeout:
+        """The `TransferTimeout` of `pull`, which got nothing within its timeout (named by
+        `where`, default `pull.where`): counted, for the caller to raise."""
         self._counters.add(timeouts=1)
-        return TransferTimeout(f"{where}: nothing within {timeout_s:.3g}s")
+        return TransferTimeout(f"{where or pull.where}: nothing within {pull.timeout_s:.3g}s")
 
     @staticmethod
-    def _check_aborted(abort: threading.Event | None, peer: str, uuid: int) -> None:
-        if abort is not None and abort.is_set():
-            raise TransferCancelled(f"pull {uuid} from {peer}: abandoned (its load was cancelled)")
+    def _check_aborted(pull: Pull) -> None:
+        if pull.aborted:
+            raise TransferCancelled(f"{pull.where}: abandoned (its load was cancelled)")
 
     @staticmethod
     def _check_offer_args(uuid: int, arrays: Sequence[ArrayLike]) -> None:

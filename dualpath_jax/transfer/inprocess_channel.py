@@ -9,7 +9,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -18,7 +17,7 @@ from dualpath_jax import copies
 from dualpath_jax.transfer.channel import (
     ArrayLike,
     KVChannel,
-    Spec,
+    Pull,
     TransferError,
     spec_devices,
 )
@@ -144,32 +143,23 @@ class InProcessChannel(KVChannel):
         self._fabric.put(self._address, uuid, on_device, self._fabric.clock() + ttl)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def _pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        norm: list[Spec],
-        timeout_s: float,
-        abort: threading.Event | None,
-    ) -> list[jax.Array]:
-        devices = spec_devices(specs, self._device)
+    def _pull(self, pull: Pull) -> list[jax.Array]:
+        devices = spec_devices(pull.specs, self._device)
         if not self._fabric.is_alive(self._address):
             raise TransferError(f"channel {self._address} was killed")
+        deadline = self._fabric.clock() + pull.timeout_s
         try:
-            arrays = self._fabric.take(
-                peer, uuid, self._fabric.clock() + timeout_s, abort, self._closing
-            )
+            arrays = self._fabric.take(pull.peer, pull.uuid, deadline, pull.abort, self._closing)
         except TransferError:
             self._counters.add(errors=1)
             raise
-        self._check_aborted(abort, peer, uuid)
+        self._check_aborted(pull)
         if arrays is None:
-            raise self._timed_out(f"pull {uuid} from {peer}", timeout_s)
+            raise self._timed_out(pull)
         got = [(tuple(a.shape), np.dtype(a.dtype)) for a in arrays]
-        if got != norm:
+        if got != pull.norm:
             self._counters.add(errors=1)
-            raise TransferError(f"pull {uuid} from {peer}: offered {got}, specs {norm}")
+            raise TransferError(f"{pull.where}: offered {got}, specs {pull.norm}")
         return [jax.device_put(a, dev) for a, dev in zip(arrays, devices)]
 
     def outstanding_offers(self) -> int:

@@ -18,7 +18,7 @@ from dualpath_jax import copies
 from dualpath_jax.transfer.channel import (
     ArrayLike,
     KVChannel,
-    Spec,
+    Pull,
     TransferError,
     spec_devices,
 )
@@ -118,48 +118,41 @@ class JaxTransferChannel(KVChannel):
             self._server.await_pull(uuid, on_device, timeout=expiry)
         self._counters.add(offers=1, bytes_offered=sum(int(a.nbytes) for a in on_device))
 
-    def _pull(
-        self,
-        peer: str,
-        uuid: int,
-        specs: Sequence[Any],
-        norm: list[Spec],
-        timeout_s: float,
-        abort: threading.Event | None,
-    ) -> list[jax.Array]:
-        deadline = self._clock() + timeout_s
-        devices = spec_devices(specs, self._device)
+    def _pull(self, pull: Pull) -> list[jax.Array]:
+        peer = pull.peer
+        deadline = self._clock() + pull.timeout_s
+        devices = spec_devices(pull.specs, self._device)
         structs = [
             jax.ShapeDtypeStruct(s, d, sharding=SingleDeviceSharding(dev))
-            for (s, d), dev in zip(norm, devices)
+            for (s, d), dev in zip(pull.norm, devices)
         ]
         try:
             conn = self._connection(peer)
-            out = list(conn.pull(uuid, structs))
+            out = list(conn.pull(pull.uuid, structs))
         except TransferError:
             self._counters.add(errors=1)
             raise
         except Exception as e:  # the library raises JaxRuntimeError / RuntimeError
             self._counters.add(errors=1)
             self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: {e}") from e
-        ready = self._wait_ready(out, deadline, peer, abort)
-        self._check_aborted(abort, peer, uuid)
+            raise TransferError(f"{pull.where}: {e}") from e
+        ready = self._wait_ready(out, deadline, peer, pull.abort)
+        self._check_aborted(pull)
         if self._closing.is_set():
-            raise TransferError(f"pull {uuid} from {peer}: channel {self._address} closed")
+            raise TransferError(f"{pull.where}: channel {self._address} closed")
         if ready is None or (not ready and not _port_accepts(peer)):
             self._counters.add(errors=1)
             self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: peer is gone")
+            raise TransferError(f"{pull.where}: peer is gone")
         if not ready:
-            raise self._timed_out(f"pull {uuid} from {peer}", timeout_s)
+            raise self._timed_out(pull)
         try:
             for a in out:
                 a.block_until_ready()  # ready already; raises the transfer's error if any
         except Exception as e:
             self._counters.add(errors=1)
             self._drop_connection(peer)
-            raise TransferError(f"pull {uuid} from {peer}: {e}") from e
+            raise TransferError(f"{pull.where}: {e}") from e
         return out
 
     def outstanding_offers(self) -> int:
