@@ -139,7 +139,7 @@ def run_cluster(
     from dualpath_jax.rollout import run_trajectories
     from dualpath_jax.runtimes.inprocess import InProcessCluster
     from dualpath_jax.runtimes.local import LocalCluster
-    from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
+    from dualpath_jax.workload.arrivals import build_workload, check_context
 
     base = load_config(str(pathlib.Path(__file__).resolve().parents[1] / "configs" / "cpu_1p2d.py"))
     w = dataclasses.replace(
@@ -160,7 +160,6 @@ def run_cluster(
         for t in plan.trajectories
     ]
     check_context(base, trajs)
-    rounds = as_rounds(trajs)
     cls = InProcessCluster if runtime == "thread" else LocalCluster
     rows, tokens = [], []
     for name, policy, prefetch in runs:
@@ -171,7 +170,7 @@ def run_cluster(
         with cls(cfg, pathlib.Path(workdir) / name) as cluster:
             client = cluster.client()
             t0 = time.monotonic()
-            outs = run_trajectories(client, rounds, progress=False, tool_calls=prefetch)
+            outs = run_trajectories(client, trajs, progress=False, tool_calls=prefetch)
             jct = time.monotonic() - t0
             counters = client.stats()["counters"]
         tokens.append([o.rounds for o in outs])

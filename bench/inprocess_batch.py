@@ -22,14 +22,15 @@ from absl import app, flags
 
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessBackend, run_trajectories
+from dualpath_jax.rollout import InProcessBackend, Round, Trajectory, run_trajectories
 
 
-def workload(n: int, rounds: int, vocab: int, seed: int = 0):
+def workload(n: int, rounds: int, vocab: int, seed: int = 0) -> list[tuple[Round, ...]]:
     rs = np.random.RandomState(seed)
     return [
-        [(rs.randint(1, vocab, rs.randint(16, 129)).tolist(), int(rs.randint(8, 49)))
-         for _ in range(rounds)]
+        tuple(Round(tuple(rs.randint(1, vocab, rs.randint(16, 129)).tolist()),
+                    int(rs.randint(8, 49)))
+              for _ in range(rounds))
         for _ in range(n)
     ]  # fmt: skip
 
@@ -48,14 +49,14 @@ def measure(
     )
     net = init_model(cfg, seed=0)
     work = workload(trajectories, rounds, cfg.vocab_size)
-    tokens = sum(g for t in work for _, g in t)
-    max_len = max(sum(len(a) + g for a, g in t) for t in work) + 1
+    tokens = sum(r.gen for t in work for r in t)
+    max_len = max(sum(r.append_len + r.gen for r in t) for t in work) + 1
     rows, base = {}, None
     for s in (1, *slots):
         engine = InProcessBackend(net, max_len=max_len, slots=s)
         try:
             for run in ("warm", "timed"):
-                named = [(f"{run}{s}-{k}", t) for k, t in enumerate(work)]
+                named = [Trajectory(f"{run}{s}-{k}", t) for k, t in enumerate(work)]
                 t0 = time.perf_counter()
                 out = run_trajectories(engine, named, progress=False, max_concurrent=trajectories)
                 wall = time.perf_counter() - t0

@@ -51,7 +51,7 @@ from dualpath_jax.config import ExperimentConfig, apply_overrides
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.experiment import build_trajectories, check_fits
 from dualpath_jax.metrics.events import read_events
-from dualpath_jax.rollout import RolloutError, run_trajectories
+from dualpath_jax.rollout import Backend, RolloutError, Round, Trajectory, run_trajectories
 from dualpath_jax.runtimes.local import LocalCluster
 
 _CONFIG = flags.DEFINE_string("config", "configs/cpu_1p1d.py:tiny", "Experiment file.")
@@ -68,8 +68,6 @@ _LOG_COMPILES = flags.DEFINE_bool(
     "log_compiles", False, "Engines log every XLA compile (JAX_LOG_COMPILES=1; see their logs)."
 )
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/dp_overload", "Output directory (emptied first).")
-
-Trajectory = tuple[str, list[tuple[list[int], int]]]
 
 
 def overload_config() -> ExperimentConfig:
@@ -102,8 +100,8 @@ def session_trajectories(cfg: ExperimentConfig, n: int, rounds: int) -> list[Tra
             break
         agents = int(agents * 1.5) + 1
     check_fits(cfg, keep)
-    return [
-        (f"s{k}-{t.id}", [(list(r.append), int(r.gen)) for r in t.rounds[:rounds]])
+    return [  # every round right after the previous one: the gaps would only spread the load
+        Trajectory(f"s{k}-{t.id}", tuple(Round(r.append, r.gen) for r in t.rounds[:rounds]))
         for k, t in enumerate(keep)
     ]
 
@@ -118,11 +116,11 @@ def reference_tokens(cfg: ExperimentConfig, trajs: Sequence[Trajectory]) -> list
     if cfg.cluster.params_path:
         raise app.UsageError("the overload bench checks tokens against init_model: no params_path")
     runner = ModelRunner(init_model(cfg.model, seed=cfg.seed))
-    return [reference_rounds(runner, rounds) for _, rounds in trajs]
+    return [reference_rounds(runner, [(r.append, r.gen) for r in t.rounds]) for t in trajs]
 
 
-class Recorder:
-    """A `Client` seen through the Backend protocol, remembering each session's RolloutError
+class Recorder(Backend):
+    """A `Client` seen through the Backend contract, remembering each session's RolloutError
     kind (run_trajectories keeps only the message) and the rounds still unanswered."""
 
     def __init__(self, client: Client):
@@ -230,7 +228,7 @@ def main(argv):
     t_ref = time.monotonic()
     expected = reference_tokens(cfg, trajs)
     ref_s = time.monotonic() - t_ref
-    lens = [sum(len(a) + g for a, g in r) for _, r in trajs]
+    lens = [sum(r.append_len + r.gen for r in t.rounds) for t in trajs]
     print(
         f"{len(trajs)} sessions x {_ROUNDS.value} rounds, {np.mean(lens):.0f} tokens each on "
         f"average (max {max(lens)}); reference tokens in {ref_s:.1f} s",
@@ -271,9 +269,10 @@ def main(argv):
     status: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
     wrong, hung, rows, jct, queue = [], [], [], [], []
-    for (tid, rounds), out, exp in zip(trajs, outs, expected, strict=True):
+    for t, out, exp in zip(trajs, outs, expected, strict=True):
+        tid = t.id
         kind = rec.kinds.get(tid, "")
-        if len(out.rounds) == len(rounds) and not out.error:
+        if len(out.rounds) == len(t.rounds) and not out.error:
             st = "completed"
         elif out.error.startswith("timed out after") or tid in pending.values():
             st = "hung"

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "configs"))
 from dualpath_jax.cluster import InProcessCluster, LocalCluster  # noqa: E402
 from dualpath_jax.config import Policy  # noqa: E402
 from dualpath_jax.metrics.events import read_events  # noqa: E402
-from dualpath_jax.rollout import run_trajectories  # noqa: E402
+from dualpath_jax.rollout import Round, Trajectory, run_trajectories  # noqa: E402
 
 _SESSIONS = flags.DEFINE_integer("sessions", 4, "Agents (sessions).")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "Rounds per session.")
@@ -51,15 +51,21 @@ _WORKDIR = flags.DEFINE_string("workdir", "bench_out/prefetch_cluster", "Output 
 _JSON = flags.DEFINE_bool("json", False, "Print the rows as JSON too.")
 
 
-def sessions(n: int, rounds: int, first: int, append: int, gen: int, gap: float, vocab: int):
+def sessions(
+    n: int, rounds: int, first: int, append: int, gen: int, gap: float, vocab: int
+) -> list[Trajectory]:
     rs = np.random.RandomState(0)
     return [
-        (
+        Trajectory(
             f"agent{k}",
-            [
-                (rs.randint(0, vocab, first if i == 0 else append).tolist(), gen, gap if i else 0.0)
+            tuple(
+                Round(
+                    tuple(rs.randint(0, vocab, first if i == 0 else append).tolist()),
+                    gen,
+                    gap_s=gap if i else 0.0,
+                )
                 for i in range(rounds)
-            ],
+            ),
         )
         for k in range(n)
     ]

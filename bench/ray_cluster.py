@@ -32,7 +32,7 @@ _REPEATS = flags.DEFINE_integer("repeats", 1, "measured rounds, both runtimes in
 _JSON = flags.DEFINE_bool("json", False, "print one JSON object instead of a table")
 
 
-def one_run(make_cluster, cfg, rounds) -> dict:
+def one_run(make_cluster, cfg, trajs) -> dict:
     from dualpath_jax.rollout import run_trajectories
 
     with tempfile.TemporaryDirectory() as workdir:
@@ -43,7 +43,7 @@ def one_run(make_cluster, cfg, rounds) -> dict:
             start_s = time.monotonic() - t0
             client = cluster.client()
             t = time.monotonic()
-            outs = run_trajectories(client, rounds, progress=False)
+            outs = run_trajectories(client, trajs, progress=False)
             jct_s = time.monotonic() - t
         finally:
             cluster.stop()
@@ -63,12 +63,12 @@ def main(argv):
     from dualpath_jax import apply_overrides, load_config
     from dualpath_jax.cluster import LocalCluster, RayCluster
     from dualpath_jax.config import Policy
-    from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
+    from dualpath_jax.workload.arrivals import build_workload, check_context
 
     cfg = apply_overrides(load_config(_CONFIG.value), _SET.value)
     plan = build_workload(cfg)
     check_context(cfg, plan.trajectories)
-    rounds = as_rounds(plan.trajectories)
+    trajs = plan.trajectories
     ray.init(num_cpus=_NUM_CPUS.value, include_dashboard=False, object_store_memory=200 << 20)
     runtimes = {"local": LocalCluster, "ray": RayCluster}
     first, second = _POLICIES.value[:2]
@@ -77,7 +77,7 @@ def main(argv):
     try:
         if _WARMUP.value:
             for cls in runtimes.values():
-                one_run(cls, cfg, rounds)
+                one_run(cls, cfg, trajs)
         for _ in range(_REPEATS.value):
             run: dict = {}
             for name, cls in runtimes.items():
@@ -85,7 +85,7 @@ def main(argv):
                     c = dataclasses.replace(
                         cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
                     )
-                    r = one_run(cls, c, rounds)
+                    r = one_run(cls, c, trajs)
                     tokens[(name, policy, len(runs))] = r.pop("tokens")
                     run.setdefault(name, {})[policy] = r
                 run[name]["jct_ratio"] = run[name][first]["jct_s"] / run[name][second]["jct_s"]
@@ -99,7 +99,7 @@ def main(argv):
         out[f"{name}_ratio_range"] = [min(ratios), max(ratios)]
     out["identical_tokens"] = len({json.dumps(t, sort_keys=True) for t in tokens.values()}) == 1
     out["config"] = cfg.name
-    out["trajectories"] = len(rounds)
+    out["trajectories"] = len(trajs)
     if _JSON.value:
         print(json.dumps(out))
         return

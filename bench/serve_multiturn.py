@@ -709,7 +709,8 @@ def main(argv: Sequence[str]) -> None:
     )
     from dualpath_jax.rollout import workload_trajectories
 
-    trajs, arrivals = workload_trajectories(cfg)
+    records, arrivals = workload_trajectories(cfg)
+    trajs = [(t.id, [(list(r.append), r.gen) for r in t.rounds]) for t in records]
     root = pathlib.Path(_WORKDIR.value)
     root.mkdir(parents=True, exist_ok=True)
     print(

@@ -21,7 +21,6 @@ from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.metrics.events import read_events
 from dualpath_jax.metrics.summary import read_link_reports, summarize
 from dualpath_jax.workload.arrivals import (
-    as_rounds,
     build_trajectories,  # noqa: F401 (re-exported: bench/overload.py)
     build_workload,
     check_context,
@@ -62,13 +61,12 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     plan = build_workload(cfg)
     trajs, arrivals = plan.trajectories, plan.arrivals
     check_context(cfg, trajs)
-    rounds = as_rounds(trajs)
     with local_cluster(cfg, workdir) as cluster:
         client = cluster.client()
         t0 = time.monotonic()
         outs = run_trajectories(
             client,
-            rounds,
+            trajs,
             arrivals=arrivals if cfg.workload.mode == "online" else None,
             progress=progress,
             tool_calls=cfg.scheduler.prefetch,

@@ -17,7 +17,9 @@ from dualpath_jax.presets import TINY_QWEN2
 from dualpath_jax.rollout import (
     InProcessBackend,
     RolloutError,
+    Round,
     Session,
+    Trajectory,
     run_trajectories,
     step_group,
 )
@@ -38,8 +40,9 @@ def engines(net):
 def _trajectories(prefix: str, n: int = 6, seed: int = 0):
     rs = np.random.RandomState(seed)
     return [
-        (f"{prefix}{k}", [(rs.randint(1, 256, rs.randint(3, 50)).tolist(), int(rs.randint(1, 9)))
-                          for _ in range(3)])
+        Trajectory(f"{prefix}{k}", tuple(
+            Round(tuple(rs.randint(1, 256, rs.randint(3, 50)).tolist()), int(rs.randint(1, 9)))
+            for _ in range(3)))
         for k in range(n)
     ]  # fmt: skip
 
@@ -182,7 +185,7 @@ def test_a_kv_budget_admits_what_fits_and_refuses_what_never_can(net):
     one = InProcessBackend(net, max_len=256)
     small = InProcessBackend(net, max_len=256, slots=4, kv_tokens=3 * 64)
     try:
-        trajs = [(f"k{k}", [(list(range(1 + k, 60 + k)), 30)]) for k in range(3)]
+        trajs = [Trajectory(f"k{k}", (Round(tuple(range(1 + k, 60 + k)), 30),)) for k in range(3)]
         got = run_trajectories(small, trajs, progress=False, max_concurrent=3)
         want = run_trajectories(one, trajs, progress=False)
         assert [o.rounds for o in got] == [o.rounds for o in want]

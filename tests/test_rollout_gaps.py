@@ -12,7 +12,15 @@ from concurrent import futures
 import pytest
 
 from dualpath_jax.model.sampling_params import GREEDY
-from dualpath_jax.rollout import RolloutError, RoundResult, Session, run_trajectories
+from dualpath_jax.rollout import (
+    Backend,
+    RolloutError,
+    Round,
+    RoundResult,
+    Session,
+    Trajectory,
+    run_trajectories,
+)
 
 GAP = 0.05
 
@@ -33,7 +41,11 @@ def result(request: str, tokens: list[int]) -> RoundResult:
     )
 
 
-class Recorder:
+def traj(tid: str, *rounds: Round) -> Trajectory:
+    return Trajectory(tid, rounds)
+
+
+class Recorder(Backend):
     """A backend whose rounds are done at once (their tokens: the appended ones, then `gen`
     copies of the last); it logs every call in order as `(call, session, detail, thread)`.
     `fail` names sessions whose rounds fail."""
@@ -55,7 +67,7 @@ class Recorder:
     def close_session(self, session, release=False):
         self._note("close", session, release)
 
-    def submit(self, session, append, gen, *, sampling=GREEDY):
+    def submit(self, session, append, gen, *, sampling=GREEDY, stop_tokens=()):
         self._note("submit", session, list(append))
         fut: futures.Future[RoundResult] = futures.Future()
         if session in self.fail:
@@ -79,8 +91,8 @@ class LegacyBackend(Recorder):
 def test_a_gap_delays_its_round_on_a_timer_and_the_session_closes_after_the_last():
     backend = Recorder()
     trajs = [
-        ("t0", [([1], 1), ([2], 1, GAP), ([3], 1, 0.0)]),
-        ("t1", [([4], 1), ([5], 1)]),
+        traj("t0", Round((1,), 1), Round((2,), 1, gap_s=GAP), Round((3,), 1, gap_s=0.0)),
+        traj("t1", Round((4,), 1), Round((5,), 1)),
     ]
     outs = run_trajectories(backend, trajs, progress=False)
     assert [o.error for o in outs] == ["", ""]
@@ -142,12 +154,12 @@ def test_a_gap_holds_back_only_its_own_trajectory(monkeypatch):
 
     backend = FiresWhenT1Closes()
     trajs = [
-        ("t0", [([1], 1, 9.0), ([2], 1, 0.25), ([3], 1)]),
-        ("t1", [([4], 1), ([5], 1)]),
+        traj("t0", Round((1,), 1, gap_s=9.0), Round((2,), 1, gap_s=0.25), Round((3,), 1)),
+        traj("t1", Round((4,), 1), Round((5,), 1)),
     ]
     outs = run_trajectories(backend, trajs, progress=False)
     (timer,) = ManualTimer.made
-    assert timer.started and timer.interval == 0.25 and timer.args[2] == 1  # round 1 of t0
+    assert timer.started and timer.interval == 0.25 and timer.args == (0, 1)  # round 1 of t0
     assert seen_at_fire == [[("open", {}), ("submit", [1])]]  # t0 waited for its timer
     assert [o.rounds for o in outs] == [[[1], [2], [3]], [[4], [5]]]
     assert backend.calls("t0")[1:] == [
@@ -162,7 +174,7 @@ def test_a_gap_holds_back_only_its_own_trajectory(monkeypatch):
 
 def test_retention_reaches_open_session():
     backend = Recorder()
-    trajs = [(f"t{k}", [([k], 1)]) for k in range(3)]
+    trajs = [traj(f"t{k}", Round((k,), 1)) for k in range(3)]
     run_trajectories(backend, trajs, progress=False, priority=[3, -1, 0], ttl_s=12.0)
     assert [backend.opened[f"t{k}"] for k in range(3)] == [
         {"resume": False, "priority": 3, "ttl_s": 12.0},
@@ -178,7 +190,7 @@ def test_retention_reaches_open_session():
 @pytest.mark.parametrize("priority", [[1, 2], [1, 2, 3, 4], []])
 def test_one_priority_per_trajectory_or_a_value_error(priority):
     backend = Recorder()
-    trajs = [(f"t{k}", [([k], 1)]) for k in range(3)]
+    trajs = [traj(f"t{k}", Round((k,), 1)) for k in range(3)]
     with pytest.raises(ValueError, match=f"{len(priority)} priorities for 3 trajectories"):
         run_trajectories(backend, trajs, progress=False, priority=priority)
     assert backend.log == []  # refused before any session opened
@@ -189,7 +201,8 @@ def test_without_retention_backends_get_the_old_call():
     Session(backend, "s")
     Session(backend, "s", resume=True)
     assert backend.opened["s"] == {"resume": True}
-    outs = run_trajectories(backend, [("t", [([1], 2), ([2], 1, GAP)])], progress=False)
+    trajs = [traj("t", Round((1,), 2), Round((2,), 1, gap_s=GAP))]
+    outs = run_trajectories(backend, trajs, progress=False)
     assert outs[0].error == "" and outs[0].rounds == [[1, 1], [2]]
     assert backend.calls("t") == [
         ("open", {}),
@@ -214,7 +227,11 @@ def test_a_session_with_retention_passes_it():
 @pytest.mark.parametrize("release", [False, True])
 def test_every_trajectory_closes_its_session_failed_or_not(release):
     backend = Recorder(fail=("bad",))
-    trajs = [("ok", [([1], 1), ([2], 1)]), ("bad", [([3], 1), ([4], 1)]), ("empty", [])]
+    trajs = [
+        traj("ok", Round((1,), 1), Round((2,), 1)),
+        traj("bad", Round((3,), 1), Round((4,), 1)),
+        traj("empty"),
+    ]
     outs = run_trajectories(backend, trajs, progress=False, release=release)
     assert [bool(o.error) for o in outs] == [False, True, False]
     assert "round of bad refused" in outs[1].error
@@ -228,7 +245,7 @@ def test_a_failed_close_is_reported_on_its_trajectory():
         def close_session(self, session, release=False):
             raise RolloutError(f"unknown session {session!r}", "bad_request")
 
-    outs = run_trajectories(CloseFails(), [("t", [([1], 1)])], progress=False)
+    outs = run_trajectories(CloseFails(), [traj("t", Round((1,), 1))], progress=False)
     assert outs[0].rounds == [[1]]
     assert outs[0].error == "closing the session failed: unknown session 't'"
 
@@ -252,7 +269,10 @@ class Stalling(Recorder):
 
 def test_after_the_timeout_no_round_starts_and_the_unfinished_sessions_close():
     backend = Stalling(stall=("slow",))
-    trajs = [("slow", [([1], 1), ([2], 1)]), ("fast", [([3], 1), ([4], 1)])]
+    trajs = [
+        traj("slow", Round((1,), 1), Round((2,), 1)),
+        traj("fast", Round((3,), 1), Round((4,), 1)),
+    ]
     outs = run_trajectories(backend, trajs, progress=False, timeout_s=0.2)
     assert outs[1].error == "" and outs[1].rounds == [[3], [4]]
     assert outs[0].error.startswith("timed out") and outs[0].rounds == []
@@ -262,3 +282,33 @@ def test_after_the_timeout_no_round_starts_and_the_unfinished_sessions_close():
     fut.set_result(result(session, tokens))
     assert backend.calls("slow") == [("open", {}), ("submit", [1]), ("close", False)]
     assert outs[0].rounds == []
+
+
+def test_tuples_are_still_taken_with_a_deprecation_warning():
+    """The tuple form before `Trajectory` records (kept for one release) runs the same rounds."""
+    typed = Recorder()
+    want = run_trajectories(
+        typed, [traj("t", Round((1,), 2), Round((2,), 1, gap_s=GAP))], progress=False
+    )
+    legacy = Recorder()
+    with pytest.warns(DeprecationWarning, match="Trajectory records"):
+        got = run_trajectories(legacy, [("t", [([1], 2), ([2], 1, GAP)])], progress=False)
+    assert [o.rounds for o in got] == [o.rounds for o in want] == [[[1, 1], [2]]]
+    assert legacy.calls("t") == typed.calls("t")
+
+
+def test_an_append_that_is_a_length_is_refused_before_anything_opens():
+    backend = Recorder()
+    with pytest.raises(ValueError, match="materialize"):
+        run_trajectories(backend, [traj("t", Round(3, 1))], progress=False)
+    assert backend.log == []
+
+
+def test_a_backend_outside_the_contract_is_refused():
+    class Duck:  # the methods, not the contract
+        open_session = close_session = submit = Recorder.submit
+
+    with pytest.raises(TypeError, match="rollout.Backend"):
+        run_trajectories(Duck(), [traj("t", Round((1,), 1))], progress=False)
+    with pytest.raises(TypeError, match="rollout.Backend"):
+        Session(Duck(), "s")

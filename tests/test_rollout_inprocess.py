@@ -9,7 +9,14 @@ from dualpath_jax.model.generation import reference_generate
 from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import (
+    InProcessBackend,
+    RolloutError,
+    Round,
+    Session,
+    Trajectory,
+    run_trajectories,
+)
 
 
 @pytest.fixture(scope="module")
@@ -17,11 +24,11 @@ def engine():
     return InProcessBackend(init_model(TINY_QWEN2, seed=0), max_len=512)
 
 
-def reference_rounds(runner, rounds):
+def reference_rounds(runner, rounds: tuple[Round, ...]) -> list[list[int]]:
     ctx, out = [], []
-    for append, gen in rounds:
-        ctx += append
-        toks = reference_generate(runner, ctx, gen)
+    for r in rounds:
+        ctx += r.append
+        toks = reference_generate(runner, ctx, r.gen)
         out.append(toks)
         ctx += toks
     return out
@@ -30,14 +37,20 @@ def reference_rounds(runner, rounds):
 def test_sessions_match_reference(engine):
     rs = np.random.RandomState(0)
     trajs = [
-        (f"t{k}", [(rs.randint(0, 257, a).tolist(), g) for a, g in ((30, 4), (9, 3), (20, 5))])
+        Trajectory(
+            f"t{k}",
+            tuple(
+                Round(tuple(rs.randint(0, 257, a).tolist()), g)
+                for a, g in ((30, 4), (9, 3), (20, 5))
+            ),
+        )  # fmt: skip
         for k in range(2)
     ]
     outs = run_trajectories(engine, trajs, progress=False)
-    for (tid, rounds), o in zip(trajs, outs):
-        assert o.id == tid
+    for t, o in zip(trajs, outs):
+        assert o.id == t.id
         assert o.error == ""
-        assert o.rounds == reference_rounds(engine.runner, rounds)
+        assert o.rounds == reference_rounds(engine.runner, t.rounds)
         # Every token but the last generated one of the previous round already has KV.
         assert [r.cached_tokens for r in o.results] == [0, 30 + 4 - 1, 30 + 4 + 9 + 3 - 1]
 
@@ -58,16 +71,16 @@ def test_bad_requests_get_errors_and_the_session_survives(engine):
 def test_tool_gaps_and_retention_keep_the_tokens_and_close_the_sessions(engine):
     rs = np.random.RandomState(1)
     trajs = [
-        (f"g{k}", [(rs.randint(0, 257, a).tolist(), g, gap) for a, g, gap in
-                   ((20, 3, 0.0), (7, 2, 0.05), (5, 2, 0.0))])
+        Trajectory(f"g{k}", tuple(Round(tuple(rs.randint(0, 257, a).tolist()), g, gap_s=gap)
+                                  for a, g, gap in ((20, 3, 0.0), (7, 2, 0.05), (5, 2, 0.0))))
         for k in range(2)
     ]  # fmt: skip
     outs = run_trajectories(engine, trajs, progress=False, priority=[2, -1], ttl_s=5.0)
-    for (tid, rounds), o in zip(trajs, outs):
-        assert o.id == tid and o.error == ""
-        assert o.rounds == reference_rounds(engine.runner, [(a, g) for a, g, _ in rounds])
+    for t, o in zip(trajs, outs):
+        assert o.id == t.id and o.error == ""
+        assert o.rounds == reference_rounds(engine.runner, t.rounds)
         # closed when it ended: the id opens afresh, without resume
-        Session(engine, tid).close()
+        Session(engine, t.id).close()
 
 
 def test_a_group_prefills_once_and_draws_what_separate_rounds_draw(engine):

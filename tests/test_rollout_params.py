@@ -22,7 +22,14 @@ from dualpath_jax.model.sampler import sample_at
 from dualpath_jax.model.sampling_params import SamplingParams
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
+from dualpath_jax.rollout import (
+    InProcessBackend,
+    RolloutError,
+    Round,
+    Session,
+    Trajectory,
+    run_trajectories,
+)
 
 A_SEED, B_SEED = 21, 22
 
@@ -197,7 +204,7 @@ def test_sampled_rounds_are_reproducible_and_keyed(models):
     assert x == y and x != z
     with pytest.raises(ValueError, match="needs a PRNG key"):
         Session(eng).step(prompt, 2, temperature=1.0)
-    trajs = [(f"t{k}", [(prompt, 3), ([1, 2], 3)]) for k in range(3)]
+    trajs = [Trajectory(f"t{k}", (Round(tuple(prompt), 3), Round((1, 2), 3))) for k in range(3)]
     # release=True closes each session, so the second run starts the same ids afresh
     o1 = run_trajectories(eng, trajs, temperature=0.7, key=key, progress=False, release=True)
     o2 = run_trajectories(eng, trajs, temperature=0.7, key=key, progress=False, release=True)

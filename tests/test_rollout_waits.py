@@ -1,4 +1,4 @@
-"""`run_trajectories` with rounds that wait for other trajectories (a fourth field, `waits_for`:
+"""`run_trajectories` with rounds that wait for other trajectories (`Round.waits_for`:
 subagents), against a fake backend whose rounds take a fixed time (no model, no JAX): a waiting
 round is submitted only after every trajectory it names has ended, its gap counted from the last
 end; a failed subagent still ends; a waiting first round; ids not in the call are ignored; cycles
@@ -13,13 +13,20 @@ from concurrent import futures
 import pytest
 
 from dualpath_jax.model.sampling_params import GREEDY
-from dualpath_jax.rollout import RolloutError, RoundResult, run_trajectories
+from dualpath_jax.rollout import (
+    Backend,
+    RolloutError,
+    Round,
+    RoundResult,
+    Trajectory,
+    run_trajectories,
+)
 
 ROUND_S = 0.05  # each fake round takes this long
 GAP = 0.05
 
 
-class Timed:
+class Timed(Backend):
     """A backend whose rounds finish `ROUND_S` after their submission (tokens: `gen` copies of
     the last appended id). It logs `(event, session, first appended id, monotonic time)` for
     every submission and completion, and every tool_call hint. `fail`: sessions whose rounds
@@ -43,7 +50,7 @@ class Timed:
     def tool_call(self, session, expected_s):
         self._note("tool_call", session, expected_s)
 
-    def submit(self, session, append, gen, *, sampling=GREEDY):
+    def submit(self, session, append, gen, *, sampling=GREEDY, stop_tokens=()):
         self._note("submit", session, append[0])
         fut: futures.Future[RoundResult] = futures.Future()
 
@@ -70,12 +77,16 @@ def _result(request: str, tokens: list[int]) -> RoundResult:
                        read_path="none", recomputed_blocks=0)  # fmt: skip
 
 
-CHILD = ("c", [([10], 1), ([11], 1, GAP), ([12], 1)])  # three rounds and a gap: > 0.2 s
+def traj(tid: str, *rounds: Round) -> Trajectory:
+    return Trajectory(tid, rounds)
 
 
-def parent(*waits):
-    extra = (waits,) if waits else ()
-    return ("p", [([1], 1), ([2], 1, GAP, *extra), ([3], 1)])
+# three rounds and a gap: > 0.2 s
+CHILD = traj("c", Round((10,), 1), Round((11,), 1, gap_s=GAP), Round((12,), 1))
+
+
+def parent(*waits: str) -> Trajectory:
+    return traj("p", Round((1,), 1), Round((2,), 1, gap_s=GAP, waits_for=waits), Round((3,), 1))
 
 
 def test_a_waiting_round_goes_a_gap_after_the_child_ends():
@@ -91,7 +102,7 @@ def test_a_waiting_round_goes_a_gap_after_the_child_ends():
 
 def test_it_waits_for_every_named_trajectory_and_hints_the_gap_after_the_last():
     backend = Timed()
-    other = ("d", [([20], 1)])
+    other = traj("d", Round((20,), 1))
     outs = run_trajectories(
         backend, [parent("c", "d"), CHILD, other], progress=False, timeout_s=30, tool_calls=True
     )
@@ -103,7 +114,9 @@ def test_it_waits_for_every_named_trajectory_and_hints_the_gap_after_the_last():
 
 def test_a_think_time_gap_gets_no_tool_call_hint():
     backend = Timed()
-    think = ("q", [([1], 1), ([2], 1, GAP, (), False), ([3], 1, GAP)])
+    think = traj(
+        "q", Round((1,), 1), Round((2,), 1, gap_s=GAP, tool_call=False), Round((3,), 1, gap_s=GAP)
+    )
     outs = run_trajectories(backend, [think], progress=False, timeout_s=30, tool_calls=True)
     assert outs[0].error == "" and outs[0].rounds == [[1], [2], [3]]
     assert backend.at("submit", 2) >= backend.at("done", 1) + GAP  # the gap is kept
@@ -121,7 +134,7 @@ def test_a_failed_child_still_ends_and_releases_its_parent():
 
 def test_a_waiting_first_round_and_ids_not_in_the_call():
     backend = Timed()
-    late = ("late", [([30], 1, 0.0, ("c", "not-here"))])
+    late = traj("late", Round((30,), 1, waits_for=("c", "not-here")))
     outs = run_trajectories(backend, [CHILD, late], progress=False, timeout_s=30)
     assert all(not o.error for o in outs)
     assert backend.at("submit", 30) >= backend.ended("c")
@@ -132,8 +145,8 @@ def test_a_waiting_first_round_and_ids_not_in_the_call():
 
 
 def test_cycles_and_starvable_waits_are_refused():
-    a = ("a", [([1], 1, 0.0, ("b",))])
-    b = ("b", [([2], 1), ([3], 1, 0.0, ("a",))])
+    a = traj("a", Round((1,), 1, waits_for=("b",)))
+    b = traj("b", Round((2,), 1), Round((3,), 1, waits_for=("a",)))
     with pytest.raises(ValueError, match="cycle: a -> b -> a"):
         run_trajectories(Timed(), [a, b], progress=False)
     with pytest.raises(ValueError, match="waits for a later trajectory"):

@@ -1,12 +1,15 @@
 """What the trace tests share: where the public traces sit (beside the repository; tests that
-read them skip when absent), a CPU cost model for the simulator, and Weka-format request and
-subagent entries for the sessions the tests build."""
+read them skip when absent), a CPU cost model for the simulator, Weka-format request and
+subagent entries for the sessions the tests build, and `records` (the tests' `(id, [(ids,
+gen), ...])` pairs as the `Trajectory` records `run_trajectories` takes)."""
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Sequence
 
 from dualpath_jax.sched.cost import FittedCostModel
+from dualpath_jax.workload.trace import Round, Trajectory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REAL_TRACES = ROOT.parent / "shared" / "real_traces"
@@ -31,3 +34,9 @@ def sub(agent, t, requests, duration_s=None) -> dict:
     if duration_s is not None:
         out["duration_ms"] = duration_s * 1000
     return out
+
+
+def records(trajs: Sequence[tuple[str, Sequence[tuple[Sequence[int], int]]]]) -> list[Trajectory]:
+    """The cluster tests' trajectories, `(id, [(token ids, gen), ...])` pairs (what their
+    lock-step and reference helpers index), as `run_trajectories`' `Trajectory` records."""
+    return [Trajectory(tid, tuple(Round(tuple(a), g) for a, g in rounds)) for tid, rounds in trajs]

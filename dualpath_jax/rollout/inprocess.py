@@ -1,8 +1,15 @@
 """`InProcessBackend`: the rollout backend without disaggregation (re-exported by
-`dualpath_jax.rollout`, whose `Session` and `run_trajectories` run on it unchanged)."""
+`dualpath_jax.rollout`, whose `Session` and `run_trajectories` run on it unchanged).
+
+What it supports of the `Backend` contract (wire/backend.py): sessions (forks included),
+`submit`, `submit_group`, `cancel`, `finish`, `abort`, both params updates, hints (`tool_call`
+is accepted and does nothing: every session's KV is in this process's memory already, there is
+nothing to prefetch), `stats` and `close`. `pause` and `resume` raise kind "unsupported": a
+params update already lands between two decode steps here, with no rounds to hold."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import pathlib
 import threading
@@ -12,22 +19,31 @@ from typing import Any
 
 from dualpath_jax.model.sampling_params import GREEDY, SamplingParams, held_back, min_tokens_problem
 from dualpath_jax.results import Logprobs, RoundResult
-from dualpath_jax.wire.client import (
+from dualpath_jax.wire.backend import Backend
+from dualpath_jax.wire.client import new_version
+from dualpath_jax.wire.client_checks import (
     TOKEN_LIMIT,
     RolloutError,
-    _check_int,
+    RoundFuture,
+    check_int,
+    check_session,
     check_tokens,
-    new_version,
+    check_ttl,
 )
+from dualpath_jax.wire.hints import check_seconds
 
 log = logging.getLogger(__name__)
+
+# `stats()["counters"]`: every backend's (`Backend.stats`) and what each finish reason adds
+_COUNTERS = ("requests_done", "aborted", "cancelled", "finished_early", "errors")
+_REASON_COUNTERS = {"abort": ("aborted",), "finished": ("finished_early",)}
 
 
 def _names(x: str | Sequence[str]) -> set[str]:
     return {x} if isinstance(x, str) else {str(v) for v in x}
 
 
-class InProcessBackend:
+class InProcessBackend(Backend):
     """The rollout backend without disaggregation: one model in this process, each session's KV
     kept in host memory between rounds and fed back layer by layer (layerwise prefill).
 
@@ -37,7 +53,8 @@ class InProcessBackend:
     several threads, or `step_async`) run together in a worker thread, prefilled in batches and
     decoded S at a time in one decoder whose pages hold `kv_tokens` tokens (0: S x `max_len`),
     a round starting once its pages are free (`dualpath_jax.rollout.inprocess_batch`); `close()` ends
-    it.
+    it. With `slots=1` no round is ever in flight between calls, so `cancel`, `finish` and
+    `abort` find nothing to end; with `slots` > 1 they end queued and decoding rounds.
     """
 
     def __init__(self, model, *, max_len: int = 0, slots: int = 1, kv_tokens: int = 0):
@@ -55,17 +72,61 @@ class InProcessBackend:
         # on the worker thread may run a callback that updates the params)
         self._run_lock = threading.RLock()
         self.params_version = ""
-        _check_int(slots, "slots", 1, 1 << 16)
+        self.slots = check_int(slots, "slots", 1, 1 << 16)
+        # what `stats` reports: rounds in flight and how rounds ended (`_landed`)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._in_flight = 0
+        self._stats_lock = threading.Lock()
         self._batch = None
         if slots > 1:
             from dualpath_jax.rollout.inprocess_batch import BatchLoop
 
-            self._batch = BatchLoop(self, slots, _check_int(kv_tokens, "kv_tokens", 0, 1 << 40))
+            self._batch = BatchLoop(self, slots, check_int(kv_tokens, "kv_tokens", 0, 1 << 40))
 
     def close(self) -> None:
         """Ends the batch worker (`slots` > 1): rounds still queued fail with kind `engine`."""
         if self._batch is not None:
             self._batch.close()
+
+    def stats(self) -> dict:
+        """The contract's keys (`Backend.stats`): open `sessions`, rounds `in_flight`, the
+        `params_version` served and `counters` (`requests_done`, `aborted`, `cancelled`,
+        `finished_early`, `errors`); and `slots` and `queued` (`{"batch": rounds waiting for
+        decode slots}`)."""
+        with self._lock:
+            sessions = len(self._sessions)
+        queued = 0 if self._batch is None else self._batch.queued()
+        with self._stats_lock:
+            counters = {k: self._counters[k] for k in _COUNTERS}
+            in_flight = self._in_flight
+        return {
+            "sessions": sessions,
+            "in_flight": in_flight,
+            "queued": {"batch": queued},
+            "params_version": self.params_version,
+            "slots": self.slots,
+            "counters": counters,
+        }
+
+    def _future(self) -> RoundFuture:
+        """A round's future (its `.request` set once the round has an id), counted in flight
+        until it resolves (`stats`)."""
+        fut = RoundFuture()
+        with self._stats_lock:
+            self._in_flight += 1
+        fut.add_done_callback(self._landed)
+        return fut
+
+    def _landed(self, fut: futures.Future[RoundResult]) -> None:
+        err = fut.exception()
+        if err is None:
+            reason = fut.result().finish_reason
+            names = ["requests_done", *_REASON_COUNTERS.get(reason, ())]
+        else:
+            names = ["cancelled" if getattr(err, "kind", "") == "cancelled" else "errors"]
+        with self._stats_lock:
+            self._in_flight -= 1
+            self._counters.update(names)
 
     def update_params(self, params: Any, version: str | None = None) -> str:
         """Swaps in new parameters (e.g. after an RL update): a `Transformer`, its `nnx.State` or
@@ -113,9 +174,14 @@ class InProcessBackend:
         ttl_s: float | None = None,
         fork_of: str = "",
     ) -> None:
-        """Opens a session (`priority` and `ttl_s` are accepted for the `Backend` interface; the
-        in-process backend keeps every session's KV until it is closed); `fork_of`: it starts
-        with that session's context and KV."""
+        """Opens a session (`priority` and `ttl_s` are checked and accepted for the `Backend`
+        contract; the in-process backend keeps every session's KV until it is closed);
+        `fork_of`: it starts with that session's context and KV."""
+        check_session(session)
+        if priority is not None:
+            check_int(priority, "priority", -(2**31), 2**31)
+        if ttl_s is not None:
+            check_ttl(ttl_s)
         with self._lock:
             if session in self._sessions and not resume:
                 raise RolloutError(
@@ -142,13 +208,15 @@ class InProcessBackend:
     ) -> futures.Future[RoundResult]:
         """One round (see `Client.submit`): it ends after any of `stop_tokens` (its last token;
         none drawn before `sampling.min_tokens` tokens), else after `gen` tokens."""
-        fut: futures.Future[RoundResult] = futures.Future()
+        fut = self._future()
         try:
             tokens = self._check_round(append, gen, [sampling], stop_tokens)
             if self._batch is not None:
                 self._queue([session], tokens, gen, [sampling], stop_tokens, [fut])
                 return fut
-            fut.set_result(self._rounds([session], tokens, gen, [sampling], stop_tokens)[0])
+            res = self._rounds([session], tokens, gen, [sampling], stop_tokens)[0]
+            fut.request = res.request
+            fut.set_result(res)
         except RolloutError as e:
             fut.set_exception(e)
         except ValueError as e:
@@ -170,36 +238,41 @@ class InProcessBackend:
         in one decoder, the others forking the first one's prompt pages (`Decoder.fork`), each
         ending on its own at `stop_tokens` (as `submit`'s). Sessions of different contexts run
         one by one. The futures are already done."""
-        futs: list[futures.Future[RoundResult]] = [futures.Future() for _ in sessions]
+        futs: list[RoundFuture] = []
         try:
-            if not sessions or len(samplings) != len(sessions):
-                raise RolloutError(
-                    f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
-                )
-            with self._lock:
-                missing = [s for s in sessions if s not in self._sessions]
-                if missing:
-                    raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
-                contexts = {tuple(self._sessions[s][0]) for s in sessions}
-            if len(contexts) > 1:  # not one context: no prompt to share
+            if not self._one_context(sessions, samplings):  # no prompt to share
                 return [
                     self.submit(s, append, gen, sampling=p, stop_tokens=stop_tokens)
                     for s, p in zip(sessions, samplings)
                 ]
+            futs = [self._future() for _ in sessions]
             tokens = self._check_round(append, gen, list(samplings), stop_tokens)
             if self._batch is not None:
                 self._queue(list(sessions), tokens, gen, list(samplings), stop_tokens, futs)
                 return futs
             got = self._rounds(list(sessions), tokens, gen, list(samplings), stop_tokens)
             for fut, res in zip(futs, got):
+                fut.request = res.request
                 fut.set_result(res)
-        except RolloutError as e:
+        except (RolloutError, ValueError) as e:
+            err = e if isinstance(e, RolloutError) else RolloutError(str(e), "bad_request")
+            futs = futs or [self._future() for _ in sessions]
             for fut in futs:
-                fut.set_exception(e)
-        except ValueError as e:
-            for fut in futs:
-                fut.set_exception(RolloutError(str(e), "bad_request"))
+                fut.set_exception(err)
         return futs
+
+    def _one_context(self, sessions: Sequence[str], samplings: Sequence[SamplingParams]) -> bool:
+        """Whether `sessions` (open ones, one sampling each, else RolloutError) share one
+        context: a group's prompt to prefill once."""
+        if not sessions or len(samplings) != len(sessions):
+            raise RolloutError(
+                f"{len(samplings)} sampling params for {len(sessions)} sessions", "bad_request"
+            )
+        with self._lock:
+            missing = [s for s in sessions if s not in self._sessions]
+            if missing:
+                raise RolloutError(f"unknown session {missing[0]!r}", "bad_request")
+            return len({tuple(self._sessions[s][0]) for s in sessions}) == 1
 
     def _queue(self, sessions, tokens, gen, samplings, stop_tokens, futs) -> None:
         """Hands a round (or a group's) to the batch worker (`slots` > 1)."""
@@ -237,6 +310,27 @@ class InProcessBackend:
             return []
         return self._batch.abort(_names(requests), _names(sessions), bool(all))
 
+    def cancel(self, request: str) -> None:
+        """Abandons a round (a future's `.request`), as `Client.cancel`: its future fails with
+        kind "cancelled" and its session keeps the context it had before the round. A queued
+        sample of a group leaves the group; a finished round (every round with `slots=1`) is
+        not affected."""
+        if self._batch is not None:
+            self._batch.cancel(str(request))
+
+    def finish(self, request: str) -> None:
+        """Ends a round now with the tokens it has, as `Client.finish` (`finish_reason`
+        "finished"; its tokens extend the session); a queued one ends after its first token.
+        A finished round (every round with `slots=1`) is not affected."""
+        if self._batch is not None:
+            self._batch.finish(str(request))
+
+    def tool_call(self, session: str, expected_s: float) -> None:  # noqa: ARG002 - the contract's
+        """Accepted and ignored: every session's KV is in this process's memory already, so
+        there is nothing to prefetch during the tool call (`expected_s` is checked as a
+        cluster checks it)."""
+        check_seconds(expected_s)
+
     def _check_round(
         self, append: Sequence[int], gen: int, samplings: list, stop_tokens: Sequence[int]
     ) -> list[int]:
@@ -252,7 +346,7 @@ class InProcessBackend:
             raise RolloutError(
                 f"token id {bad} is out of range [0, {self.cfg.vocab_size})", "bad_request"
             )
-        _check_int(gen, "gen", 1, TOKEN_LIMIT)
+        check_int(gen, "gen", 1, TOKEN_LIMIT)
         check_tokens(stop_tokens, "stop token")
         for sampling in samplings:
             problem = min_tokens_problem(sampling, gen, stop_tokens)

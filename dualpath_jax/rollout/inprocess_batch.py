@@ -11,7 +11,8 @@ Tokens are drawn as with one slot (`sample_at`: keyed by position, the same toke
 seeds; greedy ones equal up to float ties between differently shaped batches).
 
 A session takes one round at a time (another one submitted meanwhile is refused); `close()`
-ends the rounds still queued or decoding with kind `engine`. A params
+ends the rounds still queued or decoding with kind `engine`; `abort`, `finish` and `cancel` end
+one round (or several) early, as a cluster's client does. A params
 update waits for the step in progress; rounds in flight go on with the new params, and a round
 that saw the update leaves its session without cached KV (the next round recomputes it).
 """
@@ -71,6 +72,7 @@ class Live:
     t_first: float = 0.0
     t_second: float = 0.0
     aborted: bool = False  # (`BatchLoop.abort`)
+    finish_asked: bool = False  # (`BatchLoop.finish`: it ends once it has a token)
 
     def __post_init__(self) -> None:
         self.logprobs = Logprobs() if self.sampling.logprobs is not None else None
@@ -84,10 +86,18 @@ class Live:
         return bool(self.out) and self.out[-1] in stops and len(self.out) > self.sampling.min_tokens
 
     def done(self) -> bool:
-        return len(self.out) >= self.job.gen or self.stopped()
+        return (
+            len(self.out) >= self.job.gen
+            or self.stopped()
+            or (self.finish_asked and bool(self.out))
+        )
 
     def finish_reason(self) -> str:
-        return "abort" if self.aborted else "stop" if self.stopped() else "length"
+        if self.aborted:
+            return "abort"
+        if self.stopped():
+            return "stop"
+        return "finished" if self.finish_asked and len(self.out) < self.job.gen else "length"
 
 
 class BatchLoop:
@@ -101,6 +111,7 @@ class BatchLoop:
         self.queue: collections.deque[Job] = collections.deque()
         self.busy: set[str] = set()  # sessions with a round queued or live
         self.live: dict[int, Live] = {}  # slot -> its sample
+        self.finish_asked: set[str] = set()  # queued rounds `finish` ended before they started
         self.cond = threading.Condition()
         self.closed = False
         self.dec = None
@@ -155,6 +166,58 @@ class BatchLoop:
                     self._finish(slot)
             return ended
 
+    def cancel(self, request: str) -> None:
+        """Abandons round `request`: its future fails with kind "cancelled" and its session
+        keeps the context it had (a queued sample of a group leaves the group). Waits for the
+        step in progress; an unknown or finished round is ignored."""
+        err = RolloutError(f"round {request} cancelled by the client", "cancelled")
+        with self.engine._run_lock:
+            with self.cond:
+                fut = self._unqueue(request)
+            if fut is None:
+                slot = next((s for s, lv in self.live.items() if lv.job.ids[lv.i] == request), -1)
+                if slot < 0:
+                    return
+                lv = self.live.pop(slot)
+                self.dec.free(slot)
+                with self.cond:
+                    self.busy.discard(lv.job.sessions[lv.i])
+                fut = lv.job.futures[lv.i]
+            fut.set_exception(err)
+
+    def _unqueue(self, request: str) -> futures.Future | None:
+        """Takes round `request` out of its queued job (under `cond`); returns its future."""
+        for job in self.queue:
+            if request in job.ids:
+                k = job.ids.index(request)
+                self.busy.discard(job.sessions[k])
+                for field in (job.sessions, job.samplings, job.ids):
+                    field.pop(k)
+                if not job.sessions:
+                    self.queue.remove(job)
+                return job.futures.pop(k)
+        return None
+
+    def finish(self, request: str) -> None:
+        """Ends round `request` now with the tokens it has (`finish_reason` "finished"): a
+        decoding one at once (a fork waiting for its first token after it), a queued one once
+        its first token is drawn. Its tokens join the session's context."""
+        with self.engine._run_lock:
+            for slot, lv in list(self.live.items()):
+                if lv.job.ids[lv.i] == request:
+                    lv.finish_asked = True
+                    if lv.out:
+                        self._finish(slot)
+                    return
+            with self.cond:
+                if any(request in job.ids for job in self.queue):
+                    self.finish_asked.add(request)
+
+    def queued(self) -> int:
+        """Rounds waiting for decode slots (a group's samples each)."""
+        with self.cond:
+            return sum(len(job.ids) for job in self.queue)
+
     def _end_unstarted(self, job: Job) -> None:
         """An aborted round that had not started: no tokens; its append joins the context."""
         e, now = self.engine, time.monotonic()
@@ -194,8 +257,9 @@ class BatchLoop:
                     self.queue.clear()
                     self.live.clear()
                     return
-                jobs = self._take()
-            with self.engine._run_lock:  # a params update waits for this turn
+            with self.engine._run_lock:  # a params update, abort or cancel waits for this turn
+                with self.cond:  # (taken under the turn: a cancel finds a round queued or live)
+                    jobs = self._take()
                 try:
                     if jobs:
                         self._start(jobs)
@@ -300,6 +364,10 @@ class BatchLoop:
                 Live(job, i, prompt, len(context), c if i == 0 else len(prompt) - 1, version)
                 for i in range(len(job.sessions))
             ]
+            with self.cond:
+                for lv in lives:
+                    lv.finish_asked = job.ids[lv.i] in self.finish_asked
+                    self.finish_asked.discard(job.ids[lv.i])
             first = self._draw(last[b : b + 1], [lives[0]])[0]
             slots = [free.pop(0) for _ in lives]
             reserve = len(prompt) + job.gen

@@ -18,47 +18,22 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Any
 
 from dualpath_jax.model.sampling_params import GREEDY, SamplingParams
 from dualpath_jax.wire import frames, groups, hints, messages
+from dualpath_jax.wire.backend import Backend
 from dualpath_jax.wire.client_checks import (  # noqa: F401 - re-exported: the client's API
     TOKEN_LIMIT,
     RolloutError,
     RoundFuture,
-    _check_int,
-    _check_ttl,
+    check_int,
     check_session,
     check_tokens,
+    check_ttl,
 )
 
 log = logging.getLogger(__name__)
-
-
-class Backend(Protocol):
-    def open_session(
-        self,
-        session: str,
-        resume: bool = False,
-        *,
-        priority: int | None = None,
-        ttl_s: float | None = None,
-        fork_of: str = "",
-    ) -> None: ...
-    def submit(
-        self,
-        session: str,
-        append: Sequence[int],
-        gen: int,
-        *,
-        sampling: SamplingParams = GREEDY,
-        stop_tokens: Sequence[int] = (),
-    ) -> futures.Future[messages.RoundResult]: ...
-    def close_session(self, session: str, release: bool = False) -> None: ...
-    def update_params(self, params: Any, version: str | None = None) -> str: ...
-    def update_params_from_checkpoint(
-        self, path: str | pathlib.Path, version: str | None = None
-    ) -> str: ...
 
 
 def key_to_seed(key: Any) -> int:
@@ -74,8 +49,9 @@ def new_version() -> str:
     return f"v-{uuid.uuid4().hex[:16]}"
 
 
-class Client:
-    """Talks to a router. Thread safe: a background thread owns the socket.
+class Client(Backend):
+    """Talks to a router: the cluster's `Backend`, supporting every method of the contract.
+    Thread safe: a background thread owns the socket.
 
     `token` is the client secret (`LocalCluster.client()` passes it). `params_dir` is where
     `update_params` writes checkpoints (a directory every engine can read; `LocalCluster.client()`
@@ -327,25 +303,11 @@ class Client:
         msg = messages.OpenSession(
             session=check_session(session),
             resume=bool(resume),
-            priority=None
-            if priority is None
-            else _check_int(priority, "priority", -(2**31), 2**31),
-            ttl_s=None if ttl_s is None else _check_ttl(ttl_s),
+            priority=None if priority is None else check_int(priority, "priority", -(2**31), 2**31),
+            ttl_s=None if ttl_s is None else check_ttl(ttl_s),
             fork_of=check_session(fork_of) if fork_of else "",
         )
         self._check(self._call(msg, session).result(timeout_s))
-
-    def hint(self, session: str, hint: str | dict | hints.SessionHint) -> str:
-        """A session hint (`wire.hints`: `"tool_call:12"`, `"ttl:600"`, `"pin"`, `"release"`,
-        `"fork"`, or their object forms); unknown ones raise RolloutError("bad_request").
-        Returns the session the hint leaves: a fork's new one, else `session`."""
-        h = hints.parse_hint(hint)
-        if h.kind == "fork":
-            child = h.session or f"{session}/{uuid.uuid4().hex[:6]}"
-            self.open_session(child, fork_of=session)
-            return child
-        hints.apply_hint(self, check_session(session), h)
-        return session
 
     def tool_call(self, session: str, expected_s: float, timeout_s: float = 30.0) -> None:
         """Tells the router that `session`'s last round ended with a tool call expected to take
@@ -405,15 +367,15 @@ class Client:
                 request=rid,
                 session=check_session(session),
                 append=check_tokens(append),
-                gen=_check_int(gen, "gen", 1, TOKEN_LIMIT),
+                gen=check_int(gen, "gen", 1, TOKEN_LIMIT),
                 sampling=sampling,
-                keep=_check_int(keep, "keep", -1, TOKEN_LIMIT),
+                keep=check_int(keep, "keep", -1, TOKEN_LIMIT),
                 stop_tokens=check_tokens(stop_tokens, "stop token"),
                 stream=on_tokens is not None,
                 priority=None
                 if priority is None
-                else _check_int(priority, "priority", -(2**31), 2**31),
-                ttl_s=None if ttl_s is None else _check_ttl(ttl_s),
+                else check_int(priority, "priority", -(2**31), 2**31),
+                ttl_s=None if ttl_s is None else check_ttl(ttl_s),
                 follows=str(follows),
             )
             if on_tokens is not None:
@@ -529,6 +491,8 @@ class Client:
         return version
 
     def stats(self, timeout_s: float = 30.0) -> dict:
+        """The router's counters, queues and each live engine's load (`Router.stats`): the
+        contract's keys (`Backend.stats`) and the cluster's own (`engines`, `loads`, ...)."""
         reply = self._check(self._call(messages.GetStats(), "__stats__").result(timeout_s))
         return json.loads(reply.json)
 
@@ -536,6 +500,8 @@ class Client:
         self._check(self._call(messages.Shutdown(), "shutdown").result(timeout_s))
 
     def close(self) -> None:
+        """Stops the client's thread; calls in flight and later ones fail (kind
+        `connection`). The cluster keeps serving (`shutdown` stops it)."""
         self._closed.set()
         if self._thread is not threading.current_thread():
             self._thread.join(2)

@@ -12,7 +12,8 @@ from typing import Any
 class RolloutError(RuntimeError):
     """A round was refused or failed. `kind`: bad_request (the input), overloaded (queue full),
     store, transfer or engine (the cluster failed it; `str(e)` carries the cause), cancelled,
-    auth (wrong secret), connection (the router stopped answering)."""
+    auth (wrong secret), connection (the router stopped answering), unsupported (the backend
+    cannot run that method: `wire.backend.Backend`)."""
 
     def __init__(self, message: str, kind: str = "error"):
         super().__init__(message)
@@ -57,14 +58,16 @@ def check_session(session: Any) -> str:
     return session
 
 
-def _check_ttl(value: Any) -> float:
+def check_ttl(value: Any) -> float:
     """A retention TTL in seconds: a real number (the router bounds its range)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RolloutError(f"ttl_s must be a number of seconds, got {value!r}", "bad_request")
     return float(value)
 
 
-def _check_int(value: Any, name: str, low: int, high: int) -> int:
+def check_int(value: Any, name: str, low: int, high: int) -> int:
+    """`value` as a plain int in [low, high) (numpy integers are fine; bool is not); anything
+    else raises RolloutError(kind="bad_request") naming `name`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise RolloutError(f"{name} must be an int, got {value!r}", "bad_request")
     v = int(value)

@@ -11,7 +11,7 @@ Over HTTP: the `X-Session-Hint` header or the body field `session_hint`, as a st
 "expected_s": 12}`). An unknown hint or parameter is an error (`RolloutError` "bad_request",
 HTTP 400).
 
-What each does in the local cluster (`apply_hint`): `tool_call` keeps the session's stored KV
+What each does in the local cluster (`Backend.hint`, `apply_hint`): `tool_call` keeps the session's stored KV
 through the gap (its retention TTL becomes `TOOL_CALL_HOLD` x `expected_s`) and, with
 `scheduler.prefetch` on, lets a decode engine read that KV into memory during the gap
 (router/prefetch.py; the simulator does the same, sim/prefetch.py).
@@ -140,14 +140,16 @@ def retention_of(hint: SessionHint) -> dict[str, Any]:
 
 
 def apply_hint(backend: Any, session: str, hint: SessionHint) -> None:
-    """Applies `hint` to an open `session` of `backend` (a `Client` or another `Backend`):
-    retention hints re-open it with the new settings (`resume=True`), `release` closes it
-    releasing its KV. `fork` is the caller's (`Session.hint`): it opens a new session."""
+    """Applies `hint` to an open `session` of `backend` (a `wire.backend.Backend`, whose
+    `hint` calls this): retention hints re-open it with the new settings (`resume=True`),
+    `release` closes it releasing its KV, `tool_call` then tells the backend
+    (`Backend.tool_call`: the router may prefetch the session's KV). `fork` is the caller's
+    (`Backend.hint`, `Session.hint`): it opens a new session."""
     if hint.kind == "release":
         backend.close_session(session, True)
     elif hint.kind == "fork":
         raise _bad("fork opens a new session: use Session.hint('fork')")
     else:
         backend.open_session(session, resume=True, **retention_of(hint))
-        if hint.kind == "tool_call" and hasattr(backend, "tool_call"):
-            backend.tool_call(session, hint.expected_s)  # the router may prefetch its KV
+        if hint.kind == "tool_call":
+            backend.tool_call(session, hint.expected_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_jax.rollout import RolloutError, Session
+from dualpath_jax.rollout import Backend, RolloutError, Session
 from dualpath_jax.serving import request_checks
 from dualpath_jax.serving.protocol import ApiError
 from dualpath_jax.wire.hints import (
@@ -53,7 +53,7 @@ def test_retention_of_each_hint():
     assert retention_of(parse_hint("release")) == {}
 
 
-class FakeBackend:
+class FakeBackend(Backend):
     def __init__(self):
         self.calls = []
 
@@ -62,6 +62,12 @@ class FakeBackend:
 
     def close_session(self, session, release=False):
         self.calls.append(("close", session, release))
+
+    def submit(self, session, append, gen, **kw):
+        raise AssertionError("hints submit nothing")
+
+    def tool_call(self, session, expected_s):
+        self.calls.append(("tool_call", session, expected_s))
 
 
 def test_session_hint_maps_onto_retention_release_and_fork():
@@ -75,6 +81,7 @@ def test_session_hint_maps_onto_retention_release_and_fork():
     assert b.calls == [
         ("open", "s", False, {}),
         ("open", "s", True, {"ttl_s": 12.0}),
+        ("tool_call", "s", 4.0),
         ("open", "s", True, {"priority": PIN_PRIORITY, "ttl_s": 1e9}),
         ("open", "s/sub", False, {"fork_of": "s"}),
         ("close", "s", True),

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from trace_helpers import records
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import (
@@ -311,7 +312,10 @@ def test_killing_an_engine_mid_run_still_completes_every_trajectory(
         box: dict[str, list] = {}
         runner = threading.Thread(
             target=lambda: box.setdefault(
-                "out", run_trajectories(client, FAULT, progress=False, timeout_s=RESULT_TIMEOUT_S)
+                "out",
+                run_trajectories(
+                    client, records(FAULT), progress=False, timeout_s=RESULT_TIMEOUT_S
+                ),
             )
         )
         runner.start()

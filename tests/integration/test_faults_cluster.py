@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 import zmq
+from trace_helpers import records
 
 from dualpath_jax.cluster import Client
 from dualpath_jax.config import ClusterConfig, ExperimentConfig, SchedulerConfig, StoreConfig
@@ -325,7 +326,7 @@ def test_overload_ends_in_tokens_or_overloaded_errors(rig, reference_tokens):
     cluster, _ = rig
     client = cluster.client()
     trajs = [trajectory(f"load{k}", seed=100 + k) for k in range(40)]
-    out = run_trajectories(client, trajs, progress=False, timeout_s=600)
+    out = run_trajectories(client, records(trajs), progress=False, timeout_s=600)
     kinds = {o.error for o in out}
     done = [o for o in out if not o.error]
     assert done, kinds

@@ -25,6 +25,7 @@ from test_cluster import (
     run_lockstep,
     tokens_of,
 )
+from trace_helpers import records
 
 from dualpath_jax.cluster import InProcessCluster
 from dualpath_jax.config import ConfigError, validate
@@ -63,7 +64,8 @@ def test_an_engine_killed_mid_run_is_survived_and_restarted(
         box: dict[str, list] = {}
         runner = threading.Thread(
             target=lambda: box.setdefault(
-                "out", run_trajectories(client, KILL, progress=False, timeout_s=RESULT_TIMEOUT_S)
+                "out",
+                run_trajectories(client, records(KILL), progress=False, timeout_s=RESULT_TIMEOUT_S),
             )
         )
         runner.start()
@@ -89,7 +91,7 @@ def test_run_local_runs_on_threads_with_the_reference_tokens(tmp_path):
     """`cluster.runtime=thread`: the run launchers' function on an InProcessCluster writes the
     run's files, and its outputs are the reference model's greedy tokens."""
     from dualpath_jax import apply_overrides, load_config
-    from dualpath_jax.experiment import as_rounds, build_trajectories, read_outputs, run_local
+    from dualpath_jax.experiment import build_trajectories, read_outputs, run_local
     from dualpath_jax.model.generation import reference_rounds
     from dualpath_jax.model.runner import ModelRunner
     from dualpath_jax.model.transformer import init_model
@@ -116,8 +118,10 @@ def test_run_local_runs_on_threads_with_the_reference_tokens(tmp_path):
     trajs, _ = build_trajectories(cfg)
     outputs = read_outputs(tmp_path / "outputs.jsonl")
     assert len(outputs) == len(trajs) == 2
-    for tid, rounds in as_rounds(trajs):
-        assert outputs[tid] == reference_rounds(runner, [(ids, gen) for ids, gen, *_ in rounds])
+    for t in trajs:
+        assert outputs[t.id] == reference_rounds(
+            runner, [(list(r.append), r.gen) for r in t.rounds]
+        )
 
 
 def test_what_needs_processes_is_refused(tmp_path):

@@ -37,6 +37,7 @@ from test_cluster import (  # noqa: E402
     make_trajectories,
     read_events,
 )
+from trace_helpers import records  # noqa: E402
 
 from dualpath_jax import apply_overrides, load_config  # noqa: E402
 from dualpath_jax.cluster import RayCluster  # noqa: E402
@@ -151,7 +152,10 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
         box: dict[str, list] = {}
         runner = threading.Thread(
             target=lambda: box.setdefault(
-                "out", run_trajectories(client, FAULT, progress=False, timeout_s=RESULT_TIMEOUT_S)
+                "out",
+                run_trajectories(
+                    client, records(FAULT), progress=False, timeout_s=RESULT_TIMEOUT_S
+                ),
             )
         )
         runner.start()
@@ -184,7 +188,9 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
         assert streamed.update_params(a, version="step-2") == "step-2"
         assert streamed.last_params_update["via"] == "transfer"
         after = make_trajectories("ray-after", n=2, rounds=2, seed=5)
-        outs = run_trajectories(streamed, after, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        outs = run_trajectories(
+            streamed, records(after), progress=False, timeout_s=RESULT_TIMEOUT_S
+        )
         assert [o.rounds for o in outs] == [reference_tokens(t) for t in after]
         stats = client.stats()
 
@@ -196,7 +202,7 @@ def test_a_ray_cluster_places_survives_a_node_and_updates_params(
         assert restarted["epoch"] != stats["epoch"] and client.router_restarts >= 1
         assert restarted["params_version"] == "step-2"
         later = make_trajectories("ray-restarted", n=2, rounds=2, seed=6)
-        outs = run_trajectories(client, later, progress=False, timeout_s=RESULT_TIMEOUT_S)
+        outs = run_trajectories(client, records(later), progress=False, timeout_s=RESULT_TIMEOUT_S)
         assert [o.rounds for o in outs] == [reference_tokens(t) for t in later]
         router_pid = cluster.where()["router"]["pid"]
 
@@ -275,11 +281,15 @@ def test_a_decode_engine_spanning_two_processes_is_placed_and_restarted_as_one(
             assert where["de1"]["node_id"] == where["de1.1"]["node_id"] == pool_c.node_id
             client = cluster.client()
             engines = client.stats()["engines"]
-            first = run_trajectories(client, SPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            first = run_trajectories(
+                client, records(SPANNED), progress=False, timeout_s=RESULT_TIMEOUT_S
+            )
             cluster.kill("de1.1")  # the follower dies: the engine's every process restarts
             cluster.restart("de1")  # returns once the new leader has registered
             again = cluster.where()
-            second = run_trajectories(client, RESPANNED, progress=False, timeout_s=RESULT_TIMEOUT_S)
+            second = run_trajectories(
+                client, records(RESPANNED), progress=False, timeout_s=RESULT_TIMEOUT_S
+            )
             b = init_model(TINY_QWEN2, seed=32)
             assert client.update_params(b, version="span-1") == "span-1"
             prompt = list(range(5, 45))

@@ -13,7 +13,7 @@ from test_cluster import PINNED_COST
 from dualpath_jax import launcher
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.rollout import run_trajectories
-from dualpath_jax.workload.arrivals import as_rounds, build_workload
+from dualpath_jax.workload.arrivals import build_workload
 
 GAP_S = 0.2
 
@@ -55,15 +55,14 @@ def test_the_parent_round_goes_after_its_subagent_and_tokens_are_unchanged(
     trajs = build_workload(cfg).trajectories
     assert [t.id for t in trajs] == ["p", "p:a"]
     assert trajs[0].rounds[1].waits_for == ("p:a",) and trajs[0].rounds[1].gap_s == GAP_S
-    rounds = as_rounds(trajs)
     with start_cluster(cfg, tmp_path / "run", "thread") as cluster:
-        outs = run_trajectories(cluster.client(), rounds, progress=False, timeout_s=300)
+        outs = run_trajectories(cluster.client(), trajs, progress=False, timeout_s=300)
     assert [o.error for o in outs] == ["", ""]
     parent, child = outs
     child_end = max(r.submit_s + r.jct_s for r in child.results)
     assert parent.results[1].submit_s >= child_end + GAP_S
     # its round 0 ran beside the child's (both arrive at 0 offline)
     assert parent.results[0].submit_s < child_end
-    for (tid, rs), o in zip(rounds, outs):
-        assert o.rounds == reference_tokens((tid, [(a, g) for a, g, *_ in rs])), tid
+    for t, o in zip(trajs, outs):
+        assert o.rounds == reference_tokens((t.id, [(r.append, r.gen) for r in t.rounds])), t.id
     assert parent.results[1].cached_tokens > 0  # its own earlier round's blocks

@@ -14,7 +14,7 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig, Wo
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, TINY_QWEN2
 from dualpath_jax.rollout import run_trajectories
 from dualpath_jax.sim import simulate
-from dualpath_jax.workload.arrivals import as_rounds, build_trajectories
+from dualpath_jax.workload.arrivals import build_trajectories
 from dualpath_jax.workload.sharing import replay_hits
 
 # The engines' prefill cost model is pinned: PEs start without calibrating.
@@ -55,7 +55,7 @@ def test_trace_formats_hit_what_their_shared_prefixes_imply(tmp_path, start_clus
             # One at a time; the sessions close at the end (the next workload reuses the ids).
             outs = run_trajectories(
                 client,
-                as_rounds(trajs),
+                trajs,
                 max_concurrent=1,
                 progress=False,
                 timeout_s=600,

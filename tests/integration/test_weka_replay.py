@@ -26,7 +26,8 @@ from dualpath_jax.config import ExperimentConfig, Policy
 from dualpath_jax.configs_loader import load_config
 from dualpath_jax.presets import TINY_CPU_PREFILL_COST, cpu_emulated
 from dualpath_jax.rollout import run_trajectories
-from dualpath_jax.workload.arrivals import as_rounds, build_workload, check_context
+from dualpath_jax.workload.arrivals import build_workload, check_context
+from dualpath_jax.workload.trace import Round
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 POLICIES = ("basic", "dualpath", "oracle")
@@ -173,12 +174,15 @@ def replay(cfg: ExperimentConfig, workdir: pathlib.Path, start_cluster, *, gaps:
     previous one ends (the think times only idle a one-at-a-time replay)."""
     plan = build_workload(cfg)
     check_context(cfg, plan.trajectories)
-    rounds = as_rounds(plan.trajectories)
-    if not gaps:
-        rounds = [(tid, [r[:2] for r in rs]) for tid, rs in rounds]
+    trajs = plan.trajectories
+    if not gaps:  # (nor waits: one at a time, each trajectory runs to its end anyway)
+        trajs = [
+            dataclasses.replace(t, rounds=tuple(Round(r.append, r.gen) for r in t.rounds))
+            for t in trajs
+        ]
     with start_cluster(cfg, workdir, "thread") as cluster:
         outs = run_trajectories(
-            cluster.client(), rounds, max_concurrent=1, progress=False, timeout_s=TIMEOUT_S
+            cluster.client(), trajs, max_concurrent=1, progress=False, timeout_s=TIMEOUT_S
         )
     assert not [o.error for o in outs if o.error]
     return plan, outs
@@ -261,8 +265,9 @@ def test_weka_sessions_with_a_subagent_hit_what_their_hash_ids_imply(
     # its parent (its second round: 112 + 8 - 1 = 119 tokens, 112), the continuation its
     # parent's first 2 blocks (48 tokens).
     assert hits == [[0, 64], [48], [0, 160, 272], [96, 112], [48]]
-    rounds = as_rounds(plan.trajectories)
-    assert tokens == [reference_tokens((tid, [r[:2] for r in rs])) for tid, rs in rounds]
+    assert tokens == [
+        reference_tokens((t.id, [(r.append, r.gen) for r in t.rounds])) for t in plan.trajectories
+    ]
 
 
 @pytest.mark.slow

@@ -83,20 +83,23 @@ def test_the_jsonl_field_round_trips_and_is_checked(tmp_path):
         parse_trace([waits, ok])
     with pytest.raises(ValueError, match="round index"):
         Trajectory("c", (Round(3, 1),), ("p", 1.5, 0.0))
-    # what run_trajectories takes: the third field
+    # the tuple form (`as_rounds`): the third field
     child = Trajectory("c", (Round((4, 5), 1),), ("p", 1, 0.25))
     assert as_rounds([child]) == [("c", [([4, 5], 1)], ("p", 1, 0.25))]
 
 
 DELAY = 0.1
-PARENT = ("p", [([1], 1), ([2], 1, 0.2), ([3], 1)])
+PARENT = Trajectory("p", (Round((1,), 1), Round((2,), 1, gap_s=0.2), Round((3,), 1)))
+
+
+def child(*ids: int, after: tuple[str, int, float]) -> Trajectory:
+    """A trajectory "c" of one-token rounds `ids` starting after `after`."""
+    return Trajectory("c", tuple(Round((i,), 1) for i in ids), after)
 
 
 def test_run_trajectories_starts_a_child_after_its_parents_round():
     backend = Timed()
-    outs = run_trajectories(
-        backend, [PARENT, ("c", [([10], 1), ([11], 1)], ("p", 1, DELAY))], progress=False
-    )
+    outs = run_trajectories(backend, [PARENT, child(10, 11, after=("p", 1, DELAY))], progress=False)
     assert not any(o.error for o in outs)
     # round 1 of p ended, then c's first round went DELAY later (not at the call's start)
     assert backend.at("submit", 10) - backend.at("done", 2) >= DELAY - 0.01
@@ -105,21 +108,21 @@ def test_run_trajectories_starts_a_child_after_its_parents_round():
 
 def test_a_child_starts_when_its_parent_fails_before_the_round():
     backend = Timed(fail=("p",))
-    outs = run_trajectories(backend, [PARENT, ("c", [([10], 1)], ("p", 2, 0.0))], progress=False)
+    outs = run_trajectories(backend, [PARENT, child(10, after=("p", 2, 0.0))], progress=False)
     assert outs[0].error and not outs[1].error and outs[1].rounds == [[10]]
     assert backend.at("submit", 10) >= backend.at("done", 1)
 
 
 def test_run_trajectories_refuses_what_could_never_start():
-    waits = ("p", [([1], 1, 0.0, ("c",)), ([2], 1)])
+    waits = Trajectory("p", (Round((1,), 1, waits_for=("c",)), Round((2,), 1)))
     with pytest.raises(ValueError, match="cycle"):
-        run_trajectories(Timed(), [waits, ("c", [([10], 1)], ("p", 1, 0.0))], progress=False)
+        run_trajectories(Timed(), [waits, child(10, after=("p", 1, 0.0))], progress=False)
     with pytest.raises(ValueError, match="max_concurrent"):
         run_trajectories(
-            Timed(), [PARENT, ("c", [([10], 1)], ("p", 0, 0.0))], max_concurrent=2, progress=False
+            Timed(), [PARENT, child(10, after=("p", 0, 0.0))], max_concurrent=2, progress=False
         )
     # a parent not in the call: the child starts at its arrival
-    outs = run_trajectories(Timed(), [("c", [([10], 1)], ("gone", 0, 5.0))], progress=False)
+    outs = run_trajectories(Timed(), [child(10, after=("gone", 0, 5.0))], progress=False)
     assert outs[0].rounds == [[10]]
 
 
