@@ -242,24 +242,20 @@ class Dispatch:
         st = self.table.requests.get(msg.request)
         if st is None or msg.attempt != st.attempts:
             return  # a finished request or an older attempt
+        # (engine ids are unique across roles: the reads are the PE's or the DE's)
         if msg.engine == st.pe:
-            st.pe_reads_done = True
-            self.out.event(
-                "pe_reads",
-                request=st.id,
-                engine=msg.engine,
-                read_s=msg.read_s,
-                held_blocks=msg.held_blocks,
-            )
-        if msg.engine == st.de:
-            st.de_reads_done = True
-            self.out.event(
-                "de_reads",
-                request=st.id,
-                engine=msg.engine,
-                read_s=msg.read_s,
-                held_blocks=msg.held_blocks,
-            )
+            st.pe_reads_done, side = True, "pe"
+        elif msg.engine == st.de:
+            st.de_reads_done, side = True, "de"
+        else:
+            return  # not an engine of this attempt
+        self.out.event(
+            f"{side}_reads",
+            request=st.id,
+            engine=msg.engine,
+            read_s=msg.read_s,
+            held_blocks=msg.held_blocks,
+        )
 
     # ------------------------------------------------------------------ loads
 
