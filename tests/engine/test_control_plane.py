@@ -347,6 +347,16 @@ def server():
     srv.close()
 
 
+def answered(server: RpcServer, client: RpcClient, role: str) -> None:
+    """A `GetStats` from `client` reaches `server` as a `role` message (by the secret it
+    carried), and the `Stats` answer reaches `client` alone."""
+    client.send(messages.GetStats())
+    ident, msg, got = server.recv(WAIT_MS)
+    assert (msg, got) == (messages.GetStats(), role)
+    server.send(ident, messages.Stats(json="{}"))
+    assert client.recv(WAIT_MS) == messages.Stats(json="{}")
+
+
 def test_client_server_call(server):
     client = RpcClient(server.address, identity=b"client-1")
     try:
@@ -373,11 +383,7 @@ def test_an_ipv6_address_is_bracketed_in_urls_and_serves(port):
     try:
         assert server.address.startswith("tcp://[::1]:")
         assert port == 0 or server.address == f"tcp://[::1]:{port}"
-        client.send(messages.GetStats())
-        ident, msg, role = server.recv(WAIT_MS)
-        assert (msg, role) == (messages.GetStats(), frames.CLIENT)
-        server.send(ident, messages.Stats(json="{}"))
-        assert client.recv(WAIT_MS) == messages.Stats(json="{}")
+        answered(server, client, frames.CLIENT)
     finally:
         client.close()
         server.close()
@@ -396,11 +402,7 @@ def test_server_answers_a_bad_frame_with_error_and_keeps_serving(server):
         assert server.recv(WAIT_MS) is None and server.rejected == 2
         assert bad.recv(WAIT_MS).message.startswith("schema version 99 is not supported")
 
-        good.send(messages.GetStats())
-        ident, msg, _ = server.recv(WAIT_MS)
-        assert msg == messages.GetStats()
-        server.send(ident, messages.Stats(json="{}"))
-        assert good.recv(WAIT_MS) == messages.Stats(json="{}")
+        answered(server, good, frames.ENGINE)
         assert bad.recv(50) is None  # the good client's answer went to it alone
     finally:
         bad.close()
@@ -440,11 +442,7 @@ def test_token_server_rejects_wrong_token_and_never_reveals_its_token():
         with pytest.raises(frames.FrameError, match="authentication failed"):
             user.recv(WAIT_MS)
 
-        member.send(messages.GetStats())
-        ident, msg, role = srv.recv(WAIT_MS)
-        assert (msg, role) == (messages.GetStats(), frames.ENGINE)
-        srv.send(ident, messages.Ack(ref="ok"))
-        assert member.recv(WAIT_MS) == messages.Ack(ref="ok")
+        answered(srv, member, frames.ENGINE)
     finally:
         intruder.close()
         member.close()

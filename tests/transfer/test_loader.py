@@ -70,6 +70,17 @@ class Cluster:
         self.pe = ctx("pe0", {"pe0", "node0"})
         self.de = ctx("de1", {"de1", "node1"})
 
+    def job(
+        self, request: str, keys, pe_blocks: int, de_blocks: int, prompt_tokens: int, **kw
+    ) -> LoadJob:
+        """Request `request`'s load from PE pe0 (node0) to DE de1 (node1), at their channels
+        (`de_address` overrides the DE's); `kw`: more `LoadJob` fields."""
+        kw.setdefault("de_address", self.de.channel.address)
+        return LoadJob(
+            request, tuple(keys), pe_blocks, de_blocks, prompt_tokens, "pe0", "node0", "de1",
+            "node1", self.pe.channel.address, **kw,
+        )  # fmt: skip
+
     def close(self):
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.traffic.close()
@@ -82,21 +93,7 @@ def run_request(
     """Runs both halves of one request; returns (effective hit blocks, the PE's per-layer hit
     rows, the DE buffer's prompt KV [L, T, W]). `lead`: leading hit blocks the PE recomputes
     (a forward of their own first) before the new tokens after the loaded blocks."""
-    job = LoadJob(
-        "r1",
-        tuple(keys),
-        pe_blocks,
-        de_blocks,
-        len(prompt),
-        "pe0",
-        "node0",
-        "de1",
-        "node1",
-        cluster.pe.channel.address,
-        cluster.de.channel.address,
-        oracle=oracle,
-        lead=lead,
-    )
+    job = cluster.job("r1", keys, pe_blocks, de_blocks, len(prompt), oracle=oracle, lead=lead)
     de = DecodeLoad(cluster.de, job).start()
     pe = PrefillLoad(cluster.pe, job).start()
     h = pe.hit_blocks()
@@ -267,19 +264,7 @@ def test_bad_block_becomes_a_shorter_hit(stored, runner, corrupt, pe_blocks, de_
 
 def test_errors_reach_the_waiter(stored):
     cluster, prompt, kv, keys = stored
-    job = LoadJob(
-        "r9",
-        tuple(keys),
-        0,
-        4,
-        len(prompt),
-        "pe0",
-        "node0",
-        "de1",
-        "node1",
-        cluster.pe.channel.address,
-        "nowhere",
-    )
+    job = cluster.job("r9", keys, 0, 4, len(prompt), de_address="nowhere")
     ctx = dataclasses.replace(cluster.pe, timeout_s=0.5)
     pe = PrefillLoad(ctx, job).start()
     with pytest.raises(Exception):  # noqa: B017 - the channel's typed error (unknown peer)
@@ -317,10 +302,7 @@ def test_de_read_blocks_reach_the_forward_without_a_host_copy(stored, runner, pe
     new rows), and each layer costs one host-to-device copy of pages (a pinned buffer's for
     the forward serves the send as well)."""
     cluster, prompt, kv, keys = stored
-    job = LoadJob(
-        "r2", tuple(keys), pe_blocks, de_blocks, len(prompt), "pe0", "node0", "de1", "node1",
-        cluster.pe.channel.address, cluster.de.channel.address,
-    )  # fmt: skip
+    job = cluster.job("r2", keys, pe_blocks, de_blocks, len(prompt))
     de = DecodeLoad(cluster.de, job).start()
     pe = PrefillLoad(cluster.pe, job).start()
     h = pe.hit_blocks()
