@@ -93,7 +93,7 @@ shutil.rmtree(WORKDIR, ignore_errors=True)  # a fresh block store, so the first 
 # - `run_trajectories` replays many trajectories concurrently, each one's rounds in order.
 
 # %%
-agent_rounds, _ = rollout.workload_trajectories(cfg)  # the synthetic 64k-shaped trace, scaled to the tiny model
+agents, _ = rollout.workload_trajectories(cfg)  # the synthetic 64k-shaped trace (Trajectory records), scaled to the tiny model
 first_turn = list(range(1, 120))  # token ids of the user's first message
 second_turn = list(range(200, 230))
 
@@ -102,7 +102,7 @@ with cluster.LocalCluster(cfg, WORKDIR) as local_cluster:
     session = rollout.Session(client, "chat-0")
     answer_1 = session.step(first_turn, 8)
     answer_2 = session.step(second_turn, 8)
-    outputs = rollout.run_trajectories(client, agent_rounds, progress=False)
+    outputs = rollout.run_trajectories(client, agents, progress=False)
     stats = client.stats()
 
 print("round 1 tokens:", answer_1)

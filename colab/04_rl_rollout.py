@@ -57,94 +57,55 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.model.checkpoint import params_state, save_params_tree
-from dualpath_jax.model.transformer import init_model
+from dualpath_jax.cluster import LocalCluster
+from dualpath_jax.model.checkpoint import params_state
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories
-from dualpath_jax.runtimes.local import LocalCluster
+from dualpath_jax.rollout import InProcessBackend, RolloutError, Session, run_trajectories, toy
 
 # %% [markdown]
 # ## The policy and the cluster
 #
 # The policy is the tiny Qwen2 model (3 layers, vocabulary of 257 token ids, random weights).
-# We save its initial parameters as an orbax checkpoint and start the cluster from it with
-# `cluster.params_path`; 16-token KV blocks so that short prompts already fill blocks.
+# `toy.tiny_policy` saves its initial parameters as an orbax checkpoint and returns the config
+# of a cluster that starts from it (`cluster.params_path`; 16-token KV blocks so that short
+# prompts already fill blocks). Notebooks 05 and 06 start the same way.
 
 # %%
 WORKDIR = pathlib.Path("runs/04_rl_rollout").absolute()
 shutil.rmtree(WORKDIR, ignore_errors=True)
-model = init_model(TINY_QWEN2, seed=0)
-init_ckpt = save_params_tree(model, WORKDIR / "init_params")
-
-cfg = ExperimentConfig(
-    name="rl-tiny",
-    model=TINY_QWEN2,
-    cluster=ClusterConfig(decode_slots=16, decode_max_len=128, params_path=str(init_ckpt)),
-    store=StoreConfig(block_tokens=16),
-)
-print("initial parameters:", init_ckpt)
+model, cfg = toy.tiny_policy(WORKDIR, "rl-tiny")
+print("initial parameters:", cfg.cluster.params_path)
 
 # %% [markdown]
 # ## The task, the reward and the learning step
 #
-# A trajectory has two turns: the environment appends 12 "observation" tokens and the policy
-# generates 6; then 4 more tokens of "feedback" and 6 more generated. Environment tokens never
+# The toy task (`toy.TargetTask`): a trajectory has two turns: the environment appends 12
+# "observation" tokens and the policy generates 6; then 4 more tokens of "feedback" and 6 more
+# generated (`task.trajectories`, `workload.trace.Trajectory` records). Environment tokens never
 # come from the target set `{0, ..., 31}`; the reward of a trajectory is the share of its 12
-# generated tokens that do (about 1/8 for a random policy).
+# generated tokens that do (about 1/8 for a random policy). `task.batch` turns the rollouts into
+# token ids [B, T], the mask of generated positions [B, T] and the rewards [B].
 #
 # REINFORCE: the loss is `-mean_b(A_b * sum_t log p(token_t))` over generated tokens, with the
 # advantage `A_b` the batch-normalised reward. Rollouts sample at temperature 1, so the
 # log-probabilities are those of `softmax(logits)`, computed by one monolithic forward of the
-# whole trajectory (prompt and generated tokens) in JAX. Only `nnx.Param` leaves are trained.
+# whole trajectory (prompt and generated tokens) in JAX (`toy.generated_logprob`). Only
+# `nnx.Param` leaves are trained.
 
 # %%
-TARGET = 32  # target token ids: 0 .. TARGET-1
-BATCH, ITERATIONS, GEN, LR = 16, 12, 6, 1e-2
+task = toy.TargetTask(target=32)  # target token ids: 0 .. 31
+BATCH, ITERATIONS, LR = 16, 12, 1e-2
 env = np.random.RandomState(0)
-
-
-def make_trajectories(iteration: int) -> list[tuple[str, list[tuple[list[int], int]]]]:
-    """BATCH trajectories of two turns: (observation, GEN tokens), (feedback, GEN tokens)."""
-    def obs(n):
-        return env.randint(TARGET, TINY_QWEN2.vocab_size, n).tolist()
-
-    return [(f"it{iteration}-{k}", [(obs(12), GEN), (obs(4), GEN)]) for k in range(BATCH)]
-
-
-def batch_of(trajs, outputs):
-    """Token ids [B, T], a mask of generated positions [B, T] and rewards [B]."""
-    tokens, gen_mask, rewards = [], [], []
-    for (_, rounds), out in zip(trajs, outputs):
-        assert not out.error, out.error
-        seq, mask = [], []
-        for (append, _), generated in zip(rounds, out.rounds):
-            seq += append + generated
-            mask += [0] * len(append) + [1] * len(generated)
-        generated = [t for g in out.rounds for t in g]
-        tokens.append(seq)
-        gen_mask.append(mask)
-        rewards.append(np.mean([t < TARGET for t in generated]))
-    return jnp.array(tokens), jnp.array(gen_mask, jnp.float32), np.array(rewards)
-
 
 graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 tx = optax.adam(LR)
 opt_state = tx.init(params)
 
 
-def sequence_logprob(params, tokens, gen_mask):
-    """Sum of log p(token) over the generated positions of each sequence: [B]."""
-    logits, _ = nnx.merge(graphdef, params, rest)(tokens)  # [B, T, V]
-    logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-    token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-    return (token_logp * gen_mask[:, 1:]).sum(-1)
-
-
 @jax.jit
 def train_step(params, opt_state, tokens, gen_mask, advantage):
     def loss_fn(p):
-        return -(advantage * sequence_logprob(p, tokens, gen_mask)).mean()
+        return -(advantage * toy.generated_logprob(nnx.merge(graphdef, p, rest), tokens, gen_mask)).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -174,11 +135,11 @@ with LocalCluster(cfg, WORKDIR) as cluster:
     print("serving:", client.stats()["params_version"])
     for it in range(ITERATIONS):
         t0 = time.monotonic()
-        trajs = make_trajectories(it)
+        trajs = task.trajectories(f"it{it}", BATCH, env)
         key, rollout_key = jax.random.split(key)
         outputs = run_trajectories(client, trajs, temperature=1.0, key=rollout_key, progress=False, release=True)
         t1 = time.monotonic()
-        tokens, gen_mask, rewards = batch_of(trajs, outputs)
+        tokens, gen_mask, rewards = task.batch(trajs, outputs)
         advantage = jnp.asarray((rewards - rewards.mean()) / (rewards.std() + 1e-6), jnp.float32)
         params, opt_state, loss = train_step(params, opt_state, tokens, gen_mask, advantage)
         model = nnx.merge(graphdef, params, rest)
@@ -192,7 +153,7 @@ with LocalCluster(cfg, WORKDIR) as cluster:
 
     # The cluster now serves the final parameters: its greedy and sampled tokens equal the same
     # model run in this process (sampled hotter than in training: the policy is peaked by now).
-    prompt = make_trajectories(ITERATIONS)[0][1][0][0]
+    prompt = list(task.trajectories("final", 1, env)[0].rounds[0].append)
     cluster_greedy = Session(client).step(prompt, 8)
     cluster_sampled = Session(client).step(prompt, 8, temperature=2.0, key=jax.random.key(1))
     local = InProcessBackend(model, max_len=128)
@@ -227,7 +188,7 @@ assert still_serving == f"iter-{ITERATIONS}" and after_refusal == cluster_greedy
 rewards = [h["reward"] for h in history]
 fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
 ax.plot(range(1, len(rewards) + 1), rewards, "o-")
-ax.axhline(TARGET / TINY_QWEN2.vocab_size, color="grey", ls="--", label="uniform random policy")
+ax.axhline(task.target / TINY_QWEN2.vocab_size, color="grey", ls="--", label="uniform random policy")
 ax.set_xlabel("iteration")
 ax.set_ylabel("mean reward")
 ax.set_ylim(0, 1)

@@ -60,32 +60,22 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, StoreConfig
-from dualpath_jax.model.checkpoint import save_params_tree
-from dualpath_jax.model.transformer import init_model
+from dualpath_jax.cluster import LocalCluster
 from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import Session, step_group
-from dualpath_jax.runtimes.local import LocalCluster
+from dualpath_jax.rollout import Session, step_group, toy
 
 # %% [markdown]
 # ## The policy and the cluster
 #
 # The policy is the tiny Qwen2 model (3 layers, vocabulary of 257 token ids, random weights),
-# saved as an orbax checkpoint that the cluster starts from (`cluster.params_path`). KV blocks
-# of 16 tokens, so that a 24-token prompt fills one block that the group shares.
+# saved as an orbax checkpoint that the cluster starts from (`toy.tiny_policy`, as in
+# `04_rl_rollout`). KV blocks of 16 tokens, so that a 24-token prompt fills one block that the
+# group shares.
 
 # %%
 WORKDIR = pathlib.Path("runs/05_grpo").absolute()
 shutil.rmtree(WORKDIR, ignore_errors=True)
-model = init_model(TINY_QWEN2, seed=0)
-init_ckpt = save_params_tree(model, WORKDIR / "init_params")
-
-cfg = ExperimentConfig(
-    name="grpo-tiny",
-    model=TINY_QWEN2,
-    cluster=ClusterConfig(decode_slots=16, decode_max_len=128, params_path=str(init_ckpt)),
-    store=StoreConfig(block_tokens=16),
-)
+model, cfg = toy.tiny_policy(WORKDIR, "grpo-tiny")
 
 # %% [markdown]
 # ## The task: two turns with a tool call between them
@@ -99,10 +89,12 @@ cfg = ExperimentConfig(
 # - **turn 2**: the observation is appended and the policy generates 6 more tokens.
 #
 # The reward of a trajectory is the share of its 12 generated tokens that are target tokens
-# (about 1/8 for a random policy); it is computed from the token ids alone.
+# (about 1/8 for a random policy; `toy.TargetTask.reward`); it is computed from the token ids
+# alone.
 
 # %%
-TARGET = 32  # target token ids: 0 .. TARGET-1
+task = toy.TargetTask(target=32)
+TARGET = task.target  # target token ids: 0 .. TARGET-1
 TOOL, END = 250, 251  # the tool's markers (never target tokens)
 PROMPTS, G, GEN, PROMPT_LEN = 4, 4, 6, 24  # per iteration: 4 prompts x 4 samples
 ITERATIONS, EPOCHS, LR, CLIP = 10, 2, 1e-2, 0.2
@@ -117,10 +109,6 @@ def tool(turn1: list[int]) -> list[int]:
     """The environment's tool: an observation computed from the policy's first turn."""
     hits = sum(t < TARGET for t in turn1)
     return [TOOL, 64 + hits, END]
-
-
-def reward(generated: list[int]) -> float:
-    return float(np.mean([t < TARGET for t in generated]))
 
 
 # %% [markdown]
@@ -161,7 +149,7 @@ def rollout_group(client, prompt, key, name):
         mask = [0] * len(prompt) + [1] * GEN + [0] * len(o) + [1] * GEN
         behaviour = s1.logprobs.sampled + r2.logprobs.sampled  # one per generated token
         out.append(dict(tokens=tokens, mask=mask, behaviour=behaviour,
-                        reward=reward(s1.tokens + list(r2.tokens)), results=[s1.result, r2]))  # fmt: skip
+                        reward=task.reward(s1.tokens + list(r2.tokens)), results=[s1.result, r2]))  # fmt: skip
     return out
 
 
@@ -206,9 +194,7 @@ opt_state = tx.init(params)
 @jax.jit
 def token_logprobs(params, tokens):
     """log pi_theta(tokens[:, 1:] | prefix): [B, T-1]."""
-    logits, _ = nnx.merge(graphdef, params, rest)(tokens)
-    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return toy.token_logprobs(nnx.merge(graphdef, params, rest), tokens)
 
 
 @jax.jit

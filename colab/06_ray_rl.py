@@ -57,11 +57,8 @@ import ray
 from flax import nnx
 
 from dualpath_jax.cluster import RayCluster
-from dualpath_jax.config import ClusterConfig, ExperimentConfig, RayConfig, StoreConfig
-from dualpath_jax.model.checkpoint import save_params_tree
-from dualpath_jax.model.transformer import init_model
-from dualpath_jax.presets import TINY_QWEN2
-from dualpath_jax.rollout import InProcessBackend, Session, run_trajectories
+from dualpath_jax.config import RayConfig
+from dualpath_jax.rollout import InProcessBackend, Session, run_trajectories, toy
 
 # %% [markdown]
 # ## Ray, the policy and the cluster's placement
@@ -71,59 +68,32 @@ from dualpath_jax.rollout import InProcessBackend, Session, run_trajectories
 # of its role's resources (`RayConfig`: the router's, each prefill engine's, each decode
 # engine's; `GPU=1`, `TPU=4` or a node pool's custom resource on a real cluster), placed together
 # with `ray.strategy`. The policy is the tiny Qwen2 model (random weights), saved as an orbax
-# checkpoint the engines start from.
+# checkpoint the engines start from (`toy.tiny_policy`, as in `04_rl_rollout`).
 
 # %%
 ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
 
 WORKDIR = pathlib.Path("runs/06_ray_rl").absolute()
 shutil.rmtree(WORKDIR, ignore_errors=True)
-model = init_model(TINY_QWEN2, seed=0)
-init_ckpt = save_params_tree(model, WORKDIR / "init_params")
-
-cfg = ExperimentConfig(
-    name="ray-rl-tiny",
-    model=TINY_QWEN2,
-    cluster=ClusterConfig(decode_slots=16, decode_max_len=128, params_path=str(init_ckpt)),
-    store=StoreConfig(block_tokens=16),
+model, cfg = toy.tiny_policy(
+    WORKDIR,
+    "ray-rl-tiny",
     ray=RayConfig(router_resources="CPU=1", prefill_resources="CPU=1", decode_resources="CPU=1", strategy="PACK"),
 )
 
 # %% [markdown]
 # ## The task and the learning step
 #
-# As in `04_rl_rollout`: two turns of 6 generated tokens after "observation" tokens that never
-# come from the target set `{0, ..., 31}`; the reward is the share of generated tokens that do.
-# REINFORCE with the batch-normalised reward as advantage, log-probabilities from one forward
-# of each whole trajectory in JAX, Adam on the `nnx.Param` leaves.
+# As in `04_rl_rollout` (`toy.TargetTask`): two turns of 6 generated tokens after
+# "observation" tokens that never come from the target set `{0, ..., 31}`; the reward is the
+# share of generated tokens that do. REINFORCE with the batch-normalised reward as advantage,
+# log-probabilities from one forward of each whole trajectory in JAX
+# (`toy.generated_logprob`), Adam on the `nnx.Param` leaves.
 
 # %%
-TARGET = 32
-BATCH, ITERATIONS, GEN, LR = 8, 4, 6, 1e-2
+task = toy.TargetTask(target=32)
+BATCH, ITERATIONS, LR = 8, 4, 1e-2
 env = np.random.RandomState(0)
-
-
-def make_trajectories(iteration):
-    def obs(n):
-        return env.randint(TARGET, TINY_QWEN2.vocab_size, n).tolist()
-
-    return [(f"it{iteration}-{k}", [(obs(12), GEN), (obs(4), GEN)]) for k in range(BATCH)]
-
-
-def batch_of(trajs, outputs):
-    """Token ids [B, T], the generated positions [B, T], rewards [B]."""
-    tokens, gen_mask, rewards = [], [], []
-    for (_, rounds), out in zip(trajs, outputs):
-        assert not out.error, out.error
-        seq, mask = [], []
-        for (append, _), generated in zip(rounds, out.rounds):
-            seq += append + generated
-            mask += [0] * len(append) + [1] * len(generated)
-        tokens.append(seq)
-        gen_mask.append(mask)
-        rewards.append(np.mean([t < TARGET for g in out.rounds for t in g]))
-    return jnp.array(tokens), jnp.array(gen_mask, jnp.float32), np.array(rewards)
-
 
 graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 tx = optax.adam(LR)
@@ -133,10 +103,7 @@ opt_state = tx.init(params)
 @jax.jit
 def train_step(params, opt_state, tokens, gen_mask, advantage):
     def loss_fn(p):
-        logits, _ = nnx.merge(graphdef, p, rest)(tokens)  # [B, T, V]
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        token_logp = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, T-1]
-        return -(advantage * (token_logp * gen_mask[:, 1:]).sum(-1)).mean()
+        return -(advantage * toy.generated_logprob(nnx.merge(graphdef, p, rest), tokens, gen_mask)).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -167,13 +134,13 @@ with RayCluster(cfg, WORKDIR) as cluster:
     serving = initial = client.stats()["params_version"]  # the checkpoint the engines started from
     for it in range(ITERATIONS):
         t0 = time.monotonic()
-        trajs = make_trajectories(it)
+        trajs = task.trajectories(f"it{it}", BATCH, env)
         key, rollout_key = jax.random.split(key)
         outputs = run_trajectories(client, trajs, temperature=1.0, key=rollout_key, progress=False, release=True)
         drawn_by = {v for o in outputs for r in o.results for _, v in r.params_versions}
         assert drawn_by == {serving}, (drawn_by, serving)  # every token from the served weights
         t1 = time.monotonic()
-        tokens, gen_mask, rewards = batch_of(trajs, outputs)
+        tokens, gen_mask, rewards = task.batch(trajs, outputs)
         advantage = jnp.asarray((rewards - rewards.mean()) / (rewards.std() + 1e-6), jnp.float32)
         params, opt_state, loss = train_step(params, opt_state, tokens, gen_mask, advantage)
         model = nnx.merge(graphdef, params, rest)
@@ -187,7 +154,7 @@ with RayCluster(cfg, WORKDIR) as cluster:
 
     # After the last push: the cluster's rollouts come from the pushed weights, and its tokens
     # (greedy and sampled) equal the same model run in this process.
-    prompt = make_trajectories(ITERATIONS)[0][1][0][0]
+    prompt = list(task.trajectories("final", 1, env)[0].rounds[0].append)
     after = Session(client)
     cluster_greedy = after.step(prompt, 8)
     last_versions = after.results[-1].params_versions
