@@ -216,7 +216,8 @@ def build_trajectories(cfg: ExperimentConfig) -> tuple[list[Trajectory], list[fl
 
 
 def as_rounds(trajs: Sequence[Trajectory]) -> list[tuple[str, list[tuple]]]:
-    """Materialized trajectories as `rollout.run_trajectories` takes them:
+    """Materialized trajectories as tuples (the form `rollout.run_trajectories` took before it
+    took the `Trajectory` records themselves; it converts them for one release, deprecated):
     `(id, [(append token ids, gen), ...])`, a round with a tool call `(ids, gen, gap_s)`, one
     that waits for other trajectories `(ids, gen, gap_s, waits_for)`, one whose gap is a user's
     think time rather than a tool call `(ids, gen, gap_s, waits_for, False)`; a trajectory that
