@@ -120,6 +120,12 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     norm_topk_prob: bool = True
+    # Sliding-window attention (Hugging Face `sliding_window`, `layer_types`): the layers in
+    # `sliding_window_layers` keep and attend over the last `sliding_window` tokens only (0 and
+    # (): none). They are the layout's "last W tokens" group (`model.layout.BlockLayout.for_model`);
+    # the model forward does not compute them yet (`model.layout.UnsupportedLayout`).
+    sliding_window: int = 0
+    sliding_window_layers: tuple[int, ...] = ()
     # DeepSeek sparse attention (V3.2): used by the cost models only.
     index_n_heads: int = 0
     index_head_dim: int = 0
@@ -151,6 +157,10 @@ class ModelConfig:
             data = 2 * self.num_kv_heads * self.head_dim
             scales = 2 * self.num_kv_heads
         return data + 4 * scales if self.kv_scales else data
+
+    def is_window_layer(self, layer: int) -> bool:
+        """Whether layer `layer` attends over the last `sliding_window` tokens only."""
+        return self.sliding_window > 0 and layer in self.sliding_window_layers
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer `layer` has routed experts (else a dense MLP)."""

@@ -242,6 +242,20 @@ def _relations(c: ExperimentConfig) -> list[tuple[str, bool, str]]:
             and all(0 <= i < m.num_layers for i in dense),
             f"must be a tuple of layer indices in [0, model.num_layers ({m.num_layers}))",
         ),
+        (
+            "model.sliding_window_layers",
+            isinstance(m.sliding_window_layers, tuple)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in m.sliding_window_layers)
+            and list(m.sliding_window_layers) == sorted(set(m.sliding_window_layers))
+            and all(0 <= i < m.num_layers for i in m.sliding_window_layers),
+            "must be a tuple of ascending distinct layer indices in"
+            f" [0, model.num_layers ({m.num_layers}))",
+        ),
+        (
+            "model.sliding_window",
+            (m.sliding_window > 0) == bool(m.sliding_window_layers),
+            "a window (> 0) needs model.sliding_window_layers, and those layers a window",
+        ),
         ("model.qk_norm", not (m.qk_norm and m.is_mla), "applies to GQA attention only"),
         ("model.rope_factor", not yarn or m.rope_factor >= 1, "must be >= 1 with yarn RoPE"),
         (

@@ -68,6 +68,8 @@ class BlockFormat:
     fingerprint: str
 
     def __post_init__(self) -> None:
+        # The header holds one [layers, block_tokens, bytes] shape and the payload is that array.
+        self.layout.require_uniform("the block store (kvstore/codec.py: its header and payload)")
         check_key(self.fingerprint)
         if len(self.dtype.encode()) > _DTYPE_BYTES:
             raise ValueError(f"dtype tag {self.dtype!r} longer than {_DTYPE_BYTES} bytes")

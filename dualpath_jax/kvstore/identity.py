@@ -40,15 +40,20 @@ KV_SCALE_LAYOUT = 2
 def model_fingerprint(cfg: ModelConfig, params_version: str = "") -> str:
     """Hex fingerprint of a model architecture plus a params version.
 
-    Any change to the architecture (including `kv_dtype`), to the layout of scaled KV rows or to
-    `params_version` changes every block key derived from it, so KV computed by older params is
-    never reused. The attention backend (`attention_impl`, `attention_pages_per_step`) and the
-    MoE implementation (`moe_impl`) are not part of it: every backend computes the same KV.
+    Any change to the architecture (including `kv_dtype` and the sliding window, hence the KV
+    layout's layer groups), to the layout of scaled KV rows or to `params_version` changes every
+    block key derived from it, so KV computed by older params is never reused. The window fields
+    count only when set: a model with no windowed layer (one layer group keeping all tokens)
+    has the fingerprint it had before they existed, and its stored blocks stay valid. The
+    attention backend (`attention_impl`, `attention_pages_per_step`) and the MoE implementation
+    (`moe_impl`) are not part of it: every backend computes the same KV.
     """
     h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"dpjax-model")
     arch = to_dict(cfg)
     for compute_only in ("attention_impl", "attention_pages_per_step", "moe_impl"):
         del arch[compute_only]
+    if not cfg.sliding_window:  # full attention everywhere: the fingerprint of before windows
+        del arch["sliding_window"], arch["sliding_window_layers"]
     if cfg.kv_scales:  # the rows' format: each head's scales after its data (earlier: after all)
         arch["kv_scale_layout"] = KV_SCALE_LAYOUT
     h.update(json.dumps(arch, sort_keys=True).encode())

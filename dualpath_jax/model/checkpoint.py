@@ -71,16 +71,17 @@ def restore_params(directory: str | pathlib.Path, cfg: ModelConfig | None = None
 
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
     """Maps a Hugging Face `config.json` dict of a supported architecture to a ModelConfig.
-    Raises CheckpointError for other architectures and for features the models lack (sliding
-    windows, attention or MLP biases where the family has none, RoPE scaling other than yarn)."""
+    Raises CheckpointError for other architectures and for features the models lack (attention
+    or MLP biases where the family has none, RoPE scaling other than yarn). Sliding-window
+    layers map to `sliding_window` and `sliding_window_layers` (`_window_from_hf`): the KV
+    layout takes them as a "last W tokens" group, the model forward refuses them
+    (`model.layout.UnsupportedLayout`)."""
     archs = hf.get("architectures") or []
     family = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
     if family is None:
         raise CheckpointError(
             f"unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED)}"
         )
-    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or ()):
-        raise CheckpointError("sliding-window attention is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"activation {hf['hidden_act']!r} is not supported (only silu)")
     dt = dtype or {"bfloat16": "bfloat16", "float16": "float16"}.get(
@@ -98,6 +99,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
         max_seq_len=hf.get("max_position_embeddings", 4096),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **_window_from_hf(hf, family),
         dtype=dt,
         kv_dtype=dt,
         **_rope_from_hf(hf),
@@ -123,6 +125,34 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> ModelConfig:
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
         )
     return ModelConfig(**common, **_deepseek_from_hf(hf, family))
+
+
+def _window_from_hf(hf: dict[str, Any], family: ModelFamily) -> dict[str, Any]:
+    """The `ModelConfig.sliding_window*` fields, read as transformers reads them: a window only
+    with `use_sliding_window`; Qwen2 and Qwen3 window the layers `layer_types` marks
+    `sliding_attention` (without `layer_types`: those from `max_window_layers` on, default 28),
+    Qwen3-MoE every layer; the DeepSeek families have none."""
+    if family in (ModelFamily.DEEPSEEK, ModelFamily.DEEPSEEK_V2):
+        return {}
+    n = hf["num_hidden_layers"]
+    window = int(hf.get("sliding_window") or 0) if hf.get("use_sliding_window") else 0
+    types = hf.get("layer_types")
+    if family == ModelFamily.QWEN3_MOE:
+        layers = tuple(range(n)) if window else ()
+    elif types is not None:
+        if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+            raise CheckpointError(
+                f"layer_types {types!r}: expected {n} of full_attention / sliding_attention"
+            )
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        if layers and not window:
+            raise CheckpointError(
+                f"layer_types marks sliding-window layers {list(layers)}, but the config sets"
+                " no window (use_sliding_window and sliding_window)"
+            )
+    else:
+        layers = tuple(range(hf.get("max_window_layers", 28), n)) if window else ()
+    return dict(sliding_window=window if layers else 0, sliding_window_layers=layers)
 
 
 def _head_dim(hf: dict[str, Any]) -> int:

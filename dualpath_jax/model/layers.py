@@ -23,6 +23,7 @@ from dualpath_jax.config import ModelConfig
 from dualpath_jax.kernels import paged_attention as pa
 from dualpath_jax.kernels.kv_rows import RowLayout, quantize_rows
 from dualpath_jax.model import sharding
+from dualpath_jax.model.layout import UnsupportedLayout
 from dualpath_jax.model.moe import expert_ffn, resolve_moe_impl
 from dualpath_jax.model.packing import Packing
 from dualpath_jax.model.rope import Rope, apply_rope, yarn_mscale
@@ -476,6 +477,14 @@ class DecoderLayer(nnx.Module):
     """Pre-norm decoder layer. `__call__` runs the layer for new tokens given the cached KV rows."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        if cfg.is_window_layer(layer):
+            # The layout names the window (a "last W tokens" group); the attention here and the
+            # kernels under it (kernels/paged_attention*.py) attend over every cached token.
+            raise UnsupportedLayout(
+                f"layer {layer} of {cfg.name!r} attends over the last {cfg.sliding_window} tokens"
+                " (sliding window): the model forward and its attention kernels attend over"
+                " every cached token, so sliding-window layers are not supported yet"
+            )
         dt = _dtype(cfg.dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dt)

@@ -24,6 +24,7 @@ from dualpath_jax.model.checkpoint import (
     save_params,
 )
 from dualpath_jax.model.layers import Buffer
+from dualpath_jax.model.layout import BlockLayout, Retention, UnsupportedLayout
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch
 from dualpath_jax.model.transformer import init_model
 from dualpath_jax.presets import TINY_DEEPSEEK, TINY_DEEPSEEK_V2, TINY_QWEN2, TINY_QWEN3_MOE
@@ -326,8 +327,49 @@ def test_unsupported_features(config, match):
         config_from_hf(config)
 
 
-def test_sliding_window(tmp_path):
-    with pytest.raises(CheckpointError, match="sliding-window"):
-        from_pretrained(
-            write_config(tmp_path, HF_QWEN2 | {"use_sliding_window": True, "sliding_window": 64})
-        )
+@pytest.mark.parametrize(
+    "config, window, layers",
+    [
+        (HF_QWEN2 | {"use_sliding_window": False, "sliding_window": 64}, 0, ()),
+        (HF_QWEN2 | {"use_sliding_window": True, "sliding_window": 64}, 0, ()),  # from layer 28
+        (
+            HF_QWEN2 | {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+            64,
+            (1,),
+        ),
+        (
+            HF_QWEN3
+            | {
+                "use_sliding_window": True,
+                "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
+            32,
+            (0,),
+        ),
+        (HF_QWEN3 | {"layer_types": ["full_attention"] * 2, "sliding_window": 32}, 0, ()),
+        (
+            HF_QWEN2
+            | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4}
+            | {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+            | {"use_sliding_window": True, "sliding_window": 16},
+            16,
+            (0, 1),
+        ),
+    ],
+    ids=["off", "past-the-layers", "max_window_layers", "layer_types", "all-full", "qwen3-moe"],
+)
+def test_sliding_window_maps_to_window_layers(config, window, layers):
+    cfg = config_from_hf(config)
+    assert (cfg.sliding_window, cfg.sliding_window_layers) == (window, layers)
+    groups = BlockLayout.for_model(cfg, 16).groups
+    assert [g.layers for g in groups if g.retention == Retention.WINDOW] == (
+        [layers] if layers else []
+    )
+    assert all(g.window == window for g in groups if g.retention == Retention.WINDOW)
+
+
+def test_sliding_window_layers_are_refused_by_the_model_forward(tmp_path):
+    hf = HF_QWEN2 | {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}
+    with pytest.raises(UnsupportedLayout, match="layer 1 .* last 64 tokens .* model forward"):
+        from_pretrained(write_config(tmp_path, hf))
