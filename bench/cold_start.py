@@ -9,10 +9,10 @@ appends text of a random length to the session's history, so requests fall in ma
 buckets), one at a time, and reports the first request's TTFT against the median of the last
 ten (the steady state). Loopback only; every server it starts is stopped.
 
-    python bench/cold_start.py --config=configs/cpu_1p1d.py --requests=100 --json
+    python bench/cold_start.py --config=configs/serve.py --requests=100 --json
 
-The links are not emulated by default (`--set=hardware.emulated=false`): with them, TTFT
-waits for an emulated storage NIC and hides what compiling costs.
+The default config emulates no link: with emulated ones (a `cpu_*` config), TTFT waits for an
+emulated storage NIC and hides what compiling costs.
 """
 
 from __future__ import annotations
@@ -187,13 +187,13 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("config", "configs/cpu_1p1d.py", "config file[:arg]")
-    flags.DEFINE_multi_string(
-        "set",
-        ["hardware.emulated=false"],
-        "config overrides (key=value), as the launchers take; by default the links are not"
-        " emulated, so TTFT is compute (and compiles), not an emulated storage NIC",
+    flags.DEFINE_string(
+        "config",
+        "configs/serve.py",
+        "config file[:arg]; the default emulates no link, so TTFT is compute (and compiles),"
+        " not an emulated storage NIC",
     )
+    flags.DEFINE_multi_string("set", [], "config overrides (key=value), as the launchers take")
     flags.DEFINE_integer("requests", 100, "streamed completions per start (0: time to ready only)")
     flags.DEFINE_integer("sessions", 4, "sessions the requests take turns in")
     flags.DEFINE_bool("compare_nowarmup", True, "also start once without warm-up")

@@ -3,6 +3,8 @@ DualPath should come close to Oracle.
 
 Run: python launch/rollout.py --config=configs/balanced.py --policy=dualpath --workdir=/tmp/dp_bal
 ARG: as for configs/cpu_1p2d.py.
+
+An experiment with emulated links (docs/emulation.md); to serve, use configs/serve.py.
 """
 
 from __future__ import annotations

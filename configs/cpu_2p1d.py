@@ -2,6 +2,10 @@
 
 Run: python launch/rollout.py --config=configs/cpu_2p1d.py --policy=dualpath --workdir=/tmp/dp_2p1d
 ARG: comma list of `qwen2` (default) or `deepseek`, and `tiny` (8 agents, the demo).
+
+An experiment: its links are emulated at the demo's ratio (0.5 MB/s storage NICs,
+docs/emulation.md), so a later turn waits seconds for its cached KV. To serve, use
+configs/serve.py (every link at the host's speed).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def run_local(cfg: ExperimentConfig, workdir: str | pathlib.Path, *, progress: b
     summary = summarize(
         policy=cfg.scheduler.policy.value,
         mode=cfg.workload.mode,
-        emulated=cfg.hardware.emulated,
+        emulated=_emulated(cfg),
         agents=len(trajs),
         results=results,
         errors=sum(1 for o in outs if o.error),
@@ -107,6 +107,14 @@ def with_policy(cfg: ExperimentConfig, policy: Policy | str) -> ExperimentConfig
     return dataclasses.replace(
         cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=Policy(policy))
     )
+
+
+def _emulated(cfg: ExperimentConfig) -> bool:
+    """Whether `cfg`'s engines pace any link (`transfer.links.emulated_links`; imported here, not
+    at the top: it is a module of the compiled core, which a program opts in to first)."""
+    from dualpath_jax.transfer.links import emulated_links
+
+    return bool(emulated_links(cfg.hardware))
 
 
 def read_outputs(path: pathlib.Path) -> dict[str, list[list[int]]]:
@@ -150,7 +158,7 @@ def compare(
     ]
     result = {
         "config": cfg.name,
-        "emulated": cfg.hardware.emulated,
+        "emulated": _emulated(cfg),
         "summaries": summaries,
         "tokens_identical": not mismatches,
         "mismatches": mismatches,

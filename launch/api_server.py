@@ -1,14 +1,15 @@
 """An OpenAI-compatible HTTP server over a local disaggregated cluster (or a running router).
 
 Example:
-  python launch/api_server.py --config=configs/cpu_1p2d.py --workdir=/tmp/dp_api --port=8000
+  python launch/api_server.py --config=configs/serve.py:tiny --workdir=/tmp/dp_api --port=8000
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
     -d '{"model": "tiny-qwen2", "prompt": "Hello", "max_tokens": 8, "temperature": 0}'
 `--checkpoint=DIR` serves a Hugging Face checkpoint with its tokenizer; without it the config's
 model serves (the tiny presets read text as bytes). Stops on SIGTERM or Ctrl-C, and stops the
 cluster it started. The server listens at once; `GET /health` answers 200 once every engine
 has compiled its shapes and registered (`--nowarmup`: at once, shapes compile on first use).
-docs/serving.md.
+configs/serve.py runs every link at the host's speed; a config that emulates links (the `cpu_*`
+experiments) is served with them, which the log warns of and `GET /health` lists. docs/serving.md.
 """
 
 from __future__ import annotations

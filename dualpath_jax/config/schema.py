@@ -176,8 +176,11 @@ class ModelConfig:
 class HardwareConfig:
     """Link rates and capacities of one node kind. A rate of 0 means unlimited (real hardware).
 
-    Rates are bytes per second. `emulated` marks token-bucket emulation on one host, which every
-    result reports. `gpu` names a cost-model preset ("cpu" = fitted to the local engines).
+    Rates are bytes per second. The engines pace every link whose rate is > 0 as a token bucket
+    (an emulated link, `transfer.links.emulated_links`, which their results and the API server
+    report); 0 leaves it at the host's speed. `emulated` labels a config of emulated nodes for
+    the simulator's results; it does not switch pacing off. `gpu` names a cost-model preset
+    ("cpu" = fitted to the local engines).
 
     The GPU cost model (`gpu` a GPU preset; `presets.config_cost_model(cfg)` builds it, and
     `sim.simulate(cfg)` uses it when given none) is the roofline of `gpu` with `calibration`
@@ -346,8 +349,9 @@ class SchedulerConfig:
     # Load or recompute a request's hit KV: "never" (always load it, the paper), "auto" (per
     # request, recompute the leading part of the hit, all of it or none, that the PE's cost
     # model says finishes first against the reads: the chosen node's read queue plus the blocks
-    # read at the storage NIC's rate), or "always" (recompute every hit: the baseline without
-    # a KV store).
+    # read at the storage NIC's rate, or where it is not emulated (`hardware.snic_bytes_per_s`
+    # 0) at the read rate the router measures), or "always" (recompute every hit: the baseline
+    # without a KV store).
     recompute: str = "never"
     # At most this many leading hit blocks are recomputed per request (0: no limit); the rest
     # is read. With "always": recompute exactly the first min(hit, this) blocks.

@@ -6,7 +6,9 @@ the job) -> DE ready (its buffer reserved, reads issued; now the PE gets the job
 
 `Dispatch` handles the leader engines' `Fetch` (pull based: report the engine's capacity, feed
 the scheduler the router's own loads, turn its assignments into `LoadJobMsg` jobs), `DeReady`
-(the PE's half of the job goes out), `ReadsDone` (the node's read queue shrinks) and `Failed`.
+(the PE's half of the job goes out), `ReadsDone` (the node's read queue shrinks; where the
+storage NIC is not emulated, load or recompute prices reads at the rate they took, `ReadRate`)
+and `Failed`.
 Admission: no DE holds more than its slots plus `cluster.decode_queue` requests. Only engines
 in rotation (`EngineRegistry.serving`: serving the cluster's params version) are fed to the
 scheduler; one out of rotation that fetches gets nothing, and one that leaves rotation
@@ -114,6 +116,28 @@ def _round_fields(st: RequestState, de: EngineInfo, params_version: str) -> dict
     }
 
 
+class ReadRate:
+    """The storage read rate the router measures, in hit tokens per second: each finished read's
+    tokens (`ReadsDone`: a side's blocks read from the store, not those a prefetch held) over
+    its seconds, both summed with weight `decay` per read so the rate follows the store as its
+    cache warms or its load changes. A read's seconds include waiting behind the engine's
+    other reads, so under load the rate errs low (towards recomputing). 0 until a read."""
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self.tokens = 0.0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.tokens = self.tokens * self.decay + tokens
+            self.seconds = self.seconds * self.decay + seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
 class Dispatch:
     """Assigns `table`'s rounds to `registry`'s engines in rotation through `scheduler`.
     `params_version()` is the version jobs run with; `stale(e)` takes engine `e`, which refused
@@ -149,6 +173,10 @@ class Dispatch:
         self.assigned = assigned  # told of each assignment (the tool-gap prefetches)
         # a round's group followers waiting for its first token: its DE's load once it has one
         self.followers = followers
+        # Load or recompute prices reads at the storage NIC's rate where it is emulated (the
+        # experiment's), else at the rate measured here: never an emulated rate by accident.
+        self.read_rate = ReadRate()
+        self.reads_measured = not cfg.hardware.snic_bytes_per_s
 
     # ------------------------------------------------------------------ fetches
 
@@ -244,11 +272,14 @@ class Dispatch:
             return  # a finished request or an older attempt
         # (engine ids are unique across roles: the reads are the PE's or the DE's)
         if msg.engine == st.pe:
-            st.pe_reads_done, side = True, "pe"
+            st.pe_reads_done, side, tokens = True, "pe", st.pe_read_tokens
         elif msg.engine == st.de:
-            st.de_reads_done, side = True, "de"
+            st.de_reads_done, side, tokens = True, "de", st.de_read_tokens
         else:
             return  # not an engine of this attempt
+        self.read_rate.add(tokens, msg.read_s)
+        if self.reads_measured and self.read_rate.tokens_per_s:
+            self.scheduler.set_read_rate(self.read_rate.tokens_per_s)
         self.out.event(
             f"{side}_reads",
             request=st.id,

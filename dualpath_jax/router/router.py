@@ -387,6 +387,9 @@ class Router:
             "block_tokens": self.cfg.store.block_tokens,
             "block_bytes": self.block_bytes,
             "read_queue_tokens": self.dispatch.read_queues(),
+            # what the storage reads carried (0 until one finished; load or recompute uses it
+            # where the storage NIC is not emulated)
+            "read_tokens_per_s": self.dispatch.read_rate.tokens_per_s,
             "loads": self.dispatch.loads(),
             "params_version": self.params.version,
             "epoch": self.epoch,

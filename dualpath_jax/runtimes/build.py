@@ -36,6 +36,7 @@ from dualpath_jax.wire import messages
 
 if TYPE_CHECKING:
     from dualpath_jax.engines.span import MirrorLeader
+    from dualpath_jax.sched.scheduler import GlobalScheduler
     from dualpath_jax.transfer.channel import KVChannel
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,30 @@ class BuiltRouter:
         self.close()
 
 
+def router_scheduler(cfg: ExperimentConfig) -> GlobalScheduler:
+    """The router's scheduler for `cfg`: alpha from the hardware, beta from the config until PEs
+    report their cost models (then `Dispatch.update_beta` derives it), and load or recompute
+    pricing reads at the storage NIC's rate where it is emulated; where it is not (rate 0) the
+    rule has no rate, so it loads, until the router has measured one (`dispatch.ReadRate`)."""
+    from dualpath_jax.model.layout import kv_bytes_per_token
+    from dualpath_jax.sched.cost import derive_alpha, engines_beta
+    from dualpath_jax.sched.scheduler import GlobalScheduler
+
+    c = cfg.cluster
+    kvb = kv_bytes_per_token(cfg.model)
+    snic = cfg.hardware.snic_bytes_per_s
+    return GlobalScheduler.from_config(
+        cfg.scheduler,
+        alpha=derive_alpha(cfg.scheduler, cfg.hardware, kvb),
+        beta=engines_beta(cfg.scheduler, (), max_batch=c.prefill_max_batch or 256),
+        block_tokens=cfg.store.block_tokens,
+        pe_read_rate=snic or 1.0,
+        de_read_rate=snic or 1.0,
+        de_max_seqs=c.decode_slots + c.decode_queue,
+        read_tokens_per_s=snic / kvb if snic else 0.0,
+    )
+
+
 def build_router(
     cfg: ExperimentConfig, workdir: str, endpoint: str = "", resume: bool = False
 ) -> BuiltRouter:
@@ -307,29 +332,14 @@ def build_router(
     `workdir/served_params.json` (`SERVED_FILE`) by its predecessor."""
     from dualpath_jax.engines.fault_hook import fault_injection
     from dualpath_jax.metrics.events import EventLog
-    from dualpath_jax.model.layout import kv_bytes_per_token
     from dualpath_jax.router.kv_publisher import KVEventPublisher
     from dualpath_jax.router.router import Router
-    from dualpath_jax.sched.cost import derive_alpha, engines_beta
-    from dualpath_jax.sched.scheduler import GlobalScheduler
     from dualpath_jax.wire.credentials import credentials_for
     from dualpath_jax.wire.params_protocol import SERVED_FILE
     from dualpath_jax.wire.rpc import RpcServer
 
     c = cfg.cluster
-    kvb = kv_bytes_per_token(cfg.model)
-    snic = cfg.hardware.snic_bytes_per_s
-    sched = GlobalScheduler.from_config(
-        cfg.scheduler,
-        alpha=derive_alpha(cfg.scheduler, cfg.hardware, kvb),
-        # Until a PE reports its cost model (then `Dispatch.update_beta` derives beta from it).
-        beta=engines_beta(cfg.scheduler, (), max_batch=c.prefill_max_batch or 256),
-        block_tokens=cfg.store.block_tokens,
-        pe_read_rate=snic or 1.0,
-        de_read_rate=snic or 1.0,
-        de_max_seqs=c.decode_slots + c.decode_queue,
-        read_tokens_per_s=snic / kvb if snic else 0.0,
-    )
+    sched = router_scheduler(cfg)
     closers: list[Callable[[], None]] = []
     try:
         creds = credentials_for(c.secrets_file)

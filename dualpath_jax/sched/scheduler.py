@@ -127,6 +127,13 @@ class GlobalScheduler:
         if self.recompute is not None:
             self.recompute = dataclasses.replace(self.recompute, prefill_s=fitted_prefill(*prefill))
 
+    def set_read_rate(self, tokens_per_s: float) -> None:
+        """A node's storage reads carry `tokens_per_s` hit tokens per second (the router's
+        measure, where the storage NIC is not emulated): recompute decisions price reads by it
+        from now on."""
+        if self.recompute is not None:
+            self.recompute = dataclasses.replace(self.recompute, read_tokens_per_s=tokens_per_s)
+
     # ------------------------------------------------------------------ queues
 
     def __len__(self) -> int:

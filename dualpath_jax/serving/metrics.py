@@ -45,6 +45,13 @@ class ServerMetrics:
             "http_requests", "HTTP requests by endpoint and status.", ["endpoint", "status"], **kw
         )
         self.running = Gauge("http_requests_running", "Requests being served now.", **kw)
+        self.emulated_links = Gauge(
+            "emulated_link_bytes_per_second",
+            "Rate of each kind of link the cluster emulates (token buckets); none: every link"
+            " runs at the host's speed.",
+            ["link"],
+            **kw,
+        )
         self.connections_closed = Counter(
             "http_connections_closed",
             "Connections the server closed at a limit: header_timeout, body_timeout,"

@@ -1,9 +1,10 @@
 """Running the HTTP server: on a LocalCluster it starts, or on a router that runs already.
 
 `serving_config(cfg, checkpoint)` points a config at a Hugging Face checkpoint (its model and
-its weights); `serve(cfg, workdir, ...)` blocks until SIGTERM or SIGINT, then stops the server
-and the cluster it started. Once serving it writes `workdir/api_server.json` (`url`, `pid`,
-`model`).
+its weights); `server_config(cfg, name)` is the HTTP server's config of serving it (context,
+vocabulary, the links it emulates); `serve(cfg, workdir, ...)` blocks until SIGTERM or SIGINT,
+then stops the server and the cluster it started. Once serving it writes
+`workdir/api_server.json` (`url`, `pid`, `model`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ import pathlib
 import signal
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from dualpath_jax.config import ExperimentConfig
+
+if TYPE_CHECKING:
+    from dualpath_jax.serving.server import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +100,23 @@ def context_limit(cfg: ExperimentConfig, host_bytes: int | None = None) -> tuple
     return fits, f"the KV memory of {c.decode_slots} decode slots ({where})"
 
 
+def server_config(cfg: ExperimentConfig, name: str, **server: str | float | int) -> ServerConfig:
+    """The `ServerConfig` of serving `cfg` as model `name`: its context (`cluster.decode_max_len`
+    up to the model's `max_seq_len`), vocabulary and emulated links (`transfer.links.
+    emulated_links`, which the server logs and `GET /health` reports), then the `server` fields
+    given (`api_key`, the limits of `serve`)."""
+    from dualpath_jax.serving.server import ServerConfig
+    from dualpath_jax.transfer.links import emulated_links
+
+    return ServerConfig(
+        model=name,
+        max_context=min(cfg.model.max_seq_len, cfg.cluster.decode_max_len),
+        vocab_size=cfg.model.vocab_size,
+        emulated_links=emulated_links(cfg.hardware),
+        **server,
+    )
+
+
 def serve(
     cfg: ExperimentConfig,
     workdir: str | os.PathLike,
@@ -114,7 +136,7 @@ def serve(
     connection limits `header_timeout_s`, `body_timeout_s`, `keepalive_timeout_s`,
     `write_timeout_s`, `max_connections`)."""
     from dualpath_jax.runtimes.local import LocalCluster
-    from dualpath_jax.serving.server import ApiServer, ServerConfig
+    from dualpath_jax.serving.server import ApiServer
     from dualpath_jax.serving.tokenizer import load_tokenizer
     from dualpath_jax.wire.client import Client
     from dualpath_jax.wire.credentials import read_credentials
@@ -133,13 +155,7 @@ def serve(
         )  # fmt: skip
     else:
         log.info("context: %d tokens, the model's max_seq_len", context)
-    server_cfg = ServerConfig(
-        model=name,
-        max_context=context,
-        vocab_size=cfg.model.vocab_size,
-        api_key=api_key,
-        **server,
-    )
+    server_cfg = server_config(cfg, name, api_key=api_key, **server)
     if router:
         creds = read_credentials(secrets_file) if secrets_file else None
         client = Client(router, creds.client if creds else "")

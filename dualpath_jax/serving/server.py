@@ -37,6 +37,7 @@ import hmac
 import logging
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -77,7 +78,11 @@ class ServerConfig:
     within `header_timeout_s`, its body within `body_timeout_s` after that (else 408), an idle
     keep-alive connection closes after `keepalive_timeout_s`, a write the client does not read
     within `write_timeout_s` closes the connection (and cancels its round), and connections past
-    `max_connections` (0: no cap) are answered 503 and closed."""
+    `max_connections` (0: no cap) are answered 503 and closed.
+
+    `emulated_links`: link kind -> bytes per second of the links the cluster paces as token
+    buckets (`transfer.links.emulated_links` of its config; empty: every link runs at the host's
+    speed). The server logs them as a warning when it starts and `GET /health` reports them."""
 
     model: str
     max_context: int
@@ -95,6 +100,7 @@ class ServerConfig:
     keepalive_timeout_s: float = 75.0
     write_timeout_s: float = 60.0
     max_connections: int = 1024
+    emulated_links: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def body_limit(self) -> int:
@@ -135,6 +141,8 @@ class ApiServer:
         self.client, self.tok, self.cfg = client, tokenizer, cfg
         self.registry = registry or CollectorRegistry()
         self.metrics = ServerMetrics(self.registry, stats=lambda: client.stats(timeout_s=5.0))
+        for kind, rate in cfg.emulated_links.items():
+            self.metrics.emulated_links.labels(kind).set(rate)
         self.sessions: dict[str, _AgentSession] = {}
         self.ready = ready or (lambda: True)
         self.runner: web.AppRunner | None = None
@@ -175,6 +183,14 @@ class ApiServer:
             on_close=self._closed_at_limit,
         )
         await self.site.start()
+        if self.cfg.emulated_links:  # TTFT then waits for them: say so where users look
+            rates = ", ".join(f"{k} {v / 1e6:g} MB/s" for k, v in self.cfg.emulated_links.items())
+            log.warning(
+                "emulated links (token buckets, not this host's speed): %s; GET /health lists"
+                " them. To serve at the host's speed use configs/serve.py, or set the"
+                " hardware.*_bytes_per_s rates to 0",
+                rates,
+            )
         self._reaper = asyncio.ensure_future(self._reap_idle())
         return self.site.port
 
@@ -297,9 +313,12 @@ class ApiServer:
     # ------------------------------------------------------------------ small endpoints
 
     async def health(self, request: web.Request) -> web.Response:
+        """`{"status": "ok"}`, or 503 `"starting"`; with `"emulated_links"` (kind -> bytes per
+        second) when the cluster emulates any."""
+        links = {"emulated_links": dict(self.cfg.emulated_links)} if self.cfg.emulated_links else {}
         if not self.ready():
-            return web.json_response({"status": "starting"}, status=503)
-        return web.json_response({"status": "ok"})
+            return web.json_response({"status": "starting", **links}, status=503)
+        return web.json_response({"status": "ok", **links})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {

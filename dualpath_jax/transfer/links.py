@@ -99,6 +99,15 @@ def link_rate(hw: HardwareConfig, kind: LinkKind) -> float:
     )
 
 
+def emulated_links(hw: HardwareConfig) -> dict[str, float]:
+    """The links `hw` emulates, kind -> bytes per second: every kind whose rate is > 0, which the
+    engines pace as token buckets (`transfer.traffic`) and the scheduler prices reads by. Empty:
+    every link runs at the host's speed. Run summaries say `emulated` when it is not empty, and
+    the API server logs it and reports it in `GET /health` (docs/emulation.md)."""
+    rates = {kind.value: link_rate(hw, kind) for kind in LinkKind}
+    return {kind: rate for kind, rate in rates.items() if rate > 0}
+
+
 # --------------------------------------------------------------------------- arbitration core
 
 

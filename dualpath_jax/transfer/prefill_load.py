@@ -153,8 +153,8 @@ class PrefillLoad:
         p = job.pe_blocks
         pe_hits = 0
         if p:
-            t0 = time.monotonic()
             self._res = ctx.buffer.reserve(p, owner=job.request_id, timeout_s=ctx.timeout_s)
+            t0 = time.monotonic()  # after the buffer is free: the reads' own time, as the DE's
             keys = job.keys[job.lead : job.lead + p]
             pe_hits, self.held_blocks = ctx.read_hit(job, keys, self._res, 0, job.pe_node)
             self.pe_read_bytes = (pe_hits - self.held_blocks) * ctx.layout.nbytes

@@ -10,7 +10,8 @@ one burst (`max(chunk_bytes, rate * burst_s)` bytes) plus one chunk back to back
 link grants exactly `rate` bytes per second. A transfer's bytes have crossed a link once its last
 chunk is granted. The pacing thread wakes about every `burst_s / 2`, which bounds how long a HIGH
 request arriving on a link saturated by LOW waits for its first chunk. Links are paced whenever
-their rate is > 0; `HardwareConfig.emulated` only labels the snapshot.
+their rate is > 0 (`links.emulated_links`; `HardwareConfig.emulated` does not switch pacing off),
+and the snapshot says `emulated` when any is.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dualpath_jax.transfer.links import (
     LinkId,
     LinkRequest,
     TrafficClass,
+    emulated_links,
     link_rate,
     link_record,
 )
@@ -418,7 +420,7 @@ class TrafficManager:
             span = max(elapsed, ln.busy_until())
             out[ln.id.name] = link_record(ln.id, ln.rate, hi, lo, busy, span)
         return {
-            "emulated": bool(self.hw.emulated),
+            "emulated": bool(emulated_links(self.hw)),
             "elapsed_s": elapsed,
             "links": out,
             "read_q": read_q,
