@@ -422,17 +422,21 @@ class DecodeEngine:
 
     def consume(self, tokens, riders: dict[int, _Req], chosen=None, top=None, version="") -> None:
         """Takes a dispatched step's tokens (`chosen`/`top`: their log-probabilities, when some
-        rider asked; `version`: the params the step ran with) into its riders."""
-        nxt = host_value(tokens)  # replicated: on a mesh over processes, this one's copy
+        rider asked; `version`: the params the step ran with) into its riders, and reports the
+        step's new tokens in one `TokensOut` (before any of its riders' `DecodeDone`, which
+        their persistence sends later through the outbox)."""
+        nxt = host_value(tokens).tolist()  # replicated: over processes, this one's copy
         if chosen is not None:
             chosen = host_value(chosen)
             top = tuple(host_value(a) for a in top) if top is not None else None
+        out: list[messages.RoundTokens] = []
         for slot, r in riders.items():
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
                 continue  # finished (or dropped) since that step was dispatched
             if version and r.versions and r.versions[-1][1] != version:
                 r.versions.append((len(r.tokens), version))  # an update landed under it
-            r.tokens.append(int(nxt[slot]))
+            token = nxt[slot]
+            r.tokens.append(token)
             n = len(r.tokens)
             entry = None
             if r.logprobs is not None and chosen is not None:
@@ -440,14 +444,16 @@ class DecodeEngine:
                 r.logprobs.extend(entry)
             # the router times a fork's first token and every second one; streams get all
             if r.msg.stream or n == 2 or (n == 1 and r.source):
-                self.control.send(
-                    messages.TokensOut(
-                        request=r.msg.request, tokens=r.tokens[-1:], start=n - 1, logprobs=entry
+                out.append(
+                    messages.RoundTokens(
+                        request=r.msg.request, start=n - 1, tokens=[token], logprobs=entry
                     )
                 )
             reason = self.finish_reason(r)
             if reason:
                 self.complete(r, reason)
+        if out:
+            self.control.send(messages.TokensOut(rounds=out))
 
     def complete(self, r: _Req, reason: str = "length") -> None:
         """Persists the request's new Full Blocks, then reports its tokens (from a worker, so the

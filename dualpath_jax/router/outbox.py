@@ -16,6 +16,7 @@ from dualpath_jax.wire.rpc import RpcServer
 
 # The counters of `Router.stats()["counters"]`, in the order they are reported.
 COUNTERS = (
+    "messages",  # every message the router handled (clients' and engines')
     "requests_done",
     "errors",
     "requeued",

@@ -392,12 +392,10 @@ class Rounds:
                 if f.finish_requested:
                     self.out.send(de.ident, messages.Finish(request=f.id, reason=f.finish_as))
         if st.stream:
-            self.out.send(
-                st.client,
-                messages.Partial(
-                    request=st.id, start=0, tokens=[msg.first_token], logprobs=msg.first_logprobs
-                ),
+            first = messages.RoundTokens(
+                request=st.id, start=0, tokens=[msg.first_token], logprobs=msg.first_logprobs
             )
+            self.out.send(st.client, messages.Partial(rounds=[first]))
 
     def fork_jobs(self, st: RequestState, de: EngineInfo) -> list[messages.LoadJobMsg]:
         """The jobs of `st`'s followers still waiting: forks of its prompt on its DE `de`."""
@@ -423,22 +421,22 @@ class Rounds:
             self.scheduler.requeue([f.request for f in back])
 
     def on_tokens(self, ident: bytes, msg: messages.TokensOut) -> None:
-        """A DE's new tokens: the second one times TTST (a fork's first one its TTFT); a
-        streamed round's go to its client."""
-        st = self.table.requests.get(msg.request)
-        if st is None:
-            return
-        if st.first_token < 0 and msg.start == 0 and msg.tokens:  # a fork drew it on the DE
-            st.t_first, st.first_token = self.clock(), msg.tokens[0]
-        if math.isnan(st.t_second) and msg.start + len(msg.tokens) >= 2:
-            st.t_second = self.clock()
-        if st.stream:
-            self.out.send(
-                st.client,
-                messages.Partial(
-                    request=st.id, start=msg.start, tokens=msg.tokens, logprobs=msg.logprobs
-                ),
-            )
+        """A DE step's new tokens: a round's second one times TTST (a fork's first one its
+        TTFT); each client gets its streamed rounds' entries in one `Partial`."""
+        now = self.clock()
+        streams: dict[bytes, list[messages.RoundTokens]] = {}
+        for new in msg.rounds:
+            st = self.table.requests.get(new.request)
+            if st is None:
+                continue
+            if st.first_token < 0 and new.start == 0 and new.tokens:  # a fork drew it on the DE
+                st.t_first, st.first_token = now, new.tokens[0]
+            if math.isnan(st.t_second) and new.start + len(new.tokens) >= 2:
+                st.t_second = now
+            if st.stream:
+                streams.setdefault(st.client, []).append(new)
+        for client, rounds in streams.items():
+            self.out.send(client, messages.Partial(rounds=rounds))
 
     def on_decode_done(self, ident: bytes, msg: messages.DecodeDone) -> None:
         st = self.table.requests.get(msg.request)

@@ -238,6 +238,7 @@ class Router:
 
     def handle(self, ident: bytes, msg: messages.Msg, role: str = frames.ENGINE) -> None:
         """Authenticates `msg`'s sender (`role`: the secret its frame carried) and routes it."""
+        self.out.count("messages")
         if role != frames.ENGINE and type(msg) in messages.ENGINE_ONLY:
             return self.refuse(ident, msg, f"{type(msg).__name__} needs the engine secret")
         why = self.liveness.registry.heard_from(ident, msg)

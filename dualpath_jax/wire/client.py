@@ -133,15 +133,7 @@ class Client(Backend):
                 continue
             heard = time.monotonic()
             if isinstance(reply, messages.Partial):
-                on_tokens = self._streams.get(reply.request)
-                if on_tokens is not None:
-                    try:
-                        if reply.logprobs is None:
-                            on_tokens(reply.start, list(reply.tokens))
-                        else:
-                            on_tokens(reply.start, list(reply.tokens), reply.logprobs)
-                    except Exception:  # noqa: BLE001 - a caller's callback must not stop the loop
-                        log.exception("the token callback of %s failed", reply.request)
+                self._stream(reply)
                 continue
             if isinstance(reply, messages.Stats):
                 if self._stats:
@@ -162,6 +154,20 @@ class Client(Backend):
                 item[0].set_result(reply)
         self._fail_all(RolloutError("client is closed", "connection"))
         self._rpc.close()
+
+    def _stream(self, msg: messages.Partial) -> None:
+        """Hands each round's new tokens of a `Partial` (one decode step's) to its callback."""
+        for new in msg.rounds:
+            on_tokens = self._streams.get(new.request)
+            if on_tokens is None:
+                continue
+            try:
+                if new.logprobs is None:
+                    on_tokens(new.start, new.tokens)
+                else:
+                    on_tokens(new.start, new.tokens, new.logprobs)
+            except Exception:  # noqa: BLE001 - a caller's callback must not stop the loop
+                log.exception("the token callback of %s failed", new.request)
 
     def _heard_epoch(self, epoch: str) -> None:
         """A ping's answer names the router's incarnation: another one than before means the

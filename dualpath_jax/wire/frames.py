@@ -13,7 +13,7 @@ import msgspec
 
 from dualpath_jax.wire.messages import Body, Error, Msg
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 MAX_FRAME_BYTES = 64 * 2**20
 ENGINE, CLIENT = "engine", "client"
 

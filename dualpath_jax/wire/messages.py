@@ -82,15 +82,23 @@ class FinishRound(Msg):
     request: str
 
 
-class Partial(Msg):
-    """Router -> client: tokens of a streamed round, from position `start` of its generated
-    tokens. A retried round streams again from 0 with the same tokens (they depend only on
-    params, context and seed), so a client keeps the first copy of each position."""
+class RoundTokens(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """New tokens of round `request`, from position `start` of its generated tokens: one entry
+    of a `TokensOut` or a `Partial`."""
 
     request: str
     start: int
     tokens: list[int]
     logprobs: Logprobs | None = None  # the tokens' (when the round asked for logprobs)
+
+
+class Partial(Msg):
+    """Router -> client: new tokens of the client's streamed rounds, an entry per round: those
+    of one decode step of a DE (`TokensOut`), or a round's first token from its PE. A retried
+    round streams again from 0 with the same tokens (they depend only on params, context and
+    seed), so a client keeps the first copy of each position."""
+
+    rounds: list[RoundTokens]
 
 
 class CancelRound(Msg):
@@ -322,13 +330,11 @@ class FirstToken(Msg):
 
 
 class TokensOut(Msg):
-    """DE -> router: generated tokens of a request from position `start` (its first two for
-    every request; each new one for a streamed request)."""
+    """DE -> router: one decode step's new tokens, an entry per round that reports one: every
+    token of a streamed round, the second of every round (the router times TTST by it) and a
+    fork's first (its TTFT). One message per step, however many rounds decode."""
 
-    request: str
-    tokens: list[int]
-    start: int = 0
-    logprobs: Logprobs | None = None  # the tokens' (when the round asked for logprobs)
+    rounds: list[RoundTokens]
 
 
 class DecodeDone(Msg):

@@ -53,7 +53,7 @@ SAMPLES: list[messages.Msg] = [
         request="r2", session="s1", append=[4], gen=8, keep=2, stop_tokens=[0, 7], stream=True
     ),
     messages.FinishRound(request="r1"),
-    messages.Partial(request="r1", start=1, tokens=[6, 7]),
+    messages.Partial(rounds=[messages.RoundTokens(request="r1", start=1, tokens=[6, 7])]),
     messages.RoundResult(
         request="r1",
         tokens=[5, 6],
@@ -77,10 +77,17 @@ SAMPLES: list[messages.Msg] = [
     messages.Pause(ref="pause:1", mode="abort"),
     messages.Resume(ref="resume:1"),
     messages.Partial(
-        request="r1",
-        start=1,
-        tokens=[4],
-        logprobs=Logprobs(sampled=[-0.5], model=[-0.75], top_ids=[[4, 2]], top=[[-0.75, -1.0]]),
+        rounds=[
+            messages.RoundTokens(
+                request="r1",
+                start=1,
+                tokens=[4],
+                logprobs=Logprobs(
+                    sampled=[-0.5], model=[-0.75], top_ids=[[4, 2]], top=[[-0.75, -1.0]]
+                ),
+            ),
+            messages.RoundTokens(request="r2", start=0, tokens=[8]),
+        ]
     ),
     messages.Error(ref="r1", message="boom", kind="frame"),
     messages.GetStats(),
@@ -134,8 +141,15 @@ SAMPLES: list[messages.Msg] = [
     messages.FirstToken(
         request="r1", token=9, hit_blocks=2, logprobs=Logprobs(sampled=[-0.1], model=[-0.2])
     ),
-    messages.TokensOut(request="r1", tokens=[9, 10]),
-    messages.TokensOut(request="r1", tokens=[11], start=2),
+    messages.TokensOut(rounds=[messages.RoundTokens(request="r1", start=0, tokens=[9, 10])]),
+    messages.TokensOut(
+        rounds=[
+            messages.RoundTokens(request="r1", start=2, tokens=[11]),
+            messages.RoundTokens(
+                request="r2", start=1, tokens=[3], logprobs=Logprobs(sampled=[-0.1], model=[-0.2])
+            ),
+        ]
+    ),
     messages.DecodeDone(request="r1", engine=1, tokens=[9, 10], persisted_blocks=3),
     messages.DecodeDone(
         request="r1", engine=1, tokens=[9], persisted_blocks=0, persist_error="OSError: ENOSPC"
