@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import threading
 import time
@@ -68,6 +70,30 @@ def prefetch_order(
         done(msg.session, msg.epoch, 0, 0.0)
     else:
         memory.start(msg.session, msg.keys, msg.epoch, done)
+
+
+# How often a `Fetch` carries the engine's link counters (`Fetch.links`): they feed metrics
+# (`GetStats`' engines, the server's link gauges), not scheduling, and a snapshot serialized on
+# every fetch (each `cluster.fetch_interval_s`) cost the decode loop more than the jitted
+# step's dispatch (docs/results.md, "Where a decode step's time goes").
+LINKS_EVERY_S = 1.0
+
+
+class LinkReports:
+    """The link counters an engine's fetches carry: the JSON snapshot of its traffic manager
+    at most every `every_s` seconds (the first fetch's included), "" in between (the router
+    keeps the last one it got) and without a traffic manager."""
+
+    def __init__(self, every_s: float = LINKS_EVERY_S):
+        self.every_s = every_s
+        self.last = -math.inf
+
+    def due(self, traffic: TrafficManager | None, now: float) -> str:
+        """What the fetch at `now` carries of `traffic`'s counters."""
+        if traffic is None or now - self.last < self.every_s:
+            return ""
+        self.last = now
+        return json.dumps(traffic.snapshot())
 
 
 def register(

@@ -16,7 +16,6 @@ loads) and registers again (`rejoin`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import queue
 import time
@@ -24,6 +23,7 @@ from collections.abc import Callable
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
+    LinkReports,
     failed,
     finish_reads,
     handle_common,
@@ -122,6 +122,7 @@ class DecodeEngine:
         self.stopped = False
         self.registering = False  # a Register not yet answered (rejoin orders are ignored)
         self.last_fetch = -1e9
+        self.link_reports = LinkReports()  # what each Fetch carries of the links
         self.inflight = None  # (tokens, {slot: request}, ...) of the step dispatched last
         self.decode_paused = False  # PauseDecode: the slots stay, no step runs
 
@@ -169,8 +170,8 @@ class DecodeEngine:
             slots=c.decode_slots,
             batch=len(self.slot_req),
         )
-        snapshot = json.dumps(traffic.snapshot()) if traffic is not None else ""
-        self.control.send(messages.Fetch(engine=self.engine, load=load, links=snapshot))
+        links = self.link_reports.due(traffic, now)
+        self.control.send(messages.Fetch(engine=self.engine, load=load, links=links))
 
     def handle(self, msg: messages.Msg) -> None:
         match msg:

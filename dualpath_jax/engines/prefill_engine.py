@@ -14,7 +14,6 @@ after; in `basic` mode (layerwise off) the whole hit is loaded before one monoli
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import queue
 import time
@@ -24,6 +23,7 @@ import numpy as np
 
 from dualpath_jax.config import ExperimentConfig
 from dualpath_jax.engines.common import (
+    LinkReports,
     failed,
     finish_reads,
     handle_common,
@@ -104,6 +104,7 @@ class PrefillEngine:
         self.stopped = False
         self.registering = False  # a Register not yet answered (rejoin orders are ignored)
         self.last_fetch = -1e9
+        self.link_reports = LinkReports()  # what each Fetch carries of the links
         self._no_rows = np.zeros((0, cfg.model.kv_width), cfg.model.kv_dtype)
         # The context one forward batch may hold on the device (the router sends this policy's
         # layerwise flag with every request).
@@ -151,12 +152,11 @@ class PrefillEngine:
         self.last_fetch = now
         traffic = self.ctx.traffic
         read_q = traffic.read_q(f"node{self.node}") if traffic is not None else 0
-        links = traffic.snapshot() if traffic is not None else {}
         self.control.send(
             messages.Fetch(
                 engine=self.engine,
                 load=messages.Load(read_q=read_q, batch=self.last_batch),
-                links=json.dumps(links),
+                links=self.link_reports.due(traffic, now),
             )
         )
 
