@@ -82,6 +82,9 @@ _HTTP = flags.DEFINE_bool("http", False, "Stream through launch/api_server.py (H
 _PROFILE = flags.DEFINE_bool("profile", True, "Profile a third pass with py-spy (if installed).")
 _RATE = flags.DEFINE_integer("rate", 200, "py-spy samples per second and thread.")
 _WORKDIR = flags.DEFINE_string("workdir", "bench_out/decode_profile", "Output directory.")
+_REPEAT = flags.DEFINE_integer(
+    "repeat", 1, "Times the measured and the profiled pass each run the load (fresh sessions)."
+)
 _TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "Bound on each pass of the load (s).")
 
 Plan = list[tuple[str, list[tuple[list[int], int]]]]  # (session, [(append, gen), ...])
@@ -112,6 +115,12 @@ class Rounds:
     tokens: list[int]
     router_tpot_s: list[float]  # each round's `RoundResult.tpot_s` (the server's `dualpath`)
     wall_s: float
+
+    def __add__(self, other: Rounds) -> Rounds:
+        return Rounds(
+            *(a + b for a, b in zip(dataclasses.astuple(self)[:-1], dataclasses.astuple(other))),
+            self.wall_s + other.wall_s,
+        )
 
     def tpot(self) -> np.ndarray:
         return np.array(
@@ -359,6 +368,11 @@ def process_name(pid: int) -> str:
 # --------------------------------------------------------------------------- main
 
 
+def _idle(what: str) -> bool:
+    """A loop thread waiting for work (not a step's tokens: that wait is the step)."""
+    return what.startswith("wait for messages") or what == "wait (select)"
+
+
 def report(passes: dict[str, dict], profile: dict[str, dict], messages: int) -> str:
     """The passes' TPOT, then each loop thread's time by what it did: its share of the
     thread's wall time, and microseconds per generated token (share x the profiled pass's
@@ -380,16 +394,14 @@ def report(passes: dict[str, dict], profile: dict[str, dict], messages: int) -> 
     per_token_us = p["wall_s"] / p["tokens"] * 1e6
     for proc, threads in profile.items():
         for thread, what in threads.items():
-            lines.append(
-                f"\n{proc} / {thread}{'':<{max(0, 33 - len(proc + thread))}} share  us/token"
-            )
+            busy = 1 - sum(v for w, v in what.items() if _idle(w))
+            head = f"{proc} / {thread} (busy {busy:.0%})"
+            lines.append(f"\n{head:<38} {'share':>6} {'of busy':>7} {'us/token':>8}")
             for w, share in what.items():
-                lines.append(f"  {w:<36} {share:>6.1%} {share * per_token_us:>8.1f}")
-    busy = 1 - sum(
-        v
-        for w, v in profile.get("router", {}).get("router loop", {}).items()
-        if w.startswith("wait")
-    )
+                of_busy = "" if _idle(w) or not busy else f"{share / busy:.1%}"
+                lines.append(f"  {w:<36} {share:>6.1%} {of_busy:>7} {share * per_token_us:>8.1f}")
+    router = profile.get("router", {}).get("router loop", {})
+    busy = 1 - sum(v for w, v in router.items() if _idle(w))
     if messages and "router" in profile:
         lines.append(
             f"\nrouter: {messages} messages, {busy * p['wall_s'] / messages * 1e6:.0f} us busy"
@@ -421,7 +433,9 @@ def main(argv: Sequence[str]) -> None:
                 break
             sampler = Sampler(pyspy, pids, wd / "profile", _RATE.value) if k == 2 else None
             before = stats()
-            rounds = run(plan(*shape, seed=k))
+            rounds = run(plan(*shape, seed=k * 100))
+            for r in range(1, _REPEAT.value if k else 1):
+                rounds = rounds + run(plan(*shape, seed=k * 100 + r))
             if sampler is not None:
                 profile.update({p: breakdown(s) for p, s in sampler.stop().items()})
                 messages[0] = stats() - before
