@@ -80,20 +80,27 @@ LINKS_EVERY_S = 1.0
 
 
 class LinkReports:
-    """The link counters an engine's fetches carry: the JSON snapshot of its traffic manager
-    at most every `every_s` seconds (the first fetch's included), "" in between (the router
-    keeps the last one it got) and without a traffic manager."""
+    """The link counters an engine's fetches carry: while the engine is busy, the JSON snapshot
+    of its traffic manager at most every `every_s` seconds (the first fetch's included); while it
+    is idle, the snapshot whenever it changed since the last one sent, so the router's stats are
+    current once a run's rounds (and their persistence) are done; "" otherwise (the router keeps
+    the last one it got) and without a traffic manager."""
 
     def __init__(self, every_s: float = LINKS_EVERY_S):
         self.every_s = every_s
         self.last = -math.inf
+        self.sent = ""
 
-    def due(self, traffic: TrafficManager | None, now: float) -> str:
-        """What the fetch at `now` carries of `traffic`'s counters."""
-        if traffic is None or now - self.last < self.every_s:
+    def due(self, traffic: TrafficManager | None, now: float, busy: bool = True) -> str:
+        """What the fetch at `now` carries of `traffic`'s counters (`busy`: the engine has work
+        in flight, so the snapshot waits for its interval)."""
+        if traffic is None or (busy and now - self.last < self.every_s):
             return ""
-        self.last = now
-        return json.dumps(traffic.snapshot())
+        snapshot = json.dumps(traffic.snapshot())
+        if not busy and snapshot == self.sent:
+            return ""
+        self.last, self.sent = now, snapshot
+        return snapshot
 
 
 def register(

@@ -170,7 +170,7 @@ class DecodeEngine:
             slots=c.decode_slots,
             batch=len(self.slot_req),
         )
-        links = self.link_reports.due(traffic, now)
+        links = self.link_reports.due(traffic, now, busy=bool(self.reqs))
         self.control.send(messages.Fetch(engine=self.engine, load=load, links=links))
 
     def handle(self, msg: messages.Msg) -> None:

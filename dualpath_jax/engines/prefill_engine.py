@@ -156,7 +156,7 @@ class PrefillEngine:
             messages.Fetch(
                 engine=self.engine,
                 load=messages.Load(read_q=read_q, batch=self.last_batch),
-                links=self.link_reports.due(traffic, now),
+                links=self.link_reports.due(traffic, now, busy=self.busy()),
             )
         )
 

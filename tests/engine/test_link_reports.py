@@ -1,6 +1,6 @@
-"""What an engine's fetches carry of its link counters (`engines.common.LinkReports`): their
-snapshot at most once every `LINKS_EVERY_S`, nothing in between, which the router takes as
-"unchanged" (it keeps the last snapshot it got)."""
+"""What an engine's fetches carry of its link counters (`engines.common.LinkReports`): while
+busy, their snapshot at most once every `LINKS_EVERY_S`, nothing in between, which the router
+takes as "unchanged" (it keeps the last snapshot it got); while idle, every change at once."""
 
 from __future__ import annotations
 
@@ -29,6 +29,30 @@ def test_a_snapshot_at_most_every_interval():
     assert json.loads(reports.due(traffic, 11.0))["links"]["h2d:de1"]["bytes"] == 2
     assert traffic.snapshots == 2  # none taken for the fetches in between
     assert LinkReports().due(None, 0.0) == "" and LINKS_EVERY_S == 1.0
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def snapshot(self) -> dict:
+        return {"links": {"snic_tx:node0": {"bytes": self.bytes}}}
+
+
+def test_an_idle_engine_reports_each_change_at_once():
+    traffic = _Counters()
+    reports = LinkReports(every_s=1.0)
+    assert reports.due(traffic, 10.0, busy=True)  # the first fetch's
+    traffic.bytes = 4096  # a round's blocks persisted
+    assert reports.due(traffic, 10.1, busy=True) == ""  # busy: waits for its interval
+    assert json.loads(reports.due(traffic, 10.2, busy=False))["links"]["snic_tx:node0"] == {
+        "bytes": 4096
+    }  # idle: the run's last bytes reach the router's stats now
+    assert reports.due(traffic, 10.3, busy=False) == ""  # nothing new
+    traffic.bytes = 8192
+    assert json.loads(reports.due(traffic, 10.31, busy=False))["links"]["snic_tx:node0"] == {
+        "bytes": 8192
+    }
 
 
 def test_the_router_keeps_the_last_links_a_fetch_carried(rig):
