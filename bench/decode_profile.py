@@ -226,7 +226,7 @@ RULES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("wait for the step's tokens", ("consume", "host_value")),
         ("send TokensOut", ("consume", "send")),
         ("consume: per-token host work", ("consume",)),
-        ("dispatch the jitted step", ("advance",)),
+        ("dispatch the jitted step", ("advance_many",)),
         ("dispatch the jitted step", ("top_logprobs",)),
         ("complete: read blocks to persist", ("complete",)),
         ("fetch: load report", ("fetch",)),

@@ -253,6 +253,12 @@ class ClusterConfig:
     # Jobs a DE holds beyond its slots (waiting for a slot); the router assigns no more.
     decode_queue: int = 8
     decode_max_len: int = 4096  # tokens per decode slot
+    # Decode steps per dispatch (multi-step decode, `Decoder.advance_many`): the DE runs this
+    # many steps in one program when every slot has the pages for them, so the host's work per
+    # dispatch (the loop, reading the tokens, one `TokensOut`) is paid once per that many
+    # tokens; a request that is done mid-dispatch rides its remaining steps. Requests that ask
+    # for top-k log-probabilities decode one step per dispatch.
+    decode_steps: int = 1
     # The DE's device KV budget, held in pages of store.block_tokens tokens (all layers): bytes,
     # or a fraction of the device's memory (where the platform reports it); both 0: room for
     # every slot at decode_max_len. With less, a request is admitted once its pages (prompt +

@@ -31,7 +31,7 @@ _BOUNDS: tuple[tuple[str, typing.Callable[[float], bool], str], ...] = (
         " model.moe_layer_step"
         " hardware.engines_per_node"
         " cluster.prefill_nodes cluster.decode_nodes cluster.pe_group_size cluster.de_group_size"
-        " cluster.decode_slots cluster.decode_max_len cluster.max_attempts cluster.decode_processes"
+        " cluster.decode_slots cluster.decode_max_len cluster.decode_steps cluster.max_attempts cluster.decode_processes"
         " cluster.prefill_processes"
         " scheduler.max_queue store.block_tokens store.io_concurrency"
         " workload.trajectories workload.trace_block_tokens",

@@ -398,17 +398,22 @@ class DecodeEngine:
         return r.finish
 
     def decode(self) -> None:
-        """Dispatches the next decode step, then takes the tokens of the step before it: the
-        device runs step t + 1 (fed with step t's tokens on the device, sampled there with each
-        request's sampling params) while the host reads step t's tokens. A request done at
-        step t has ridden step t + 1 too; that extra token is dropped."""
-        tokens = self.dec.advance()
+        """Dispatches the next decode steps (`cluster.decode_steps` in one program where the
+        slots allow, `Decoder.advance_many`), then takes the tokens of the dispatch before it:
+        the device runs dispatch t + 1 (fed with dispatch t's last tokens on the device, sampled
+        there with each request's sampling params) while the host reads dispatch t's tokens. A
+        request done during dispatch t has ridden the rest of it and dispatch t + 1 too; those
+        tokens are dropped. A rider that asks for the top-k log-probabilities makes every
+        dispatch a single step (they are taken from each step's logits)."""
         riders = self._riders()
         asked = [r.msg.sampling.logprobs for r in riders.values() if r.logprobs is not None]
+        steps = 1 if any(asked) else self.cfg.cluster.decode_steps
+        tokens, n = self.dec.advance_many(steps)
         # the drawn tokens' log-probabilities come with every step; the top-k only when asked
         chosen = self.dec.logprobs if asked else None
         top = self.dec.top_logprobs() if any(asked) else None
-        prev, self.inflight = self.inflight, (tokens, riders, chosen, top, self.params.version)
+        prev = self.inflight
+        self.inflight = (tokens, n, riders, chosen, top, self.params.version)
         if prev is not None:
             self.consume(*prev)
 
@@ -416,41 +421,47 @@ class DecodeEngine:
         return {slot: self.reqs[rid] for slot, rid in self.slot_req.items()}
 
     def drain(self) -> None:
-        """Takes the tokens of the step in flight, if any (once no slot is active)."""
+        """Takes the tokens of the dispatch in flight, if any (once no slot is active)."""
         prev, self.inflight = self.inflight, None
         if prev is not None:
             self.consume(*prev)
 
-    def consume(self, tokens, riders: dict[int, _Req], chosen=None, top=None, version="") -> None:
-        """Takes a dispatched step's tokens (`chosen`/`top`: their log-probabilities, when some
-        rider asked; `version`: the params the step ran with) into its riders, and reports the
-        step's new tokens in one `TokensOut` (before any of its riders' `DecodeDone`, which
-        their persistence sends later through the outbox)."""
-        nxt = host_value(tokens).tolist()  # replicated: over processes, this one's copy
+    def consume(
+        self, tokens, n: int, riders: dict[int, _Req], chosen=None, top=None, version=""
+    ) -> None:
+        """Takes a dispatch's `n` steps of tokens (`chosen`/`top`: their log-probabilities,
+        when some rider asked; `version`: the params it ran with) into its riders, and reports
+        its new tokens in one `TokensOut`, an entry per round (before any of its riders'
+        `DecodeDone`, which their persistence sends later through the outbox)."""
+        steps = host_value(tokens).reshape(n, -1).tolist()  # replicated: this process's copy
         if chosen is not None:
-            chosen = host_value(chosen)
+            chosen = host_value(chosen).reshape(n, -1, 2)
             top = tuple(host_value(a) for a in top) if top is not None else None
         out: list[messages.RoundTokens] = []
         for slot, r in riders.items():
             if self.slot_req.get(slot) != r.msg.request or self.reqs.get(r.msg.request) is not r:
-                continue  # finished (or dropped) since that step was dispatched
+                continue  # finished (or dropped) since that dispatch
             if version and r.versions and r.versions[-1][1] != version:
                 r.versions.append((len(r.tokens), version))  # an update landed under it
-            token = nxt[slot]
-            r.tokens.append(token)
-            n = len(r.tokens)
-            entry = None
-            if r.logprobs is not None and chosen is not None:
-                entry = row_logprobs(r.msg.sampling, chosen, top, slot)
+            start, reason = len(r.tokens), ""
+            entry = Logprobs() if r.logprobs is not None and chosen is not None else None
+            for i, row in enumerate(steps):
+                r.tokens.append(row[slot])
+                if entry is not None:
+                    entry.extend(row_logprobs(r.msg.sampling, chosen[i], top, slot))
+                reason = self.finish_reason(r)
+                if reason:
+                    break  # the rest of the dispatch rode along
+            if entry is not None:
                 r.logprobs.extend(entry)
-            # the router times a fork's first token and every second one; streams get all
-            if r.msg.stream or n == 2 or (n == 1 and r.source):
+            end = len(r.tokens)
+            # the router times a fork's first token and every round's second; streams get all
+            if r.msg.stream or start < 2 <= end or (start == 0 and r.source):
                 out.append(
                     messages.RoundTokens(
-                        request=r.msg.request, start=n - 1, tokens=[token], logprobs=entry
+                        request=r.msg.request, start=start, tokens=r.tokens[start:], logprobs=entry
                     )
                 )
-            reason = self.finish_reason(r)
             if reason:
                 self.complete(r, reason)
         if out:

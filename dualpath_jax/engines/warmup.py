@@ -302,7 +302,7 @@ def warm_decoder(cfg: ExperimentConfig, decoder, buffer=None) -> Warmup:
     """`Decoder.warmup` (every step width and page write) and the DE buffer's copies to the
     device (the DE read path offers a hit's layers from there), counted."""
     counter, t0 = CompileCounter(), time.perf_counter()
-    shapes = decoder.warmup()
+    shapes = decoder.warmup(cfg.cluster.decode_steps)
     if buffer is not None:
         warm_buffer(cfg, buffer)
     return Warmup(shapes, counter.programs, counter.cache_hits, time.perf_counter() - t0)

@@ -103,8 +103,50 @@ def _step_fn(runner: ModelRunner):
     return fn
 
 
+# Per runner: (the treedef of its stacked parameters, {steps: the jitted multi-step program}).
+_MULTI_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _steps_fn(runner: ModelRunner, steps: int):
+    """The runner's jitted `steps`-step program (`_decode_steps`), bound as `_step_fn`'s."""
+    treedef, _ = runner.stacked_leaves
+    entry = _MULTI_FNS.get(runner)
+    if entry is None or (entry[0] is not treedef and entry[0] != treedef):
+        entry = (treedef, {})
+    fns = entry[1]
+    if steps not in fns:
+        multi = functools.partial(
+            _decode_steps, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef, steps
+        )
+        fns[steps] = jax.jit(multi, donate_argnums=(1,))
+        JITTED.add(fns[steps])
+    _MULTI_FNS[runner] = (treedef, fns)
+    return fns[steps]
+
+
 def _decode_leaves(embed_gd, runs, head_gd, treedef, leaves, *args):
     return _decode_step(embed_gd, runs, head_gd, jax.tree.unflatten(treedef, leaves), *args)
+
+
+def _decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table, lengths,
+                  pending, active, *rest):  # fmt: skip
+    """`steps` decode steps in one program (`lax.scan` of `_decode_step`), each fed the
+    tokens the one before drew: what `steps` calls of the single step compute, in one
+    dispatch. Returns (tokens `[steps, S]`, their log-probabilities `[steps, S, 2]`, pages,
+    lengths); no logits (a caller that wants the top-k runs single steps)."""
+    params = jax.tree.unflatten(treedef, leaves)
+
+    def body(carry, _):
+        pages, lengths, pending = carry
+        _, tokens, chosen, pages, lengths = _decode_step(
+            embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, *rest
+        )
+        return (pages, lengths, tokens), (tokens, chosen)
+
+    (pages, lengths, _), (tokens, chosen) = jax.lax.scan(
+        body, (pages, lengths, pending), None, length=steps
+    )
+    return tokens, chosen, pages, lengths
 
 
 @jax.jit
@@ -470,7 +512,7 @@ class Decoder:
         return pages_for(bucket, self.page_size)
 
     @runs_on_mesh
-    def _run(self, width: int):
+    def _run(self, width: int, steps: int = 1):
         if self._dirty or width != self._width:
             # Snapshots, never views: insert/free/_grow change these host mirrors in place while
             # a dispatched step may still be queued (copies.snapshot).
@@ -487,7 +529,7 @@ class Decoder:
             }
             self._dirty, self._width = False, width
         d = self._dev
-        logits, self._pending, self.logprobs, self.pages, d["lengths"] = _step_fn(self.runner)(
+        args = (
             self.runner.stacked_leaves[1],
             self.pages,
             d["table"],
@@ -501,7 +543,14 @@ class Decoder:
             d["held_until"],
             d["wants_logprobs"],
         )
-        self.lengths = self.lengths + self.active  # the host mirror of d["lengths"]
+        self.lengths = self.lengths + steps * self.active  # the host mirror of d["lengths"]
+        if steps > 1:
+            tokens, self.logprobs, self.pages, d["lengths"] = _steps_fn(self.runner, steps)(*args)
+            self._pending, self.logits = tokens[-1], None
+            return tokens
+        logits, self._pending, self.logprobs, self.pages, d["lengths"] = _step_fn(self.runner)(
+            *args
+        )
         self.logits = logits
         return logits
 
@@ -539,26 +588,48 @@ class Decoder:
         self._run(self._prepare())
         return self._pending
 
+    def advance_many(self, steps: int) -> tuple[Array, int]:
+        """Up to `steps` steps in one dispatch (multi-step decode): `steps` when every active
+        slot holds the pages for them and stays within max_len, else one. Returns (the tokens
+        drawn, a device array `[n, S]` (row i is step i's, as `advance` would have drawn them;
+        `[S]` when n is 1), n); `self.logprobs` is their log-probabilities (`[n, S, 2]`, `[S, 2]`
+        when n is 1) and the last row the next step's pending tokens. After more than one step
+        there are no logits (`top_logprobs` needs single steps). A slot that is done early (a
+        stop token, its last token) decodes to the end of the dispatch: its caller drops those
+        tokens."""
+        width = self._prepare()
+        if steps > 1 and self._headroom >= steps - 1:
+            self._headroom -= steps - 1
+            self._longest += steps - 1
+            return self._run(self._columns(self._longest), steps), steps
+        self._run(width)
+        return self._pending, 1
+
     @runs_on_mesh
     def top_logprobs(self) -> tuple[Array, Array]:
         """The model's `MAX_TOP_LOGPROBS` most likely tokens after the latest step, per slot (ids,
         log-probabilities `[S, K]`, device arrays; `sampler.top_logprobs`). The drawn tokens' own
         log-probabilities are `self.logprobs` (`[S, 2]`: under the sampling distribution and
         under the model), set by every step."""
+        if self.logits is None:
+            raise ValueError("no logits: the latest dispatch ran several steps (advance_many)")
         return top_logprobs(self.logits)
 
     @runs_on_mesh
-    def warmup(self) -> int:
+    def warmup(self, steps: int = 1) -> int:
         """Compiles every shape this decoder runs (each table width a step may pass, each page
-        count `insert` writes) by running them on idle slots, which changes nothing. Returns the
-        number of shapes. Afterwards a step compiles nothing new."""
+        count `insert` writes; with `steps` > 1 each width's `advance_many(steps)` program too)
+        by running them on idle slots, which changes nothing. Returns the number of shapes.
+        Afterwards a step compiles nothing new."""
         widths = (
             {self._columns(n) for n in range(self.max_len)}
             if not self.paged_kernel
             else {self.max_pages}
         )
         for w in sorted(widths):
-            self._run(w)
+            if steps > 1:
+                self._run(w, steps)
+            self._run(w)  # (last: `top_logprobs` below reads its logits)
         self.top_logprobs()
         nbs = {self._write_bucket(n) for n in range(1, self.max_pages + 1)}
         cfg = self.runner.cfg
@@ -568,4 +639,4 @@ class Decoder:
             _read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
         self.pages = _copy_page(self.pages, jnp.zeros((2,), jnp.int32))  # the null page: no-op
         self._set_pending(self.active, np.zeros((self.slots,), np.int32))
-        return len(widths) + len(nbs)
+        return len(widths) * (2 if steps > 1 else 1) + len(nbs)

@@ -27,12 +27,12 @@ class _Control:
 
 
 def _req(request: str, tokens: list[int], *, stream: bool, logprobs: int | None = None,
-         source: str = "") -> _Req:  # fmt: skip
+         source: str = "", gen: int = 64, stop: tuple[int, ...] = ()) -> _Req:  # fmt: skip
     job = messages.LoadJobMsg(
-        request=request, keys=[], pe_blocks=0, de_blocks=0, prompt=[1, 2], gen=64,
+        request=request, keys=[], pe_blocks=0, de_blocks=0, prompt=[1, 2], gen=gen,
         pe_engine=0, pe_node=0, pe_address="", de_engine=1, de_node=1, de_address="",
         oracle=False, layerwise=True, params_version="", stream=stream,
-        sampling=SamplingParams(logprobs=logprobs),
+        sampling=SamplingParams(logprobs=logprobs), stop_tokens=list(stop),
     )  # fmt: skip
     r = _Req(msg=job, load=None, tokens=list(tokens), source=source)
     r.logprobs = Logprobs() if logprobs is not None else None
@@ -57,7 +57,7 @@ def test_a_step_sends_one_tokens_out_with_every_reporting_round():
     }
     de = _engine(reqs)
     chosen = np.array([[-0.5, -0.25], [-1.0, -1.0], [-2.0, -2.0], [-3.0, -3.0]], np.float32)
-    de.consume(np.array([10, 11, 12, 13]), dict(reqs), chosen=chosen)
+    de.consume(np.array([10, 11, 12, 13]), 1, dict(reqs), chosen=chosen)
     [out] = de.control.sent
     assert out == messages.TokensOut(
         rounds=[
@@ -76,7 +76,7 @@ def test_a_step_sends_one_tokens_out_with_every_reporting_round():
     assert all(type(t) is int for r in reqs.values() for t in r.tokens)
 
     de.control.sent.clear()  # the next step: the streamed round and the fork's second token
-    de.consume(np.array([20, 21, 22, 23]), dict(reqs), chosen=chosen)
+    de.consume(np.array([20, 21, 22, 23]), 1, dict(reqs), chosen=chosen)
     assert de.control.sent == [
         messages.TokensOut(
             rounds=[
@@ -92,10 +92,46 @@ def test_a_step_sends_one_tokens_out_with_every_reporting_round():
     ]
 
 
+def test_a_multi_step_dispatch_reports_each_rounds_tokens_in_one_entry_in_order():
+    """`cluster.decode_steps` > 1: a dispatch of 3 steps gives each round its 3 tokens in step
+    order in one entry, with a log-probability per token; a round done mid-dispatch (its last
+    token, a stop token) keeps the tokens up to it, the rest rode along and are dropped."""
+    reqs = {
+        0: _req("streamed", [4], stream=True, logprobs=0),
+        1: _req("short", [7], stream=True, gen=3),  # done at the dispatch's second step
+        2: _req("stops", [7], stream=False, stop=(31,)),  # draws its stop token at the first
+        3: _req("quiet", [7, 8, 9], stream=False),  # past its second token: nothing to report
+    }
+    de = _engine(reqs)
+    done: list[tuple[str, str]] = []
+    de.complete = lambda r, reason: done.append((r.msg.request, reason))
+    tokens = np.array([[10, 20, 31, 40], [11, 21, 32, 41], [12, 22, 33, 42]])  # [step, slot]
+    chosen = np.arange(24, dtype=np.float32).reshape(3, 4, 2) * -1
+    de.consume(tokens, 3, dict(reqs), chosen=chosen)
+    [out] = de.control.sent
+    assert out == messages.TokensOut(
+        rounds=[
+            messages.RoundTokens(
+                request="streamed",
+                start=1,
+                tokens=[10, 11, 12],
+                logprobs=Logprobs(sampled=[0.0, -8.0, -16.0], model=[-1.0, -9.0, -17.0]),
+            ),
+            messages.RoundTokens(request="short", start=1, tokens=[20, 21]),
+            messages.RoundTokens(request="stops", start=1, tokens=[31]),
+        ]
+    )
+    assert reqs[0].logprobs == out.rounds[0].logprobs
+    assert [r.tokens for r in reqs.values()] == [
+        [4, 10, 11, 12], [7, 20, 21], [7, 31], [7, 8, 9, 40, 41, 42]
+    ]  # fmt: skip
+    assert done == [("short", "length"), ("stops", "stop")]
+
+
 def test_a_step_with_nothing_to_report_sends_nothing():
     reqs = {0: _req("a", [1, 2], stream=False), 5: _req("b", [3, 4, 5], stream=False)}
     de = _engine(reqs)
-    de.consume(np.arange(8), dict(reqs))
+    de.consume(np.arange(8), 1, dict(reqs))
     assert de.control.sent == [] and reqs[5].tokens == [3, 4, 5, 5]
 
 
@@ -104,7 +140,7 @@ def test_a_round_gone_since_the_step_was_dispatched_reports_nothing():
     de = _engine(reqs)
     riders = dict(reqs)
     del de.slot_req[0], de.reqs["gone"]
-    de.consume(np.array([8, 9]), riders)
+    de.consume(np.array([8, 9]), 1, riders)
     assert de.control.sent == [
         messages.TokensOut(rounds=[messages.RoundTokens(request="here", start=1, tokens=[9])])
     ]

@@ -10,6 +10,7 @@ run is refused clearly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import threading
@@ -137,3 +138,46 @@ def test_what_needs_processes_is_refused(tmp_path):
     both = dataclasses.replace(span, cluster=dataclasses.replace(span.cluster, runtime="thread"))
     with pytest.raises(ConfigError, match="cluster.runtime"):
         validate(both)
+
+
+def test_multi_step_decode_gives_the_single_step_tokens_and_streams(
+    tmp_path, start_cluster, reference_tokens
+):
+    """`cluster.decode_steps=4`: every round's greedy tokens are the reference model's, sampled
+    rounds (seeded) draw the tokens a single-step cluster draws, a round stopped by a stop token
+    mid-dispatch ends there, and a streamed round's chunks arrive in order, gap-free."""
+    from dualpath_jax.model.sampling_params import SamplingParams
+
+    expected = [reference_tokens(t) for t in SWEEP]
+    sampled = SamplingParams(temperature=0.8, seed=5, logprobs=0)
+    draws, streamed = {}, {}
+    for steps in (1, 4):
+        with start_cluster(cluster_config("dualpath", decode_steps=steps), tmp_path / str(steps),
+                           "thread") as cluster:  # fmt: skip
+            client = cluster.client()
+            assert tokens_of(run_lockstep(client, SWEEP)) == expected
+            chunks: list[tuple[int, list[int]]] = []
+            client.open_session("s")
+            res = client.submit(
+                "s", list(range(3, 40)), 24, sampling=sampled,
+                on_tokens=lambda start, toks, lp: chunks.append((start, list(toks))),
+            ).result(RESULT_TIMEOUT_S)  # fmt: skip
+            draws[steps] = (list(res.tokens), list(res.logprobs.sampled))
+            streamed[steps] = chunks
+            client.open_session("stop")
+            want = expected[0][0]
+            stop = want[2]  # greedy: it ends at that token's first place
+            got = client.submit("stop", SWEEP[0][1][0][0], 20, stop_tokens=[stop]).result(
+                RESULT_TIMEOUT_S
+            )
+            assert list(got.tokens) == want[: want.index(stop) + 1]
+            assert got.finish_reason == "stop"
+    assert draws[4][0] == draws[1][0]
+    assert draws[4][1] == pytest.approx(draws[1][1], rel=1e-5, abs=1e-6)
+    for steps, chunks in streamed.items():
+        flat = [t for _, toks in chunks for t in toks]
+        assert [s for s, _ in chunks] == list(
+            itertools.accumulate([0] + [len(t) for _, t in chunks[:-1]])
+        )
+        assert flat == draws[steps][0]
+    assert len(streamed[4]) < len(streamed[1])  # several tokens per chunk
