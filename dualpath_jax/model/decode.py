@@ -124,8 +124,16 @@ def _steps_fn(runner: ModelRunner, steps: int):
     return fns[steps]
 
 
-def _decode_leaves(embed_gd, runs, head_gd, treedef, leaves, *args):
-    return _decode_step(embed_gd, runs, head_gd, jax.tree.unflatten(treedef, leaves), *args)
+def _decode_leaves(embed_gd, runs, head_gd, treedef, leaves, pages, table, lengths, pending,
+                   *rest):  # fmt: skip
+    """`_decode_step` over the first `table.shape[0]` slots (`Decoder`'s active rows); `pending`
+    holds every slot's, and the rest keep theirs."""
+    params = jax.tree.unflatten(treedef, leaves)
+    rows = table.shape[0]
+    logits, tokens, chosen, pages, lengths = _decode_step(
+        embed_gd, runs, head_gd, params, pages, table, lengths, pending[:rows], *rest
+    )
+    return logits, pending.at[:rows].set(tokens), chosen, pages, lengths
 
 
 def _decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table, lengths,
@@ -135,6 +143,7 @@ def _decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table,
     dispatch. Returns (tokens `[steps, S]`, their log-probabilities `[steps, S, 2]`, pages,
     lengths); no logits (a caller that wants the top-k runs single steps)."""
     params = jax.tree.unflatten(treedef, leaves)
+    rows = table.shape[0]  # (as `_decode_leaves`)
 
     def body(carry, _):
         pages, lengths, pending = carry
@@ -143,10 +152,15 @@ def _decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table,
         )
         return (pages, lengths, tokens), (tokens, chosen)
 
-    (pages, lengths, _), (tokens, chosen) = jax.lax.scan(
-        body, (pages, lengths, pending), None, length=steps
+    (pages, lengths, last), (tokens, chosen) = jax.lax.scan(
+        body, (pages, lengths, pending[:rows]), None, length=steps
     )
-    return tokens, chosen, pages, lengths
+    return tokens, pending.at[:rows].set(last), chosen, pages, lengths
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pad_rows(x, rows):
+    return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: x.shape[0]].set(x)
 
 
 @jax.jit
@@ -171,7 +185,7 @@ def _copy_page(pages, where):
     return pages.at[where[1]].set(pages[where[0]])
 
 
-JITTED.update((_merge, _write_pages, _read_pages, _copy_page))
+JITTED.update((_pad_rows, _merge, _write_pages, _read_pages, _copy_page))
 
 
 class Decoder:
@@ -239,6 +253,7 @@ class Decoder:
         self._dev: dict[str, Array] = {}
         self._dirty = True
         self._width = -1  # table columns on the device
+        self._rows = -1  # slots a step runs over (`_rows_for`)
         self._headroom = 0  # steps `_prepare` may take without looking at the slots
         self._longest = 0  # the longest active slot's length, fed at the coming step
 
@@ -511,23 +526,40 @@ class Decoder:
         bucket = min(bucket_len(need + 1, self.min_bucket), self.max_len)
         return pages_for(bucket, self.page_size)
 
+    def _rows_for(self) -> int:
+        """The slots a step runs over: the first B, B the power of two (at most `slots`) that
+        holds every active slot (slots are taken lowest first, so the active ones sit at the
+        front), so idle slots cost no attention; on a mesh every slot (its shards split them)."""
+        if self.mesh is not None:
+            return self.slots
+        top = int(np.flatnonzero(self.active)[-1]) + 1 if self.active.any() else 1
+        return min(self.slots, 1 << (top - 1).bit_length())
+
+    def _row_buckets(self) -> list[int]:
+        if self.mesh is not None:
+            return [self.slots]
+        return sorted(
+            {min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)}
+        )
+
     @runs_on_mesh
-    def _run(self, width: int, steps: int = 1):
-        if self._dirty or width != self._width:
+    def _run(self, width: int, steps: int = 1, rows: int | None = None):
+        rows = self._rows_for() if rows is None else rows
+        if self._dirty or width != self._width or rows != self._rows:
             # Snapshots, never views: insert/free/_grow change these host mirrors in place while
             # a dispatched step may still be queued (copies.snapshot).
             self._dev = {
-                "table": copies.snapshot(self.table[:, :width]),
-                "lengths": copies.snapshot(self.lengths),
-                "active": copies.snapshot(self.active),
-                "seeds": copies.snapshot(self.seeds),
-                "temps": copies.snapshot(self.temperatures),
-                "top_ps": copies.snapshot(self.top_ps),
-                "stop_ids": copies.snapshot(self.stop_ids),
-                "held_until": copies.snapshot(self.held_until),
-                "wants_logprobs": copies.snapshot(self.wants_logprobs),
+                "table": copies.snapshot(self.table[:rows, :width]),
+                "lengths": copies.snapshot(self.lengths[:rows]),
+                "active": copies.snapshot(self.active[:rows]),
+                "seeds": copies.snapshot(self.seeds[:rows]),
+                "temps": copies.snapshot(self.temperatures[:rows]),
+                "top_ps": copies.snapshot(self.top_ps[:rows]),
+                "stop_ids": copies.snapshot(self.stop_ids[:rows]),
+                "held_until": copies.snapshot(self.held_until[:rows]),
+                "wants_logprobs": copies.snapshot(self.wants_logprobs[:rows]),
             }
-            self._dirty, self._width = False, width
+            self._dirty, self._width, self._rows = False, width, rows
         d = self._dev
         args = (
             self.runner.stacked_leaves[1],
@@ -545,8 +577,10 @@ class Decoder:
         )
         self.lengths = self.lengths + steps * self.active  # the host mirror of d["lengths"]
         if steps > 1:
-            tokens, self.logprobs, self.pages, d["lengths"] = _steps_fn(self.runner, steps)(*args)
-            self._pending, self.logits = tokens[-1], None
+            tokens, self._pending, self.logprobs, self.pages, d["lengths"] = _steps_fn(
+                self.runner, steps
+            )(*args)
+            self.logits = None
             return tokens
         logits, self._pending, self.logprobs, self.pages, d["lengths"] = _step_fn(self.runner)(
             *args
@@ -580,7 +614,10 @@ class Decoder:
         """Feeds each active slot's pending token; returns logits `[S, V]` (rows of idle slots are
         meaningless). Each active slot's length grows by one, and its pending token becomes the
         one the slot's sampling parameters draw (override it with `set_next`)."""
-        return self._run(self._prepare())
+        logits = self._run(self._prepare())
+        if logits.shape[0] < self.slots:  # (the step ran over the first rows: `_rows_for`)
+            logits = _pad_rows(logits, self.slots)
+        return logits
 
     def advance(self) -> Array:
         """`step`, returning the tokens it drew `[S]` (a device array; idle slots' entries are
@@ -626,11 +663,12 @@ class Decoder:
             if not self.paged_kernel
             else {self.max_pages}
         )
-        for w in sorted(widths):
-            if steps > 1:
-                self._run(w, steps)
-            self._run(w)  # (last: `top_logprobs` below reads its logits)
-        self.top_logprobs()
+        for rows in self._row_buckets():
+            for w in sorted(widths):
+                if steps > 1:
+                    self._run(w, steps, rows)
+                self._run(w, 1, rows)  # (last: `top_logprobs` below reads its logits)
+            self.top_logprobs()
         nbs = {self._write_bucket(n) for n in range(1, self.max_pages + 1)}
         cfg = self.runner.cfg
         for nb in sorted(nbs):
@@ -639,4 +677,4 @@ class Decoder:
             _read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
         self.pages = _copy_page(self.pages, jnp.zeros((2,), jnp.int32))  # the null page: no-op
         self._set_pending(self.active, np.zeros((self.slots,), np.int32))
-        return len(widths) * (2 if steps > 1 else 1) + len(nbs)
+        return len(self._row_buckets()) * len(widths) * (2 if steps > 1 else 1) + len(nbs)

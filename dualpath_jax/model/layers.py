@@ -153,6 +153,14 @@ def attend_kv(
     # pool then has one reader-writer chain, which XLA updates in place inside a layer scan.
     pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
     pages = sharding.constrain_kv(pages, layout)  # the pool stays split by KV head
+    if q.shape[1] == 1:  # a decode step: its row is in the pages now
+        out = pa.paged_decode_reference(
+            q, pages, kv.table, kv.lens, layout, scale, layer=kv.layer, kv_dtype=kv_dtype,
+            written=kv.write, impl=impl,
+        )  # fmt: skip
+        if kv.new_lens is not None:
+            out = jnp.where((kv.new_lens > 0)[:, None, None, None], out, 0).astype(out.dtype)
+        return out, pages
     return dense(q, pages, *args[2:]), pages
 
 
