@@ -244,6 +244,8 @@ def summarize(res: serve_multiturn.LoadResult, wall_s: float) -> dict[str, float
         "ttft_later_p90_ms": pct(later, 90),
         "tpot_p50_ms": pct(tpot, 50),
         "tpot_p90_ms": pct(tpot, 90),
+        # the stream's end ([DONE]) after its last token: what a turn waits beyond its tokens
+        "done_after_last_p50_ms": pct([(r.end_s - r.last_token_s) * 1e3 for r in recs], 50),
         "req_per_s": len(recs) / wall_s,
         "out_tok_per_s": tokens / wall_s,
         "wall_s": wall_s,

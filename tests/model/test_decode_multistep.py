@@ -101,3 +101,23 @@ def test_a_warmed_decoder_compiles_nothing_for_multi_step_dispatches(tiny_runner
         steps.append(dec.advance_many(4)[1])
     assert 4 in steps and 1 in steps
     assert compile_count() == before, "a decode shape compiled after warm-up"
+
+
+def test_a_step_runs_over_the_slots_up_to_the_last_active_one(tiny_runner):
+    """Idle slots cost nothing: a step runs over the first power-of-two slots that hold every
+    active one, and draws what a step over all of them draws (the same request in the last
+    slot, with every slot in the step)."""
+    cfg = tiny_runner.cfg
+    prompt = np.random.RandomState(4).randint(0, cfg.vocab_size, 30).tolist()
+    kv, first = _prefill(tiny_runner, prompt)
+    front, back = (Decoder(tiny_runner, slots=8, max_len=128, page_size=16) for _ in range(2))
+    front.insert(0, kv, len(prompt), first, sampling=SAMPLINGS[1])
+    back.insert(7, kv, len(prompt), first, sampling=SAMPLINGS[1])
+    got = [int(np.asarray(front.advance())[0]) for _ in range(6)]
+    want = [int(np.asarray(back.advance())[7]) for _ in range(6)]
+    assert got == want
+    assert (front._rows, back._rows) == (1, 8)
+    assert np.asarray(front.step()).shape[0] == 8  # `step` gives every slot's row
+    front.insert(2, kv, len(prompt), first)
+    front.advance()
+    assert front._rows == 4
