@@ -24,7 +24,7 @@ cached tokens in its own pages, held as the bits of the KV dtype):
   kv_lora 512, rope 64, FP8 KV rows of 576) for 2,048 new over 32,768 cached, batch 1: the
   attention half of `DecoderLayer` (`input_layernorm`, `self_attn.project`, `self_attn.attend`
   over the pages, the residual). The MoE FFN is left out (see `bench/moe_memory.py`).
-- `decode_64`: one decode step (`decode._decode_step`, what `Decoder.advance` runs) of a one-layer
+- `decode_64`: one decode step (`decode_programs.decode_step`, what `Decoder.advance` runs) of a one-layer
   Qwen2.5-7B-shaped model (so embedding, head and in-step sampling are in it) over 64 slots
   with contexts 1,024..32,272 (`DECODE_CONTEXTS`) in a pool of exactly their pages. The paged
   kernel gets every slot's full page table (one shape for all lengths); the dense backends get
@@ -53,7 +53,7 @@ from flax import nnx
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.kernels.kv_rows import bits_dtype
-from dualpath_jax.model.decode import _step_fn
+from dualpath_jax.model.decode_programs import step_fn
 from dualpath_jax.model.layers import ATTENTION_IMPLS, PagedKV
 from dualpath_jax.model.page_pool import pages_for
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged, bucket_len
@@ -214,7 +214,7 @@ def cases(shapes: Shapes, impl: str) -> dict[str, Case]:
             mla_real,
         ),
         "decode_64": Case(
-            lambda: _step_fn(gqa).lower(*dec_args),
+            lambda: step_fn(gqa).lower(*dec_args),
             f"S={s} pages={n_pages}x{PAGE} table={s}x{cols} W={cfg.kv_width} {cfg.kv_dtype}",
             sum(c + 1 for c in ctx) / (s * cols * PAGE),
         ),

@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from absl import app, flags
 
-from dualpath_jax.model import decode
+from dualpath_jax.model import decode_programs
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.runner import ModelRunner
 from dualpath_jax.model.transformer import init_model
@@ -40,7 +40,9 @@ def _per_layer(runner: ModelRunner):
     stacked = tuple(jax.tree.map(lambda x: x[None], s) for s in runner.layer_states)
     leaves, treedef = jax.tree.flatten((runner.embed_state, stacked, runner.head_state))
     fn = jax.jit(
-        functools.partial(decode._decode_leaves, runner.embed_gd, runs, runner.head_gd, treedef),
+        functools.partial(
+            decode_programs.decode_leaves, runner.embed_gd, runs, runner.head_gd, treedef
+        ),
         donate_argnums=(1,),
     )
     return fn, leaves
@@ -83,7 +85,7 @@ def measure(layers: int, steps: int, slots: int = 8) -> dict[str, float]:
 
         return call
 
-    launch_ms, _ = timed(calling(decode._step_fn(runner), runner.stacked_leaves[1]))
+    launch_ms, _ = timed(calling(decode_programs.step_fn(runner), runner.stacked_leaves[1]))
     per_layer = calling(*_per_layer(runner))
     jax.block_until_ready(per_layer())
     layer_ms, layer_wall = timed(per_layer)

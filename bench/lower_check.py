@@ -11,10 +11,10 @@ lowered with `lowering_platforms=(platform,)`, which runs the Pallas GPU (Triton
 
 - `prefill_layer`: one layer over cached pages, as the PE runs it layer by layer
   (`runner._layer_paged`): `--new` tokens over `--cached` cached ones, batch 1.
-- `decode_step`: the DE's decode step (`decode._step_fn`: embedding, the layer over the pool,
+- `decode_step`: the DE's decode step (`decode_programs.step_fn`: embedding, the layer over the pool,
   writing the new rows into their pages, head, sampling) of a one-layer model over `--slots`
   slots whose contexts reach `--cached` tokens.
-- `layer_write`: the DE's write of a request's blocks into the pool (`decode._write_pages`).
+- `layer_write`: the DE's write of a request's blocks into the pool (`decode_programs.write_pages`).
 
 Per program: `lowered` (or the error), `kernels` (the kernel custom calls in the lowered module:
 Triton's `__gpu$xla.gpu.triton`, Mosaic TPU's `tpu_custom_call`), then, from compiling the same
@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from dualpath_jax.config import ModelConfig  # noqa: E402
 from dualpath_jax.kernels.kv_rows import bits_dtype  # noqa: E402
 from dualpath_jax.model import sharding  # noqa: E402
-from dualpath_jax.model.decode import _step_fn, _write_pages  # noqa: E402
+from dualpath_jax.model.decode_programs import step_fn, write_pages  # noqa: E402
 from dualpath_jax.model.layers import resolve_attention_impl  # noqa: E402
 from dualpath_jax.model.page_pool import pages_for  # noqa: E402
 from dualpath_jax.model.runner import ModelRunner, PrefillBatch, _layer_paged  # noqa: E402
@@ -159,8 +159,8 @@ def programs(cfg: ModelConfig, mesh, new: int, cached: int, slots: int, page: in
     )
     return {
         "prefill_layer": (_layer_paged, prefill_args, runner),
-        "decode_step": (_step_fn(runner), decode_args, runner),
-        "layer_write": (_write_pages, write_args, runner),
+        "decode_step": (step_fn(runner), decode_args, runner),
+        "layer_write": (write_pages, write_args, runner),
     }
 
 

@@ -142,40 +142,16 @@ def free_port() -> int:
 
 
 class PeerServer(serve_multiturn.ApiServer):
-    """vLLM's server: ready once `GET url/health` answers 200 (it writes no api_server.json)."""
+    """vLLM's server at `url`: ready once `GET url/health` answers 200 (it writes no
+    api_server.json)."""
 
     def __init__(self, command: Sequence[str], workdir: pathlib.Path, url: str, model: str,
                  env: dict[str, str]):  # fmt: skip
         self.url, self.model = url, model
-        old = dict(os.environ)
-        os.environ.update(env)
-        try:
-            super().__init__(command, workdir)
-        finally:
-            os.environ.clear()
-            os.environ.update(old)
+        super().__init__(command, workdir, dict(os.environ, **env))
 
-    async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
-        import aiohttp
-
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"the server exited with {self.proc.returncode}:\n{self.log_tail()}"
-                    )
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the server was not ready in {timeout_s:.0f} s")
-                try:
-                    async with http.get(
-                        f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)
-                    ) as r:
-                        if r.status == 200:
-                            return {"url": self.url, "model": self.model, "pid": self.proc.pid}
-                except (TimeoutError, aiohttp.ClientError):
-                    pass
-                await asyncio.sleep(0.25)
+    def _read_info(self) -> None:
+        self.info = {"url": self.url, "model": self.model, "pid": self.proc.pid}
 
 
 def vllm_server(ckpt: pathlib.Path, wd: pathlib.Path) -> PeerServer:
@@ -201,13 +177,7 @@ def project_server(ckpt: pathlib.Path, wd: pathlib.Path) -> serve_multiturn.ApiS
         *(f"--set={s}" for s in _SET.value),
     ]  # fmt: skip
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(wd.parent.parent / "jax_cache"))
-    old = dict(os.environ)
-    os.environ.update(env)
-    try:
-        return serve_multiturn.ApiServer(cmd, wd)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    return serve_multiturn.ApiServer(cmd, wd, env)
 
 
 # --------------------------------------------------------------------------- the load

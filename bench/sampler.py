@@ -1,5 +1,5 @@
 """The decode step's sampling tail at a real vocabulary: drawing the tokens and their
-log-probabilities over `[slots, vocab]` logits, as `decode._step` runs it.
+log-probabilities over `[slots, vocab]` logits, as `decode_programs.decode_step` runs it.
 
 Run: python bench/sampler.py [--slots=64] [--vocab=151936] [--repeats=7] [--json]
 

@@ -506,25 +506,39 @@ class ApiServer:
     `workdir/api_server.json` and answers `GET /health` with 200. `stop` sends SIGTERM (the
     server stops its engines), then after STOP_GRACE_S SIGTERM and SIGKILL to its whole group."""
 
-    def __init__(self, command: Sequence[str], workdir: pathlib.Path):
+    def __init__(
+        self, command: Sequence[str], workdir: pathlib.Path, env: dict[str, str] | None = None
+    ):
+        """`env`: the process's environment (default: this one's)."""
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "api_server.json").unlink(missing_ok=True)
         self.log_path = self.workdir / "server.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            list(command), stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            list(command),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
         )
         self.info: dict[str, Any] = {}
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def _read_info(self) -> None:
+        """Sets `info` (url, model, pid) once the server wrote it (`api_server.json`)."""
+        path = self.workdir / "api_server.json"
+        if not self.info and path.is_file():
+            with contextlib.suppress(ValueError):  # still being written
+                self.info = json.loads(path.read_text())
+                check_loopback(self.info["url"])
+
     async def wait_ready(self, timeout_s: float) -> dict[str, Any]:
         import aiohttp
 
         deadline = time.monotonic() + timeout_s
-        path = self.workdir / "api_server.json"
         async with aiohttp.ClientSession() as http:
             while True:
                 if self.proc.poll() is not None:
@@ -533,10 +547,7 @@ class ApiServer:
                     )
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the server was not ready in {timeout_s:.0f} s")
-                if not self.info and path.is_file():
-                    with contextlib.suppress(ValueError):  # still being written
-                        self.info = json.loads(path.read_text())
-                        check_loopback(self.info["url"])
+                self._read_info()
                 if self.info:
                     with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                         async with http.get(

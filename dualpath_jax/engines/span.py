@@ -49,6 +49,7 @@ MIRRORED = frozenset(
         "insert_blocks",
         "free",
         "advance",
+        "advance_many",
         "step",
         "set_next",
         "top_logprobs",

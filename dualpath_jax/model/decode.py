@@ -10,23 +10,21 @@ with `set_next`; `free(slot)` returns the slot's pages. KV is one page pool
 
 from __future__ import annotations
 
-import functools
-import weakref
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dualpath_jax import copies
 from dualpath_jax.kernels.kv_rows import bits_dtype
+from dualpath_jax.model import decode_programs as programs
 from dualpath_jax.model.batch import bucket_len, validate_tokens
-from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
+from dualpath_jax.model.layers import resolve_attention_impl
 from dualpath_jax.model.layout import np_dtype
 from dualpath_jax.model.page_pool import PageAllocator, PagesExhausted, pages_for
-from dualpath_jax.model.runner import JITTED, ModelRunner, runs_on_mesh
-from dualpath_jax.model.sampler import draw_step, top_logprobs
+from dualpath_jax.model.runner import ModelRunner, runs_on_mesh
+from dualpath_jax.model.sampler import top_logprobs
 from dualpath_jax.model.sampling_params import (
     GREEDY,
     MAX_HELD_STOP_TOKENS,
@@ -36,156 +34,6 @@ from dualpath_jax.model.sampling_params import (
 from dualpath_jax.model.sharding import host_value, whole
 
 Array = jax.Array
-
-
-def _decode_step(
-    embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, seeds, temps,
-    top_ps, stop_ids, held_until, wants_logprobs,
-):  # fmt: skip
-    """One token for every slot over paged KV, everything on the device.
-
-    pages `[P, L, page_size, W]` (bits, see `Decoder`), table `[S, M]`, lengths, pending tokens,
-    the active mask, sampling seeds, temperatures and top-p `[S]`, and each slot's stop tokens
-    `[S, K]` that may not be drawn before position `held_until` `[S]` (`min_tokens`), and which
-    slots ask for log-probabilities `wants_logprobs` `[S]`. The layers of each run (`runs`:
-    `ModelRunner.layer_runs`, with `params` from `ModelRunner.stacked_params`) go under one
-    `lax.scan`, so the program and its dispatch do not grow with depth. Each layer attends
-    over the slot's cached pages and the token's own row, and writes that row into the slot's
-    page. Returns (logits `[S, V]` (the model's, before masking), the next tokens `[S]` (sampled
-    as `sample_at` samples; idle slots keep theirs), their log-probabilities `[S, 2]`
-    (`sampler.draw_step`: zeros when no active slot asks), pages, lengths + active)."""
-    embed_state, stacked, head_state = params
-    embed = nnx.merge(embed_gd, embed_state)
-    h = embed(pending[:, None])
-    positions = lengths[:, None]
-    write = active.astype(jnp.int32)
-    for (gd, start, count), states in zip(runs, stacked):
-
-        def body(carry, xs, gd=gd):
-            h, pages = carry
-            state, layer = xs
-            h, _, pages = nnx.merge(gd, state).run(
-                h, positions, PagedKV(pages, table, lengths, layer, write, new_lens=write)
-            )
-            return (h, pages), None
-
-        layers = start + jnp.arange(count, dtype=jnp.int32)
-        (h, pages), _ = jax.lax.scan(body, (h, pages), (states, layers))
-    logits = nnx.merge(head_gd, head_state)(h[:, 0], embed.embedding[...])
-    lengths = lengths + write
-    wants = wants_logprobs & active
-    tokens, chosen = draw_step(logits, stop_ids, held_until, lengths, seeds, temps, top_ps, wants)
-    return logits, jnp.where(active, tokens, pending), chosen, pages, lengths
-
-
-# Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).
-_STEP_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _step_fn(runner: ModelRunner):
-    """The runner's jitted decode step, shared by its decoders. It takes the stacked parameters
-    as their flat leaves (`ModelRunner.stacked_leaves`), the graph definitions and the treedef
-    bound: a call then flattens a plain list in C++ and hashes no static argument, instead of
-    running the parameter containers' Python flatten on every step."""
-    treedef, _ = runner.stacked_leaves
-    entry = _STEP_FNS.get(runner)
-    if entry is not None and entry[0] is treedef:
-        return entry[1]
-    if entry is not None and entry[0] == treedef:  # new parameters of the same structure
-        fn = entry[1]  # (compares the structure once per `update_params`, not per step)
-    else:
-        step = functools.partial(
-            _decode_leaves, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef
-        )
-        fn = jax.jit(step, donate_argnums=(1,))
-        JITTED.add(fn)
-    _STEP_FNS[runner] = (treedef, fn)
-    return fn
-
-
-# Per runner: (the treedef of its stacked parameters, {steps: the jitted multi-step program}).
-_MULTI_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _steps_fn(runner: ModelRunner, steps: int):
-    """The runner's jitted `steps`-step program (`_decode_steps`), bound as `_step_fn`'s."""
-    treedef, _ = runner.stacked_leaves
-    entry = _MULTI_FNS.get(runner)
-    if entry is None or (entry[0] is not treedef and entry[0] != treedef):
-        entry = (treedef, {})
-    fns = entry[1]
-    if steps not in fns:
-        multi = functools.partial(
-            _decode_steps, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef, steps
-        )
-        fns[steps] = jax.jit(multi, donate_argnums=(1,))
-        JITTED.add(fns[steps])
-    _MULTI_FNS[runner] = (treedef, fns)
-    return fns[steps]
-
-
-def _decode_leaves(embed_gd, runs, head_gd, treedef, leaves, pages, table, lengths, pending,
-                   *rest):  # fmt: skip
-    """`_decode_step` over the first `table.shape[0]` slots (`Decoder`'s active rows); `pending`
-    holds every slot's, and the rest keep theirs."""
-    params = jax.tree.unflatten(treedef, leaves)
-    rows = table.shape[0]
-    logits, tokens, chosen, pages, lengths = _decode_step(
-        embed_gd, runs, head_gd, params, pages, table, lengths, pending[:rows], *rest
-    )
-    return logits, pending.at[:rows].set(tokens), chosen, pages, lengths
-
-
-def _decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table, lengths,
-                  pending, active, *rest):  # fmt: skip
-    """`steps` decode steps in one program (`lax.scan` of `_decode_step`), each fed the
-    tokens the one before drew: what `steps` calls of the single step compute, in one
-    dispatch. Returns (tokens `[steps, S]`, their log-probabilities `[steps, S, 2]`, pages,
-    lengths); no logits (a caller that wants the top-k runs single steps)."""
-    params = jax.tree.unflatten(treedef, leaves)
-    rows = table.shape[0]  # (as `_decode_leaves`)
-
-    def body(carry, _):
-        pages, lengths, pending = carry
-        _, tokens, chosen, pages, lengths = _decode_step(
-            embed_gd, runs, head_gd, params, pages, table, lengths, pending, active, *rest
-        )
-        return (pages, lengths, tokens), (tokens, chosen)
-
-    (pages, lengths, last), (tokens, chosen) = jax.lax.scan(
-        body, (pages, lengths, pending[:rows]), None, length=steps
-    )
-    return tokens, pending.at[:rows].set(last), chosen, pages, lengths
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _pad_rows(x, rows):
-    return jnp.zeros((rows, *x.shape[1:]), x.dtype).at[: x.shape[0]].set(x)
-
-
-@jax.jit
-def _merge(old, mask, new):
-    return jnp.where(mask, new, old)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_pages(pages, ids, blocks):
-    """pages `[P, L, ps, W]` <- blocks `[n, L, ps, W]` (bits) at page ids `[n]`."""
-    return pages.at[ids].set(blocks)
-
-
-@jax.jit
-def _read_pages(pages, ids):
-    return pages[ids]
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_page(pages, where):
-    """pages[where[1]] <- pages[where[0]] (a fork's copy of its prompt's last page)."""
-    return pages.at[where[1]].set(pages[where[0]])
-
-
-JITTED.update((_pad_rows, _merge, _write_pages, _read_pages, _copy_page))
 
 
 class Decoder:
@@ -360,7 +208,9 @@ class Decoder:
             where[:n] = ids[:n]
             bits = padded.view(bits_dtype(cfg.kv_dtype))
             # device_put, not jnp.asarray: that compiles a staging program per shape
-            self.pages = _write_pages(self.pages, jax.device_put(where), jax.device_put(bits))
+            self.pages = programs.write_pages(
+                self.pages, jax.device_put(where), jax.device_put(bits)
+            )
         self._start(slot, length, length, next_token, sampling, held)
 
     def _start(self, slot, length, prompt, next_token, sampling, held) -> None:
@@ -448,7 +298,7 @@ class Decoder:
     @runs_on_mesh
     def _copy_page(self, src: int, dst: int) -> None:
         where = np.array([src, dst], np.int32)
-        self.pages = _copy_page(self.pages, jax.device_put(where))
+        self.pages = programs.copy_page(self.pages, jax.device_put(where))
 
     def _write_bucket(self, n: int) -> int:
         return min(bucket_len(n, 1, 64), bucket_len(self.max_pages, 1, 64))
@@ -490,7 +340,7 @@ class Decoder:
         """Pages `ids` `[n, L, ps, W]` (bits) to the host, read in bucketed counts."""
         where = np.zeros((self._write_bucket(len(ids)),), np.int32)
         where[: len(ids)] = ids
-        got = whole(_read_pages(self.pages, jax.device_put(where)), self.mesh)
+        got = whole(programs.read_pages(self.pages, jax.device_put(where)), self.mesh)
         return host_value(got)[: len(ids)]
 
     def set_next(self, tokens: np.ndarray) -> None:
@@ -500,7 +350,7 @@ class Decoder:
 
     @runs_on_mesh
     def _set_pending(self, mask: np.ndarray, tokens: np.ndarray) -> None:
-        self._pending = _merge(
+        self._pending = programs.merge(
             self._pending,
             copies.snapshot(mask),
             copies.snapshot(tokens.astype(np.int32, copy=False)),
@@ -577,14 +427,14 @@ class Decoder:
         )
         self.lengths = self.lengths + steps * self.active  # the host mirror of d["lengths"]
         if steps > 1:
-            tokens, self._pending, self.logprobs, self.pages, d["lengths"] = _steps_fn(
+            tokens, self._pending, self.logprobs, self.pages, d["lengths"] = programs.steps_fn(
                 self.runner, steps
             )(*args)
             self.logits = None
             return tokens
-        logits, self._pending, self.logprobs, self.pages, d["lengths"] = _step_fn(self.runner)(
-            *args
-        )
+        logits, self._pending, self.logprobs, self.pages, d["lengths"] = programs.step_fn(
+            self.runner
+        )(*args)
         self.logits = logits
         return logits
 
@@ -616,7 +466,7 @@ class Decoder:
         one the slot's sampling parameters draw (override it with `set_next`)."""
         logits = self._run(self._prepare())
         if logits.shape[0] < self.slots:  # (the step ran over the first rows: `_rows_for`)
-            logits = _pad_rows(logits, self.slots)
+            logits = programs.pad_rows(logits, self.slots)
         return logits
 
     def advance(self) -> Array:
@@ -673,8 +523,10 @@ class Decoder:
         cfg = self.runner.cfg
         for nb in sorted(nbs):
             blocks = jnp.zeros((nb, cfg.num_layers, self.page_size, cfg.kv_width), self.pages.dtype)
-            self.pages = _write_pages(self.pages, jnp.zeros((nb,), jnp.int32), blocks)
-            _read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
-        self.pages = _copy_page(self.pages, jnp.zeros((2,), jnp.int32))  # the null page: no-op
+            self.pages = programs.write_pages(self.pages, jnp.zeros((nb,), jnp.int32), blocks)
+            programs.read_pages(self.pages, jnp.zeros((nb,), jnp.int32))
+        self.pages = programs.copy_page(
+            self.pages, jnp.zeros((2,), jnp.int32)
+        )  # the null page: no-op
         self._set_pending(self.active, np.zeros((self.slots,), np.int32))
         return len(self._row_buckets()) * len(widths) * (2 if steps > 1 else 1) + len(nbs)
