@@ -380,17 +380,16 @@ class Decoder:
         """The slots a step runs over: the first B, B the power of two (at most `slots`) that
         holds every active slot (slots are taken lowest first, so the active ones sit at the
         front), so idle slots cost no attention; on a mesh every slot (its shards split them)."""
+        top = int(np.flatnonzero(self.active)[-1]) + 1 if self.active.any() else 1
+        return self._row_bucket(top)
+
+    def _row_bucket(self, n: int) -> int:
         if self.mesh is not None:
             return self.slots
-        top = int(np.flatnonzero(self.active)[-1]) + 1 if self.active.any() else 1
-        return min(self.slots, 1 << (top - 1).bit_length())
+        return min(self.slots, 1 << (n - 1).bit_length())
 
     def _row_buckets(self) -> list[int]:
-        if self.mesh is not None:
-            return [self.slots]
-        return sorted(
-            {min(self.slots, 1 << (n - 1).bit_length()) for n in range(1, self.slots + 1)}
-        )
+        return sorted({self._row_bucket(n) for n in range(1, self.slots + 1)})
 
     @runs_on_mesh
     def _run(self, width: int, steps: int = 1, rows: int | None = None):

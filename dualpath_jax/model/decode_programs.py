@@ -58,8 +58,8 @@ def decode_step(
     return logits, jnp.where(active, tokens, pending), chosen, pages, lengths
 
 
-# Per runner: (the treedef of its stacked parameters, the jitted step over their leaves).
-_STEP_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per runner: (the treedef of its stacked parameters, {steps: its jitted program}).
+_PROGRAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def step_fn(runner: ModelRunner):
@@ -67,40 +67,28 @@ def step_fn(runner: ModelRunner):
     as their flat leaves (`ModelRunner.stacked_leaves`), the graph definitions and the treedef
     bound: a call then flattens a plain list in C++ and hashes no static argument, instead of
     running the parameter containers' Python flatten on every step."""
-    treedef, _ = runner.stacked_leaves
-    entry = _STEP_FNS.get(runner)
-    if entry is not None and entry[0] is treedef:
-        return entry[1]
-    if entry is not None and entry[0] == treedef:  # new parameters of the same structure
-        fn = entry[1]  # (compares the structure once per `update_params`, not per step)
-    else:
-        step = functools.partial(
-            decode_leaves, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef
-        )
-        fn = jax.jit(step, donate_argnums=(1,))
-        JITTED.add(fn)
-    _STEP_FNS[runner] = (treedef, fn)
-    return fn
-
-
-# Per runner: (the treedef of its stacked parameters, {steps: the jitted multi-step program}).
-_MULTI_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    return steps_fn(runner, 1)
 
 
 def steps_fn(runner: ModelRunner, steps: int):
-    """The runner's jitted `steps`-step program (`decode_steps`), bound as `step_fn`'s."""
+    """The runner's jitted `steps`-step program (`decode_steps`; one step: `decode_leaves`),
+    bound as `step_fn` says. New parameters of the same structure keep the programs (the
+    structure is compared once per `update_params`, not per step)."""
     treedef, _ = runner.stacked_leaves
-    entry = _MULTI_FNS.get(runner)
+    entry = _PROGRAMS.get(runner)
     if entry is None or (entry[0] is not treedef and entry[0] != treedef):
         entry = (treedef, {})
     fns = entry[1]
     if steps not in fns:
-        multi = functools.partial(
-            decode_steps, runner.embed_gd, runner.layer_runs, runner.head_gd, treedef, steps
+        bound = (runner.embed_gd, runner.layer_runs, runner.head_gd, treedef)
+        prog = (
+            functools.partial(decode_leaves, *bound)
+            if steps == 1
+            else functools.partial(decode_steps, *bound, steps)
         )
-        fns[steps] = jax.jit(multi, donate_argnums=(1,))
+        fns[steps] = jax.jit(prog, donate_argnums=(1,))
         JITTED.add(fns[steps])
-    _MULTI_FNS[runner] = (treedef, fns)
+    _PROGRAMS[runner] = (treedef, fns)
     return fns[steps]
 
 
@@ -120,7 +108,8 @@ def decode_steps(embed_gd, runs, head_gd, treedef, steps, leaves, pages, table, 
                   pending, active, *rest):  # fmt: skip
     """`steps` decode steps in one program (`lax.scan` of `decode_step`), each fed the
     tokens the one before drew: what `steps` calls of the single step compute, in one
-    dispatch. Returns (tokens `[steps, S]`, their log-probabilities `[steps, S, 2]`, pages,
+    dispatch. Returns (tokens `[steps, B]` of the first B = `table.shape[0]` slots, every
+    slot's next pending token `[S]`, the tokens' log-probabilities `[steps, B, 2]`, pages,
     lengths); no logits (a caller that wants the top-k runs single steps)."""
     params = jax.tree.unflatten(treedef, leaves)
     rows = table.shape[0]  # (as `decode_leaves`)
