@@ -345,7 +345,11 @@ class RayCluster(ClusterLifecycle):
     def _check_alive(self, names: Sequence[str] | None = None) -> None:
         import ray
 
+        spanned = {n: g for g in self.groups.values() for n in g.names}
         for name in names or list(self.actors):
+            group = spanned.get(name)
+            if group is not None and not group.given_up:
+                continue  # its group's supervisor restarts the whole engine (ray_span.py)
             try:
                 ray.get(self.actors[name].where.remote(), timeout=60)
             except ray.exceptions.ActorUnavailableError:
