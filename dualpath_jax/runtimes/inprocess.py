@@ -41,6 +41,7 @@ from dualpath_jax.runtimes.local import (
     ClusterError,
     ClusterLifecycle,
     engine_plan,
+    engine_stats,
     prepare_workdir,
     wait_registered,
 )
@@ -254,13 +255,13 @@ class InProcessCluster(ClusterLifecycle):
         client = self.client()
         engine = str(old.who.engine)
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while client.stats()["engines"].get(engine, {}).get("alive"):
+        while engine_stats(client, deadline).get(engine, {}).get("alive"):
             if time.monotonic() > deadline:
                 raise ClusterError(f"the router still takes {name} for alive")
             time.sleep(0.1)
         t = self._engines[name] = _EngineThread(self, old.who, old.devices)
         t.thread.start()
-        while not client.stats()["engines"].get(engine, {}).get("alive"):
+        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
             self._check_alive([name])
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} did not register again in time")

@@ -35,7 +35,7 @@ from dualpath_jax.config import ClusterConfig, ExperimentConfig, to_json
 from dualpath_jax.engines.core import EngineId
 from dualpath_jax.runtimes import devices
 from dualpath_jax.runtimes.process import ProcessSpec
-from dualpath_jax.wire.client import Client
+from dualpath_jax.wire.client import Client, RolloutError
 from dualpath_jax.wire.credentials import Credentials, read_credentials, write_credentials
 from dualpath_jax.wire.params_protocol import check_params_config
 
@@ -116,12 +116,24 @@ def wait_registered(
     raises when one of them died meanwhile)."""
     while True:
         check_alive()
-        registered = client.stats().get("engines", {})
+        registered = engine_stats(client, deadline)
         if sum(1 for e in registered.values() if e["alive"]) == engines:
             return
         if time.monotonic() > deadline:
             raise ClusterError(f"only {len(registered)} of {engines} engines registered")
         time.sleep(0.1)
+
+
+def engine_stats(client: Client, deadline: float) -> dict[str, dict]:
+    """The router's engines (`Client.stats()["engines"]`); a router that does not answer yet
+    (it is starting, or restarting, on a loaded host) is asked again until `deadline`."""
+    while True:
+        try:
+            return client.stats().get("engines", {})
+        except RolloutError as e:
+            if e.kind != "connection" or time.monotonic() > deadline:
+                raise ClusterError(f"the router did not answer: {e}") from e
+            time.sleep(0.5)
 
 
 def spawn_process(
@@ -338,12 +350,12 @@ class LocalCluster(ClusterLifecycle):
         engine = str(self.engine_ids[name])
         client = self.client()
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while client.stats()["engines"].get(engine, {}).get("alive"):
+        while engine_stats(client, deadline).get(engine, {}).get("alive"):
             if time.monotonic() > deadline:
                 raise ClusterError(f"the router still takes {name} for alive")
             time.sleep(0.1)
         self._spawn(name, self.specs[name])
-        while not client.stats()["engines"].get(engine, {}).get("alive"):
+        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
             self._check_alive([name])
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} did not register again in time")

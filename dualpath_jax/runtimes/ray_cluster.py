@@ -58,6 +58,7 @@ from dualpath_jax.runtimes.local import (
     ClusterError,
     ClusterLifecycle,
     engine_plan,
+    engine_stats,
     shutdown_router,
     wait_registered,
 )
@@ -430,7 +431,7 @@ class RayCluster(ClusterLifecycle):
             self._start_actor(name, spec, who.role, who.engine)
         engine = str(self.engine_ids[name])
         client = self.client()
-        while not client.stats()["engines"].get(engine, {}).get("alive"):
+        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
             if time.monotonic() > deadline:
                 raise ClusterError(f"{name} did not register again in time")
             time.sleep(0.1)
