@@ -109,3 +109,35 @@ def test_what_a_spanning_engine_cannot_have_is_refused_before_ray_starts(tmp_pat
     RayCluster(apply_overrides(gpu, ["ray.decode_resources=GPU=2"]), tmp_path)
     with pytest.raises(ConfigError, match="ray.span_strategy: must be one of"):
         validate(apply_overrides(ExperimentConfig(), ["ray.span_strategy=gang"]))
+
+
+class _SlowRouter:
+    """A client whose router answers after `silent` unanswered stats calls."""
+
+    def __init__(self, silent: int, kind: str = "connection"):
+        self.silent, self.kind, self.calls = silent, kind, 0
+
+    def stats(self):
+        from dualpath_jax.wire.client import RolloutError
+
+        self.calls += 1
+        if self.calls <= self.silent:
+            raise RolloutError("no answer from the router for 7.2 s", self.kind)
+        return {"engines": {"0": {"alive": True}, "1": {"alive": True}}}
+
+
+def test_waiting_for_engines_asks_a_router_that_does_not_answer_yet_again(monkeypatch):
+    """A router starting (or restarting) on a loaded host may miss a stats call: the wait asks
+    again until its deadline; another error, or the deadline, is a ClusterError at once."""
+    import time
+
+    from dualpath_jax.runtimes import local
+
+    monkeypatch.setattr(local.time, "sleep", lambda s: None)
+    client = _SlowRouter(silent=2)
+    local.wait_registered(client, 2, lambda: None, time.monotonic() + 60)
+    assert client.calls == 3
+    with pytest.raises(local.ClusterError, match="the router did not answer"):
+        local.engine_stats(_SlowRouter(silent=1, kind="auth"), time.monotonic() + 60)
+    with pytest.raises(local.ClusterError, match="the router did not answer"):
+        local.engine_stats(_SlowRouter(silent=5), time.monotonic() - 1)
