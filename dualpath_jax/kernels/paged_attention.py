@@ -477,32 +477,6 @@ def gather_pages(pages: Array, page_table: Array, layer: Array | int = 0) -> Arr
     return rows.reshape(rows.shape[0], -1, rows.shape[-1])
 
 
-def paged_decode_reference(
-    q: Array,
-    pages: Array,
-    page_table: Array,
-    lens: Array,
-    layout: RowLayout,
-    scale: float,
-    *,
-    layer: Array | int = 0,
-    kv_dtype=None,
-    written: Array | None = None,
-    impl: str = "reference",
-) -> Array:
-    """One query per request (a decode step) over its pages after the step wrote its row at
-    position `lens` (`written` `[B]`: 1 where it did, the default; 0: the request is idle, its
-    output is zeros): `paged_attention_reference` without the copy of the pages' rows that
-    appends the new ones (they are in the pages already), so a step reads its KV once."""
-    rows = gather_pages(pages, page_table, layer)  # [B, T, W]
-    kv_dtype = jnp.dtype(kv_dtype or q.dtype)
-    k, v = split_kv(rows, layout, kv_dtype, q.dtype)
-    written = jnp.ones_like(lens) if written is None else written
-    mask = jnp.arange(rows.shape[1])[None, None, :] < (lens + written)[:, None, None]
-    out = attend(q, k, v, mask, scale, impl)
-    return jnp.where((written > 0)[:, None, None, None], out, 0).astype(out.dtype)
-
-
 def paged_attention_reference(
     q: Array,
     pages: Array,

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from dualpath_jax.config import ModelConfig
 from dualpath_jax.kernels import paged_attention as pa
+from dualpath_jax.kernels import paged_decode
 from dualpath_jax.kernels.kv_rows import RowLayout, quantize_rows
 from dualpath_jax.model import sharding
 from dualpath_jax.model.layout import UnsupportedLayout
@@ -154,9 +155,14 @@ def attend_kv(
     pages = pa.write_pages(kv.pages, kv.table, kv.lens, new_rows, kv.write, kv.layer)
     pages = sharding.constrain_kv(pages, layout)  # the pool stays split by KV head
     if q.shape[1] == 1:  # a decode step: its row is in the pages now
-        out = pa.paged_decode_reference(
+        decode = (
+            paged_decode.paged_decode_chunked  # a few pages at a time
+            if impl == "reference"
+            else functools.partial(paged_decode.paged_decode_reference, impl=impl)
+        )
+        out = decode(
             q, pages, kv.table, kv.lens, layout, scale, layer=kv.layer, kv_dtype=kv_dtype,
-            written=kv.write, impl=impl,
+            written=kv.write,
         )  # fmt: skip
         if kv.new_lens is not None:
             out = jnp.where((kv.new_lens > 0)[:, None, None, None], out, 0).astype(out.dtype)
