@@ -8,19 +8,23 @@ compiles), `--dispatches` dispatches run back to back and the figure is the wall
 generated step (dispatch to tokens on the host). The context stays within one table-width
 bucket (1,800 + 56 tokens < 2,048), so nothing compiles while it is timed. Side by side in one run, for each active count:
 the step over every slot (what a decoder did before it ran over the first power-of-two slots
-that hold the active ones: `Decoder._rows_for` forced to all slots), over those slots, and
-`advance_many(--steps)` (multi-step decode) over them. The model is `--checkpoint`'s (a Hugging
+that hold the active ones: `Decoder._rows_for` forced to all slots), over those slots with the
+whole gather of their pages (`paged_decode_reference`, what the step's attention did before
+`paged_decode_chunked`; a runner of its own), over those slots, and `advance_many(--steps)`
+(multi-step decode) over them. The model is `--checkpoint`'s (a Hugging
 Face directory, as bench/peer_vllm.py writes one) or the tiny Qwen2 preset.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
 import numpy as np
 from absl import app, flags
 
+from dualpath_jax.kernels import paged_decode
 from dualpath_jax.model.decode import Decoder
 from dualpath_jax.model.runner import ModelRunner
 
@@ -66,15 +70,33 @@ def step_ms(runner: ModelRunner, active: int, steps: int, every_slot: bool) -> f
     return (time.perf_counter() - t0) / done * 1e3
 
 
+@contextlib.contextmanager
+def whole_gather():
+    """Traced within it, a decode step's attention gathers every page of its rows at once."""
+    chunked = paged_decode.paged_decode_chunked
+
+    def gather(*args, chunk_pages=None, **kw):  # noqa: ARG001
+        return paged_decode.paged_decode_reference(*args, **kw)
+
+    paged_decode.paged_decode_chunked = gather
+    try:
+        yield
+    finally:
+        paged_decode.paged_decode_chunked = chunked
+
+
 def main(argv) -> None:
     del argv
-    runner = _runner()
+    runner, gather_runner = _runner(), _runner()
     rows = []
     for a in map(int, _ACTIVE.value):
+        with whole_gather():
+            gather_ms = step_ms(gather_runner, a, 1, False)
         rows.append(
             {
                 "active": a,
                 "every_slot_ms": step_ms(runner, a, 1, True),
+                "whole_gather_ms": gather_ms,
                 "active_rows_ms": step_ms(runner, a, 1, False),
                 f"multi_{_STEPS.value}_ms": step_ms(runner, a, _STEPS.value, False),
             }
@@ -83,12 +105,11 @@ def main(argv) -> None:
         print(json.dumps({"slots": _SLOTS.value, "context": _CONTEXT.value, "rows": rows}))
         return
     print(f"{_SLOTS.value} slots of {_MAX_LEN.value}, {_CONTEXT.value} cached tokens per request")
-    print(
-        f"{'active':>6} {'every slot':>11} {'active rows':>12} {f'{_STEPS.value} per dispatch':>15}"
-    )
+    heads = ["every slot", "whole gather", "active rows", f"{_STEPS.value} per dispatch"]
+    print(f"{'active':>6} " + " ".join(f"{h:>15}" for h in heads))
     for r in rows:
-        vals = list(r.values())
-        print(f"{r['active']:>6} {vals[1]:>8.2f} ms {vals[2]:>9.2f} ms {vals[3]:>12.2f} ms")
+        vals = list(r.values())[1:]
+        print(f"{r['active']:>6} " + " ".join(f"{v:>12.2f} ms" for v in vals))
 
 
 if __name__ == "__main__":
