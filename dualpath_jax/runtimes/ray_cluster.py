@@ -353,8 +353,8 @@ class RayCluster(ClusterLifecycle):
                 continue  # its group's supervisor restarts the whole engine (ray_span.py)
             try:
                 ray.get(self.actors[name].where.remote(), timeout=60)
-            except ray.exceptions.ActorUnavailableError:
-                continue  # being restarted (or the driver's connection to it is): not dead
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                continue  # being (re)started, or the driver's connection to it is: not dead
             except ray.exceptions.RayActorError as e:
                 raise ClusterError(f"{name}'s actor died during start: {e}") from e
 

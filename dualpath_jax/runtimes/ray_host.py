@@ -36,7 +36,7 @@ import warnings
 from typing import Any
 
 from dualpath_jax.config import ExperimentConfig, from_json
-from dualpath_jax.runtimes.local import free_port, log_tail, spawn_process
+from dualpath_jax.runtimes.local import engine_stats, free_port, log_tail, spawn_process
 from dualpath_jax.runtimes.process import ProcessSpec
 from dualpath_jax.wire.client import Client
 from dualpath_jax.wire.credentials import Credentials, write_credentials
@@ -128,13 +128,14 @@ class ProcessHost:
 
     def _wait_declared_dead(self, token: str) -> None:
         """Until the router does not take this engine's id for alive (it refuses a second
-        registration of a live id): at once on a first start."""
+        registration of a live id): at once on a first start. A router that does not answer
+        yet (a loaded host) is asked again (`engine_stats`)."""
         c = self.cfg.cluster
         deadline = time.monotonic() + 3 * c.heartbeat_timeout_s + 30
         client = Client(self.spec.router_address, token)
         try:
             while time.monotonic() < deadline:
-                engines = client.stats(timeout_s=5.0).get("engines", {})
+                engines = engine_stats(client, deadline)
                 if not engines.get(str(self.spec.engine), {}).get("alive"):
                     return
                 time.sleep(0.2)
