@@ -295,14 +295,14 @@ class Follower:
     """A follower's end of the leader's calls: `recv()` is the next call, `(method, args,
     kwargs)`; beats and hellos are taken care of here. `recv` raises `Stopped` when the leader
     says stop or nothing arrives for `timeout_s` (the leader is gone). The leader's address is
-    awaited for `join_timeout_s` (default 4 x `timeout_s`, as long as the leader waits for its
-    followers): the leader builds its engine before it publishes one, and a loaded host makes
-    that slower than the follower's own start."""
+    awaited longer, 4 x `timeout_s` (as long as the leader waits for its followers) and at
+    least a minute: the leader builds its engine before it publishes one, and on a loaded host
+    that ends well after the follower's own start."""
 
-    def __init__(self, timeout_s: float, join_timeout_s: float | None = None):
+    def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.client = _kv_client()
-        join_ms = int((join_timeout_s or 4 * timeout_s) * 1000)
+        join_ms = int(max(4 * timeout_s, 60.0) * 1000)
         address = self.client.blocking_key_value_get(_ADDRESS_KEY, join_ms)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.SUB)
@@ -338,10 +338,10 @@ class Stopped(Exception):
     """The leader stopped (or went quiet): the follower ends."""
 
 
-def follow(replay, *, timeout_s: float, join_timeout_s: float | None = None) -> None:
+def follow(replay, *, timeout_s: float) -> None:
     """A follower's loop: `replay(follower, method, args, kwargs)` for each call of the leader
     until it stops (`DecoderReplay` for a decode engine, the prefill engine's replay)."""
-    follower = Follower(timeout_s, join_timeout_s)
+    follower = Follower(timeout_s)
     try:
         while True:
             method, args, kwargs = follower.recv()

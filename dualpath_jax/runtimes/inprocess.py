@@ -41,8 +41,8 @@ from dualpath_jax.runtimes.local import (
     ClusterError,
     ClusterLifecycle,
     engine_plan,
-    engine_stats,
     prepare_workdir,
+    wait_engine_alive,
     wait_registered,
 )
 from dualpath_jax.transfer.inprocess_channel import InProcessChannel, InProcessFabric
@@ -255,17 +255,15 @@ class InProcessCluster(ClusterLifecycle):
         client = self.client()
         engine = str(old.who.engine)
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while engine_stats(client, deadline).get(engine, {}).get("alive"):
-            if time.monotonic() > deadline:
-                raise ClusterError(f"the router still takes {name} for alive")
-            time.sleep(0.1)
+        wait_engine_alive(
+            client, engine, False, deadline, f"the router still takes {name} for alive"
+        )
         t = self._engines[name] = _EngineThread(self, old.who, old.devices)
         t.thread.start()
-        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
-            self._check_alive([name])
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} did not register again in time")
-            time.sleep(0.1)
+        wait_engine_alive(
+            client, engine, True, deadline, f"{name} did not register again in time",
+            check=lambda: self._check_alive([name]),
+        )  # fmt: skip
 
     def _engine(self, name: str) -> _EngineThread:
         if name not in self._engines:

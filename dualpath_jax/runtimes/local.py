@@ -124,16 +124,36 @@ def wait_registered(
         time.sleep(0.1)
 
 
-def engine_stats(client: Client, deadline: float) -> dict[str, dict]:
-    """The router's engines (`Client.stats()["engines"]`); a router that does not answer yet
-    (it is starting, or restarting, on a loaded host) is asked again until `deadline`."""
+def engine_stats(client: Client, deadline: float, timeout_s: float = 30.0) -> dict[str, dict]:
+    """The router's engines (`Client.stats(timeout_s)["engines"]`); a router that does not
+    answer yet (it is starting, or restarting, on a loaded host) is asked again until
+    `deadline`."""
     while True:
         try:
-            return client.stats().get("engines", {})
+            return client.stats(timeout_s).get("engines", {})
         except RolloutError as e:
             if e.kind != "connection" or time.monotonic() > deadline:
                 raise ClusterError(f"the router did not answer: {e}") from e
             time.sleep(0.5)
+
+
+def wait_engine_alive(
+    client: Client,
+    engine: str,
+    alive: bool,
+    deadline: float,
+    error: str,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Until the router takes `engine` (its id) for alive, or (`alive=False`) no longer does;
+    `check` runs between asks (it raises when the engine died meanwhile), `error` is the
+    ClusterError's message past `deadline`."""
+    while bool(engine_stats(client, deadline).get(engine, {}).get("alive")) != alive:
+        if check is not None:
+            check()
+        if time.monotonic() > deadline:
+            raise ClusterError(error)
+        time.sleep(0.1)
 
 
 def spawn_process(
@@ -350,16 +370,14 @@ class LocalCluster(ClusterLifecycle):
         engine = str(self.engine_ids[name])
         client = self.client()
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        while engine_stats(client, deadline).get(engine, {}).get("alive"):
-            if time.monotonic() > deadline:
-                raise ClusterError(f"the router still takes {name} for alive")
-            time.sleep(0.1)
+        wait_engine_alive(
+            client, engine, False, deadline, f"the router still takes {name} for alive"
+        )
         self._spawn(name, self.specs[name])
-        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
-            self._check_alive([name])
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} did not register again in time")
-            time.sleep(0.1)
+        wait_engine_alive(
+            client, engine, True, deadline, f"{name} did not register again in time",
+            check=lambda: self._check_alive([name]),
+        )  # fmt: skip
 
     def _restart_router(self, timeout_s: float | None) -> None:
         p = self.procs["router"]

@@ -137,9 +137,6 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
     runner = ModelRunner(load_served_model(cfg, mesh))
     log.info("%s engine %d: process %d of %d follows", spec.role, spec.engine, span.rank, span.size)
     timeout_s = cfg.cluster.heartbeat_timeout_s
-    # The leader publishes its address once its engine is built (on a loaded host, well after
-    # this process is ready): waited for at least a minute, as long as the leader waits for us.
-    join_s = max(timeout_s * 4, 60.0)
     # A streamed params update: this process pulls its own copy over a channel of its own.
     params = ParamsSlot(
         runner,
@@ -149,11 +146,7 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
         load_timeout_s=cfg.cluster.params_load_timeout_s,
     )
     if spec.role != "prefill":
-        follow(
-            DecoderReplay(runner, _follower_decoder, params),
-            timeout_s=timeout_s,
-            join_timeout_s=join_s,
-        )
+        follow(DecoderReplay(runner, _follower_decoder, params), timeout_s=timeout_s)
         return
     # A KV channel of its own: the DE pulls the pieces of the new rows this process computes.
     channel = _transfer_channel(host_port(cfg.cluster.transfer_host, 0))
@@ -161,7 +154,7 @@ def _follow(cfg: ExperimentConfig, spec: ProcessSpec, span) -> None:
         announce(KV_ADDRESS_KEY.format(rank=span.rank), channel.address)
         prefill_cost(cfg, runner)  # the leader's calibration forwards, in step with it
         replay = PrefillReplay(cfg, runner, channel, params)
-        follow(replay, timeout_s=timeout_s, join_timeout_s=join_s)
+        follow(replay, timeout_s=timeout_s)
         log.info(
             "offered %d KV row pieces to decode engines, pulled the pieces of %d hit layers",
             replay.offered,

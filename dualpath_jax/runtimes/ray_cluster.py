@@ -58,8 +58,8 @@ from dualpath_jax.runtimes.local import (
     ClusterError,
     ClusterLifecycle,
     engine_plan,
-    engine_stats,
     shutdown_router,
+    wait_engine_alive,
     wait_registered,
 )
 from dualpath_jax.runtimes.process import ProcessSpec
@@ -431,10 +431,7 @@ class RayCluster(ClusterLifecycle):
             self._start_actor(name, spec, who.role, who.engine)
         engine = str(self.engine_ids[name])
         client = self.client()
-        while not engine_stats(client, deadline).get(engine, {}).get("alive"):
-            if time.monotonic() > deadline:
-                raise ClusterError(f"{name} did not register again in time")
-            time.sleep(0.1)
+        wait_engine_alive(client, engine, True, deadline, f"{name} did not register again in time")
 
     def _restart_router(self, timeout_s: float | None) -> None:
         """Waits until Ray has restarted the router's actor, which starts the router again at

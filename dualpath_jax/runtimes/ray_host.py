@@ -135,7 +135,7 @@ class ProcessHost:
         client = Client(self.spec.router_address, token)
         try:
             while time.monotonic() < deadline:
-                engines = engine_stats(client, deadline)
+                engines = engine_stats(client, deadline, timeout_s=5.0)
                 if not engines.get(str(self.spec.engine), {}).get("alive"):
                     return
                 time.sleep(0.2)

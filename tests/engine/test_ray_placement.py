@@ -117,7 +117,7 @@ class _SlowRouter:
     def __init__(self, silent: int, kind: str = "connection"):
         self.silent, self.kind, self.calls = silent, kind, 0
 
-    def stats(self):
+    def stats(self, timeout_s: float = 30.0):  # noqa: ARG002 - Client.stats' signature
         from dualpath_jax.wire.client import RolloutError
 
         self.calls += 1
