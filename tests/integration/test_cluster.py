@@ -47,6 +47,9 @@ BLOCK_TOKENS = 16
 DECODE_MAX_LEN = 1024
 VOCAB = TINY_QWEN2.vocab_size
 RESULT_TIMEOUT_S = 180.0
+# Rounds wait this long for a killed engine's replacement (30 s by default): on a loaded host a
+# restart (a Ray node's death detected, a process started, its shapes compiled) can take longer.
+RESTART_WAIT_S = 150.0
 
 Trajectory = tuple[str, list[tuple[list[int], int]]]
 
@@ -62,7 +65,7 @@ def cluster_config(
             prefill_nodes=prefill,
             decode_nodes=decode,
             decode_max_len=DECODE_MAX_LEN,
-            **cluster,
+            **{"no_engine_timeout_s": RESTART_WAIT_S, **cluster},
         ),
         store=StoreConfig(block_tokens=BLOCK_TOKENS),
         scheduler=SchedulerConfig(policy=Policy(policy)),
