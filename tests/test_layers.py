@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kv_events",
             "logs",
             "results",
+            "program_store",
             "presets.models",
             "presets.hardware",
         ),

@@ -26,7 +26,9 @@ The buckets (what `PrefillEngine.run_batch` and the decoder pad to):
 programs its warm-up compiled and how many came from the persistent compilation cache
 (`enable_compilation_cache`: `cluster.compilation_cache_dir`, by default the workdir's
 `jax_cache/`), which makes a restart several times faster to ready than a cold start
-(bench/cold_start.py).
+(bench/cold_start.py). After a warm-up the engine turns on `jax_log_compiles`: a program
+compiled while serving (a shape the warm-up missed, a stall for its compile time) is logged as
+a warning with its name and shapes.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import time
 
 import numpy as np
 
+from dualpath_jax import program_store
 from dualpath_jax.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
@@ -101,7 +104,9 @@ class CompileCounter:
 def enable_compilation_cache(cfg: ExperimentConfig, workdir: str | os.PathLike) -> str:
     """Turns on JAX's persistent compilation cache for this process, every compile cached
     (JAX's default keeps only those over a second): `cluster.compilation_cache_dir`, else the
-    directory `JAX_COMPILATION_CACHE_DIR` names, else `workdir/jax_cache`. Returns it."""
+    directory `JAX_COMPILATION_CACHE_DIR` names, else `workdir/jax_cache`; with
+    `cluster.program_store` the model's programs are kept in its `programs/` too
+    (dualpath_jax/program_store.py). Returns it."""
     import jax
 
     # JAX reads JAX_COMPILATION_CACHE_DIR into its config at import
@@ -111,6 +116,8 @@ def enable_compilation_cache(cfg: ExperimentConfig, workdir: str | os.PathLike) 
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if cfg.cluster.program_store:
+        program_store.enable(pathlib.Path(where) / "programs")
     return where
 
 

@@ -238,6 +238,11 @@ def build_engine(
             if leader is not None:
                 decoder = MirroredDecoder(decoder, leader)
             built.engine = DecodeEngine(cfg, who, control, ctx, decoder, params, outbox=outbox)
+        if warm:
+            # The warm-up reached every shape: a compile from here on is a gap in it, which
+            # stalls serving for its duration. JAX then logs each one, with its program.
+            jax.config.update("jax_log_compiles", True)
+            log.info("%s: compiles after the warm-up are logged (jax_log_compiles)", who.name)
     except BaseException:
         built.close()
         raise
