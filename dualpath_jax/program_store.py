@@ -8,15 +8,15 @@ on a 2-core host ~0.1 s per program against ~0.02 s to load its executable.
 A `StoredProgram` wraps a jitted function. Called with the store enabled (`enable`), it keys
 the call by what decides the program (the function, its static arguments' `repr`, the tree of
 the others and each leaf's shape, dtype, weak type and sharding, the abstract mesh) and by what
-decides how it compiles (`fingerprint`: this package's source, the jax, jaxlib and flax versions,
-`XLA_FLAGS` and the JAX options that change lowering, the devices); it runs the executable
-loaded for that key, or else lowers and compiles one (XLA compiles it: an executable loaded
+decides how it compiles (`fingerprint`: the source of the package's model layers, the jax,
+jaxlib and flax versions, `XLA_FLAGS` and the JAX options that change lowering, the devices);
+it runs the executable loaded for that key, or else lowers and compiles one (XLA compiles it: an executable loaded
 from JAX's persistent cache does not survive a second serialization on XLA:CPU) and writes it
 for the next process. Disabled, a call is the jitted function's call.
 
 Static arguments must have a `repr` that names everything the program depends on (a flax
 `GraphDef`, a frozen dataclass of static fields), and the function must depend on nothing else
-that can change without the package's source changing (no module state read at trace time).
+that can change without those layers' source changing (no module state read at trace time).
 Entries are written atomically (a temporary file, then a rename), so processes share a store;
 an entry that does not load (truncated, from another jaxlib) is compiled again and rewritten.
 The treedefs of an entry are pickled: a store is as trusted as the code that reads it.
@@ -83,19 +83,25 @@ def directory() -> pathlib.Path | None:
     return _directory
 
 
+# Where a model program's code can come from: the package's lowest layers (tests/test_layers.py
+# keeps `model` and `kernels` from importing anything above them). An edit elsewhere (engines,
+# router, runtimes) keeps the stored programs.
+_PROGRAM_SOURCES = ("*.py", "config/*.py", "presets/*.py", "kernels/*.py", "model/*.py")
+
+
 @functools.cache
 def _source_digest() -> str:
     digest = hashlib.sha256()
     root = pathlib.Path(__file__).resolve().parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(p for pattern in _PROGRAM_SOURCES for p in root.glob(pattern)):
         digest.update(str(path.relative_to(root)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
 def fingerprint() -> str:
-    """What decides how a program compiles, beside the program itself: this package's source,
-    the library versions, `XLA_FLAGS`, JAX's lowering options and the devices."""
+    """What decides how a program compiles, beside the program itself: the source of the
+    package's model layers (`_PROGRAM_SOURCES`), the library versions, `XLA_FLAGS`, JAX's lowering options and the devices."""
     import flax
     import jaxlib
 
