@@ -12,7 +12,8 @@ decides how it compiles (`fingerprint`: the source of the package's model layers
 jaxlib and flax versions, `XLA_FLAGS` and the JAX options that change lowering, the devices);
 it runs the executable loaded for that key, or else lowers and compiles one (XLA compiles it: an executable loaded
 from JAX's persistent cache does not survive a second serialization on XLA:CPU) and writes it
-for the next process. Disabled, a call is the jitted function's call.
+for the next process. Disabled, or in a job over several processes (an engine spanning
+processes), a call is the jitted function's call.
 
 Static arguments must have a `repr` that names everything the program depends on (a flax
 `GraphDef`, a frozen dataclass of static fields), and the function must depend on nothing else
@@ -156,6 +157,8 @@ class StoredProgram:
     def compiled(self, *args):
         """The executable for `args` (static ones included): from memory, the store, or a
         compile through the jitted function that the store then keeps."""
+        if jax.process_count() > 1:
+            return self.jitted.lower(*args).compile()
         fast = self._fast_key(args)
         exe = self._loaded.get(fast)
         if exe is not None:
@@ -203,7 +206,7 @@ class StoredProgram:
         return tuple(parts)
 
     def __call__(self, *args):
-        if _directory is None:
+        if _directory is None or jax.process_count() > 1:  # a job over processes: JAX's path
             return self.jitted(*args)
         return self.compiled(*args)(*self._split(args)[1])
 
@@ -264,10 +267,9 @@ def _compile_fresh(lowered) -> tuple[Any, bool]:
 
 
 class _Unpickler(pickle.Unpickler):
-    """`serialize_executable`'s unpickler, but the executable is deserialized with this
-    process's compile options (`XLA_FLAGS` among them), as JAX's compilation cache does:
-    without them XLA:CPU runs it with its default debug options, which name kernels otherwise
-    when a flag changed them (the fusion emitters off)."""
+    """`jax.experimental.serialize_executable`'s unpickler, the executable deserialized with
+    this process's compile options (`XLA_FLAGS` among them) as JAX's compilation cache
+    deserializes its entries, onto this process's devices."""
 
     def __init__(self, file, backend):
         super().__init__(file)

@@ -19,7 +19,9 @@ The buckets (what `PrefillEngine.run_batch` and the decoder pad to):
   sampled greedily and with a temperature; hit blocks pulled from a DE (the DE read path) are
   placed as `DevicePages` of every power of two of blocks a table holds. The layers are
   compiled ahead of time, not run (`ModelRunner.compile_only`: zeros stand for their outputs),
-  so a restart from the compilation cache costs the tracing and loading, not the forwards.
+  so a restart from the compilation cache costs the tracing and loading, not the forwards;
+  with `cluster.program_store` (the default) the layers, embedding and head load as stored
+  executables without tracing or lowering (dualpath_jax/program_store.py).
 - decode: `Decoder.warmup` (each table width a step passes, each page count a write takes).
 
 `jax.monitoring` counts the backend compiles (`CompileCounter`), so an engine logs how many
