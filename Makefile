@@ -32,14 +32,16 @@ demo: $(STAMP)
 WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup -m "not multiprocess and not slow" --durations=15 tests
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadgroup --max-worker-restart=0 -m "not multiprocess and not slow" --durations=15 tests
 
 # Everything (what CI runs), in one run on $(WORKERS) + 1 workers: the tests that start engine
 # processes are one xdist group (tests/conftest.py), run one after the other by one worker (at
 # most three engine processes alive at once) while the others run the rest, and fill its waits.
+# A worker that crashes ends the run (--max-worker-restart=0): pytest-xdist 3.8.0's loadgroup
+# scheduling can leave every worker idle forever after replacing a crashed one.
 test-all: $(ALL_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab
-	$(PY) -m pytest -q -n $$(( $(WORKERS) + 1 )) --dist loadgroup --durations=30 tests
+	$(PY) -m pytest -q -n $$(( $(WORKERS) + 1 )) --dist loadgroup --max-worker-restart=0 --durations=30 tests
 
 lint: $(TEST_STAMP)
 	$(PY) -m ruff check dualpath_jax configs launch bench tests colab

@@ -56,6 +56,7 @@ _LOWERING_OPTIONS = (
 )
 
 _MAX_FAST_KEYS = 8192  # per program; past it the fast keys start again
+_MAX_PROGRAMS = 4096  # executables per program held in memory; past it they load again
 _lock = threading.Lock()
 _compile_lock = threading.Lock()  # one compile at a time with JAX's cache off
 _directory: pathlib.Path | None = None
@@ -157,7 +158,7 @@ class StoredProgram:
     def compiled(self, *args):
         """The executable for `args` (static ones included): from memory, the store, or a
         compile through the jitted function that the store then keeps."""
-        if jax.process_count() > 1:
+        if _directory is None or jax.process_count() > 1:  # JAX's own caches keep it
             return self.jitted.lower(*args).compile()
         fast = self._fast_key(args)
         exe = self._loaded.get(fast)
@@ -170,6 +171,10 @@ class StoredProgram:
             exe = self._by_key.get(key)
             if exe is None:
                 exe = self._by_key[key] = self._load_or_compile(_directory, args, key)
+            if len(self._by_key) >= _MAX_PROGRAMS:  # as many shapes as a warm-up reaches, twice
+                self._by_key.clear()
+                self._alive.clear()
+                self._loaded = {}
             if len(self._loaded) >= _MAX_FAST_KEYS:
                 self._loaded = {}
             self._loaded[fast] = exe
