@@ -103,7 +103,8 @@ def _source_digest() -> str:
 
 def fingerprint() -> str:
     """What decides how a program compiles, beside the program itself: the source of the
-    package's model layers (`_PROGRAM_SOURCES`), the library versions, `XLA_FLAGS`, JAX's lowering options and the devices."""
+    package's model layers (`_PROGRAM_SOURCES`), the library versions, XLA's compile options as
+    `XLA_FLAGS` set them, JAX's lowering options and the devices."""
     import flax
     import jaxlib
 
@@ -112,8 +113,8 @@ def fingerprint() -> str:
         jax.__version__,
         jaxlib.__version__,
         flax.__version__,
-        os.environ.get("XLA_FLAGS", ""),
-        os.environ.get("LIBTPU_INIT_ARGS", ""),
+        # XLA's options as this process's flags (XLA_FLAGS) set them
+        hashlib.sha256(xc.CompileOptions().SerializeAsString()).hexdigest(),
         *(f"{name}={getattr(jax.config, name, None)}" for name in _LOWERING_OPTIONS),
         jax.default_backend(),
         str(jax.process_count()),
