@@ -12,8 +12,9 @@ decides how it compiles (`fingerprint`: the source of the package's model layers
 jaxlib and flax versions, `XLA_FLAGS` and the JAX options that change lowering, the devices);
 it runs the executable loaded for that key, or else lowers and compiles one (XLA compiles it: an executable loaded
 from JAX's persistent cache does not survive a second serialization on XLA:CPU) and writes it
-for the next process. Disabled, or in a job over several processes (an engine spanning
-processes), a call is the jitted function's call.
+for the next process (programs of one device; those over a mesh are compiled each start).
+Disabled, or in a job over several processes (an engine spanning processes), a call is the
+jitted function's call.
 
 Static arguments must have a `repr` that names everything the program depends on (a flax
 `GraphDef`, a frozen dataclass of static fields), and the function must depend on nothing else
@@ -231,14 +232,16 @@ class StoredProgram:
         path = store / f"{self.name.rsplit('.', 1)[-1].lstrip('_')}-{self._disk_key(key)}.exe"
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return _load(payload, in_tree, out_tree)
+            exe = _load(payload, in_tree, out_tree)
+            if len(exe._executable._unloaded_executable.device_list) == 1:
+                return exe
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001 - a bad entry is compiled again and replaced
             log.warning("program store: %s did not load (%s); compiling it again", path.name, e)
         exe, fresh = _compile_fresh(self.jitted.lower(*args))
-        if not fresh:
-            return exe
+        if not fresh or len(exe._executable._unloaded_executable.device_list) != 1:
+            return exe  # (a program over several devices is not kept: loaded onto which?)
         try:
             data = pickle.dumps(serialize_executable.serialize(exe))
             tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
