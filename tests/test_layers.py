@@ -26,7 +26,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kv_events",
             "logs",
             "results",
-            "program_store",
             "presets.models",
             "presets.hardware",
         ),

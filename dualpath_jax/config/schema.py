@@ -297,10 +297,6 @@ class ClusterConfig:
     # JAX's persistent compilation cache of engine processes (every compile cached): empty =
     # the directory JAX_COMPILATION_CACHE_DIR names, else `<workdir>/jax_cache`.
     compilation_cache_dir: str = ""
-    # Keep the engines' model programs as executables in `<compilation cache>/programs`, keyed
-    # before tracing (dualpath_jax/program_store.py): a restart loads them without tracing or
-    # lowering them again.
-    program_store: bool = True
     transfer_timeout_s: float = 60.0
     # How long a DE waits for its PE to begin prefilling a request (the PE's queue under load);
     # transfer_timeout_s bounds each transfer once it has begun.

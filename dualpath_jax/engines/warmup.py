@@ -19,9 +19,7 @@ The buckets (what `PrefillEngine.run_batch` and the decoder pad to):
   sampled greedily and with a temperature; hit blocks pulled from a DE (the DE read path) are
   placed as `DevicePages` of every power of two of blocks a table holds. The layers are
   compiled ahead of time, not run (`ModelRunner.compile_only`: zeros stand for their outputs),
-  so a restart from the compilation cache costs the tracing and loading, not the forwards;
-  with `cluster.program_store` (the default) the layers, embedding and head load as stored
-  executables without tracing or lowering (dualpath_jax/program_store.py).
+  so a restart from the compilation cache costs the tracing and loading, not the forwards.
 - decode: `Decoder.warmup` (each table width a step passes, each page count a write takes).
 
 `jax.monitoring` counts the backend compiles (`CompileCounter`), so an engine logs how many
@@ -44,7 +42,6 @@ import time
 
 import numpy as np
 
-from dualpath_jax import program_store
 from dualpath_jax.config import ExperimentConfig
 
 log = logging.getLogger(__name__)
@@ -106,9 +103,7 @@ class CompileCounter:
 def enable_compilation_cache(cfg: ExperimentConfig, workdir: str | os.PathLike) -> str:
     """Turns on JAX's persistent compilation cache for this process, every compile cached
     (JAX's default keeps only those over a second): `cluster.compilation_cache_dir`, else the
-    directory `JAX_COMPILATION_CACHE_DIR` names, else `workdir/jax_cache`; with
-    `cluster.program_store` the model's programs are kept in its `programs/` too
-    (dualpath_jax/program_store.py). Returns it."""
+    directory `JAX_COMPILATION_CACHE_DIR` names, else `workdir/jax_cache`. Returns it."""
     import jax
 
     # JAX reads JAX_COMPILATION_CACHE_DIR into its config at import
@@ -118,8 +113,6 @@ def enable_compilation_cache(cfg: ExperimentConfig, workdir: str | os.PathLike) 
     jax.config.update("jax_compilation_cache_dir", where)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if cfg.cluster.program_store:
-        program_store.enable(pathlib.Path(where) / "programs")
     return where
 
 

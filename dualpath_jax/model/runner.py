@@ -37,7 +37,6 @@ from dualpath_jax.model.cached_kv import CachedPages, LayerPages, grow_pages, sc
 from dualpath_jax.model.layers import PagedKV, resolve_attention_impl
 from dualpath_jax.model.packing import Packing
 from dualpath_jax.model.transformer import Transformer, shard_model
-from dualpath_jax.program_store import stored
 
 Array = jax.Array
 
@@ -53,17 +52,17 @@ def _zero_outputs(compiled):
     )
 
 
-@stored(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _embed(gd, state, tokens):
     return nnx.merge(gd, state)(tokens)
 
 
-@stored(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _layer(gd, state, h, positions, cached_rows, cached_lens, new_lens, packing=None):
     return nnx.merge(gd, state)(h, positions, cached_rows, cached_lens, new_lens, packing)
 
 
-@stored(static_argnums=0)
+@functools.partial(jax.jit, static_argnums=0)
 def _layer_paged(gd, state, h, positions, pages, table, cached_lens, new_lens, packing=None):
     """One layer over cached KV in pages `[P, 1, page_size, W]` (see `PagedKV`)."""
     kv = PagedKV(pages, table, cached_lens, new_lens=new_lens)
@@ -80,7 +79,7 @@ def _logits(head, embedding, h, new_lens, all_logits, packing):
     return head(last, embedding), (head(h, embedding) if all_logits else None)
 
 
-@stored(static_argnums=(0, 5))
+@functools.partial(jax.jit, static_argnums=(0, 5))
 def _head(gd, state, embedding, h, new_lens, all_logits, packing=None):
     return _logits(nnx.merge(gd, state), embedding, h, new_lens, all_logits, packing)
 
@@ -363,7 +362,7 @@ class ModelRunner:
             fn = _layer
             args = (gd, state, h, positions, cached_rows, cached_lens, new_lens, packing)
         if self._compile_only:
-            return _zero_outputs(fn.compiled(*args))
+            return _zero_outputs(fn.lower(*args).compile())
         return fn(*args)
 
     @contextlib.contextmanager
